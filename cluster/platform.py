@@ -1,0 +1,92 @@
+"""Facts about the machine that change how Orchard runs MLX.
+
+- Linux: MLX's CPU wheel links a slow reference BLAS. Loading OpenBLAS (Debian package
+  `libopenblas0-pthread`) with RTLD_GLOBAL *before* the first `import mlx` makes MLX's
+  fp32 matmuls about 25x faster. `preload_blas()` does that; `cluster/__init__.py`
+  calls it, so any `import cluster...` before `import mlx` is enough.
+- On the CPU, fp16/bf16 matmuls do not go through BLAS and are slow: run fp32 there
+  (`compute_dtype`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+OPENBLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+
+_blas_state: dict = {"tried": False, "path": None}
+
+
+def find_openblas() -> str | None:
+    env = os.environ.get("ORCHARD_OPENBLAS")
+    if env:
+        return env if os.path.exists(env) else None
+    for path in OPENBLAS_CANDIDATES:
+        if os.path.exists(path):
+            return path
+    found = sorted(glob.glob("/usr/lib*/**/libopenblas*.so*", recursive=True))
+    return found[0] if found else None
+
+
+def preload_blas() -> str | None:
+    """Load OpenBLAS globally before MLX (Linux only). Returns the path loaded, if any."""
+    if _blas_state["tried"] or not sys.platform.startswith("linux"):
+        return _blas_state["path"]
+    _blas_state["tried"] = True
+    if os.environ.get("ORCHARD_NO_OPENBLAS"):
+        return None
+    if "mlx.core" in sys.modules:
+        log.warning("mlx was imported before cluster: OpenBLAS cannot speed up its matmuls now")
+        return None
+    path = find_openblas()
+    if path is None:
+        return None
+    try:
+        ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
+    except OSError as e:  # pragma: no cover - broken install
+        log.warning("could not load OpenBLAS from %s: %s", path, e)
+        return None
+    _blas_state["path"] = path
+    return path
+
+
+def blas_path() -> str | None:
+    return _blas_state["path"]
+
+
+def warn_if_slow_blas() -> None:
+    """The worker calls this at start-up: on Linux without OpenBLAS, say how to fix it."""
+    if sys.platform.startswith("linux") and _blas_state["path"] is None:
+        log.warning(
+            "OpenBLAS is not loaded: MLX's CPU matmuls will be ~25x slower. "
+            "Install it with `apt-get install libopenblas0-pthread` (or set ORCHARD_OPENBLAS=/path/libopenblas.so.0)."
+        )
+
+
+def has_metal() -> bool:
+    import mlx.core as mx
+
+    try:
+        return bool(mx.metal.is_available())
+    except Exception:
+        return False
+
+
+def compute_dtype(model_dtype):
+    """fp32 on the CPU (fp16/bf16 matmuls skip BLAS there); the model's own dtype on Metal."""
+    import mlx.core as mx
+
+    return model_dtype if has_metal() else mx.float32

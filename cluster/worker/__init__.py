@@ -1,0 +1,1 @@
+"""The worker: a continuous-batching MLX engine behind a gRPC server."""

@@ -1,0 +1,61 @@
+"""Varlen paged attention: one function for the engine, two implementations.
+
+`paged_attention(...)` runs the Metal kernel on a Metal GPU and the pure-MLX reference
+elsewhere. `ORCHARD_ATTENTION=reference|metal` (or `set_backend`) forces either.
+
+Contract (both implementations):
+  q            [T, H, D]      packed queries of all sequences this step
+  k_cache      [num_blocks, block_size, KVH, D]   (v_cache the same)
+  block_tables [S, max_blocks] int32   physical block ids per sequence (padding: any valid id)
+  seq_lens     [S] int32      context length including this step's tokens
+  cu_seqlens_q [S + 1] int32  query row offsets
+  scale, sliding_window (-1 off), softcap (0 off)
+  -> [T, H, D]
+A query at chunk position p of a chunk of q_len in a context of L attends keys
+0 .. L - q_len + p, and with a window W only the last W of them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from cluster.worker.kernels.reference import AttentionPlan, paged_attention_reference
+
+__all__ = ["AttentionPlan", "paged_attention", "paged_attention_reference", "backend", "set_backend"]
+
+_forced: str | None = os.environ.get("ORCHARD_ATTENTION") or None
+
+
+def set_backend(name: str | None) -> None:
+    """Force 'reference' or 'metal'; None restores the automatic choice."""
+    global _forced
+    if name not in (None, "reference", "metal"):
+        raise ValueError(f"unknown attention backend {name!r}: use 'reference' or 'metal'")
+    _forced = name
+
+
+def backend() -> str:
+    if _forced:
+        return _forced
+    try:
+        return "metal" if mx.metal.is_available() else "reference"
+    except Exception:
+        return "reference"
+
+
+def paged_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, *, scale, sliding_window=-1, softcap=0.0, plan=None
+):
+    if backend() == "metal":
+        from cluster.worker.kernels.metal import paged_attention_metal
+
+        return paged_attention_metal(
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+            scale=scale, sliding_window=sliding_window, softcap=softcap, plan=plan,
+        )
+    return paged_attention_reference(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, plan=plan,
+    )

@@ -1,0 +1,159 @@
+"""Pure-MLX varlen paged attention: the oracle for the Metal kernel and the CPU path.
+
+The batch is packed: T query tokens from S sequences, sequence s owning query rows
+`cu_seqlens_q[s]:cu_seqlens_q[s+1]`, which are the *last* q_len positions of a context of
+`seq_lens[s]` tokens whose K/V already sit in the paged pool. A query at chunk position p
+attends to keys `0 .. L - q_len + p` (causal within the chunk), and with a sliding
+window W only to the last W of those.
+
+On the CPU a per-token loop is far too slow, so the work is grouped on the host once per
+step (`AttentionPlan`, shared by every layer): all decode rows (q_len == 1) form one
+batched SDPA over their gathered blocks; each prefill chunk is one SDPA of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+
+def _tolist(x) -> list[int]:
+    return x.tolist() if isinstance(x, mx.array) else list(x)
+
+
+@dataclass
+class _Group:
+    rows: mx.array  # token rows of the group's queries, in group order
+    block_tables: mx.array  # [N, nb] int32
+    q_len: int  # queries per sequence (padded for decode groups: 1)
+    n_seqs: int
+    lens: list[int]
+    q_lens: list[int]
+
+
+@dataclass
+class AttentionPlan:
+    """Host-side grouping of one varlen batch. Build once per step with `build`."""
+
+    num_tokens: int
+    block_size: int
+    groups: list[_Group]
+    restore: mx.array | None  # gather from concatenated group outputs back to token order
+    _masks: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cu_seqlens_q, seq_lens, block_tables, block_size: int) -> "AttentionPlan":
+        cu = _tolist(cu_seqlens_q)
+        lens = _tolist(seq_lens)
+        bt = block_tables if isinstance(block_tables, mx.array) else mx.array(block_tables, dtype=mx.int32)
+        S = len(lens)
+        q_lens = [cu[s + 1] - cu[s] for s in range(S)]
+        groups: list[_Group] = []
+        order: list[int] = []
+        decode = [s for s in range(S) if q_lens[s] == 1]
+        if decode:
+            nb = max(-(-lens[s] // block_size) for s in decode)
+            rows = [cu[s] for s in decode]
+            groups.append(
+                _Group(
+                    rows=mx.array(rows, dtype=mx.int32),
+                    block_tables=bt[mx.array(decode, dtype=mx.int32), :nb],
+                    q_len=1,
+                    n_seqs=len(decode),
+                    lens=[lens[s] for s in decode],
+                    q_lens=[1] * len(decode),
+                )
+            )
+            order += rows
+        for s in range(S):
+            if q_lens[s] <= 1:
+                continue
+            nb = -(-lens[s] // block_size)
+            rows = list(range(cu[s], cu[s + 1]))
+            groups.append(
+                _Group(
+                    rows=mx.array(rows, dtype=mx.int32),
+                    block_tables=bt[s : s + 1, :nb],
+                    q_len=q_lens[s],
+                    n_seqs=1,
+                    lens=[lens[s]],
+                    q_lens=[q_lens[s]],
+                )
+            )
+            order += rows
+        T = cu[-1]
+        restore = None
+        if order != list(range(T)):
+            inverse = [0] * T
+            for i, row in enumerate(order):
+                inverse[row] = i
+            restore = mx.array(inverse, dtype=mx.int32)
+        return cls(num_tokens=T, block_size=block_size, groups=groups, restore=restore)
+
+    def mask(self, gi: int, sliding_window: int) -> mx.array:
+        """Boolean mask [N, 1, q_len, L] for group `gi` (True = attend)."""
+        key = (gi, sliding_window)
+        m = self._masks.get(key)
+        if m is None:
+            g = self.groups[gi]
+            L = g.block_tables.shape[1] * self.block_size
+            k_pos = mx.arange(L)[None, None, :]  # [1, 1, L]
+            lens = mx.array(g.lens, dtype=mx.int32)[:, None, None]
+            q_lens = mx.array(g.q_lens, dtype=mx.int32)[:, None, None]
+            q_pos = lens - q_lens + mx.arange(g.q_len)[None, :, None]  # [N, q, 1]
+            m = k_pos <= q_pos
+            if sliding_window is not None and sliding_window > 0:
+                m = m & (k_pos > q_pos - sliding_window)
+            m = m[:, None]
+            self._masks[key] = m
+        return m
+
+
+def _attend(q, k, v, mask, scale: float, softcap: float):
+    """q [N, H, q, D]; k, v [N, KVH, L, D]; mask [N, 1, q, L] bool."""
+    if not softcap:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    N, H, Lq, D = q.shape
+    KVH = k.shape[1]
+    G = H // KVH
+    qg = (q * scale).reshape(N, KVH, G, Lq, D)
+    scores = qg @ k[:, :, None].swapaxes(-1, -2)  # [N, KVH, G, q, L]
+    scores = mx.tanh(scores / softcap) * softcap
+    scores = mx.where(mask[:, :, None], scores, mx.array(-float("inf"), scores.dtype))
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1, precise=True).astype(v.dtype)
+    out = probs @ v[:, :, None]  # [N, KVH, G, q, D]
+    return out.reshape(N, H, Lq, D)
+
+
+def paged_attention_reference(
+    q: mx.array,
+    k_cache: mx.array,
+    v_cache: mx.array,
+    block_tables: mx.array,
+    seq_lens: mx.array,
+    cu_seqlens_q: mx.array,
+    *,
+    scale: float,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+    plan: AttentionPlan | None = None,
+) -> mx.array:
+    """q [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] -> [T, H, D]."""
+    T, H, D = q.shape
+    NB, BS, KVH, _ = k_cache.shape
+    if plan is None:
+        plan = AttentionPlan.build(cu_seqlens_q, seq_lens, block_tables, BS)
+    outs = []
+    for gi, g in enumerate(plan.groups):
+        N, nb = g.block_tables.shape
+        L = nb * BS
+        k = k_cache[g.block_tables].reshape(N, L, KVH, D).transpose(0, 2, 1, 3)
+        v = v_cache[g.block_tables].reshape(N, L, KVH, D).transpose(0, 2, 1, 3)
+        qg = q[g.rows].reshape(N, g.q_len, H, D).transpose(0, 2, 1, 3)
+        o = _attend(qg, k, v, plan.mask(gi, sliding_window), scale, softcap)
+        outs.append(o.transpose(0, 2, 1, 3).reshape(N * g.q_len, H, D))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    if plan.restore is not None:
+        out = out[plan.restore]
+    return out
