@@ -1,0 +1,200 @@
+"""`orchard model create`: a random-weight model of a real mlx-lm architecture.
+
+Writes a normal mlx-lm model directory (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json) with a byte-level BPE tokenizer trained here on a synthetic
+corpus. Fully offline and deterministic for a seed. Everything else in Orchard loads it
+with `mlx_lm.utils.load`, the path a real model takes on a Mac.
+
+Weights are scaled so the logits are well spread (std of a few units): greedy decoding
+then has clear winners, so engine-vs-oracle comparisons are not decided by rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+ARCHS = ("qwen3", "llama", "qwen2")
+SIZES = ("tiny", "small")
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_GEOMETRY = {
+    # tiny: well under 1M parameters, for tests. head_dim 64 as real models have.
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, intermediate_size=256, vocab_size=512, max_position_embeddings=2048),
+    # small: ~30M parameters, for benchmarks.
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=64, intermediate_size=1536, vocab_size=8192, max_position_embeddings=8192),
+}
+
+_ARCH = {
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True, rope_theta=1000000.0,
+                  rms_norm_eps=1e-6),
+    "llama": dict(architectures=["LlamaForCausalLM"], tie_word_embeddings=False, rope_theta=500000.0,
+                  rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, rope_theta=1000000.0,
+                  rms_norm_eps=1e-6),
+}
+
+
+def model_config(arch: str, size: str, token_ids: dict[str, int]) -> dict:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}: choose one of {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}: choose one of {', '.join(SIZES)}")
+    geo = dict(_GEOMETRY[size])
+    if arch == "qwen2":
+        # qwen2 derives head_dim = hidden / heads: keep 64 by using fewer, wider heads.
+        geo.pop("head_dim")
+        geo["num_attention_heads"] = geo["hidden_size"] // 64
+        geo["num_key_value_heads"] = max(1, geo["num_attention_heads"] // 2)
+    return {
+        "model_type": arch,
+        **_ARCH[arch],
+        **geo,
+        "bos_token_id": None,
+        "eos_token_id": token_ids["<|im_end|>"],
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "torch_dtype": "float32",
+    }
+
+
+# -- tokenizer ----------------------------------------------------------------------------
+
+_ONSETS = ["", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
+           "br", "ch", "cl", "dr", "fl", "gr", "pl", "pr", "sh", "st", "th", "tr"]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ee", "io", "ou", "oo", "y"]
+_CODAS = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "ck", "rd", "x"]
+_ENGLISH = (
+    "The orchard is quiet in the morning. Workers pick apples from every tree, and the router "
+    "sends each basket to the nearest cart. Once upon a time a model answered questions about "
+    "the weather, numbers like 42 and 3.14159, and lists: one, two, three! Is it fast? Yes -- "
+    "very fast. \"Hello, world,\" she said; (then) [nothing] {else} happened. Caf\u00e9, na\u00efve, "
+    "\u00fcber, \u4f60\u597d, \u3053\u3093\u306b\u3061\u306f, emoji \U0001f34e\U0001f34f.\n"
+)
+
+
+def synthetic_corpus(seed: int, num_words: int = 120_000) -> list[str]:
+    """Pseudo-English: a seeded lexicon drawn Zipf-like, with punctuation and digits."""
+    rng = random.Random(seed)
+    lexicon = set()
+    while len(lexicon) < 12_000:
+        syllables = rng.choice((1, 1, 2, 2, 2, 3, 3, 4))
+        lexicon.add("".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)))
+    words = sorted(lexicon)
+    rng.shuffle(words)
+    weights = [1.0 / (i + 1) ** 1.07 for i in range(len(words))]
+    lines, line = [_ENGLISH] * 50, []
+    for w in rng.choices(words, weights=weights, k=num_words):
+        r = rng.random()
+        if r < 0.04:
+            w = w.capitalize()
+        elif r < 0.06:
+            w = str(rng.randint(0, 9999))
+        line.append(w)
+        if rng.random() < 0.08:
+            line[-1] += rng.choice([".", ",", ",", "!", "?", ";", ":"])
+        if len(line) >= rng.randint(8, 20):
+            lines.append(" ".join(line) + "\n")
+            line = []
+    return lines
+
+
+def train_tokenizer(vocab_size: int, seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(synthetic_corpus(seed), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"the tokenizer reached {tok.get_vocab_size()} tokens, not {vocab_size}")
+    return tok
+
+
+# -- weights ------------------------------------------------------------------------------
+
+def _init_weights(model, config: dict, seed: int):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    hidden = config["hidden_size"]
+    key = mx.random.key(seed)
+    new = []
+    for i, (name, p) in enumerate(sorted(tree_flatten(model.parameters()))):
+        k = mx.random.fold_in(key, i) if hasattr(mx.random, "fold_in") else mx.random.key(seed * 100_003 + i)
+        if name.endswith("norm.weight"):
+            w = mx.ones(p.shape)
+        elif name.endswith(".bias"):
+            w = mx.zeros(p.shape)
+        elif "embed_tokens" in name or "lm_head" in name:
+            # logit std ~ 0.35 * sqrt(hidden) * |h|/sqrt(hidden): a few units
+            w = 0.35 * mx.random.normal(p.shape, key=k)
+        else:
+            fan_in = p.shape[-1]
+            w = mx.random.normal(p.shape, key=k) / math.sqrt(fan_in)
+        new.append((name, w.astype(mx.float32)))
+    model.update(tree_unflatten(new))
+    mx.eval(model.parameters())
+
+
+def create_model(path: str | Path, arch: str = "qwen3", size: str = "tiny", seed: int = 0) -> Path:
+    import cluster  # noqa: F401
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    path = Path(path)
+    geo_vocab = _GEOMETRY.get(size, {}).get("vocab_size")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}: choose one of {', '.join(SIZES)}")
+    tok = train_tokenizer(geo_vocab, seed)
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    config = model_config(arch, size, ids)
+
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    _init_weights(model, config, seed)
+
+    path.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+        "chat_template": CHATML_TEMPLATE,
+    }, indent=2) + "\n")
+    (path / "special_tokens_map.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+    }, indent=2) + "\n")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["<|im_end|>"]}) + "\n")
+    return path
+
+
+def num_parameters(path: str | Path) -> int:
+    import mlx.core as mx
+
+    return sum(int(v.size) for v in mx.load(str(Path(path) / "model.safetensors")).values())

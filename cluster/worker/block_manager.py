@@ -1,0 +1,189 @@
+"""Paged KV blocks: a free list, ref counts, prefix caching by chained block hashes.
+
+Pure Python (no MLX): the model runner owns the actual K/V pool, indexed by block id.
+
+- A block is *used* while some sequence holds it (ref_count > 0), *free* otherwise.
+- Free blocks sit in an LRU queue; a free block may still carry a hash and its tokens
+  (a cached block): a later request with the same prefix takes it back (lazy eviction),
+  and it is evicted only when the free queue hands it out for new data.
+- A block's hash chains its parent's hash with its tokens, so equal hashes mean equal
+  prefixes; a hit is still confirmed by comparing tokens.
+- Invariant (`check_integrity`): every block is either free or used, never both; ref
+  counts equal the number of block tables that hold the block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+
+class _Seq(Protocol):
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    block_hashes: list[int]
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # tokens found there
+
+    # -- accounting -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -----------------------------------------------------------------
+    def hash_block(self, parent: int | None, tokens: Iterable[int]) -> int:
+        return hash((parent, tuple(tokens)))
+
+    def _extend_hashes(self, seq: _Seq, upto_tokens: int) -> None:
+        """Hash the sequence's full blocks within its first `upto_tokens` tokens."""
+        bs = self.block_size
+        while (len(seq.block_hashes) + 1) * bs <= upto_tokens:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if i else None
+            seq.block_hashes.append(self.hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, seq: _Seq) -> list[int]:
+        """Cached blocks holding a prefix of `seq` (full blocks only; at least the last
+        token is always left to compute, since its logits are needed)."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        limit = len(seq.token_ids) - 1
+        self._extend_hashes(seq, limit)
+        hits = []
+        bs = self.block_size
+        for i, h in enumerate(seq.block_hashes[: limit // bs]):
+            bid = self.cached.get(h)
+            if bid is None or self.blocks[bid].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+                break
+            hits.append(bid)
+        return hits
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    # -- allocation -------------------------------------------------------------------
+    def can_allocate(self, seq: _Seq, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        return self._num_blocks_to_take(seq, num_new_tokens, computed_blocks) <= self.num_free_blocks
+
+    def _num_blocks_to_take(self, seq: _Seq, num_new_tokens: int, computed_blocks) -> int:
+        held = len(seq.block_table) + len(computed_blocks)
+        total = self.blocks_needed(seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens)
+        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        return max(0, total - held) + revived
+
+    def allocate_slots(self, seq: _Seq, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more tokens after its computed ones
+        (and after `computed_blocks`, prefix-cache hits it takes over first).
+        Returns False, changing nothing, when the free blocks do not suffice."""
+        if not self.can_allocate(seq, num_new_tokens, computed_blocks):
+            return False
+        for bid in computed_blocks:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free_queue[bid]
+            block.ref_count += 1
+            seq.block_table.append(bid)
+        seq.num_computed_tokens += len(computed_blocks) * self.block_size
+        total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        while len(seq.block_table) < total:
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        bid, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None:  # evict: its contents are about to be overwritten
+            if self.cached.get(block.hash) == bid:
+                del self.cached[block.hash]
+            block.hash = None
+            block.token_ids = None
+        block.ref_count = 1
+        return bid
+
+    def free(self, seq: _Seq) -> None:
+        """Release `seq`'s blocks. Tail blocks go to the front of the LRU queue, so a
+        sequence's last blocks are evicted before its (more shareable) first ones."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            if block.ref_count <= 0:
+                raise AssertionError(f"double free of block {bid}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self.free_queue[bid] = None
+                    self.free_queue.move_to_end(bid, last=False)
+                else:
+                    self.free_queue[bid] = None  # cached: most recently used, evicted last
+        seq.block_table = []
+
+    def cache_full_blocks(self, seq: _Seq) -> None:
+        """Register `seq`'s computed full blocks in the prefix cache (after a forward)."""
+        if not self.enable_prefix_caching:
+            return
+        self._extend_hashes(seq, seq.num_computed_tokens)
+        bs = self.block_size
+        for i, h in enumerate(seq.block_hashes[: seq.num_computed_tokens // bs]):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is not None:
+                continue
+            if h in self.cached:  # same content already cached in another block: keep one
+                continue
+            block.hash = h
+            block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self.cached[h] = block.block_id
+
+    # -- checks -----------------------------------------------------------------------
+    def check_integrity(self, seqs: Iterable[_Seq] | None = None) -> None:
+        """free + used == total; ref counts match the given live sequences' tables."""
+        used = 0
+        for block in self.blocks:
+            in_free = block.block_id in self.free_queue
+            if in_free == (block.ref_count > 0):
+                raise AssertionError(f"block {block.block_id}: ref_count {block.ref_count}, in free queue {in_free}")
+            used += block.ref_count > 0
+        if used + len(self.free_queue) != self.num_blocks:
+            raise AssertionError(f"free {len(self.free_queue)} + used {used} != total {self.num_blocks}")
+        if seqs is not None:
+            refs = [0] * self.num_blocks
+            for seq in seqs:
+                for bid in seq.block_table:
+                    refs[bid] += 1
+            if refs != [b.ref_count for b in self.blocks]:
+                raise AssertionError("ref counts do not match the live block tables")
+        for h, bid in self.cached.items():
+            if self.blocks[bid].hash != h:
+                raise AssertionError(f"cached hash {h} points at block {bid} with hash {self.blocks[bid].hash}")

@@ -1,0 +1,238 @@
+"""The continuous-batching engine: schedule -> prepare -> forward -> sample -> postprocess.
+
+Single-threaded: whoever owns the engine (the worker's engine thread, a test, a
+benchmark) calls `step()` while `has_unfinished()`. Nothing here knows about gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import cluster  # noqa: F401  (OpenBLAS before MLX)
+import mlx.core as mx
+
+from cluster import platform
+from cluster.worker.block_manager import BlockManager
+from cluster.worker.config import EngineConfig
+from cluster.worker.detokenizer import IncrementalDetokenizer
+from cluster.worker.model_runner import ModelRunner, default_kv_budget, kv_bytes_per_block, load_model
+from cluster.worker.sampler import Sampler
+from cluster.worker.sampling_params import SamplingParams
+from cluster.worker.scheduler import Scheduler, SchedulerOutput
+from cluster.worker.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting`: try again later (HTTP 429 / RESOURCE_EXHAUSTED)."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[float] | None = None  # of new_token_ids, when asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters for metrics and load reports (read from any thread: plain ints)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_used: int = 0
+    num_blocks_total: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_steps: int = 0
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+    finished: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), model_name: str = "model"):
+        config.validate()
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        dtype = next(iter(p.dtype for p in _floating_params(model)), mx.float32)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            budget = config.kv_cache_memory_bytes or default_kv_budget(model)
+            num_blocks = max(1, budget // kv_bytes_per_block(model, config.block_size, dtype))
+        model_max = int(getattr(model.args, "max_position_embeddings", 0) or 32768)
+        max_len = min(config.max_model_len or model_max, num_blocks * config.block_size)
+        self.config = config.resolved(model_max_len=max_len, num_kv_blocks=num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        if not self.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids = {tokenizer.eos_token_id}
+        self.seqs: dict[str, Sequence] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.vocab_size = int(model.args.vocab_size)
+        self.stats = EngineStats(num_blocks_total=num_blocks)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
+        platform.warn_if_slow_blas()
+        model, tokenizer = load_model(path)
+        return cls(model, tokenizer, config, model_name=Path(path).name)
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = sampling_params or SamplingParams()
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        self.scheduler.check_fits(len(prompt_token_ids))
+        cap = self.config.max_waiting
+        if cap and len(self.scheduler.waiting) >= cap:
+            raise QueueFullError(f"the waiting queue is full ({cap} requests): retry later")
+        seq = Sequence(request_id, [int(t) for t in prompt_token_ids], params)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        self.scheduler.add(seq)
+        self.seqs[request_id] = seq
+        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq.token_ids, params.stop)
+        self.stats.prompt_tokens += seq.num_tokens
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. False if it is unknown or done."""
+        seq = self.seqs.pop(request_id, None)
+        self.detoks.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.abort(seq)
+        self._count_finished(seq)
+        self._refresh_stats()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if not plan.is_empty:
+            batch = self.runner.prepare(plan)
+            t1 = time.perf_counter()
+            logits = self.runner.forward(batch)
+            sampling = [e for e in plan.scheduled if e.sample]
+            if sampling:
+                result = self.sampler(
+                    logits, [e.seq.sampling_params for e in sampling], [e.seq.num_output_tokens for e in sampling]
+                )
+                mx.eval(self.runner.pool_arrays())
+            else:
+                mx.eval(self.runner.pool_arrays())
+                result = None
+            self.stats.forward_seconds += time.perf_counter() - t1
+            sampled = {id(e.seq): tok for e, tok in zip(sampling, result.token_ids)} if result else {}
+            produced = self.scheduler.postprocess(plan, sampled)
+            for i, e in enumerate(produced):
+                outputs.append(self._on_token(e.seq, result, i))
+        self.stats.num_steps += 1
+        self.stats.step_seconds += time.perf_counter() - t0
+        self._refresh_stats()
+        return outputs
+
+    def _on_token(self, seq: Sequence, result, row: int) -> RequestOutput:
+        token = seq.token_ids[-1]
+        params = seq.sampling_params
+        seq.output_logprobs.append(result.logprobs[row])
+        self.stats.generation_tokens += 1
+        detok = self.detoks[seq.request_id]
+        status = None
+        stop_string = detok.add(token)
+        if stop_string is not None:
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_string
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            self._count_finished(seq)
+            del self.seqs[seq.request_id]
+            del self.detoks[seq.request_id]
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            new_text=detok.take_delta(final=status is not None),
+            finished=status is not None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+        if params.logprobs is not None:
+            out.logprobs = [result.logprobs[row]]
+            out.top_logprobs = [result.top_logprobs[row] or []]
+        return out
+
+    def _count_finished(self, seq: Sequence) -> None:
+        reason = seq.finish_reason
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+    def _refresh_stats(self) -> None:
+        s, bm = self.stats, self.block_manager
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.num_blocks_used = bm.num_used_blocks
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_queries = bm.prefix_queries
+        s.prefix_hits = bm.prefix_hits
+
+    # -- convenience --------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
+        """Run prompts to completion; generated token ids per prompt, in order."""
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, sampling_params)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id] += out.new_token_ids
+        return [results[rid] for rid in ids]
+
+    def check_integrity(self) -> None:
+        live = list(self.scheduler.running) + list(self.scheduler.waiting)
+        self.block_manager.check_integrity(live)
+
+
+def _floating_params(model):
+    from mlx.utils import tree_flatten
+
+    return [p for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)]

@@ -1,0 +1,100 @@
+"""Batched sampling with per-row parameters.
+
+Greedy rows take the argmax. Other rows: temperature, then top-k, top-p and min-p
+filters, then the Gumbel-max trick. A row with a seed draws its noise from a key derived
+from (seed, index of the token in the output), so the same seed gives the same tokens
+whatever else shares the batch, and after a preemption too. Logprobs are of the raw
+model distribution (before temperature and filters), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from cluster.worker.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]  # of the chosen tokens
+    top_logprobs: list[list[tuple[int, float]] | None]  # per row, when asked
+
+
+def _seed_for(seed: int, step: int) -> int:
+    return hash((seed, step)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.key = mx.random.key(seed)
+
+    def _next_key(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+    def __call__(self, logits: mx.array, params: list[SamplingParams], steps: list[int]) -> SampleResult:
+        """logits [N, V] float32; `steps[i]` is the index of the token row i produces."""
+        N, V = logits.shape
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        greedy = [p.greedy for p in params]
+        tokens = mx.argmax(logits, axis=-1)
+        if not all(greedy):
+            sampled = self._sample(logits, params, steps, greedy)
+            tokens = mx.where(mx.array(greedy), tokens, sampled)
+        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        k = max((p.logprobs or 0) for p in params)
+        top_ids = top_vals = None
+        if k:
+            top_ids = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
+            top_vals = mx.take_along_axis(logprobs, top_ids, axis=-1)
+            mx.eval(tokens, chosen, top_ids, top_vals)
+        else:
+            mx.eval(tokens, chosen)
+        token_list = tokens.tolist()
+        top: list[list[tuple[int, float]] | None] = [None] * N
+        if k:
+            ids, vals = top_ids.tolist(), top_vals.tolist()
+            for i, p in enumerate(params):
+                if p.logprobs is not None:
+                    pairs = sorted(zip(ids[i], vals[i]), key=lambda t: -t[1])[: p.logprobs]
+                    top[i] = pairs
+        elif any(p.logprobs is not None for p in params):
+            top = [[] if p.logprobs is not None else None for p in params]
+        return SampleResult(token_list, chosen.tolist(), top)
+
+    def _sample(self, logits, params, steps, greedy) -> mx.array:
+        N, V = logits.shape
+        temps = mx.array([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=mx.float32)
+        x = logits / temps[:, None]
+        neg_inf = mx.array(-float("inf"), dtype=x.dtype)
+        if any(p.top_k > 0 for p in params):
+            ks = mx.array([p.top_k if 0 < p.top_k < V else V for p in params], dtype=mx.int32)
+            sorted_desc = -mx.sort(-x, axis=-1)
+            kth = mx.take_along_axis(sorted_desc, (ks - 1)[:, None], axis=-1)
+            x = mx.where(x < kth, neg_inf, x)
+        if any(p.top_p < 1.0 for p in params) or any(p.min_p > 0 for p in params):
+            probs = mx.softmax(x, axis=-1)
+            order = mx.argsort(-probs, axis=-1)
+            sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+            top_p = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
+            min_p = mx.array([p.min_p for p in params], dtype=mx.float32)[:, None]
+            # keep a token if the mass before it is < top_p (the top token always stays)
+            mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+            keep_sorted = (mass_before < top_p) & (sorted_probs >= min_p * sorted_probs[:, :1])
+            keep = mx.put_along_axis(mx.zeros((N, V), dtype=mx.bool_), order, keep_sorted, axis=-1)
+            x = mx.where(keep, x, neg_inf)
+        noise = []
+        shared = None
+        for p, step, g in zip(params, steps, greedy):
+            if g:
+                noise.append(mx.zeros((V,), dtype=mx.float32))
+            elif p.seed is not None:
+                noise.append(mx.random.gumbel(shape=(V,), key=mx.random.key(_seed_for(p.seed, step))))
+            else:
+                if shared is None:
+                    shared = mx.random.gumbel(shape=(N, V), key=self._next_key())
+                noise.append(shared[len(noise)])
+        return mx.argmax(x + mx.stack(noise), axis=-1)

@@ -1,0 +1,231 @@
+"""One plan per step: decode rows and prefill chunks under a shared token budget.
+
+Pure Python (no MLX). The policy, in order, each step:
+
+1. Running decodes (one token each), oldest first.
+2. Running partial prefills, oldest first, each taking an even share of what is left of
+   the budget, so one long prompt cannot starve the others.
+3. Waiting requests, first come first served, admitted while there is budget, a free
+   sequence slot and KV blocks; at most `max_num_partial_prefills` prompts are
+   mid-prefill at once and at most `max_long_partial_prefills` of them long (more than
+   `long_prefill_token_threshold` tokens to compute). A long prompt over its limit is
+   skipped, so a short one behind it still starts (vLLM's concurrent partial prefills).
+
+When a running request cannot get a block, the newest running request is preempted:
+its blocks are freed and it goes back to the front of the queue with all its tokens, to
+be recomputed later (its output is unchanged). Waiting requests never preempt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.worker.block_manager import BlockManager
+from cluster.worker.config import EngineConfig
+from cluster.worker.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position forwarded this step (= num_computed_tokens before it)
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def sample(self) -> bool:
+        """The chunk reaches the end of the sequence, so its last row is sampled."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        assert config.max_model_len and config.long_prefill_token_threshold, "pass a resolved EngineConfig"
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- requests in and out ------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """Refuse a prompt that could never run, with a message that says why."""
+        cfg = self.config
+        if num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty: send at least one token")
+        if num_prompt_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens, more than max_model_len={cfg.max_model_len}: "
+                "shorten it or raise max_model_len"
+            )
+        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        if num_prompt_tokens > pool_tokens:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens, more than the whole KV pool holds ({pool_tokens}): "
+                "give the worker more KV blocks"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq.num_tokens)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.is_finished:
+            return
+        self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_partial_prefills(self) -> int:
+        return sum(1 for s in self.running if s.is_prefilling)
+
+    def is_long(self, seq: Sequence) -> bool:
+        return seq.num_uncomputed_tokens > self.config.long_prefill_token_threshold
+
+    # -- the plan -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        out = SchedulerOutput()
+        scheduled: dict[int, ScheduledSeq] = {}  # id(seq) -> entry, in scheduling order
+        budget = cfg.max_num_batched_tokens
+
+        def preempt_newest(current: Sequence) -> Sequence:
+            nonlocal budget
+            victim = self.running.pop()
+            entry = scheduled.pop(id(victim), None)
+            if entry is not None:
+                budget += entry.num_new_tokens
+            self.block_manager.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = SequenceStatus.WAITING
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(victim)
+            out.preempted.append(victim)
+            return victim
+
+        def schedule_running(seq: Sequence, n: int) -> None:
+            nonlocal budget
+            while not self.block_manager.allocate_slots(seq, n):
+                if preempt_newest(seq) is seq:
+                    return
+            scheduled[id(seq)] = ScheduledSeq(seq, seq.num_computed_tokens, n)
+            budget -= n
+
+        # 1. decodes
+        for seq in [s for s in self.running if not s.is_prefilling]:
+            if budget <= 0:
+                break
+            if seq.status is SequenceStatus.RUNNING:
+                schedule_running(seq, 1)
+
+        # 2. running partial prefills, sharing the rest of the budget
+        prefilling = [s for s in self.running if s.is_prefilling]
+        n_new = self._admittable(len(prefilling))
+        for i, seq in enumerate(prefilling):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted above
+            share = max(1, budget // (len(prefilling) - i + n_new))
+            schedule_running(seq, min(seq.num_uncomputed_tokens, share))
+
+        # 3. admit waiting requests
+        self._admit(budget, scheduled)
+        out.scheduled = list(scheduled.values())
+        return out
+
+    def _admittable(self, num_prefilling: int) -> int:
+        """How many waiting requests the partial-prefill limits would let start now."""
+        cfg = self.config
+        slots = min(cfg.max_num_partial_prefills - num_prefilling, cfg.max_num_seqs - len(self.running))
+        long_slots = cfg.max_long_partial_prefills - sum(1 for s in self.running if s.is_prefilling and self.is_long(s))
+        n = 0
+        for seq in self.waiting:
+            if n >= slots:
+                break
+            if self.is_long(seq):
+                if long_slots <= 0:
+                    continue
+                long_slots -= 1
+            n += 1
+        return max(0, n)
+
+    def _admit(self, budget: int, scheduled: dict[int, ScheduledSeq]) -> None:
+        cfg = self.config
+        bm = self.block_manager
+        num_prefilling = sum(1 for s in self.running if s.is_prefilling)
+        num_long = sum(1 for s in self.running if s.is_prefilling and self.is_long(s))
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            computed = bm.get_computed_blocks(seq)
+            remaining = seq.num_uncomputed_tokens - len(computed) * bm.block_size
+            prefilling = remaining > 1
+            long = remaining > cfg.long_prefill_token_threshold
+            if prefilling and num_prefilling >= cfg.max_num_partial_prefills:
+                break
+            if prefilling and long and num_long >= cfg.max_long_partial_prefills:
+                skipped.append(self.waiting.popleft())  # let a shorter prompt behind it start
+                continue
+            starting = self._admittable(num_prefilling)
+            share = max(1, budget // max(1, starting))
+            n = min(remaining, share)
+            if not bm.allocate_slots(seq, n, computed):
+                break
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:  # count each request's prefix lookup once
+                seq.num_cached_tokens = len(computed) * bm.block_size
+                bm.record_prefix_query(seq.num_tokens, seq.num_cached_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[id(seq)] = ScheduledSeq(seq, seq.num_computed_tokens, n)
+            budget -= n
+            num_prefilling += prefilling
+            num_long += prefilling and long
+        for seq in reversed(skipped):
+            self.waiting.appendleft(seq)
+
+    # -- after the forward ------------------------------------------------------------------
+    def postprocess(self, plan: SchedulerOutput, sampled: dict[int, int]) -> list[ScheduledSeq]:
+        """Advance counters; append sampled tokens (`sampled[id(seq)]`). Returns the
+        entries that produced a token. Stop checks are the engine's (it has the tokenizer)."""
+        produced = []
+        for entry in plan.scheduled:
+            seq = entry.seq
+            seq.num_computed_tokens = entry.end
+            seq.num_forwarded_tokens += entry.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if entry.sample:
+                seq.token_ids.append(sampled[id(seq)])
+                produced.append(entry)
+        return produced

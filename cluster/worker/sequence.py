@@ -1,0 +1,81 @@
+"""A request's state inside the engine: plain counters, derived values as properties."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cluster.worker.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens `[0, num_computed_tokens)` have K/V in the pool; the rest are computed next.
+
+    A step forwards positions `[num_computed_tokens, num_computed_tokens + n)`; when that
+    reaches `num_tokens` the last row is sampled and one token is appended. Preemption
+    resets `num_computed_tokens` to 0 and keeps every token: recompute, nothing lost.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission, for usage reports
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
+    num_forwarded_tokens: int = 0  # all tokens ever forwarded (recompute included)
+    output_logprobs: list[float] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def __post_init__(self):
+        self.token_ids = list(self.token_ids)
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token to compute: a (re)prefill, possibly chunked."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
