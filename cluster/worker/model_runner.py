@@ -148,7 +148,7 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype) -> int:
 
 def default_kv_budget(model: nn.Module) -> int:
     """Bytes for the KV pool: 60% of what Metal recommends beyond the weights, or on the
-    CPU a fifth of RAM (at most 4 GiB)."""
+    CPU an eighth of RAM (at most 1 GiB; raise it with --num-kv-blocks)."""
     from mlx.utils import tree_flatten
 
     weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
@@ -161,7 +161,7 @@ def default_kv_budget(model: nn.Module) -> int:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 8 << 30
-    return min(4 << 30, ram // 5)
+    return min(1 << 30, ram // 8)
 
 
 class ModelRunner:
