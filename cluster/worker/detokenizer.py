@@ -35,7 +35,10 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        # A character split across tokens decodes to U+FFFD until it completes; a UTF-8
+        # character spans at most 4 byte tokens, so past that the bytes are just invalid.
+        pending = len(self.ids) - self.read_offset
+        if len(full) > len(prefix) and (not full.endswith("\ufffd") or pending >= 4):
             before = len(self.text)
             self.text += full[len(prefix) :]
             self.prefix_offset = self.read_offset

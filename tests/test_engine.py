@@ -1,0 +1,244 @@
+"""The engine against mlx-lm's own generation (the oracle) on the same weights."""
+
+from __future__ import annotations
+
+import random
+
+import cluster  # noqa: F401  (OpenBLAS before MLX)
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load
+
+from cluster.modelgen import create_model
+from cluster.worker.config import EngineConfig
+from cluster.worker.engine import Engine
+from cluster.worker.sampling_params import SamplingParams
+
+ARCHS = ("qwen3", "llama", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {arch: create_model(root / arch, arch, "tiny", seed=1) for arch in ARCHS}
+
+
+def oracle(path, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """mlx-lm's single-request greedy generation: tokens and their logprobs."""
+    model, _ = _oracle_model(path)
+    tokens, logprobs = [], []
+    for (tok, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=max_tokens), range(max_tokens)):
+        tokens.append(int(tok))
+        logprobs.append(lp[int(tok)].item())
+    return tokens, logprobs
+
+
+_oracles: dict = {}
+
+
+def _oracle_model(path):
+    if path not in _oracles:
+        _oracles[path] = load(str(path))
+    return _oracles[path]
+
+
+def random_prompts(n: int, seed: int, vocab: int = 512, lengths=(1, 3, 16, 17, 40, 64, 100, 150, 255, 300)):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+def run_staggered(engine: Engine, prompts, params_for, stagger_every: int = 2):
+    """Submit half the prompts at once and the rest one every few steps; collect outputs."""
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    tokens = {rid: [] for rid in ids}
+    logprobs = {rid: [] for rid in ids}
+    pending = list(range(len(prompts)))
+    for i in pending[: len(prompts) // 2]:
+        engine.add_request(ids[i], prompts[i], params_for(i))
+    pending = pending[len(prompts) // 2 :]
+    step = 0
+    while engine.has_unfinished() or pending:
+        if pending and step % stagger_every == 0:
+            i = pending.pop(0)
+            engine.add_request(ids[i], prompts[i], params_for(i))
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id] += out.logprobs or []
+        engine.check_integrity()
+        step += 1
+        assert step < 10_000
+    return [tokens[r] for r in ids], [logprobs[r] for r in ids]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_oracle_parity_with_chunking_and_preemption(model_dirs, arch):
+    path = model_dirs[arch]
+    # 64-token budget forces chunked prefill of every prompt over 64 tokens; 48 blocks of
+    # 16 (768 tokens) for ~1,600 tokens of demand forces preemption.
+    cfg = EngineConfig(num_kv_blocks=48, max_num_batched_tokens=64, max_num_seqs=8, max_num_partial_prefills=2)
+    engine = Engine.from_pretrained(path, cfg)
+    prompts = random_prompts(14, seed=hash(arch) % 1000)
+    max_tokens = [4 + (i * 7) % 13 for i in range(len(prompts))]
+    tokens, logprobs = run_staggered(
+        engine, prompts, lambda i: SamplingParams(max_tokens=max_tokens[i], temperature=0, ignore_eos=True, logprobs=0)
+    )
+    assert engine.stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    assert engine.block_manager.num_used_blocks == 0
+    for i, prompt in enumerate(prompts):
+        want, want_lp = oracle(path, prompt, max_tokens[i])
+        assert tokens[i] == want, f"prompt {i} ({len(prompt)} tokens)"
+        assert max(abs(a - b) for a, b in zip(logprobs[i], want_lp)) < 1e-4
+
+
+def test_prefix_caching_reuses_blocks_and_keeps_output(model_dirs):
+    path = model_dirs["qwen3"]
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 512) for _ in range(70)]  # 4 full blocks + 6 tokens
+    first = shared + [rng.randrange(3, 512) for _ in range(9)]
+    second = shared + [rng.randrange(3, 512) for _ in range(12)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    cached = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64))
+    cached.generate([first], params)
+    cached.add_request("b", second, params)
+    seq = cached.seqs["b"]
+    out = []
+    while cached.has_unfinished():
+        for o in cached.step():
+            out += o.new_token_ids
+            assert o.num_cached_tokens == 64
+    assert seq.num_cached_tokens == 64  # 4 full blocks of the shared prefix
+    assert seq.num_forwarded_tokens == len(second) - 64 + len(out) - 1
+    assert cached.stats.prefix_hits == 64
+
+    plain = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, enable_prefix_caching=False))
+    assert plain.generate([second], params)[0] == out
+    assert plain.stats.prefix_hits == 0
+
+
+def test_short_prompt_is_not_starved_by_long_ones(model_dirs):
+    cfg = EngineConfig(
+        num_kv_blocks=128, max_num_batched_tokens=64, max_num_partial_prefills=2, max_long_partial_prefills=1,
+        long_prefill_token_threshold=32,
+    )
+    engine = Engine.from_pretrained(model_dirs["qwen3"], cfg)
+    long1, long2, short = random_prompts(3, seed=3, lengths=(400, 400, 10))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for rid, p in (("long1", long1), ("long2", long2), ("short", short)):
+        engine.add_request(rid, p, params)
+    seqs = {rid: engine.seqs[rid] for rid in ("long1", "long2", "short")}
+    first_token_step = {}
+    prefill_done_step = {}
+    step = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            first_token_step.setdefault(out.request_id, step)
+        for rid, s in seqs.items():
+            if s.num_computed_tokens >= s.num_prompt_tokens:
+                prefill_done_step.setdefault(rid, step)
+        step += 1
+    assert first_token_step["short"] < prefill_done_step["long1"]
+    assert first_token_step["short"] < prefill_done_step["long2"]
+    assert first_token_step["short"] <= 1
+
+
+def test_chunked_prefill_forwards_each_position_once(model_dirs):
+    cfg = EngineConfig(num_kv_blocks=256, max_num_batched_tokens=32, enable_prefix_caching=False)
+    engine = Engine.from_pretrained(model_dirs["llama"], cfg)
+    prompts = random_prompts(4, seed=11, lengths=(300, 97, 33, 1))
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    seqs = [engine.seqs[f"r{i}"] for i in range(len(prompts))]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats.num_preemptions == 0
+    for p, s in zip(prompts, seqs):
+        # the prompt once, then one forward per generated token but the last
+        assert s.num_forwarded_tokens == len(p) + s.num_output_tokens - 1
+        assert s.num_output_tokens == 5
+
+
+def test_seeded_sampling_is_independent_of_the_batch(model_dirs):
+    path = model_dirs["qwen2"]
+    prompt = random_prompts(1, seed=5, lengths=(20,))[0]
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64)).generate([prompt], seeded)[0]
+
+    crowded = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=48))
+    others = random_prompts(5, seed=9, lengths=(7, 60, 33, 2, 90))
+    noisy = SamplingParams(max_tokens=9, temperature=1.3, ignore_eos=True)
+    for i, p in enumerate(others):
+        crowded.add_request(f"other{i}", p, noisy)
+    crowded.step()
+    crowded.add_request("seeded", prompt, seeded)
+    got = []
+    while crowded.has_unfinished():
+        for out in crowded.step():
+            if out.request_id == "seeded":
+                got += out.new_token_ids
+    assert got == alone
+    different = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=99, ignore_eos=True)
+    runs = [Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64)).generate([prompt], different)[0] for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0] != alone  # another seed: its own, also reproducible
+
+
+def test_abort_frees_blocks_at_once(model_dirs):
+    engine = Engine.from_pretrained(model_dirs["qwen3"], EngineConfig(num_kv_blocks=64, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    engine.add_request("a", random_prompts(1, seed=1, lengths=(100,))[0], params)
+    engine.add_request("b", random_prompts(1, seed=2, lengths=(40,))[0], params)
+    for _ in range(3):
+        engine.step()
+    used = engine.block_manager.num_used_blocks
+    assert used >= 7 + 3
+    assert engine.abort("a")
+    assert engine.block_manager.num_used_blocks == used - engine.block_manager.blocks_needed(100 + 2)
+    assert not engine.abort("a")  # already gone
+    engine.check_integrity()
+    assert engine.abort("b")
+    assert engine.block_manager.num_used_blocks == 0
+    assert not engine.has_unfinished()
+    assert engine.stats.finished == {"abort": 2}
+
+
+def test_refuses_requests_that_can_never_fit(model_dirs):
+    engine = Engine.from_pretrained(model_dirs["qwen3"], EngineConfig(num_kv_blocks=8, max_model_len=100))
+    with pytest.raises(ValueError, match="max_model_len=100"):
+        engine.add_request("long", [5] * 101)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [])
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 512\)"):
+        engine.add_request("oov", [5, 512])
+    small_pool = Engine.from_pretrained(model_dirs["qwen3"], EngineConfig(num_kv_blocks=4))
+    assert small_pool.config.max_model_len == 64  # capped by what the pool holds
+    with pytest.raises(ValueError, match="64"):
+        small_pool.add_request("big", [5] * 65)
+    assert not engine.has_unfinished()
+    assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+
+
+def test_stop_strings_and_stop_tokens(model_dirs):
+    engine = Engine.from_pretrained(model_dirs["qwen3"], EngineConfig(num_kv_blocks=64))
+    tok = engine.tokenizer
+    for seed in range(50):  # a prompt whose greedy continuation is clean, varied text
+        prompt = random_prompts(1, seed=seed, lengths=(12,))[0]
+        free = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+        text = tok.decode(free)
+        if "\ufffd" not in text and len(set(text)) > 5:
+            break
+    assert "\ufffd" not in text
+    # stop on the 4th generated token id
+    got = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[free[3]]))[0]
+    assert got == free[: free.index(free[3]) + 1]
+    # a stop string taken from the middle of the text: output text ends before it
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    engine.add_request("s", prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))
+    pieces, last = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            pieces.append(out.new_text)
+            last = out
+    assert last.finish_reason == "stop" and last.stop_reason == stop
+    assert "".join(pieces) == text[: text.index(stop)]
