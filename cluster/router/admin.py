@@ -1,0 +1,61 @@
+"""`orchard router register|workers|drain|remove`: operate a running router over gRPC."""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.router.registry import STATE_NAMES
+
+
+def _call(router: str, method: str, request, timeout: float = 10.0):
+    with grpc.insecure_channel(router) as channel:
+        stub = pb_grpc.RouterStub(channel)
+        return getattr(stub, method)(request, timeout=timeout)
+
+
+def format_workers(workers: list[pb.WorkerInfo]) -> str:
+    """One row per worker: id, address, model, state, running, waiting, KV %, in-flight."""
+    header = ("ID", "ADDRESS", "MODEL", "STATE", "RUNNING", "WAITING", "KV %", "INFLIGHT")
+    rows = [header]
+    for w in workers:
+        total = w.load.kv_blocks_total
+        kv = f"{100.0 * w.load.kv_blocks_used / total:.1f}" if total else "-"
+        state = STATE_NAMES.get(w.state, "unknown") + (" (static)" if w.static else "")
+        rows.append((w.worker_id, w.address, w.model or "-", state, str(w.load.num_running),
+                     str(w.load.num_waiting), kv, str(w.inflight)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    right = {4, 5, 6, 7}
+    lines = ["  ".join(c.rjust(wd) if i in right else c.ljust(wd) for i, (c, wd) in enumerate(zip(r, widths))).rstrip()
+             for r in rows]
+    return "\n".join(lines)
+
+
+def list_workers(router: str, timeout: float = 10.0) -> list[pb.WorkerInfo]:
+    return list(_call(router, "ListWorkers", pb.ListWorkersRequest(), timeout).workers)
+
+
+def run(args) -> int:
+    try:
+        if args.router_command == "register":
+            for address in args.worker:
+                resp = _call(args.router, "AddWorker", pb.AddWorkerRequest(address=address))
+                print(f"registered {address} as {resp.worker_id}")
+        elif args.router_command == "workers":
+            workers = list_workers(args.router)
+            print(format_workers(workers) if workers else "no workers")
+        elif args.router_command == "drain":
+            resp = _call(args.router, "DrainWorker", pb.DrainWorkerRequest(worker_id=args.worker, drain=not args.undo))
+            w = resp.worker
+            print(f"{w.worker_id}: {STATE_NAMES.get(w.state, 'unknown')}, {w.load.num_running} running, "
+                  f"{w.load.num_waiting} waiting, {w.inflight} in flight from the router")
+        elif args.router_command == "remove":
+            _call(args.router, "RemoveWorker", pb.RemoveWorkerRequest(worker_id=args.worker))
+            print(f"removed {args.worker}")
+    except grpc.RpcError as e:
+        print(f"orchard router {args.router_command}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0

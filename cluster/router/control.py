@@ -1,0 +1,79 @@
+"""The router's `Router` service: registration, heartbeats, static workers, operations."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.router.registry import Registry, RegistryError
+
+log = logging.getLogger(__name__)
+
+
+class RouterControl(pb_grpc.RouterServicer):
+    def __init__(self, registry: Registry, add_timeout: float = 5.0):
+        self.registry = registry
+        self.add_timeout = add_timeout
+
+    async def RegisterWorker(self, request, context):
+        try:
+            w = self.registry.register(request.worker_id, request.address, request.join_token, request.load)
+        except RegistryError as e:
+            await context.abort(e.code, str(e))
+        interval_ms = int(self.registry.config.heartbeat_interval * 1000)
+        return pb.RegisterWorkerResponse(worker_id=w.worker_id, heartbeat_interval_ms=interval_ms)
+
+    async def Heartbeat(self, request, context):
+        try:
+            known = self.registry.heartbeat(request.worker_id, request.join_token, request.load)
+        except RegistryError as e:
+            await context.abort(e.code, str(e))
+        return pb.HeartbeatResponse(known=known)
+
+    async def AddWorker(self, request, context):
+        if not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address is required")
+        w = self.registry.add_static(request.address)
+        if not w.healthy:
+            await self.registry.poll_static(timeout=self.add_timeout)
+        w = self.registry.find(request.address)
+        if w is None or not w.healthy:
+            if w is not None and not w.report.model:
+                self.registry.remove(w.worker_id)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"could not reach a serving worker at {request.address} (GetLoad and gRPC health) "
+                f"within {self.add_timeout:g} s",
+            )
+        return pb.AddWorkerResponse(worker_id=w.worker_id)
+
+    async def RemoveWorker(self, request, context):
+        if self.registry.remove(request.worker_id) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
+        return pb.RemoveWorkerResponse()
+
+    async def ListWorkers(self, request, context):
+        workers = sorted(self.registry.snapshot(), key=lambda w: w.worker_id)
+        return pb.ListWorkersResponse(workers=[w.info() for w in workers])
+
+    async def DrainWorker(self, request, context):
+        w = self.registry.find(request.worker_id)
+        if w is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
+        w.drained = request.drain
+        # Tell the worker too, so that a drain outlives a router restart (the worker
+        # re-registers with draining=true) and direct clients see it. Best effort.
+        if w.admin is not None:
+            try:
+                await w.admin.Drain(pb.DrainRequest(drain=request.drain), timeout=self.add_timeout)
+                report = await w.admin.GetLoad(pb.GetLoadRequest(), timeout=self.add_timeout)
+                w.on_report(report, time.monotonic())
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
+                log.warning("could not forward drain=%s to %s: %s", request.drain, w.worker_id, e)
+        log.info("worker %s %s", w.worker_id, "draining" if request.drain else "taking requests again")
+        return pb.DrainWorkerResponse(worker=w.info())

@@ -1,0 +1,68 @@
+"""Router metrics on their own registry (the names are a contract, see ARCHITECTURE.md).
+
+Per-worker gauges are read from the registry at scrape time, so a removed worker's
+series disappear with it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from cluster.router.registry import STATE_NAMES, Registry
+
+# vLLM's TTFT bucket edges.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+# outcome label values of orchard_router_requests_total (one count per attempt on a worker)
+SUCCESS = "success"  # the stream finished on this worker
+FAILED = "failed"  # the worker failed; the request was placed again or resumed elsewhere
+ERROR = "error"  # an error went back to the client (bad request, or out of attempts)
+CANCELLED = "cancelled"  # the client went away
+NO_WORKER = "no_worker"  # nothing to place it on (worker label "none")
+
+
+class _WorkerGauges:
+    def __init__(self, registry: Registry):
+        self.registry = registry
+
+    def collect(self):
+        workers = self.registry.snapshot()
+        states = GaugeMetricFamily("orchard_router_workers", "Workers known to the router, by state", labels=["state"])
+        for state, name in STATE_NAMES.items():
+            states.add_metric([name], sum(1 for w in workers if w.state == state))
+        yield states
+        inflight = GaugeMetricFamily(
+            "orchard_router_inflight_requests", "Requests the router has open on each worker", labels=["worker"]
+        )
+        for w in workers:
+            inflight.add_metric([w.worker_id], w.inflight)
+        yield inflight
+
+
+class RouterMetrics:
+    def __init__(self, registry: Registry):
+        self.prometheus = CollectorRegistry()
+        r = self.prometheus
+        self.requests = Counter(
+            "orchard_router_requests_total", "Attempts on workers, by outcome", ["worker", "outcome"], registry=r
+        )
+        self.ttft = Histogram(
+            "orchard_router_time_to_first_token_seconds", "Time to first token seen by the router's clients",
+            buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "orchard_router_e2e_request_latency_seconds", "Request latency seen by the router's clients",
+            buckets=E2E_BUCKETS, registry=r,
+        )
+        self.retries = Counter(
+            "orchard_router_retries_total",
+            "Requests placed again after a worker failed: kind=retry before the first token, kind=resume mid-stream",
+            ["kind"], registry=r,
+        )
+        for kind in ("retry", "resume"):
+            self.retries.labels(kind=kind)
+        r.register(_WorkerGauges(registry))

@@ -1,0 +1,101 @@
+"""An approximate map from prompt prefixes to the workers likely to hold them in KV cache.
+
+The router has no tokenizer, so a prompt is cut into chunks it can see: 16-token blocks
+for token-id prompts (the worker's block size), 64-character chunks for text and chat.
+Chunk i's key is a hash chained over chunks 0..i (with the model name as the seed), so a
+key names a whole prefix, as in the worker's block manager. Each key remembers the
+workers a request with that prefix was recently sent to. The table is an LRU bounded in
+keys; workers forget cached blocks on their own, so the index is a hint, never the truth.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable
+
+TOKEN_BLOCK = 16
+TEXT_CHUNK = 64
+
+
+def chained_hashes(chunks: Iterable[bytes], seed: str = "") -> list[bytes]:
+    """h_i = H(h_{i-1} || chunk_i), h_{-1} = H(seed): equal keys mean equal prefixes."""
+    prev = hashlib.blake2b(seed.encode(), digest_size=8).digest()
+    keys = []
+    for chunk in chunks:
+        prev = hashlib.blake2b(prev + chunk, digest_size=8).digest()
+        keys.append(prev)
+    return keys
+
+
+def token_chunks(token_ids: list[int], block: int = TOKEN_BLOCK) -> list[bytes]:
+    """Full blocks only: a partial last block is never cached by a worker."""
+    n = len(token_ids) // block * block
+    return [b",".join(str(t).encode() for t in token_ids[i : i + block]) for i in range(0, n, block)]
+
+
+def text_chunks(text: str, size: int = TEXT_CHUNK) -> list[bytes]:
+    data = text.encode()
+    n = len(data) // size * size
+    return [data[i : i + size] for i in range(0, n, size)]
+
+
+def prompt_keys(request, block: int = TOKEN_BLOCK, chunk: int = TEXT_CHUNK) -> list[bytes]:
+    """Prefix keys of a GenerateRequest's prompt (text, token ids or chat messages)."""
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        chunks = token_chunks(list(request.token_ids.ids), block)
+    elif kind == "chat":
+        # Role and content with separators, as a chat template would lay them out.
+        text = "".join(f"\x1e{m.role}\x1f{m.content}" for m in request.chat.messages)
+        chunks = text_chunks(text, chunk)
+    else:
+        chunks = text_chunks(request.text, chunk)
+    return chained_hashes(chunks, seed=f"{kind}:{request.model}")
+
+
+class PrefixIndex:
+    """key -> {worker_id: last use tick}, LRU over keys, at most `max_keys` keys."""
+
+    def __init__(self, max_keys: int = 200_000, max_workers_per_key: int = 4):
+        self.max_keys = max_keys
+        self.max_workers_per_key = max_workers_per_key
+        self._table: OrderedDict[bytes, dict[str, int]] = OrderedDict()
+        self._tick = 0
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def match(self, keys: list[bytes], candidates: Iterable[str]) -> dict[str, int]:
+        """Per candidate worker: how many leading chunks of the prompt it likely holds."""
+        alive = set(candidates)
+        matched = dict.fromkeys(alive, 0)
+        for i, key in enumerate(keys):
+            owners = self._table.get(key)
+            if not owners:
+                break
+            alive &= owners.keys()
+            if not alive:
+                break
+            for w in alive:
+                matched[w] = i + 1
+        return matched
+
+    def insert(self, keys: list[bytes], worker_id: str) -> None:
+        """Record that `worker_id` now holds (or will hold) this prefix."""
+        self._tick += 1
+        for key in keys:
+            owners = self._table.get(key)
+            if owners is None:
+                owners = self._table[key] = {}
+            else:
+                self._table.move_to_end(key)
+            owners[worker_id] = self._tick
+            if len(owners) > self.max_workers_per_key:
+                del owners[min(owners, key=owners.__getitem__)]
+        while len(self._table) > self.max_keys:
+            self._table.popitem(last=False)
+
+    def remove_worker(self, worker_id: str) -> None:
+        for key in [k for k, owners in self._table.items() if owners.pop(worker_id, None) is not None and not owners]:
+            del self._table[key]

@@ -1,0 +1,148 @@
+"""The router's `Generation` service: place, relay chunk by chunk, fail over.
+
+One request, one loop of attempts (at most `max_attempts`):
+  place it on a candidate (policy) -> open a stream there -> relay each chunk.
+If the worker fails before the first token, the request is placed again elsewhere; if it
+fails mid-stream, it is resumed elsewhere with `resume_token_ids` = the tokens already
+relayed, so the worker continues after them and the client sees one stream with no
+duplicated or missing token. A failed worker is excluded for the rest of the request and
+marked unhealthy if it is unreachable. Errors that are the request's fault
+(INVALID_ARGUMENT, ...) go back to the client unchanged. A client cancel cancels the
+worker's stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.router import metrics as m
+from cluster.router.policy import Policy, PrefixAware
+from cluster.router.prefix_index import prompt_keys
+from cluster.router.registry import Registry, RegistryError
+
+log = logging.getLogger(__name__)
+
+# Failures of the worker (or the path to it), not of the request: worth another worker.
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,  # unreachable, died, shutting down, draining
+        grpc.StatusCode.RESOURCE_EXHAUSTED,  # its queue is full
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,  # cancelled on the worker's side (we never cancel a live attempt)
+    }
+)
+# The worker itself is gone or unreachable: stop placing anything there until it reports in.
+UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    max_attempts: int = 4  # placements per request, the first included
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class GenerationProxy(pb_grpc.GenerationServicer):
+    def __init__(self, registry: Registry, policy: Policy, metrics: m.RouterMetrics, config: ProxyConfig = ProxyConfig()):
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.config = config
+
+    async def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=self.registry.models())
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        t0 = time.perf_counter()
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        keys = prompt_keys(request) if isinstance(self.policy, PrefixAware) else []
+        upstream = pb.GenerateRequest()
+        upstream.CopyFrom(request)
+        upstream.request_id = rid
+        base_resume = list(request.resume_token_ids)
+        sent: list[int] = []  # tokens relayed to the client so far
+        excluded: set[str] = set()
+        failure: _WorkerFailed | None = None
+        first_token_at = None
+        for attempt in range(self.config.max_attempts):
+            try:
+                pool = [w for w in self.registry.candidates(request.model) if w.worker_id not in excluded]
+            except RegistryError as e:
+                pool, no_worker = [], e
+            else:
+                no_worker = RegistryError(grpc.StatusCode.UNAVAILABLE, "no other healthy worker")
+            if not pool:
+                self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
+                if failure is None:
+                    await context.abort(no_worker.code, str(no_worker))
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}",
+                )
+            worker = self.policy.choose(pool, keys)
+            if attempt:
+                self.metrics.retries.labels(kind="resume" if sent else "retry").inc()
+                log.info("request %s: %s on %s after %d tokens", rid, "resuming" if sent else "retrying",
+                         worker.worker_id, len(sent))
+            del upstream.resume_token_ids[:]
+            upstream.resume_token_ids.extend(base_resume + sent)
+            timeout = context.time_remaining()
+            worker.inflight += 1
+            call = worker.generation.Generate(upstream, timeout=timeout)
+            outcome = m.CANCELLED
+            try:
+                async for chunk in call:
+                    if chunk.token_ids:
+                        if first_token_at is None:
+                            first_token_at = time.perf_counter()
+                            self.metrics.ttft.observe(first_token_at - t0)
+                        sent.extend(chunk.token_ids)
+                    if chunk.finish_reason:
+                        if chunk.finish_reason == pb.FINISH_REASON_ABORT and context.cancelled() is False:
+                            # The worker gave up on it (shutting down): continue elsewhere.
+                            if chunk.token_ids or chunk.text:
+                                chunk.finish_reason = pb.FINISH_REASON_UNSPECIFIED
+                                chunk.ClearField("usage")
+                                yield chunk
+                            raise _WorkerFailed(grpc.StatusCode.ABORTED, "the worker aborted the request")
+                        if len(sent) + len(base_resume) > chunk.usage.completion_tokens:
+                            chunk.usage.completion_tokens = len(sent) + len(base_resume)
+                    yield chunk
+                outcome = m.SUCCESS
+                self.metrics.e2e.observe(time.perf_counter() - t0)
+                return
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code not in RETRYABLE:
+                    outcome = m.ERROR
+                    await context.abort(code, e.details() or code.name)
+                failure = _WorkerFailed(code, e.details() or code.name)
+                outcome = m.FAILED
+                if code in UNREACHABLE:
+                    self.registry.mark_failed(worker.worker_id, f"{code.name}: {e.details()}")
+            except _WorkerFailed as e:
+                failure, outcome = e, m.FAILED
+            finally:
+                worker.inflight -= 1
+                call.cancel()  # no-op once it finished; reaches the worker if the client left
+                self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
+            excluded.add(worker.worker_id)
+            log.warning("request %s: worker %s failed (%s: %s)", rid, worker.worker_id, failure.code.name, failure.details)
+        self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}",
+        )

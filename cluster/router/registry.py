@@ -1,0 +1,302 @@
+"""The router's view of its workers: registration, heartbeats, health, draining, load.
+
+Two ways in. A worker registers itself (`RegisterWorker` with the join token) and sends a
+heartbeat with its load report every `heartbeat_interval`; or an operator adds it
+statically (`AddWorker`) and the router polls its `GetLoad` and gRPC health at the same
+interval. Either way a worker not heard from for `missed_heartbeats` intervals is
+unhealthy (no new requests); a self-registered one is removed after `remove_after`
+seconds of silence (a static one stays, polled, until it is removed by hand). A failed
+stream also marks its worker unhealthy at once; the next heartbeat or poll that succeeds
+makes it healthy again.
+
+All of it runs on the router's event loop; `snapshot()` may be read from other threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+HEALTHY, UNHEALTHY, DRAINING = pb.WORKER_STATE_HEALTHY, pb.WORKER_STATE_UNHEALTHY, pb.WORKER_STATE_DRAINING
+STATE_NAMES = {HEALTHY: "healthy", UNHEALTHY: "unhealthy", DRAINING: "draining"}
+
+# Reconnect quickly after a worker or the network comes back (gRPC's default backoff
+# starts at 1 s and grows to 120 s).
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    join_token: str = ""  # empty: registration is open (a local cluster)
+    heartbeat_interval: float = 1.0
+    missed_heartbeats: int = 3
+    remove_after: float = 30.0
+
+    @property
+    def unhealthy_after(self) -> float:
+        return self.missed_heartbeats * self.heartbeat_interval
+
+
+@dataclass(eq=False)
+class WorkerRecord:
+    worker_id: str
+    address: str
+    static: bool = False
+    report: pb.LoadReport = field(default_factory=pb.LoadReport)
+    inflight: int = 0  # requests this router has open on the worker now
+    inflight_at_report: int = 0  # ... when the last report arrived
+    last_seen: float = field(default_factory=time.monotonic)
+    healthy: bool = True
+    drained: bool = False  # by an operator through the router
+    channel: object = None
+    generation: object = None  # GenerationStub
+    admin: object = None  # WorkerAdminStub
+    health: object = None  # HealthStub
+
+    @property
+    def model(self) -> str:
+        return self.report.model
+
+    @property
+    def state(self) -> int:
+        if not self.healthy:
+            return UNHEALTHY
+        if self.drained or self.report.draining:
+            return DRAINING
+        return HEALTHY
+
+    @property
+    def load(self) -> float:
+        """Requests on the worker: the report plus what this router placed since it, and
+        never less than this router's own in-flight count (reports lag by up to a second)."""
+        reported = self.report.num_running + self.report.num_waiting
+        return max(reported + self.inflight - self.inflight_at_report, self.inflight)
+
+    @property
+    def kv_usage(self) -> float:
+        total = self.report.kv_blocks_total
+        return self.report.kv_blocks_used / total if total else 0.0
+
+    def on_report(self, report: pb.LoadReport, now: float) -> None:
+        self.report = report
+        self.inflight_at_report = self.inflight
+        self.last_seen = now
+        self.healthy = True
+
+    def info(self) -> pb.WorkerInfo:
+        return pb.WorkerInfo(
+            worker_id=self.worker_id,
+            address=self.address,
+            model=self.model,
+            state=self.state,
+            load=self.report,
+            inflight=self.inflight,
+            static=self.static,
+        )
+
+
+class RegistryError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Registry:
+    def __init__(self, config: RegistryConfig = RegistryConfig(), connect: bool = True, on_remove=None):
+        self.config = config
+        self.workers: dict[str, WorkerRecord] = {}
+        self._connect = connect  # False in unit tests: no channels
+        self._on_remove = on_remove or (lambda worker_id: None)
+        self._closing: set[asyncio.Task] = set()
+
+    # -- lookups ------------------------------------------------------------------------------
+    def find(self, key: str) -> WorkerRecord | None:
+        """By id, or else by address."""
+        if key in self.workers:
+            return self.workers[key]
+        return next((w for w in self.workers.values() if w.address == key), None)
+
+    def snapshot(self) -> list[WorkerRecord]:
+        return list(self.workers.values())
+
+    def candidates(self, model: str) -> list[WorkerRecord]:
+        """Healthy, not draining, serving `model` (any model when empty). Raises
+        NOT_FOUND when no worker serves the model, UNAVAILABLE when none is healthy."""
+        serving = [w for w in self.workers.values() if not model or w.model == model]
+        if not serving:
+            known = sorted({w.model for w in self.workers.values() if w.model})
+            what = f"model {model!r}" if model else "any model"
+            raise RegistryError(
+                grpc.StatusCode.NOT_FOUND if model else grpc.StatusCode.UNAVAILABLE,
+                f"no worker serves {what}" + (f" (served: {', '.join(known)})" if known else " (no workers registered)"),
+            )
+        ready = [w for w in serving if w.state == HEALTHY]
+        if not ready:
+            states = ", ".join(f"{w.worker_id}: {STATE_NAMES[w.state]}" for w in serving)
+            raise RegistryError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no healthy worker for {('model ' + repr(model)) if model else 'the request'} ({states})",
+            )
+        return ready
+
+    def models(self) -> list[pb.ModelInfo]:
+        seen: dict[str, pb.ModelInfo] = {}
+        for w in self.workers.values():
+            if w.model and w.healthy:
+                info = seen.setdefault(w.model, pb.ModelInfo(id=w.model, owned_by="orchard"))
+                info.max_model_len = max(info.max_model_len, w.report.max_model_len)
+        return sorted(seen.values(), key=lambda m: m.id)
+
+    # -- registration -----------------------------------------------------------------------------
+    def check_token(self, token: str) -> None:
+        expected = self.config.join_token
+        if expected and not hmac.compare_digest(token.encode(), expected.encode()):
+            raise RegistryError(grpc.StatusCode.PERMISSION_DENIED, "wrong join token")
+
+    def register(self, worker_id: str, address: str, token: str, report: pb.LoadReport) -> WorkerRecord:
+        self.check_token(token)
+        if not address:
+            raise RegistryError(grpc.StatusCode.INVALID_ARGUMENT, "a worker must register with its address")
+        worker_id = worker_id or report.worker_id or address
+        return self._upsert(worker_id, address, report, static=False)
+
+    def heartbeat(self, worker_id: str, token: str, report: pb.LoadReport) -> bool:
+        """False: the worker is unknown (the router restarted, or removed it) and must register."""
+        self.check_token(token)
+        w = self.workers.get(worker_id)
+        if w is None:
+            return False
+        w.on_report(report, time.monotonic())
+        return True
+
+    def add_static(self, address: str, report: pb.LoadReport | None = None) -> WorkerRecord:
+        """An operator's worker: polled by the router. Its id comes from its first report."""
+        existing = self.find(address)
+        if existing is not None and (report is None or existing.worker_id == (report.worker_id or address)):
+            existing.static = True
+            if report is not None:
+                existing.on_report(report, time.monotonic())
+            return existing
+        worker_id = (report.worker_id if report is not None else "") or address
+        w = self._upsert(worker_id, address, report or pb.LoadReport(), static=True)
+        if report is None:
+            w.healthy = False  # not heard from yet
+        return w
+
+    def _upsert(self, worker_id: str, address: str, report: pb.LoadReport, static: bool) -> WorkerRecord:
+        now = time.monotonic()
+        w = self.workers.get(worker_id)
+        if w is not None and w.address != address:
+            log.info("worker %s moved from %s to %s", worker_id, w.address, address)
+            self.remove(worker_id)
+            w = None
+        # Another id at this address: the worker restarted under a new id.
+        stale = self.find(address)
+        if w is None and stale is not None and stale.worker_id != worker_id:
+            self.remove(stale.worker_id)
+        if w is None:
+            w = WorkerRecord(worker_id=worker_id, address=address, static=static)
+            self._open(w)
+            self.workers[worker_id] = w
+            log.info("worker %s at %s joined (model %s%s)", worker_id, address, report.model, ", static" if static else "")
+        w.static = w.static or static
+        w.on_report(report, now)
+        return w
+
+    def remove(self, key: str) -> WorkerRecord | None:
+        w = self.find(key)
+        if w is None:
+            return None
+        del self.workers[w.worker_id]
+        self._on_remove(w.worker_id)
+        if w.channel is not None:
+            task = asyncio.ensure_future(w.channel.close(grace=None))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        log.info("worker %s at %s removed", w.worker_id, w.address)
+        return w
+
+    def _open(self, w: WorkerRecord) -> None:
+        if not self._connect:
+            return
+        w.channel = grpc.aio.insecure_channel(w.address, options=CHANNEL_OPTIONS)
+        w.generation = pb_grpc.GenerationStub(w.channel)
+        w.admin = pb_grpc.WorkerAdminStub(w.channel)
+        w.health = health_pb2_grpc.HealthStub(w.channel)
+
+    # -- health -----------------------------------------------------------------------------------
+    def mark_failed(self, worker_id: str, why: str) -> None:
+        w = self.workers.get(worker_id)
+        if w is not None and w.healthy:
+            log.warning("worker %s marked unhealthy: %s", worker_id, why)
+            w.healthy = False
+
+    def sweep(self, now: float | None = None) -> None:
+        """Mark silent workers unhealthy; remove self-registered ones silent too long."""
+        now = time.monotonic() if now is None else now
+        for w in list(self.workers.values()):
+            silent = now - w.last_seen
+            if w.healthy and silent > self.config.unhealthy_after:
+                log.warning("worker %s missed %d heartbeats: unhealthy", w.worker_id, self.config.missed_heartbeats)
+                w.healthy = False
+            if not w.static and silent > self.config.remove_after:
+                self.remove(w.worker_id)
+
+    async def poll_static(self, timeout: float | None = None) -> None:
+        """One round of GetLoad + health checks of the static workers."""
+        statics = [w for w in self.workers.values() if w.static and w.admin is not None]
+        if statics:
+            await asyncio.gather(*(self._poll(w, timeout or self.config.heartbeat_interval) for w in statics))
+
+    async def _poll(self, w: WorkerRecord, timeout: float) -> None:
+        try:
+            report, health = await asyncio.gather(
+                w.admin.GetLoad(pb.GetLoadRequest(), timeout=timeout),
+                w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout),
+            )
+        except grpc.aio.AioRpcError as e:
+            log.debug("poll of %s failed: %s", w.address, e.code())
+            return
+        if health.status != health_pb2.HealthCheckResponse.SERVING:
+            return
+        if w.worker_id in self.workers and self.workers[w.worker_id] is w:
+            new_id = report.worker_id
+            if new_id and new_id != w.worker_id and w.worker_id == w.address and new_id not in self.workers:
+                # First report of a worker added before it was up: adopt its own id.
+                del self.workers[w.worker_id]
+                w.worker_id = new_id
+                self.workers[w.worker_id] = w
+            w.on_report(report, time.monotonic())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """The health loop: sweep and poll every heartbeat interval until `stop` is set."""
+        interval = self.config.heartbeat_interval
+        while not stop.is_set():
+            self.sweep()
+            await self.poll_static()
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        for w in self.workers.values():
+            if w.channel is not None:
+                await w.channel.close(grace=None)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

@@ -1,0 +1,161 @@
+"""`orchard router serve`: the router process.
+
+gRPC (grpc.aio): `Generation` (proxied to workers, with failover), `Router` (registration
+and operations) and gRPC health. HTTP: the OpenAI-compatible API in front of the same
+`Generation` service. Metrics: Prometheus on its own port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.router.control import RouterControl
+from cluster.router.metrics import RouterMetrics
+from cluster.router.policy import make_policy
+from cluster.router.proxy import GenerationProxy, ProxyConfig
+from cluster.router.registry import Registry, RegistryConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    grpc_address: str = "127.0.0.1:50051"
+    http_address: str | None = "127.0.0.1:8080"  # None: no HTTP API
+    metrics_address: str | None = "127.0.0.1:9100"  # None: no metrics endpoint
+    policy: str = "prefix_aware"
+    join_token: str = ""
+    heartbeat_interval: float = 1.0
+    missed_heartbeats: int = 3
+    remove_after: float = 30.0
+    max_attempts: int = 4
+    static_workers: tuple[str, ...] = ()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig = RouterConfig()):
+        self.config = config
+        self.policy = make_policy(config.policy)
+        self.registry = Registry(
+            RegistryConfig(
+                join_token=config.join_token,
+                heartbeat_interval=config.heartbeat_interval,
+                missed_heartbeats=config.missed_heartbeats,
+                remove_after=config.remove_after,
+            ),
+            on_remove=self.policy.forget,
+        )
+        self.metrics = RouterMetrics(self.registry)
+        self.proxy = GenerationProxy(self.registry, self.policy, self.metrics, ProxyConfig(config.max_attempts))
+        self.grpc_port: int | None = None
+        self.http_port: int | None = None
+        self.metrics_port: int | None = None
+        self._server = None
+        self._http = None
+        self._metrics_http = None
+        self._stop = asyncio.Event()
+        self._health_task = None
+
+    async def start(self) -> None:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_GenerationServicer_to_server(self.proxy, server)
+        pb_grpc.add_RouterServicer_to_server(RouterControl(self.registry), server)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        self.grpc_port = server.add_insecure_port(self.config.grpc_address)
+        if not self.grpc_port:
+            raise OSError(f"cannot bind the router's gRPC address {self.config.grpc_address}")
+        await server.start()
+        self._server = server
+        for address in self.config.static_workers:
+            self.registry.add_static(address)
+        self._health_task = asyncio.create_task(self.registry.run(self._stop))
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_address:
+            self._start_metrics()
+        if self.config.http_address:
+            await self._start_http()
+        log.info(
+            "router (%s) on gRPC %s, HTTP %s, metrics %s", self.policy.name, self.grpc_address,
+            self.http_address or "off", self.metrics_address or "off",
+        )
+
+    def _start_metrics(self) -> None:
+        from prometheus_client import start_http_server
+
+        host, port = split_address(self.config.metrics_address)
+        self._metrics_http, _ = start_http_server(port, addr=host, registry=self.metrics.prometheus)
+        self.metrics_port = self._metrics_http.server_port
+
+    async def _start_http(self) -> None:
+        from cluster import openai_api
+
+        host, port = split_address(self.config.http_address)
+        self._http = await openai_api.start_http(self.grpc_address, host, port)
+        self.http_port = self._http.port
+
+    def _local(self, port: int | None, configured: str | None) -> str | None:
+        if port is None or configured is None:
+            return None
+        host, _ = split_address(configured)
+        return f"{host}:{port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return self._local(self.grpc_port, self.config.grpc_address)
+
+    @property
+    def http_address(self) -> str | None:
+        return self._local(self.http_port, self.config.http_address)
+
+    @property
+    def metrics_address(self) -> str | None:
+        return self._local(self.metrics_port, self.config.metrics_address)
+
+    async def stop(self, grace: float = 3.0) -> None:
+        self._stop.set()
+        if self._http is not None:
+            await self._http.stop()
+        if self._server is not None:
+            await self._health.enter_graceful_shutdown()
+            await self._server.stop(grace)
+        if self._health_task is not None:
+            await self._health_task
+        await self.registry.close()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+
+    async def wait(self) -> None:
+        await self._stop.wait()
+
+
+async def serve(config: RouterConfig) -> None:
+    """Run until SIGINT/SIGTERM."""
+    router = RouterServer(config)
+    await router.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, router._stop.set)
+    print(
+        f"orchard router: grpc={router.grpc_address} http={router.http_address or 'off'} "
+        f"metrics={router.metrics_address or 'off'} policy={router.policy.name}",
+        flush=True,
+    )
+    await router.wait()
+    log.info("router stopping")
+    await router.stop()

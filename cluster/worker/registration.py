@@ -1,0 +1,115 @@
+"""Keeps a worker registered with a router: `RegisterWorker`, then a `Heartbeat` with the
+load report every interval.
+
+- The router answers a registration with its heartbeat interval; the worker beats at the
+  shorter of that and its own, so the router never counts a beat as missed.
+- A heartbeat answered `known=false` (the router restarted or removed the worker) is
+  followed by a new registration right away.
+- An unreachable router is retried every interval, for ever: workers may start first.
+- A wrong join token (PERMISSION_DENIED) stops the loop with an error logged; `denied`
+  says so. The worker keeps serving direct clients.
+
+Usage from the worker's event loop:
+    reg = Registration(router, advertise_address, load_report_fn, join_token=token)
+    reg.start()  ...  await reg.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class Registration:
+    def __init__(
+        self,
+        router: str,
+        address: str,
+        load: Callable[[], pb.LoadReport],
+        join_token: str = "",
+        worker_id: str = "",
+        interval: float = 1.0,
+    ):
+        self.router = router
+        self.address = address  # where the router reaches this worker's gRPC server
+        self.load = load
+        self.join_token = join_token
+        self.worker_id = worker_id
+        self.interval = interval
+        self.registered = False
+        self.denied = False
+        self.registrations = 0  # how many times it (re-)registered
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> asyncio.Task:
+        self._task = asyncio.create_task(self.run(), name="orchard-registration")
+        return self._task
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        period = self.interval
+        async with grpc.aio.insecure_channel(self.router, options=CHANNEL_OPTIONS) as channel:
+            stub = pb_grpc.RouterStub(channel)
+            next_at = loop.time()
+            while True:
+                try:
+                    if not self.registered:
+                        period = await self._register(stub)
+                    else:
+                        reply = await stub.Heartbeat(
+                            pb.HeartbeatRequest(worker_id=self.worker_id, join_token=self.join_token, load=self.load()),
+                            timeout=max(period, 1.0),
+                        )
+                        if not reply.known:
+                            log.info("router %s does not know worker %s: registering again", self.router, self.worker_id)
+                            self.registered = False
+                            continue
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                        self.denied = True
+                        log.error("router %s refused worker %s: %s", self.router, self.address, e.details())
+                        return
+                    if self.registered:
+                        log.warning("heartbeat to router %s failed: %s", self.router, e.code().name)
+                    else:
+                        log.debug("cannot register with router %s yet: %s", self.router, e.code().name)
+                except Exception:  # a bug in load(): keep beating
+                    log.exception("heartbeat failed")
+                next_at = max(next_at + period, loop.time())
+                await asyncio.sleep(next_at - loop.time())
+
+    async def _register(self, stub) -> float:
+        reply = await stub.RegisterWorker(
+            pb.RegisterWorkerRequest(
+                worker_id=self.worker_id, address=self.address, join_token=self.join_token, load=self.load()
+            ),
+            timeout=max(2 * self.interval, 2.0),
+        )
+        self.worker_id = reply.worker_id
+        self.registered = True
+        self.registrations += 1
+        log.info("registered with router %s as %s (at %s)", self.router, self.worker_id, self.address)
+        router_interval = reply.heartbeat_interval_ms / 1000.0
+        return min(self.interval, router_interval) if router_interval > 0 else self.interval

@@ -1,0 +1,283 @@
+"""The router in-process against fake workers (no model): proxying, failover, registration.
+
+Cheap (a few seconds in all); the same behaviours against real `orchard worker serve`
+processes are in test_router_procs.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import grpc
+import pytest
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.router.registry import HEALTHY
+from cluster.router.server import RouterConfig, RouterServer
+from cluster.router.testing import FakeWorker, fake_token
+from cluster.worker.registration import Registration
+
+
+def run(coro, timeout: float = 30):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class Cluster:
+    """A router on a free port and fake workers registered with it."""
+
+    def __init__(self, n_workers: int = 2, policy: str = "prefix_aware", **router_kwargs):
+        self.n_workers = n_workers
+        self.policy = policy
+        self.router_kwargs = router_kwargs
+        self.workers: list[FakeWorker] = []
+        self.registrations: list[Registration] = []
+
+    async def __aenter__(self):
+        cfg = RouterConfig(grpc_address="127.0.0.1:0", http_address=None, metrics_address="127.0.0.1:0",
+                           policy=self.policy, join_token="tok", heartbeat_interval=0.2, **self.router_kwargs)
+        self.router = RouterServer(cfg)
+        await self.router.start()
+        for i in range(self.n_workers):
+            await self.add_worker(f"w{i}")
+        await self.wait_healthy(self.n_workers)
+        self.channel = grpc.aio.insecure_channel(self.router.grpc_address)
+        self.gen = pb_grpc.GenerationStub(self.channel)
+        self.ctl = pb_grpc.RouterStub(self.channel)
+        return self
+
+    async def add_worker(self, worker_id: str, **kw) -> FakeWorker:
+        w = await FakeWorker(worker_id, **kw).start()
+        reg = Registration(self.router.grpc_address, w.address, w.load_report, join_token="tok",
+                           worker_id=worker_id, interval=0.2)
+        reg.start()
+        self.workers.append(w)
+        self.registrations.append(reg)
+        return w
+
+    async def wait_healthy(self, n: int, timeout: float = 5.0):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            if sum(w.state == HEALTHY for w in self.router.registry.snapshot()) >= n:
+                return
+            await asyncio.sleep(0.02)
+        raise TimeoutError(f"{n} healthy workers not seen in {timeout} s")
+
+    async def __aexit__(self, *exc):
+        await self.channel.close()
+        for reg in self.registrations:
+            await reg.stop()
+        await self.router.stop(grace=0)
+        for w in self.workers:
+            await w.server.stop(0)
+
+    async def generate(self, text: str, max_tokens: int = 8, **kw):
+        req = pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0), **kw)
+        return [c async for c in self.gen.Generate(req)]
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://{self.router.metrics_address}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+
+def expected_tokens(text: str, n: int) -> list[int]:
+    req = pb.GenerateRequest(text=text)
+    return [fake_token(req, i) for i in range(n)]
+
+
+def tokens(chunks) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def test_relays_a_stream():
+    async def main():
+        async with Cluster() as c:
+            chunks = await c.generate("hello", max_tokens=6, request_id="r1")
+            assert tokens(chunks) == expected_tokens("hello", 6)
+            assert all(ch.request_id == "r1" for ch in chunks)
+            assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert chunks[-1].usage.completion_tokens == 6
+            models = await c.gen.ListModels(pb.ListModelsRequest())
+            assert [m.id for m in models.models] == ["fake"]
+            text = c.metrics()
+            assert 'orchard_router_requests_total{outcome="success",worker=' in text
+            assert 'orchard_router_workers{state="healthy"} 2.0' in text
+            assert "orchard_router_time_to_first_token_seconds_count 1.0" in text
+
+    run(main())
+
+
+def test_retry_before_the_first_token():
+    async def main():
+        async with Cluster() as c:
+            await c.registrations[0].stop()
+            await c.workers[0].die()  # still registered and healthy for the router
+            for i in range(4):
+                chunks = await c.generate(f"prompt {i}")
+                assert tokens(chunks) == expected_tokens(f"prompt {i}", 8)
+                assert {ch.worker_id for ch in chunks} == {"w1"}
+            assert c.router.registry.workers["w0"].state != HEALTHY
+            assert 'orchard_router_retries_total{kind="retry"} 1.0' in c.metrics()
+
+    run(main())
+
+
+@pytest.mark.parametrize("die_after", [1, 5])
+def test_resume_mid_stream(die_after):
+    async def main():
+        async with Cluster(policy="round_robin") as c:
+            c.workers[0].die_after_tokens = die_after
+            c.workers[0].token_delay = 0.01
+            chunks = await c.generate("resume me", max_tokens=12)
+            assert tokens(chunks) == expected_tokens("resume me", 12)
+            assert [ch.worker_id for ch in chunks][: die_after] == ["w0"] * die_after
+            assert chunks[-1].worker_id == "w1"
+            assert chunks[-1].usage.completion_tokens == 12
+            assert len(c.workers[1].requests[-1].resume_token_ids) == die_after
+            assert 'orchard_router_retries_total{kind="resume"} 1.0' in c.metrics()
+
+    run(main())
+
+
+def test_many_streams_survive_a_worker_death():
+    async def main():
+        async with Cluster() as c:
+            c.workers[0].die_after_tokens = 40
+            texts = [f"stream {i}" for i in range(16)]
+            results = await asyncio.gather(*(c.generate(t, max_tokens=20) for t in texts))
+            for t, chunks in zip(texts, results):
+                assert tokens(chunks) == expected_tokens(t, 20)
+
+    run(main())
+
+
+def test_request_errors_are_not_retried():
+    async def main():
+        async with Cluster() as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate("invalid")
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert sum(len(w.requests) for w in c.workers) == 0
+            assert 'orchard_router_retries_total{kind="retry"} 0.0' in c.metrics()
+
+    run(main())
+
+
+def test_no_worker_for_the_model():
+    async def main():
+        async with Cluster(n_workers=1) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate("x", model="nope")
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "fake" in e.value.details()
+            await c.ctl.DrainWorker(pb.DrainWorkerRequest(worker_id="w0", drain=True))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate("x", model="fake")
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "draining" in e.value.details()
+            assert c.workers[0].draining  # forwarded to the worker
+            await c.ctl.DrainWorker(pb.DrainWorkerRequest(worker_id="w0", drain=False))
+            assert tokens(await c.generate("x", model="fake"))
+
+    run(main())
+
+
+def test_wrong_join_token_is_refused():
+    async def main():
+        async with Cluster(n_workers=0) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.ctl.RegisterWorker(pb.RegisterWorkerRequest(worker_id="x", address="127.0.0.1:1",
+                                                                    join_token="bad"))
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            w = await FakeWorker("x").start()
+            reg = Registration(c.router.grpc_address, w.address, w.load_report, join_token="bad", interval=0.1)
+            await asyncio.wait_for(reg.start(), 5)  # the loop ends by itself
+            assert reg.denied and not c.router.registry.workers
+            await w.server.stop(0)
+
+    run(main())
+
+
+def test_client_cancel_reaches_the_worker():
+    async def main():
+        async with Cluster(n_workers=1) as c:
+            w = c.workers[0]
+            w.token_delay = 0.05
+            call = c.gen.Generate(pb.GenerateRequest(text="long", sampling=pb.SamplingParams(max_tokens=1000)))
+            async for _ in call:
+                break
+            call.cancel()
+            for _ in range(100):
+                if w.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            assert w.cancelled == 1 and w.running == 0
+            assert c.router.registry.workers["w0"].inflight == 0
+
+    run(main())
+
+
+def test_router_restart_workers_register_again():
+    async def main():
+        async with Cluster() as c:
+            port = c.router.grpc_port
+            await c.router.stop(grace=0)
+            cfg = RouterConfig(grpc_address=f"127.0.0.1:{port}", http_address=None, metrics_address=None,
+                               join_token="tok", heartbeat_interval=0.2)
+            c.router = RouterServer(cfg)
+            await c.router.start()
+            await c.wait_healthy(2, timeout=5)
+            assert all(r.registrations == 2 for r in c.registrations)
+
+    run(main())
+
+
+def test_silent_worker_becomes_unhealthy():
+    async def main():
+        async with Cluster() as c:
+            await c.registrations[0].stop()  # no more heartbeats
+            await asyncio.sleep(0.9)  # > 3 intervals of 0.2 s
+            states = {w.worker_id: w.state for w in c.router.registry.snapshot()}
+            assert states == {"w0": pb.WORKER_STATE_UNHEALTHY, "w1": HEALTHY}
+            for i in range(3):
+                assert {ch.worker_id for ch in await c.generate(f"p{i}")} == {"w1"}
+
+    run(main())
+
+
+def test_static_worker_is_polled():
+    async def main():
+        async with Cluster(n_workers=0) as c:
+            w = await FakeWorker("s0").start()
+            c.workers.append(w)
+            resp = await c.ctl.AddWorker(pb.AddWorkerRequest(address=w.address))
+            assert resp.worker_id == "s0"
+            w.extra_running = 5
+            await asyncio.sleep(0.5)
+            info = (await c.ctl.ListWorkers(pb.ListWorkersRequest())).workers
+            assert [(i.worker_id, i.static, i.state, i.load.num_running) for i in info] == [("s0", True, HEALTHY, 5)]
+            assert tokens(await c.generate("static"))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.ctl.AddWorker(pb.AddWorkerRequest(address="127.0.0.1:1"))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    run(main())
+
+
+def test_placement_follows_load_and_prefix():
+    async def main():
+        async with Cluster() as c:
+            c.workers[0].extra_running = 30
+            await asyncio.sleep(0.5)  # a heartbeat carries it
+            for i in range(4):
+                assert {ch.worker_id for ch in await c.generate(f"short {i}")} == {"w1"}
+            c.workers[0].extra_running = 0
+            await asyncio.sleep(0.5)
+            prefix = "a long shared system prompt about apples and pears. " * 10
+            first = (await c.generate(prefix + "q0"))[0].worker_id
+            for i in range(1, 5):
+                assert (await c.generate(prefix + f"q{i}"))[0].worker_id == first
+
+    run(main())
