@@ -109,21 +109,55 @@ class AttentionPlan:
             self._masks[key] = m
         return m
 
+    def bias(self, gi: int, sliding_window: int, group: int, dtype) -> mx.array:
+        """Additive mask [N, 1, group*q, L] (0 / -inf), query heads of a KV head folded in."""
+        key = (gi, sliding_window, group, dtype)
+        b = self._masks.get(key)
+        if b is None:
+            m = _fold_mask(self.mask(gi, sliding_window), group)
+            b = mx.where(m, mx.array(0.0, dtype), mx.array(-float("inf"), dtype))
+            self._masks[key] = b
+        return b
 
-def _attend(q, k, v, mask, scale: float, softcap: float):
-    """q [N, H, q, D]; k, v [N, KVH, L, D]; mask [N, 1, q, L] bool."""
-    if not softcap:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+def _fold_mask(mask: mx.array, group: int) -> mx.array:
+    """[N, 1, q, L] -> [N, 1, group*q, L], row g*q + i being query i of head g."""
+    N, _, Lq, L = mask.shape
+    if Lq == 1:
+        return mask.reshape(N, 1, 1, L)
+    return mx.broadcast_to(mask[:, :, None], (N, 1, group, Lq, L)).reshape(N, 1, group * Lq, L)
+
+
+@mx.compile
+def _attend_fused(q, k, v, bias, scale):
+    """q [N, KVH, G*q, D]; k, v [N, KVH, L, D] contiguous; bias [N, 1, G*q | 1, L] additive."""
+    scores = (q * scale) @ k.swapaxes(-1, -2) + bias
+    return mx.softmax(scores, axis=-1, precise=True) @ v
+
+
+def _attend(q, k, v, plan: AttentionPlan, gi: int, sliding_window: int, scale: float, softcap: float):
+    """q [N, H, q, D]; k, v [N, KVH, L, D] for group `gi` of the plan.
+
+    The G query heads sharing a KV head are folded into rows, so QK^T and PV are one
+    matmul per (sequence, KV head). K/V are made contiguous first: MLX's CPU matmul and
+    SDPA are several times slower on the transposed views the gather produces.
+    """
     N, H, Lq, D = q.shape
     KVH = k.shape[1]
     G = H // KVH
-    qg = (q * scale).reshape(N, KVH, G, Lq, D)
-    scores = qg @ k[:, :, None].swapaxes(-1, -2)  # [N, KVH, G, q, L]
+    k = mx.contiguous(k)
+    v = mx.contiguous(v)
+    qg = q.reshape(N, KVH, G * Lq, D)
+    if not softcap:
+        bias = plan.bias(gi, sliding_window, G, q.dtype)
+        out = _attend_fused(qg, k, v, bias, mx.array(scale, q.dtype))
+        return out.reshape(N, H, Lq, D)
+    mask = _fold_mask(plan.mask(gi, sliding_window), G)
+    scores = (qg * scale) @ k.swapaxes(-1, -2)  # [N, KVH, G*q, L]
     scores = mx.tanh(scores / softcap) * softcap
-    scores = mx.where(mask[:, :, None], scores, mx.array(-float("inf"), scores.dtype))
+    scores = mx.where(mask, scores, mx.array(-float("inf"), scores.dtype))
     probs = mx.softmax(scores.astype(mx.float32), axis=-1, precise=True).astype(v.dtype)
-    out = probs @ v[:, :, None]  # [N, KVH, G, q, D]
-    return out.reshape(N, H, Lq, D)
+    return (probs @ v).reshape(N, H, Lq, D)
 
 
 def paged_attention_reference(
@@ -151,7 +185,7 @@ def paged_attention_reference(
         k = k_cache[g.block_tables].reshape(N, L, KVH, D).transpose(0, 2, 1, 3)
         v = v_cache[g.block_tables].reshape(N, L, KVH, D).transpose(0, 2, 1, 3)
         qg = q[g.rows].reshape(N, g.q_len, H, D).transpose(0, 2, 1, 3)
-        o = _attend(qg, k, v, plan.mask(gi, sliding_window), scale, softcap)
+        o = _attend(qg, k, v, plan, gi, sliding_window, scale, softcap)
         outs.append(o.transpose(0, 2, 1, 3).reshape(N * g.q_len, H, D))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     if plan.restore is not None:
