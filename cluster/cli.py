@@ -53,6 +53,82 @@ def engine_config_from_args(args):
     )
 
 
+def _cmd_router_serve(args) -> int:
+    import asyncio
+
+    from cluster.router.server import RouterConfig, serve
+
+    off = lambda a: None if a in (None, "", "off") else a  # noqa: E731
+    config = RouterConfig(
+        grpc_address=args.grpc, http_address=off(args.http), metrics_address=off(args.metrics), policy=args.policy,
+        join_token=args.join_token, heartbeat_interval=args.heartbeat_interval,
+        missed_heartbeats=args.missed_heartbeats, remove_after=args.remove_after, max_attempts=args.max_attempts,
+        static_workers=tuple(args.worker or ()),
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+def _cmd_router_admin(args) -> int:
+    from cluster.router.admin import run
+
+    return run(args)
+
+
+def _cmd_up(args) -> int:
+    from cluster.up import run_up
+
+    return run_up(args)
+
+
+def add_router_parsers(sub) -> None:
+    """`orchard router serve|register|workers|drain|remove` and `orchard up`."""
+    import os
+
+    from cluster.router.policy import POLICIES
+
+    router = sub.add_parser("router", help="the router: serve, register workers, list, drain")
+    rsub = router.add_subparsers(dest="router_command", required=True)
+    serve = rsub.add_parser("serve", help="run a router")
+    serve.add_argument("--grpc", default="127.0.0.1:50051", help="gRPC address (Generation + Router services)")
+    serve.add_argument("--http", default="127.0.0.1:8080", help="OpenAI-compatible HTTP address, or off")
+    serve.add_argument("--metrics", default="127.0.0.1:9100", help="Prometheus /metrics address, or off")
+    serve.add_argument("--join-token", default=os.environ.get("ORCHARD_JOIN_TOKEN", ""),
+                       help="workers must present it to register (default $ORCHARD_JOIN_TOKEN; empty: open)")
+    serve.add_argument("--policy", choices=sorted(POLICIES), default="prefix_aware")
+    serve.add_argument("--worker", action="append", metavar="ADDR", help="a static worker to poll (repeatable)")
+    serve.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats/polls")
+    serve.add_argument("--missed-heartbeats", type=int, default=3, help="missed beats before a worker is unhealthy")
+    serve.add_argument("--remove-after", type=float, default=30.0, help="seconds of silence before removal")
+    serve.add_argument("--max-attempts", type=int, default=4, help="placements per request (retries + resumes)")
+    serve.set_defaults(func=_cmd_router_serve)
+    for name, what in (("register", "add static workers (the router polls them)"), ("workers", "list the workers"),
+                       ("drain", "stop new placements on a worker; it finishes what it has"),
+                       ("remove", "forget a worker")):
+        p = rsub.add_parser(name, help=what)
+        p.add_argument("--router", default="127.0.0.1:50051", help="the router's gRPC address")
+        if name == "register":
+            p.add_argument("--worker", action="append", required=True, metavar="ADDR", help="worker gRPC address")
+        elif name in ("drain", "remove"):
+            p.add_argument("worker", help="worker id or address")
+        if name == "drain":
+            p.add_argument("--undo", action="store_true", help="take requests again")
+        p.set_defaults(func=_cmd_router_admin)
+
+    up = sub.add_parser("up", help="a router and N local workers, until Ctrl-C")
+    up.add_argument("--model", default=None, help="mlx-lm model directory (default: the built-in small model)")
+    up.add_argument("--workers", type=int, default=2)
+    up.add_argument("--grpc", default="127.0.0.1:50051")
+    up.add_argument("--http", default="127.0.0.1:8080", help="or off")
+    up.add_argument("--metrics", default="127.0.0.1:9100", help="or off")
+    up.add_argument("--policy", choices=sorted(POLICIES), default="prefix_aware")
+    up.add_argument("--worker-port-base", type=int, default=50061, help="worker i: gRPC port base+i (0: free ports)")
+    up.add_argument("--worker-metrics-port-base", type=int, default=9101, help="worker i: metrics port base+i (0: free)")
+    up.add_argument("--log-dir", default=None, help="where the processes log (default: a temporary directory)")
+    up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the workers")
+    up.set_defaults(func=_cmd_up)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchard", description="Serve LLMs from a fleet of Macs.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -73,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0)
     add_engine_args(run)
     run.set_defaults(func=_cmd_run)
+    add_router_parsers(sub)
     return parser
 
 

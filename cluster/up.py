@@ -1,0 +1,240 @@
+"""`orchard up`: a router and N local workers as subprocesses, one command.
+
+The workers register with the router (a fresh join token per run). `up` waits until all
+of them are healthy, prints the endpoints, then watches; Ctrl-C (or SIGTERM) stops the
+workers, then the router: SIGTERM by PID, SIGKILL after a grace period. Each child runs
+in its own session, so the terminal's Ctrl-C reaches only `up`, which stops them in order.
+Children's logs go to files under --log-dir.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class LocalCluster:
+    """Start, wait for and stop a router and its workers (also used by tests and benchmarks)."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        workers: int = 2,
+        grpc_address: str = "127.0.0.1:50051",
+        http_address: str | None = "127.0.0.1:8080",
+        metrics_address: str | None = "127.0.0.1:9100",
+        worker_port_base: int = 50061,  # 0: free ports
+        worker_metrics_port_base: int = 9101,
+        policy: str = "prefix_aware",
+        log_dir: str | os.PathLike | None = None,
+        worker_args: list[str] | None = None,
+        router_args: list[str] | None = None,
+        cpus: list[list[int]] | None = None,  # per worker: the CPUs it may run on
+    ):
+        self.model = str(model)
+        self.num_workers = workers
+        self.grpc_address = grpc_address
+        self.http_address = http_address
+        self.metrics_address = metrics_address
+        self.worker_port_base = worker_port_base
+        self.worker_metrics_port_base = worker_metrics_port_base
+        self.policy = policy
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="orchard-up-"))
+        self.worker_args = worker_args or []
+        self.router_args = router_args or []
+        self.cpus = cpus
+        self.join_token = secrets.token_hex(16)
+        self.router: Child | None = None
+        self.workers: list[Child] = []
+        self.worker_addresses: list[str] = []
+        self.worker_metrics: list[str] = []
+
+    # -- processes ----------------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str], cpus: list[int] | None = None) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "cluster.cli", *args],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            )
+        return Child(name, proc, log_path)
+
+    def start_router(self) -> Child:
+        args = ["router", "serve", "--grpc", self.grpc_address, "--join-token", self.join_token, "--policy", self.policy,
+                "--http", self.http_address or "off", "--metrics", self.metrics_address or "off", *self.router_args]
+        self.router = self._spawn("router", args)
+        return self.router
+
+    def start_worker(self, i: int) -> Child:
+        host = self.grpc_address.rpartition(":")[0] or "127.0.0.1"
+        host = "127.0.0.1" if host in ("0.0.0.0", "[::]", "") else host
+        if i >= len(self.worker_addresses):
+            port = self.worker_port_base + i if self.worker_port_base else free_port(host)
+            mport = self.worker_metrics_port_base + i if self.worker_metrics_port_base else free_port(host)
+            self.worker_addresses.append(f"{host}:{port}")
+            self.worker_metrics.append(f"{host}:{mport}")
+        args = ["worker", "serve", "--model", self.model, "--grpc", self.worker_addresses[i],
+                "--metrics", self.worker_metrics[i], "--router", self.router_address,
+                "--join-token", self.join_token, "--worker-id", f"worker-{i}", *self.worker_args]
+        child = self._spawn(f"worker-{i}", args, self.cpus[i % len(self.cpus)] if self.cpus else None)
+        if i < len(self.workers):
+            self.workers[i] = child
+        else:
+            self.workers.append(child)
+        return child
+
+    @property
+    def router_address(self) -> str:
+        host, _, port = self.grpc_address.rpartition(":")
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{port}"
+
+    def start(self, timeout: float = 300.0) -> None:
+        """Start everything and wait until every worker is registered and healthy."""
+        self.start_router()
+        for i in range(self.num_workers):
+            self.start_worker(i)
+        self.wait_ready(timeout)
+
+    def healthy_workers(self) -> list[pb.WorkerInfo]:
+        try:
+            with grpc.insecure_channel(self.router_address) as ch:
+                resp = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=2)
+        except grpc.RpcError:
+            return []
+        return [w for w in resp.workers if w.state == pb.WORKER_STATE_HEALTHY]
+
+    def wait_ready(self, timeout: float = 300.0, n: int | None = None) -> None:
+        n = self.num_workers if n is None else n
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = self.dead_children()
+            if dead:
+                c = dead[0]
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}; its log ({c.log_path}):\n{c.tail()}")
+            if len(self.healthy_workers()) >= n:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{n} healthy workers not registered within {timeout:g} s (logs in {self.log_dir})")
+
+    def dead_children(self) -> list[Child]:
+        return [c for c in self.children() if c.proc.poll() is not None]
+
+    def children(self) -> list[Child]:
+        return [c for c in [*self.workers, self.router] if c is not None]
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Workers first (they finish nothing new), then the router: SIGTERM, then SIGKILL."""
+        for group in (self.workers, [self.router] if self.router else []):
+            for c in group:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for c in group:
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop(grace=2)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_up(args) -> int:
+    from cluster.models_cache import resolve_model
+
+    model = resolve_model(args.model)
+    cluster = LocalCluster(
+        model, workers=args.workers, grpc_address=args.grpc, http_address=args.http, metrics_address=args.metrics,
+        worker_port_base=args.worker_port_base, worker_metrics_port_base=args.worker_metrics_port_base,
+        policy=args.policy, log_dir=args.log_dir,
+    )
+    stop = {"now": False}
+
+    def on_term(signum, frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    print(f"starting a router and {args.workers} worker(s) on {model} (logs in {cluster.log_dir}) ...", flush=True)
+    try:
+        cluster.start_router()
+        for i in range(args.workers):
+            cluster.start_worker(i)
+        cluster.wait_ready(args.timeout)
+        http = f"http://{cluster.http_address}/v1" if cluster.http_address else "off"
+        metrics = f"http://{cluster.metrics_address}/metrics" if cluster.metrics_address else "off"
+        print(
+            f"\nOrchard is up: {args.workers} worker(s) serving {Path(model).name}\n"
+            f"  gRPC     {cluster.router_address}          (orchard router workers --router {cluster.router_address})\n"
+            f"  HTTP     {http}    (OpenAI-compatible)\n"
+            f"  metrics  {metrics}\n"
+            + "".join(f"  worker-{i}  gRPC {a}  metrics http://{m}/metrics\n"
+                      for i, (a, m) in enumerate(zip(cluster.worker_addresses, cluster.worker_metrics)))
+            + "Ctrl-C stops them all.",
+            flush=True,
+        )
+        reported: set[str] = set()
+        while not stop["now"]:
+            for c in cluster.dead_children():
+                if c.name not in reported:
+                    reported.add(c.name)
+                    print(f"{c.name} exited with code {c.proc.returncode}; its log ({c.log_path}):\n{c.tail()}",
+                          file=sys.stderr, flush=True)
+            if cluster.router is not None and cluster.router.proc.poll() is not None:
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, TimeoutError) as e:
+        print(f"orchard up: {e}", file=sys.stderr)
+        cluster.stop(grace=2)
+        return 1
+    finally:
+        print("stopping ...", flush=True)
+        cluster.stop()
+        print("stopped.", flush=True)
+    return 0
