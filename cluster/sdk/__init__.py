@@ -1,0 +1,22 @@
+"""Orchard's Python SDK: `Client` / `AsyncClient` over gRPC (a worker or the router)."""
+
+from cluster.sdk.client import DEFAULT_TARGET, AsyncClient, Client, GrpcBackend
+from cluster.sdk.errors import (
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    OrchardError,
+    Overloaded,
+    Unavailable,
+)
+from cluster.sdk.types import Chunk, Completion, TokenLogprob, Usage, build_request
+
+__all__ = [
+    "DEFAULT_TARGET", "AsyncClient", "Client", "GrpcBackend",
+    "OrchardError", "InvalidRequest", "NotFound", "AlreadyExists", "Overloaded", "Unavailable",
+    "DeadlineExceeded", "Cancelled", "InternalError",
+    "Chunk", "Completion", "TokenLogprob", "Usage", "build_request",
+]

@@ -1,0 +1,100 @@
+"""The worker's Prometheus metrics (names are a contract: see ARCHITECTURE.md).
+
+Histograms are observed on the asyncio side from the timestamps the engine thread puts
+on its outputs. Gauges and counters are read from the engine's `EngineStats` (plain ints
+the engine thread updates) when Prometheus scrapes, so they are exact and cost nothing
+per step. Each server has its own registry, never prometheus_client's global one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# vLLM's bucket edges.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISHED_REASONS = ("stop", "length", "abort")
+
+LABELS = ("model", "worker")
+
+
+class WorkerMetrics:
+    def __init__(self, model: str, worker_id: str, stats: Callable[[], object]):
+        """`stats()` returns the engine's EngineStats (or None before the engine is up)."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = (model, worker_id)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*labels)
+
+        self.ttft = histogram(
+            "orchard_time_to_first_token_seconds", "Time from arrival at the worker to the first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "orchard_inter_token_latency_seconds", "Time between consecutive tokens of one request.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "orchard_e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "orchard_request_queue_time_seconds", "Time from arrival to first being scheduled.", REQUEST_LATENCY_BUCKETS
+        )
+        self.registry.register(_EngineStatsCollector(labels, stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    content_type = CONTENT_TYPE_LATEST
+
+
+class _EngineStatsCollector:
+    """Gauges and counters straight from EngineStats at scrape time."""
+
+    def __init__(self, labels: tuple[str, str], stats: Callable[[], object]):
+        self.labels = list(labels)
+        self.stats = stats
+
+    def describe(self):
+        return []  # registered before the engine exists: no early collect
+
+    def collect(self):
+        s = self.stats()
+        if s is None:
+            return
+        lv = self.labels
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(lv, value)
+            return c
+
+        total = s.num_blocks_total or 1
+        yield gauge("orchard_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", s.num_blocks_used / total)
+        yield gauge("orchard_kv_cache_blocks_total", "KV blocks in the pool.", s.num_blocks_total)
+        yield gauge("orchard_num_requests_running", "Requests being computed.", s.num_running)
+        yield gauge("orchard_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield counter("orchard_prompt_tokens_total", "Prompt tokens received.", s.prompt_tokens)
+        yield counter("orchard_generation_tokens_total", "Tokens generated.", s.generation_tokens)
+        yield counter("orchard_num_preemptions_total", "Requests preempted (to be recomputed).", s.num_preemptions)
+        yield counter("orchard_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_queries)
+        yield counter("orchard_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", s.prefix_hits)
+        finished = dict(s.finished)
+        c = CounterMetricFamily("orchard_request_success_total", "Finished requests by reason.",
+                                labels=(*LABELS, "finished_reason"))
+        for reason in sorted(set(FINISHED_REASONS) | set(finished)):
+            c.add_metric([*lv, str(reason)], finished.get(reason, 0))
+        yield c

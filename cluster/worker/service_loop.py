@@ -1,0 +1,177 @@
+"""The engine thread: owns the engine and every MLX call; talks through two queues.
+
+In: small dataclass messages on a thread-safe inbox (`submit`). The thread drains the
+whole inbox before every step, and blocks on it only when nothing is runnable.
+Out: after each step, one call of `on_events(timestamp, events)` with everything the
+step produced (engine `RequestOutput`s, `Scheduled`, `Rejected`, `Failed`). The caller
+decides how to cross into its own world (the worker uses `call_soon_threadsafe`).
+Nothing here knows about gRPC or asyncio.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from cluster.worker.engine import Engine, QueueFullError, RequestOutput
+from cluster.worker.sampling_params import SamplingParams
+from cluster.worker.sequence import SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+# -- inbox ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.monotonic() when the request reached the worker
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# -- outbox -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Scheduled:
+    """The request was scheduled for the first time (its queue time is over)."""
+
+    request_id: str
+    queue_time: float
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """add_request refused the request: `error` is a ValueError or QueueFullError."""
+
+    request_id: str
+    error: Exception
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The engine raised while the request was live; it has been aborted."""
+
+    request_id: str
+    message: str
+
+
+Event = RequestOutput | Scheduled | Rejected | Failed
+
+
+class EngineLoop:
+    def __init__(self, engine_factory: Callable[[], Engine], on_events: Callable[[float, list[Event]], None]):
+        self._factory = engine_factory
+        self._on_events = on_events
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self.engine: Engine | None = None  # set once loaded; read-only for other threads
+
+    # -- any thread -------------------------------------------------------------------
+    def start(self, timeout: float | None = None) -> Engine:
+        """Build the engine on the engine thread; return it once ready (or raise)."""
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the engine did not load in time")
+        if self._load_error is not None:
+            raise RuntimeError(f"the engine failed to load: {self._load_error}") from self._load_error
+        return self.engine
+
+    def submit(self, msg: AddRequest | AbortRequest | Shutdown) -> None:
+        self._inbox.put(msg)
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        if self._thread.is_alive():
+            self.submit(Shutdown())
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.engine is not None
+
+    # -- the engine thread ------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+        except BaseException as e:  # reported by start()
+            self._load_error = e
+            return
+        finally:
+            self._ready.set()
+        engine = self.engine
+        queued: dict[str, float] = {}  # request id -> arrival, until first scheduled
+        while True:
+            events: list[Event] = []
+            msgs = [] if engine.has_unfinished() else [self._inbox.get()]
+            while True:
+                try:
+                    msgs.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            stop = False
+            for msg in msgs:
+                stop = self._handle(engine, msg, events, queued) or stop
+            if stop:
+                for rid in list(engine.seqs):
+                    engine.abort(rid)
+                    events.append(RequestOutput(rid, [], "", True, "abort"))
+                self._emit(time.monotonic(), events)
+                return
+            now = time.monotonic()
+            if engine.has_unfinished():
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # keep serving: fail what was live, go on
+                    log.exception("engine step failed; aborting the %d live requests", len(engine.seqs))
+                    for rid in list(engine.seqs):
+                        engine.abort(rid)
+                        events.append(Failed(rid, f"the engine failed: {type(e).__name__}: {e}"))
+                    queued.clear()
+                    outputs = []
+                if queued:
+                    for rid, arrival in list(queued.items()):
+                        seq = engine.seqs.get(rid)
+                        if seq is None or seq.status is not SequenceStatus.WAITING:
+                            events.append(Scheduled(rid, max(0.0, now - arrival)))
+                            del queued[rid]
+                events += outputs
+                now = time.monotonic()
+            if events:
+                self._emit(now, events)
+
+    def _handle(self, engine: Engine, msg, events: list[Event], queued: dict[str, float]) -> bool:
+        """One dispatch point for inbox messages. True means shut down."""
+        if isinstance(msg, AddRequest):
+            try:
+                engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, arrival_time=msg.arrival_time)
+                queued[msg.request_id] = msg.arrival_time
+            except (ValueError, QueueFullError) as e:
+                events.append(Rejected(msg.request_id, e))
+        elif isinstance(msg, AbortRequest):
+            queued.pop(msg.request_id, None)
+            engine.abort(msg.request_id)
+        elif isinstance(msg, Shutdown):
+            return True
+        else:
+            log.error("engine loop: unknown message %r", msg)
+        return False
+
+    def _emit(self, now: float, events: list[Event]) -> None:
+        try:
+            self._on_events(now, events)
+        except Exception:  # the receiver is gone (shutting down): nothing to deliver to
+            log.debug("engine loop: could not deliver %d events", len(events), exc_info=True)
