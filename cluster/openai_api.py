@@ -1,0 +1,362 @@
+"""OpenAI-compatible HTTP API (aiohttp) in front of any `Generation` backend.
+
+A backend has `generate(request: GenerateRequest) -> async iterator of GenerateResponse`
+and `list_models() -> ListModelsResponse`, raising `cluster.sdk.errors` exceptions: the
+worker's `WorkerService` in process, or `cluster.sdk.GrpcBackend` over a channel (pass a
+channel or "HOST:PORT" to `create_app`), so the router serves the same API.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not),
+GET /v1/models, GET /health. Sampling fields: max_tokens (max_completion_tokens),
+temperature, top_p, seed, stop, stream_options.include_usage, logprobs (top_logprobs for
+chat), and the extensions ignore_eos, top_k, min_p, stop_token_ids. Errors use OpenAI's
+shape `{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 404
+(unknown model), 429 (queue full), 503 (draining or unavailable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.sdk.errors import InvalidRequest, OrchardError
+from cluster.sdk.types import FINISH_REASONS, build_request
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
+_BACKEND = web.AppKey("backend", object)
+_MODEL_CACHE = web.AppKey("model_cache", list)
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+    return web.json_response(body, status=status)
+
+
+class _BadField(InvalidRequest):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+# -- request parsing ----------------------------------------------------------------------
+def _field(body: dict, name: str, kind: type | tuple, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        ok = False
+    else:
+        ok = isinstance(value, kinds) or (float in kinds and isinstance(value, int))
+    if not ok:
+        names = " or ".join("number" if k is float else k.__name__ for k in kinds)
+        raise _BadField(name, f"'{name}' must be a {names}, got {json.dumps(value)}")
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise _BadField("stop", "'stop' must be a string or a list of strings")
+
+
+def _sampling_kwargs(body: dict, chat: bool) -> dict[str, Any]:
+    n = _field(body, "n", int, 1)
+    if n != 1:
+        raise _BadField("n", "only n=1 is supported: send several requests instead")
+    if _field(body, "best_of", int, 1) != 1:
+        raise _BadField("best_of", "best_of is not supported")
+    if body.get("echo"):
+        raise _BadField("echo", "echo is not supported")
+    max_tokens = _field(body, "max_completion_tokens", int) if chat else None
+    if max_tokens is None:
+        max_tokens = _field(body, "max_tokens", int)
+    if max_tokens is None and not chat:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_tokens is not None and max_tokens < 1:
+        raise _BadField("max_tokens", f"max_tokens must be >= 1, got {max_tokens}")
+    seed = _field(body, "seed", int)
+    if seed is not None and seed < 0:
+        seed &= 0xFFFF_FFFF_FFFF_FFFF  # OpenAI accepts negative seeds: keep them distinct
+    if chat:
+        logprobs = _field(body, "top_logprobs", int, 0) if _field(body, "logprobs", bool, False) else None
+    else:
+        logprobs = _field(body, "logprobs", int)
+    stop_token_ids = _field(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
+        raise _BadField("stop_token_ids", "'stop_token_ids' must be a list of integers")
+    return dict(
+        max_tokens=max_tokens,
+        temperature=_field(body, "temperature", float),
+        top_p=_field(body, "top_p", float),
+        top_k=_field(body, "top_k", int),
+        min_p=_field(body, "min_p", float),
+        seed=seed,
+        stop=_stop(body),
+        stop_token_ids=stop_token_ids,
+        ignore_eos=_field(body, "ignore_eos", bool, False),
+        logprobs=logprobs,
+    )
+
+
+def _completion_prompt(body: dict) -> str | list[int]:
+    if "prompt" not in body:
+        raise _BadField("prompt", "'prompt' is required")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise _BadField("prompt", "'prompt' must be a string or a list of token ids (one prompt per request)")
+
+
+def _chat_messages(body: dict) -> list[tuple[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _BadField("messages", "'messages' must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _BadField("messages", f"messages[{i}] must be an object with a string 'role'")
+        content = m.get("content") or ""
+        if isinstance(content, list):  # content parts: keep the text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise _BadField("messages", f"messages[{i}]: only text content parts are supported")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise _BadField("messages", f"messages[{i}].content must be a string or a list of text parts")
+        out.append((m["role"], content))
+    return out
+
+
+def _make_request(body: dict, chat: bool, request_id: str) -> pb.GenerateRequest:
+    model = _field(body, "model", str, "")
+    kwargs = _sampling_kwargs(body, chat)
+    try:
+        if chat:
+            return build_request(messages=_chat_messages(body), model=model, request_id=request_id, **kwargs)
+        return build_request(_completion_prompt(body), model=model, request_id=request_id, **kwargs)
+    except (ValueError, TypeError) as e:  # out of the wire types' range
+        raise InvalidRequest(f"invalid request: {e}") from None
+
+
+# -- response building --------------------------------------------------------------------
+def _usage(u: pb.Usage) -> dict:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def _completion_logprobs(lps, offset: int) -> dict:
+    tokens, offsets = [], []
+    for lp in lps:
+        offsets.append(offset)
+        tokens.append(lp.token)
+        offset += len(lp.token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(lps) -> dict:
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in lp.top]}
+                        for lp in lps]}
+
+
+class _Exchange:
+    """One HTTP request: its ids, and how its chunks become OpenAI JSON."""
+
+    def __init__(self, chat: bool, model: str, want_logprobs: bool):
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.want_logprobs = want_logprobs
+        self.text_offset = 0
+
+    def _envelope(self, choices: list, usage: dict | None, stream: bool) -> dict:
+        obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None or not stream:
+            body["usage"] = usage
+        return body
+
+    def stream_chunk(self, r: pb.GenerateResponse, first: bool) -> dict:
+        finish = FINISH_REASONS.get(r.finish_reason)
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = _chat_logprobs(r.logprobs) if self.chat else _completion_logprobs(r.logprobs, self.text_offset)
+        self.text_offset += len(r.text)
+        if self.chat:
+            delta = {"role": "assistant", "content": r.text} if first else ({"content": r.text} if r.text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": r.text, "logprobs": logprobs, "finish_reason": finish}
+        return self._envelope([choice], None, stream=True)
+
+    def usage_chunk(self, usage: pb.Usage) -> dict:
+        return self._envelope([], _usage(usage), stream=True)
+
+    def full(self, chunks: list[pb.GenerateResponse]) -> dict:
+        text = "".join(c.text for c in chunks)
+        last = chunks[-1] if chunks else pb.GenerateResponse()
+        finish = FINISH_REASONS.get(last.finish_reason)
+        lps = [lp for c in chunks for lp in c.logprobs]
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = _chat_logprobs(lps) if self.chat else _completion_logprobs(lps, 0)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return self._envelope([choice], _usage(last.usage), stream=False)
+
+
+def _sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
+
+
+# -- the app ----------------------------------------------------------------------------------
+def _as_backend(backend):
+    if isinstance(backend, str) or not hasattr(backend, "generate"):
+        import grpc
+
+        from cluster.sdk.client import GrpcBackend
+
+        channel = grpc.aio.insecure_channel(backend) if isinstance(backend, str) else backend
+        return GrpcBackend(channel)
+    return backend
+
+
+def create_app(backend) -> web.Application:
+    """The OpenAI-compatible app over `backend` (a Generation backend, a grpc.aio
+    channel, or a "HOST:PORT" target)."""
+    app = web.Application(client_max_size=32 << 20)
+    app[_BACKEND] = _as_backend(backend)
+    app[_MODEL_CACHE] = [float("-inf"), ""]
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    return app
+
+
+async def _models(request: web.Request) -> web.Response:
+    try:
+        models = await request.app[_BACKEND].list_models()
+    except OrchardError as e:
+        return error_response(e.http_status, e.message)
+    return web.json_response({"object": "list", "data": [
+        {"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by or "orchard",
+         "max_model_len": m.max_model_len} for m in models.models]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    backend = request.app[_BACKEND]
+    if getattr(backend, "draining", False):
+        return web.json_response({"status": "draining"}, status=503)
+    try:
+        await backend.list_models()
+    except OrchardError as e:
+        return web.json_response({"status": "unavailable", "message": e.message}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def _served_model(app: web.Application, asked: str) -> str:
+    """The model to name in responses: the one asked for, else the backend's first
+    (looked up at most every 10 s, not once per request)."""
+    if asked:
+        return asked
+    cache = app[_MODEL_CACHE]
+    if time.monotonic() - cache[0] > 10.0:
+        models = (await app[_BACKEND].list_models()).models
+        cache[:] = [time.monotonic(), models[0].id if models else ""]
+    return cache[1]
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    backend = request.app[_BACKEND]
+    try:
+        body = await request.json(loads=json.loads)
+    except (ValueError, UnicodeDecodeError) as e:
+        return error_response(400, f"the request body is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        return error_response(400, "the request body must be a JSON object")
+    try:
+        stream = _field(body, "stream", bool, False)
+        stream_options = _field(body, "stream_options", dict, {})
+        include_usage = bool(stream_options.get("include_usage")) and stream
+        want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        ex = _Exchange(chat, "", want_logprobs)
+        proto = _make_request(body, chat, ex.id)
+        ex.model = await _served_model(request.app, proto.model)
+        chunks = backend.generate(proto)
+    except OrchardError as e:
+        return error_response(e.http_status, e.message, getattr(e, "param", None))
+    async with contextlib.aclosing(chunks):
+        try:
+            if not stream:
+                return web.json_response(ex.full([c async for c in chunks]))
+            # Wait for the first chunk before sending headers, so that refusals (queue
+            # full, bad input found by the engine) still get their HTTP status.
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except OrchardError as e:
+            return error_response(e.http_status, e.message, getattr(e, "param", None))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        usage = None
+        try:
+            r, is_first = first, True
+            while r is not None:
+                await response.write(_sse(ex.stream_chunk(r, is_first)))
+                if r.HasField("usage"):
+                    usage = r.usage
+                is_first = False
+                r = await anext(chunks, None)
+        except OrchardError as e:
+            await response.write(_sse({"error": {"message": e.message, "type": _ERROR_TYPES.get(e.http_status, "server_error"),
+                                                 "param": None, "code": e.http_status}}))
+        if include_usage and usage is not None:
+            await response.write(_sse(ex.usage_chunk(usage)))
+        await response.write(_sse("[DONE]"))
+        await response.write_eof()
+        return response

@@ -1,0 +1,254 @@
+"""The worker's asyncio side: requests in, chunks out, one engine thread behind it.
+
+`WorkerService` is a `Generation` backend (`generate(request) -> async iterator of
+GenerateResponse`, `list_models()`), used as is by the gRPC server and by the OpenAI
+HTTP front, plus the admin calls (`load_report`, `set_draining`). It validates and
+tokenizes requests (tokenization in a thread pool), hands them to the `EngineLoop`
+and routes the engine's events to one asyncio queue per request. It never touches MLX.
+
+Errors are `cluster.sdk.errors` exceptions; the front ends map them to gRPC statuses
+and HTTP codes. A request whose consumer goes away (cancel, disconnect, closed
+iterator) is aborted in the engine at once, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.sdk.errors import AlreadyExists, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
+from cluster.worker.engine import QueueFullError, RequestOutput
+from cluster.worker.metrics import WorkerMetrics
+from cluster.worker.sampling_params import SamplingParams
+from cluster.worker.service_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+# Prompts shorter than this are tokenized inline: a thread-pool hop would cost more.
+INLINE_TOKENIZE_CHARS = 512
+
+
+@dataclass
+class _Stream:
+    """Asyncio-side state of one request."""
+
+    arrival: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last_token_time: float | None = None
+
+
+def sampling_params_from_proto(s: pb.SamplingParams, num_resumed: int = 0) -> tuple[SamplingParams | None, int]:
+    """(engine params, requested max_tokens). The engine's max_tokens excludes the tokens
+    already generated elsewhere (`num_resumed`); None when nothing is left to generate."""
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be an integer >= 1, got {max_tokens}")
+    kwargs = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+        if s.HasField(name):
+            kwargs[name] = getattr(s, name)
+    remaining = max_tokens - num_resumed
+    try:
+        params = SamplingParams(
+            max_tokens=max(1, remaining),
+            stop=tuple(s.stop),
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            **kwargs,
+        )
+    except (TypeError, ValueError) as e:
+        raise InvalidRequest(str(e)) from None
+    return (params if remaining >= 1 else None), max_tokens
+
+
+class WorkerService:
+    def __init__(self, engine_loop: EngineLoop, worker_id: str, metrics: WorkerMetrics | None = None):
+        self.engine_loop = engine_loop
+        self.worker_id = worker_id
+        self.metrics = metrics
+        self.draining = False
+        self._streams: dict[str, _Stream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchard-tokenize")
+        engine = engine_loop.engine
+        assert engine is not None, "start the EngineLoop first"
+        # Read-only after the engine is built: safe to use from this side.
+        self.model_name = engine.model_name
+        self.config = engine.config
+        self.tokenizer = engine.tokenizer
+        self.stats = engine.stats
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Route the engine thread's events into `loop` (call from that loop)."""
+        self._loop = loop
+
+    def on_engine_events(self, now: float, events: list) -> None:
+        """Called on the engine thread: hop onto the event loop once per step."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._dispatch, now, events)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # -- Generation backend -------------------------------------------------------------
+    async def list_models(self) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(
+            models=[pb.ModelInfo(id=self.model_name, max_model_len=self.config.max_model_len, owned_by="orchard")]
+        )
+
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        arrival = time.monotonic()
+        if self.draining:
+            raise Unavailable(f"worker {self.worker_id} is draining: it takes no new requests; send this one elsewhere")
+        if not self.engine_loop.alive or self._loop is None:
+            raise Unavailable(f"worker {self.worker_id} is not serving (starting or stopping)")
+        if request.model and request.model != self.model_name:
+            raise NotFound(f"model {request.model!r} is not served here; this worker serves {self.model_name!r}")
+        resume = list(request.resume_token_ids)
+        params, max_tokens = sampling_params_from_proto(request.sampling, len(resume))
+        prompt = await self._prompt_token_ids(request)
+        self._check_length(len(prompt), len(resume))
+        rid = request.request_id or f"req-{uuid.uuid4().hex}"
+        if rid in self._streams:
+            raise AlreadyExists(f"request id {rid!r} is already running on this worker: use a unique id")
+        if params is None:  # everything was generated elsewhere already
+            yield pb.GenerateResponse(
+                request_id=rid, finish_reason=pb.FINISH_REASON_LENGTH, worker_id=self.worker_id,
+                usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=len(resume)),
+            )
+            return
+        stream = _Stream(arrival)
+        self._streams[rid] = stream
+        self.engine_loop.submit(AddRequest(rid, prompt + resume, params, arrival))
+        finished = False
+        try:
+            while not finished:
+                events = [await stream.queue.get()]
+                while not stream.queue.empty():  # a slow reader gets the backlog as one chunk
+                    events.append(stream.queue.get_nowait())
+                chunk = pb.GenerateResponse(request_id=rid, worker_id=self.worker_id)
+                for ev in events:
+                    if isinstance(ev, Rejected):
+                        finished = True
+                        raise (Overloaded if isinstance(ev.error, QueueFullError) else InvalidRequest)(str(ev.error))
+                    if isinstance(ev, Failed):
+                        finished = True
+                        raise InternalError(ev.message)
+                    finished = self._add_output(chunk, ev, params, len(prompt), resume) or finished
+                if chunk.token_ids or chunk.text or finished:
+                    yield chunk
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.engine_loop.submit(AbortRequest(rid))
+
+    # -- admin ------------------------------------------------------------------------
+    def load_report(self) -> pb.LoadReport:
+        s, c = self.stats, self.config
+        return pb.LoadReport(
+            worker_id=self.worker_id, model=self.model_name, num_running=s.num_running, num_waiting=s.num_waiting,
+            kv_blocks_used=s.num_blocks_used, kv_blocks_total=s.num_blocks_total, max_num_seqs=c.max_num_seqs,
+            block_size=c.block_size, max_model_len=c.max_model_len, draining=self.draining,
+        )
+
+    def set_draining(self, draining: bool) -> pb.DrainResponse:
+        if draining != self.draining:
+            log.info("worker %s: %s", self.worker_id, "draining" if draining else "taking requests again")
+        self.draining = draining
+        return pb.DrainResponse(draining=draining, num_running=self.stats.num_running,
+                                num_waiting=self.stats.num_waiting)
+
+    # -- helpers ------------------------------------------------------------------------
+    async def _prompt_token_ids(self, request: pb.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        if which == "text":
+            if not request.text:
+                raise InvalidRequest("the prompt is empty: send some text")
+            if len(request.text) <= INLINE_TOKENIZE_CHARS:
+                return list(self.tokenizer.encode(request.text))
+            return list(await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.encode, request.text))
+        if which == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                raise InvalidRequest("the chat has no messages: send at least one")
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._apply_chat_template, messages)
+        raise InvalidRequest("the request has no prompt: set one of text, token_ids or chat")
+
+    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:
+            raise InvalidRequest(f"the chat template could not be applied to these messages: {e}") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers may return an encoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def _check_length(self, num_prompt: int, num_resumed: int) -> None:
+        if num_prompt < 1:
+            raise InvalidRequest("the prompt is empty: send at least one token")
+        n, limit = num_prompt + num_resumed, self.config.max_model_len
+        if n > limit:
+            what = f"{num_prompt} prompt + {num_resumed} resumed tokens" if num_resumed else f"{num_prompt} tokens"
+            raise InvalidRequest(f"the prompt has {what}, more than max_model_len={limit}: shorten it")
+
+    def _add_output(self, chunk: pb.GenerateResponse, out: RequestOutput, params: SamplingParams,
+                    num_prompt: int, resume: list[int]) -> bool:
+        chunk.token_ids.extend(out.new_token_ids)
+        chunk.text += out.new_text
+        if out.logprobs is not None:
+            tops = out.top_logprobs or [[] for _ in out.logprobs]
+            for token, lp, top in zip(out.new_token_ids, out.logprobs, tops):
+                chunk.logprobs.append(pb.TokenLogprob(
+                    token_id=token, logprob=lp, token=self._token_text(token),
+                    top=[pb.TopLogprob(token_id=t, logprob=v, token=self._token_text(t)) for t, v in top],
+                ))
+        if not out.finished:
+            return False
+        chunk.finish_reason = FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_ABORT)
+        if out.stop_reason is not None:
+            chunk.stop_reason = str(out.stop_reason)
+        chunk.usage.prompt_tokens = num_prompt
+        chunk.usage.completion_tokens = len(resume) + max(0, out.num_output_tokens)
+        chunk.usage.cached_tokens = min(out.num_cached_tokens, num_prompt)
+        return True
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _dispatch(self, now: float, events: list) -> None:
+        """On the event loop: route one step's events to their streams; observe metrics."""
+        m = self.metrics
+        for ev in events:
+            stream = self._streams.get(ev.request_id)
+            if stream is None:
+                continue  # cancelled meanwhile
+            if isinstance(ev, Scheduled):
+                if m is not None:
+                    m.queue_time.observe(ev.queue_time)
+                continue
+            if m is not None and isinstance(ev, RequestOutput):
+                if ev.new_token_ids:
+                    last = stream.last_token_time
+                    if last is None:
+                        m.ttft.observe(now - stream.arrival)
+                    else:
+                        m.itl.observe(now - last)
+                    stream.last_token_time = now
+                if ev.finished:
+                    m.e2e.observe(now - stream.arrival)
+            stream.queue.put_nowait(ev)
