@@ -22,6 +22,20 @@ def _cmd_run(args) -> int:
     return run_offline(args)
 
 
+def _cmd_worker_serve(args) -> int:
+    """A worker: the engine behind gRPC, Prometheus metrics and optional OpenAI HTTP."""
+    from cluster.worker.server import serve
+
+    return serve(args)
+
+
+def _cmd_generate(args) -> int:
+    """One request through the SDK to a router or worker."""
+    from cluster.sdk.cli import generate
+
+    return generate(args)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=16)
@@ -129,6 +143,41 @@ def add_router_parsers(sub) -> None:
     up.set_defaults(func=_cmd_up)
 
 
+def add_worker_parsers(sub) -> None:
+    """`orchard worker serve` and `orchard generate`."""
+    import os
+
+    worker = sub.add_parser("worker", help="worker commands").add_subparsers(dest="worker_command", required=True)
+    serve = worker.add_parser("serve", help="serve a model over gRPC (+ metrics, + OpenAI HTTP with --http)")
+    serve.add_argument("--model", default=None, help="mlx-lm model directory (default: the built-in small model)")
+    serve.add_argument("--grpc", default="127.0.0.1:50061", metavar="HOST:PORT", help="gRPC address (port 0: any free)")
+    serve.add_argument("--http", default=None, metavar="HOST:PORT", help="OpenAI-compatible HTTP address (default: off)")
+    serve.add_argument("--metrics", default="127.0.0.1:9101", metavar="HOST:PORT", help="Prometheus /metrics address, or off")
+    serve.add_argument("--worker-id", default=None, help="default: HOSTNAME-GRPCPORT")
+    serve.add_argument("--router", default=None, metavar="HOST:PORT", help="register with this router and send heartbeats")
+    serve.add_argument("--join-token", default=os.environ.get("ORCHARD_JOIN_TOKEN", ""),
+                       help="the router's join token (default $ORCHARD_JOIN_TOKEN)")
+    serve.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                       help="the gRPC address the router should use (default: the bound one)")
+    add_engine_args(serve)
+    serve.set_defaults(func=_cmd_worker_serve)
+
+    gen = sub.add_parser("generate", help="send one request to a router or worker (through the SDK)")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT", help="router (default) or a worker")
+    gen.add_argument("--stream", action="store_true", help="print the text as it comes")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--model", default="", help="model name (default: whatever the target serves)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout", type=float, default=None, help="seconds")
+    gen.set_defaults(func=_cmd_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchard", description="Serve LLMs from a fleet of Macs.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -150,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(run)
     run.set_defaults(func=_cmd_run)
     add_router_parsers(sub)
+    add_worker_parsers(sub)
     return parser
 
 
