@@ -19,7 +19,7 @@ from cluster.worker.sampling_params import SamplingParams
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[float]  # of the chosen tokens
+    logprobs: list[float] | None  # of the chosen tokens, when any row asked for logprobs
     top_logprobs: list[list[tuple[int, float]] | None]  # per row, when asked
 
 
@@ -38,32 +38,30 @@ class Sampler:
     def __call__(self, logits: mx.array, params: list[SamplingParams], steps: list[int]) -> SampleResult:
         """logits [N, V] float32; `steps[i]` is the index of the token row i produces."""
         N, V = logits.shape
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = [p.greedy for p in params]
         tokens = mx.argmax(logits, axis=-1)
         if not all(greedy):
             sampled = self._sample(logits, params, steps, greedy)
             tokens = mx.where(mx.array(greedy), tokens, sampled)
+        top: list[list[tuple[int, float]] | None] = [None] * N
+        if not any(p.logprobs is not None for p in params):
+            # log-softmax over the vocabulary is costly on the CPU: only when asked
+            mx.eval(tokens)
+            return SampleResult(tokens.tolist(), None, top)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
         k = max((p.logprobs or 0) for p in params)
-        top_ids = top_vals = None
         if k:
             top_ids = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
             top_vals = mx.take_along_axis(logprobs, top_ids, axis=-1)
             mx.eval(tokens, chosen, top_ids, top_vals)
+            ids, vals = top_ids.tolist(), top_vals.tolist()
         else:
             mx.eval(tokens, chosen)
-        token_list = tokens.tolist()
-        top: list[list[tuple[int, float]] | None] = [None] * N
-        if k:
-            ids, vals = top_ids.tolist(), top_vals.tolist()
-            for i, p in enumerate(params):
-                if p.logprobs is not None:
-                    pairs = sorted(zip(ids[i], vals[i]), key=lambda t: -t[1])[: p.logprobs]
-                    top[i] = pairs
-        elif any(p.logprobs is not None for p in params):
-            top = [[] if p.logprobs is not None else None for p in params]
-        return SampleResult(token_list, chosen.tolist(), top)
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                top[i] = sorted(zip(ids[i], vals[i]), key=lambda t: -t[1])[: p.logprobs] if k else []
+        return SampleResult(tokens.tolist(), chosen.tolist(), top)
 
     def _sample(self, logits, params, steps, greedy) -> mx.array:
         N, V = logits.shape

@@ -4,11 +4,14 @@ Pure Python (no MLX). The policy, in order, each step:
 
 1. Running decodes (one token each), oldest first.
 2. Running partial prefills, oldest first, each taking an even share of what is left of
-   the budget, so one long prompt cannot starve the others.
+   the budget (short waiting prompts count as sharers), so one long prompt cannot
+   starve the others.
 3. Waiting requests, first come first served, admitted while there is budget, a free
-   sequence slot and KV blocks; at most `max_num_partial_prefills` prompts are
-   mid-prefill at once and at most `max_long_partial_prefills` of them long (more than
-   `long_prefill_token_threshold` tokens to compute). A long prompt over its limit is
+   sequence slot and KV blocks. A prompt whose whole prefill fits in what is left of the
+   budget just runs. One that does not becomes a *partial* prefill, left mid-prefill
+   after the step: at most `max_num_partial_prefills` prompts are partial at once and at
+   most `max_long_partial_prefills` of them long (more than
+   `long_prefill_token_threshold` tokens to compute). A prompt over its partial limit is
    skipped, so a short one behind it still starts (vLLM's concurrent partial prefills).
 
 When a running request cannot get a block, the newest running request is preempted:
@@ -54,6 +57,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+# How far down the waiting queue admission looks past prompts it has to skip.
+_LOOKAHEAD = 32
 
 
 class Scheduler:
@@ -150,13 +157,13 @@ class Scheduler:
 
         # 2. running partial prefills, sharing the rest of the budget
         prefilling = [s for s in self.running if s.is_prefilling]
-        n_new = self._admittable(len(prefilling))
+        n_short = self._count_short_waiting()
         for i, seq in enumerate(prefilling):
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted above
-            share = max(1, budget // (len(prefilling) - i + n_new))
+            share = max(1, budget // (len(prefilling) - i + n_short))
             schedule_running(seq, min(seq.num_uncomputed_tokens, share))
 
         # 3. admit waiting requests
@@ -164,42 +171,42 @@ class Scheduler:
         out.scheduled = list(scheduled.values())
         return out
 
-    def _admittable(self, num_prefilling: int) -> int:
-        """How many waiting requests the partial-prefill limits would let start now."""
-        cfg = self.config
-        slots = min(cfg.max_num_partial_prefills - num_prefilling, cfg.max_num_seqs - len(self.running))
-        long_slots = cfg.max_long_partial_prefills - sum(1 for s in self.running if s.is_prefilling and self.is_long(s))
+    def _count_short_waiting(self, start: int = 0) -> int:
+        """Short waiting prompts (at most `long_prefill_token_threshold` tokens) that
+        could start now: the ones a long prefill shares the budget with."""
+        slots = self.config.max_num_seqs - len(self.running)
         n = 0
-        for seq in self.waiting:
+        for i in range(start, min(len(self.waiting), start + _LOOKAHEAD)):
             if n >= slots:
                 break
-            if self.is_long(seq):
-                if long_slots <= 0:
-                    continue
-                long_slots -= 1
-            n += 1
-        return max(0, n)
+            n += not self.is_long(self.waiting[i])
+        return n
 
     def _admit(self, budget: int, scheduled: dict[int, ScheduledSeq]) -> None:
         cfg = self.config
         bm = self.block_manager
-        num_prefilling = sum(1 for s in self.running if s.is_prefilling)
-        num_long = sum(1 for s in self.running if s.is_prefilling and self.is_long(s))
+        # prompts left mid-prefill after this step (running ones not finishing now)
+        partial = [
+            s for s in self.running
+            if s.is_prefilling and (id(s) not in scheduled or scheduled[id(s)].end < s.num_tokens)
+        ]
+        num_partial = len(partial)
+        num_long = sum(1 for s in partial if self.is_long(s))
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(skipped) < _LOOKAHEAD:
             seq = self.waiting[0]
             computed = bm.get_computed_blocks(seq)
             remaining = seq.num_uncomputed_tokens - len(computed) * bm.block_size
-            prefilling = remaining > 1
-            long = remaining > cfg.long_prefill_token_threshold
-            if prefilling and num_prefilling >= cfg.max_num_partial_prefills:
-                break
-            if prefilling and long and num_long >= cfg.max_long_partial_prefills:
-                skipped.append(self.waiting.popleft())  # let a shorter prompt behind it start
-                continue
-            starting = self._admittable(num_prefilling)
-            share = max(1, budget // max(1, starting))
-            n = min(remaining, share)
+            if remaining <= budget:
+                n = remaining  # the whole prefill runs now: no partial slot needed
+            else:
+                long = self.is_long(seq)
+                if num_partial >= cfg.max_num_partial_prefills or (long and num_long >= cfg.max_long_partial_prefills):
+                    skipped.append(self.waiting.popleft())  # let a prompt behind it start
+                    continue
+                n = max(1, budget // (1 + self._count_short_waiting(start=1)))
+                num_partial += 1
+                num_long += long
             if not bm.allocate_slots(seq, n, computed):
                 break
             self.waiting.popleft()
@@ -210,8 +217,6 @@ class Scheduler:
             self.running.append(seq)
             scheduled[id(seq)] = ScheduledSeq(seq, seq.num_computed_tokens, n)
             budget -= n
-            num_prefilling += prefilling
-            num_long += prefilling and long
         for seq in reversed(skipped):
             self.waiting.appendleft(seq)
 

@@ -109,6 +109,22 @@ class AttentionPlan:
             self._masks[key] = m
         return m
 
+    def kv_rows(self, gi: int, num_kv_heads: int) -> mx.array:
+        """Row indices [N, KVH, L] into the cache viewed as [num_blocks*block_size*KVH, D]:
+        one gather yields K (or V) already laid out [N, KVH, L, D], no transpose copy."""
+        key = ("rows", gi, num_kv_heads)
+        rows = self._masks.get(key)
+        if rows is None:
+            g = self.groups[gi]
+            N, nb = g.block_tables.shape
+            L = nb * self.block_size
+            pos = mx.arange(L, dtype=mx.int32)
+            slots = g.block_tables[:, pos // self.block_size] * self.block_size + pos % self.block_size  # [N, L]
+            heads = mx.arange(num_kv_heads, dtype=mx.int32)
+            rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]
+            self._masks[key] = rows
+        return rows
+
     def bias(self, gi: int, sliding_window: int, group: int, dtype) -> mx.array:
         """Additive mask [N, 1, group*q, L] (0 / -inf), query heads of a KV head folded in."""
         key = (gi, sliding_window, group, dtype)
@@ -139,14 +155,12 @@ def _attend(q, k, v, plan: AttentionPlan, gi: int, sliding_window: int, scale: f
     """q [N, H, q, D]; k, v [N, KVH, L, D] for group `gi` of the plan.
 
     The G query heads sharing a KV head are folded into rows, so QK^T and PV are one
-    matmul per (sequence, KV head). K/V are made contiguous first: MLX's CPU matmul and
-    SDPA are several times slower on the transposed views the gather produces.
+    matmul per (sequence, KV head). K/V come contiguous from the row gather
+    (`AttentionPlan.kv_rows`): MLX's CPU matmul is several times slower on transposed views.
     """
     N, H, Lq, D = q.shape
     KVH = k.shape[1]
     G = H // KVH
-    k = mx.contiguous(k)
-    v = mx.contiguous(v)
     qg = q.reshape(N, KVH, G * Lq, D)
     if not softcap:
         bias = plan.bias(gi, sliding_window, G, q.dtype)
@@ -180,10 +194,10 @@ def paged_attention_reference(
         plan = AttentionPlan.build(cu_seqlens_q, seq_lens, block_tables, BS)
     outs = []
     for gi, g in enumerate(plan.groups):
-        N, nb = g.block_tables.shape
-        L = nb * BS
-        k = k_cache[g.block_tables].reshape(N, L, KVH, D).transpose(0, 2, 1, 3)
-        v = v_cache[g.block_tables].reshape(N, L, KVH, D).transpose(0, 2, 1, 3)
+        N = g.n_seqs
+        rows = plan.kv_rows(gi, KVH)
+        k = k_cache.reshape(-1, D)[rows]  # [N, KVH, L, D]
+        v = v_cache.reshape(-1, D)[rows]
         qg = q[g.rows].reshape(N, g.q_len, H, D).transpose(0, 2, 1, 3)
         o = _attend(qg, k, v, plan, gi, sliding_window, scale, softcap)
         outs.append(o.transpose(0, 2, 1, 3).reshape(N * g.q_len, H, D))
