@@ -242,3 +242,36 @@ def test_stop_strings_and_stop_tokens(model_dirs):
             last = out
     assert last.finish_reason == "stop" and last.stop_reason == stop
     assert "".join(pieces) == text[: text.index(stop)]
+
+
+def test_quantized_model_matches_the_oracle(model_dirs, tmp_path):
+    """A 4-bit model (what most Mac users run) goes through the same paged path."""
+    from mlx_lm import convert
+
+    q4 = tmp_path / "q4"
+    convert(str(model_dirs["qwen3"]), mlx_path=str(q4), quantize=True, q_group_size=64, q_bits=4)
+    engine = Engine.from_pretrained(q4, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=48))
+    prompts = random_prompts(4, seed=8, lengths=(5, 50, 120, 1))
+    got = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == oracle(q4, prompt, 6)[0]
+
+
+def test_half_precision_weights_run_in_fp32_on_the_cpu(model_dirs, tmp_path):
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    from cluster import platform
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(model_dirs["llama"], bf16)
+    weights = mx.load(str(bf16 / "model.safetensors"))
+    mx.save_safetensors(str(bf16 / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in weights.items()})
+    engine = Engine.from_pretrained(bf16, EngineConfig(num_kv_blocks=16))
+    dtypes = {p.dtype for _, p in tree_flatten(engine.runner.model.parameters())}
+    if platform.has_metal():
+        assert dtypes == {mx.bfloat16}
+    else:
+        assert dtypes == {mx.float32} and engine.runner.dtype == mx.float32
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]) == 3
