@@ -1,0 +1,98 @@
+"""Shared fixtures: tiny random-weight models, and `orchard worker serve` as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import cluster  # noqa: F401  (OpenBLAS before MLX, for tests that import mlx)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny qwen3 model (random weights, seed 0), made once per session."""
+    from cluster.modelgen import create_model
+
+    return create_model(tmp_path_factory.mktemp("tiny-qwen3") / "tiny-qwen3", "qwen3", "tiny", seed=0)
+
+
+class WorkerProcess:
+    """`orchard worker serve` in a subprocess on free ports (port 0), until `stop()`.
+
+    `grpc`, `http`, `metrics` are the bound HOST:PORT addresses the worker reports on its
+    ready line. Its log is kept in `log` (stderr merged)."""
+
+    READY = "ORCHARD_WORKER_READY "
+
+    def __init__(self, model_dir: Path, *extra: str, http: bool = True, timeout: float = 120.0):
+        args = [sys.executable, "-m", "cluster.cli", "worker", "serve", "--model", str(model_dir),
+                "--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0", *(["--http", "127.0.0.1:0"] if http else []),
+                *extra]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env)
+        self.log: list[str] = []
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
+        deadline = time.monotonic() + timeout
+        addresses = None
+        while addresses is None:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.stop()
+                raise TimeoutError("the worker did not start in time:\n" + "".join(self.log[-30:]))
+            if line is None:
+                raise RuntimeError(f"the worker exited with {self.proc.wait()}:\n" + "".join(self.log[-30:]))
+            if line.startswith(self.READY):
+                addresses = json.loads(line[len(self.READY):])
+        self.grpc = addresses["grpc"]
+        self.metrics = addresses.get("metrics")
+        self.http = addresses.get("http")
+
+    def _pump(self, lines: queue.Queue) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            lines.put(line)
+        lines.put(None)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def worker_process():
+    """Factory: `worker_process(model_dir, *flags)` starts a worker; all stop at session end."""
+    started: list[WorkerProcess] = []
+
+    def start(model_dir: Path, *extra: str, http: bool = True) -> WorkerProcess:
+        w = WorkerProcess(model_dir, *extra, http=http)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_worker(tiny_model_dir, worker_process) -> WorkerProcess:
+    """One worker (gRPC + HTTP + metrics) on the tiny model, shared by the worker, SDK and
+    OpenAI tests. Tests that change its state (drain) must restore it."""
+    return worker_process(tiny_model_dir, "--num-kv-blocks", "512", "--max-model-len", "512")
