@@ -159,6 +159,8 @@ def add_worker_parsers(sub) -> None:
                        help="the router's join token (default $ORCHARD_JOIN_TOKEN)")
     serve.add_argument("--advertise", default=None, metavar="HOST:PORT",
                        help="the gRPC address the router should use (default: the bound one)")
+    serve.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS",
+                       help="load report to the router every SECONDS (the router's interval, if shorter, wins)")
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_worker_serve)
 

@@ -114,6 +114,7 @@ class WorkerOptions:
     router: str | None = None  # register with this router and send heartbeats
     join_token: str = ""
     advertise_address: str | None = None  # what the router dials (default: the bound gRPC address)
+    heartbeat_interval: float = 1.0  # seconds (the router's own interval, if shorter, wins)
     grace_seconds: float = 5.0
 
 
@@ -181,7 +182,8 @@ class WorkerServer:
             if advertise.rpartition(":")[0] in ("0.0.0.0", "::", ""):  # bound to all: name this machine
                 advertise = f"{socket.getfqdn()}:{parse_address(advertise)[1]}"
             self._registration = Registration(opts.router, advertise, self.service.load_report,
-                                              join_token=opts.join_token, worker_id=worker_id)
+                                              join_token=opts.join_token, worker_id=worker_id,
+                                              interval=opts.heartbeat_interval)
             self._registration.start()
         log.info("worker %s serving %s (%s): %s", worker_id, engine.model_name, opts.model_path,
                  ", ".join(f"{k} {v}" for k, v in self.addresses.items()))
@@ -265,6 +267,7 @@ def serve(args) -> int:
         router=args.router,
         join_token=args.join_token,
         advertise_address=args.advertise,
+        heartbeat_interval=args.heartbeat_interval,
     )
     try:
         asyncio.run(run_until_signalled(options))
