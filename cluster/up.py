@@ -199,6 +199,7 @@ def run_up(args) -> int:
         stop["now"] = True
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     print(f"starting a router and {args.workers} worker(s) on {model} (logs in {cluster.log_dir}) ...", flush=True)
     try:
         cluster.start_router()

@@ -17,12 +17,14 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 import grpc
 
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router import metrics as m
+from cluster.sdk import errors
 from cluster.router.policy import Policy, PrefixAware
 from cluster.router.prefix_index import prompt_keys
 from cluster.router.registry import Registry, RegistryError
@@ -55,17 +57,21 @@ class _WorkerFailed(Exception):
         self.code, self.details = code, details
 
 
-class GenerationProxy(pb_grpc.GenerationServicer):
+class RouterBackend:
+    """A `Generation` backend (as `WorkerService` is): `generate(request)` yields chunks and
+    raises `cluster.sdk.errors` exceptions. The gRPC servicer and the OpenAI HTTP front
+    both sit on it."""
+
     def __init__(self, registry: Registry, policy: Policy, metrics: m.RouterMetrics, config: ProxyConfig = ProxyConfig()):
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
         self.config = config
 
-    async def ListModels(self, request, context):
+    async def list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=self.registry.models())
 
-    async def Generate(self, request: pb.GenerateRequest, context):
+    async def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         t0 = time.perf_counter()
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         keys = prompt_keys(request) if isinstance(self.policy, PrefixAware) else []
@@ -77,6 +83,7 @@ class GenerationProxy(pb_grpc.GenerationServicer):
         excluded: set[str] = set()
         failure: _WorkerFailed | None = None
         first_token_at = None
+        deadline = None if timeout is None else time.monotonic() + timeout
         for attempt in range(self.config.max_attempts):
             try:
                 pool = [w for w in self.registry.candidates(request.model) if w.worker_id not in excluded]
@@ -87,11 +94,8 @@ class GenerationProxy(pb_grpc.GenerationServicer):
             if not pool:
                 self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
                 if failure is None:
-                    await context.abort(no_worker.code, str(no_worker))
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}",
-                )
+                    raise errors.from_status(no_worker.code, str(no_worker))
+                raise errors.Unavailable(f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}")
             worker = self.policy.choose(pool, keys)
             if attempt:
                 self.metrics.retries.labels(kind="resume" if sent else "retry").inc()
@@ -99,9 +103,9 @@ class GenerationProxy(pb_grpc.GenerationServicer):
                          worker.worker_id, len(sent))
             del upstream.resume_token_ids[:]
             upstream.resume_token_ids.extend(base_resume + sent)
-            timeout = context.time_remaining()
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             worker.inflight += 1
-            call = worker.generation.Generate(upstream, timeout=timeout)
+            call = worker.generation.Generate(upstream, timeout=remaining)
             outcome = m.CANCELLED
             try:
                 async for chunk in call:
@@ -111,15 +115,14 @@ class GenerationProxy(pb_grpc.GenerationServicer):
                             self.metrics.ttft.observe(first_token_at - t0)
                         sent.extend(chunk.token_ids)
                     if chunk.finish_reason:
-                        if chunk.finish_reason == pb.FINISH_REASON_ABORT and context.cancelled() is False:
-                            # The worker gave up on it (shutting down): continue elsewhere.
+                        if chunk.finish_reason == pb.FINISH_REASON_ABORT:
+                            # The worker gave up on it (stopping): continue elsewhere.
                             if chunk.token_ids or chunk.text:
                                 chunk.finish_reason = pb.FINISH_REASON_UNSPECIFIED
                                 chunk.ClearField("usage")
                                 yield chunk
                             raise _WorkerFailed(grpc.StatusCode.ABORTED, "the worker aborted the request")
-                        if len(sent) + len(base_resume) > chunk.usage.completion_tokens:
-                            chunk.usage.completion_tokens = len(sent) + len(base_resume)
+                        chunk.usage.completion_tokens = max(chunk.usage.completion_tokens, len(base_resume) + len(sent))
                     yield chunk
                 outcome = m.SUCCESS
                 self.metrics.e2e.observe(time.perf_counter() - t0)
@@ -128,7 +131,7 @@ class GenerationProxy(pb_grpc.GenerationServicer):
                 code = e.code()
                 if code not in RETRYABLE:
                     outcome = m.ERROR
-                    await context.abort(code, e.details() or code.name)
+                    raise errors.from_rpc_error(e) from None
                 failure = _WorkerFailed(code, e.details() or code.name)
                 outcome = m.FAILED
                 if code in UNREACHABLE:
@@ -142,7 +145,23 @@ class GenerationProxy(pb_grpc.GenerationServicer):
             excluded.add(worker.worker_id)
             log.warning("request %s: worker %s failed (%s: %s)", rid, worker.worker_id, failure.code.name, failure.details)
         self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
-        await context.abort(
-            grpc.StatusCode.UNAVAILABLE,
-            f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}",
+        raise errors.Unavailable(
+            f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}"
         )
+
+
+class GenerationProxy(pb_grpc.GenerationServicer):
+    """`Generation` over gRPC on a backend: errors become statuses."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    async def ListModels(self, request, context):
+        return await self.backend.list_models()
+
+    async def Generate(self, request, context):
+        try:
+            async for chunk in self.backend.generate(request, timeout=context.time_remaining()):
+                yield chunk
+        except errors.OrchardError as e:
+            await context.abort(e.code, e.message)

@@ -19,7 +19,7 @@ from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.control import RouterControl
 from cluster.router.metrics import RouterMetrics
 from cluster.router.policy import make_policy
-from cluster.router.proxy import GenerationProxy, ProxyConfig
+from cluster.router.proxy import GenerationProxy, ProxyConfig, RouterBackend
 from cluster.router.registry import Registry, RegistryConfig
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class RouterServer:
             on_remove=self.policy.forget,
         )
         self.metrics = RouterMetrics(self.registry)
-        self.proxy = GenerationProxy(self.registry, self.policy, self.metrics, ProxyConfig(config.max_attempts))
+        self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(config.max_attempts))
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self.metrics_port: int | None = None
@@ -72,7 +72,7 @@ class RouterServer:
 
     async def start(self) -> None:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_GenerationServicer_to_server(self.proxy, server)
+        pb_grpc.add_GenerationServicer_to_server(GenerationProxy(self.backend), server)
         pb_grpc.add_RouterServicer_to_server(RouterControl(self.registry), server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -102,11 +102,17 @@ class RouterServer:
         self.metrics_port = self._metrics_http.server_port
 
     async def _start_http(self) -> None:
-        from cluster import openai_api
+        from aiohttp import web
+
+        from cluster.openai_api import create_app
 
         host, port = split_address(self.config.http_address)
-        self._http = await openai_api.start_http(self.grpc_address, host, port)
-        self.http_port = self._http.port
+        runner = web.AppRunner(create_app(self.backend), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        self._http = runner
+        self.http_port = runner.addresses[0][1]
 
     def _local(self, port: int | None, configured: str | None) -> str | None:
         if port is None or configured is None:
@@ -129,7 +135,7 @@ class RouterServer:
     async def stop(self, grace: float = 3.0) -> None:
         self._stop.set()
         if self._http is not None:
-            await self._http.stop()
+            await self._http.cleanup()
         if self._server is not None:
             await self._health.enter_graceful_shutdown()
             await self._server.stop(grace)
