@@ -2,7 +2,10 @@
 
 Token i of a request is a pure function of its prompt and i, so any worker continues any
 stream exactly (what greedy decoding gives the real engine); `resume_token_ids` are
-honoured as the real worker does. It can be told to die after a number of tokens.
+honoured as the real worker does. It can be told to die (now, or after a number of
+tokens): from then on every stream fails with UNAVAILABLE, as calls to a dead process do.
+(Stopping the grpc.aio server from inside its own handler can crash grpc; real process
+deaths are tested with real workers.)
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
         self.model = model
         self.token_delay = token_delay
         self.die_after_tokens: int | None = None  # total tokens streamed before dying
+        self.dead = False
         self.requests: list[pb.GenerateRequest] = []
         self.running = 0
         self.extra_running = 0  # pretend load
@@ -53,8 +57,8 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         return self
 
-    async def die(self) -> None:
-        await self.server.stop(0)
+    def die(self) -> None:
+        self.dead = True
 
     def load_report(self) -> pb.LoadReport:
         return pb.LoadReport(
@@ -74,6 +78,8 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
         return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.model, max_model_len=2048)])
 
     async def Generate(self, request, context):
+        if self.dead:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "connection refused (dead)")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
         if request.text == "invalid":
@@ -86,8 +92,9 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
             for i in range(start, max_tokens):
                 await asyncio.sleep(self.token_delay)
                 if self.die_after_tokens is not None and self.tokens_streamed >= self.die_after_tokens:
-                    asyncio.ensure_future(self.die())
-                    await asyncio.sleep(10)
+                    self.dead = True
+                if self.dead:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (dead)")
                 self.tokens_streamed += 1
                 tok = fake_token(request, i)
                 last = i == max_tokens - 1

@@ -1,0 +1,294 @@
+"""The router with real `orchard worker serve` processes on a tiny model.
+
+One router + 2 workers for the module (`LocalCluster`, free ports, 0.2 s heartbeats).
+Tests that kill or restart a process bring it back before they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.up import LocalCluster, free_port
+
+HEARTBEAT = 0.2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    c = LocalCluster(
+        model_dir, workers=2,
+        grpc_address=f"127.0.0.1:{free_port()}", http_address=f"127.0.0.1:{free_port()}",
+        metrics_address=f"127.0.0.1:{free_port()}", worker_port_base=0, worker_metrics_port_base=0,
+        log_dir=tmp_path_factory.mktemp("router-logs"),
+        router_args=["--heartbeat-interval", str(HEARTBEAT)],
+        worker_args=["--num-kv-blocks", "1024", "--max-num-seqs", "64"],
+    )
+    with c:
+        yield c
+
+
+def orchard(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run(coro, timeout: float = 120):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def request(text: str, max_tokens: int = 16, model: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=text, model=model, sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+
+async def collect(stub, req, on_chunk=None) -> tuple[list[int], str, list[pb.GenerateResponse]]:
+    toks, text, chunks = [], "", []
+    async for c in stub.Generate(req):
+        toks += c.token_ids
+        text += c.text
+        chunks.append(c)
+        if on_chunk is not None:
+            on_chunk(c)
+    return toks, text, chunks
+
+
+def list_workers(c: LocalCluster) -> dict[str, pb.WorkerInfo]:
+    with grpc.insecure_channel(c.router_address) as ch:
+        resp = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    return {w.worker_id: w for w in resp.workers}
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not within {timeout} s")
+
+
+def scrape(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of a metric's samples over all label sets."""
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
+
+def test_placement_follows_load(cluster):
+    """Worker 0 saturated by direct clients, worker 1 idle: the router sends new work to 1."""
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.worker_addresses[0]) as wch, \
+                grpc.aio.insecure_channel(cluster.router_address) as rch:
+            direct, routed = pb_grpc.GenerationStub(wch), pb_grpc.GenerationStub(rch)
+            hogs = [asyncio.create_task(collect(direct, request(f"hog {i}", 2000))) for i in range(24)]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while loop.time() < deadline:  # the router learns it from a heartbeat
+                load = list_workers(cluster)["worker-0"].load
+                if load.num_running + load.num_waiting >= 20:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise TimeoutError("worker-0 never reported its load")
+            results = await asyncio.gather(*(collect(routed, request(f"light {i}", 4)) for i in range(6)))
+            for h in hogs:
+                h.cancel()
+            await asyncio.gather(*hogs, return_exceptions=True)
+            return [{c.worker_id for c in chunks} for _, _, chunks in results]
+
+    assert run(main()) == [{"worker-1"}] * 6
+
+
+def test_prefix_affinity(cluster):
+    """Requests sharing a long prefix land on one worker; its prefix cache shows the hits."""
+    prefix = "You are the orchard's assistant. Answer about apples, pears and plums, briefly. " * 12
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            before = [metric(scrape(m), "orchard_prefix_cache_hits_total") for m in cluster.worker_metrics]
+            placed, cached = [], []
+            for i in range(6):
+                _, _, chunks = await collect(stub, request(prefix + f"Question {i}: which tree?", 4))
+                placed.append(chunks[-1].worker_id)
+                cached.append(chunks[-1].usage.cached_tokens)
+            after = [metric(scrape(m), "orchard_prefix_cache_hits_total") for m in cluster.worker_metrics]
+            return placed, cached, before, after
+
+    placed, cached, before, after = run(main())
+    assert len(set(placed)) == 1, placed
+    home = int(placed[0].split("-")[1])
+    assert all(n >= 16 * 10 for n in cached[1:]), cached  # most of the prefix came from the cache
+    assert after[home] - before[home] >= 5
+    assert after[1 - home] == before[1 - home]
+
+
+def test_failover_resumes_mid_stream(cluster):
+    """16 concurrent greedy streams; kill -9 of a worker mid-stream; outputs unchanged."""
+    prompts = [f"Stream {i}: the router keeps every token of" for i in range(16)]
+    max_tokens = 160
+
+    async def streams(kill_after_tokens: int | None):
+        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            seen = {"tokens": 0, "killed": False}
+            on_worker0 = set()
+
+            def on_chunk(i):
+                def f(c):
+                    seen["tokens"] += len(c.token_ids)
+                    if c.worker_id == "worker-0":
+                        on_worker0.add(i)
+                    if kill_after_tokens and not seen["killed"] and seen["tokens"] >= kill_after_tokens:
+                        seen["killed"] = True
+                        os.kill(cluster.workers[0].proc.pid, signal.SIGKILL)
+                return f
+
+            results = await asyncio.gather(*(collect(stub, request(p, max_tokens), on_chunk(i))
+                                             for i, p in enumerate(prompts)))
+            return results, seen["killed"], on_worker0
+
+    reference, _, _ = run(streams(None))
+    before = metric(scrape(cluster.metrics_address), 'orchard_router_retries_total{kind="resume"}')
+    faulty, killed, on_worker0 = run(streams(16 * 40))  # about 40 tokens into each stream
+    try:
+        assert killed and on_worker0
+        for (ref_toks, ref_text, _), (toks, text, chunks) in zip(reference, faulty):
+            assert len(toks) == max_tokens
+            assert toks == ref_toks
+            assert text == ref_text
+            assert chunks[-1].usage.completion_tokens == max_tokens
+        resumed = metric(scrape(cluster.metrics_address), 'orchard_router_retries_total{kind="resume"}') - before
+        assert resumed >= 1
+        states = {k: w.state for k, w in list_workers(cluster).items()}
+        assert states["worker-0"] == pb.WORKER_STATE_UNHEALTHY and states["worker-1"] == pb.WORKER_STATE_HEALTHY
+    finally:
+        cluster.workers[0].proc.wait(timeout=10)
+        cluster.start_worker(0)
+        cluster.wait_ready(120)
+
+
+def test_router_restart_workers_come_back(cluster):
+    router = cluster.router.proc
+    router.send_signal(signal.SIGKILL)
+    router.wait(timeout=10)
+    t0 = time.monotonic()
+    cluster.start_router()
+
+    def back():
+        try:
+            ws = list_workers(cluster)
+        except grpc.RpcError:
+            return None
+        return len([w for w in ws.values() if w.state == pb.WORKER_STATE_HEALTHY]) == 2
+
+    wait_for(back, 15, "both workers registered again")
+    elapsed = time.monotonic() - t0
+    out = orchard("router", "workers", "--router", cluster.router_address)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:4] == ["ID", "ADDRESS", "MODEL", "STATE"]
+    assert {ln.split()[0] for ln in lines[1:] if "healthy" in ln} == {"worker-0", "worker-1"}
+    assert elapsed < 5.0, f"workers back after {elapsed:.1f} s (router start included)"
+
+
+def test_drain_no_worker_and_unavailable(cluster):
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(stub, request("x", model="no-such-model"))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+            # A long stream on worker-0, then drain it: the stream finishes, new work goes to worker-1.
+            long_req = request("a long one", 300)
+            first = asyncio.get_running_loop().create_future()
+
+            def note(c):
+                if not first.done():
+                    first.set_result(c.worker_id)
+
+            task = asyncio.create_task(collect(stub, long_req, note))
+            on = await first
+            out = await asyncio.to_thread(orchard, "router", "drain", "--router", cluster.router_address, on)
+            assert out.returncode == 0 and "draining" in out.stdout, out.stderr
+            other = {"worker-0": "worker-1", "worker-1": "worker-0"}[on]
+            for i in range(3):
+                _, _, chunks = await collect(stub, request(f"after drain {i}", 2))
+                assert chunks[-1].worker_id == other
+            toks, _, chunks = await task
+            assert len(toks) == 300 and {c.worker_id for c in chunks} == {on}
+
+            await asyncio.to_thread(orchard, "router", "drain", "--router", cluster.router_address, other)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(stub, request("nowhere to go"))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+            for w in (on, other):
+                out = await asyncio.to_thread(orchard, "router", "drain", "--undo", "--router", cluster.router_address, w)
+                assert out.returncode == 0, out.stderr
+            _, _, chunks = await collect(stub, request("back again", 2))
+            assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+    run(main())
+
+
+def test_wrong_token_refused_then_static_registration(cluster, model_dir):
+    port = free_port()
+    extra = cluster._spawn("worker-extra", [
+        "worker", "serve", "--model", str(model_dir), "--grpc", f"127.0.0.1:{port}", "--metrics", "off",
+        "--worker-id", "extra", "--router", cluster.router_address, "--join-token", "not-the-token",
+        "--num-kv-blocks", "256"])
+    try:
+        wait_for(lambda: "refused" in extra.log_path.read_text(errors="replace"), 60, "the router's refusal")
+        assert "PERMISSION_DENIED" in extra.log_path.read_text() or "join token" in extra.log_path.read_text()
+        assert "extra" not in list_workers(cluster)
+        out = orchard("router", "register", "--router", cluster.router_address, "--worker", f"127.0.0.1:{port}")
+        assert out.returncode == 0 and "extra" in out.stdout, out.stderr
+        info = list_workers(cluster)["extra"]
+        assert info.static and info.state == pb.WORKER_STATE_HEALTHY and info.model == model_dir.name
+    finally:
+        orchard("router", "remove", "--router", cluster.router_address, "extra")
+        extra.proc.send_signal(signal.SIGTERM)
+        extra.proc.wait(timeout=30)
+    assert "extra" not in list_workers(cluster)
+
+
+def test_openai_http_through_the_router(cluster):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="none", timeout=30)
+    models = [m.id for m in client.models.list().data]
+    assert models == [cluster.model.rsplit("/", 1)[-1]]
+    out = client.completions.create(model=models[0], prompt="Hello orchard", max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 5
+    text = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=models[0], prompt="Hello orchard", max_tokens=5, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if ch.choices)
+    assert text == out.choices[0].text
+    router_metrics = scrape(cluster.metrics_address)
+    for name in ("orchard_router_requests_total", "orchard_router_time_to_first_token_seconds_count",
+                 "orchard_router_workers", "orchard_router_retries_total", "orchard_router_inflight_requests"):
+        assert name in router_metrics

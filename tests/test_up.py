@@ -1,0 +1,83 @@
+"""`orchard up`: one command brings up a router and workers; SIGINT stops them all."""
+
+from __future__ import annotations
+
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.up import free_port
+
+
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def _listening(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def test_up_starts_serves_and_stops(tmp_path, tiny_model_dir):
+    model = tiny_model_dir
+    grpc_addr, http_addr, metrics_addr = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "up", "--model", str(model), "--workers", "2", "--grpc", grpc_addr,
+         "--http", http_addr, "--metrics", metrics_addr, "--worker-port-base", "0", "--worker-metrics-port-base", "0",
+         "--log-dir", str(tmp_path / "logs"), "--timeout", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines = _lines(proc)
+    out = []
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            assert line is not None, "orchard up exited early:\n" + "".join(out)
+            out.append(line)
+            if "Ctrl-C stops them all" in line:
+                break
+        else:
+            raise TimeoutError("orchard up did not come up:\n" + "".join(out))
+        text = "".join(out)
+        assert grpc_addr in text and f"http://{http_addr}/v1" in text and f"http://{metrics_addr}/metrics" in text
+        workers = re.findall(r"worker-\d+\s+gRPC (\S+)", text)
+        assert len(workers) == 2
+
+        with grpc.insecure_channel(grpc_addr) as ch:
+            listed = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers
+            assert sorted(w.state for w in listed) == [pb.WORKER_STATE_HEALTHY] * 2
+            req = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+            chunks = list(pb_grpc.GenerationStub(ch).Generate(req, timeout=30))
+            assert sum(len(c.token_ids) for c in chunks) == 3
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        for address in [grpc_addr, http_addr, metrics_addr, *workers]:
+            assert not _listening(address), f"{address} still open after orchard up stopped"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
