@@ -34,6 +34,9 @@ def metal_kernel(request):
     if request.param == "metal":
         yield mx.fast.metal_kernel
         return
+    ok, why = emu.available()
+    if not ok:
+        pytest.skip(why)
     with emu.settings(backend=request.param):
         yield emu.metal_kernel
 
@@ -216,7 +219,15 @@ def test_header_helpers_and_vector_types(metal_kernel):
 # Emulator-only behaviour --------------------------------------------------------------
 
 
-def test_divergent_barrier_is_reported_not_hung():
+@pytest.fixture
+def emulator():
+    ok, why = emu.available()
+    if not ok:
+        pytest.skip(why)
+    return emu
+
+
+def test_divergent_barrier_is_reported_not_hung(emulator):
     src = """
         if (thread_index_in_threadgroup < 16) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -229,7 +240,7 @@ def test_divergent_barrier_is_reported_not_hung():
           output_dtypes=[mx.float32])
 
 
-def test_threadgroup_memory_limit():
+def test_threadgroup_memory_limit(emulator):
     src = """
         threadgroup float big[9000];
         big[thread_index_in_threadgroup] = 1.0f;
@@ -241,14 +252,14 @@ def test_threadgroup_memory_limit():
           output_dtypes=[mx.float32])
 
 
-def test_threadgroup_size_limit():
+def test_threadgroup_size_limit(emulator):
     k = emu.metal_kernel(name="wide", input_names=["a"], output_names=["out"], source="out[0] = a[0];")
     with pytest.raises(ValueError, match="maximum allowed threads"):
         k(inputs=[mx.zeros(1)], grid=(2048, 1, 1), threadgroup=(2048, 1, 1), output_shapes=[(1,)],
           output_dtypes=[mx.float32])
 
 
-def test_uninitialised_outputs_are_poisoned():
+def test_uninitialised_outputs_are_poisoned(emulator):
     k = emu.metal_kernel(name="half_written", input_names=["a"], output_names=["out"],
                          source="if (thread_position_in_grid.x == 0) { out[0] = 1.0f; }")
     (out,) = k(inputs=[mx.zeros(1)], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(2,)],
@@ -257,14 +268,14 @@ def test_uninitialised_outputs_are_poisoned():
     assert got[0] == 1.0 and np.isnan(got[1])
 
 
-def test_compile_errors_are_reported():
+def test_compile_errors_are_reported(emulator):
     k = emu.metal_kernel(name="broken", input_names=["a"], output_names=["out"], source="out[0] = a[0] +;")
     with pytest.raises(emu.CompileError):
         k(inputs=[mx.zeros(1)], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
           output_dtypes=[mx.float32])
 
 
-def test_signature_matches_mlx_conventions():
+def test_signature_matches_mlx_conventions(emulator):
     src = "out[thread_position_in_grid.x] = a[0] * s + float(b_shape[0]) + float(T(1));"
     k = emu.metal_kernel(name="sig", input_names=["a", "s", "b"], output_names=["out"], source=src)
     (out,) = k(inputs=[mx.ones(16), 2.0, mx.ones(3, dtype=mx.int32)], template=[("T", mx.float16)],
@@ -281,7 +292,7 @@ def test_signature_matches_mlx_conventions():
     assert "a_shape" not in sig  # only what the source uses
 
 
-def test_threads_backend_agrees_with_fibers():
+def test_threads_backend_agrees_with_fibers(emulator):
     x = mx.array(np.random.default_rng(1).standard_normal(4 * 96).astype(np.float32))
     results = []
     for backend in ("fibers", "threads"):

@@ -15,7 +15,8 @@ for 0-d ones, `constant` for fewer than 8 elements), `<name>_shape` / `_strides`
 thread-position attributes the source mentions. A C++ prelude (`prelude.h`) gives Metal's
 address spaces (empty), vector types, `half` (`_Float16`), `bfloat` (16-bit storage,
 float arithmetic), `metal::` math incl. `fast::` / `precise::`, simdgroup functions,
-barriers and atomics. g++ compiles it into a shared library, cached by source hash in
+barriers and atomics, and of the utils header MLX puts in front of every custom kernel
+the common part (`float16_t`, `bfloat16_t`, `Limits<T>`, `using namespace metal`). g++ compiles it into a shared library, cached by source hash in
 `$ORCHARD_METAL_EMU_CACHE` (default: `<tmp>/orchard-metal-emu-<uid>`).
 
 Every GPU thread really runs the kernel body with its own stack; barriers are real
@@ -42,6 +43,7 @@ Limits (what differs from a GPU):
   (qualified) name with optional template arguments), and `#include <metal_*>` lines are
   dropped. Address-space qualifiers are empty macros, so code that overloads on address
   space does not compile.
+- The "threads" backend reports a barrier nobody completes only after a 60 s timeout.
 - Simdgroup operations need all lanes of the simdgroup (no divergent simd_* calls, no
   inactive-lane semantics); quad_* functions, simd_ballot / simd_vote, simdgroup_matrix,
   textures, samplers, function constants and `[[...]]` attributes in the header are not
@@ -67,6 +69,7 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -77,7 +80,7 @@ import numpy as np
 import cluster  # noqa: F401  (OpenBLAS before mlx)
 import mlx.core as mx
 
-__all__ = ["metal_kernel", "config", "settings", "EmulatorError", "CompileError"]
+__all__ = ["metal_kernel", "config", "settings", "available", "EmulatorError", "CompileError"]
 
 _HERE = Path(__file__).resolve().parent
 _PRELUDE = (_HERE / "prelude.h").read_text()
@@ -86,6 +89,8 @@ _RUNTIME_SRC = (_HERE / "runtime.cpp").read_text()
 CXX = os.environ.get("CXX", "g++")
 _KERNEL_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-fno-strict-aliasing"]
 _RUNTIME_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-shared", "-pthread"]
+if sys.platform == "darwin":  # kernels resolve the runtime's emu_* symbols when loaded
+    _KERNEL_FLAGS += ["-undefined", "dynamic_lookup"]
 
 # Inputs with fewer elements go in the constant address space (as in MLX).
 _MAX_CONSTANT_ARRAY_SIZE = 8
@@ -250,6 +255,25 @@ def _load_kernel(source: str) -> ctypes.CDLL:
             lib = ctypes.CDLL(str(_compile(source, _KERNEL_FLAGS, "kernel")))
             _libs[source] = lib
         return lib
+
+
+_available: tuple[bool, str] | None = None
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when a C++ compiler here builds and runs the emulator; else (False, why)."""
+    global _available
+    if _available is None:
+        try:
+            k = metal_kernel(name="probe", input_names=["a"], output_names=["out"],
+                             source="out[thread_position_in_grid.x] = simd_sum(a[0]);")
+            (out,) = k(inputs=[mx.ones(1)], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32,)],
+                       output_dtypes=[mx.float32])
+            ok = bool(np.all(np.array(out) == 32.0))
+            _available = (ok, "" if ok else "the emulator computed a wrong probe result")
+        except (OSError, EmulatorError) as e:
+            _available = (False, f"the Metal emulator cannot run here: {e}"[:500])
+    return _available
 
 
 # ------------------------------------------------------------------------- source text

@@ -20,6 +20,11 @@
 // Built once into a shared library; kernels are separate libraries that call the
 // `emu_*` functions below (declared again in prelude.h).
 
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 700  // macOS hides the ucontext functions otherwise
+#define _DARWIN_C_SOURCE
+#endif
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -34,7 +39,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#if !defined(__x86_64__)
+#if !(defined(__x86_64__) && defined(__linux__)) || defined(ORCHARD_EMU_FORCE_UCONTEXT)
+#define ORCHARD_EMU_UCONTEXT 1
 #include <ucontext.h>
 #endif
 
@@ -126,7 +132,7 @@ struct Lane {
   const unsigned* wait_gen_ptr = nullptr;
   unsigned wait_gen = 0;
   int waiting_on = 0;  // 1: threadgroup barrier, 2: simdgroup barrier
-#if !defined(__x86_64__)
+#if defined(ORCHARD_EMU_UCONTEXT)
   ucontext_t uctx;
 #endif
 };
@@ -156,7 +162,7 @@ __attribute__((tls_model("initial-exec"))) thread_local Lane* tls_lane = nullptr
 // Fibers: a minimal user-space context switch.
 // ---------------------------------------------------------------------------------
 
-#if defined(__x86_64__)
+#if !defined(ORCHARD_EMU_UCONTEXT)
 extern "C" void orchard_emu_ctx_switch(void** save_sp, void* load_sp);
 asm(R"(
   .pushsection .text
@@ -206,7 +212,7 @@ void free_stack(Stack& s) {
 
 [[noreturn]] void fiber_main();
 
-#if defined(__x86_64__)
+#if !defined(ORCHARD_EMU_UCONTEXT)
 void* init_fiber_stack(Stack& st) {
   uintptr_t top = (reinterpret_cast<uintptr_t>(st.base) + st.size) & ~uintptr_t(15);
   uint64_t* slot = reinterpret_cast<uint64_t*>(top - 16);  // 16-aligned: the "return address"
@@ -380,7 +386,7 @@ bool run_group_fibers(FiberWorker& w, Launch& L, long index) {
   g.sched_sp = &w.sched_sp;
   int n = g.nthreads;
   for (int i = 0; i < n; i++) {
-#if defined(__x86_64__)
+#if !defined(ORCHARD_EMU_UCONTEXT)
     w.lanes[i].sp = init_fiber_stack(w.stacks[i]);
 #else
     init_fiber_ctx(&w.lanes[i], w.stacks[i]);

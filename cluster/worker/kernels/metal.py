@@ -414,9 +414,12 @@ def paged_attention_kernel(
 
 
 def _max_context(plan, block_tables, block_size: int) -> int:
-    if plan is not None and plan.groups:
+    """Longest context of the step: from the host-side plan when there is one (no device
+    sync), else the block tables' capacity (an upper bound)."""
+    try:
         return max(max(g.lens) for g in plan.groups)
-    return block_tables.shape[1] * block_size
+    except (AttributeError, TypeError, ValueError):  # no plan, or one without lengths
+        return block_tables.shape[1] * block_size
 
 
 def paged_attention_metal(
