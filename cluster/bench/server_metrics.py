@@ -1,0 +1,198 @@
+"""The target's side of a run, from its Prometheus `/metrics`.
+
+Counters are scraped before and after the run and subtracted; gauges (KV usage, running,
+waiting) are sampled every `interval` seconds during the run and their peaks kept. Give
+the metrics endpoints of the workers (KV, preemptions, prefix cache) and of the router
+(request outcomes, retries): a router's own `/metrics` has no KV numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+Key = tuple[str, tuple[tuple[str, str], ...]]  # (sample name, sorted labels)
+
+COUNTERS = (
+    "orchard_num_preemptions_total",
+    "orchard_prefix_cache_queries_total",
+    "orchard_prefix_cache_hits_total",
+    "orchard_prompt_tokens_total",
+    "orchard_generation_tokens_total",
+    "orchard_request_success_total",
+    "orchard_router_requests_total",
+    "orchard_router_retries_total",
+)
+GAUGES = ("orchard_kv_cache_usage_ratio", "orchard_num_requests_running", "orchard_num_requests_waiting")
+
+
+def metrics_url(address: str) -> str:
+    """HOST:PORT or a URL -> the URL of its /metrics."""
+    url = address if "://" in address else f"http://{address}"
+    return url if url.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
+
+
+def parse(text: str) -> dict[Key, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[Key, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def _sum(values: dict[Key, float], name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, lv), v in values.items() if n == name and want <= set(lv))
+
+
+@dataclass
+class ServerSample:
+    t: float  # seconds since the sampler started
+    url: str
+    values: dict[Key, float]
+
+
+@dataclass
+class ServerSummary:
+    kv_usage_peak: float | None = None  # max over workers and samples (0..1)
+    kv_usage_peak_by_worker: dict[str, float] = field(default_factory=dict)
+    running_peak: int | None = None  # the cluster's total at its highest sample
+    waiting_peak: int | None = None
+    preemptions: int | None = None
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+    prefix_cache_hit_rate: float | None = None
+    prompt_tokens: int | None = None
+    generation_tokens: int | None = None
+    router_requests_by_outcome: dict[str, int] = field(default_factory=dict)
+    router_retries_by_kind: dict[str, int] = field(default_factory=dict)
+    kv_series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # worker -> [(t, usage)]
+    errors: list[str] = field(default_factory=list)
+
+
+class ServerMetricsSampler:
+    """`await before()`, `start()` (samples in the background), `await after()` -> summary."""
+
+    def __init__(self, addresses: list[str], interval: float = 0.5, timeout: float = 5.0):
+        self.urls = [metrics_url(a) for a in addresses]
+        self.interval = interval
+        self.timeout = timeout
+        self.samples: list[ServerSample] = []
+        self.errors: list[str] = []
+        self._before: dict[str, dict[Key, float]] = {}
+        self._task: asyncio.Task | None = None
+        self._session = None
+        self._t0 = time.perf_counter()
+
+    async def _scrape(self, url: str) -> dict[Key, float] | None:
+        import aiohttp
+
+        try:
+            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}")
+                return parse(await r.text())
+        except Exception as e:  # noqa: BLE001  (a missed scrape is reported, not fatal)
+            if len(self.errors) < 20:
+                self.errors.append(f"{url}: {type(e).__name__}: {e}")
+            return None
+
+    async def _scrape_all(self) -> dict[str, dict[Key, float] | None]:
+        results = await asyncio.gather(*(self._scrape(u) for u in self.urls))
+        return dict(zip(self.urls, results))
+
+    async def before(self) -> None:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        self._t0 = time.perf_counter()
+        for url, values in (await self._scrape_all()).items():
+            if values is not None:
+                self._before[url] = values
+                self.samples.append(ServerSample(0.0, url, values))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            now = time.perf_counter() - self._t0
+            for url, values in (await self._scrape_all()).items():
+                if values is not None:
+                    self.samples.append(ServerSample(now, url, values))
+
+    async def after(self) -> ServerSummary:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        now = time.perf_counter() - self._t0
+        after = {}
+        for url, values in (await self._scrape_all()).items():
+            if values is not None:
+                after[url] = values
+                self.samples.append(ServerSample(now, url, values))
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        return self.summarize(after)
+
+    def summarize(self, after: dict[str, dict[Key, float]]) -> ServerSummary:
+        s = ServerSummary(errors=list(self.errors))
+        # gauges: peaks over the samples, per worker label
+        kv: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        by_time: dict[float, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        seen_worker_gauges = False
+        for sample in self.samples:
+            for (name, labels), v in sample.values.items():
+                lv = dict(labels)
+                worker = lv.get("worker", sample.url)
+                if name == "orchard_kv_cache_usage_ratio":
+                    kv[worker].append((sample.t, v))
+                elif name in ("orchard_num_requests_running", "orchard_num_requests_waiting"):
+                    seen_worker_gauges = True
+                    by_time[round(sample.t, 1)][name] += v
+        if kv:
+            s.kv_series = dict(kv)
+            s.kv_usage_peak_by_worker = {w: max(v for _, v in pts) for w, pts in kv.items()}
+            s.kv_usage_peak = max(s.kv_usage_peak_by_worker.values())
+        if seen_worker_gauges:
+            s.running_peak = int(max(d["orchard_num_requests_running"] for d in by_time.values()))
+            s.waiting_peak = int(max(d["orchard_num_requests_waiting"] for d in by_time.values()))
+
+        # counters: after - before, over the endpoints scraped both times
+        def delta(name: str, **labels: str) -> float | None:
+            urls = [u for u in after if u in self._before]
+            have = [u for u in urls if any(n == name for n, _ in after[u])]
+            if not have:
+                return None
+            return sum(_sum(after[u], name, **labels) - _sum(self._before[u], name, **labels) for u in have)
+
+        def as_int(x: float | None) -> int | None:
+            return None if x is None else int(round(x))
+
+        s.preemptions = as_int(delta("orchard_num_preemptions_total"))
+        s.prefix_cache_queries = as_int(delta("orchard_prefix_cache_queries_total"))
+        s.prefix_cache_hits = as_int(delta("orchard_prefix_cache_hits_total"))
+        if s.prefix_cache_queries:
+            s.prefix_cache_hit_rate = (s.prefix_cache_hits or 0) / s.prefix_cache_queries
+        s.prompt_tokens = as_int(delta("orchard_prompt_tokens_total"))
+        s.generation_tokens = as_int(delta("orchard_generation_tokens_total"))
+        for label, name, target in (("outcome", "orchard_router_requests_total", s.router_requests_by_outcome),
+                                    ("kind", "orchard_router_retries_total", s.router_retries_by_kind)):
+            values = set()
+            for u in after:
+                values |= {dict(lv).get(label) for n, lv in after[u] if n == name}
+            for value in sorted(v for v in values if v):
+                d = delta(name, **{label: value})
+                if d is not None:
+                    target[value] = as_int(d)
+        return s
