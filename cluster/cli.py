@@ -180,6 +180,21 @@ def add_worker_parsers(sub) -> None:
     gen.set_defaults(func=_cmd_generate)
 
 
+def _cmd_bench(args) -> int:
+    from cluster.bench.serve import main
+
+    return main(args)
+
+
+def add_bench_parser(sub) -> None:
+    """`orchard bench`: a serving benchmark against a router or worker (cluster/bench/serve.py)."""
+    from cluster.bench.serve import add_arguments
+
+    bench = sub.add_parser("bench", help="serving benchmark (vllm bench serve style) against a router or worker")
+    add_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchard", description="Serve LLMs from a fleet of Macs.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -202,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
     add_router_parsers(sub)
     add_worker_parsers(sub)
+    add_bench_parser(sub)
     return parser
 
 
