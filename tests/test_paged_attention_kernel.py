@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cluster  # noqa: F401  (OpenBLAS before mlx)
 import metal_emulator as emu
@@ -260,6 +262,33 @@ def test_never_reads_outside_the_context(impl, partition):
     got = _f64(run_kernel(case, b))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, naive_attention(b, case.window), rtol=1e-3, atol=1e-3)
+
+
+@st.composite
+def small_batches(draw):
+    """Small random batches: contexts shorter than the window, q_len == context, window 1..."""
+    n = draw(st.integers(1, 4))
+    seqs = []
+    for _ in range(n):
+        L = draw(st.integers(1, 70))
+        seqs.append((draw(st.integers(0, min(L, 20))), L))
+    if not any(q for q, _ in seqs):
+        seqs[0] = (1, seqs[0][1])
+    kv_heads, group = draw(st.sampled_from([(1, 1), (2, 3), (1, 2)]))
+    return Case(
+        tuple(seqs), kv_heads * group, kv_heads, 32, draw(st.sampled_from([8, 16])), "float32",
+        window=draw(st.sampled_from([-1, 1, 5, 32])), softcap=draw(st.sampled_from([0.0, 2.0])),
+        partition=draw(st.sampled_from([0, 32])), simdgroups=draw(st.sampled_from([1, 4])),
+    )
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=small_batches(), seed=st.integers(0, 2**16))
+def test_small_random_batches(impl, case, seed):
+    b = make_batch(case, seed=seed, poison=True)
+    got = _f64(run_kernel(case, b))
+    np.testing.assert_allclose(got, naive_attention(b, case.window, case.softcap), rtol=1e-4, atol=1e-4)
 
 
 def test_empty_sequences_in_the_batch(impl):
