@@ -189,6 +189,14 @@ class WorkerServer:
                  ", ".join(f"{k} {v}" for k, v in self.addresses.items()))
         return self
 
+    def ready_info(self) -> dict:
+        """The bound addresses and what was loaded (for scripts that start workers)."""
+        from cluster import platform
+
+        engine = self.engine_loop.engine
+        return {**self.addresses, "worker_id": self.service.worker_id, "model": engine.model_name,
+                "dtypes": [str(engine.runner.dtype).removeprefix("mlx.core.")], "blas": platform.blas_path()}
+
     def _metrics_app(self) -> web.Application:
         metrics = self.service.metrics
 
@@ -229,7 +237,7 @@ async def run_until_signalled(options: WorkerOptions, ready_line: bool = True) -
     server = WorkerServer(options)
     await server.start()
     if ready_line:
-        print(READY_PREFIX + json.dumps(server.addresses), flush=True)
+        print(READY_PREFIX + json.dumps(server.ready_info()), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
