@@ -195,6 +195,22 @@ def add_bench_parser(sub) -> None:
     bench.set_defaults(func=_cmd_bench)
 
 
+def _cmd_deploy_targets(args) -> int:
+    from cluster.deploy_tools import run_prometheus_targets
+
+    return run_prometheus_targets(args)
+
+
+def add_deploy_parser(sub) -> None:
+    """`orchard deploy prometheus-targets`: files for deploy/prometheus/prometheus.yml."""
+    deploy = sub.add_parser("deploy", help="deployment helpers").add_subparsers(dest="deploy_command", required=True)
+    t = deploy.add_parser("prometheus-targets", help="write Prometheus file_sd targets (router.json, workers.json)")
+    t.add_argument("--router", action="append", metavar="HOST:PORT", help="the router's metrics address (repeatable)")
+    t.add_argument("--worker", action="append", metavar="HOST:PORT", help="a worker's metrics address (repeatable)")
+    t.add_argument("--out", default="deploy/prometheus/targets", help="directory (default: deploy/prometheus/targets)")
+    t.set_defaults(func=_cmd_deploy_targets)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchard", description="Serve LLMs from a fleet of Macs.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -218,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parsers(sub)
     add_worker_parsers(sub)
     add_bench_parser(sub)
+    add_deploy_parser(sub)
     return parser
 
 
