@@ -1,4 +1,5 @@
-"""Metal varlen paged attention: decode rows and prefill chunks in one launch.
+"""Metal varlen paged attention: decode rows and prefill chunks in one launch per layer
+(two on the long-context path).
 
 Layout (one threadgroup per query row and group of query heads):
 - grid z = query row t (the packed token), grid y = a group of QPG query heads that share
@@ -317,6 +318,7 @@ _MERGE_SOURCE = r"""
 _INPUTS = ["q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "scale", "softcap", "window"]
 
 _kernels: dict = {}
+_warned: set = set()
 
 
 def _kernel(kind: str):
@@ -427,8 +429,11 @@ def paged_attention_metal(
 ):
     """Same contract as `paged_attention_reference`; `plan` only tells the longest context."""
     if not supports(q, k_cache):
-        log.warning("Metal paged attention does not support head size %d / %s: using the reference",
-                    q.shape[-1], q.dtype)
+        key = (q.shape[-1], q.dtype, k_cache.dtype)
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("Metal paged attention does not support head size %d / %s with a %s cache: "
+                        "using the reference", q.shape[-1], q.dtype, k_cache.dtype)
         return paged_attention_reference(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=scale, sliding_window=sliding_window, softcap=softcap, plan=plan,
