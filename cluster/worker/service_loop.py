@@ -10,8 +10,10 @@ Nothing here knows about gRPC or asyncio.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -105,6 +107,7 @@ class EngineLoop:
 
     # -- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
+        _name_os_thread("orchard-engine")
         try:
             self.engine = self._factory()
         except BaseException as e:  # reported by start()
@@ -175,3 +178,12 @@ class EngineLoop:
             self._on_events(now, events)
         except Exception:  # the receiver is gone (shutting down): nothing to deliver to
             log.debug("engine loop: could not deliver %d events", len(events), exc_info=True)
+
+
+def _name_os_thread(name: str) -> None:
+    """Show the thread's name in top -H / ps -L (Linux); a no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        except (OSError, AttributeError):
+            pass
