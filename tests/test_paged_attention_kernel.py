@@ -328,11 +328,8 @@ def test_dispatcher_runs_the_kernel_when_metal_is_forced(impl, monkeypatch):
     monkeypatch.setattr(mx.fast, "metal_kernel", spy)
     case = Case(MIXED, 8, 2, 64, 16, "float32", softcap=50.0)
     b = make_batch(case, seed=11)
-    kernels.set_backend("metal")
-    try:
-        out = kernels.paged_attention(*b.args(), scale=b.scale, softcap=case.softcap)
-    finally:
-        kernels.set_backend(None)
+    monkeypatch.setattr(kernels, "_forced", "metal")  # set_backend("metal"), undone after the test
+    out = kernels.paged_attention(*b.args(), scale=b.scale, softcap=case.softcap)
     assert built == ["orchard_paged_attention"]
     check_triangle(case, b, out)
 
@@ -392,12 +389,19 @@ def test_engine_matches_the_oracle_with_attention_through_the_kernel(impl, monke
     from cluster.worker.engine import Engine
     from cluster.worker.sampling_params import SamplingParams
 
-    built = []
+    built, launches = [], []
     factory = mx.fast.metal_kernel
 
     def spy(name, *args, **kwargs):
         built.append(name)
-        return factory(name, *args, **kwargs)
+        kernel = factory(name, *args, **kwargs)
+
+        def launch(**call):
+            if name == "orchard_paged_attention":
+                launches.append(np.diff(np.array(call["inputs"][5])).tolist())  # q_len per sequence
+            return kernel(**call)
+
+        return launch
 
     monkeypatch.setattr(mx.fast, "metal_kernel", spy)
     path = create_model(tmp_path / "qwen3", "qwen3", "tiny", seed=1)
@@ -405,30 +409,28 @@ def test_engine_matches_the_oracle_with_attention_through_the_kernel(impl, monke
     prompts = [rng.integers(3, 512, size=n).tolist() for n in (1, 17, 40, 100, 150, 3, 230, 64)]
     max_tokens = [6, 9, 5, 7, 4, 8, 5, 6]
 
-    kernels.set_backend("metal")
-    try:
-        cfg = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=8, max_num_partial_prefills=2)
-        engine = Engine.from_pretrained(path, cfg)
-        ids = [f"r{i}" for i in range(len(prompts))]
-        tokens = {r: [] for r in ids}
-        logprobs = {r: [] for r in ids}
-        pending = list(range(len(prompts)))
-        step = 0
-        while engine.has_unfinished() or pending:
-            if pending and step % 2 == 0:
-                i = pending.pop(0)
-                engine.add_request(
-                    ids[i], prompts[i],
-                    SamplingParams(max_tokens=max_tokens[i], temperature=0, ignore_eos=True, logprobs=0),
-                )
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-                logprobs[out.request_id] += out.logprobs or []
-            step += 1
-            assert step < 1000
-    finally:
-        kernels.set_backend(None)
+    monkeypatch.setattr(kernels, "_forced", "metal")  # set_backend("metal"), undone after the test
+    cfg = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=8, max_num_partial_prefills=2)
+    engine = Engine.from_pretrained(path, cfg)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    tokens = {r: [] for r in ids}
+    logprobs = {r: [] for r in ids}
+    pending = list(range(len(prompts)))
+    step = 0
+    while engine.has_unfinished() or pending:
+        if pending and step % 2 == 0:
+            i = pending.pop(0)
+            engine.add_request(
+                ids[i], prompts[i],
+                SamplingParams(max_tokens=max_tokens[i], temperature=0, ignore_eos=True, logprobs=0),
+            )
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id] += out.logprobs or []
+        step += 1
+        assert step < 1000
     assert "orchard_paged_attention" in built
+    assert any(1 in q_lens and max(q_lens) > 1 for q_lens in launches), "no launch mixed decode and prefill"
 
     model, _ = load(str(path))
     for i, prompt in enumerate(prompts):
