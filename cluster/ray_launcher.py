@@ -1,0 +1,299 @@
+"""`orchard ray up|down|status`: the router and the workers as Ray actors on an existing
+Ray cluster.
+
+- The router runs on the node where `orchard ray up` runs (the driver's node).
+- Workers run on every alive node that carries the Ray resource you name (default
+  `orchard_worker`: start those nodes with `ray start --resources '{"orchard_worker": 1}'`),
+  `--workers-per-node` of them per node, pinned there. Each takes an equal share of the
+  node's amount of that resource, so a second `ray up` cannot double-book a node.
+- Every actor is created with `max_restarts`: when one dies (crash, OOM, `ray.kill`), Ray
+  starts it again on the same node; a restarted worker registers with the router again
+  (same worker id), the router forgets the dead stream and places new requests on it.
+- Actors are named (`orchard-router`, `orchard-worker-<node>-<i>`) in the `orchard`
+  namespace and detached by default, so they outlive `orchard ray up`; `orchard ray down`
+  kills them.
+
+Each actor runs the same server objects as the CLI (`RouterServer`, `WorkerServer`) on
+its own asyncio loop in a thread; the model directory must exist at the same path on every
+worker node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+
+from cluster.worker.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "orchard"
+ROUTER_NAME = "orchard-router"
+WORKER_PREFIX = "orchard-worker-"
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    model: str
+    workers_per_node: int = 1
+    resource: str = "orchard_worker"  # workers go on nodes that carry it
+    host: str | None = None  # bind and advertise on this address (default: each node's Ray IP)
+    router_port: int = 50051  # gRPC; 0: any free port (then restarts move the router)
+    router_http_port: int | None = 8080  # None: no OpenAI HTTP
+    router_metrics_port: int | None = 9100
+    worker_port: int = 50061  # worker i on a node: port + i (0: any free port)
+    worker_metrics_port: int | None = 9101  # worker i on a node: port + i (0: any free, None: off)
+    join_token: str = ""
+    policy: str = "prefix_aware"
+    max_restarts: int = -1  # -1: restart for ever
+    detached: bool = True
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+class _LoopThread:
+    """An asyncio loop in a daemon thread: actors call into it with `run(coro)`."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _addr(host: str, port: int | None) -> str | None:
+    return None if port is None else f"{host}:{port}"
+
+
+class RouterActor:
+    """`orchard router serve` inside a Ray actor."""
+
+    def __init__(self, spec: RaySpec):
+        import cluster  # noqa: F401  (OpenBLAS before MLX; logging set up below)
+        from cluster.router.server import RouterConfig, RouterServer
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        host = spec.host or _node_ip()
+        config = RouterConfig(
+            grpc_address=f"{host}:{spec.router_port}", http_address=_addr(host, spec.router_http_port),
+            metrics_address=_addr(host, spec.router_metrics_port), policy=spec.policy, join_token=spec.join_token,
+        )
+        self._loop = _LoopThread("orchard-router")
+
+        async def start():
+            server = RouterServer(config)
+            await server.start()
+            return server
+
+        self.server = self._loop.run(start(), timeout=60)
+
+    def addresses(self) -> dict:
+        s = self.server
+        return {"grpc": s.grpc_address, "http": s.http_address, "metrics": s.metrics_address}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class WorkerActor:
+    """`orchard worker serve --router ...` inside a Ray actor; serving starts in the
+    constructor, so a restart by Ray (which re-runs it) brings the worker back."""
+
+    def __init__(self, spec: RaySpec, router: str, index: int, worker_id: str):
+        import cluster  # noqa: F401  (OpenBLAS before MLX)
+        from cluster.worker.server import WorkerOptions, WorkerServer
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        host = spec.host or _node_ip()
+        port = spec.worker_port + index if spec.worker_port else 0
+        mport = None if spec.worker_metrics_port is None else (
+            spec.worker_metrics_port + index if spec.worker_metrics_port else 0)
+        options = WorkerOptions(
+            model_path=spec.model, engine_config=spec.engine, grpc_address=f"{host}:{port}",
+            metrics_address=_addr(host, mport), worker_id=worker_id, router=router, join_token=spec.join_token,
+        )
+        self._loop = _LoopThread("orchard-worker")
+        self.server = WorkerServer(options)
+        self._loop.run(self.server.start(), timeout=600)
+
+    def addresses(self) -> dict:
+        return dict(self.server.addresses)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _share(amount: float, n: int) -> float:
+    """An equal share of a node's resource that Ray accepts (<= 1: 4 decimals; > 1: whole)."""
+    share = amount / n
+    return math.floor(share * 10000) / 10000 if share <= 1 else float(math.floor(share))
+
+
+def worker_nodes(resource: str) -> list[dict]:
+    """Alive Ray nodes that carry `resource`, sorted by id."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(resource, 0) > 0]
+    return sorted(nodes, key=lambda n: n["NodeID"])
+
+
+@dataclass
+class RayDeployment:
+    spec: RaySpec
+    router: object  # actor handle
+    router_addresses: dict
+    workers: dict[str, object]  # actor name -> handle
+
+    def wait_ready(self, timeout: float = 600.0, n: int | None = None) -> None:
+        """Until the router reports `n` (default: all) healthy workers."""
+        import time
+
+        import grpc
+
+        from cluster.proto.orchard.v1 import orchard_pb2 as pb
+        from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
+        n = len(self.workers) if n is None else n
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.router_addresses["grpc"]) as ch:
+            stub = pb_grpc.RouterStub(ch)
+            while time.monotonic() < deadline:
+                try:
+                    resp = stub.ListWorkers(pb.ListWorkersRequest(), timeout=5)
+                    if sum(w.state == pb.WORKER_STATE_HEALTHY for w in resp.workers) >= n:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        raise TimeoutError(f"{n} healthy workers not registered within {timeout:g} s")
+
+    def shutdown(self) -> None:
+        import ray
+
+        for handle in [*self.workers.values(), self.router]:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception as e:  # noqa: BLE001  (already gone)
+                log.debug("kill: %s", e)
+
+
+def launch(spec: RaySpec, worker_timeout: float = 600.0) -> RayDeployment:
+    """Start the router on this node and the workers on the resource's nodes (needs
+    `ray.init()` first). Returns once the router is up and every worker actor is serving."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if spec.workers_per_node < 1:
+        raise ValueError("workers_per_node must be >= 1")
+    nodes = worker_nodes(spec.resource)
+    if not nodes:
+        raise RuntimeError(f"no alive Ray node carries the resource {spec.resource!r}: start worker nodes with "
+                           f"ray start --resources '{{\"{spec.resource}\": 1}}'")
+    common = dict(namespace=NAMESPACE, max_restarts=spec.max_restarts, max_task_retries=0, num_cpus=0,
+                  lifetime="detached" if spec.detached else None)
+    here = ray.get_runtime_context().get_node_id()
+    router = ray.remote(RouterActor).options(
+        name=ROUTER_NAME, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False), **common,
+    ).remote(spec)
+    router_addresses = ray.get(router.addresses.remote(), timeout=120)
+    workers = {}
+    for node in nodes:
+        node_id = node["NodeID"]
+        share = _share(node["Resources"][spec.resource], spec.workers_per_node)
+        for i in range(spec.workers_per_node):
+            name = f"{WORKER_PREFIX}{node_id[:8]}-{i}"
+            workers[name] = ray.remote(WorkerActor).options(
+                name=name, resources={spec.resource: share},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **common,
+            ).remote(spec, router_addresses["grpc"], i, name.removeprefix("orchard-"))
+    ray.get([w.addresses.remote() for w in workers.values()], timeout=worker_timeout)
+    return RayDeployment(spec, router, router_addresses, workers)
+
+
+def existing_actors() -> list[str]:
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == NAMESPACE and a["name"].startswith(("orchard-router", WORKER_PREFIX)))
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+def _init(address: str):
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit("Ray is not installed: pip install 'orchard[ray]'") from None
+    if not ray.is_initialized():  # (tests and notebooks connect first)
+        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
+    return ray
+
+
+def run_up(args) -> int:
+    from cluster.cli import engine_config_from_args
+
+    ray = _init(args.address)
+    if existing_actors():
+        print(f"orchard is already running on this Ray cluster ({', '.join(existing_actors())}); "
+              "`orchard ray down` first", flush=True)
+        return 1
+    off = lambda p: None if p in (None, -1) else p  # noqa: E731
+    spec = RaySpec(
+        model=os.path.abspath(args.model), workers_per_node=args.workers_per_node, resource=args.resource,
+        host=args.host, router_port=args.router_port, router_http_port=off(args.router_http_port),
+        router_metrics_port=off(args.router_metrics_port), worker_port=args.worker_port,
+        worker_metrics_port=off(args.worker_metrics_port), join_token=args.join_token, policy=args.policy,
+        max_restarts=args.max_restarts, engine=engine_config_from_args(args),
+    )
+    try:
+        dep = launch(spec, worker_timeout=args.timeout)
+        dep.wait_ready(args.timeout)
+    except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:
+        print(f"orchard ray up: {e}", flush=True)
+        return 1
+    a = dep.router_addresses
+    print(f"Orchard is up on Ray: {len(dep.workers)} worker(s) serving {os.path.basename(spec.model)}\n"
+          f"  router gRPC  {a['grpc']}\n  HTTP         {a['http'] or 'off'}\n  metrics      {a['metrics'] or 'off'}\n"
+          + "".join(f"  {name}\n" for name in dep.workers)
+          + "Actors are detached: `orchard ray down` stops them.", flush=True)
+    return 0
+
+
+def run_down(args) -> int:
+    ray = _init(args.address)
+    names = existing_actors()
+    for name in names:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        print(f"killed {name}")
+    if not names:
+        print("no orchard actors on this Ray cluster")
+    return 0
+
+
+def run_status(args) -> int:
+    ray = _init(args.address)
+    names = existing_actors()
+    if not names:
+        print("no orchard actors on this Ray cluster")
+        return 1
+    for name in names:
+        handle = ray.get_actor(name, namespace=NAMESPACE)
+        try:
+            addresses = ray.get(handle.addresses.remote(), timeout=10)
+        except Exception as e:  # noqa: BLE001
+            addresses = f"not answering ({type(e).__name__})"
+        print(f"{name}: {addresses}")
+    return 0
+
+
+__all__ = ["RaySpec", "RayDeployment", "RouterActor", "WorkerActor", "launch", "worker_nodes", "existing_actors"]

@@ -1,0 +1,127 @@
+"""`orchard ray up` on a local Ray instance: the router and 2 workers as actors serve
+requests; killing a worker actor makes Ray restart it (max_restarts), it registers with
+the router again, and requests keep succeeding throughout.
+
+Skipped when Ray is not installed (`pip install 'orchard[ray]'`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'orchard[ray]')")
+
+from cluster.cli import main  # noqa: E402
+from cluster.ray_launcher import NAMESPACE, ROUTER_NAME, _share, existing_actors  # noqa: E402
+from cluster.sdk import Client  # noqa: E402
+from cluster.up import free_port  # noqa: E402
+
+# ~30 s on 2 cores (Ray start, 3 actor processes, a restart): in the default run when Ray is installed.
+
+
+def test_share_of_a_node_resource():
+    assert _share(1, 2) == 0.5 and _share(1, 3) == 0.3333 and _share(4, 2) == 2.0 and _share(4, 3) == 1.0
+
+
+def _workers(router: str):
+    import grpc
+
+    from cluster.proto.orchard.v1 import orchard_pb2 as pb
+    from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(router) as ch:
+        resp = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    return {w.worker_id: (w.address, w.state == pb.WORKER_STATE_HEALTHY) for w in resp.workers}
+
+
+def test_router_and_workers_as_ray_actors_survive_a_killed_worker(tiny_model_dir):
+    import shutil
+    import tempfile
+
+    temp_dir = tempfile.mkdtemp(prefix="oray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    ray.init(num_cpus=2, resources={"orchard_worker": 1}, include_dashboard=False, _node_ip_address="127.0.0.1",
+             namespace=f"orchard-test-{free_port()}", logging_level="WARNING", _temp_dir=temp_dir)
+    try:
+        # `orchard ray up`, as an operator runs it (detached actors in the "orchard" namespace)
+        assert main(["ray", "up", "--model", str(tiny_model_dir), "--workers-per-node", "2", "--host", "127.0.0.1",
+                     "--router-port", str(free_port()), "--router-http-port", "-1", "--router-metrics-port", "0",
+                     "--worker-port", "0", "--worker-metrics-port", "0", "--max-restarts", "3",
+                     "--policy", "round_robin", "--num-kv-blocks", "256", "--max-model-len", "512",
+                     "--timeout", "180"]) == 0
+        names = existing_actors()
+        assert len(names) == 3 and ROUTER_NAME in names
+        workers = {n: ray.get_actor(n, namespace=NAMESPACE) for n in names if n != ROUTER_NAME}
+        router = ray.get(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE).addresses.remote(), timeout=30)["grpc"]
+        before = _workers(router)
+        assert len(before) == 2 and all(healthy for _, healthy in before.values())
+
+        with Client(router, timeout=30) as c:
+            served = {c.generate("The orchard", max_tokens=8, temperature=0, ignore_eos=True).worker_id
+                      for _ in range(6)}
+        assert served == set(before)  # round robin: both workers serve
+
+        # Requests keep flowing while one worker actor is killed and restarted.
+        errors, done, stop = [], [], threading.Event()
+
+        def load():
+            with Client(router, timeout=30) as c:
+                deadline, i = time.monotonic() + 120, 0
+                while not stop.is_set() and time.monotonic() < deadline:
+                    i += 1
+                    try:
+                        r = c.generate(f"Once upon a time {i}", max_tokens=16, temperature=0, ignore_eos=True)
+                        assert len(r.token_ids) == 16
+                        done.append(r.worker_id)
+                    except Exception as e:  # noqa: BLE001
+                        errors.append(repr(e))
+                    time.sleep(0.05)
+
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        name, victim = sorted(workers.items())[0]
+        old_pid = ray.get(victim.pid.remote(), timeout=30)
+        time.sleep(1)
+        ray.kill(victim, no_restart=False)  # as if the process died: Ray restarts it
+
+        deadline = time.monotonic() + 120
+        new_pid = None
+        while time.monotonic() < deadline:  # ray.kill is asynchronous: the old process may answer once more
+            try:
+                new_pid = ray.get(victim.pid.remote(), timeout=10)
+                if new_pid != old_pid:
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+            time.sleep(0.5)
+        assert new_pid is not None and new_pid != old_pid, "Ray did not restart the worker actor"
+
+        worker_id = name.removeprefix("orchard-")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # registered again, under the same id, at its new address
+            now = _workers(router)
+            if now.get(worker_id, ("", False))[1] and now[worker_id][0] != before[worker_id][0]:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the restarted worker did not register again: {_workers(router)}")
+        n_before = len(done)
+        deadline = time.monotonic() + 30
+        while worker_id not in done[n_before:] and time.monotonic() < deadline:
+            time.sleep(0.2)  # the restarted worker serves again
+        stop.set()
+        loader.join(60)
+        assert worker_id in done[n_before:], "no request was served by the restarted worker"
+        assert not errors, errors[:3]
+        assert len(done) > 10
+
+        assert main(["ray", "status"]) == 0
+        assert main(["ray", "down"]) == 0
+        deadline = time.monotonic() + 30
+        while existing_actors() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert existing_actors() == []
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
