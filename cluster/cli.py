@@ -211,6 +211,38 @@ def add_deploy_parser(sub) -> None:
     t.set_defaults(func=_cmd_deploy_targets)
 
 
+def _cmd_ray(args) -> int:
+    from cluster import ray_launcher
+
+    return {"up": ray_launcher.run_up, "down": ray_launcher.run_down, "status": ray_launcher.run_status}[
+        args.ray_command](args)
+
+
+def add_ray_parser(sub) -> None:
+    """`orchard ray up|down|status`: router and workers as Ray actors (cluster/ray_launcher.py)."""
+    ray = sub.add_parser("ray", help="run Orchard as Ray actors on an existing Ray cluster")
+    rsub = ray.add_subparsers(dest="ray_command", required=True)
+    up = rsub.add_parser("up", help="start the router (this node) and workers (nodes with --resource)")
+    up.add_argument("--model", required=True, help="mlx-lm model directory, at the same path on every worker node")
+    up.add_argument("--workers-per-node", type=int, default=1)
+    up.add_argument("--resource", default="orchard_worker", help="Ray resource that marks worker nodes")
+    up.add_argument("--host", default=None, help="bind/advertise address (default: each node's Ray IP)")
+    up.add_argument("--router-port", type=int, default=50051, help="router gRPC port")
+    up.add_argument("--router-http-port", type=int, default=8080, help="OpenAI HTTP port (-1: off)")
+    up.add_argument("--router-metrics-port", type=int, default=9100, help="-1: off")
+    up.add_argument("--worker-port", type=int, default=50061, help="worker i on a node: port+i (0: free ports)")
+    up.add_argument("--worker-metrics-port", type=int, default=9101, help="worker i: port+i (0: free, -1: off)")
+    up.add_argument("--join-token", default="", help="workers present it to the router")
+    up.add_argument("--policy", default="prefix_aware")
+    up.add_argument("--max-restarts", type=int, default=-1, help="Ray restarts of a dead actor (-1: for ever)")
+    up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the workers")
+    add_engine_args(up)
+    for p in (up, rsub.add_parser("down", help="kill the orchard actors"),
+              rsub.add_parser("status", help="list the orchard actors and their addresses")):
+        p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+        p.set_defaults(func=_cmd_ray)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchard", description="Serve LLMs from a fleet of Macs.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -235,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_parsers(sub)
     add_bench_parser(sub)
     add_deploy_parser(sub)
+    add_ray_parser(sub)
     return parser
 
 
