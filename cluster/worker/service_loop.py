@@ -118,43 +118,51 @@ class EngineLoop:
         engine = self.engine
         queued: dict[str, float] = {}  # request id -> arrival, until first scheduled
         while True:
-            events: list[Event] = []
             msgs = [] if engine.has_unfinished() else [self._inbox.get()]
             while True:
                 try:
                     msgs.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            stop = False
-            for msg in msgs:
-                stop = self._handle(engine, msg, events, queued) or stop
-            if stop:
-                for rid in list(engine.seqs):
-                    engine.abort(rid)
-                    events.append(RequestOutput(rid, [], "", True, "abort"))
-                self._emit(time.monotonic(), events)
-                return
-            now = time.monotonic()
-            if engine.has_unfinished():
-                try:
-                    outputs = engine.step()
-                except Exception as e:  # keep serving: fail what was live, go on
-                    log.exception("engine step failed; aborting the %d live requests", len(engine.seqs))
+            events: list[Event] = []
+            try:
+                stop = False
+                for msg in msgs:
+                    stop = self._handle(engine, msg, events, queued) or stop
+                if stop:
                     for rid in list(engine.seqs):
                         engine.abort(rid)
-                        events.append(Failed(rid, f"the engine failed: {type(e).__name__}: {e}"))
-                    queued.clear()
-                    outputs = []
-                if queued:
-                    for rid, arrival in list(queued.items()):
-                        seq = engine.seqs.get(rid)
-                        if seq is None or seq.status is not SequenceStatus.WAITING:
-                            events.append(Scheduled(rid, max(0.0, now - arrival)))
-                            del queued[rid]
-                events += outputs
-                now = time.monotonic()
+                        events.append(RequestOutput(rid, [], "", True, "abort"))
+                    self._emit(time.monotonic(), events)
+                    return
+                if engine.has_unfinished():
+                    self._step(engine, events, queued)
+            except Exception as e:  # keep serving: fail what was live, go on
+                log.exception("engine loop failed; aborting the %d live requests", len(engine.seqs))
+                events += self._fail_all(engine, f"the engine failed: {type(e).__name__}: {e}")
+                queued.clear()
             if events:
-                self._emit(now, events)
+                self._emit(time.monotonic(), events)
+
+    def _step(self, engine: Engine, events: list[Event], queued: dict[str, float]) -> None:
+        start = time.monotonic()
+        outputs = engine.step()
+        for rid, arrival in list(queued.items()):  # only requests not yet scheduled
+            seq = engine.seqs.get(rid)
+            if seq is None or seq.status is not SequenceStatus.WAITING:
+                events.append(Scheduled(rid, max(0.0, start - arrival)))
+                del queued[rid]
+        events += outputs
+
+    def _fail_all(self, engine: Engine, message: str) -> list[Event]:
+        failed = []
+        for rid in list(engine.seqs):
+            failed.append(Failed(rid, message))
+            try:
+                engine.abort(rid)
+            except Exception:
+                engine.seqs.pop(rid, None)
+        return failed
 
     def _handle(self, engine: Engine, msg, events: list[Event], queued: dict[str, float]) -> bool:
         """One dispatch point for inbox messages. True means shut down."""
@@ -164,6 +172,9 @@ class EngineLoop:
                 queued[msg.request_id] = msg.arrival_time
             except (ValueError, QueueFullError) as e:
                 events.append(Rejected(msg.request_id, e))
+            except Exception as e:
+                log.exception("add_request failed for %s", msg.request_id)
+                events.append(Failed(msg.request_id, f"the engine could not take the request: {type(e).__name__}: {e}"))
         elif isinstance(msg, AbortRequest):
             queued.pop(msg.request_id, None)
             engine.abort(msg.request_id)

@@ -1,0 +1,184 @@
+"""The worker's asyncio side and engine thread against a fake engine (no MLX, no sockets):
+routing, cancellation, refusals and engine failures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.sdk import InternalError, InvalidRequest, Overloaded, Unavailable, build_request
+from cluster.worker.engine import EngineStats, QueueFullError, RequestOutput
+from cluster.worker.metrics import WorkerMetrics
+from cluster.worker.sequence import SequenceStatus
+from cluster.worker.service import WorkerService
+from cluster.worker.service_loop import EngineLoop
+
+BOOM = 999  # a prompt starting with this token makes the fake engine's step raise
+
+
+@dataclass
+class FakeSeq:
+    prompt: list[int]
+    max_tokens: int
+    out: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+
+
+class FakeEngine:
+    """Emits tokens 100, 101, ... one per step; refuses 'queue full' past 3 waiting."""
+
+    def __init__(self):
+        self.model_name = "fake"
+        self.config = SimpleNamespace(max_model_len=64, max_num_seqs=4, block_size=16)
+        self.tokenizer = SimpleNamespace(encode=lambda text: [ord(c) % 50 + 1 for c in text],
+                                         decode=lambda ids: "".join(f"<{i}>" for i in ids))
+        self.stats = EngineStats(num_blocks_total=8)
+        self.seqs: dict[str, FakeSeq] = {}
+        self.aborted: list[str] = []
+        self.thread = None
+
+    def add_request(self, rid, prompt, params, arrival_time=None):
+        self.thread = threading.current_thread().name
+        if any(t >= 500 and t != BOOM for t in prompt):
+            raise ValueError("prompt token ids must be in [0, 500)")
+        if sum(s.status is SequenceStatus.WAITING for s in self.seqs.values()) >= 3:
+            raise QueueFullError("the waiting queue is full (3 requests): retry later")
+        self.seqs[rid] = FakeSeq(list(prompt), params.max_tokens)
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+        return self.seqs.pop(rid, None) is not None
+
+    def has_unfinished(self):
+        return bool(self.seqs)
+
+    def step(self):
+        if any(s.prompt[0] == BOOM for s in self.seqs.values()):
+            raise RuntimeError("boom")
+        outs = []
+        for rid, s in list(self.seqs.items()):
+            s.status = SequenceStatus.RUNNING
+            tok = 100 + len(s.out)
+            s.out.append(tok)
+            done = len(s.out) >= s.max_tokens
+            outs.append(RequestOutput(rid, [tok], f"<{tok}>", done, "length" if done else None,
+                                      num_prompt_tokens=len(s.prompt), num_output_tokens=len(s.out)))
+            if done:
+                del self.seqs[rid]
+        self.stats.num_running = len(self.seqs)
+        return outs
+
+
+def run_with_service(fn, engine: FakeEngine | None = None):
+    engine = engine or FakeEngine()
+
+    async def main():
+        holder = {}
+        loop = EngineLoop(lambda: engine, lambda now, events: holder["svc"].on_engine_events(now, events))
+        loop.start(timeout=5)
+        svc = WorkerService(loop, "w1", WorkerMetrics("fake", "w1", lambda: engine.stats))
+        holder["svc"] = svc
+        svc.attach(asyncio.get_running_loop())
+        try:
+            return await asyncio.wait_for(fn(svc, engine), 10)
+        finally:
+            loop.stop(5)
+            svc.close()
+
+    return asyncio.run(main())
+
+
+async def collect(svc, request):
+    return [c async for c in svc.generate(request)]
+
+
+def test_streams_are_routed_and_the_engine_runs_on_its_own_thread():
+    async def fn(svc, engine):
+        a, b = await asyncio.gather(collect(svc, build_request([1, 2], max_tokens=3)),
+                                    collect(svc, build_request("hey", max_tokens=5, request_id="mine")))
+        return a, b, engine.thread
+
+    a, b, thread = run_with_service(fn)
+    assert [t for c in a for t in c.token_ids] == [100, 101, 102]
+    assert b[0].request_id == "mine" and sum(len(c.token_ids) for c in b) == 5
+    assert b[-1].finish_reason == pb.FINISH_REASON_LENGTH and b[-1].usage.prompt_tokens == 3
+    assert b[-1].usage.completion_tokens == 5 and b[-1].worker_id == "w1"
+    assert thread == "orchard-engine"
+
+
+def test_closing_the_stream_aborts_in_the_engine():
+    async def fn(svc, engine):
+        gen = svc.generate(build_request([1], max_tokens=1000, request_id="r"))
+        await gen.__anext__()
+        await gen.aclose()
+        for _ in range(100):
+            if "r" in engine.aborted:
+                break
+            await asyncio.sleep(0.01)
+        return engine.aborted, svc.num_streams
+
+    aborted, streams = run_with_service(fn)
+    assert aborted == ["r"] and streams == 0
+
+
+def test_refusals_from_the_engine_thread_become_typed_errors():
+    async def fn(svc, engine):
+        with pytest.raises(InvalidRequest, match=r"\[0, 500\)"):
+            await collect(svc, build_request([1, 600]))
+        held = [svc.generate(build_request([1], max_tokens=1000)) for _ in range(3)]
+        engine.step = lambda: []  # nothing advances: the three stay waiting
+        await asyncio.sleep(0)
+        tasks = [asyncio.ensure_future(g.__anext__()) for g in held]
+        await asyncio.sleep(0.2)
+        with pytest.raises(Overloaded, match="queue is full"):
+            await collect(svc, build_request([1]))
+        for t in tasks:
+            t.cancel()
+        return True
+
+    assert run_with_service(fn)
+
+
+def test_an_engine_failure_fails_the_live_requests_and_the_worker_goes_on():
+    async def fn(svc, engine):
+        with pytest.raises(InternalError, match="boom"):
+            await collect(svc, build_request([BOOM], max_tokens=3))
+        return await collect(svc, build_request([1], max_tokens=2))
+
+    after = run_with_service(fn)
+    assert [t for c in after for t in c.token_ids] == [100, 101]
+
+
+def test_validation_before_the_engine():
+    async def fn(svc, engine):
+        for req, err, words in [
+            (build_request([1] * 65), InvalidRequest, "max_model_len"),
+            (build_request("hi", max_tokens=0), InvalidRequest, "max_tokens"),
+            (build_request([1], resume_token_ids=[2] * 64), InvalidRequest, "resumed"),
+            (pb.GenerateRequest(), InvalidRequest, "no prompt"),
+        ]:
+            with pytest.raises(err, match=words):
+                await collect(svc, req)
+        svc.set_draining(True)
+        with pytest.raises(Unavailable, match="draining"):
+            await collect(svc, build_request([1]))
+        svc.set_draining(False)
+        return engine.seqs
+
+    assert run_with_service(fn) == {}
+
+
+def test_metrics_render_from_engine_stats():
+    async def fn(svc, engine):
+        await collect(svc, build_request([1, 2], max_tokens=4))
+        return svc.metrics.render().decode()
+
+    text = run_with_service(fn)
+    assert 'orchard_time_to_first_token_seconds_count{model="fake",worker="w1"} 1.0' in text
+    assert 'orchard_inter_token_latency_seconds_count{model="fake",worker="w1"} 3.0' in text
+    assert 'orchard_kv_cache_blocks_total{model="fake",worker="w1"} 8.0' in text
