@@ -123,6 +123,8 @@ def load_tokenizer(args):
         return None  # prompts are given; lengths come from the server's usage
     from cluster.models_cache import builtin_model
 
+    print("note: prompts are built with the built-in model's tokenizer; for another model pass --tokenizer DIR",
+          file=sys.stderr)
     return Tokenizer(builtin_model())
 
 
