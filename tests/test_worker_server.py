@@ -241,6 +241,13 @@ def test_drain_refuses_new_requests_with_unavailable(tiny_worker):
             assert client.health("orchard.v1.Generation") == "NOT_SERVING"
             with pytest.raises(Unavailable, match="draining"):
                 client.generate("new", max_tokens=2)
+            for path, body in (("/v1/completions", {"prompt": "new"}), ("/health", None)):
+                req = urllib.request.Request(f"http://{tiny_worker.http}{path}",
+                                             data=body and json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+                with pytest.raises(urllib.error.HTTPError) as http_info:
+                    urllib.request.urlopen(req, timeout=10)
+                assert http_info.value.code == 503
             rest = list(it)
             assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 30
             assert rest[-1].finish_reason == "length"
