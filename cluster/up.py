@@ -62,6 +62,7 @@ class LocalCluster:
         worker_args: list[str] | None = None,
         router_args: list[str] | None = None,
         cpus: list[list[int]] | None = None,  # per worker: the CPUs it may run on
+        worker_env: dict[str, str] | None = None,  # extra environment of the workers
     ):
         self.model = str(model)
         self.num_workers = workers
@@ -75,6 +76,7 @@ class LocalCluster:
         self.worker_args = worker_args or []
         self.router_args = router_args or []
         self.cpus = cpus
+        self.worker_env = worker_env or {}
         self.join_token = secrets.token_hex(16)
         self.router: Child | None = None
         self.workers: list[Child] = []
@@ -82,10 +84,10 @@ class LocalCluster:
         self.worker_metrics: list[str] = []
 
     # -- processes ----------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str], cpus: list[int] | None = None) -> Child:
+    def _spawn(self, name: str, args: list[str], cpus: list[int] | None = None, env: dict | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "cluster.cli", *args],
@@ -112,7 +114,7 @@ class LocalCluster:
         args = ["worker", "serve", "--model", self.model, "--grpc", self.worker_addresses[i],
                 "--metrics", self.worker_metrics[i], "--router", self.router_address,
                 "--join-token", self.join_token, "--worker-id", f"worker-{i}", *self.worker_args]
-        child = self._spawn(f"worker-{i}", args, self.cpus[i % len(self.cpus)] if self.cpus else None)
+        child = self._spawn(f"worker-{i}", args, self.cpus[i % len(self.cpus)] if self.cpus else None, self.worker_env)
         if i < len(self.workers):
             self.workers[i] = child
         else:
