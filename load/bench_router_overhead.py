@@ -1,6 +1,6 @@
 """What the router costs: the same load straight to a worker and through the router.
 
-    python load/bench_router_overhead.py [--model DIR] [--rounds 3] [--concurrency 16]
+    python load/bench_router_overhead.py [--model DIR] [--rounds 8] [--concurrency 16]
 
 One worker and one router (subprocesses on free ports, the built-in small model unless
 --model), prefix caching off (both sides send the same prompts). Two loads, each run direct and through the router, alternating over --rounds
@@ -56,10 +56,10 @@ async def paired_ttft(worker: str, router: str, texts: list[str]) -> tuple[list[
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--latency-requests", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--latency-requests", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
 

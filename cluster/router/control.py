@@ -39,8 +39,8 @@ class RouterControl(pb_grpc.RouterServicer):
         if not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address is required")
         w = self.registry.add_static(request.address)
-        if not w.healthy:
-            await self.registry.poll_static(timeout=self.add_timeout)
+        if not w.healthy and w.admin is not None:
+            await self.registry.poll(w, timeout=self.add_timeout)
         w = self.registry.find(request.address)
         if w is None or not w.healthy:
             if w is not None and not w.report.model:

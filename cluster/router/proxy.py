@@ -24,10 +24,10 @@ import grpc
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router import metrics as m
-from cluster.sdk import errors
 from cluster.router.policy import Policy, PrefixAware
 from cluster.router.prefix_index import prompt_keys
 from cluster.router.registry import Registry, RegistryError
+from cluster.sdk import errors
 
 log = logging.getLogger(__name__)
 

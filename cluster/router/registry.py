@@ -261,9 +261,10 @@ class Registry:
         """One round of GetLoad + health checks of the static workers."""
         statics = [w for w in self.workers.values() if w.static and w.admin is not None]
         if statics:
-            await asyncio.gather(*(self._poll(w, timeout or self.config.heartbeat_interval) for w in statics))
+            await asyncio.gather(*(self.poll(w, timeout or self.config.heartbeat_interval) for w in statics))
 
-    async def _poll(self, w: WorkerRecord, timeout: float) -> None:
+    async def poll(self, w: WorkerRecord, timeout: float) -> None:
+        """GetLoad + gRPC health of one worker; a report if both answer and it is SERVING."""
         try:
             report, health = await asyncio.gather(
                 w.admin.GetLoad(pb.GetLoadRequest(), timeout=timeout),
