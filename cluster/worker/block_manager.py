@@ -7,7 +7,9 @@ Pure Python (no MLX): the model runner owns the actual K/V pool, indexed by bloc
   (a cached block): a later request with the same prefix takes it back (lazy eviction),
   and it is evicted only when the free queue hands it out for new data.
 - A block's hash chains its parent's hash with its tokens, so equal hashes mean equal
-  prefixes; a hit is still confirmed by comparing tokens.
+  prefixes; a hit is still confirmed by comparing what was hashed (parent hash and
+  tokens). Only a block whose parent is cached is cached, so under a hash collision a
+  hit never holds another prefix's K/V.
 - Invariant (`check_integrity`): every block is either free or used, never both; ref
   counts equal the number of block tables that hold the block.
 """
@@ -32,6 +34,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] | None = None
+    parent_hash: int | None = None  # the previous block's hash (None for a first block)
 
 
 class BlockManager:
@@ -86,7 +89,13 @@ class BlockManager:
         bs = self.block_size
         for i, h in enumerate(seq.block_hashes[: limit // bs]):
             bid = self.cached.get(h)
-            if bid is None or self.blocks[bid].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            if bid is None:
+                break
+            block = self.blocks[bid]
+            # Equal tokens are not enough: under a hash collision the block may hold the
+            # same tokens after another prefix (or at another position).
+            parent = seq.block_hashes[i - 1] if i else None
+            if block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]) or block.parent_hash != parent:
                 break
             hits.append(bid)
         return hits
@@ -131,6 +140,7 @@ class BlockManager:
                 del self.cached[block.hash]
             block.hash = None
             block.token_ids = None
+            block.parent_hash = None
         block.ref_count = 1
         return bid
 
@@ -160,10 +170,11 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue
-            if h in self.cached:  # same content already cached in another block: keep one
-                continue
+            if h in self.cached:  # same content already cached in another block: keep one,
+                break  # and cache nothing after it (a cached block's parent is always cached)
             block.hash = h
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            block.parent_hash = seq.block_hashes[i - 1] if i else None
             self.cached[h] = block.block_id
 
     # -- checks -----------------------------------------------------------------------
