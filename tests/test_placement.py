@@ -95,6 +95,17 @@ def test_imbalance_guard_records_the_new_holder():
     assert pa.choose([W("a", 10), W("b", 14)], keys).worker_id == "a"
 
 
+def test_new_prefixes_spread_over_caches_within_the_guard():
+    pa = PrefixAware()
+    ws = [W("a", 1), W("b", 2)]
+    groups = [prompt_keys(text_request(f"group {g}: " + LONG_A)) for g in range(6)]
+    picks = [pa.choose(ws, keys).worker_id for keys in groups]
+    assert picks == ["a", "b"] * 3  # the emptier cache wins while the loads are close
+    assert pa.index.held["a"] == pa.index.held["b"]
+    busy = [W("a", 0), W("b", 20)]
+    assert pa.choose(busy, prompt_keys(text_request("group 9: " + LONG_A))).worker_id == "a"  # b is too busy
+
+
 def test_longest_match_wins():
     pa = PrefixAware()
     short = prompt_keys(text_request(LONG_A[:200]))
@@ -137,6 +148,7 @@ def test_index_is_lru_bounded():
     for i in range(5):
         idx.insert(chained_hashes([bytes([i, j]) for j in range(4)], seed=str(i)), f"w{i}")
     assert len(idx) == 10
+    assert sum(idx.held.values()) == 10
     # The oldest prefixes went first.
     assert idx.match(chained_hashes([bytes([0, j]) for j in range(4)], seed="0"), ["w0"]) == {"w0": 0}
     assert idx.match(chained_hashes([bytes([4, j]) for j in range(4)], seed="4"), ["w4"]) == {"w4": 4}

@@ -4,21 +4,26 @@ Load of a worker (see `WorkerRecord.load`): its last report (running + waiting) 
 requests this router placed there since that report, and never less than this router's
 own in-flight count there. Reports arrive every second; the in-flight count is fresh.
 
-`prefix_aware` (the default), SGLang's cache-aware routing with an imbalance guard:
+`prefix_aware` (the default), after SGLang's cache-aware routing, with an imbalance guard:
 
     least    = argmin_w (load(w), kv_usage(w))
-    affine   = argmax_w (matched(w), -load(w))     matched = leading prompt chunks the
+    affine   = argmax_w (matched(w), -load(w))     matched(w) = leading prompt chunks the
                                                     prefix index attributes to w
-    choose affine  if matched(affine) >= min_match_chunks
-                   and not imbalanced(affine, least)
-    else   least
+    if matched(affine) >= min_match_chunks and not imbalanced(affine, least):
+        choose affine                               (its KV cache likely holds the prefix)
+    else:                                           a new prefix, or affinity would pile up:
+        choose argmin_w (held(w), load(w)) over the w with not imbalanced(w, least)
+                                                    held(w) = prefix keys the index gives w:
+                                                    new prefixes go where the cache is
+                                                    emptiest, so groups spread over workers
     imbalanced(a, l) = load(a) - load(l) > balance_abs_threshold       (default 8 requests)
                        and load(a) > balance_rel_threshold * load(l)   (default 1.5x)
 
 Both thresholds must trip: a small absolute gap never overrides affinity (a prefix hit
 saves a whole prefill, worth a few more rows in a decode batch), and neither does a large
-relative gap between two lightly loaded workers (1 vs 3). Then the chosen worker is
-recorded as holding the prompt's prefix, so the next request with that prefix follows it.
+relative gap between two lightly loaded workers (1 vs 3). The chosen worker is then
+recorded as holding the prompt's prefix, so the next request with it follows. A prompt
+too short for one full chunk has no keys and goes to the least loaded worker.
 """
 
 from __future__ import annotations
@@ -108,13 +113,17 @@ class PrefixAware(Policy):
 
     def choose(self, candidates, keys):
         least = _least_loaded(candidates, next(self._tick))
-        chosen = least
-        if keys:
-            matched = self.index.match(keys, [w.worker_id for w in candidates])
-            affine = max(candidates, key=lambda w: (matched[w.worker_id], -w.load))
-            if matched[affine.worker_id] >= self.min_match_chunks and not self.imbalanced(affine, least):
-                chosen = affine
-            self.index.insert(keys, chosen.worker_id)
+        if not keys:
+            return least
+        matched = self.index.match(keys, [w.worker_id for w in candidates])
+        affine = max(candidates, key=lambda w: (matched[w.worker_id], -w.load))
+        if matched[affine.worker_id] >= self.min_match_chunks and not self.imbalanced(affine, least):
+            chosen = affine
+        else:
+            eligible = [w for w in candidates if w is least or not self.imbalanced(w, least)]
+            held = self.index.held
+            chosen = min(eligible, key=lambda w: (held[w.worker_id], w.load, w is not least))
+        self.index.insert(keys, chosen.worker_id)
         return chosen
 
     def forget(self, worker_id):

@@ -11,7 +11,7 @@ keys; workers forget cached blocks on their own, so the index is a hint, never t
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 TOKEN_BLOCK = 16
@@ -55,13 +55,15 @@ def prompt_keys(request, block: int = TOKEN_BLOCK, chunk: int = TEXT_CHUNK) -> l
 
 
 class PrefixIndex:
-    """key -> {worker_id: last use tick}, LRU over keys, at most `max_keys` keys."""
+    """key -> {worker_id: last use tick}, LRU over keys, at most `max_keys` keys.
+    `held[w]`: how many keys name worker w, a rough size of what w caches."""
 
     def __init__(self, max_keys: int = 200_000, max_workers_per_key: int = 4):
         self.max_keys = max_keys
         self.max_workers_per_key = max_workers_per_key
         self._table: OrderedDict[bytes, dict[str, int]] = OrderedDict()
         self._tick = 0
+        self.held: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._table)
@@ -90,12 +92,18 @@ class PrefixIndex:
                 owners = self._table[key] = {}
             else:
                 self._table.move_to_end(key)
+            if worker_id not in owners:
+                self.held[worker_id] += 1
             owners[worker_id] = self._tick
             if len(owners) > self.max_workers_per_key:
-                del owners[min(owners, key=owners.__getitem__)]
+                oldest = min(owners, key=owners.__getitem__)
+                del owners[oldest]
+                self.held[oldest] -= 1
         while len(self._table) > self.max_keys:
-            self._table.popitem(last=False)
+            _, owners = self._table.popitem(last=False)
+            self.held.subtract(owners.keys())
 
     def remove_worker(self, worker_id: str) -> None:
         for key in [k for k, owners in self._table.items() if owners.pop(worker_id, None) is not None and not owners]:
             del self._table[key]
+        self.held.pop(worker_id, None)
