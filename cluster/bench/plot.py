@@ -40,7 +40,8 @@ def plot_run(path: str | Path, outputs: list[RequestOutput], t0: float, metrics:
     ax.set_ylabel("requests")
 
     ax = axes[1]
-    bin_s = max(0.25, min(2.0, metrics.duration_s / 40)) if metrics.duration_s > 0 else 1.0
+    # about 40 bins, of a round width
+    bin_s = next((b for b in (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0) if b >= metrics.duration_s / 40), 60.0)
     times, rate = output_token_series(ok, t0, bin_s=bin_s)
     if len(times):
         ax.step(np.append(times, times[-1] + bin_s), np.append(rate, rate[-1]), where="post", color="#55A868",
