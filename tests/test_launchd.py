@@ -13,7 +13,8 @@ from cluster.cli import build_parser
 
 LAUNCHD = Path(__file__).resolve().parents[1] / "deploy" / "launchd"
 PLISTS = sorted(LAUNCHD.glob("*.plist"))
-FILLED = {"__ORCHARD__": "/Users/me/orchard/.venv/bin/orchard", "__HOME__": "/Users/me", "__MODEL__": "/Users/me/models/m",
+FILLED = {"__ORCHARD__": "/Users/me/orchard/.venv/bin/orchard", "__HOME__": "/Users/me",
+          "__MODEL__": "/Users/me/models/m",
           "__ROUTER__": "router-mac.local:50051", "__ADVERTISE__": "mac-2.local", "__JOIN_TOKEN__": "s3cret"}
 
 

@@ -79,7 +79,7 @@ def output_token_series(outputs: list[RequestOutput], t0: float, bin_s: float = 
         return np.zeros(0), np.zeros(0)
     nbins = max(1, int(math.ceil(max(times) / bin_s)))
     counts = np.zeros(nbins)
-    for t, n in zip(times, tokens):
+    for t, n in zip(times, tokens, strict=True):
         counts[min(nbins - 1, int(max(0.0, t) / bin_s))] += n
     return np.arange(nbins) * bin_s, counts / bin_s
 

@@ -30,7 +30,8 @@ def plot_run(path: str | Path, outputs: list[RequestOutput], t0: float, metrics:
     if len(ttfts):
         ax.hist(ttfts, bins=min(40, max(5, len(ttfts) // 3)), color="#4C72B0", alpha=0.85)
         stats = metrics.latency["ttft"]
-        ax.axvline(stats.median_ms, color="black", linestyle="--", linewidth=1, label=f"median {stats.median_ms:.1f} ms")
+        ax.axvline(stats.median_ms, color="black", linestyle="--", linewidth=1,
+                   label=f"median {stats.median_ms:.1f} ms")
         for name, value in stats.percentiles_ms.items():
             if name != "p50":
                 ax.axvline(value, color="#C44E52", linestyle=":", linewidth=1, label=f"{name} {value:.1f} ms")

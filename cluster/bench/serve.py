@@ -194,7 +194,7 @@ async def run_benchmark(args, requests: list) -> dict:
         bar = _progress(len(measured), args.disable_tqdm)
         t0 = time.perf_counter()
         tasks = []
-        for req, gap in zip(measured, gaps):
+        for req, gap in zip(measured, gaps, strict=True):
             if gap > 0:
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(one(req, bar)))

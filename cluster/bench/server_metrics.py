@@ -103,7 +103,7 @@ class ServerMetricsSampler:
 
     async def _scrape_all(self) -> dict[str, dict[Key, float] | None]:
         results = await asyncio.gather(*(self._scrape(u) for u in self.urls))
-        return dict(zip(self.urls, results))
+        return dict(zip(self.urls, results, strict=True))
 
     async def before(self) -> None:
         import aiohttp
