@@ -10,7 +10,10 @@ about P tokens, M new tokens each, C concurrent streams, temperature 0, EOS supp
 (Orchard: `ignore_eos`; mlx-lm: a -1e9 logit bias on the EOS ids), POST /v1/completions
 with `stream: true`. Printed: TTFT (mean, p50, p99), ITL (time between streamed chunks,
 mean and p50), TPOT (per request: (last - first chunk) / (tokens - 1)), output tokens/s
-(all completion tokens / wall time of the load) and Orchard's ratios to mlx-lm.
+(all completion tokens / wall time of the load), the server's CPU time during the load
+(per output token: comparable even on a busy machine; for Orchard split into the engine
+thread, the asyncio side and the rest) and Orchard's ratios to mlx-lm. `--repeat N`
+alternates the two N times and reports medians.
 """
 
 from __future__ import annotations
@@ -184,6 +187,38 @@ async def run_load(url: str, prompts: list[str], extra: dict, max_tokens: int, c
         return results, time.perf_counter() - t0
 
 
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of each thread of `pid` (Linux /proc; {} elsewhere)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[int(tid)] = (comm, (int(fields[11]) + int(fields[12])) / tick)
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def cpu_breakdown(pid: int, before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds spent during the load: the engine thread, the main thread (the asyncio
+    side: HTTP, gRPC, detokenized chunks) and everything else (BLAS and MLX pools...)."""
+    parts = {"total": 0.0, "engine_thread": 0.0, "main_thread": 0.0, "other_threads": 0.0}
+    for tid, (comm, cpu) in after.items():
+        d = cpu - before.get(tid, (comm, 0.0))[1]
+        parts["total"] += d
+        key = "main_thread" if tid == pid else "engine_thread" if comm == "orchard-engine" else "other_threads"
+        parts[key] += d
+    return parts
+
+
 def percentile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -193,7 +228,7 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def summarize(results: list[RequestResult], wall: float) -> dict:
+def summarize(results: list[RequestResult], wall: float, max_tokens: int) -> dict:
     ttft = [r.chunk_times[0] - r.start for r in results if r.chunk_times]
     itl = [b - a for r in results for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     tpot = [(r.chunk_times[-1] - r.chunk_times[0]) / (r.completion_tokens - 1)
@@ -203,7 +238,7 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
         "requests": len(results),
         "prompt_tokens_mean": statistics.mean(r.prompt_tokens for r in results),
         "completion_tokens": tokens,
-        "all_full_length": all(r.completion_tokens == results[0].completion_tokens for r in results),
+        "all_full_length": all(r.completion_tokens == max_tokens for r in results),
         "wall_s": wall,
         "ttft_mean": statistics.mean(ttft), "ttft_p50": percentile(ttft, 0.5), "ttft_p99": percentile(ttft, 0.99),
         "itl_mean": statistics.mean(itl) if itl else float("nan"), "itl_p50": percentile(itl, 0.5),
@@ -275,8 +310,12 @@ def bench(name: str, args, model: Path, prompts: list[str], eos: list[int]) -> d
         if any(d and "float32" not in str(d) for d in dtypes):
             print(f"[{name}] WARNING: weights are not float32", flush=True)
         asyncio.run(wait_http(url, extra))
+        before = thread_cpu(server.proc.pid)
         results, wall = asyncio.run(run_load(f"{url}/v1/completions", prompts, extra, args.max_tokens, args.concurrency))
-        summary = summarize(results, wall)
+        summary = summarize(results, wall, args.max_tokens)
+        cpu = cpu_breakdown(server.proc.pid, before, thread_cpu(server.proc.pid))
+        summary.update({f"cpu_{k}": v for k, v in cpu.items()})
+        summary["cpu_ms_per_token"] = 1000 * cpu["total"] / max(1, summary["completion_tokens"])
         if name == "orchard" and info.get("metrics"):
             summary.update(orchard_server_metrics(info["metrics"]))
         return summary
@@ -293,6 +332,7 @@ def main() -> int:
     p.add_argument("--only", choices=["orchard", "mlx"], default=None)
     p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
                    help="extra flag for `orchard worker serve` (repeatable, e.g. --worker-arg=--max-num-partial-prefills=4)")
+    p.add_argument("--repeat", type=int, default=1, help="run both this many times, alternating; report medians")
     p.add_argument("--json", default=None, help="also write the summaries to this file")
     args = p.parse_args()
 
@@ -302,12 +342,25 @@ def main() -> int:
     print(f"model {model}; {args.prompts} prompts of ~{args.prompt_tokens} tokens, {args.max_tokens} new tokens, "
           f"{args.concurrency} concurrent streams, temperature 0, EOS {eos} suppressed", flush=True)
     names = [args.only] if args.only else ["orchard", "mlx"]
-    out = {name: bench(name, args, model, prompts, eos) for name in names}
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(args.repeat):  # alternate, so a change in the machine's load hits both
+        for name in names:
+            runs[name].append(bench(name, args, model, prompts, eos))
+            if args.repeat > 1:
+                print(f"[{name}] run {r + 1}/{args.repeat}: {runs[name][-1]['output_tok_s']:.1f} tokens/s, "
+                      f"TTFT mean {runs[name][-1]['ttft_mean']:.3f} s", flush=True)
+    def median(values: list):
+        if isinstance(values[0], bool):
+            return all(values)
+        return statistics.median(values) if isinstance(values[0], (int, float)) else values[0]
+
+    out = {name: {k: median([run[k] for run in rs]) for k in rs[0]} for name, rs in runs.items()}
 
     rows = [("TTFT mean (s)", "ttft_mean"), ("TTFT p50 (s)", "ttft_p50"), ("TTFT p99 (s)", "ttft_p99"),
             ("ITL mean (ms)", "itl_mean"), ("ITL p50 (ms)", "itl_p50"), ("TPOT mean (ms)", "tpot_mean"),
             ("output tokens/s", "output_tok_s"), ("completion tokens", "completion_tokens"), ("wall (s)", "wall_s"),
-            ("prompt tokens (mean)", "prompt_tokens_mean")]
+            ("prompt tokens (mean)", "prompt_tokens_mean"), ("server CPU (s)", "cpu_total"),
+            ("server CPU ms / token", "cpu_ms_per_token")]
     print("\n" + f"{'':24}" + "".join(f"{n:>16}" for n in names) + ("        orchard/mlx" if len(names) == 2 else ""))
     for label, key in rows:
         scale = 1000.0 if "(ms)" in label else 1.0
@@ -320,6 +373,9 @@ def main() -> int:
         o = out["orchard"]
         print(f"\norchard server side: TTFT mean {o['server_ttft_mean']:.3f} s (queue {o['server_queue_time_mean']:.3f} s), "
               f"ITL mean {o['server_itl_mean'] * 1000:.1f} ms, preemptions {o['preemptions']:.0f}")
+        print(f"orchard CPU during the load: engine thread {o['cpu_engine_thread']:.2f} s, main thread (asyncio: HTTP, "
+              f"chunks) {o['cpu_main_thread']:.2f} s, other threads (BLAS/MLX pools) {o['cpu_other_threads']:.2f} s "
+              f"of {o['wall_s']:.2f} s wall on {os.cpu_count()} CPUs")
     for n in names:
         if not out[n]["all_full_length"]:
             print(f"WARNING: {n}: not every request generated {args.max_tokens} tokens (EOS not suppressed?)")
@@ -329,7 +385,7 @@ def main() -> int:
         print(f"\ntarget: >= 1.5x mlx-lm's output tokens/s (got {tput:.2f}x) and <= 0.25x its mean TTFT "
               f"(got {ttft:.2f}x): {'MET' if tput >= 1.5 and ttft <= 0.25 else 'MISSED'}")
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"median": out, "runs": runs}, indent=2) + "\n")
     return 0
 
 
