@@ -254,21 +254,33 @@ def test_a_block_in_use_is_never_evicted():
     bm.check_integrity([a, x])
 
 
-def test_duplicate_content_is_cached_once_and_nothing_after_it():
+def test_duplicate_content_is_cached_once_and_what_follows_it_still_is():
     bs = 8
     bm = BlockManager(8, bs)
     a = make_seq(range(bs + 1), "a")
     b = make_seq(range(2 * bs + 1), "b")
     compute(bm, a, bs + 1)
     compute(bm, b, 2 * bs + 1)  # its own copy of a's block 0 (as if admitted before a's was cached)
-    assert len(bm.cached) == 1 and bm.cached[a.block_hashes[0]] == a.block_table[0]
-    # b's block 1 follows an uncached copy: it is not cached (its parent must be).
-    assert all(bm.blocks[x].hash is None for x in b.block_table)
-    # The next request with that prefix hits a's block 0, computes block 1 and caches it.
+    # one copy of block 0 is cached (a's); b's block 1 follows the same content, so it is
+    # cached too (a multi-turn chat continuing b's prompt reuses it)
+    assert bm.cached[a.block_hashes[0]] == a.block_table[0]
+    assert bm.blocks[b.block_table[0]].hash is None
+    assert bm.cached[b.block_hashes[1]] == b.block_table[1]
     c = run_prompt(bm, range(2 * bs + 1), "c")
-    assert c.block_table[0] == a.block_table[0] and len(bm.cached) == 2
-    assert bm.get_computed_blocks(make_seq(range(2 * bs + 1))) == c.block_table[:2]
+    assert c.block_table[:2] == [a.block_table[0], b.block_table[1]] and len(bm.cached) == 2
     bm.check_integrity([a, b, c])
+
+
+def test_a_colliding_block_stops_caching_what_follows_it(monkeypatch):
+    bs = 8
+    bm = BlockManager(8, bs)
+    monkeypatch.setattr(bm, "hash_block", lambda parent, tokens: 7 if parent is None else hash((parent, tuple(tokens))))
+    a = make_seq([1] * bs + [9], "a")
+    b = make_seq([2] * bs + [3] * bs + [9], "b")  # first block collides with a's
+    compute(bm, a, bs + 1)
+    compute(bm, b, 2 * bs + 1)
+    assert all(bm.blocks[x].hash is None for x in b.block_table)  # not after a collision
+    assert bm.get_computed_blocks(make_seq([1] * bs + [3] * bs + [9])) == [a.block_table[0]]
 
 
 # -- misuse and corruption ----------------------------------------------------------------------

@@ -170,11 +170,17 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
                 continue
-            if h in self.cached:  # same content already cached in another block: keep one,
-                break  # and cache nothing after it (a cached block's parent is always cached)
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = seq.block_hashes[i - 1] if i else None
+            other = self.cached.get(h)
+            if other is not None:
+                twin = self.blocks[other]
+                if twin.token_ids == tokens and twin.parent_hash == parent:
+                    continue  # the same prefix is cached in another block: keep that one
+                break  # a hash collision: cache nothing after it (a cached block's parent is cached)
             block.hash = h
-            block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            block.parent_hash = seq.block_hashes[i - 1] if i else None
+            block.token_ids = tokens
+            block.parent_hash = parent
             self.cached[h] = block.block_id
 
     # -- checks -----------------------------------------------------------------------
