@@ -353,8 +353,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 is_first = False
                 r = await anext(chunks, None)
         except OrchardError as e:
-            await response.write(_sse({"error": {"message": e.message, "type": _ERROR_TYPES.get(e.http_status, "server_error"),
-                                                 "param": None, "code": e.http_status}}))
+            kind = _ERROR_TYPES.get(e.http_status, "server_error")
+            await response.write(_sse({"error": {"message": e.message, "type": kind, "param": None,
+                                                 "code": e.http_status}}))
         if include_usage and usage is not None:
             await response.write(_sse(ex.usage_chunk(usage)))
         await response.write(_sse("[DONE]"))

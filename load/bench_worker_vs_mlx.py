@@ -311,7 +311,8 @@ def bench(name: str, args, model: Path, prompts: list[str], eos: list[int]) -> d
             print(f"[{name}] WARNING: weights are not float32", flush=True)
         asyncio.run(wait_http(url, extra))
         before = thread_cpu(server.proc.pid)
-        results, wall = asyncio.run(run_load(f"{url}/v1/completions", prompts, extra, args.max_tokens, args.concurrency))
+        load = run_load(f"{url}/v1/completions", prompts, extra, args.max_tokens, args.concurrency)
+        results, wall = asyncio.run(load)
         summary = summarize(results, wall, args.max_tokens)
         cpu = cpu_breakdown(server.proc.pid, before, thread_cpu(server.proc.pid))
         summary.update({f"cpu_{k}": v for k, v in cpu.items()})
@@ -331,7 +332,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--only", choices=["orchard", "mlx"], default=None)
     p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
-                   help="extra flag for `orchard worker serve` (repeatable, e.g. --worker-arg=--max-num-partial-prefills=4)")
+                   help="extra `orchard worker serve` flag, repeatable (--worker-arg=--max-num-batched-tokens=384)")
     p.add_argument("--repeat", type=int, default=1, help="run both this many times, alternating; report medians")
     p.add_argument("--json", default=None, help="also write the summaries to this file")
     args = p.parse_args()
@@ -371,7 +372,8 @@ def main() -> int:
         print(line)
     if "orchard" in out and "server_ttft_mean" in out["orchard"]:
         o = out["orchard"]
-        print(f"\norchard server side: TTFT mean {o['server_ttft_mean']:.3f} s (queue {o['server_queue_time_mean']:.3f} s), "
+        print(f"\norchard server side: TTFT mean {o['server_ttft_mean']:.3f} s "
+              f"(queue {o['server_queue_time_mean']:.3f} s), "
               f"ITL mean {o['server_itl_mean'] * 1000:.1f} ms, preemptions {o['preemptions']:.0f}")
         print(f"orchard CPU during the load: engine thread {o['cpu_engine_thread']:.2f} s, main thread (asyncio: HTTP, "
               f"chunks) {o['cpu_main_thread']:.2f} s, other threads (BLAS/MLX pools) {o['cpu_other_threads']:.2f} s "

@@ -11,7 +11,6 @@ import urllib.request
 
 import openai
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from cluster.openai_api import create_app

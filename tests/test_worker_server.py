@@ -127,7 +127,8 @@ def test_cancel_mid_stream_frees_kv_and_the_next_request_is_served(tiny_worker):
     # The same with a raw gRPC call cancelled from the client side.
     with grpc.insecure_channel(tiny_worker.grpc) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 4, 5]), sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True))
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 4, 5]),
+                                 sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True))
         call = stub.Generate(req, timeout=60)
         next(call)
         call.cancel()

@@ -56,7 +56,8 @@ class GrpcBackend:
 
     async def list_models(self, timeout=_UNSET) -> pb.ListModelsResponse:
         try:
-            return await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout if timeout is _UNSET else timeout)
+            timeout = self.timeout if timeout is _UNSET else timeout
+            return await self._stub.ListModels(pb.ListModelsRequest(), timeout=timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 

@@ -118,7 +118,7 @@ class WorkerService:
         if request.model and request.model != self.model_name:
             raise NotFound(f"model {request.model!r} is not served here; this worker serves {self.model_name!r}")
         resume = list(request.resume_token_ids)
-        params, max_tokens = sampling_params_from_proto(request.sampling, len(resume))
+        params, _ = sampling_params_from_proto(request.sampling, len(resume))
         prompt = await self._prompt_token_ids(request)
         self._check_length(len(prompt), len(resume))
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
@@ -181,7 +181,8 @@ class WorkerService:
                 raise InvalidRequest("the prompt is empty: send some text")
             if len(request.text) <= INLINE_TOKENIZE_CHARS:
                 return list(self.tokenizer.encode(request.text))
-            return list(await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.encode, request.text))
+            loop = asyncio.get_running_loop()
+            return list(await loop.run_in_executor(self._pool, self.tokenizer.encode, request.text))
         if which == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages:
