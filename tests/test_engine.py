@@ -275,3 +275,24 @@ def test_half_precision_weights_run_in_fp32_on_the_cpu(model_dirs, tmp_path):
     else:
         assert dtypes == {mx.float32} and engine.runner.dtype == mx.float32
     assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]) == 3
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 77)])
+def test_resume_continues_exactly_where_another_worker_stopped(model_dirs, temperature, seed):
+    """Failover: tokens generated elsewhere come back as resume_token_ids; the rest of the
+    output (greedy or seeded) is what the uninterrupted run would have produced."""
+    path = model_dirs["qwen3"]
+    prompt = random_prompts(1, seed=31, lengths=(37,))[0]
+    params = SamplingParams(max_tokens=14, temperature=temperature, seed=seed, ignore_eos=True)
+    full = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64)).generate([prompt], params)[0]
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64))
+    engine.add_request("r", prompt, params, resume_token_ids=full[:5])
+    rest, last = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            rest += out.new_token_ids
+            last = out
+    assert rest == full[5:]
+    assert last.num_output_tokens == 14 and last.num_prompt_tokens == len(prompt)
+    with pytest.raises(ValueError, match="already reach max_tokens"):
+        engine.add_request("done", prompt, params, resume_token_ids=full)

@@ -42,7 +42,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.thread = None
 
-    def add_request(self, rid, prompt, params, arrival_time=None):
+    def add_request(self, rid, prompt, params, arrival_time=None, resume_token_ids=()):
         self.thread = threading.current_thread().name
         if any(t >= 500 and t != BOOM for t in prompt):
             raise ValueError("prompt token ids must be in [0, 500)")

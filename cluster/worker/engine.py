@@ -105,24 +105,37 @@ class Engine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        resume_token_ids: list[int] = (),
     ) -> None:
+        """Queue a request. `resume_token_ids` are tokens already generated for it
+        elsewhere (router failover): they are computed as context, count as output
+        (max_tokens, seeds, stop strings) and are not emitted again."""
         params = sampling_params or SamplingParams()
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        bad = [t for t in prompt_token_ids if not 0 <= int(t) < self.vocab_size]
+        bad = [t for t in (*prompt_token_ids, *resume_token_ids) if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
-        self.scheduler.check_fits(len(prompt_token_ids))
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: send at least one token")
+        if len(resume_token_ids) >= params.max_tokens:
+            raise ValueError(f"{len(resume_token_ids)} resumed tokens already reach max_tokens={params.max_tokens}")
+        self.scheduler.check_fits(len(prompt_token_ids) + len(resume_token_ids))
         cap = self.config.max_waiting
         if cap and len(self.scheduler.waiting) >= cap:
             raise QueueFullError(f"the waiting queue is full ({cap} requests): retry later")
-        seq = Sequence(request_id, [int(t) for t in prompt_token_ids], params)
+        prompt = [int(t) for t in prompt_token_ids]
+        seq = Sequence(request_id, prompt + [int(t) for t in resume_token_ids], params, num_prompt_tokens=len(prompt))
         if arrival_time is not None:
             seq.arrival_time = arrival_time
+        detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
+        for t in resume_token_ids:
+            detok.add(int(t))
+        detok.take_delta(final=True)  # already sent by whoever generated them
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
-        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, seq.token_ids, params.stop)
-        self.stats.prompt_tokens += seq.num_tokens
+        self.detoks[request_id] = detok
+        self.stats.prompt_tokens += len(prompt)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. False if it is unknown or done."""

@@ -46,8 +46,8 @@ class _Stream:
 
 
 def sampling_params_from_proto(s: pb.SamplingParams, num_resumed: int = 0) -> tuple[SamplingParams | None, int]:
-    """(engine params, requested max_tokens). The engine's max_tokens excludes the tokens
-    already generated elsewhere (`num_resumed`); None when nothing is left to generate."""
+    """(engine params, requested max_tokens); params is None when the `num_resumed`
+    tokens generated elsewhere already reach max_tokens (nothing is left to generate)."""
     max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     if max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be an integer >= 1, got {max_tokens}")
@@ -58,7 +58,7 @@ def sampling_params_from_proto(s: pb.SamplingParams, num_resumed: int = 0) -> tu
     remaining = max_tokens - num_resumed
     try:
         params = SamplingParams(
-            max_tokens=max(1, remaining),
+            max_tokens=max_tokens,
             stop=tuple(s.stop),
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
@@ -132,7 +132,7 @@ class WorkerService:
             return
         stream = _Stream(arrival)
         self._streams[rid] = stream
-        self.engine_loop.submit(AddRequest(rid, prompt + resume, params, arrival))
+        self.engine_loop.submit(AddRequest(rid, prompt, params, arrival, tuple(resume)))
         finished = False
         try:
             while not finished:
@@ -224,7 +224,7 @@ class WorkerService:
         if out.stop_reason is not None:
             chunk.stop_reason = str(out.stop_reason)
         chunk.usage.prompt_tokens = num_prompt
-        chunk.usage.completion_tokens = len(resume) + max(0, out.num_output_tokens)
+        chunk.usage.completion_tokens = out.num_output_tokens  # the resumed tokens included
         chunk.usage.cached_tokens = min(out.num_cached_tokens, num_prompt)
         return True
 

@@ -33,6 +33,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic() when the request reached the worker
+    resume_token_ids: tuple[int, ...] = ()  # generated elsewhere; not emitted again
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,10 @@ class EngineLoop:
         """One dispatch point for inbox messages. True means shut down."""
         if isinstance(msg, AddRequest):
             try:
-                engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, arrival_time=msg.arrival_time)
+                engine.add_request(
+                    msg.request_id, msg.prompt_token_ids, msg.params,
+                    arrival_time=msg.arrival_time, resume_token_ids=msg.resume_token_ids,
+                )
                 queued[msg.request_id] = msg.arrival_time
             except (ValueError, QueueFullError) as e:
                 events.append(Rejected(msg.request_id, e))
