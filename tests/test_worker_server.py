@@ -324,3 +324,28 @@ def test_errors_are_orchard_errors(tiny_worker):
     with Client(tiny_worker.grpc, timeout=10) as client:
         with pytest.raises(OrchardError):
             client.generate("x", top_p=2.0)
+
+
+def test_a_failed_start_leaves_nothing_running(tiny_model_dir):
+    """The metrics port is taken: start() raises, and the engine thread and the gRPC server
+    it had already started are stopped (the gRPC port can be bound again)."""
+    import socket
+
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.server import WorkerOptions, WorkerServer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        grpc_port = probe.getsockname()[1]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        options = WorkerOptions(str(tiny_model_dir), EngineConfig(num_kv_blocks=64, max_model_len=256),
+                                grpc_address=f"127.0.0.1:{grpc_port}",
+                                metrics_address=f"127.0.0.1:{taken.getsockname()[1]}")
+        server = WorkerServer(options)
+        with pytest.raises(OSError, match="cannot listen"):
+            asyncio.run(server.start())
+    assert not server.engine_loop._thread.is_alive()
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", grpc_port))

@@ -132,6 +132,16 @@ class WorkerServer:
         self.health = health.aio.HealthServicer()
 
     async def start(self) -> "WorkerServer":
+        """Load the engine and bind everything; on any failure, stop what already started
+        (engine thread, gRPC server, HTTP sites) before raising."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def _start(self) -> None:
         from cluster.worker.engine import Engine
         from cluster.worker.metrics import WorkerMetrics
         from cluster.worker.service import WorkerService
@@ -187,7 +197,6 @@ class WorkerServer:
             self._registration.start()
         log.info("worker %s serving %s (%s): %s", worker_id, engine.model_name, opts.model_path,
                  ", ".join(f"{k} {v}" for k, v in self.addresses.items()))
-        return self
 
     def ready_info(self) -> dict:
         """The bound addresses and what was loaded (for scripts that start workers)."""
