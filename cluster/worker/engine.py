@@ -18,7 +18,7 @@ from cluster import platform
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
 from cluster.worker.detokenizer import IncrementalDetokenizer
-from cluster.worker.model_runner import ModelRunner, default_kv_budget, kv_bytes_per_block, load_model
+from cluster.worker.model_runner import ModelRunner, default_kv_budget, kv_bytes_per_block, load_model, weight_dtype
 from cluster.worker.sampler import Sampler
 from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.scheduler import Scheduler, SchedulerOutput
@@ -72,7 +72,7 @@ class Engine:
         config.validate()
         self.model_name = model_name
         self.tokenizer = tokenizer
-        dtype = next(iter(p.dtype for p in _floating_params(model)), mx.float32)
+        dtype = weight_dtype(model)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = config.kv_cache_memory_bytes or default_kv_budget(model)
@@ -244,9 +244,3 @@ class Engine:
     def check_integrity(self) -> None:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         self.block_manager.check_integrity(live)
-
-
-def _floating_params(model):
-    from mlx.utils import tree_flatten
-
-    return [p for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)]

@@ -113,7 +113,7 @@ def load_model(path: str | Path):
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(path))
-    dtype = _weight_dtype(model)
+    dtype = weight_dtype(model)
     target = platform.compute_dtype(dtype)
     if target != dtype:
         model.set_dtype(target)
@@ -122,7 +122,8 @@ def load_model(path: str | Path):
     return model, tokenizer
 
 
-def _weight_dtype(model: nn.Module):
+def weight_dtype(model: nn.Module):
+    """The dtype of the model's first floating-point parameter (float32 if it has none)."""
     from mlx.utils import tree_flatten
 
     for _, p in tree_flatten(model.parameters()):
@@ -170,7 +171,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers, self.num_kv_heads, self.head_dim = model_geometry(model)
-        self.dtype = _weight_dtype(model)
+        self.dtype = weight_dtype(model)
         slots = num_blocks * block_size
         self.k_pool = [mx.zeros((slots, self.num_kv_heads, self.head_dim), self.dtype) for _ in range(self.num_layers)]
         self.v_pool = [mx.zeros((slots, self.num_kv_heads, self.head_dim), self.dtype) for _ in range(self.num_layers)]
