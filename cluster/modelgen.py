@@ -132,7 +132,6 @@ def _init_weights(model, config: dict, seed: int):
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
-    hidden = config["hidden_size"]
     key = mx.random.key(seed)
     new = []
     for i, (name, p) in enumerate(sorted(tree_flatten(model.parameters()))):

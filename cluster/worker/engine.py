@@ -21,7 +21,7 @@ from cluster.worker.detokenizer import IncrementalDetokenizer
 from cluster.worker.model_runner import ModelRunner, default_kv_budget, kv_bytes_per_block, load_model, weight_dtype
 from cluster.worker.sampler import Sampler
 from cluster.worker.sampling_params import SamplingParams
-from cluster.worker.scheduler import Scheduler, SchedulerOutput
+from cluster.worker.scheduler import Scheduler
 from cluster.worker.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -161,14 +161,12 @@ class Engine:
             t1 = time.perf_counter()
             logits = self.runner.forward(batch)
             sampling = [e for e in plan.scheduled if e.sample]
+            result = None
             if sampling:
                 result = self.sampler(
                     logits, [e.seq.sampling_params for e in sampling], [e.seq.num_output_tokens for e in sampling]
                 )
-                mx.eval(self.runner.pool_arrays())
-            else:
-                mx.eval(self.runner.pool_arrays())
-                result = None
+            mx.eval(self.runner.pool_arrays())
             self.stats.forward_seconds += time.perf_counter() - t1
             sampled = {id(e.seq): tok for e, tok in zip(sampling, result.token_ids)} if result else {}
             produced = self.scheduler.postprocess(plan, sampled)
