@@ -45,9 +45,9 @@ class _Stream:
     last_token_time: float | None = None
 
 
-def sampling_params_from_proto(s: pb.SamplingParams, num_resumed: int = 0) -> tuple[SamplingParams | None, int]:
-    """(engine params, requested max_tokens); params is None when the `num_resumed`
-    tokens generated elsewhere already reach max_tokens (nothing is left to generate)."""
+def sampling_params_from_proto(s: pb.SamplingParams, num_resumed: int = 0) -> SamplingParams | None:
+    """The engine's params; None when the `num_resumed` tokens generated elsewhere
+    already reach max_tokens (nothing is left to generate)."""
     max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     if max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be an integer >= 1, got {max_tokens}")
@@ -55,7 +55,6 @@ def sampling_params_from_proto(s: pb.SamplingParams, num_resumed: int = 0) -> tu
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
         if s.HasField(name):
             kwargs[name] = getattr(s, name)
-    remaining = max_tokens - num_resumed
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -66,7 +65,7 @@ def sampling_params_from_proto(s: pb.SamplingParams, num_resumed: int = 0) -> tu
         )
     except (TypeError, ValueError) as e:
         raise InvalidRequest(str(e)) from None
-    return (params if remaining >= 1 else None), max_tokens
+    return params if max_tokens > num_resumed else None
 
 
 class WorkerService:
@@ -118,7 +117,7 @@ class WorkerService:
         if request.model and request.model != self.model_name:
             raise NotFound(f"model {request.model!r} is not served here; this worker serves {self.model_name!r}")
         resume = list(request.resume_token_ids)
-        params, _ = sampling_params_from_proto(request.sampling, len(resume))
+        params = sampling_params_from_proto(request.sampling, len(resume))
         prompt = await self._prompt_token_ids(request)
         self._check_length(len(prompt), len(resume))
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
@@ -147,7 +146,7 @@ class WorkerService:
                     if isinstance(ev, Failed):
                         finished = True
                         raise InternalError(ev.message)
-                    finished = self._add_output(chunk, ev, params, len(prompt), resume) or finished
+                    finished = self._add_output(chunk, ev, len(prompt)) or finished
                 if chunk.token_ids or chunk.text or finished:
                     yield chunk
         finally:
@@ -207,8 +206,8 @@ class WorkerService:
             what = f"{num_prompt} prompt + {num_resumed} resumed tokens" if num_resumed else f"{num_prompt} tokens"
             raise InvalidRequest(f"the prompt has {what}, more than max_model_len={limit}: shorten it")
 
-    def _add_output(self, chunk: pb.GenerateResponse, out: RequestOutput, params: SamplingParams,
-                    num_prompt: int, resume: list[int]) -> bool:
+    def _add_output(self, chunk: pb.GenerateResponse, out: RequestOutput, num_prompt: int) -> bool:
+        """Append one engine output to `chunk`; True when it finished the request."""
         chunk.token_ids.extend(out.new_token_ids)
         chunk.text += out.new_text
         if out.logprobs is not None:
