@@ -66,6 +66,8 @@ def test_sampling_params_validation_messages():
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))  # would turn every logit into NaN
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         SamplingParams(top_p=0)
     assert SamplingParams(stop="x").stop == ("x",)
