@@ -145,7 +145,8 @@ class BlockManager:
         return bid
 
     def free(self, seq: _Seq) -> None:
-        """Release `seq`'s blocks. Tail blocks go to the front of the LRU queue, so a
+        """Release `seq`'s blocks. A block with no cached prefix goes to the front of the
+        free queue (reused first); cached ones go to the back, last block first, so a
         sequence's last blocks are evicted before its (more shareable) first ones."""
         for bid in reversed(seq.block_table):
             block = self.blocks[bid]
