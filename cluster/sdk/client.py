@@ -111,26 +111,23 @@ class AsyncClient:
     async def list_models(self, *, timeout=_UNSET) -> list[pb.ModelInfo]:
         return list((await self.backend.list_models(timeout=self._timeout(timeout))).models)
 
-    async def get_load(self, *, timeout=_UNSET) -> pb.LoadReport:
-        """A worker's load report (WorkerAdmin)."""
+    async def _unary(self, method, request, timeout):
         try:
-            return await self._admin.GetLoad(pb.GetLoadRequest(), timeout=self._timeout(timeout))
+            return await method(request, timeout=self._timeout(timeout))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+
+    async def get_load(self, *, timeout=_UNSET) -> pb.LoadReport:
+        """A worker's load report (WorkerAdmin)."""
+        return await self._unary(self._admin.GetLoad, pb.GetLoadRequest(), timeout)
 
     async def drain(self, drain: bool = True, *, timeout=_UNSET) -> pb.DrainResponse:
         """Make a worker stop (or resume) taking new requests (WorkerAdmin)."""
-        try:
-            return await self._admin.Drain(pb.DrainRequest(drain=drain), timeout=self._timeout(timeout))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        return await self._unary(self._admin.Drain, pb.DrainRequest(drain=drain), timeout)
 
     async def health(self, service: str = "", *, timeout=_UNSET) -> str:
         """grpc.health.v1 status name: 'SERVING', 'NOT_SERVING', ..."""
-        try:
-            r = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        r = await self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
