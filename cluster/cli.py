@@ -67,12 +67,16 @@ def engine_config_from_args(args):
     )
 
 
+def off(address: str | None) -> str | None:
+    """An address flag's value, or None for "off" (or empty): that endpoint is not served."""
+    return None if address in (None, "", "off") else address
+
+
 def _cmd_router_serve(args) -> int:
     import asyncio
 
     from cluster.router.server import RouterConfig, serve
 
-    off = lambda a: None if a in (None, "", "off") else a  # noqa: E731
     config = RouterConfig(
         grpc_address=args.grpc, http_address=off(args.http), metrics_address=off(args.metrics), policy=args.policy,
         join_token=args.join_token, heartbeat_interval=args.heartbeat_interval,

@@ -263,10 +263,9 @@ async def run_until_signalled(options: WorkerOptions, ready_line: bool = True) -
 
 def serve(args) -> int:
     """Entry point of `orchard worker serve`."""
-    from cluster.cli import engine_config_from_args
+    from cluster.cli import engine_config_from_args, off
     from cluster.models_cache import resolve_model
 
-    off = lambda a: None if a in (None, "", "off") else a  # noqa: E731
     try:
         for addr in (args.grpc, off(args.metrics), off(args.http), args.router, args.advertise):
             if addr:
