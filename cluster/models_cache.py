@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,10 @@ def builtin_model(arch: str = BUILTIN_ARCH, size: str = BUILTIN_SIZE, seed: int 
         log.info("creating the built-in %s %s model in %s (once)", arch, size, path)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         create_model(tmp, arch=arch, size=size, seed=seed)
-        tmp.rename(path) if not path.exists() else None
+        try:
+            tmp.rename(path)
+        except OSError:  # another process got there first (same seed: the same model)
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
