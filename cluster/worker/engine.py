@@ -131,7 +131,9 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
         for t in resume_token_ids:
             detok.add(int(t))
-        detok.take_delta(final=True)  # already sent by whoever generated them
+        # Mark sent exactly what the first worker sent: it held back a split UTF-8 character
+        # or a possible stop-string prefix at the end, so those are still to come from here.
+        detok.take_delta()
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
         self.detoks[request_id] = detok
