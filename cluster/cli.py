@@ -83,7 +83,11 @@ def _cmd_router_serve(args) -> int:
         missed_heartbeats=args.missed_heartbeats, remove_after=args.remove_after, max_attempts=args.max_attempts,
         static_workers=tuple(args.worker or ()),
     )
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except (OSError, ValueError) as e:
+        print(f"orchard router serve: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

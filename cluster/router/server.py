@@ -76,9 +76,12 @@ class RouterServer:
         pb_grpc.add_RouterServicer_to_server(RouterControl(self.registry), server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        self.grpc_port = server.add_insecure_port(self.config.grpc_address)
+        try:
+            self.grpc_port = server.add_insecure_port(self.config.grpc_address)
+        except RuntimeError:
+            self.grpc_port = 0
         if not self.grpc_port:
-            raise OSError(f"cannot bind the router's gRPC address {self.config.grpc_address}")
+            raise OSError(f"cannot listen on {self.config.grpc_address} for gRPC (in use?)")
         await server.start()
         self._server = server
         for address in self.config.static_workers:
@@ -98,7 +101,10 @@ class RouterServer:
         from prometheus_client import start_http_server
 
         host, port = split_address(self.config.metrics_address)
-        self._metrics_http, _ = start_http_server(port, addr=host, registry=self.metrics.prometheus)
+        try:
+            self._metrics_http, _ = start_http_server(port, addr=host, registry=self.metrics.prometheus)
+        except OSError as e:
+            raise OSError(f"cannot listen on {self.config.metrics_address} for metrics: {e.strerror}") from None
         self.metrics_port = self._metrics_http.server_port
 
     async def _start_http(self) -> None:
@@ -110,7 +116,11 @@ class RouterServer:
         runner = web.AppRunner(create_app(self.backend), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            await runner.cleanup()
+            raise OSError(f"cannot listen on {self.config.http_address} for HTTP: {e.strerror}") from None
         self._http = runner
         self.http_port = runner.addresses[0][1]
 
@@ -153,7 +163,11 @@ class RouterServer:
 async def serve(config: RouterConfig) -> None:
     """Run until SIGINT/SIGTERM."""
     router = RouterServer(config)
-    await router.start()
+    try:
+        await router.start()
+    except OSError:
+        await router.stop(grace=0)
+        raise
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, router._stop.set)
