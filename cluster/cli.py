@@ -75,8 +75,15 @@ def off(address: str | None) -> str | None:
 def _cmd_router_serve(args) -> int:
     import asyncio
 
-    from cluster.router.server import RouterConfig, serve
+    from cluster.router.server import RouterConfig, serve, split_address
 
+    try:
+        for address in (args.grpc, off(args.http), off(args.metrics), *(args.worker or ())):
+            if address:
+                split_address(address)
+    except ValueError as e:
+        print(f"orchard router serve: {e}", file=sys.stderr)
+        return 2
     config = RouterConfig(
         grpc_address=args.grpc, http_address=off(args.http), metrics_address=off(args.metrics), policy=args.policy,
         join_token=args.join_token, heartbeat_interval=args.heartbeat_interval,
