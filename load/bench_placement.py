@@ -1,6 +1,6 @@
 """Placement policies on a shared-prefix workload: mean TTFT and prefix-cache hit rate.
 
-    python load/bench_placement.py [--model DIR] [--groups 8] [--per-group 8] [--prefix-words 200]
+    python load/bench_placement.py [--model DIR] [--groups 8] [--per-group 16] [--prefix-words 200]
 
 --groups groups of --per-group requests; the requests of a group share a long prefix
 (about 2.5 tokens a word) and differ in a short question. They arrive in one shuffled
@@ -77,7 +77,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--per-group", type=int, default=8)
+    p.add_argument("--per-group", type=int, default=16)
     p.add_argument("--prefix-words", type=int, default=200)
     p.add_argument("--kv-prefixes", type=float, default=5.0, help="KV cache per worker, in prefixes")
     p.add_argument("--concurrency", type=int, default=4)
