@@ -281,3 +281,26 @@ def test_placement_follows_load_and_prefix():
                 assert (await c.generate(prefix + f"q{i}"))[0].worker_id == first
 
     run(main())
+
+
+def test_start_failure_frees_what_started():
+    """A busy metrics port: start() raises a clear error and the gRPC port is free again."""
+    import socket
+
+    from cluster.up import free_port
+
+    async def main():
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen(1)
+            metrics = f"127.0.0.1:{busy.getsockname()[1]}"
+            grpc_address = f"127.0.0.1:{free_port()}"
+            router = RouterServer(RouterConfig(grpc_address=grpc_address, http_address=None,
+                                               metrics_address=metrics))
+            with pytest.raises(OSError, match=f"cannot listen on {metrics} for metrics"):
+                await router.start()
+        again = RouterServer(RouterConfig(grpc_address=grpc_address, http_address=None, metrics_address=None))
+        await again.start()  # the same gRPC port: the first router let it go
+        await again.stop(grace=0)
+
+    run(main())

@@ -71,6 +71,15 @@ class RouterServer:
         self._health_task = None
 
     async def start(self) -> None:
+        """Bind and start everything; on any failure, stop what already started (gRPC
+        server, health task, metrics and HTTP endpoints) before raising."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+
+    async def _start(self) -> None:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_GenerationServicer_to_server(GenerationProxy(self.backend), server)
         pb_grpc.add_RouterServicer_to_server(RouterControl(self.registry), server)
@@ -146,15 +155,19 @@ class RouterServer:
         self._stop.set()
         if self._http is not None:
             await self._http.cleanup()
+            self._http = None
         if self._server is not None:
             await self._health.enter_graceful_shutdown()
             await self._server.stop(grace)
+            self._server = None
         if self._health_task is not None:
             await self._health_task
+            self._health_task = None
         await self.registry.close()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
+            self._metrics_http = None
 
     async def wait(self) -> None:
         await self._stop.wait()
@@ -163,11 +176,7 @@ class RouterServer:
 async def serve(config: RouterConfig) -> None:
     """Run until SIGINT/SIGTERM."""
     router = RouterServer(config)
-    try:
-        await router.start()
-    except OSError:
-        await router.stop(grace=0)
-        raise
+    await router.start()  # stops what it started if it fails
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, router._stop.set)
