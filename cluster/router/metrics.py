@@ -10,12 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from cluster.router.registry import STATE_NAMES, Registry
-
-# vLLM's TTFT bucket edges.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+from cluster.worker.metrics import REQUEST_LATENCY_BUCKETS as E2E_BUCKETS  # the worker's (vLLM's) edges
+from cluster.worker.metrics import TTFT_BUCKETS
 
 # outcome label values of orchard_router_requests_total (one count per attempt on a worker)
 SUCCESS = "success"  # the stream finished on this worker
