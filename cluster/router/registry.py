@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 
@@ -31,13 +32,6 @@ log = logging.getLogger(__name__)
 HEALTHY, UNHEALTHY, DRAINING = pb.WORKER_STATE_HEALTHY, pb.WORKER_STATE_UNHEALTHY, pb.WORKER_STATE_DRAINING
 STATE_NAMES = {HEALTHY: "healthy", UNHEALTHY: "unhealthy", DRAINING: "draining"}
 
-# Reconnect quickly after a worker or the network comes back (gRPC's default backoff
-# starts at 1 s and grows to 120 s).
-CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,11 @@ from collections.abc import Callable
 
 import grpc
 
+from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 class Registration:
