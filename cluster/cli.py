@@ -75,12 +75,13 @@ def off(address: str | None) -> str | None:
 def _cmd_router_serve(args) -> int:
     import asyncio
 
-    from cluster.router.server import RouterConfig, serve, split_address
+    from cluster.net import parse_address
+    from cluster.router.server import RouterConfig, serve
 
     try:
         for address in (args.grpc, off(args.http), off(args.metrics), *(args.worker or ())):
             if address:
-                split_address(address)
+                parse_address(address)
     except ValueError as e:
         print(f"orchard router serve: {e}", file=sys.stderr)
         return 2

@@ -10,3 +10,10 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
+
+def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """HOST:PORT (or [V6]:PORT) -> (host, port); an empty host is `default_host`."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host.strip("[]") or default_host, int(port)

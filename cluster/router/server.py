@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.net import parse_address
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.control import RouterControl
 from cluster.router.metrics import RouterMetrics
@@ -23,6 +24,8 @@ from cluster.router.proxy import GenerationProxy, ProxyConfig, RouterBackend
 from cluster.router.registry import Registry, RegistryConfig
 
 log = logging.getLogger(__name__)
+
+ALL_INTERFACES = "0.0.0.0"  # an address with an empty host binds all interfaces
 
 
 @dataclass(frozen=True)
@@ -37,13 +40,6 @@ class RouterConfig:
     remove_after: float = 30.0
     max_attempts: int = 4
     static_workers: tuple[str, ...] = ()
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 class RouterServer:
@@ -109,7 +105,7 @@ class RouterServer:
     def _start_metrics(self) -> None:
         from prometheus_client import start_http_server
 
-        host, port = split_address(self.config.metrics_address)
+        host, port = parse_address(self.config.metrics_address, default_host=ALL_INTERFACES)
         try:
             self._metrics_http, _ = start_http_server(port, addr=host, registry=self.metrics.prometheus)
         except OSError as e:
@@ -121,7 +117,7 @@ class RouterServer:
 
         from cluster.openai_api import create_app
 
-        host, port = split_address(self.config.http_address)
+        host, port = parse_address(self.config.http_address, default_host=ALL_INTERFACES)
         runner = web.AppRunner(create_app(self.backend), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -136,7 +132,7 @@ class RouterServer:
     def _local(self, port: int | None, configured: str | None) -> str | None:
         if port is None or configured is None:
             return None
-        host, _ = split_address(configured)
+        host, _ = parse_address(configured, default_host=ALL_INTERFACES)
         return f"{host}:{port}"
 
     @property

@@ -20,6 +20,7 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.net import parse_address
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.sdk.errors import OrchardError
@@ -70,13 +71,6 @@ class WorkerAdminServicer(pb_grpc.WorkerAdminServicer):
         status = health_pb2.HealthCheckResponse.NOT_SERVING if request.drain else health_pb2.HealthCheckResponse.SERVING
         await self.health.set(GENERATION_SERVICE, status)
         return response
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{address!r} is not HOST:PORT")
-    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def _bind(address: str) -> socket.socket:
