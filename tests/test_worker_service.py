@@ -182,3 +182,27 @@ def test_metrics_render_from_engine_stats():
     assert 'orchard_time_to_first_token_seconds_count{model="fake",worker="w1"} 1.0' in text
     assert 'orchard_inter_token_latency_seconds_count{model="fake",worker="w1"} 3.0' in text
     assert 'orchard_kv_cache_blocks_total{model="fake",worker="w1"} 8.0' in text
+
+
+def test_generate_servicer_closes_the_backend_stream_at_once():
+    """When the RPC's generator is closed (RPC over or cancelled), the backend's stream is
+    closed right then (the engine abort), not later by garbage collection."""
+    from cluster.worker.server import GenerationServicer
+
+    closed = []
+
+    class Backend:
+        async def generate(self, request):
+            try:
+                yield pb.GenerateResponse()
+                await asyncio.Event().wait()
+            finally:
+                closed.append(True)
+
+    async def main():
+        rpc = GenerationServicer(Backend()).Generate(pb.GenerateRequest(), context=None)
+        await rpc.__anext__()
+        await rpc.aclose()
+        return list(closed)
+
+    assert asyncio.run(main()) == [True]

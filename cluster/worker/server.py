@@ -8,6 +8,7 @@ owns the engine. `WorkerService` sits between them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -46,8 +47,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async for chunk in self.backend.generate(request):
-                yield chunk
+            # closed here when the RPC ends or is cancelled: the engine abort is immediate
+            async with contextlib.aclosing(self.backend.generate(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except OrchardError as e:
             await context.abort(e.code, e.message)
 
