@@ -304,3 +304,31 @@ def test_start_failure_frees_what_started():
         await again.stop(grace=0)
 
     run(main())
+
+
+def test_proxy_servicer_closes_the_backend_stream_at_once():
+    """Closing the RPC's generator closes the router backend's stream right then (which
+    cancels the worker's stream), not later by garbage collection."""
+    from cluster.router.proxy import GenerationProxy
+
+    closed = []
+
+    class Backend:
+        async def generate(self, request, timeout=None):
+            try:
+                yield pb.GenerateResponse()
+                await asyncio.Event().wait()
+            finally:
+                closed.append(True)
+
+    class Context:
+        def time_remaining(self):
+            return None
+
+    async def main():
+        rpc = GenerationProxy(Backend()).Generate(pb.GenerateRequest(), Context())
+        await rpc.__anext__()
+        await rpc.aclose()
+        return list(closed)
+
+    assert run(main()) == [True]

@@ -13,6 +13,7 @@ worker's stream.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -161,7 +162,9 @@ class GenerationProxy(pb_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         try:
-            async for chunk in self.backend.generate(request, timeout=context.time_remaining()):
-                yield chunk
+            # closed here when the RPC ends or is cancelled: the worker's stream is cancelled at once
+            async with contextlib.aclosing(self.backend.generate(request, timeout=context.time_remaining())) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except errors.OrchardError as e:
             await context.abort(e.code, e.message)
