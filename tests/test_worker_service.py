@@ -206,3 +206,33 @@ def test_generate_servicer_closes_the_backend_stream_at_once():
         return list(closed)
 
     assert asyncio.run(main()) == [True]
+
+
+def test_fail_all_when_abort_raises_leaves_nothing_runnable():
+    """If `engine.abort` raises, the failed request is still taken out of the engine and
+    the scheduler's queues (never scheduled again), and the other requests are failed too."""
+    from cluster.worker.block_manager import BlockManager
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.sampling_params import SamplingParams
+    from cluster.worker.scheduler import Scheduler
+    from cluster.worker.sequence import Sequence
+
+    cfg = EngineConfig(block_size=16).resolved(model_max_len=4096, num_kv_blocks=64)
+    scheduler = Scheduler(cfg, BlockManager(64, 16, cfg.enable_prefix_caching))
+    seqs = {}
+    for rid in ("a", "b"):
+        seqs[rid] = Sequence(rid, [1, 2, 3], SamplingParams(max_tokens=4))
+        scheduler.add(seqs[rid])
+    scheduler.schedule()  # both running, with blocks
+
+    def abort(rid):  # the engine's abort, failing half-way (after popping, before the scheduler)
+        engine.seqs.pop(rid)
+        raise RuntimeError("abort failed")
+
+    engine = SimpleNamespace(seqs=dict(seqs), detoks={"a": object(), "b": object()}, scheduler=scheduler, abort=abort)
+    failed = EngineLoop(lambda: None, lambda now, events: None)._fail_all(engine, "the engine failed")
+    assert sorted(f.request_id for f in failed) == ["a", "b"]
+    assert engine.seqs == {} and engine.detoks == {}
+    assert not scheduler.has_unfinished()
+    assert all(s.is_finished and s.block_table == [] for s in seqs.values())
+    assert scheduler.block_manager.num_free_blocks == 64

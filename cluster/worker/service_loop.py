@@ -157,12 +157,13 @@ class EngineLoop:
 
     def _fail_all(self, engine: Engine, message: str) -> list[Event]:
         failed = []
-        for rid in list(engine.seqs):
+        for rid, seq in list(engine.seqs.items()):
             failed.append(Failed(rid, message))
             try:
                 engine.abort(rid)
             except Exception:
-                engine.seqs.pop(rid, None)
+                log.exception("engine loop: aborting %s failed; dropping it", rid)
+                _drop(engine, rid, seq)
         return failed
 
     def _handle(self, engine: Engine, msg, events: list[Event], queued: dict[str, float]) -> bool:
@@ -193,6 +194,22 @@ class EngineLoop:
             self._on_events(now, events)
         except Exception:  # the receiver is gone (shutting down): nothing to deliver to
             log.debug("engine loop: could not deliver %d events", len(events), exc_info=True)
+
+
+def _drop(engine: Engine, rid: str, seq) -> None:
+    """After a failed abort: take the request out of the engine and the scheduler's queues
+    (so it is never scheduled again), mark it aborted and free its blocks if that works."""
+    engine.seqs.pop(rid, None)
+    engine.detoks.pop(rid, None)
+    scheduler = engine.scheduler
+    for queue_ in (scheduler.running, scheduler.waiting):
+        if seq in queue_:  # Sequence compares by identity
+            queue_.remove(seq)
+    seq.status = SequenceStatus.FINISHED_ABORTED
+    try:
+        scheduler.block_manager.free(seq)
+    except Exception:
+        log.exception("engine loop: freeing the blocks of %s failed", rid)
 
 
 def _name_os_thread(name: str) -> None:
