@@ -75,13 +75,11 @@ def off(address: str | None) -> str | None:
 def _cmd_router_serve(args) -> int:
     import asyncio
 
-    from cluster.net import parse_address
+    from cluster.net import check_addresses
     from cluster.router.server import RouterConfig, serve
 
     try:
-        for address in (args.grpc, off(args.http), off(args.metrics), *(args.worker or ())):
-            if address:
-                parse_address(address)
+        check_addresses(args.grpc, off(args.http), off(args.metrics), *(args.worker or ()))
     except ValueError as e:
         print(f"orchard router serve: {e}", file=sys.stderr)
         return 2

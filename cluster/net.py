@@ -17,3 +17,10 @@ def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, i
     if not sep or not port.isdigit():
         raise ValueError(f"{address!r} is not HOST:PORT")
     return host.strip("[]") or default_host, int(port)
+
+
+def check_addresses(*addresses: str | None) -> None:
+    """Raise ValueError for the first of `addresses` (None or empty: skipped) that is not HOST:PORT."""
+    for address in addresses:
+        if address:
+            parse_address(address)

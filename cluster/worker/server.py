@@ -21,7 +21,7 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster.net import parse_address
+from cluster.net import check_addresses, parse_address
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.sdk.errors import OrchardError
@@ -264,9 +264,7 @@ def serve(args) -> int:
     from cluster.models_cache import resolve_model
 
     try:
-        for addr in (args.grpc, off(args.metrics), off(args.http), args.router, args.advertise):
-            if addr:
-                parse_address(addr)
+        check_addresses(args.grpc, off(args.metrics), off(args.http), args.router, args.advertise)
     except ValueError as e:
         print(f"orchard worker serve: {e}", file=sys.stderr)
         return 2
