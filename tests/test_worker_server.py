@@ -259,12 +259,13 @@ def test_drain_refuses_new_requests_with_unavailable(tiny_worker):
 
 
 def test_full_queue_answers_resource_exhausted_and_429(tiny_model_dir, worker_process):
-    # A long context (8192 > the model's 2048 positions; fine for random weights) keeps the
-    # one running request busy for thousands of steps while the queue is checked.
-    w = worker_process(tiny_model_dir, "--num-kv-blocks", "520", "--max-model-len", "8192", "--max-num-seqs", "1",
+    # A long context (32768 > the model's 2048 positions; fine for random weights) keeps the
+    # one running request busy for tens of thousands of steps (well over a minute even on a
+    # quiet machine) while the queue is checked; the test closes it.
+    w = worker_process(tiny_model_dir, "--num-kv-blocks", "2100", "--max-model-len", "32768", "--max-num-seqs", "1",
                        "--max-waiting", "1")
     with Client(w.grpc, timeout=60) as client:
-        running = client.stream([3, 4, 5], max_tokens=8000, ignore_eos=True)  # holds the only slot
+        running = client.stream([3, 4, 5], max_tokens=32000, ignore_eos=True)  # holds the only slot
         next(running)
         waiting = client.stream([6, 7, 8], max_tokens=5, ignore_eos=True)  # fills the queue
         started = _in_thread(lambda: list(waiting))
