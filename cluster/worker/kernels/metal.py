@@ -134,12 +134,46 @@ METAL_FUNC int orch_key_range(CuPtr cu, LenPtr seq_lens, int num_seqs, int row, 
   k_lo = window > 0 ? max(0, k_hi - window + 1) : 0;
   return s;
 }
+
+// Merges the simdgroups' softmax states for head g (call for g = 0, 1, ... in order): max M, sum total, rescaled outputs in tg_o.
+template <int D, int QPG, int NSG>
+METAL_FUNC void orch_merge_head(
+    int g, thread const float (&m)[QPG], thread const float (&l)[QPG], thread const float (&o)[QPG][(D + 31) / 32],
+    threadgroup float* tg_m, threadgroup float* tg_l, threadgroup float* tg_o, uint sg, uint lane,
+    thread float& M, thread float& total) {
+  constexpr int E = (D + 31) / 32;
+  constexpr bool FULL = (D % 32) == 0;
+  if (g == 0) {  // publish every head's max and sum once (uniform over the threadgroup)
+    if (lane == 0) {
+      for (int h = 0; h < QPG; h++) {
+        tg_m[sg * QPG + h] = m[h];
+        tg_l[sg * QPG + h] = l[h];
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  M = ORCH_NEG;
+  for (int j = 0; j < NSG; j++) {
+    M = max(M, tg_m[j * QPG + g]);
+  }
+  total = 0.0f;
+  for (int j = 0; j < NSG; j++) {
+    total += tg_l[j * QPG + g] * fast::exp(tg_m[j * QPG + g] - M);
+  }
+  const float f = fast::exp(m[g] - M);
+  const int d0 = int(lane) * E;
+  for (int e = 0; e < E; e++) {
+    if (FULL || d0 + e < D) {
+      tg_o[sg * D + d0 + e] = o[g][e] * f;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
 """
 
 # Single pass: the whole key range of a row in one threadgroup.
 _SOURCE = r"""
   constexpr int E = (D + 31) / 32;
-  constexpr bool FULL = (D % 32) == 0;
   const int H = q_shape[1];
   const int KVH = k_cache_shape[2];
   const int num_seqs = seq_lens_shape[0];
@@ -164,30 +198,9 @@ _SOURCE = r"""
   threadgroup float tg_m[NSG * QPG];
   threadgroup float tg_l[NSG * QPG];
   threadgroup float tg_o[NSG * D];
-  if (lane == 0) {
-    for (int g = 0; g < QPG; g++) {
-      tg_m[sg * QPG + g] = m[g];
-      tg_l[sg * QPG + g] = l[g];
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  const int d0 = int(lane) * E;
   for (int g = 0; g < QPG; g++) {
-    float M = ORCH_NEG;
-    for (int j = 0; j < NSG; j++) {
-      M = max(M, tg_m[j * QPG + g]);
-    }
-    float total = 0.0f;
-    for (int j = 0; j < NSG; j++) {
-      total += tg_l[j * QPG + g] * fast::exp(tg_m[j * QPG + g] - M);
-    }
-    const float f = fast::exp(m[g] - M);
-    for (int e = 0; e < E; e++) {
-      if (FULL || d0 + e < D) {
-        tg_o[sg * D + d0 + e] = o[g][e] * f;
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float M, total;
+    orch_merge_head<D, QPG, NSG>(g, m, l, o, tg_m, tg_l, tg_o, sg, lane, M, total);
     const float inv = 1.0f / total;
     const size_t obase = (size_t(row) * H + h0 + g) * D;
     for (int d = int(tid); d < D; d += NSG * 32) {
@@ -204,7 +217,6 @@ _SOURCE = r"""
 # Long-context pass 1: partition x of a row's keys; writes unnormalised partials.
 _PARTITION_SOURCE = r"""
   constexpr int E = (D + 31) / 32;
-  constexpr bool FULL = (D % 32) == 0;
   const int H = q_shape[1];
   const int KVH = k_cache_shape[2];
   const int num_seqs = seq_lens_shape[0];
@@ -246,30 +258,9 @@ _PARTITION_SOURCE = r"""
   threadgroup float tg_m[NSG * QPG];
   threadgroup float tg_l[NSG * QPG];
   threadgroup float tg_o[NSG * D];
-  if (lane == 0) {
-    for (int g = 0; g < QPG; g++) {
-      tg_m[sg * QPG + g] = m[g];
-      tg_l[sg * QPG + g] = l[g];
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  const int d0 = int(lane) * E;
   for (int g = 0; g < QPG; g++) {
-    float M = ORCH_NEG;
-    for (int j = 0; j < NSG; j++) {
-      M = max(M, tg_m[j * QPG + g]);
-    }
-    float total = 0.0f;
-    for (int j = 0; j < NSG; j++) {
-      total += tg_l[j * QPG + g] * fast::exp(tg_m[j * QPG + g] - M);
-    }
-    const float f = fast::exp(m[g] - M);
-    for (int e = 0; e < E; e++) {
-      if (FULL || d0 + e < D) {
-        tg_o[sg * D + d0 + e] = o[g][e] * f;
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float M, total;
+    orch_merge_head<D, QPG, NSG>(g, m, l, o, tg_m, tg_l, tg_o, sg, lane, M, total);
     const size_t pidx = (size_t(row) * H + h0 + g) * num_parts + part;
     if (tid == 0) {
       part_max[pidx] = M;
