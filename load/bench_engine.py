@@ -76,6 +76,16 @@ def run_engine(engine: Engine, prompts, max_tokens) -> dict:
                 decode_step_ms=1000 * sorted(decode_steps)[len(decode_steps) // 2] if decode_steps else float("nan"))
 
 
+def mlx_lm_model(path, dtype) -> nn.Module:
+    """The model as mlx-lm loads it (none of Orchard's changes), in the engine's dtype."""
+    from mlx_lm.utils import load
+
+    model, _ = load(str(path))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
 def matmul_roofline_ms(model: nn.Module, rows: int, repeats: int = 10) -> float:
     """Time of one step's matmuls alone: every Linear at `rows` rows, plus the LM head."""
     weights = [p for name, p in tree_flatten(model.parameters()) if name.endswith(".weight") and p.ndim == 2]
@@ -99,7 +109,7 @@ def main() -> int:
     print(f"model {path}; OpenBLAS {platform.blas_path() or 'NOT loaded'}; Metal {platform.has_metal()}")
 
     engine = Engine.from_pretrained(path, EngineConfig())
-    model = engine.runner.model  # the same fp32 weights for both sides
+    model = mlx_lm_model(path, engine.runner.dtype)  # mlx-lm's own model, same weights and dtype
     vocab = int(model.args.vocab_size)
     q = 4 if args.quick else 1
     loads = [("decode-heavy", 32 // q, 128, 128 // q), ("prefill-heavy", 16 // q, 1024, 16)]

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cluster import platform
-from cluster.worker import kernels
+from cluster.worker import cpu_math, kernels
 from cluster.worker.kernels import AttentionPlan
 from cluster.worker.scheduler import SchedulerOutput
 
@@ -108,6 +108,31 @@ def _route_attention(model: nn.Module) -> None:
     module.scaled_dot_product_attention = scaled_dot_product_attention
 
 
+def _use_fast_swiglu(model: nn.Module) -> None:
+    """On the CPU, give this model's SwiGLU MLPs `cpu_math.swiglu` (MLX's CPU exp is slow).
+    Per instance (a subclass swap), so mlx-lm itself is left as it is."""
+    module = sys.modules[type(model).__module__]
+    if platform.has_metal() or getattr(module, "swiglu", None) is None:
+        return
+    for layer in model.layers:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            continue
+        mlp.__class__ = _fast_swiglu_class(type(mlp))
+
+
+_FAST_CLASSES: dict[type, type] = {}
+
+
+def _fast_swiglu_class(cls: type) -> type:
+    if cls not in _FAST_CLASSES:
+        def __call__(self, x):
+            return self.down_proj(cpu_math.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+        _FAST_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
+    return _FAST_CLASSES[cls]
+
+
 def load_model(path: str | Path):
     """Load through mlx-lm (the path a real model takes) and pick the compute dtype."""
     from mlx_lm.utils import load
@@ -119,6 +144,7 @@ def load_model(path: str | Path):
         model.set_dtype(target)
         mx.eval(model.parameters())
     _route_attention(model)
+    _use_fast_swiglu(model)
     return model, tokenizer
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from cluster.worker import cpu_math
+
 
 def _tolist(x) -> list[int]:
     return x.tolist() if isinstance(x, mx.array) else list(x)
@@ -151,6 +153,13 @@ def _attend_fused(q, k, v, bias, scale):
     return mx.softmax(scores, axis=-1, precise=True) @ v
 
 
+@mx.compile
+def _attend_fused_decode_fp32(q, k, v, bias, scale):
+    """`_attend_fused` for decode rows in fp32, with the fused CPU softmax (cpu_math)."""
+    scores = (q * scale) @ k.swapaxes(-1, -2) + bias
+    return cpu_math.softmax(scores) @ v
+
+
 def _attend(q, k, v, plan: AttentionPlan, gi: int, sliding_window: int, scale: float, softcap: float):
     """q [N, H, q, D]; k, v [N, KVH, L, D] for group `gi` of the plan.
 
@@ -164,7 +173,8 @@ def _attend(q, k, v, plan: AttentionPlan, gi: int, sliding_window: int, scale: f
     qg = q.reshape(N, KVH, G * Lq, D)
     if not softcap:
         bias = plan.bias(gi, sliding_window, G, q.dtype)
-        out = _attend_fused(qg, k, v, bias, mx.array(scale, q.dtype))
+        fused = _attend_fused_decode_fp32 if Lq == 1 and q.dtype == mx.float32 else _attend_fused
+        out = fused(qg, k, v, bias, mx.array(scale, q.dtype))
         return out.reshape(N, H, Lq, D)
     mask = _fold_mask(plan.mask(gi, sliding_window), G)
     scores = (qg * scale) @ k.swapaxes(-1, -2)  # [N, KVH, G*q, L]
