@@ -111,10 +111,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_partial_prefills(self) -> int:
-        return sum(1 for s in self.running if s.is_prefilling)
-
     def is_long(self, seq: Sequence) -> bool:
         return seq.num_uncomputed_tokens > self.config.long_prefill_token_threshold
 

@@ -42,7 +42,7 @@ class AttentionPlan:
     block_size: int
     groups: list[_Group]
     restore: mx.array | None  # gather from concatenated group outputs back to token order
-    _masks: dict = field(default_factory=dict)
+    _derived: dict = field(default_factory=dict)  # masks, biases, gather rows: built once per step
 
     @classmethod
     def build(cls, cu_seqlens_q, seq_lens, block_tables, block_size: int) -> "AttentionPlan":
@@ -96,7 +96,7 @@ class AttentionPlan:
     def mask(self, gi: int, sliding_window: int) -> mx.array:
         """Boolean mask [N, 1, q_len, L] for group `gi` (True = attend)."""
         key = (gi, sliding_window)
-        m = self._masks.get(key)
+        m = self._derived.get(key)
         if m is None:
             g = self.groups[gi]
             L = g.block_tables.shape[1] * self.block_size
@@ -108,14 +108,14 @@ class AttentionPlan:
             if sliding_window is not None and sliding_window > 0:
                 m = m & (k_pos > q_pos - sliding_window)
             m = m[:, None]
-            self._masks[key] = m
+            self._derived[key] = m
         return m
 
     def kv_rows(self, gi: int, num_kv_heads: int) -> mx.array:
         """Row indices [N, KVH, L] into the cache viewed as [num_blocks*block_size*KVH, D]:
         one gather yields K (or V) already laid out [N, KVH, L, D], no transpose copy."""
         key = ("rows", gi, num_kv_heads)
-        rows = self._masks.get(key)
+        rows = self._derived.get(key)
         if rows is None:
             g = self.groups[gi]
             N, nb = g.block_tables.shape
@@ -124,17 +124,17 @@ class AttentionPlan:
             slots = g.block_tables[:, pos // self.block_size] * self.block_size + pos % self.block_size  # [N, L]
             heads = mx.arange(num_kv_heads, dtype=mx.int32)
             rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]
-            self._masks[key] = rows
+            self._derived[key] = rows
         return rows
 
     def bias(self, gi: int, sliding_window: int, group: int, dtype) -> mx.array:
         """Additive mask [N, 1, group*q, L] (0 / -inf), query heads of a KV head folded in."""
         key = (gi, sliding_window, group, dtype)
-        b = self._masks.get(key)
+        b = self._derived.get(key)
         if b is None:
             m = _fold_mask(self.mask(gi, sliding_window), group)
             b = mx.where(m, mx.array(0.0, dtype), mx.array(-float("inf"), dtype))
-            self._masks[key] = b
+            self._derived[key] = b
         return b
 
 
