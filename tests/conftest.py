@@ -37,7 +37,7 @@ class WorkerProcess:
         args = [sys.executable, "-m", "cluster.cli", "worker", "serve", "--model", str(model_dir),
                 "--grpc", "127.0.0.1:0", "--metrics", "127.0.0.1:0", *(["--http", "127.0.0.1:0"] if http else []),
                 *extra]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")  # a crash prints every thread's stack
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env)
         self.log: list[str] = []

@@ -285,7 +285,7 @@ def test_full_queue_answers_resource_exhausted_and_429(tiny_model_dir, worker_pr
         running.close()  # frees the slot: the waiting one runs
         assert started.result(timeout=30)[-1].finish_reason == "length"
         assert client.generate("served again", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
-    assert w.stop() == 0, "the worker should exit cleanly on SIGTERM"
+    assert w.stop() == 0, "the worker should exit cleanly on SIGTERM:\n" + "".join(w.log[-60:])
 
 
 def _in_thread(fn):

@@ -4,6 +4,8 @@ routing, cancellation, refusals and engine failures."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -236,3 +238,22 @@ def test_fail_all_when_abort_raises_leaves_nothing_runnable():
     assert not scheduler.has_unfinished()
     assert all(s.is_finished and s.block_table == [] for s in seqs.values())
     assert scheduler.block_manager.num_free_blocks == 64
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_stop_returns_once_the_engine_os_thread_is_gone():
+    # MLX's per-thread compile cache is torn down after join() returns; stop() waits for
+    # the OS thread itself, so a process can exit right after it without aborting.
+    import mlx.core as mx
+
+    def factory():
+        mx.eval(mx.compile(lambda x: mx.exp(x) * 2)(mx.ones(4)))  # fills this thread's compile cache
+        return FakeEngine()
+
+    loop = EngineLoop(factory, lambda now, events: None)
+    loop.start(timeout=30)
+    native_id = loop._thread.native_id
+    assert os.path.exists(f"/proc/self/task/{native_id}")
+    loop.stop(5)
+    assert not loop.alive
+    assert not os.path.exists(f"/proc/self/task/{native_id}")

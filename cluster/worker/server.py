@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -285,4 +286,11 @@ def serve(args) -> int:
     except OSError as e:
         print(f"orchard worker serve: {e}", file=sys.stderr)
         return 1
-    return 0
+    # Everything the worker owns is stopped and joined. Skip interpreter teardown: MLX
+    # keeps per-thread C++ state (compile caches) whose destructors take the GIL, and on
+    # platforms where we cannot wait for the engine's OS thread to be gone they can race
+    # Py_Finalize and abort a clean shutdown.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

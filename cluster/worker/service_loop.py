@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import queue
 import sys
 import threading
@@ -101,6 +102,8 @@ class EngineLoop:
         if self._thread.is_alive():
             self.submit(Shutdown())
             self._thread.join(timeout)
+        if not self._thread.is_alive() and self._thread.native_id is not None:
+            _wait_os_thread_gone(self._thread.native_id, 5.0)
 
     @property
     def alive(self) -> bool:
@@ -210,6 +213,20 @@ def _drop(engine: Engine, rid: str, seq) -> None:
         scheduler.block_manager.free(seq)
     except Exception:
         log.exception("engine loop: freeing the blocks of %s failed", rid)
+
+
+def _wait_os_thread_gone(native_id: int, timeout: float) -> None:
+    """`join()` returns before the OS thread runs its C++ thread-local destructors. MLX's
+    per-thread compile cache is one of them and takes the GIL to drop Python objects; if
+    the interpreter is finalizing by then, that aborts the process (SIGABRT, "terminate
+    called without an active exception"). Wait for the thread to be really gone (Linux;
+    elsewhere `orchard worker serve` ends with `os._exit` after its orderly shutdown)."""
+    task = f"/proc/self/task/{native_id}"
+    if not sys.platform.startswith("linux"):
+        return
+    deadline = time.monotonic() + timeout
+    while os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 def _name_os_thread(name: str) -> None:
