@@ -11,8 +11,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
 from cluster.modelgen import create_model
+from cluster.worker import kernels
 from cluster.worker.config import EngineConfig
 from cluster.worker.engine import Engine
+from cluster.worker.kernels import cpu as cpu_kernel
 from cluster.worker.sampling_params import SamplingParams
 
 ARCHS = ("qwen3", "llama", "qwen2")
@@ -71,8 +73,12 @@ def run_staggered(engine: Engine, prompts, params_for, stagger_every: int = 2):
     return [tokens[r] for r in ids], [logprobs[r] for r in ids]
 
 
+@pytest.mark.parametrize("attention", ["cpu", "reference"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_oracle_parity_with_chunking_and_preemption(model_dirs, arch):
+def test_oracle_parity_with_chunking_and_preemption(model_dirs, arch, attention, monkeypatch):
+    if attention == "cpu" and not cpu_kernel.available():
+        pytest.skip("no C compiler: the CPU attention kernel cannot be built here")
+    monkeypatch.setattr(kernels, "_forced", attention)  # set_backend(attention), undone after the test
     path = model_dirs[arch]
     # 64-token budget forces chunked prefill of every prompt over 64 tokens; 48 blocks of
     # 16 (768 tokens) for ~1,600 tokens of demand forces preemption.

@@ -43,7 +43,7 @@ class StepBatch:
     seq_lens: mx.array  # [S] int32: context length after this step
     block_tables: mx.array  # [S, max_blocks] int32, padded with 0
     sample_rows: mx.array  # [N] int32: rows whose logits are sampled
-    plan: AttentionPlan  # host-side grouping for the reference attention
+    plan: AttentionPlan | None  # host-side grouping, for the backends that use one
     num_tokens: int
 
 
@@ -237,7 +237,7 @@ class ModelRunner:
             seq_lens=mx.array(seq_lens, dtype=mx.int32),
             block_tables=block_tables,
             sample_rows=mx.array(sample_rows, dtype=mx.int32),
-            plan=AttentionPlan.build(cu, seq_lens, block_tables, bs),
+            plan=AttentionPlan.build(cu, seq_lens, block_tables, bs) if kernels.needs_plan() else None,
             num_tokens=cu[-1],
         )
 

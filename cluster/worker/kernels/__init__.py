@@ -1,7 +1,9 @@
 """Varlen paged attention: one function for the engine, two implementations.
 
-`paged_attention(...)` runs the Metal kernel on a Metal GPU and the pure-MLX reference
-elsewhere. `ORCHARD_ATTENTION=reference|metal` (or `set_backend`) forces either.
+`paged_attention(...)` runs the Metal kernel on a Metal GPU; elsewhere the C kernel of
+`cpu.py` (built on first use with the system compiler), and the pure-MLX reference where
+that cannot be built. `ORCHARD_ATTENTION=metal|cpu|reference` (or `set_backend`) forces one.
+The reference is the oracle both kernels are tested against.
 
 Contract (both implementations):
   q            [T, H, D]      packed queries of all sequences this step
@@ -25,24 +27,37 @@ from cluster.worker.kernels.reference import AttentionPlan, paged_attention_refe
 
 __all__ = ["AttentionPlan", "paged_attention", "paged_attention_reference", "backend", "set_backend"]
 
+BACKENDS = ("metal", "cpu", "reference")
+
 _forced: str | None = os.environ.get("ORCHARD_ATTENTION") or None
 
 
 def set_backend(name: str | None) -> None:
-    """Force 'reference' or 'metal'; None restores the automatic choice."""
+    """Force 'metal', 'cpu' or 'reference'; None restores the automatic choice."""
     global _forced
-    if name not in (None, "reference", "metal"):
-        raise ValueError(f"unknown attention backend {name!r}: use 'reference' or 'metal'")
+    if name not in (None, *BACKENDS):
+        raise ValueError(f"unknown attention backend {name!r}: use one of {', '.join(BACKENDS)}")
     _forced = name
 
 
 def backend() -> str:
     if _forced:
+        if _forced not in BACKENDS:
+            raise ValueError(f"ORCHARD_ATTENTION={_forced!r}: use one of {', '.join(BACKENDS)}")
         return _forced
     try:
-        return "metal" if mx.metal.is_available() else "reference"
+        if mx.metal.is_available():
+            return "metal"
     except Exception:
-        return "reference"
+        pass
+    from cluster.worker.kernels import cpu
+
+    return "cpu" if cpu.available() else "reference"
+
+
+def needs_plan() -> bool:
+    """Whether the chosen backend uses the host-side `AttentionPlan` (the C kernel does not)."""
+    return backend() != "cpu"
 
 
 def paged_attention(
@@ -54,6 +69,13 @@ def paged_attention(
         return paged_attention_metal(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=scale, sliding_window=sliding_window, softcap=softcap, plan=plan,
+        )
+    if backend() == "cpu" and q.dtype == mx.float32 and k_cache.dtype == mx.float32:
+        from cluster.worker.kernels.cpu import paged_attention_cpu
+
+        return paged_attention_cpu(
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+            scale=scale, sliding_window=sliding_window, softcap=softcap,
         )
     return paged_attention_reference(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,

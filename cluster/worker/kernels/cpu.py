@@ -1,0 +1,170 @@
+"""The CPU attention kernel: `cpu_attention.c`, compiled on first use, called via ctypes.
+
+Where there is no Metal, the pure-MLX reference is correct but slow: on 2 cores it
+spends half of a batch-32 decode step gathering K/V rows and running many tiny matmuls
+and a scalar `exp`. The C kernel reads the block pool in place (zero-copy through the
+buffer protocol), walks each token's context through its block table with an online
+softmax, and returns the [T, H, D] output, one call per layer per step.
+
+The shared library is built with the system compiler (`$CC`, else `cc`) into the user
+cache, keyed by the source, the flags and the machine; nothing is built at install time.
+When there is no compiler, `available()` is False and the reference serves (a warning
+says so once). float32 only: that is what the CPU runs (fp16/bf16 matmuls are slow there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform as _platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+_I32 = ctypes.c_int32
+_I64 = ctypes.c_int64
+_F32 = ctypes.c_float
+_PTR = ctypes.c_void_p
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def _cache_dir() -> Path:
+    from cluster.models_cache import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+def _flag_sets() -> list[list[str]]:
+    base = ["-O3", "-shared", "-fPIC", "-ffast-math", "-std=c11"]
+    arch = ["-march=native"] if _platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
+    # Best first; each later set drops something a compiler may not have (OpenMP on
+    # Apple clang, -march=native on old compilers).
+    return [base + arch + ["-fopenmp"], base + arch, base]
+
+
+def _machine_key() -> str:
+    cpu = _platform.processor() or _platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu += "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        pass
+    return cpu
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc/clang)")
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in _flag_sets():
+        key = hashlib.sha256(source + " ".join([cc, *flags]).encode() + _machine_key().encode()).hexdigest()[:16]
+        target = _cache_dir() / f"cpu_attention-{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                proc = subprocess.run([cc, *flags, str(SOURCE), "-o", str(built), "-lm"],
+                                      capture_output=True, text=True, timeout=120)
+                if proc.returncode != 0:
+                    errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-500:]}")
+                    continue
+                os.replace(built, target)  # atomic: concurrent builders both succeed
+        if "-fopenmp" in flags:
+            # libgomp's threads spin after each region by default, stealing the cores
+            # from OpenBLAS between layers; let them sleep.
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        lib = ctypes.CDLL(str(target))
+        fn = lib.orch_paged_attention_f32
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I32, _PTR, _PTR, _I32, _PTR, _I32,
+                       _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR]
+        return lib
+    raise RuntimeError("could not compile the CPU attention kernel:\n" + "\n".join(errors))
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first call; None (with a warning) if it cannot be built."""
+    global _lib, _error
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except Exception as e:  # no compiler, a broken toolchain: the reference serves
+                _error = str(e)
+                log.warning("CPU attention kernel unavailable, using the pure-MLX reference (slower): %s", e)
+        return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _host(a: mx.array, dtype) -> np.ndarray:
+    """A zero-copy, C-contiguous numpy view of an evaluated MLX array (copy only if strided)."""
+    return np.ascontiguousarray(np.asarray(memoryview(a)), dtype=dtype)
+
+
+def paged_attention_cpu(
+    q: mx.array,
+    k_cache: mx.array,
+    v_cache: mx.array,
+    block_tables: mx.array,
+    seq_lens: mx.array,
+    cu_seqlens_q: mx.array,
+    *,
+    scale: float,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+    plan=None,
+) -> mx.array:
+    """Same contract as `paged_attention_reference` (float32 only). Evaluates its inputs."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {_error}")
+    T, H, D = q.shape
+    NB, BS, KVH, _ = k_cache.shape
+    if q.dtype != mx.float32 or k_cache.dtype != mx.float32 or v_cache.dtype != mx.float32:
+        raise TypeError("the CPU attention kernel takes float32 queries and caches")
+    mx.eval(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    qh = np.asarray(memoryview(q))
+    if qh.strides[2] != 4 or qh.strides[0] % 4 or qh.strides[1] % 4:
+        qh = np.ascontiguousarray(qh)
+    k = np.asarray(memoryview(k_cache))
+    v = np.asarray(memoryview(v_cache))
+    if not (k.flags.c_contiguous and v.flags.c_contiguous):
+        raise ValueError("the K/V pools must be contiguous")
+    cu = _host(cu_seqlens_q, np.int32)
+    lens = _host(seq_lens, np.int32)
+    tables = _host(block_tables, np.int32)
+    S = lens.shape[0]
+    row_seq = np.repeat(np.arange(S, dtype=np.int32), np.diff(cu))
+    if row_seq.shape[0] != T:
+        raise ValueError(f"cu_seqlens_q covers {row_seq.shape[0]} query rows, q has {T}")
+    out = np.empty((T, H, D), np.float32)
+    rc = lib.orch_paged_attention_f32(
+        qh.ctypes.data, qh.strides[0] // 4, qh.strides[1] // 4, k.ctypes.data, v.ctypes.data,
+        tables.ctypes.data, tables.shape[1], lens.ctypes.data, cu.ctypes.data, S,
+        row_seq.ctypes.data, T, H, KVH, D, BS,
+        scale, sliding_window if sliding_window and sliding_window > 0 else -1, softcap or 0.0,
+        out.ctypes.data,
+    )
+    if rc != 0:
+        raise ValueError(f"the CPU attention kernel does not support H={H}, KVH={KVH}, D={D} "
+                         "(needs H % KVH == 0, H / KVH <= 32, D <= 256)")
+    del qh, k, v  # drop the views now: a live view would stop MLX updating the pool in place
+    return mx.array(out)

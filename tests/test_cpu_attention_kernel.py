@@ -1,0 +1,130 @@
+"""The CPU attention kernel (C, via ctypes) against the same two oracles as the Metal one.
+
+Triangle: the C kernel, the pure-MLX reference and a naive dense float64 attention agree
+on every case of `test_paged_attention_kernel` (at float32, the kernel's only dtype),
+on poisoned caches it must never read, and on random small batches. Then the dispatcher:
+the kernel is the CPU default when it builds, and the reference serves when it cannot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cluster  # noqa: F401  (OpenBLAS before mlx)
+import mlx.core as mx
+from cluster.worker import kernels
+from cluster.worker.kernels import cpu
+from test_paged_attention_kernel import CASES, MIXED, Case, _f64, make_batch, naive_attention, small_batches
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the CPU kernel cannot be built")
+
+TOL = 2e-4  # float32 kernel vs float64 dense
+
+
+def run_cpu(case: Case, b) -> mx.array:
+    out = cpu.paged_attention_cpu(*b.args(), scale=b.scale, sliding_window=case.window, softcap=case.softcap)
+    mx.eval(out)
+    return out
+
+
+def fp32(case: Case) -> Case:
+    return dataclasses.replace(case, dtype="float32")
+
+
+@pytest.mark.parametrize("case", [fp32(c) for c in CASES], ids=lambda c: c.id)
+def test_cpu_kernel_matches_reference_and_dense(case):
+    b = make_batch(case, seed=zlib.crc32(case.id.encode()) % 1000)
+    got = run_cpu(case, b)
+    assert got.shape == b.q.shape and got.dtype == mx.float32
+    dense = naive_attention(b, case.window, case.softcap)
+    ref = paged_attention_reference_f64(case, b)
+    np.testing.assert_allclose(_f64(got), dense, rtol=TOL, atol=TOL, err_msg="cpu kernel vs dense")
+    np.testing.assert_allclose(_f64(got), ref, rtol=TOL, atol=TOL, err_msg="cpu kernel vs reference")
+
+
+def paged_attention_reference_f64(case: Case, b) -> np.ndarray:
+    return _f64(kernels.paged_attention_reference(*b.args(), scale=b.scale, sliding_window=case.window,
+                                                  softcap=case.softcap))
+
+
+def test_never_reads_outside_the_context():
+    """Unreferenced blocks, padding entries and slots past each context are NaN."""
+    case = Case(MIXED, 8, 2, 64, 16, "float32", window=128)
+    b = make_batch(case, seed=3, poison=True)
+    got = _f64(run_cpu(case, b))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, naive_attention(b, case.window), rtol=TOL, atol=TOL)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=small_batches(), seed=st.integers(0, 2**16))
+def test_small_random_batches(case, seed):
+    """Windows of 1, q_len == context, empty query rows, GQA 1/2/3, poisoned caches."""
+    b = make_batch(case, seed=seed, poison=True)
+    np.testing.assert_allclose(_f64(run_cpu(case, b)), naive_attention(b, case.window, case.softcap),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_strided_queries_are_read_correctly():
+    """q as the model hands it over: a transposed view, not a contiguous [T, H, D]."""
+    case = Case(((1, 40), (6, 30)), 4, 2, 64, 16, "float32")
+    b = make_batch(case, seed=11)
+    T, H, D = b.q.shape
+    strided = mx.array(np.array(b.q).reshape(T, H, D).transpose(1, 0, 2).copy()).transpose(1, 0, 2)
+    got = cpu.paged_attention_cpu(strided, *b.args()[1:], scale=b.scale)
+    np.testing.assert_allclose(_f64(got), naive_attention(b), rtol=TOL, atol=TOL)
+
+
+def test_unsupported_shapes_and_dtypes_are_refused():
+    b = make_batch(Case(((1, 20),), 4, 2, 64, 16, "float16"), seed=1)
+    with pytest.raises(TypeError, match="float32"):
+        cpu.paged_attention_cpu(*b.args(), scale=b.scale)
+    b = make_batch(Case(((1, 20),), 64, 1, 64, 16, "float32"), seed=1)  # 64 query heads per KV head
+    with pytest.raises(ValueError, match="H / KVH <= 32"):
+        cpu.paged_attention_cpu(*b.args(), scale=b.scale)
+
+
+def test_dispatcher_picks_the_cpu_kernel_and_falls_back_for_other_dtypes(monkeypatch):
+    monkeypatch.setattr(kernels, "_forced", None)
+    if not mx.metal.is_available():
+        assert kernels.backend() == "cpu" and not kernels.needs_plan()
+    calls = []
+    real = cpu.paged_attention_cpu
+    monkeypatch.setattr(cpu, "paged_attention_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(kernels, "_forced", "cpu")
+    for dtype in ("float32", "bfloat16"):
+        case = Case(((1, 30), (4, 9)), 4, 2, 64, 16, dtype)
+        b = make_batch(case, seed=2)
+        out = kernels.paged_attention(*b.args(), scale=b.scale)
+        np.testing.assert_allclose(_f64(out), naive_attention(b), rtol=3e-2, atol=3e-2)
+    assert calls == [1], "float32 through the C kernel, bfloat16 through the reference"
+
+
+def test_unknown_backend_names_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="metal, cpu, reference"):
+        kernels.set_backend("cuda")
+    monkeypatch.setattr(kernels, "_forced", "cuda")  # as ORCHARD_ATTENTION=cuda would
+    with pytest.raises(ValueError, match="ORCHARD_ATTENTION='cuda'"):
+        kernels.backend()
+
+
+def test_without_a_compiler_the_reference_serves(monkeypatch, caplog):
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_error", None)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(kernels, "_forced", None)
+    with caplog.at_level(logging.WARNING, logger="cluster.worker.kernels.cpu"):
+        assert not cpu.available()
+    assert "pure-MLX reference" in caplog.text
+    if not mx.metal.is_available():
+        assert kernels.backend() == "reference" and kernels.needs_plan()
+    with pytest.raises(RuntimeError, match="unavailable"):
+        b = make_batch(Case(((1, 20),), 4, 2, 64, 16, "float32"), seed=1)
+        cpu.paged_attention_cpu(*b.args(), scale=b.scale)
