@@ -312,8 +312,11 @@ def bench(name: str, args, model: Path, prompts: list[str], eos: list[int]) -> d
         asyncio.run(wait_http(url, extra))
         before = thread_cpu(server.proc.pid)
         load = run_load(f"{url}/v1/completions", prompts, extra, args.max_tokens, args.concurrency)
+        client_cpu = time.process_time()
         results, wall = asyncio.run(load)
+        client_cpu = time.process_time() - client_cpu
         summary = summarize(results, wall, args.max_tokens)
+        summary["client_cpu_s"] = client_cpu  # the load generator shares the machine's cores
         cpu = cpu_breakdown(server.proc.pid, before, thread_cpu(server.proc.pid))
         summary.update({f"cpu_{k}": v for k, v in cpu.items()})
         summary["cpu_ms_per_token"] = 1000 * cpu["total"] / max(1, summary["completion_tokens"])
@@ -361,7 +364,7 @@ def main() -> int:
             ("ITL mean (ms)", "itl_mean"), ("ITL p50 (ms)", "itl_p50"), ("TPOT mean (ms)", "tpot_mean"),
             ("output tokens/s", "output_tok_s"), ("completion tokens", "completion_tokens"), ("wall (s)", "wall_s"),
             ("prompt tokens (mean)", "prompt_tokens_mean"), ("server CPU (s)", "cpu_total"),
-            ("server CPU ms / token", "cpu_ms_per_token")]
+            ("server CPU ms / token", "cpu_ms_per_token"), ("load generator CPU (s)", "client_cpu_s")]
     print("\n" + f"{'':24}" + "".join(f"{n:>16}" for n in names) + ("        orchard/mlx" if len(names) == 2 else ""))
     for label, key in rows:
         scale = 1000.0 if "(ms)" in label else 1.0
