@@ -12,9 +12,13 @@ log = logging.getLogger(__name__)
 BUILTIN_ARCH, BUILTIN_SIZE = "qwen3", "small"
 
 
+def home() -> Path:
+    """Orchard's cache root: $ORCHARD_HOME, else ~/.cache/orchard."""
+    return Path(os.environ.get("ORCHARD_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "orchard"))
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("ORCHARD_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "orchard")
-    return Path(root) / "models"
+    return home() / "models"
 
 
 def builtin_model(arch: str = BUILTIN_ARCH, size: str = BUILTIN_SIZE, seed: int = 0) -> Path:

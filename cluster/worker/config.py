@@ -14,7 +14,8 @@ class EngineConfig:
     # from the device (see `ModelRunner.default_kv_budget`).
     kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # Tokens per step; None: 2048 on Metal, 512 on the CPU (platform.default_max_num_batched_tokens).
+    max_num_batched_tokens: int | None = None
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -32,7 +33,7 @@ class EngineConfig:
             problems.append(f"block_size must be 8, 16 or 32, not {self.block_size}")
         if self.max_num_seqs < 1:
             problems.append("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             problems.append("max_num_batched_tokens must be >= 1")
         if self.max_num_partial_prefills < 1:
             problems.append("max_num_partial_prefills must be >= 1")
@@ -43,11 +44,13 @@ class EngineConfig:
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
 
-    def resolved(self, model_max_len: int, num_kv_blocks: int) -> "EngineConfig":
-        """Fill the derived fields: max_model_len, num_kv_blocks, long_prefill_token_threshold."""
+    def resolved(self, model_max_len: int, num_kv_blocks: int, default_batched_tokens: int = 2048) -> "EngineConfig":
+        """Fill the derived fields: max_model_len, num_kv_blocks, max_num_batched_tokens
+        (the device's default when None), long_prefill_token_threshold."""
         self.validate()
         max_len = self.max_model_len or model_max_len
         threshold = self.long_prefill_token_threshold or max(1, int(max_len * 0.04))
         return replace(
-            self, max_model_len=max_len, num_kv_blocks=num_kv_blocks, long_prefill_token_threshold=threshold
+            self, max_model_len=max_len, num_kv_blocks=num_kv_blocks, long_prefill_token_threshold=threshold,
+            max_num_batched_tokens=self.max_num_batched_tokens or default_batched_tokens,
         )

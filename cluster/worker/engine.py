@@ -79,7 +79,8 @@ class Engine:
             num_blocks = max(1, budget // kv_bytes_per_block(model, config.block_size, dtype))
         model_max = int(getattr(model.args, "max_position_embeddings", 0) or 32768)
         max_len = min(config.max_model_len or model_max, num_blocks * config.block_size)
-        self.config = config.resolved(model_max_len=max_len, num_kv_blocks=num_blocks)
+        self.config = config.resolved(model_max_len=max_len, num_kv_blocks=num_blocks,
+                                      default_batched_tokens=platform.default_max_num_batched_tokens())
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(model, num_blocks, config.block_size)

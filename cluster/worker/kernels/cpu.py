@@ -42,9 +42,9 @@ _error: str | None = None
 
 
 def _cache_dir() -> Path:
-    from cluster.models_cache import cache_dir
+    from cluster.models_cache import home
 
-    return cache_dir() / "kernels"
+    return home() / "kernels"
 
 
 def _flag_sets() -> list[list[str]]:
