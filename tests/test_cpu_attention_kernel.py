@@ -128,3 +128,19 @@ def test_without_a_compiler_the_reference_serves(monkeypatch, caplog):
     with pytest.raises(RuntimeError, match="unavailable"):
         b = make_batch(Case(((1, 20),), 4, 2, 64, 16, "float32"), seed=1)
         cpu.paged_attention_cpu(*b.args(), scale=b.scale)
+
+
+def test_inconsistent_batches_are_refused_before_the_c_code_reads_them():
+    b = make_batch(Case(((2, 20), (1, 9)), 4, 2, 64, 16, "float32"), seed=1)
+    q, k, v, bt, lens, cu = b.args()
+    NB = k.shape[0]
+    bad = {
+        "block tables name blocks outside": dict(block_tables=mx.full(bt.shape, NB, mx.int32)),
+        "fit its block table": dict(seq_lens=mx.array([20, 9 + 16 * bt.shape[1]], mx.int32)),
+        "cover its queries": dict(seq_lens=mx.array([1, 9], mx.int32)),
+        "does not split": dict(cu_seqlens_q=mx.array([0, 2, 2], mx.int32)),
+    }
+    for message, change in bad.items():
+        args = dict(block_tables=bt, seq_lens=lens, cu_seqlens_q=cu) | change
+        with pytest.raises(ValueError, match=message):
+            cpu.paged_attention_cpu(q, k, v, args["block_tables"], args["seq_lens"], args["cu_seqlens_q"], scale=b.scale)

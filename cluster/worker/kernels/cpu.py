@@ -152,9 +152,16 @@ def paged_attention_cpu(
     lens = _host(seq_lens, np.int32)
     tables = _host(block_tables, np.int32)
     S = lens.shape[0]
-    row_seq = np.repeat(np.arange(S, dtype=np.int32), np.diff(cu))
-    if row_seq.shape[0] != T:
-        raise ValueError(f"cu_seqlens_q covers {row_seq.shape[0]} query rows, q has {T}")
+    q_lens = np.diff(cu)
+    row_seq = np.repeat(np.arange(S, dtype=np.int32), q_lens)
+    # The C code trusts its indices: check them here, where a bad batch is a clear error.
+    if cu.shape[0] != S + 1 or row_seq.shape[0] != T or (q_lens < 0).any():
+        raise ValueError(f"cu_seqlens_q {cu.tolist()} does not split the {T} query rows over {S} sequences")
+    if S and ((lens < q_lens).any() or int(lens.max()) > tables.shape[1] * BS):
+        raise ValueError(f"each seq_len must cover its queries and fit its block table ({tables.shape[1]} "
+                         f"blocks of {BS}): seq_lens {lens.tolist()}, q_lens {q_lens.tolist()}")
+    if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= NB):
+        raise ValueError(f"block tables name blocks outside the pool of {NB}")
     out = np.empty((T, H, D), np.float32)
     rc = lib.orch_paged_attention_f32(
         qh.ctypes.data, qh.strides[0] // 4, qh.strides[1] // 4, k.ctypes.data, v.ctypes.data,
