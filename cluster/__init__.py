@@ -4,8 +4,13 @@ Importing any part of `cluster` first makes MLX fast on Linux: the system OpenBL
 loaded before MLX so MLX's CPU matmuls use it (see `cluster.platform`).
 """
 
+import os as _os
+
 from cluster import platform as _platform
 
 _platform.preload_blas()
+# The CPU attention kernel uses OpenMP; libgomp's idle threads spin by default, stealing
+# the cores from OpenBLAS between layers. Read once when libgomp loads: set it first.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"

@@ -144,3 +144,30 @@ def test_inconsistent_batches_are_refused_before_the_c_code_reads_them():
         args = dict(block_tables=bt, seq_lens=lens, cu_seqlens_q=cu) | change
         with pytest.raises(ValueError, match=message):
             cpu.paged_attention_cpu(q, k, v, args["block_tables"], args["seq_lens"], args["cu_seqlens_q"], scale=b.scale)
+
+
+def test_largest_group_and_head_size():
+    """32 query heads on one KV head, head size 256: the kernel's limits."""
+    case = Case(((1, 70), (9, 40)), 32, 1, 256, 16, "float32", window=32, softcap=50.0)
+    b = make_batch(case, seed=13)
+    np.testing.assert_allclose(_f64(run_cpu(case, b)), naive_attention(b, case.window, case.softcap),
+                               rtol=TOL, atol=TOL)
+
+
+def test_a_fresh_build_loads_without_flushing_denormals(monkeypatch, tmp_path):
+    """Built into an empty cache with a CC that carries flags; loading it must leave the
+    process's floating point alone (a -ffast-math link turns on flush-to-zero)."""
+    import shutil
+
+    monkeypatch.setenv("ORCHARD_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", f"{shutil.which('cc') or shutil.which('gcc')} -Wall")
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_error", None)
+    assert cpu.available(), cpu._error
+    assert list((tmp_path / "kernels").glob("cpu_attention-*.so")), "built into $ORCHARD_HOME/kernels"
+    tiny = np.float32(1e-40)  # a float32 subnormal
+    assert tiny * np.float32(1.0) != 0
+    assert mx.array(1e-40, mx.float32).item() * 1.0 != 0 and (mx.array(1e-40) * 1.0).item() != 0
+    case = Case(((1, 30), (3, 12)), 4, 2, 64, 16, "float32")
+    b = make_batch(case, seed=4)
+    np.testing.assert_allclose(_f64(run_cpu(case, b)), naive_attention(b), rtol=TOL, atol=TOL)

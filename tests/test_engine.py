@@ -79,6 +79,9 @@ def test_oracle_parity_with_chunking_and_preemption(model_dirs, arch, attention,
     if attention == "cpu" and not cpu_kernel.available():
         pytest.skip("no C compiler: the CPU attention kernel cannot be built here")
     monkeypatch.setattr(kernels, "_forced", attention)  # set_backend(attention), undone after the test
+    calls = []
+    real = cpu_kernel.paged_attention_cpu
+    monkeypatch.setattr(cpu_kernel, "paged_attention_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
     path = model_dirs[arch]
     # 64-token budget forces chunked prefill of every prompt over 64 tokens; 48 blocks of
     # 16 (768 tokens) for ~1,600 tokens of demand forces preemption.
@@ -91,6 +94,7 @@ def test_oracle_parity_with_chunking_and_preemption(model_dirs, arch, attention,
     )
     assert engine.stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
     assert engine.block_manager.num_used_blocks == 0
+    assert bool(calls) == (attention == "cpu"), "attention ran through the backend under test"
     for i, prompt in enumerate(prompts):
         want, want_lp = oracle(path, prompt, max_tokens[i])
         assert tokens[i] == want, f"prompt {i} ({len(prompt)} tokens)"

@@ -205,6 +205,8 @@ class ModelRunner:
         self.caches = [PagedKVCache(self, i) for i in range(self.num_layers)]
         self.head_only = getattr(model, "model_type", None) in _HEAD_ONLY_ARCHS and hasattr(model, "model")
         self.batch: StepBatch | None = None
+        self.attention_backend = kernels.check_backend()
+        log.info("attention backend: %s", self.attention_backend)
 
     def prepare(self, plan: SchedulerOutput) -> StepBatch:
         bs = self.block_size
@@ -237,7 +239,7 @@ class ModelRunner:
             seq_lens=mx.array(seq_lens, dtype=mx.int32),
             block_tables=block_tables,
             sample_rows=mx.array(sample_rows, dtype=mx.int32),
-            plan=AttentionPlan.build(cu, seq_lens, block_tables, bs) if kernels.needs_plan() else None,
+            plan=AttentionPlan.build(cu, seq_lens, block_tables, bs) if kernels.needs_plan(self.dtype) else None,
             num_tokens=cu[-1],
         )
 

@@ -281,16 +281,18 @@ def serve(args) -> int:
         advertise_address=args.advertise,
         heartbeat_interval=args.heartbeat_interval,
     )
+    code = 0
     try:
         asyncio.run(run_until_signalled(options))
     except OSError as e:
         print(f"orchard worker serve: {e}", file=sys.stderr)
-        return 1
-    # Everything the worker owns is stopped and joined. Skip interpreter teardown: MLX
-    # keeps per-thread C++ state (compile caches) whose destructors take the GIL, and on
-    # platforms where we cannot wait for the engine's OS thread to be gone they can race
-    # Py_Finalize and abort a clean shutdown.
+        code = 1
+    # Everything the worker started is stopped and joined. Skip interpreter teardown: MLX
+    # keeps per-thread C++ state (compile caches) whose destructors take the GIL, and where
+    # we cannot wait for the engine's OS thread to be gone (no /proc) they can race
+    # Py_Finalize and abort an orderly shutdown.
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

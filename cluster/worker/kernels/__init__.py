@@ -55,9 +55,22 @@ def backend() -> str:
     return "cpu" if cpu.available() else "reference"
 
 
-def needs_plan() -> bool:
-    """Whether the chosen backend uses the host-side `AttentionPlan` (the C kernel does not)."""
-    return backend() != "cpu"
+def needs_plan(dtype=mx.float32) -> bool:
+    """Whether attention for `dtype` uses the host-side `AttentionPlan` (the C kernel does not)."""
+    return not (backend() == "cpu" and dtype == mx.float32)
+
+
+def check_backend() -> str:
+    """Resolve the backend now, building the CPU kernel if it is the one: the model runner
+    calls this at start-up, so a cold build never lands on a request and a forced backend
+    that cannot run is one clear error instead of a failure in every step."""
+    name = backend()
+    if name == "cpu":
+        from cluster.worker.kernels import cpu
+
+        if not cpu.available():
+            raise RuntimeError(f"ORCHARD_ATTENTION=cpu, but the CPU attention kernel cannot be built: {cpu._error}")
+    return name
 
 
 def paged_attention(

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform as _platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -36,65 +37,95 @@ _I64 = ctypes.c_int64
 _F32 = ctypes.c_float
 _PTR = ctypes.c_void_p
 
+MAX_GROUP, MAX_HEAD_DIM = 32, 256  # as in cpu_attention.c
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
     from cluster.models_cache import home
 
-    return home() / "kernels"
+    return [home() / "kernels", Path(tempfile.gettempdir()) / f"orchard-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"]
 
 
-def _flag_sets() -> list[list[str]]:
-    base = ["-O3", "-shared", "-fPIC", "-ffast-math", "-std=c11"]
+# Compile flags (-ffast-math lets the dot products and the exp loop vectorise) are kept
+# apart from link flags: linking a shared library with -ffast-math pulls in crtfastmath.o
+# (GCC <= 12), which turns on flush-to-zero for the whole process when it is loaded.
+_COMPILE = ["-O3", "-fPIC", "-ffast-math", "-std=c11"]
+
+
+def _variants() -> list[tuple[list[str], list[str]]]:
+    """(extra compile flags, extra link flags), best first; each later one drops something
+    a compiler may lack (OpenMP on Apple clang, -march/-mcpu=native on old compilers)."""
     arch = ["-march=native"] if _platform.machine() in ("x86_64", "AMD64") else ["-mcpu=native"]
-    # Best first; each later set drops something a compiler may not have (OpenMP on
-    # Apple clang, -march=native on old compilers).
-    return [base + arch + ["-fopenmp"], base + arch, base]
+    return [(arch + ["-fopenmp"], ["-fopenmp"]), (arch, []), ([], [])]
 
 
 def _machine_key() -> str:
-    cpu = _platform.processor() or _platform.machine()
+    """What a -march=native build depends on: the host and its CPU's description."""
+    key = [_platform.node(), _platform.machine(), _platform.processor()]
     try:
         with open("/proc/cpuinfo") as f:
-            cpu += "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+            key += [line for line in f if not line.startswith(("cpu MHz", "bogomips", "BogoMIPS"))]
     except OSError:
         pass
-    return cpu
+    return "\n".join(key)
+
+
+def _compile(cc: list[str], cflags: list[str], lflags: list[str], target: Path) -> str | None:
+    """Build `target` (atomically: concurrent builders both succeed). None, or the error."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "k.o", Path(tmp) / target.name
+        for cmd in ([*cc, *_COMPILE, *cflags, "-c", str(SOURCE), "-o", str(obj)],
+                    [*cc, "-shared", *lflags, str(obj), "-o", str(lib), "-lm"]):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                return f"{' '.join(cmd)}: {proc.stderr.strip()[-500:]}"
+        os.replace(lib, target)
+    return None
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    fn = lib.orch_paged_attention_f32
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I32, _PTR, _PTR, _I32, _PTR, _I32,
+                   _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR]
+    return lib
 
 
 def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
+    cc_env = os.environ.get("CC")
+    cc = shlex.split(cc_env) if cc_env else [shutil.which("cc") or shutil.which("gcc") or shutil.which("clang") or ""]
+    if not cc or not cc[0]:
         raise RuntimeError("no C compiler found (set CC, or install gcc/clang)")
     source = SOURCE.read_bytes()
     errors = []
-    for flags in _flag_sets():
-        key = hashlib.sha256(source + " ".join([cc, *flags]).encode() + _machine_key().encode()).hexdigest()[:16]
-        target = _cache_dir() / f"cpu_attention-{key}.so"
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                proc = subprocess.run([cc, *flags, str(SOURCE), "-o", str(built), "-lm"],
-                                      capture_output=True, text=True, timeout=120)
-                if proc.returncode != 0:
-                    errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-500:]}")
-                    continue
-                os.replace(built, target)  # atomic: concurrent builders both succeed
-        if "-fopenmp" in flags:
-            # libgomp's threads spin after each region by default, stealing the cores
-            # from OpenBLAS between layers; let them sleep.
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        lib = ctypes.CDLL(str(target))
-        fn = lib.orch_paged_attention_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I32, _PTR, _PTR, _I32, _PTR, _I32,
-                       _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR]
-        return lib
-    raise RuntimeError("could not compile the CPU attention kernel:\n" + "\n".join(errors))
+    for cflags, lflags in _variants():
+        key = hashlib.sha256(b"\0".join([source, " ".join(cc + _COMPILE + cflags + lflags).encode(),
+                                          _machine_key().encode()])).hexdigest()[:16]
+        for directory in _cache_dirs():  # the user cache; a temp dir when it is read-only
+            target = directory / f"cpu_attention-{key}.so"
+            failed = directory / f"cpu_attention-{key}.failed"  # don't retry a known failure every start
+            try:
+                if failed.exists():
+                    errors.append(failed.read_text())
+                    break
+                if not target.exists():
+                    error = _compile(cc, cflags, lflags, target)
+                    if error is not None:
+                        errors.append(error)
+                        failed.write_text(error)
+                        break
+                return _open(target)
+            except FileNotFoundError as e:  # the compiler itself is missing
+                raise RuntimeError(f"C compiler {cc[0]!r} not found") from e
+            except OSError as e:  # unwritable cache, or a library that does not load
+                errors.append(f"{target}: {e}")
+    raise RuntimeError("could not build the CPU attention kernel:\n" + "\n".join(errors))
 
 
 def load() -> ctypes.CDLL | None:
@@ -130,17 +161,37 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: int = -1,
     softcap: float = 0.0,
-    plan=None,
 ) -> mx.array:
     """Same contract as `paged_attention_reference` (float32 only). Evaluates its inputs."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {_error}")
     T, H, D = q.shape
-    NB, BS, KVH, _ = k_cache.shape
+    NB, BS, KVH, Dk = k_cache.shape
     if q.dtype != mx.float32 or k_cache.dtype != mx.float32 or v_cache.dtype != mx.float32:
         raise TypeError("the CPU attention kernel takes float32 queries and caches")
+    if v_cache.shape != k_cache.shape or Dk != D:
+        raise ValueError(f"q {q.shape}, k_cache {k_cache.shape} and v_cache {v_cache.shape} do not agree")
+    if not (KVH >= 1 and H % KVH == 0 and H // KVH <= MAX_GROUP and 1 <= D <= MAX_HEAD_DIM):
+        raise ValueError(f"the CPU attention kernel does not support H={H}, KVH={KVH}, D={D} "
+                         f"(needs H % KVH == 0, H / KVH <= {MAX_GROUP}, D <= {MAX_HEAD_DIM})")
     mx.eval(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    cu = _host(cu_seqlens_q, np.int32)
+    lens = _host(seq_lens, np.int32)
+    tables = _host(block_tables, np.int32)
+    S = lens.shape[0]
+    # The C code trusts its indices: check them here, where a bad batch is a clear error.
+    if cu.shape != (S + 1,) or cu[0] != 0 or cu[-1] != T or (np.diff(cu) < 0).any():
+        raise ValueError(f"cu_seqlens_q {cu.tolist()} does not split the {T} query rows over {S} sequences")
+    q_lens = np.diff(cu)
+    if tables.ndim != 2 or tables.shape[0] != S:
+        raise ValueError(f"block_tables {tables.shape} needs one row per sequence ({S})")
+    if S and ((lens < q_lens).any() or int(lens.max()) > tables.shape[1] * BS):
+        raise ValueError(f"each seq_len must cover its queries and fit its block table ({tables.shape[1]} "
+                         f"blocks of {BS}): seq_lens {lens.tolist()}, q_lens {q_lens.tolist()}")
+    if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= NB):
+        raise ValueError(f"block tables name blocks outside the pool of {NB}")
+    row_seq = np.repeat(np.arange(S, dtype=np.int32), q_lens)
     qh = np.asarray(memoryview(q))
     if qh.strides[2] != 4 or qh.strides[0] % 4 or qh.strides[1] % 4:
         qh = np.ascontiguousarray(qh)
@@ -148,20 +199,6 @@ def paged_attention_cpu(
     v = np.asarray(memoryview(v_cache))
     if not (k.flags.c_contiguous and v.flags.c_contiguous):
         raise ValueError("the K/V pools must be contiguous")
-    cu = _host(cu_seqlens_q, np.int32)
-    lens = _host(seq_lens, np.int32)
-    tables = _host(block_tables, np.int32)
-    S = lens.shape[0]
-    q_lens = np.diff(cu)
-    row_seq = np.repeat(np.arange(S, dtype=np.int32), q_lens)
-    # The C code trusts its indices: check them here, where a bad batch is a clear error.
-    if cu.shape[0] != S + 1 or row_seq.shape[0] != T or (q_lens < 0).any():
-        raise ValueError(f"cu_seqlens_q {cu.tolist()} does not split the {T} query rows over {S} sequences")
-    if S and ((lens < q_lens).any() or int(lens.max()) > tables.shape[1] * BS):
-        raise ValueError(f"each seq_len must cover its queries and fit its block table ({tables.shape[1]} "
-                         f"blocks of {BS}): seq_lens {lens.tolist()}, q_lens {q_lens.tolist()}")
-    if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= NB):
-        raise ValueError(f"block tables name blocks outside the pool of {NB}")
     out = np.empty((T, H, D), np.float32)
     rc = lib.orch_paged_attention_f32(
         qh.ctypes.data, qh.strides[0] // 4, qh.strides[1] // 4, k.ctypes.data, v.ctypes.data,
@@ -170,8 +207,7 @@ def paged_attention_cpu(
         scale, sliding_window if sliding_window and sliding_window > 0 else -1, softcap or 0.0,
         out.ctypes.data,
     )
-    if rc != 0:
-        raise ValueError(f"the CPU attention kernel does not support H={H}, KVH={KVH}, D={D} "
-                         "(needs H % KVH == 0, H / KVH <= 32, D <= 256)")
     del qh, k, v  # drop the views now: a live view would stop MLX updating the pool in place
+    if rc != 0:
+        raise ValueError(f"the CPU attention kernel refused H={H}, KVH={KVH}, D={D}")
     return mx.array(out)

@@ -57,9 +57,11 @@ int orch_paged_attention_f32(
     float scale, int32_t sliding_window, float softcap,
     float *out)
 {
+    if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
+        head_dim < 1 || head_dim > MAX_HEAD_DIM || block_size < 1)
+        return -1;
     const int G = num_heads / num_kv_heads;
     const int D = head_dim;
-    if (G < 1 || G > MAX_GROUP || num_heads % num_kv_heads || D < 1 || D > MAX_HEAD_DIM) return -1;
     const int64_t items = (int64_t)num_tokens * num_kv_heads;
 
 #pragma omp parallel for schedule(dynamic, 2)
