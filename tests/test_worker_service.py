@@ -119,13 +119,37 @@ def test_closing_the_stream_aborts_in_the_engine():
         await gen.__anext__()
         await gen.aclose()
         for _ in range(100):
-            if "r" in engine.aborted:
+            if engine.aborted:
                 break
             await asyncio.sleep(0.01)
         return engine.aborted, svc.num_streams
 
     aborted, streams = run_with_service(fn)
-    assert aborted == ["r"] and streams == 0
+    assert len(aborted) == 1 and aborted[0].startswith("r@") and streams == 0
+
+
+def test_a_reused_request_id_never_gets_the_cancelled_requests_events():
+    """Events of a cancelled request still in flight to the event loop (the engine emitted
+    them before it saw the abort) must not reach a new stream that reuses its id."""
+
+    async def fn(svc, engine):
+        first = svc.generate(build_request([1], max_tokens=1000, request_id="same"))
+        await first.__anext__()
+        old_engine_id = next(iter(engine.seqs))
+        await first.aclose()
+        second = svc.generate(build_request([2, 3], max_tokens=3, request_id="same"))
+        chunks = [await second.__anext__()]
+        # a late event of the first request, as the engine thread could still deliver it
+        svc._dispatch(0.0, [RequestOutput(old_engine_id, [777], "<777>", True, "stop",
+                                          num_prompt_tokens=1, num_output_tokens=9)])
+        chunks += [c async for c in second]
+        return old_engine_id, chunks
+
+    old_engine_id, chunks = run_with_service(fn)
+    assert old_engine_id.startswith("same@")
+    assert [t for c in chunks for t in c.token_ids] == [100, 101, 102]
+    assert all(c.request_id == "same" for c in chunks)
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH and chunks[-1].usage.prompt_tokens == 2
 
 
 def test_refusals_from_the_engine_thread_become_typed_errors():

@@ -14,6 +14,7 @@ iterator) is aborted in the engine at once, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -74,7 +75,12 @@ class WorkerService:
         self.worker_id = worker_id
         self.metrics = metrics
         self.draining = False
+        # Keyed by the engine's id of a stream: the client's id plus "@n", unique for the
+        # worker's life, so late events of a cancelled request can never reach a new
+        # stream that reuses its id. `_running` holds the client ids live right now.
         self._streams: dict[str, _Stream] = {}
+        self._running: set[str] = set()
+        self._next_id = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchard-tokenize")
         engine = engine_loop.engine
@@ -121,7 +127,7 @@ class WorkerService:
         prompt = await self._prompt_token_ids(request)
         self._check_length(len(prompt), len(resume))
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
-        if rid in self._streams:
+        if rid in self._running:
             raise AlreadyExists(f"request id {rid!r} is already running on this worker: use a unique id")
         if params is None:  # everything was generated elsewhere already
             yield pb.GenerateResponse(
@@ -130,8 +136,10 @@ class WorkerService:
             )
             return
         stream = _Stream(arrival)
-        self._streams[rid] = stream
-        self.engine_loop.submit(AddRequest(rid, prompt, params, arrival, tuple(resume)))
+        engine_id = f"{rid}@{next(self._next_id)}"
+        self._streams[engine_id] = stream
+        self._running.add(rid)
+        self.engine_loop.submit(AddRequest(engine_id, prompt, params, arrival, tuple(resume)))
         finished = False
         try:
             while not finished:
@@ -150,9 +158,10 @@ class WorkerService:
                 if chunk.token_ids or chunk.text or finished:
                     yield chunk
         finally:
-            self._streams.pop(rid, None)
+            self._streams.pop(engine_id, None)
+            self._running.discard(rid)
             if not finished:
-                self.engine_loop.submit(AbortRequest(rid))
+                self.engine_loop.submit(AbortRequest(engine_id))
 
     # -- admin ------------------------------------------------------------------------
     def load_report(self) -> pb.LoadReport:
