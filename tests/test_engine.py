@@ -76,7 +76,7 @@ def run_staggered(engine: Engine, prompts, params_for, stagger_every: int = 2):
 @pytest.mark.parametrize("attention", ["cpu", "reference"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_oracle_parity_with_chunking_and_preemption(model_dirs, arch, attention, monkeypatch):
-    if attention == "cpu" and not cpu_kernel.available():
+    if attention == "cpu" and cpu_kernel.load() is None and "no C compiler" in (cpu_kernel._error or ""):
         pytest.skip("no C compiler: the CPU attention kernel cannot be built here")
     monkeypatch.setattr(kernels, "_forced", attention)  # set_backend(attention), undone after the test
     calls = []

@@ -109,28 +109,38 @@ def _route_attention(model: nn.Module) -> None:
 
 
 def _use_fast_swiglu(model: nn.Module) -> None:
-    """On the CPU, give this model's SwiGLU MLPs `cpu_math.swiglu` (MLX's CPU exp is slow).
-    Per instance (a subclass swap), so mlx-lm itself is left as it is."""
+    """On the CPU, give this model's SwiGLU MLPs a fast SwiGLU: the C kernel (`kernels/cpu`),
+    else `cpu_math.swiglu` (MLX's CPU exp is scalar libm: at 512 rows, MLX 11.6 ms, the
+    compiled polynomial 3.0 ms, C 0.3 ms). Per instance (a subclass swap), so mlx-lm
+    itself is left as it is."""
     module = sys.modules[type(model).__module__]
     if platform.has_metal() or getattr(module, "swiglu", None) is None:
         return
+    from cluster.worker.kernels import cpu
+
+    use_c = kernels.backend() == "cpu" and cpu.available()
     for layer in model.layers:
         mlp = getattr(layer, "mlp", None)
         if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             continue
-        mlp.__class__ = _fast_swiglu_class(type(mlp))
+        mlp.__class__ = _fast_swiglu_class(type(mlp), use_c)
 
 
-_FAST_CLASSES: dict[type, type] = {}
+_FAST_CLASSES: dict[tuple[type, bool], type] = {}
 
 
-def _fast_swiglu_class(cls: type) -> type:
-    if cls not in _FAST_CLASSES:
+def _fast_swiglu_class(cls: type, use_c: bool) -> type:
+    if (cls, use_c) not in _FAST_CLASSES:
+        from cluster.worker.kernels import cpu
+
         def __call__(self, x):
-            return self.down_proj(cpu_math.swiglu(self.gate_proj(x), self.up_proj(x)))
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            if use_c and gate.dtype == mx.float32 and up.dtype == mx.float32:
+                return self.down_proj(cpu.swiglu(gate, up))
+            return self.down_proj(cpu_math.swiglu(gate, up))
 
-        _FAST_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
-    return _FAST_CLASSES[cls]
+        _FAST_CLASSES[(cls, use_c)] = type(cls.__name__, (cls,), {"__call__": __call__})
+    return _FAST_CLASSES[(cls, use_c)]
 
 
 def load_model(path: str | Path):

@@ -1,15 +1,16 @@
-"""The CPU attention kernel: `cpu_attention.c`, compiled on first use, called via ctypes.
+"""The CPU kernels: `cpu_kernels.c`, compiled on first use, called through ctypes.
 
-Where there is no Metal, the pure-MLX reference is correct but slow: on 2 cores it
-spends half of a batch-32 decode step gathering K/V rows and running many tiny matmuls
-and a scalar `exp`. The C kernel reads the block pool in place (zero-copy through the
-buffer protocol), walks each token's context through its block table with an online
-softmax, and returns the [T, H, D] output, one call per layer per step.
+Where there is no Metal, MLX's CPU backend is slow at two things the engine does every
+step: paged attention (the pure-MLX reference gathers K/V rows and runs many tiny
+matmuls; half of a batch-32 decode step on 2 cores) and SwiGLU (a scalar `exp`; 3 ms a
+layer at 512 rows). The C attention reads the block pool in place (zero-copy through the
+buffer protocol) and walks each token's context through its block table with an online
+softmax, one call per layer per step; the C SwiGLU is a vectorised polynomial exp.
 
-The shared library is built with the system compiler (`$CC`, else `cc`) into the user
-cache, keyed by the source, the flags and the machine; nothing is built at install time.
-When there is no compiler, `available()` is False and the reference serves (a warning
-says so once). float32 only: that is what the CPU runs (fp16/bf16 matmuls are slow there).
+The shared library is built with the system compiler (`$CC`, else `cc`) into
+`$ORCHARD_HOME/kernels`, keyed by the source, the flags and the machine; nothing is built
+at install time. Without a compiler `available()` is False and MLX serves (a warning says
+so once). float32 only: that is what the CPU runs (fp16/bf16 matmuls are slow there).
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _I32 = ctypes.c_int32
 _I64 = ctypes.c_int64
 _F32 = ctypes.c_float
 _PTR = ctypes.c_void_p
 
-MAX_GROUP, MAX_HEAD_DIM = 32, 256  # as in cpu_attention.c
+MAX_GROUP, MAX_HEAD_DIM = 32, 256  # as in cpu_kernels.c
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -94,6 +95,8 @@ def _open(path: Path) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I32, _PTR, _PTR, _I32, _PTR, _I32,
                    _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR]
+    lib.orch_swiglu_f32.restype = None
+    lib.orch_swiglu_f32.argtypes = [_PTR, _PTR, _PTR, _I64]
     return lib
 
 
@@ -108,8 +111,8 @@ def _build() -> ctypes.CDLL:
         key = hashlib.sha256(b"\0".join([source, " ".join(cc + _COMPILE + cflags + lflags).encode(),
                                           _machine_key().encode()])).hexdigest()[:16]
         for directory in _cache_dirs():  # the user cache; a temp dir when it is read-only
-            target = directory / f"cpu_attention-{key}.so"
-            failed = directory / f"cpu_attention-{key}.failed"  # don't retry a known failure every start
+            target = directory / f"cpu_kernels-{key}.so"
+            failed = directory / f"cpu_kernels-{key}.failed"  # don't retry a known failure every start
             try:
                 if failed.exists():
                     errors.append(failed.read_text())
@@ -210,4 +213,21 @@ def paged_attention_cpu(
     del qh, k, v  # drop the views now: a live view would stop MLX updating the pool in place
     if rc != 0:
         raise ValueError(f"the CPU attention kernel refused H={H}, KVH={KVH}, D={D}")
+    return mx.array(out)
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x in float32, as mlx-lm's `swiglu` (evaluates its inputs)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    if gate.shape != x.shape or gate.dtype != mx.float32 or x.dtype != mx.float32:
+        raise TypeError(f"swiglu takes two float32 arrays of one shape, not {gate.shape} {gate.dtype} "
+                        f"and {x.shape} {x.dtype}")
+    mx.eval(gate, x)
+    g = np.ascontiguousarray(np.asarray(memoryview(gate)))
+    xv = np.ascontiguousarray(np.asarray(memoryview(x)))
+    out = np.empty(g.shape, np.float32)
+    lib.orch_swiglu_f32(g.ctypes.data, xv.ctypes.data, out.ctypes.data, out.size)
+    del g, xv
     return mx.array(out)

@@ -1,4 +1,6 @@
-/* Varlen paged attention for the CPU: the Metal kernel's algorithm in C.
+/* CPU kernels for the engine's two hot spots that MLX's CPU backend runs slowly:
+ * varlen paged attention (the Metal kernel's algorithm in C) and SwiGLU (MLX's CPU exp
+ * is scalar libm).
  *
  * Built on first use by `cluster/worker/kernels/cpu.py` with the system C compiler and
  * loaded through ctypes; the engine calls it once per layer per step. One work item is
@@ -135,4 +137,18 @@ int orch_paged_attention_f32(
         }
     }
     return 0;
+}
+
+/* silu(gate) * x over n floats: gate * x / (1 + exp(-gate)). exp_neg needs x <= 0, so
+ * for gate < 0 use exp(-gate) = 1 / exp(gate); both branches are computed and blended,
+ * which keeps the loop vectorised. */
+void orch_swiglu_f32(const float *gate, const float *x, float *out, int64_t n)
+{
+#pragma omp parallel for schedule(static) if (n > 16384)
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        const float e = exp_neg(g < 0.0f ? g : -g); /* exp(-|g|) */
+        const float sig = g < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+        out[i] = g * sig * x[i];
+    }
 }
