@@ -55,9 +55,14 @@ def backend() -> str:
     return "cpu" if cpu.available() else "reference"
 
 
+def _c_kernel_serves(name: str, *dtypes) -> bool:
+    """The C kernel runs for backend `name` on these dtypes (float32 only; else the reference)."""
+    return name == "cpu" and all(d == mx.float32 for d in dtypes)
+
+
 def needs_plan(dtype=mx.float32) -> bool:
     """Whether attention for `dtype` uses the host-side `AttentionPlan` (the C kernel does not)."""
-    return not (backend() == "cpu" and dtype == mx.float32)
+    return not _c_kernel_serves(backend(), dtype)
 
 
 def check_backend() -> str:
@@ -76,14 +81,15 @@ def check_backend() -> str:
 def paged_attention(
     q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, *, scale, sliding_window=-1, softcap=0.0, plan=None
 ):
-    if backend() == "metal":
+    name = backend()
+    if name == "metal":
         from cluster.worker.kernels.metal import paged_attention_metal
 
         return paged_attention_metal(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=scale, sliding_window=sliding_window, softcap=softcap, plan=plan,
         )
-    if backend() == "cpu" and q.dtype == mx.float32 and k_cache.dtype == mx.float32:
+    if _c_kernel_serves(name, q.dtype, k_cache.dtype):
         from cluster.worker.kernels.cpu import paged_attention_cpu
 
         return paged_attention_cpu(
