@@ -177,6 +177,45 @@ def test_short_prompt_behind_two_long_ones_finishes_prefill_first():
     assert l1.num_output_tokens >= 1 and l2.num_output_tokens >= 1
 
 
+def test_a_burst_of_short_prompts_fills_every_step_first_come_first_served():
+    # 16 prompts arrive at once (a closed-loop load's first wave). Each step must spend its
+    # whole budget, finishing prompts in arrival order; a step that ran a 51-token share
+    # of a partial prefill while the short prompts behind it could not fit was the old bug.
+    s = make_scheduler(block_size=16, num_blocks=512, max_num_batched_tokens=256, model_max_len=8192)
+    seqs = [add(s, f"P{i}", range(1000 * i, 1000 * i + 206)) for i in range(16)]
+    first_token_step = {}
+    for n in range(1, 40):
+        plan = step(s)
+        waiting_before = any(q.is_prefilling for q in seqs)
+        for rid in plan.sampled:
+            first_token_step.setdefault(rid, n)
+        if len(first_token_step) < 16:
+            assert plan.num_batched_tokens == 256, rows(plan)
+        if not waiting_before:
+            break
+        s.block_manager.check_integrity(live(s))
+    order = sorted(first_token_step, key=lambda r: (first_token_step[r], int(r[1:])))
+    assert order == [f"P{i}" for i in range(16)]
+    # the whole wave's prefill (16 x 206 tokens, plus one decode row per finished prompt)
+    # in as few 256-token steps as the budget allows
+    assert first_token_step["P15"] <= -(-(16 * 206 + 15 * 8) // 256)
+
+
+def test_a_long_prefill_leaves_room_for_short_prompts_and_takes_the_rest():
+    s = make_scheduler(block_size=16, num_blocks=512, max_num_batched_tokens=512, model_max_len=8192)
+    long = add(s, "L", range(5000))
+    assert rows(step(s)) == [("L", 0, 512)]  # alone: the whole budget
+    shorts = [add(s, f"S{i}", range(9000 + 300 * i, 9000 + 300 * i + 100)) for i in range(3)]
+    plan = step(s)
+    # short prompts run whole, up to half the budget (two of them); the long one the rest
+    assert rows(plan) == [("L", 512, 312), ("S0", 0, 100), ("S1", 0, 100)]
+    plan = step(s)
+    assert rows(plan) == [("S0", 100, 1), ("S1", 100, 1), ("L", 824, 410), ("S2", 0, 100)]
+    assert [q.num_output_tokens for q in shorts] == [2, 2, 1] and long.is_prefilling
+    # with nothing short waiting, the long prefill takes everything but the decodes
+    assert rows(step(s)) == [("S0", 101, 1), ("S1", 101, 1), ("S2", 100, 1), ("L", 1234, 509)]
+
+
 @pytest.mark.parametrize(
     "kw, n, message",
     [

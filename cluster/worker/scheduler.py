@@ -3,9 +3,10 @@
 Pure Python (no MLX). The policy, in order, each step:
 
 1. Running decodes (one token each), oldest first.
-2. Running partial prefills, oldest first, each taking an even share of what is left of
-   the budget (short waiting prompts count as sharers), so one long prompt cannot
-   starve the others.
+2. Running partial prefills, oldest first. A short one (at most
+   `long_prefill_token_threshold` tokens left) takes what it needs. Long ones share what
+   is left after reserving room for the short waiting prompts that fit whole this step
+   (at most half the budget), so one long prompt cannot starve the short ones.
 3. Waiting requests, first come first served, admitted while there is budget, a free
    sequence slot and KV blocks. A prompt whose whole prefill fits in what is left of the
    budget just runs. One that does not becomes a *partial* prefill, left mid-prefill
@@ -13,6 +14,8 @@ Pure Python (no MLX). The policy, in order, each step:
    most `max_long_partial_prefills` of them long (more than
    `long_prefill_token_threshold` tokens to compute). A prompt over its partial limit is
    skipped, so a short one behind it still starts (vLLM's concurrent partial prefills).
+4. Budget still left (a reservation that went unused) goes to the partial prefills of
+   the plan, oldest first: a step never runs fewer tokens than it could.
 
 When a running request cannot get a block, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the queue with all its tokens, to
@@ -151,34 +154,55 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 schedule_running(seq, 1)
 
-        # 2. running partial prefills, sharing the rest of the budget
+        # 2. running partial prefills: short ones finish, long ones share what the short
+        #    waiting prompts leave
         prefilling = [s for s in self.running if s.is_prefilling]
-        n_short = self._count_short_waiting()
+        reserve = self._short_waiting_reserve(budget // 2)
         for i, seq in enumerate(prefilling):
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted above
-            share = max(1, budget // (len(prefilling) - i + n_short))
-            schedule_running(seq, min(seq.num_uncomputed_tokens, share))
+            n = seq.num_uncomputed_tokens
+            if self.is_long(seq):
+                n = min(n, max(1, (budget - reserve) // (len(prefilling) - i)))
+            schedule_running(seq, min(n, budget))
 
         # 3. admit waiting requests
-        self._admit(budget, scheduled)
+        budget = self._admit(budget, scheduled)
+
+        # 4. what is left goes to the prompts still mid-prefill
+        for entry in list(scheduled.values()):
+            if budget <= 0:
+                break
+            seq = entry.seq
+            extra = min(budget, seq.num_tokens - entry.end)
+            if extra > 0 and self.block_manager.allocate_slots(seq, entry.num_new_tokens + extra):
+                entry.num_new_tokens += extra
+                budget -= extra
         out.scheduled = list(scheduled.values())
         return out
 
-    def _count_short_waiting(self, start: int = 0) -> int:
-        """Short waiting prompts (at most `long_prefill_token_threshold` tokens) that
-        could start now: the ones a long prefill shares the budget with."""
+    def _short_waiting_reserve(self, limit: int, start: int = 0) -> int:
+        """Tokens of the short waiting prompts (at most `long_prefill_token_threshold`)
+        that could run whole this step, first come first served, up to `limit`: what
+        a long prefill leaves for them."""
         slots = self.config.max_num_seqs - len(self.running)
-        n = 0
+        reserve = n = 0
         for i in range(start, min(len(self.waiting), start + _LOOKAHEAD)):
             if n >= slots:
                 break
-            n += not self.is_long(self.waiting[i])
-        return n
+            seq = self.waiting[i]
+            if self.is_long(seq):
+                continue
+            if reserve + seq.num_uncomputed_tokens > limit:
+                break
+            reserve += seq.num_uncomputed_tokens
+            n += 1
+        return reserve
 
-    def _admit(self, budget: int, scheduled: dict[int, ScheduledSeq]) -> None:
+    def _admit(self, budget: int, scheduled: dict[int, ScheduledSeq]) -> int:
+        """Admit waiting requests into the plan; returns the budget left."""
         cfg = self.config
         bm = self.block_manager
         # prompts left mid-prefill after this step (running ones not finishing now)
@@ -200,7 +224,9 @@ class Scheduler:
                 if num_partial >= cfg.max_num_partial_prefills or (long and num_long >= cfg.max_long_partial_prefills):
                     skipped.append(self.waiting.popleft())  # let a prompt behind it start
                     continue
-                n = max(1, budget // (1 + self._count_short_waiting(start=1)))
+                n = budget
+                if long:  # leave room for the short prompts behind it
+                    n = max(1, budget - self._short_waiting_reserve(budget // 2, start=1))
                 num_partial += 1
                 num_long += long
             if not bm.allocate_slots(seq, n, computed):
@@ -215,6 +241,7 @@ class Scheduler:
             budget -= n
         for seq in reversed(skipped):
             self.waiting.appendleft(seq)
+        return budget
 
     # -- after the forward ------------------------------------------------------------------
     def postprocess(self, plan: SchedulerOutput, sampled: dict[int, int]) -> list[ScheduledSeq]:
