@@ -167,6 +167,15 @@ def test_largest_group_and_head_size():
                                rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_size", [(8, 4, 80), (6, 2, 96), (4, 1, 40), (3, 3, 8)])
+def test_head_sizes_off_the_vector_width(heads, kv_heads, head_size):
+    """Prefill blocks (several rows per item) with head sizes that are not a multiple of
+    the 32-column register tile, next to decode rows: every path of the kernel."""
+    case = Case(((1, 90), (40, 75), (33, 33), (2, 5)), heads, kv_heads, head_size, 16, "float32", window=64)
+    b = make_batch(case, seed=head_size)
+    np.testing.assert_allclose(_f64(run_cpu(case, b)), naive_attention(b, case.window), rtol=TOL, atol=TOL)
+
+
 def test_a_fresh_build_loads_without_flushing_denormals(monkeypatch, tmp_path):
     """Built into an empty cache with a CC that carries flags; loading it must leave the
     process's floating point alone (a -ffast-math link turns on flush-to-zero)."""

@@ -93,7 +93,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     fn = lib.orch_paged_attention_f32
     fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I32, _PTR, _PTR, _I32, _PTR, _I32,
+    fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I32, _PTR, _PTR, _I32, _I32,
                    _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR]
     lib.orch_swiglu_f32.restype = None
     lib.orch_swiglu_f32.argtypes = [_PTR, _PTR, _PTR, _I64]
@@ -194,7 +194,6 @@ def paged_attention_cpu(
                          f"blocks of {BS}): seq_lens {lens.tolist()}, q_lens {q_lens.tolist()}")
     if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= NB):
         raise ValueError(f"block tables name blocks outside the pool of {NB}")
-    row_seq = np.repeat(np.arange(S, dtype=np.int32), q_lens)
     qh = np.asarray(memoryview(q))
     if qh.strides[2] != 4 or qh.strides[0] % 4 or qh.strides[1] % 4:
         qh = np.ascontiguousarray(qh)
@@ -206,11 +205,13 @@ def paged_attention_cpu(
     rc = lib.orch_paged_attention_f32(
         qh.ctypes.data, qh.strides[0] // 4, qh.strides[1] // 4, k.ctypes.data, v.ctypes.data,
         tables.ctypes.data, tables.shape[1], lens.ctypes.data, cu.ctypes.data, S,
-        row_seq.ctypes.data, T, H, KVH, D, BS,
+        T, H, KVH, D, BS,
         scale, sliding_window if sliding_window and sliding_window > 0 else -1, softcap or 0.0,
         out.ctypes.data,
     )
     del qh, k, v  # drop the views now: a live view would stop MLX updating the pool in place
+    if rc == -2:
+        raise MemoryError("the CPU attention kernel could not allocate its work list")
     if rc != 0:
         raise ValueError(f"the CPU attention kernel refused H={H}, KVH={KVH}, D={D}")
     return mx.array(out)

@@ -4,10 +4,13 @@
  *
  * Built on first use by `cluster/worker/kernels/cpu.py` with the system C compiler and
  * loaded through ctypes; the engine calls it once per layer per step. One work item is
- * one query token x one KV head: the G query heads sharing that KV head walk the token's
- * context through the block table together (each K/V row is loaded once for G heads),
- * with an online softmax in float32 over tiles of TILE keys. Items are spread over
- * threads with OpenMP when the compiler has it.
+ * one KV head x a block of up to MAX_ROWS / G consecutive query tokens of one sequence
+ * (a decode row is a block of one): its rows (tokens x the G query heads sharing that KV
+ * head) walk the context through the block table together, so each K/V row is loaded
+ * once per item, with an online softmax in float32 over tiles of TILE keys. Blocks of
+ * several rows score a tile against a transposed copy of its keys (plain FMAs, no
+ * horizontal sums), which is what makes prefill fast. Items are spread over threads with
+ * OpenMP when the compiler has it.
  *
  * Layouts (float32): q [T, H, D] with unit stride in D; k_pool / v_pool [slots, KVH, D]
  * contiguous, slot = block_id * block_size + offset; out [T, H, D] contiguous.
@@ -16,12 +19,17 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE 32
+#define MAX_ROWS 32 /* query rows (tokens x heads of a group) per work item */
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 256
 #define NEG_BIG (-1.0e30f)
+
+/* 8 floats (GCC/clang vector extension): TILE is 4 of them */
+typedef float vf8 __attribute__((vector_size(32)));
 
 /* exp(x) for x <= 0 (softmax after max subtraction): range reduction to 2^n * 2^f,
  * f in [-0.5, 0.5], degree-6 polynomial; relative error ~1e-7. Branch-free, so the
@@ -56,86 +64,158 @@ int orch_paged_attention_f32(
     const float *k_pool, const float *v_pool,
     const int32_t *block_tables, int32_t max_blocks,
     const int32_t *seq_lens, const int32_t *cu_seqlens_q, int32_t num_seqs,
-    const int32_t *row_seq, int32_t num_tokens,
-    int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+    int32_t num_tokens, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
     float scale, int32_t sliding_window, float softcap,
     float *out)
 {
     if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
-        head_dim < 1 || head_dim > MAX_HEAD_DIM || block_size < 1)
+        head_dim < 1 || head_dim > MAX_HEAD_DIM || block_size < 1 || num_seqs < 0 || num_tokens < 0)
         return -1;
     const int G = num_heads / num_kv_heads;
     const int D = head_dim;
-    const int64_t items = (int64_t)num_tokens * num_kv_heads;
+    const int QB = MAX_ROWS / G; /* query tokens per item */
+    /* first[s]: index of sequence s's first query block */
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * ((size_t)num_seqs + 1));
+    if (!first) return -2;
+    first[0] = 0;
+    for (int s = 0; s < num_seqs; s++)
+        first[s + 1] = first[s] + (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + QB - 1) / QB;
+    const int64_t items = first[num_seqs] * num_kv_heads;
+    const float mul = softcap > 0.0f ? scale / softcap : scale;
 
-#pragma omp parallel for schedule(dynamic, 2)
+#pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; item++) {
-        const int t = (int)(item / num_kv_heads);
+        const int64_t blk = item / num_kv_heads;
         const int h = (int)(item % num_kv_heads);
-        const int s = row_seq[t];
+        int lo = 0, hi = num_seqs - 1; /* the last s with first[s] <= blk (skips empty ones) */
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (first[mid] <= blk) lo = mid; else hi = mid - 1;
+        }
+        const int s = lo;
         const int q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
-        const int end = seq_lens[s] - q_len + (t - cu_seqlens_q[s]) + 1; /* keys [start, end) */
-        int start = 0;
-        if (sliding_window > 0 && end > sliding_window) start = end - sliding_window;
+        const int i0 = (int)(blk - first[s]) * QB;
+        const int nq = q_len - i0 < QB ? q_len - i0 : QB;
+        const int R = nq * G; /* row r = token (r / G) of the block, head h * G + r % G */
         const int32_t *table = block_tables + (int64_t)s * max_blocks;
 
-        float qs[MAX_GROUP][MAX_HEAD_DIM];
-        float acc[MAX_GROUP][MAX_HEAD_DIM];
-        float sc[MAX_GROUP][TILE];
-        float m[MAX_GROUP], l[MAX_GROUP];
+        float qs[MAX_ROWS][MAX_HEAD_DIM];
+        float acc[MAX_ROWS][MAX_HEAD_DIM];
+        float sc[MAX_ROWS][TILE] __attribute__((aligned(32)));
+        float kt[MAX_HEAD_DIM][TILE] __attribute__((aligned(32)));
+        float m[MAX_ROWS], l[MAX_ROWS];
+        int rstart[MAX_ROWS], rend[MAX_ROWS];
         const float *krow[TILE];
         const float *vrow[TILE];
-        for (int g = 0; g < G; g++) {
-            const float *src = q + t * q_stride_t + (int64_t)(h * G + g) * q_stride_h;
-            const float mul = softcap > 0.0f ? scale / softcap : scale;
-            for (int d = 0; d < D; d++) qs[g][d] = src[d] * mul;
-            memset(acc[g], 0, sizeof(float) * D);
-            m[g] = NEG_BIG;
-            l[g] = 0.0f;
+        for (int r = 0; r < R; r++) {
+            const int i = i0 + r / G;
+            const int t = cu_seqlens_q[s] + i;
+            const float *src = q + t * q_stride_t + (int64_t)(h * G + r % G) * q_stride_h;
+            for (int d = 0; d < D; d++) qs[r][d] = src[d] * mul;
+            memset(acc[r], 0, sizeof(float) * D);
+            m[r] = NEG_BIG;
+            l[r] = 0.0f;
+            rend[r] = seq_lens[s] - q_len + i + 1; /* keys [rstart, rend) */
+            rstart[r] = sliding_window > 0 && rend[r] > sliding_window ? rend[r] - sliding_window : 0;
         }
-        for (int j0 = start; j0 < end; j0 += TILE) {
-            const int n = end - j0 < TILE ? end - j0 : TILE;
+        const int kstart = rstart[0], kend = rend[R - 1];
+        const int transposed = R >= 4;
+        for (int j0 = kstart; j0 < kend; j0 += TILE) {
+            const int n = kend - j0 < TILE ? kend - j0 : TILE;
             for (int j = 0; j < n; j++) {
                 const int p = j0 + j;
                 const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
                 krow[j] = k_pool + (slot * num_kv_heads + h) * D;
                 vrow[j] = v_pool + (slot * num_kv_heads + h) * D;
             }
-            for (int g = 0; g < G; g++) {
-                float mt = NEG_BIG;
-                for (int j = 0; j < n; j++) {
-                    float x = dot(qs[g], krow[j], D);
-                    if (softcap > 0.0f) x = tanhf(x) * softcap;
-                    sc[g][j] = x;
-                    mt = x > mt ? x : mt;
+            if (transposed) {
+                for (int j = 0; j < TILE; j++)
+                    for (int d = 0; d < D; d++) kt[d][j] = j < n ? krow[j][d] : 0.0f;
+                /* sc[r][0:TILE] = sum_d q[r][d] * kt[d][0:TILE], two rows at a time: eight
+                 * independent vector accumulators, each key vector loaded once per pair */
+                for (int r = 0; r < R; r += 2) {
+                    const float *q0 = qs[r], *q1 = qs[r + 1 < R ? r + 1 : r];
+                    vf8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+                    for (int d = 0; d < D; d++) {
+                        const vf8 *kr = (const vf8 *)kt[d];
+                        const float u = q0[d], w = q1[d];
+                        a0 += u * kr[0]; a1 += u * kr[1]; a2 += u * kr[2]; a3 += u * kr[3];
+                        b0 += w * kr[0]; b1 += w * kr[1]; b2 += w * kr[2]; b3 += w * kr[3];
+                    }
+                    vf8 *x = (vf8 *)sc[r];
+                    x[0] = a0; x[1] = a1; x[2] = a2; x[3] = a3;
+                    if (r + 1 < R) {
+                        x = (vf8 *)sc[r + 1];
+                        x[0] = b0; x[1] = b1; x[2] = b2; x[3] = b3;
+                    }
                 }
-                const float m_new = mt > m[g] ? mt : m[g];
-                const float corr = exp_neg(m[g] - m_new);
+            } else {
+                for (int r = 0; r < R; r++)
+                    for (int j = 0; j < n; j++) sc[r][j] = dot(qs[r], krow[j], D);
+            }
+            for (int r = 0; r < R; r++) {
+                const int jlo = rstart[r] > j0 ? rstart[r] - j0 : 0;
+                const int jhi = rend[r] - j0 < n ? rend[r] - j0 : n;
+                float *x = sc[r];
+                if (jhi <= jlo) { /* no key of this tile for this row */
+                    memset(x, 0, sizeof(float) * TILE);
+                    continue;
+                }
+                if (softcap > 0.0f)
+                    for (int j = jlo; j < jhi; j++) x[j] = tanhf(x[j]) * softcap;
+                float mt = NEG_BIG;
+                for (int j = jlo; j < jhi; j++) mt = x[j] > mt ? x[j] : mt;
+                const float m_new = mt > m[r] ? mt : m[r];
+                const float corr = exp_neg(m[r] - m_new);
                 float sum = 0.0f;
-                for (int j = 0; j < n; j++) {
-                    const float e = exp_neg(sc[g][j] - m_new);
-                    sc[g][j] = e;
+                for (int j = 0; j < TILE; j++) {
+                    const float e = j >= jlo && j < jhi ? exp_neg(x[j] - m_new) : 0.0f;
+                    x[j] = e;
                     sum += e;
                 }
-                l[g] = l[g] * corr + sum;
-                m[g] = m_new;
+                l[r] = l[r] * corr + sum;
+                m[r] = m_new;
                 if (corr != 1.0f)
-                    for (int d = 0; d < D; d++) acc[g][d] *= corr;
+                    for (int d = 0; d < D; d++) acc[r][d] *= corr;
             }
-            for (int j = 0; j < n; j++) {
-                const float *v = vrow[j];
-                for (int g = 0; g < G; g++) {
-                    const float w = sc[g][j];
-                    for (int d = 0; d < D; d++) acc[g][d] += w * v[d];
+            if (transposed && D % 32 == 0) {
+                /* acc[r] += sum_j p[r][j] * v[j], 32 columns at a time held in registers */
+                for (int r = 0; r < R; r++) {
+                    const float *p = sc[r];
+                    for (int d0 = 0; d0 < D; d0 += 32) {
+                        vf8 a0, a1, a2, a3;
+                        memcpy(&a0, acc[r] + d0, 32); memcpy(&a1, acc[r] + d0 + 8, 32);
+                        memcpy(&a2, acc[r] + d0 + 16, 32); memcpy(&a3, acc[r] + d0 + 24, 32);
+                        for (int j = 0; j < n; j++) {
+                            const float w = p[j];
+                            vf8 v0, v1, v2, v3;
+                            memcpy(&v0, vrow[j] + d0, 32); memcpy(&v1, vrow[j] + d0 + 8, 32);
+                            memcpy(&v2, vrow[j] + d0 + 16, 32); memcpy(&v3, vrow[j] + d0 + 24, 32);
+                            a0 += w * v0; a1 += w * v1; a2 += w * v2; a3 += w * v3;
+                        }
+                        memcpy(acc[r] + d0, &a0, 32); memcpy(acc[r] + d0 + 8, &a1, 32);
+                        memcpy(acc[r] + d0 + 16, &a2, 32); memcpy(acc[r] + d0 + 24, &a3, 32);
+                    }
+                }
+            } else {
+                for (int j = 0; j < n; j++) {
+                    const float *v = vrow[j];
+                    for (int r = 0; r < R; r++) {
+                        const float w = sc[r][j];
+                        if (w == 0.0f) continue;
+                        for (int d = 0; d < D; d++) acc[r][d] += w * v[d];
+                    }
                 }
             }
         }
-        for (int g = 0; g < G; g++) {
-            float *dst = out + ((int64_t)t * num_heads + h * G + g) * D;
-            const float inv = 1.0f / l[g];
-            for (int d = 0; d < D; d++) dst[d] = acc[g][d] * inv;
+        for (int r = 0; r < R; r++) {
+            const int t = cu_seqlens_q[s] + i0 + r / G;
+            float *dst = out + ((int64_t)t * num_heads + h * G + r % G) * D;
+            const float inv = 1.0f / l[r];
+            for (int d = 0; d < D; d++) dst[d] = acc[r][d] * inv;
         }
     }
+    free(first);
     return 0;
 }
 
