@@ -365,6 +365,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert e.start % bs == 0 and (cfg.enable_prefix_caching or e.start == 0)
                 self.num_admissions += 1
                 self.admitted[id(q)] = self.num_admissions
+        if plan.num_batched_tokens < cfg.max_num_batched_tokens:
+            # Budget left over: every running request is in the plan, and a prompt left
+            # mid-prefill could not get the block for one more token.
+            assert all(id(q) in scheduled_ids for q in s.running), "budget left idle while a request waits"
+            for e in plan.scheduled:
+                if e.end < e.seq.num_tokens:
+                    assert not self.bm.can_allocate(e.seq, e.num_new_tokens + 1), "budget left idle mid-prefill"
         for q in plan.preempted:
             assert q in running_before
             if id(q) not in scheduled_ids:
