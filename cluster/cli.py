@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-long-partial-prefills", type=int, default=1)
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--max-waiting", type=int, default=1024, help="queued requests before refusing (0 = unbounded)")
+    g.add_argument("--finish-wait-ms", type=float, default=10.0,
+                   help="after a step that finished requests, wait up to this long for as many new ones, so "
+                        "clients that come straight back join the next step (0 = off)")
 
 
 def engine_config_from_args(args):
@@ -65,6 +68,7 @@ def engine_config_from_args(args):
         max_long_partial_prefills=args.max_long_partial_prefills,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_waiting=args.max_waiting,
+        finish_wait_ms=args.finish_wait_ms,
     )
 
 

@@ -36,7 +36,7 @@ class FakeEngine:
 
     def __init__(self):
         self.model_name = "fake"
-        self.config = SimpleNamespace(max_model_len=64, max_num_seqs=4, block_size=16)
+        self.config = SimpleNamespace(max_model_len=64, max_num_seqs=4, block_size=16, finish_wait_ms=0.0)
         self.tokenizer = SimpleNamespace(encode=lambda text: [ord(c) % 50 + 1 for c in text],
                                          decode=lambda ids: "".join(f"<{i}>" for i in ids))
         self.stats = EngineStats(num_blocks_total=8)
@@ -73,6 +73,7 @@ class FakeEngine:
             if done:
                 del self.seqs[rid]
         self.stats.num_running = len(self.seqs)
+        self.stats.num_steps += 1
         return outs
 
 
@@ -281,3 +282,40 @@ def test_stop_returns_once_the_engine_os_thread_is_gone():
     loop.stop(5)
     assert not loop.alive
     assert not os.path.exists(f"/proc/self/task/{native_id}")
+
+
+@pytest.mark.parametrize("wait_ms", [0.0, 2000.0])
+def test_a_request_sent_right_after_a_finish_joins_the_next_step(wait_ms):
+    """A closed-loop client sends its next request a few ms after its last token. With
+    `finish_wait_ms` the loop holds the next step for it; without, the engine goes on
+    stepping the other running request meanwhile."""
+    from cluster.worker.sampling_params import SamplingParams
+    from cluster.worker.service_loop import AddRequest
+
+    engine = FakeEngine()
+    engine.config.finish_wait_ms = wait_ms
+    seen = {}
+    done = threading.Event()
+
+    def on_events(now, events):
+        for e in events:
+            if isinstance(e, RequestOutput) and e.request_id == "A" and e.finished:
+                seen["finish_step"] = engine.stats.num_steps
+                threading.Timer(0.05, lambda: loop.submit(AddRequest("B", [1], SamplingParams(max_tokens=1), 0.0))).start()
+            if isinstance(e, RequestOutput) and e.request_id == "B":
+                seen["b_step"] = engine.stats.num_steps
+                done.set()
+
+    loop = EngineLoop(lambda: engine, on_events)
+    loop.start(timeout=5)
+    try:
+        loop.submit(AddRequest("C", [1], SamplingParams(max_tokens=10**9), 0.0))  # keeps the engine stepping
+        loop.submit(AddRequest("A", [1], SamplingParams(max_tokens=3), 0.0))
+        assert done.wait(10), "B was never served"
+    finally:
+        loop.stop(5)
+    steps_between = seen["b_step"] - seen["finish_step"]
+    if wait_ms:
+        assert steps_between == 1  # B's first token came from the very next step
+    else:
+        assert steps_between > 1  # the fake engine stepped C many times in those 50 ms

@@ -25,6 +25,11 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     # Requests allowed to wait for admission before add_request refuses more (0 = unbounded).
     max_waiting: int = 0
+    # After a step that finished requests, the worker's engine loop waits up to this long
+    # for as many new ones before the next step: closed-loop clients (benchmarks, agents,
+    # batch jobs) send their next request a few ms after the last token, and joining the
+    # next step saves them a whole step's wait. 0 turns it off.
+    finish_wait_ms: float = 10.0
     seed: int = 0
 
     def validate(self) -> None:
@@ -39,6 +44,8 @@ class EngineConfig:
             problems.append("max_num_partial_prefills must be >= 1")
         if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
             problems.append("max_long_partial_prefills must be in [1, max_num_partial_prefills]")
+        if not 0 <= self.finish_wait_ms <= 1000:
+            problems.append("finish_wait_ms must be in [0, 1000]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             problems.append("num_kv_blocks must be >= 1")
         if problems:

@@ -1,7 +1,10 @@
 """The engine thread: owns the engine and every MLX call; talks through two queues.
 
 In: small dataclass messages on a thread-safe inbox (`submit`). The thread drains the
-whole inbox before every step, and blocks on it only when nothing is runnable.
+whole inbox before every step, and blocks on it only when nothing is runnable. After a
+step that finished requests it first waits up to `finish_wait_ms` for as many new ones:
+closed-loop clients come back a few ms after their last token, and would otherwise wait
+for the whole next step (a prefill step is 0.1-0.3 s on a CPU) before joining one.
 Out: after each step, one call of `on_events(timestamp, events)` with everything the
 step produced (engine `RequestOutput`s, `Scheduled`, `Rejected`, `Failed`). The caller
 decides how to cross into its own world (the worker uses `call_soon_threadsafe`).
@@ -121,8 +124,17 @@ class EngineLoop:
             self._ready.set()
         engine = self.engine
         queued: dict[str, float] = {}  # request id -> arrival, until first scheduled
+        wait = engine.config.finish_wait_ms / 1000
+        expected = 0  # requests the last step finished: their clients may come right back
         while True:
             msgs = [] if engine.has_unfinished() else [self._inbox.get()]
+            if expected and wait > 0:
+                deadline = time.monotonic() + wait
+                while len(msgs) < expected and (left := deadline - time.monotonic()) > 0:
+                    try:
+                        msgs.append(self._inbox.get(timeout=left))
+                    except queue.Empty:
+                        break
             while True:
                 try:
                     msgs.append(self._inbox.get_nowait())
@@ -139,8 +151,11 @@ class EngineLoop:
                         events.append(RequestOutput(rid, [], "", True, "abort"))
                     self._emit(time.monotonic(), events)
                     return
+                expected = 0
                 if engine.has_unfinished():
                     self._step(engine, events, queued)
+                    expected = sum(1 for e in events if isinstance(e, RequestOutput) and e.finished
+                                   and e.finish_reason != "abort")
             except Exception as e:  # keep serving: fail what was live, go on
                 log.exception("engine loop failed; aborting the %d live requests", len(engine.seqs))
                 events += self._fail_all(engine, f"the engine failed: {type(e).__name__}: {e}")
