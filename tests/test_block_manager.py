@@ -501,3 +501,18 @@ TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(
     max_examples=200, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def test_room_is_the_most_that_allocate_slots_takes():
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    a = make_seq(range(10), "a")
+    assert bm.room(a) == 24
+    compute(bm, a, 10)  # 3 blocks, the last one half full
+    assert bm.room(a) == 2 + 3 * 4  # the rest of its last block and the 3 free ones
+    assert bm.can_allocate(a, bm.room(a)) and not bm.can_allocate(a, bm.room(a) + 1)
+    bm.free(a)
+    b = make_seq(list(range(10)) + [99], "b")
+    hits = bm.get_computed_blocks(b)
+    assert len(hits) == 2  # two full cached blocks, now free: taking them over costs two
+    assert bm.room(b, hits) == (2 + 6 - 2) * 4 - 8
+    assert bm.can_allocate(b, bm.room(b, hits), hits) and not bm.can_allocate(b, bm.room(b, hits) + 1, hits)

@@ -216,6 +216,23 @@ def test_a_long_prefill_leaves_room_for_short_prompts_and_takes_the_rest():
     assert rows(step(s)) == [("S0", 101, 1), ("S1", 101, 1), ("S2", 100, 1), ("L", 1234, 509)]
 
 
+def test_left_over_budget_tops_up_a_partial_prefill_as_far_as_blocks_allow():
+    # A short prompt reserved room in the budget but cannot get blocks; the long partial
+    # prefill takes the rest of the budget up to the end of its last free block.
+    s = make_scheduler(block_size=16, num_blocks=40, max_num_batched_tokens=128, model_max_len=640,
+                       long_prefill_token_threshold=64)
+    d = add(s, "D", range(400), max_tokens=1000)
+    while d.is_prefilling:
+        step(s)
+    long = add(s, "L", range(2000, 2480))
+    assert rows(step(s)) == [("D", 400, 1), ("L", 0, 127)]
+    add(s, "S", range(1000, 1040))
+    plan = s.schedule()
+    assert rows(plan) == [("D", 401, 1), ("L", 127, 97)]  # not 87: S's reservation went back to L
+    assert s.block_manager.num_free_blocks == 0 and len(long.block_table) * 16 == 127 + 97
+    assert [q.request_id for q in s.waiting] == ["S"]
+
+
 @pytest.mark.parametrize(
     "kw, n, message",
     [

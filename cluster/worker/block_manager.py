@@ -108,6 +108,16 @@ class BlockManager:
     def can_allocate(self, seq: _Seq, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         return self._num_blocks_to_take(seq, num_new_tokens, computed_blocks) <= self.num_free_blocks
 
+    def room(self, seq: _Seq, computed_blocks: list[int] = ()) -> int:
+        """The most new tokens `allocate_slots(seq, n, computed_blocks)` can take now
+        (0 when not even the computed blocks can be taken over)."""
+        held = len(seq.block_table) + len(computed_blocks)
+        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if revived > self.num_free_blocks:
+            return 0
+        base = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        return max(0, (held + self.num_free_blocks - revived) * self.block_size - base)
+
     def _num_blocks_to_take(self, seq: _Seq, num_new_tokens: int, computed_blocks) -> int:
         held = len(seq.block_table) + len(computed_blocks)
         total = self.blocks_needed(seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens)

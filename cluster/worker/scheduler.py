@@ -15,7 +15,9 @@ Pure Python (no MLX). The policy, in order, each step:
    `long_prefill_token_threshold` tokens to compute). A prompt over its partial limit is
    skipped, so a short one behind it still starts (vLLM's concurrent partial prefills).
 4. Budget still left (a reservation that went unused) goes to the partial prefills of
-   the plan, oldest first: a step never runs fewer tokens than it could.
+   the plan, oldest first, as far as free KV blocks allow. (A waiting prompt is admitted
+   only with blocks for its whole chunk, as in vLLM: shrinking chunks to the last free
+   blocks would only trade them for preemptions.)
 
 When a running request cannot get a block, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the queue with all its tokens, to
@@ -176,7 +178,8 @@ class Scheduler:
             if budget <= 0:
                 break
             seq = entry.seq
-            extra = min(budget, seq.num_tokens - entry.end)
+            room = self.block_manager.room(seq) - entry.num_new_tokens
+            extra = min(budget, seq.num_tokens - entry.end, room)
             if extra > 0 and self.block_manager.allocate_slots(seq, entry.num_new_tokens + extra):
                 entry.num_new_tokens += extra
                 budget -= extra
@@ -186,8 +189,9 @@ class Scheduler:
     def _short_waiting_reserve(self, limit: int, start: int = 0) -> int:
         """Tokens of the short waiting prompts (at most `long_prefill_token_threshold`)
         that could run whole this step, first come first served, up to `limit`: what
-        a long prefill leaves for them."""
-        slots = self.config.max_num_seqs - len(self.running)
+        a long prefill leaves for them. `start`: queue entries before it are being
+        admitted (and take a sequence slot each)."""
+        slots = self.config.max_num_seqs - len(self.running) - start
         reserve = n = 0
         for i in range(start, min(len(self.waiting), start + _LOOKAHEAD)):
             if n >= slots:
