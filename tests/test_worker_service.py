@@ -37,6 +37,7 @@ class FakeEngine:
     def __init__(self):
         self.model_name = "fake"
         self.config = SimpleNamespace(max_model_len=64, max_num_seqs=4, block_size=16, finish_wait_ms=0.0)
+        self.scheduler = SimpleNamespace(waiting=())  # what the engine loop reads of the scheduler
         self.tokenizer = SimpleNamespace(encode=lambda text: [ord(c) % 50 + 1 for c in text],
                                          decode=lambda ids: "".join(f"<{i}>" for i in ids))
         self.stats = EngineStats(num_blocks_total=8)
@@ -319,3 +320,47 @@ def test_a_request_sent_right_after_a_finish_joins_the_next_step(wait_ms):
         assert steps_between == 1  # B's first token came from the very next step
     else:
         assert steps_between > 1  # the fake engine stepped C many times in those 50 ms
+
+
+def test_the_loop_learns_whether_clients_come_back():
+    from cluster.worker.sampling_params import SamplingParams
+    from cluster.worker.service_loop import AddRequest, _Comeback
+
+    def add(at):
+        return AddRequest(f"r{at}", [1], SamplingParams(), at)
+
+    c = _Comeback(0.010)
+    assert not c.worth_waiting()  # nothing finished yet
+    for t in range(5):  # closed loop: both finished clients are back within 10 ms
+        c.finished(float(t), 2)
+        assert c.worth_waiting() and c.deadline == t + 0.010
+        c.observe([add(t + 0.003), add(t + 0.008)], t + 0.5)
+    assert c.rate == 1.0
+    for t in range(5, 7):  # open loop: nobody comes back (a late arrival does not count)
+        c.finished(float(t), 2)
+        c.observe([add(t + 0.2)], t + 0.5)
+    assert c.rate < 0.5
+    c.finished(7.0, 2)
+    assert not c.worth_waiting()
+    c.observe([add(7.001), add(7.002)], 7.5)  # measured even without waiting
+    assert c.rate >= 0.5
+
+
+def test_a_shutdown_ends_the_wait_for_comebacks():
+    import time
+
+    from cluster.worker.sampling_params import SamplingParams
+    from cluster.worker.service_loop import AddRequest
+
+    engine = FakeEngine()
+    engine.config.finish_wait_ms = 1000.0
+    finished = threading.Event()
+    loop = EngineLoop(lambda: engine, lambda now, events: any(
+        e.request_id == "A" and e.finished for e in events if isinstance(e, RequestOutput)) and finished.set())
+    loop.start(timeout=5)
+    loop.submit(AddRequest("C", [1], SamplingParams(max_tokens=10**9), 0.0))
+    loop.submit(AddRequest("A", [1], SamplingParams(max_tokens=2), 0.0))
+    assert finished.wait(5)
+    t = time.monotonic()
+    loop.stop(5)  # the loop is waiting up to 1 s for A's client to come back
+    assert not loop.alive and time.monotonic() - t < 0.5

@@ -124,22 +124,17 @@ class EngineLoop:
             self._ready.set()
         engine = self.engine
         queued: dict[str, float] = {}  # request id -> arrival, until first scheduled
-        wait = engine.config.finish_wait_ms / 1000
-        expected = 0  # requests the last step finished: their clients may come right back
+        comeback = _Comeback(engine.config.finish_wait_ms / 1000)
         while True:
             msgs = [] if engine.has_unfinished() else [self._inbox.get()]
-            if expected and wait > 0:
-                deadline = time.monotonic() + wait
-                while len(msgs) < expected and (left := deadline - time.monotonic()) > 0:
-                    try:
-                        msgs.append(self._inbox.get(timeout=left))
-                    except queue.Empty:
-                        break
+            if comeback.worth_waiting() and not engine.scheduler.waiting:
+                self._wait_for_comebacks(msgs, comeback)
             while True:
                 try:
                     msgs.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
+            comeback.observe(msgs, time.monotonic())
             events: list[Event] = []
             try:
                 stop = False
@@ -151,17 +146,30 @@ class EngineLoop:
                         events.append(RequestOutput(rid, [], "", True, "abort"))
                     self._emit(time.monotonic(), events)
                     return
-                expected = 0
                 if engine.has_unfinished():
                     self._step(engine, events, queued)
-                    expected = sum(1 for e in events if isinstance(e, RequestOutput) and e.finished
-                                   and e.finish_reason != "abort")
+                    comeback.finished(time.monotonic(), sum(
+                        1 for e in events if isinstance(e, RequestOutput) and e.finished and e.finish_reason != "abort"))
             except Exception as e:  # keep serving: fail what was live, go on
                 log.exception("engine loop failed; aborting the %d live requests", len(engine.seqs))
                 events += self._fail_all(engine, f"the engine failed: {type(e).__name__}: {e}")
                 queued.clear()
             if events:
                 self._emit(time.monotonic(), events)
+
+    def _wait_for_comebacks(self, msgs: list, comeback: "_Comeback") -> None:
+        """Take inbox messages until as many new requests arrived as the last step
+        finished, a Shutdown comes, or the wait is over."""
+        adds = 0
+        while adds < comeback.expected and (left := comeback.deadline - time.monotonic()) > 0:
+            try:
+                msg = self._inbox.get(timeout=left)
+            except queue.Empty:
+                return
+            msgs.append(msg)
+            if isinstance(msg, Shutdown):
+                return
+            adds += isinstance(msg, AddRequest)
 
     def _step(self, engine: Engine, events: list[Event], queued: dict[str, float]) -> None:
         start = time.monotonic()
@@ -212,6 +220,45 @@ class EngineLoop:
             self._on_events(now, events)
         except Exception:  # the receiver is gone (shutting down): nothing to deliver to
             log.debug("engine loop: could not deliver %d events", len(events), exc_info=True)
+
+
+class _Comeback:
+    """Whether this worker's clients send a new request right after one finishes (a
+    closed loop: benchmarks, agents, batch jobs). Each step that finished requests opens a
+    window of `wait` seconds; requests arriving in it count as comebacks (measured whether
+    or not the loop waited), and a moving average of comebacks per finished request
+    decides whether waiting pays. With clients that do not come back (open-loop traffic)
+    it stops waiting, so running streams do not pay for nothing."""
+
+    def __init__(self, wait: float):
+        self.wait = wait
+        self.rate = 1.0  # moving average of comebacks per finished request
+        self.expected = 0  # requests the last step finished
+        self.deadline = 0.0  # end of the last step's window
+        self._windows: list[list] = []  # [start, end, finished, comebacks], oldest first
+
+    def finished(self, now: float, n: int) -> None:
+        self.expected = n
+        if n and self.wait > 0:
+            self.deadline = now + self.wait
+            self._windows.append([now, self.deadline, n, 0])
+
+    def worth_waiting(self) -> bool:
+        return self.expected > 0 and self.wait > 0 and self.rate >= 0.5
+
+    def observe(self, msgs: list, drained_at: float) -> None:
+        """Count the new requests among `msgs` (just drained from the inbox) against the
+        windows they arrived in; close the windows that ended before this drain."""
+        self.expected = 0
+        for msg in msgs:
+            if isinstance(msg, AddRequest):
+                for w in self._windows:
+                    if w[0] <= msg.arrival_time <= w[1]:
+                        w[3] += 1
+                        break
+        while self._windows and self._windows[0][1] <= drained_at:
+            _, _, n, got = self._windows.pop(0)
+            self.rate = 0.7 * self.rate + 0.3 * min(1.0, got / n)
 
 
 def _drop(engine: Engine, rid: str, seq) -> None:
