@@ -306,3 +306,23 @@ def test_resume_continues_exactly_where_another_worker_stopped(model_dirs, tempe
     assert last.num_output_tokens == 14 and last.num_prompt_tokens == len(prompt)
     with pytest.raises(ValueError, match="already reach max_tokens"):
         engine.add_request("done", prompt, params, resume_token_ids=full)
+
+
+def test_warm_up_leaves_no_trace(model_dirs):
+    """The worker's start-up forward writes free KV blocks only: afterwards the engine
+    serves exactly what a cold one serves (greedy, seeded and unseeded sampling), with
+    no stats, no blocks held and no prefix-cache entries."""
+    path = model_dirs["qwen3"]
+    prompts = random_prompts(4, seed=21, lengths=(30, 5, 70, 18))
+    kinds = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+             SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True),
+             SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)]
+    config = EngineConfig(num_kv_blocks=64, max_num_batched_tokens=96)
+    cold = Engine.from_pretrained(path, config)
+    warm = Engine.from_pretrained(path, config)
+    assert warm.warm_up() > 0
+    assert warm.block_manager.num_used_blocks == 0 and not warm.block_manager.cached
+    assert warm.stats.num_steps == 0 and warm.stats.prompt_tokens == 0 and warm.stats.generation_tokens == 0
+    for params in kinds:
+        assert warm.generate(prompts, params) == cold.generate(prompts, params)
+    assert warm.warm_up() == 0.0  # only a fresh engine: now its blocks hold cached prefixes

@@ -180,6 +180,31 @@ class Engine:
         self._refresh_stats()
         return outputs
 
+    def warm_up(self) -> float:
+        """Run one full-budget prefill step and one decode step through the model on free
+        KV blocks, outside the scheduler (no request, no stats, nothing cached), so the
+        first real burst does not pay for first-time work: MLX growing its buffer cache
+        for step-sized arrays (fresh pages from the OS), compiled functions, kernel
+        threads. The worker calls it at start (vLLM's profile run plays the same part).
+        Returns the seconds it took."""
+        from cluster.worker.scheduler import ScheduledSeq, SchedulerOutput
+
+        t0 = time.perf_counter()
+        bs = self.config.block_size
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len - 1,
+                self.block_manager.num_blocks * bs - 1)
+        if n < 1 or self.block_manager.num_used_blocks or self.block_manager.cached:
+            return 0.0  # only on a fresh engine: no block holds anything anyone may read
+        seq = Sequence("warm-up", [0] * n, SamplingParams(max_tokens=2, temperature=0.0))  # greedy: no RNG draw
+        seq.block_table = list(range(-(-(n + 1) // bs)))
+        for start, length in ((0, n), (n, 1)):  # the prefill, then a decode row
+            plan = SchedulerOutput([ScheduledSeq(seq, start, length)])
+            logits = self.runner.forward(self.runner.prepare(plan))
+            self.sampler(logits, [seq.sampling_params], [start])
+            mx.eval(self.runner.pool_arrays())
+            seq.token_ids.append(0)
+        return time.perf_counter() - t0
+
     def _on_token(self, seq: Sequence, result, row: int) -> RequestOutput:
         token = seq.token_ids[-1]
         params = seq.sampling_params

@@ -147,8 +147,13 @@ class WorkerServer:
 
         opts = self.options
         loop = asyncio.get_running_loop()
+        def load_engine() -> Engine:
+            engine = Engine.from_pretrained(opts.model_path, opts.engine_config)
+            log.info("engine warmed up in %.2f s", engine.warm_up())
+            return engine
+
         self.engine_loop = EngineLoop(
-            lambda: Engine.from_pretrained(opts.model_path, opts.engine_config),
+            load_engine,
             lambda now, events: self.service.on_engine_events(now, events),
         )
         await loop.run_in_executor(None, self.engine_loop.start)
