@@ -174,12 +174,14 @@ class Scheduler:
         budget = self._admit(budget, scheduled)
 
         # 4. what is left goes to the prompts still mid-prefill
-        for entry in list(scheduled.values()):
+        for entry in scheduled.values():
             if budget <= 0:
                 break
             seq = entry.seq
-            room = self.block_manager.room(seq) - entry.num_new_tokens
-            extra = min(budget, seq.num_tokens - entry.end, room)
+            left = seq.num_tokens - entry.end
+            if left <= 0:
+                continue  # a decode, or a prefill that finishes now
+            extra = min(budget, left, self.block_manager.room(seq) - entry.num_new_tokens)
             if extra > 0 and self.block_manager.allocate_slots(seq, entry.num_new_tokens + extra):
                 entry.num_new_tokens += extra
                 budget -= extra

@@ -147,6 +147,7 @@ class WorkerServer:
 
         opts = self.options
         loop = asyncio.get_running_loop()
+
         def load_engine() -> Engine:
             engine = Engine.from_pretrained(opts.model_path, opts.engine_config)
             log.info("engine warmed up in %.2f s", engine.warm_up())
