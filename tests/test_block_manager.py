@@ -20,6 +20,29 @@ from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.sequence import Sequence
 
 
+class ShadowKV:
+    """A shadow KV pool for the state machines: each slot records the token prefix whose
+    K/V a fake forward wrote there (K/V at position p depends on tokens[:p+1])."""
+
+    def __init__(self, bm: BlockManager):
+        self.bm = bm
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
+
+    def write(self, seq: Sequence, start: int, end: int) -> None:
+        bs = self.bm.block_size
+        for p in range(start, end):
+            bid = seq.block_table[p // bs]
+            assert self.bm.blocks[bid].ref_count == 1, f"{seq.request_id} writes into shared block {bid}"
+            self.slots[(bid, p % bs)] = tuple(seq.token_ids[: p + 1])
+
+    def check(self, seq: Sequence, end: int) -> None:
+        """Every position before `end` reads the K/V of its own prefix."""
+        bs = self.bm.block_size
+        for p in range(end):
+            got = self.slots.get((seq.block_table[p // bs], p % bs))
+            assert got == tuple(seq.token_ids[: p + 1]), f"{seq.request_id}: wrong K/V at position {p}"
+
+
 def make_seq(tokens, rid="r") -> Sequence:
     return Sequence(rid, list(tokens), SamplingParams())
 
@@ -385,22 +408,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bases = bases
         self.live: list[Sequence] = []  # hold blocks (or may)
         self.parked: list[Sequence] = []  # preempted: no blocks, tokens kept
-        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
+        self.kv = ShadowKV(self.bm)
         self.n = 0
-
-    # helpers
-    def _write(self, seq: Sequence, start: int, end: int) -> None:
-        bs = self.bm.block_size
-        for p in range(start, end):
-            bid = seq.block_table[p // bs]
-            assert self.bm.blocks[bid].ref_count == 1, f"writing into shared block {bid}"
-            self.kv[(bid, p % bs)] = tuple(seq.token_ids[: p + 1])
-
-    def _assert_kv(self, seq: Sequence, end: int) -> None:
-        bs = self.bm.block_size
-        for p in range(end):
-            got = self.kv.get((seq.block_table[p // bs], p % bs))
-            assert got == tuple(seq.token_ids[: p + 1]), f"{seq.request_id}: wrong K/V at position {p}"
 
     def _admit(self, seq: Sequence, chunk: int) -> None:
         free_before = self.bm.num_free_blocks
@@ -416,8 +425,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.parked.append(seq)
             return
         assert seq.num_computed_tokens == len(hits) * bs
-        self._assert_kv(seq, seq.num_computed_tokens)  # the hits hold this very prefix
-        self._write(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
+        self.kv.check(seq, seq.num_computed_tokens)  # the hits hold this very prefix
+        self.kv.write(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
         seq.num_computed_tokens += n
         self.bm.cache_full_blocks(seq)
         self.live.append(seq)
@@ -449,7 +458,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert seq.block_table == table_before and self.bm.num_free_blocks == free_before
             return
         assert len(seq.block_table) == self.bm.blocks_needed(seq.num_computed_tokens + n)
-        self._write(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
+        self.kv.write(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
         seq.num_computed_tokens += n
         self.bm.cache_full_blocks(seq)
 
@@ -481,10 +490,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self.live:
             assert len(set(seq.block_table)) == len(seq.block_table)
             assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
-            self._assert_kv(seq, seq.num_computed_tokens)
+            self.kv.check(seq, seq.num_computed_tokens)
         for h, bid in bm.cached.items():  # a cached block is full, holds its tokens, follows a cached block
             block = bm.blocks[bid]
-            slots = [self.kv.get((bid, j)) for j in range(bm.block_size)]
+            slots = [self.kv.slots.get((bid, j)) for j in range(bm.block_size)]
             assert all(slots) and block.token_ids == tuple(s[-1] for s in slots)
             assert block.parent_hash is None or block.parent_hash in bm.cached
 

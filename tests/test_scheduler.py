@@ -21,6 +21,7 @@ from cluster.worker.config import EngineConfig
 from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.scheduler import Scheduler, SchedulerOutput
 from cluster.worker.sequence import Sequence, SequenceStatus
+from test_block_manager import ShadowKV
 
 
 def make_scheduler(block_size=16, num_blocks=64, model_max_len=4096, **kw) -> Scheduler:
@@ -338,21 +339,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.outputs: dict[str, list[int]] = {}  # what the fake sampler gave each request
         self.admitted: dict[int, int] = {}  # id(seq) -> admission counter (running order)
         self.num_admissions = 0
-        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> prefix
-
-    # -- the fake forward -----------------------------------------------------------------------
-    def _write(self, seq: Sequence, start: int, end: int) -> None:
-        bs = self.cfg.block_size
-        for p in range(start, end):
-            bid = seq.block_table[p // bs]
-            assert self.bm.blocks[bid].ref_count == 1, f"{seq.request_id} writes into shared block {bid}"
-            self.kv[(bid, p % bs)] = tuple(seq.token_ids[: p + 1])
-
-    def _assert_kv(self, seq: Sequence, end: int) -> None:
-        bs = self.cfg.block_size
-        for p in range(end):
-            got = self.kv.get((seq.block_table[p // bs], p % bs))
-            assert got == tuple(seq.token_ids[: p + 1]), f"{seq.request_id}: wrong K/V at position {p}"
+        self.kv = ShadowKV(self.bm)  # the fake forward's KV pool
 
     def _step(self) -> SchedulerOutput:
         s, cfg, bs = self.sched, self.cfg, self.cfg.block_size
@@ -404,9 +391,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
         # The forward: write every chunk's K/V, then every chunk reads positions [0, end).
         for e in plan.scheduled:
-            self._write(e.seq, e.start, e.end)
+            self.kv.write(e.seq, e.start, e.end)
         for e in plan.scheduled:
-            self._assert_kv(e.seq, e.end)
+            self.kv.check(e.seq, e.end)
 
         sampled = {id(e.seq): self.rng.randrange(VOCAB) for e in plan.scheduled if e.sample}
         produced = s.postprocess(plan, sampled)
@@ -498,7 +485,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert 0 < q.num_uncomputed_tokens  # the last token is always left to compute
             assert len(set(q.block_table)) == len(q.block_table)
             assert len(q.block_table) * bs >= q.num_computed_tokens
-            self._assert_kv(q, q.num_computed_tokens)
+            self.kv.check(q, q.num_computed_tokens)
 
     def teardown(self):
         """Liveness: with no new requests, stepping finishes everything within a bound."""
