@@ -92,6 +92,7 @@ def _cmd_router_serve(args) -> int:
         grpc_address=args.grpc, http_address=off(args.http), metrics_address=off(args.metrics), policy=args.policy,
         join_token=args.join_token, heartbeat_interval=args.heartbeat_interval,
         missed_heartbeats=args.missed_heartbeats, remove_after=args.remove_after, max_attempts=args.max_attempts,
+        worker_wait=args.worker_wait,
         static_workers=tuple(args.worker or ()),
     )
     try:
@@ -134,6 +135,8 @@ def add_router_parsers(sub) -> None:
     serve.add_argument("--missed-heartbeats", type=int, default=3, help="missed beats before a worker is unhealthy")
     serve.add_argument("--remove-after", type=float, default=30.0, help="seconds of silence before removal")
     serve.add_argument("--max-attempts", type=int, default=4, help="placements per request (retries + resumes)")
+    serve.add_argument("--worker-wait", type=float, default=5.0, metavar="SECONDS",
+                       help="how long a request with no healthy worker waits for an unhealthy one to report in")
     serve.set_defaults(func=_cmd_router_serve)
     for name, what in (("register", "add static workers (the router polls them)"), ("workers", "list the workers"),
                        ("drain", "stop new placements on a worker; it finishes what it has"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -12,8 +14,21 @@ from hypothesis import strategies as st
 
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router.policy import LeastLoaded, PrefixAware, RoundRobin, make_policy
-from cluster.router.prefix_index import PrefixIndex, chained_hashes, prompt_keys, token_chunks
-from cluster.router.registry import DRAINING, HEALTHY, UNHEALTHY, Registry, RegistryConfig, RegistryError, WorkerRecord
+from cluster.router.prefix_index import (
+    PrefixIndex,
+    chained_hashes,
+    prompt_keys,
+    token_chunks,
+)
+from cluster.router.registry import (
+    DRAINING,
+    HEALTHY,
+    UNHEALTHY,
+    Registry,
+    RegistryConfig,
+    RegistryError,
+    WorkerRecord,
+)
 
 
 @dataclass
@@ -216,6 +231,37 @@ def test_missed_heartbeats_then_removal():
     assert w.state == HEALTHY
     reg.sweep(w.last_seen + 31)
     assert reg.workers == {}
+
+
+def test_a_stalled_router_does_not_blame_its_workers():
+    """The health loop: a silent worker is marked unhealthy, but not in the round right after
+    the router's own event loop stalled (its heartbeats could not be read); a heartbeat
+    that brings a worker back wakes `wait_changed`."""
+
+    async def main():
+        reg = Registry(RegistryConfig(heartbeat_interval=0.05, missed_heartbeats=3), connect=False)
+        w = reg.register("w1", "a:1", "", report())
+        stop = asyncio.Event()
+        loop_task = asyncio.create_task(reg.run(stop))
+        try:
+            await asyncio.sleep(0.02)
+            time.sleep(0.4)  # noqa: ASYNC251 -- the router's loop stalls for 8 intervals
+            await asyncio.sleep(0.01)  # the health loop wakes up late and sweeps first
+            assert w.state == HEALTHY
+            reg.heartbeat("w1", "", report())  # the beat that waited in the socket
+            await asyncio.sleep(0.4)  # now truly silent, with the loop free
+            assert w.state == UNHEALTHY
+            waiter = asyncio.create_task(reg.wait_changed(5.0))
+            await asyncio.sleep(0.01)
+            assert not waiter.done()
+            reg.heartbeat("w1", "", report())
+            assert await asyncio.wait_for(waiter, 1.0) is True and w.state == HEALTHY
+            assert await reg.wait_changed(0.05) is False
+        finally:
+            stop.set()
+            await loop_task
+
+    asyncio.run(main())
 
 
 def test_static_workers_stay_and_drained_ones_get_nothing():

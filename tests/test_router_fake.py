@@ -65,6 +65,13 @@ class Cluster:
             await asyncio.sleep(0.02)
         raise TimeoutError(f"{n} healthy workers not seen in {timeout} s")
 
+    async def wait_unhealthy(self, worker_id: str, timeout: float = 5.0):
+        for _ in range(int(timeout / 0.02)):
+            if self.router.registry.workers[worker_id].state != HEALTHY:
+                return
+            await asyncio.sleep(0.02)
+        raise TimeoutError(f"{worker_id} still healthy after {timeout} s")
+
     async def __aexit__(self, *exc):
         await self.channel.close()
         for reg in self.registrations:
@@ -149,6 +156,41 @@ def test_many_streams_survive_a_worker_death():
             results = await asyncio.gather(*(c.generate(t, max_tokens=20) for t in texts))
             for t, chunks in zip(texts, results):
                 assert tokens(chunks) == expected_tokens(t, 20)
+
+    run(main())
+
+
+def test_resume_waits_for_a_worker_that_missed_heartbeats():
+    """w0 dies mid-stream while w1, the only other worker, is unhealthy for the router (its
+    heartbeats stopped, as on an overloaded machine) but alive: the request waits for w1 to
+    report in and resumes there instead of failing. With nothing to wait for, it fails once
+    `worker_wait` is over."""
+
+    async def main():
+        async with Cluster(policy="round_robin") as c:
+            await c.registrations[1].stop()
+            await c.wait_unhealthy("w1")
+            c.workers[0].die_after_tokens, c.workers[0].token_delay = 3, 0.01
+            task = asyncio.create_task(c.generate("wait for me", max_tokens=12))
+            await asyncio.sleep(0.5)
+            assert not task.done()  # waiting, not failed
+            reg = Registration(c.router.grpc_address, c.workers[1].address, c.workers[1].load_report,
+                               join_token="tok", worker_id="w1", interval=0.2)
+            reg.start()
+            c.registrations.append(reg)
+            chunks = await asyncio.wait_for(task, 5)
+            assert tokens(chunks) == expected_tokens("wait for me", 12)
+            assert chunks[0].worker_id == "w0" and chunks[-1].worker_id == "w1"
+            assert 'orchard_router_retries_total{kind="resume"} 1.0' in c.metrics()
+
+        async with Cluster(n_workers=1, worker_wait=0.3) as c:
+            await c.registrations[0].stop()
+            await c.wait_unhealthy("w0")
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate("nobody comes")
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "w0: unhealthy" in e.value.details()
+            assert asyncio.get_running_loop().time() - t0 >= 0.3
 
     run(main())
 

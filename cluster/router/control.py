@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import grpc
 
@@ -72,7 +71,7 @@ class RouterControl(pb_grpc.RouterServicer):
             try:
                 await w.admin.Drain(pb.DrainRequest(drain=request.drain), timeout=self.add_timeout)
                 report = await w.admin.GetLoad(pb.GetLoadRequest(), timeout=self.add_timeout)
-                w.on_report(report, time.monotonic())
+                self.registry.record_report(w, report)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
                 log.warning("could not forward drain=%s to %s: %s", request.drain, w.worker_id, e)
         log.info("worker %s %s", w.worker_id, "draining" if request.drain else "taking requests again")

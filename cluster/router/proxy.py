@@ -6,9 +6,11 @@ If the worker fails before the first token, the request is placed again elsewher
 fails mid-stream, it is resumed elsewhere with `resume_token_ids` = the tokens already
 relayed, so the worker continues after them and the client sees one stream with no
 duplicated or missing token. A failed worker is excluded for the rest of the request and
-marked unhealthy if it is unreachable. Errors that are the request's fault
-(INVALID_ARGUMENT, ...) go back to the client unchanged. A client cancel cancels the
-worker's stream.
+marked unhealthy if it is unreachable. When no healthy worker is left to try but one
+serving the model is only unhealthy (it missed heartbeats on a busy machine, or one
+stream to it broke), the request waits up to `worker_wait` seconds for it to report in
+before it fails UNAVAILABLE. Errors that are the request's fault (INVALID_ARGUMENT, ...)
+go back to the client unchanged. A client cancel cancels the worker's stream.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
 @dataclass(frozen=True)
 class ProxyConfig:
     max_attempts: int = 4  # placements per request, the first included
+    worker_wait: float = 5.0  # seconds a request waits for an unhealthy worker to come back
 
 
 class _WorkerFailed(Exception):
@@ -86,12 +89,7 @@ class RouterBackend:
         first_token_at = None
         deadline = None if timeout is None else time.monotonic() + timeout
         for attempt in range(self.config.max_attempts):
-            try:
-                pool = [w for w in self.registry.candidates(request.model) if w.worker_id not in excluded]
-            except RegistryError as e:
-                pool, no_worker = [], e
-            else:
-                no_worker = RegistryError(grpc.StatusCode.UNAVAILABLE, "no other healthy worker")
+            pool, no_worker = await self._pool(request.model, excluded, deadline)
             if not pool:
                 self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
                 if failure is None:
@@ -149,6 +147,27 @@ class RouterBackend:
         raise errors.Unavailable(
             f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}"
         )
+
+    async def _pool(self, model: str, excluded: set[str], deadline: float | None):
+        """(healthy workers for `model` not yet tried, the error to give if there are none).
+        With none, waits for a worker that is unhealthy (not draining, not tried) to report
+        in again, up to `worker_wait` seconds and the request's deadline."""
+        give_up = time.monotonic() + self.config.worker_wait
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        while True:
+            try:
+                pool = [w for w in self.registry.candidates(model) if w.worker_id not in excluded]
+            except RegistryError as e:
+                pool, no_worker = [], e
+            else:
+                no_worker = RegistryError(grpc.StatusCode.UNAVAILABLE, "no other healthy worker")
+            left = give_up - time.monotonic()
+            hope = any(not w.healthy and not (w.drained or w.report.draining) and w.worker_id not in excluded
+                       for w in self.registry.serving(model))
+            if pool or not hope or left <= 0:
+                return pool, no_worker
+            await self.registry.wait_changed(left)
 
 
 class GenerationProxy(pb_grpc.GenerationServicer):

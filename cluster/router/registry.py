@@ -7,7 +7,9 @@ interval. Either way a worker not heard from for `missed_heartbeats` intervals i
 unhealthy (no new requests); a self-registered one is removed after `remove_after`
 seconds of silence (a static one stays, polled, until it is removed by hand). A failed
 stream also marks its worker unhealthy at once; the next heartbeat or poll that succeeds
-makes it healthy again.
+makes it healthy again (`wait_changed` wakes whoever waits for that). A router whose own
+event loop stalled (an overloaded machine) does not count its stall as the workers'
+silence: the sweep after a late wake-up marks no one.
 
 All of it runs on the router's event loop; `snapshot()` may be read from other threads.
 """
@@ -86,11 +88,14 @@ class WorkerRecord:
         total = self.report.kv_blocks_total
         return self.report.kv_blocks_used / total if total else 0.0
 
-    def on_report(self, report: pb.LoadReport, now: float) -> None:
+    def on_report(self, report: pb.LoadReport, now: float) -> bool:
+        """Record a report; True if the worker was unhealthy until now."""
+        back = not self.healthy
         self.report = report
         self.inflight_at_report = self.inflight
         self.last_seen = now
         self.healthy = True
+        return back
 
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(
@@ -117,6 +122,7 @@ class Registry:
         self._connect = connect  # False in unit tests: no channels
         self._on_remove = on_remove or (lambda worker_id: None)
         self._closing: set[asyncio.Task] = set()
+        self._changed = asyncio.Event()  # set (and replaced) when a worker joins or is healthy again
 
     # -- lookups ------------------------------------------------------------------------------
     def find(self, key: str) -> WorkerRecord | None:
@@ -128,10 +134,14 @@ class Registry:
     def snapshot(self) -> list[WorkerRecord]:
         return list(self.workers.values())
 
+    def serving(self, model: str) -> list[WorkerRecord]:
+        """Every worker serving `model` (any model when empty), whatever its state."""
+        return [w for w in self.workers.values() if not model or w.model == model]
+
     def candidates(self, model: str) -> list[WorkerRecord]:
         """Healthy, not draining, serving `model` (any model when empty). Raises
         NOT_FOUND when no worker serves the model, UNAVAILABLE when none is healthy."""
-        serving = [w for w in self.workers.values() if not model or w.model == model]
+        serving = self.serving(model)
         if not serving:
             known = sorted({w.model for w in self.workers.values() if w.model})
             what = f"model {model!r}" if model else "any model"
@@ -175,7 +185,24 @@ class Registry:
         w = self.workers.get(worker_id)
         if w is None:
             return False
-        w.on_report(report, time.monotonic())
+        self.record_report(w, report)
+        return True
+
+    def record_report(self, w: WorkerRecord, report: pb.LoadReport) -> None:
+        if w.on_report(report, time.monotonic()):
+            log.info("worker %s is healthy again", w.worker_id)
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_changed(self, timeout: float) -> bool:
+        """Wait until a worker joins or becomes healthy again, at most `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
         return True
 
     def add_static(self, address: str, report: pb.LoadReport | None = None) -> WorkerRecord:
@@ -184,7 +211,7 @@ class Registry:
         if existing is not None and (report is None or existing.worker_id == (report.worker_id or address)):
             existing.static = True
             if report is not None:
-                existing.on_report(report, time.monotonic())
+                self.record_report(existing, report)
             return existing
         worker_id = (report.worker_id if report is not None else "") or address
         w = self._upsert(worker_id, address, report or pb.LoadReport(), static=True)
@@ -193,7 +220,6 @@ class Registry:
         return w
 
     def _upsert(self, worker_id: str, address: str, report: pb.LoadReport, static: bool) -> WorkerRecord:
-        now = time.monotonic()
         w = self.workers.get(worker_id)
         if w is not None and w.address != address:
             log.info("worker %s moved from %s to %s", worker_id, w.address, address)
@@ -208,8 +234,9 @@ class Registry:
             self._open(w)
             self.workers[worker_id] = w
             log.info("worker %s at %s joined (model %s%s)", worker_id, address, report.model, ", static" if static else "")
+            self._notify()
         w.static = w.static or static
-        w.on_report(report, now)
+        self.record_report(w, report)
         return w
 
     def remove(self, key: str) -> WorkerRecord | None:
@@ -276,14 +303,24 @@ class Registry:
                 del self.workers[w.worker_id]
                 w.worker_id = new_id
                 self.workers[w.worker_id] = w
-            w.on_report(report, time.monotonic())
+            self.record_report(w, report)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """The health loop: sweep and poll every heartbeat interval until `stop` is set."""
+        """The health loop: sweep and poll every heartbeat interval until `stop` is set.
+
+        A wake-up more than an interval late means this process stalled: the heartbeats of
+        that time may still wait unread in its sockets, so that round marks no one."""
         interval = self.config.heartbeat_interval
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while not stop.is_set():
-            self.sweep()
+            late = loop.time() - due
+            if late > interval:
+                log.warning("router stalled %.2f s: no worker marked unhealthy this round", late)
+            else:
+                self.sweep()
             await self.poll_static()
+            due = loop.time() + interval
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
             except asyncio.TimeoutError:

@@ -39,6 +39,7 @@ class RouterConfig:
     missed_heartbeats: int = 3
     remove_after: float = 30.0
     max_attempts: int = 4
+    worker_wait: float = 5.0
     static_workers: tuple[str, ...] = ()
 
 
@@ -56,7 +57,7 @@ class RouterServer:
             on_remove=self.policy.forget,
         )
         self.metrics = RouterMetrics(self.registry)
-        self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(config.max_attempts))
+        self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(config.max_attempts, config.worker_wait))
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self.metrics_port: int | None = None
