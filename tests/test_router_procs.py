@@ -158,12 +158,14 @@ def test_failover_resumes_mid_stream(cluster, sampling):
             req.sampling.temperature, req.sampling.seed = 0.9, 1000 + i
         return req
 
+    killed: list[int] = []  # the victim, kept here so it is restarted even if a run fails
+
     async def streams(kill_after_tokens: int | None):
         """Run the 16 streams; once `kill_after_tokens` tokens have arrived in all, kill -9
-        the worker serving most of the unfinished streams. Returns (results, victim index)."""
+        the worker serving most of the unfinished streams."""
         async with grpc.aio.insecure_channel(cluster.router_address) as ch:
             stub = pb_grpc.GenerationStub(ch)
-            seen = {"tokens": 0, "victim": None}
+            seen = {"tokens": 0}
             serving: dict[int, str] = {}  # unfinished stream -> worker
 
             def on_chunk(i):
@@ -172,21 +174,20 @@ def test_failover_resumes_mid_stream(cluster, sampling):
                     serving[i] = c.worker_id
                     if c.finish_reason:
                         serving.pop(i, None)
-                    if kill_after_tokens and seen["victim"] is None and seen["tokens"] >= kill_after_tokens:
+                    if kill_after_tokens and not killed and seen["tokens"] >= kill_after_tokens:
                         busiest = max(set(serving.values()), key=list(serving.values()).count)
-                        seen["victim"] = int(busiest.split("-")[1])
-                        os.kill(cluster.workers[seen["victim"]].proc.pid, signal.SIGKILL)
+                        killed.append(int(busiest.split("-")[1]))
+                        os.kill(cluster.workers[killed[0]].proc.pid, signal.SIGKILL)
                 return f
 
-            results = await asyncio.gather(*(collect(stub, make(i, p), on_chunk(i))
-                                             for i, p in enumerate(prompts)))
-            return results, seen["victim"]
+            return await asyncio.gather(*(collect(stub, make(i, p), on_chunk(i)) for i, p in enumerate(prompts)))
 
-    reference, _ = run(streams(None))
+    reference = run(streams(None))
     before = metric(scrape(cluster.metrics_address), 'orchard_router_retries_total{kind="resume"}')
-    faulty, victim = run(streams(16 * 16))  # about 16 tokens into each stream
     try:
-        assert victim is not None
+        faulty = run(streams(16 * 16))  # about 16 tokens into each stream
+        assert killed
+        victim = killed[0]
         for (ref_toks, ref_text, _), (toks, text, chunks) in zip(reference, faulty):
             assert len(toks) == max_tokens
             assert toks == ref_toks
@@ -199,7 +200,7 @@ def test_failover_resumes_mid_stream(cluster, sampling):
         assert states[f"worker-{victim}"] == pb.WORKER_STATE_UNHEALTHY
         assert states[f"worker-{1 - victim}"] == pb.WORKER_STATE_HEALTHY
     finally:
-        if victim is not None:
+        for victim in killed:
             cluster.workers[victim].proc.wait(timeout=10)
             cluster.start_worker(victim)
             cluster.wait_ready(120)
