@@ -14,21 +14,8 @@ from hypothesis import strategies as st
 
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router.policy import LeastLoaded, PrefixAware, RoundRobin, make_policy
-from cluster.router.prefix_index import (
-    PrefixIndex,
-    chained_hashes,
-    prompt_keys,
-    token_chunks,
-)
-from cluster.router.registry import (
-    DRAINING,
-    HEALTHY,
-    UNHEALTHY,
-    Registry,
-    RegistryConfig,
-    RegistryError,
-    WorkerRecord,
-)
+from cluster.router.prefix_index import PrefixIndex, chained_hashes, prompt_keys, token_chunks
+from cluster.router.registry import DRAINING, HEALTHY, UNHEALTHY, Registry, RegistryConfig, RegistryError, WorkerRecord
 
 
 @dataclass
@@ -234,9 +221,9 @@ def test_missed_heartbeats_then_removal():
 
 
 def test_a_stalled_router_does_not_blame_its_workers():
-    """The health loop: a silent worker is marked unhealthy, but not in the round right after
-    the router's own event loop stalled (its heartbeats could not be read); a heartbeat
-    that brings a worker back wakes `wait_changed`."""
+    """The health loop: the time the router's own loop stalled is not the workers' silence
+    (their beats wait unread in its sockets), but silence with the loop free still counts,
+    and so does silence while every round is late. Each change of state wakes `wait_changed`."""
 
     async def main():
         reg = Registry(RegistryConfig(heartbeat_interval=0.05, missed_heartbeats=3), connect=False)
@@ -249,13 +236,22 @@ def test_a_stalled_router_does_not_blame_its_workers():
             await asyncio.sleep(0.01)  # the health loop wakes up late and sweeps first
             assert w.state == HEALTHY
             reg.heartbeat("w1", "", report())  # the beat that waited in the socket
-            await asyncio.sleep(0.4)  # now truly silent, with the loop free
-            assert w.state == UNHEALTHY
-            waiter = asyncio.create_task(reg.wait_changed(5.0))
-            await asyncio.sleep(0.01)
-            assert not waiter.done()
+            changed = asyncio.create_task(reg.wait_changed(5.0))
+            await asyncio.sleep(0.6)  # now truly silent, with the loop free
+            assert w.state == UNHEALTHY and changed.done() and changed.result() is True
+
             reg.heartbeat("w1", "", report())
-            assert await asyncio.wait_for(waiter, 1.0) is True and w.state == HEALTHY
+            assert w.state == HEALTHY
+            for _ in range(12):  # every round late (the loop busy 0.06 s at a time), no beats
+                time.sleep(0.06)  # noqa: ASYNC251
+                await asyncio.sleep(0)
+            assert w.state == UNHEALTHY
+
+            changed = asyncio.create_task(reg.wait_changed(5.0))
+            await asyncio.sleep(0.01)
+            assert not changed.done()
+            reg.heartbeat("w1", "", report())
+            assert await asyncio.wait_for(changed, 1.0) is True and w.state == HEALTHY
             assert await reg.wait_changed(0.05) is False
         finally:
             stop.set()

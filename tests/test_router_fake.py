@@ -163,22 +163,25 @@ def test_many_streams_survive_a_worker_death():
 def test_resume_waits_for_a_worker_that_missed_heartbeats():
     """w0 dies mid-stream while w1, the only other worker, is unhealthy for the router (its
     heartbeats stopped, as on an overloaded machine) but alive: the request waits for w1 to
-    report in and resumes there instead of failing. With nothing to wait for, it fails once
-    `worker_wait` is over."""
+    report in and resumes there as soon as it does. With nothing coming back, it fails
+    once `worker_wait` is over."""
 
     async def main():
-        async with Cluster(policy="round_robin") as c:
+        loop = asyncio.get_running_loop()
+        async with Cluster(policy="round_robin", worker_wait=30) as c:
             await c.registrations[1].stop()
             await c.wait_unhealthy("w1")
             c.workers[0].die_after_tokens, c.workers[0].token_delay = 3, 0.01
             task = asyncio.create_task(c.generate("wait for me", max_tokens=12))
             await asyncio.sleep(0.5)
             assert not task.done()  # waiting, not failed
+            back = loop.time()
             reg = Registration(c.router.grpc_address, c.workers[1].address, c.workers[1].load_report,
                                join_token="tok", worker_id="w1", interval=0.2)
             reg.start()
             c.registrations.append(reg)
             chunks = await asyncio.wait_for(task, 5)
+            assert loop.time() - back < 2.0  # woken by w1's heartbeat, not by the end of the wait
             assert tokens(chunks) == expected_tokens("wait for me", 12)
             assert chunks[0].worker_id == "w0" and chunks[-1].worker_id == "w1"
             assert 'orchard_router_retries_total{kind="resume"} 1.0' in c.metrics()
@@ -186,11 +189,44 @@ def test_resume_waits_for_a_worker_that_missed_heartbeats():
         async with Cluster(n_workers=1, worker_wait=0.3) as c:
             await c.registrations[0].stop()
             await c.wait_unhealthy("w0")
-            t0 = asyncio.get_running_loop().time()
+            t0 = loop.time()
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await c.generate("nobody comes")
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "w0: unhealthy" in e.value.details()
-            assert asyncio.get_running_loop().time() - t0 >= 0.3
+            assert loop.time() - t0 >= 0.3
+
+    run(main())
+
+
+def test_a_waiting_request_sees_drains_and_removals():
+    """While a request waits for unhealthy w1, an operator's undrain of w0 places it on w0 at
+    once; the removal of w1 (nothing left to wait for) fails the next one at once."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with Cluster(worker_wait=30) as c:
+            await c.ctl.DrainWorker(pb.DrainWorkerRequest(worker_id="w0", drain=True))
+            await c.registrations[1].stop()
+            await c.wait_unhealthy("w1")
+            task = asyncio.create_task(c.generate("undrained", max_tokens=4))
+            await asyncio.sleep(0.3)
+            assert not task.done()
+            t0 = loop.time()
+            await c.ctl.DrainWorker(pb.DrainWorkerRequest(worker_id="w0", drain=False))
+            chunks = await asyncio.wait_for(task, 5)
+            assert loop.time() - t0 < 2.0
+            assert {ch.worker_id for ch in chunks} == {"w0"}
+
+            await c.ctl.DrainWorker(pb.DrainWorkerRequest(worker_id="w0", drain=True))
+            task = asyncio.create_task(c.generate("removed", max_tokens=4))
+            await asyncio.sleep(0.3)
+            assert not task.done()
+            t0 = loop.time()
+            await c.ctl.RemoveWorker(pb.RemoveWorkerRequest(worker_id="w1"))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await asyncio.wait_for(task, 5)
+            assert loop.time() - t0 < 2.0
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
 
     run(main())
 

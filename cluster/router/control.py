@@ -64,7 +64,7 @@ class RouterControl(pb_grpc.RouterServicer):
         w = self.registry.find(request.worker_id)
         if w is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
-        w.drained = request.drain
+        self.registry.set_drained(w, request.drain)
         # Tell the worker too, so that a drain outlives a router restart (the worker
         # re-registers with draining=true) and direct clients see it. Best effort.
         if w.admin is not None:

@@ -15,6 +15,7 @@ go back to the client unchanged. A client cancel cancels the worker's stream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -88,10 +89,15 @@ class RouterBackend:
         failure: _WorkerFailed | None = None
         first_token_at = None
         deadline = None if timeout is None else time.monotonic() + timeout
+        wait_until = time.monotonic() + self.config.worker_wait  # for an unhealthy worker, once per request
+        if deadline is not None:
+            wait_until = min(wait_until, deadline)
         for attempt in range(self.config.max_attempts):
-            pool, no_worker = await self._pool(request.model, excluded, deadline)
+            pool, no_worker = await self._pool(rid, request.model, excluded, wait_until)
             if not pool:
                 self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise errors.DeadlineExceeded(f"the deadline passed while waiting for a worker ({no_worker})")
                 if failure is None:
                     raise errors.from_status(no_worker.code, str(no_worker))
                 raise errors.Unavailable(f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}")
@@ -148,13 +154,11 @@ class RouterBackend:
             f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}"
         )
 
-    async def _pool(self, model: str, excluded: set[str], deadline: float | None):
+    async def _pool(self, rid: str, model: str, excluded: set[str], wait_until: float):
         """(healthy workers for `model` not yet tried, the error to give if there are none).
-        With none, waits for a worker that is unhealthy (not draining, not tried) to report
-        in again, up to `worker_wait` seconds and the request's deadline."""
-        give_up = time.monotonic() + self.config.worker_wait
-        if deadline is not None:
-            give_up = min(give_up, deadline)
+        With none, waits until `wait_until` for a worker that may come back (unhealthy, not
+        draining, not tried) to report in, re-checking at every change of the workers."""
+        waited = False
         while True:
             try:
                 pool = [w for w in self.registry.candidates(model) if w.worker_id not in excluded]
@@ -162,12 +166,20 @@ class RouterBackend:
                 pool, no_worker = [], e
             else:
                 no_worker = RegistryError(grpc.StatusCode.UNAVAILABLE, "no other healthy worker")
-            left = give_up - time.monotonic()
-            hope = any(not w.healthy and not (w.drained or w.report.draining) and w.worker_id not in excluded
-                       for w in self.registry.serving(model))
-            if pool or not hope or left <= 0:
+            hope = [w.worker_id for w in self.registry.may_come_back(model, excluded)] if not pool else []
+            left = wait_until - time.monotonic()
+            if not hope or left <= 0:
+                if waited:
+                    log.info("request %s: %s after the wait", rid, "placed" if pool else "no worker came back")
                 return pool, no_worker
-            await self.registry.wait_changed(left)
+            if not waited:
+                log.info("request %s: no healthy worker; waiting up to %.1f s for %s", rid, left, ", ".join(hope))
+                waited = True
+            try:
+                await self.registry.wait_changed(left)
+            except asyncio.CancelledError:  # the client went away (or the router stops) while it waited
+                self.metrics.requests.labels(worker="none", outcome=m.CANCELLED).inc()
+                raise
 
 
 class GenerationProxy(pb_grpc.GenerationServicer):

@@ -7,9 +7,10 @@ interval. Either way a worker not heard from for `missed_heartbeats` intervals i
 unhealthy (no new requests); a self-registered one is removed after `remove_after`
 seconds of silence (a static one stays, polled, until it is removed by hand). A failed
 stream also marks its worker unhealthy at once; the next heartbeat or poll that succeeds
-makes it healthy again (`wait_changed` wakes whoever waits for that). A router whose own
-event loop stalled (an overloaded machine) does not count its stall as the workers'
-silence: the sweep after a late wake-up marks no one.
+makes it healthy again. `wait_changed` wakes whoever waits on a change of the workers
+(one joins or is removed, or its state changes). How late the router's own event loop
+runs (stalled on an overloaded machine) is not counted as the workers' silence: their
+latest heartbeats may be waiting unread in its sockets.
 
 All of it runs on the router's event loop; `snapshot()` may be read from other threads.
 """
@@ -189,16 +190,30 @@ class Registry:
         return True
 
     def record_report(self, w: WorkerRecord, report: pb.LoadReport) -> None:
+        state = w.state
         if w.on_report(report, time.monotonic()):
             log.info("worker %s is healthy again", w.worker_id)
+        if w.state != state:
+            self._notify()
+
+    def set_drained(self, w: WorkerRecord, drained: bool) -> None:
+        """An operator's drain (or its undo) through the router."""
+        if w.drained != drained:
+            w.drained = drained
             self._notify()
 
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def may_come_back(self, model: str, excluded: set[str]) -> list[WorkerRecord]:
+        """Workers for `model`, not in `excluded`, that are unhealthy but not draining: a
+        heartbeat or poll may make them candidates again."""
+        return [w for w in self.serving(model)
+                if w.worker_id not in excluded and not w.healthy and not (w.drained or w.report.draining)]
+
     async def wait_changed(self, timeout: float) -> bool:
-        """Wait until a worker joins or becomes healthy again, at most `timeout` seconds."""
+        """Wait until a worker joins, is removed or changes state, at most `timeout` seconds."""
         try:
             await asyncio.wait_for(self._changed.wait(), timeout)
         except asyncio.TimeoutError:
@@ -245,6 +260,7 @@ class Registry:
             return None
         del self.workers[w.worker_id]
         self._on_remove(w.worker_id)
+        self._notify()
         if w.channel is not None:
             task = asyncio.ensure_future(w.channel.close(grace=None))
             self._closing.add(task)
@@ -266,15 +282,19 @@ class Registry:
         if w is not None and w.healthy:
             log.warning("worker %s marked unhealthy: %s", worker_id, why)
             w.healthy = False
+            self._notify()
 
-    def sweep(self, now: float | None = None) -> None:
-        """Mark silent workers unhealthy; remove self-registered ones silent too long."""
+    def sweep(self, now: float | None = None, stalled: float = 0.0) -> None:
+        """Mark silent workers unhealthy; remove self-registered ones silent too long.
+        `stalled`: how late this process is running (its event loop's delay), so how much
+        of the workers' latest beats may still wait unread: not counted as silence."""
         now = time.monotonic() if now is None else now
         for w in list(self.workers.values()):
-            silent = now - w.last_seen
+            silent = now - w.last_seen - stalled
             if w.healthy and silent > self.config.unhealthy_after:
                 log.warning("worker %s missed %d heartbeats: unhealthy", w.worker_id, self.config.missed_heartbeats)
                 w.healthy = False
+                self._notify()
             if not w.static and silent > self.config.remove_after:
                 self.remove(w.worker_id)
 
@@ -307,18 +327,15 @@ class Registry:
 
     async def run(self, stop: asyncio.Event) -> None:
         """The health loop: sweep and poll every heartbeat interval until `stop` is set.
-
-        A wake-up more than an interval late means this process stalled: the heartbeats of
-        that time may still wait unread in its sockets, so that round marks no one."""
+        How late each wake-up is measures the event loop's delay (a stall, a busy loop)."""
         interval = self.config.heartbeat_interval
         loop = asyncio.get_running_loop()
         due = loop.time()
         while not stop.is_set():
-            late = loop.time() - due
+            late = max(0.0, loop.time() - due)
             if late > interval:
-                log.warning("router stalled %.2f s: no worker marked unhealthy this round", late)
-            else:
-                self.sweep()
+                log.warning("router stalled for %.2f s: not counted as its workers' silence", late)
+            self.sweep(stalled=late)
             await self.poll_static()
             due = loop.time() + interval
             try:
