@@ -89,14 +89,11 @@ class WorkerRecord:
         total = self.report.kv_blocks_total
         return self.report.kv_blocks_used / total if total else 0.0
 
-    def on_report(self, report: pb.LoadReport, now: float) -> bool:
-        """Record a report; True if the worker was unhealthy until now."""
-        back = not self.healthy
+    def on_report(self, report: pb.LoadReport, now: float) -> None:
         self.report = report
         self.inflight_at_report = self.inflight
         self.last_seen = now
         self.healthy = True
-        return back
 
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(
@@ -123,7 +120,7 @@ class Registry:
         self._connect = connect  # False in unit tests: no channels
         self._on_remove = on_remove or (lambda worker_id: None)
         self._closing: set[asyncio.Task] = set()
-        self._changed = asyncio.Event()  # set (and replaced) when a worker joins or is healthy again
+        self._changed = asyncio.Event()  # set, and replaced, at each change (`wait_changed`)
 
     # -- lookups ------------------------------------------------------------------------------
     def find(self, key: str) -> WorkerRecord | None:
@@ -190,8 +187,9 @@ class Registry:
         return True
 
     def record_report(self, w: WorkerRecord, report: pb.LoadReport) -> None:
-        state = w.state
-        if w.on_report(report, time.monotonic()):
+        state, healthy = w.state, w.healthy
+        w.on_report(report, time.monotonic())
+        if not healthy:
             log.info("worker %s is healthy again", w.worker_id)
         if w.state != state:
             self._notify()
