@@ -153,8 +153,8 @@ def add_router_parsers(sub) -> None:
 
     up = sub.add_parser("up", help="a router and N local workers, until Ctrl-C")
     up.add_argument("--model", default=None, help="mlx-lm model directory (default: the built-in small model)")
-    up.add_argument("--workers", type=int, default=2)
-    up.add_argument("--grpc", default="127.0.0.1:50051")
+    up.add_argument("--workers", type=int, default=2, help="local worker processes")
+    up.add_argument("--grpc", default="127.0.0.1:50051", help="the router's gRPC address")
     up.add_argument("--http", default="127.0.0.1:8080", help="or off")
     up.add_argument("--metrics", default="127.0.0.1:9100", help="or off")
     up.add_argument("--policy", choices=sorted(POLICIES), default="prefix_aware")
@@ -242,6 +242,10 @@ def _cmd_ray(args) -> int:
 
 def add_ray_parser(sub) -> None:
     """`orchard ray up|down|status`: router and workers as Ray actors (cluster/ray_launcher.py)."""
+    import os
+
+    from cluster.router.policy import POLICIES
+
     ray = sub.add_parser("ray", help="run Orchard as Ray actors on an existing Ray cluster")
     rsub = ray.add_subparsers(dest="ray_command", required=True)
     up = rsub.add_parser("up", help="start the router (this node) and workers (nodes with --resource)")
@@ -254,8 +258,9 @@ def add_ray_parser(sub) -> None:
     up.add_argument("--router-metrics-port", type=int, default=9100, help="-1: off")
     up.add_argument("--worker-port", type=int, default=50061, help="worker i on a node: port+i (0: free ports)")
     up.add_argument("--worker-metrics-port", type=int, default=9101, help="worker i: port+i (0: free, -1: off)")
-    up.add_argument("--join-token", default="", help="workers present it to the router")
-    up.add_argument("--policy", default="prefix_aware")
+    up.add_argument("--join-token", default=os.environ.get("ORCHARD_JOIN_TOKEN", ""),
+                    help="workers present it to the router (default $ORCHARD_JOIN_TOKEN)")
+    up.add_argument("--policy", choices=sorted(POLICIES), default="prefix_aware")
     up.add_argument("--max-restarts", type=int, default=-1, help="Ray restarts of a dead actor (-1: for ever)")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the workers")
     add_engine_args(up)
@@ -272,10 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
     create = model.add_parser("create", help="write a random-weight mlx-lm model directory (offline)")
-    create.add_argument("dir")
-    create.add_argument("--arch", choices=["qwen3", "llama", "qwen2"], default="qwen3")
-    create.add_argument("--size", choices=["tiny", "small"], default="tiny")
-    create.add_argument("--seed", type=int, default=0)
+    create.add_argument("dir", help="where to write the mlx-lm model directory")
+    create.add_argument("--arch", choices=["qwen3", "llama", "qwen2"], default="qwen3", help="mlx-lm architecture")
+    create.add_argument("--size", choices=["tiny", "small"], default="tiny",
+                        help="tiny: 2 layers, hidden 128 (tests); small: 8 layers, hidden 512 (benchmarks, `orchard up`)")
+    create.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokenizer's corpus")
     create.set_defaults(func=_cmd_model_create)
 
     run = sub.add_parser("run", help="generate offline with the engine (no server)")

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
 
-# ARCHITECTURE.md's metric contract (+ the router's e2e histogram); histograms add suffixes.
+# The metric contract (the README's Metrics section); histograms add suffixes.
 WORKER_METRICS = {
     "orchard_time_to_first_token_seconds", "orchard_inter_token_latency_seconds",
     "orchard_e2e_request_latency_seconds", "orchard_request_queue_time_seconds", "orchard_kv_cache_usage_ratio",
@@ -85,6 +85,16 @@ def test_dashboard_has_what_grafana_needs_to_import_it(path):
     for i, a in enumerate(boxes):  # no two panels on the same cells
         for b in boxes[i + 1:]:
             assert a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1], f"{a[4]!r} overlaps {b[4]!r}"
+
+
+def test_readme_documents_the_metric_contract():
+    """The README's Metrics section names exactly the metrics the contract has (the
+    router's written without their `orchard_router_` prefix)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Metrics"):readme.index("## Develop")]
+    worker_table, router_text = section.split("The router's", 1)
+    assert set(re.findall(r"`(orchard_\w+)", worker_table)) == WORKER_METRICS
+    assert {f"orchard_router_{n}" for n in re.findall(r"`(\w+)[`{]", router_text)} == ROUTER_METRICS
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)

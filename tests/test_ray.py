@@ -2,7 +2,7 @@
 requests; killing a worker actor makes Ray restart it (max_restarts), it registers with
 the router again, and requests keep succeeding throughout.
 
-Skipped when Ray is not installed (`pip install 'orchard[ray]'`)."""
+Skipped when Ray is not installed (`.venv/bin/pip install -e '.[ray]'`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'orchard[ray]')")
+ray = pytest.importorskip("ray", reason="Ray is not installed (.venv/bin/pip install -e '.[ray]')")
 
 from cluster.cli import main  # noqa: E402
 from cluster.ray_launcher import NAMESPACE, ROUTER_NAME, _share, existing_actors  # noqa: E402

@@ -9,4 +9,6 @@ prefix index, the `Generation` proxy with failover, metrics, and the server/CLI 
     metrics.py       orchard_router_* on the router's own Prometheus registry
     server.py        `orchard router serve`
     admin.py         `orchard router register|workers|drain|remove`
+    loadgen.py       a closed-loop gRPC load generator for the router benchmarks (load/)
+    testing.py       FakeWorker: a model-free worker for the router's tests
 """

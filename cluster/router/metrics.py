@@ -1,4 +1,4 @@
-"""Router metrics on their own registry (the names are a contract, see ARCHITECTURE.md).
+"""Router metrics on their own registry (the names are a contract: the README's Metrics section, the dashboards).
 
 Per-worker gauges are read from the registry at scrape time, so a removed worker's
 series disappear with it.

@@ -1,4 +1,4 @@
-"""The worker's Prometheus metrics (names are a contract: see ARCHITECTURE.md).
+"""The worker's Prometheus metrics (names are a contract: the README's Metrics section, the dashboards).
 
 Histograms are observed on the asyncio side from the timestamps the engine thread puts
 on its outputs. Gauges and counters are read from the engine's `EngineStats` (plain ints

@@ -1,11 +1,11 @@
-"""Varlen paged attention: one function for the engine, two implementations.
+"""Varlen paged attention: one function for the engine, three backends.
 
 `paged_attention(...)` runs the Metal kernel on a Metal GPU; elsewhere the C kernel of
 `cpu.py` (built on first use with the system compiler), and the pure-MLX reference where
 that cannot be built. `ORCHARD_ATTENTION=metal|cpu|reference` (or `set_backend`) forces one.
 The reference is the oracle both kernels are tested against.
 
-Contract (both implementations):
+Contract (all three):
   q            [T, H, D]      packed queries of all sequences this step
   k_cache      [num_blocks, block_size, KVH, D]   (v_cache the same)
   block_tables [S, max_blocks] int32   physical block ids per sequence (padding: any valid id)
