@@ -56,21 +56,22 @@ class Cluster:
         self.registrations.append(reg)
         return w
 
-    async def wait_healthy(self, n: int, timeout: float = 5.0):
+    async def wait_until(self, condition, what: str, timeout: float = 5.0):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
-            if sum(w.state == HEALTHY for w in self.router.registry.snapshot()) >= n:
+            if condition():
                 return
             await asyncio.sleep(0.02)
-        raise TimeoutError(f"{n} healthy workers not seen in {timeout} s")
+        raise TimeoutError(f"{what} not seen in {timeout} s")
+
+    async def wait_healthy(self, n: int, timeout: float = 5.0):
+        await self.wait_until(lambda: sum(w.state == HEALTHY for w in self.router.registry.snapshot()) >= n,
+                              f"{n} healthy workers", timeout)
 
     async def wait_unhealthy(self, worker_id: str, timeout: float = 5.0):
-        for _ in range(int(timeout / 0.02)):
-            if self.router.registry.workers[worker_id].state != HEALTHY:
-                return
-            await asyncio.sleep(0.02)
-        raise TimeoutError(f"{worker_id} still healthy after {timeout} s")
+        await self.wait_until(lambda: self.router.registry.workers[worker_id].state != HEALTHY,
+                              f"{worker_id} unhealthy", timeout)
 
     async def __aexit__(self, *exc):
         await self.channel.close()
