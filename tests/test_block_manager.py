@@ -277,21 +277,41 @@ def test_a_block_in_use_is_never_evicted():
     bm.check_integrity([a, x])
 
 
-def test_duplicate_content_is_cached_once_and_what_follows_it_still_is():
+def test_duplicate_content_is_cached_in_each_copy_and_what_follows_it_still_is():
     bs = 8
     bm = BlockManager(8, bs)
     a = make_seq(range(bs + 1), "a")
     b = make_seq(range(2 * bs + 1), "b")
     compute(bm, a, bs + 1)
     compute(bm, b, 2 * bs + 1)  # its own copy of a's block 0 (as if admitted before a's was cached)
-    # one copy of block 0 is cached (a's); b's block 1 follows the same content, so it is
+    # both copies of block 0 are cached; b's block 1 follows the same content, so it is
     # cached too (a multi-turn chat continuing b's prompt reuses it)
-    assert bm.cached[a.block_hashes[0]] == a.block_table[0]
-    assert bm.blocks[b.block_table[0]].hash is None
-    assert bm.cached[b.block_hashes[1]] == b.block_table[1]
+    assert list(bm.cached[a.block_hashes[0]]) == [a.block_table[0], b.block_table[0]]
+    assert bm.cached[b.block_hashes[1]] == {b.block_table[1]: None}
     c = run_prompt(bm, range(2 * bs + 1), "c")
     assert c.block_table[:2] == [a.block_table[0], b.block_table[1]] and len(bm.cached) == 2
     bm.check_integrity([a, b, c])
+
+
+def test_evicting_one_copy_of_a_parent_never_orphans_a_cached_child():
+    """Found by the state machine below: when only the first copy of a prefix was cached,
+    its eviction (its request finished first) left the other request's cached next block
+    with an uncached parent: unreachable, and against the cache's own invariant."""
+    bs = 8
+    bm = BlockManager(6, bs)
+    a = make_seq(range(bs + 1), "a")
+    b = make_seq(range(2 * bs + 1), "b")
+    compute(bm, a, bs + 1)
+    compute(bm, b, 2 * bs + 1)
+    bm.free(a)  # a's copy of block 0 is free now, b's is in use
+    hog = make_seq([500 + i for i in range(3 * bs)], "hog")
+    compute(bm, hog, 3 * bs)  # takes every free block: a's copy of block 0 is evicted
+    parent = b.block_hashes[0]
+    assert parent in bm.cached and list(bm.cached[parent]) == [b.block_table[0]]
+    bm.free(hog)
+    d = run_prompt(bm, range(2 * bs + 1), "d")  # b's whole prefix is still a hit
+    assert d.block_table[:2] == b.block_table[:2]
+    bm.check_integrity([b, d])
 
 
 def test_a_colliding_block_stops_caching_what_follows_it(monkeypatch):
@@ -361,7 +381,7 @@ def test_check_integrity_catches_corruption():
 
     bm, a, b = _state_with_two_seqs()
     h = next(iter(bm.cached))
-    bm.cached[h] = a.block_table[-1]  # cache entry pointing at the wrong block
+    bm.cached[h] = {a.block_table[-1]: None}  # cache entry pointing at the wrong block
     with pytest.raises(AssertionError, match="cached hash"):
         bm.check_integrity([a, b])
 
@@ -491,7 +511,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert len(set(seq.block_table)) == len(seq.block_table)
             assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
             self.kv.check(seq, seq.num_computed_tokens)
-        for h, bid in bm.cached.items():  # a cached block is full, holds its tokens, follows a cached block
+        for h, bid in ((h, b) for h, copies in bm.cached.items() for b in copies):  # a cached block is full, holds its tokens, follows a cached block
             block = bm.blocks[bid]
             slots = [self.kv.slots.get((bid, j)) for j in range(bm.block_size)]
             assert all(slots) and block.token_ids == tuple(s[-1] for s in slots)

@@ -10,6 +10,10 @@ Pure Python (no MLX): the model runner owns the actual K/V pool, indexed by bloc
   prefixes; a hit is still confirmed by comparing what was hashed (parent hash and
   tokens). Only a block whose parent is cached is cached, so under a hash collision a
   hit never holds another prefix's K/V.
+- Several blocks may hold the same prefix (two requests computed it at once): each is a
+  cached copy, and the hash stays cached while any copy is. A sequence frees its last
+  block first, so its own copy of a parent outlives its children in the free queue, and
+  a cached block's parent is always cached (evicting one copy never orphans a child).
 - Invariant (`check_integrity`): every block is either free or used, never both; ref
   counts equal the number of block tables that hold the block.
 """
@@ -46,7 +50,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[int, dict[int, None]] = {}  # block hash -> the ids of its copies (ordered set)
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
 
@@ -88,9 +92,11 @@ class BlockManager:
         hits = []
         bs = self.block_size
         for i, h in enumerate(seq.block_hashes[: limit // bs]):
-            bid = self.cached.get(h)
-            if bid is None:
+            copies = self.cached.get(h)
+            if not copies:
                 break
+            # A copy in use costs no free block to take over: prefer one.
+            bid = next((b for b in copies if self.blocks[b].ref_count), next(iter(copies)))
             block = self.blocks[bid]
             # Equal tokens are not enough: under a hash collision the block may hold the
             # same tokens after another prefix (or at another position).
@@ -146,7 +152,9 @@ class BlockManager:
         bid, _ = self.free_queue.popitem(last=False)
         block = self.blocks[bid]
         if block.hash is not None:  # evict: its contents are about to be overwritten
-            if self.cached.get(block.hash) == bid:
+            copies = self.cached[block.hash]
+            del copies[bid]
+            if not copies:
                 del self.cached[block.hash]
             block.hash = None
             block.token_ids = None
@@ -183,16 +191,15 @@ class BlockManager:
                 continue
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             parent = seq.block_hashes[i - 1] if i else None
-            other = self.cached.get(h)
-            if other is not None:
-                twin = self.blocks[other]
-                if twin.token_ids == tokens and twin.parent_hash == parent:
-                    continue  # the same prefix is cached in another block: keep that one
-                break  # a hash collision: cache nothing after it (a cached block's parent is cached)
+            copies = self.cached.setdefault(h, {})
+            if copies:
+                twin = self.blocks[next(iter(copies))]
+                if twin.token_ids != tokens or twin.parent_hash != parent:
+                    break  # a hash collision: cache nothing after it (a cached block's parent is cached)
             block.hash = h
             block.token_ids = tokens
             block.parent_hash = parent
-            self.cached[h] = block.block_id
+            copies[block.block_id] = None  # another copy of the same prefix, if there was one
 
     # -- checks -----------------------------------------------------------------------
     def check_integrity(self, seqs: Iterable[_Seq] | None = None) -> None:
@@ -212,6 +219,9 @@ class BlockManager:
                     refs[bid] += 1
             if refs != [b.ref_count for b in self.blocks]:
                 raise AssertionError("ref counts do not match the live block tables")
-        for h, bid in self.cached.items():
-            if self.blocks[bid].hash != h:
-                raise AssertionError(f"cached hash {h} points at block {bid} with hash {self.blocks[bid].hash}")
+        for h, copies in self.cached.items():
+            if not copies:
+                raise AssertionError(f"cached hash {h} has no block")
+            for bid in copies:
+                if self.blocks[bid].hash != h:
+                    raise AssertionError(f"cached hash {h} points at block {bid} with hash {self.blocks[bid].hash}")
