@@ -1,16 +1,8 @@
 """Orchard: serve LLMs from a fleet of Macs.
 
-Importing any part of `cluster` first makes MLX fast on Linux: the system OpenBLAS is
-loaded before MLX so MLX's CPU matmuls use it (see `cluster.platform`).
+Importing `cluster` (or its SDK, `cluster.sdk`) has no side effects. The processes that
+run MLX import `cluster.worker` first, which loads OpenBLAS before MLX (see
+`cluster.platform`).
 """
-
-import os as _os
-
-from cluster import platform as _platform
-
-_platform.preload_blas()
-# The CPU attention kernel uses OpenMP; libgomp's idle threads spin by default, stealing
-# the cores from OpenBLAS between layers. Read once when libgomp loads: set it first.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"

@@ -152,7 +152,7 @@ def _init_weights(model, config: dict, seed: int):
 
 
 def create_model(path: str | Path, arch: str = "qwen3", size: str = "tiny", seed: int = 0) -> Path:
-    import cluster  # noqa: F401
+    import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes

@@ -2,8 +2,9 @@
 
 - Linux: MLX's CPU wheel links a slow reference BLAS. Loading OpenBLAS (Debian package
   `libopenblas0-pthread`) with RTLD_GLOBAL *before* the first `import mlx` makes MLX's
-  fp32 matmuls about 25x faster. `preload_blas()` does that; `cluster/__init__.py`
-  calls it, so any `import cluster...` before `import mlx` is enough.
+  fp32 matmuls about 25x faster. `preload_blas()` does that; `cluster/worker/__init__.py`
+  calls it, so `import cluster.worker` before `import mlx` is enough (the SDK and the
+  router never load it).
 - On the CPU, fp16/bf16 matmuls do not go through BLAS and are slow: run fp32 there
   (`compute_dtype`).
 """
@@ -49,7 +50,7 @@ def preload_blas() -> str | None:
     if os.environ.get("ORCHARD_NO_OPENBLAS"):
         return None
     if "mlx.core" in sys.modules:
-        log.warning("mlx was imported before cluster: OpenBLAS cannot speed up its matmuls now")
+        log.warning("mlx was imported before cluster.worker: OpenBLAS cannot speed up its matmuls now")
         return None
     path = find_openblas()
     if path is None:

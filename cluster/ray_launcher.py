@@ -80,7 +80,7 @@ class RouterActor:
     """`orchard router serve` inside a Ray actor."""
 
     def __init__(self, spec: RaySpec):
-        import cluster  # noqa: F401  (OpenBLAS before MLX; logging set up below)
+        import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
         from cluster.router.server import RouterConfig, RouterServer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -111,7 +111,7 @@ class WorkerActor:
     constructor, so a restart by Ray (which re-runs it) brings the worker back."""
 
     def __init__(self, spec: RaySpec, router: str, index: int, worker_id: str):
-        import cluster  # noqa: F401  (OpenBLAS before MLX)
+        import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
         from cluster.worker.server import WorkerOptions, WorkerServer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cluster  # noqa: E402,F401  (OpenBLAS before MLX)
+import cluster.worker  # noqa: E402,F401  (OpenBLAS before MLX)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 

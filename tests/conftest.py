@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import cluster  # noqa: F401  (OpenBLAS before MLX, for tests that import mlx)
+import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-import cluster  # noqa: F401  (OpenBLAS before MLX)
+import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -211,6 +211,31 @@ def test_abort_frees_blocks_at_once(model_dirs):
     assert engine.block_manager.num_used_blocks == 0
     assert not engine.has_unfinished()
     assert engine.stats.finished == {"abort": 2}
+
+
+def test_abort_all_when_abort_raises_leaves_nothing_runnable(model_dirs, monkeypatch):
+    """If aborting a request raises (half-way: after the engine let go of it, before the
+    scheduler did), `abort_all` still takes it out of the engine and the scheduler's
+    queues (never scheduled again) and aborts the other requests too."""
+    engine = Engine.from_pretrained(model_dirs["qwen3"], EngineConfig(num_kv_blocks=64, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    for rid, seed in (("a", 1), ("b", 2)):
+        engine.add_request(rid, random_prompts(1, seed=seed, lengths=(40,))[0], params)
+    engine.step()  # both running, with blocks
+    seqs = list(engine.scheduler.running)
+    real_abort = engine.scheduler.abort
+
+    def abort(seq):
+        if seq.request_id == "a":
+            raise RuntimeError("abort failed")
+        real_abort(seq)
+
+    monkeypatch.setattr(engine.scheduler, "abort", abort)
+    assert sorted(engine.abort_all()) == ["a", "b"]
+    assert engine.seqs == {} and engine.detoks == {}
+    assert not engine.has_unfinished()
+    assert all(s.is_finished and s.block_table == [] for s in seqs)
+    assert engine.block_manager.num_free_blocks == 64
 
 
 def test_refuses_requests_that_can_never_fit(model_dirs):

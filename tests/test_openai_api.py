@@ -9,13 +9,14 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from cluster.openai_api import create_app
+from cluster.api.openai import create_app
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
-from cluster.sdk import Client, InvalidRequest, Overloaded, Unavailable
+from cluster.sdk import Client, GrpcBackend, InvalidRequest, Overloaded, Unavailable
 
 IGNORE_EOS = {"ignore_eos": True}
 
@@ -186,7 +187,7 @@ class FakeBackend:
     async def list_models(self):
         return pb.ListModelsResponse(models=[pb.ModelInfo(id="fake", max_model_len=64)])
 
-    async def generate(self, request):
+    async def generate(self, request, timeout=None):
         for i in range(self.after):
             yield pb.GenerateResponse(request_id=request.request_id, token_ids=[i], text=f"t{i} ")
         if self.error is not None:
@@ -196,8 +197,10 @@ class FakeBackend:
 
 
 def _with_app(backend, fn):
+    """`fn(client)` against the app over `backend` (or over what `backend()` makes inside
+    the event loop, for a backend that needs one, such as a grpc.aio channel's)."""
     async def run():
-        async with TestClient(TestServer(create_app(backend))) as client:
+        async with TestClient(TestServer(create_app(backend() if callable(backend) else backend))) as client:
             return await fn(client)
 
     return asyncio.run(run())
@@ -239,7 +242,7 @@ def test_app_over_a_grpc_target(tiny_worker):
         models = await client.get("/v1/models")
         return await r.json(), bad.status, await models.json()
 
-    body, bad_status, models = _with_app(tiny_worker.grpc, fn)
+    body, bad_status, models = _with_app(lambda: GrpcBackend(grpc.aio.insecure_channel(tiny_worker.grpc)), fn)
     assert body["usage"]["completion_tokens"] == 4 and bad_status == 404
     with Client(tiny_worker.grpc, timeout=30) as client:
         assert body["choices"][0]["text"] == client.generate("Hello", max_tokens=4, temperature=0, ignore_eos=True).text

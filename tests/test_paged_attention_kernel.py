@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import cluster  # noqa: F401  (OpenBLAS before mlx)
+import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import metal_emulator as emu
 import mlx.core as mx
 from cluster.worker import kernels

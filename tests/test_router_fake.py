@@ -16,7 +16,7 @@ from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.registry import HEALTHY
 from cluster.router.server import RouterConfig, RouterServer
-from cluster.router.testing import FakeWorker, fake_token
+from fake_worker import FakeWorker, fake_token
 from cluster.worker.registration import Registration
 
 
@@ -85,9 +85,13 @@ class Cluster:
         req = pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0), **kw)
         return [c async for c in self.gen.Generate(req)]
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://{self.router.metrics_address}/metrics", timeout=5) as r:
-            return r.read().decode()
+    async def metrics(self) -> str:
+        """A scrape, from another thread: the event loop serves /metrics."""
+        def scrape() -> str:
+            with urllib.request.urlopen(f"http://{self.router.metrics_address}/metrics", timeout=5) as r:
+                return r.read().decode()
+
+        return await asyncio.to_thread(scrape)
 
 
 def expected_tokens(text: str, n: int) -> list[int]:
@@ -109,7 +113,7 @@ def test_relays_a_stream():
             assert chunks[-1].usage.completion_tokens == 6
             models = await c.gen.ListModels(pb.ListModelsRequest())
             assert [m.id for m in models.models] == ["fake"]
-            text = c.metrics()
+            text = await c.metrics()
             assert 'orchard_router_requests_total{outcome="success",worker=' in text
             assert 'orchard_router_workers{state="healthy"} 2.0' in text
             assert "orchard_router_time_to_first_token_seconds_count 1.0" in text
@@ -127,7 +131,7 @@ def test_retry_before_the_first_token():
                 assert tokens(chunks) == expected_tokens(f"prompt {i}", 8)
                 assert {ch.worker_id for ch in chunks} == {"w1"}
             assert c.router.registry.workers["w0"].state != HEALTHY
-            assert 'orchard_router_retries_total{kind="retry"} 1.0' in c.metrics()
+            assert 'orchard_router_retries_total{kind="retry"} 1.0' in await c.metrics()
 
     run(main())
 
@@ -144,7 +148,7 @@ def test_resume_mid_stream(die_after):
             assert chunks[-1].worker_id == "w1"
             assert chunks[-1].usage.completion_tokens == 12
             assert len(c.workers[1].requests[-1].resume_token_ids) == die_after
-            assert 'orchard_router_retries_total{kind="resume"} 1.0' in c.metrics()
+            assert 'orchard_router_retries_total{kind="resume"} 1.0' in await c.metrics()
 
     run(main())
 
@@ -185,7 +189,7 @@ def test_resume_waits_for_a_worker_that_missed_heartbeats():
             assert loop.time() - back < 2.0  # woken by w1's heartbeat, not by the end of the wait
             assert tokens(chunks) == expected_tokens("wait for me", 12)
             assert chunks[0].worker_id == "w0" and chunks[-1].worker_id == "w1"
-            assert 'orchard_router_retries_total{kind="resume"} 1.0' in c.metrics()
+            assert 'orchard_router_retries_total{kind="resume"} 1.0' in await c.metrics()
 
         async with Cluster(n_workers=1, worker_wait=0.3) as c:
             await c.registrations[0].stop()
@@ -239,7 +243,7 @@ def test_request_errors_are_not_retried():
                 await c.generate("invalid")
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert sum(len(w.requests) for w in c.workers) == 0
-            assert 'orchard_router_retries_total{kind="retry"} 0.0' in c.metrics()
+            assert 'orchard_router_retries_total{kind="retry"} 0.0' in await c.metrics()
 
     run(main())
 
@@ -383,31 +387,3 @@ def test_start_failure_frees_what_started():
         await again.stop(grace=0)
 
     run(main())
-
-
-def test_proxy_servicer_closes_the_backend_stream_at_once():
-    """Closing the RPC's generator closes the router backend's stream right then (which
-    cancels the worker's stream), not later by garbage collection."""
-    from cluster.router.proxy import GenerationProxy
-
-    closed = []
-
-    class Backend:
-        async def generate(self, request, timeout=None):
-            try:
-                yield pb.GenerateResponse()
-                await asyncio.Event().wait()
-            finally:
-                closed.append(True)
-
-    class Context:
-        def time_remaining(self):
-            return None
-
-    async def main():
-        rpc = GenerationProxy(Backend()).Generate(pb.GenerateRequest(), Context())
-        await rpc.__anext__()
-        await rpc.aclose()
-        return list(closed)
-
-    assert run(main()) == [True]

@@ -24,7 +24,7 @@ from cluster.sdk import (
     Unavailable,
     build_request,
 )
-from cluster.sdk.errors import from_status
+from cluster.api.errors import from_status
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.sdk import AsyncClient, Client, InvalidRequest, NotFound, Overloaded, Unavailable
-from cluster.sdk.errors import OrchardError
+from cluster.sdk import OrchardError
 
 MAX_MODEL_LEN = 512
 VOCAB = 512

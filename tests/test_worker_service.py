@@ -15,10 +15,9 @@ import pytest
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.sdk import InternalError, InvalidRequest, Overloaded, Unavailable, build_request
 from cluster.worker.engine import EngineStats, QueueFullError, RequestOutput
-from cluster.worker.metrics import WorkerMetrics
 from cluster.worker.sequence import SequenceStatus
 from cluster.worker.service import WorkerService
-from cluster.worker.service_loop import EngineLoop
+from cluster.worker.engine_loop import EngineLoop
 
 BOOM = 999  # a prompt starting with this token makes the fake engine's step raise
 
@@ -37,7 +36,6 @@ class FakeEngine:
     def __init__(self):
         self.model_name = "fake"
         self.config = SimpleNamespace(max_model_len=64, max_num_seqs=4, block_size=16, finish_wait_ms=0.0)
-        self.scheduler = SimpleNamespace(waiting=())  # what the engine loop reads of the scheduler
         self.tokenizer = SimpleNamespace(encode=lambda text: [ord(c) % 50 + 1 for c in text],
                                          decode=lambda ids: "".join(f"<{i}>" for i in ids))
         self.stats = EngineStats(num_blocks_total=8)
@@ -57,8 +55,19 @@ class FakeEngine:
         self.aborted.append(rid)
         return self.seqs.pop(rid, None) is not None
 
+    def abort_all(self):
+        ids = list(self.seqs)
+        for rid in ids:
+            self.abort(rid)
+        return ids
+
     def has_unfinished(self):
         return bool(self.seqs)
+
+    num_waiting = 0  # nothing is held back for admission here
+
+    def is_waiting(self, rid):
+        return rid in self.seqs and self.seqs[rid].status is SequenceStatus.WAITING
 
     def step(self):
         if any(s.prompt[0] == BOOM for s in self.seqs.values()):
@@ -82,17 +91,12 @@ def run_with_service(fn, engine: FakeEngine | None = None):
     engine = engine or FakeEngine()
 
     async def main():
-        holder = {}
-        loop = EngineLoop(lambda: engine, lambda now, events: holder["svc"].on_engine_events(now, events))
-        loop.start(timeout=5)
-        svc = WorkerService(loop, "w1", WorkerMetrics("fake", "w1", lambda: engine.stats))
-        holder["svc"] = svc
-        svc.attach(asyncio.get_running_loop())
+        svc = WorkerService("w1", lambda: engine)
+        await svc.start(timeout=5)
         try:
             return await asyncio.wait_for(fn(svc, engine), 10)
         finally:
-            loop.stop(5)
-            svc.close()
+            await svc.stop()
 
     return asyncio.run(main())
 
@@ -212,60 +216,6 @@ def test_metrics_render_from_engine_stats():
     assert 'orchard_kv_cache_blocks_total{model="fake",worker="w1"} 8.0' in text
 
 
-def test_generate_servicer_closes_the_backend_stream_at_once():
-    """When the RPC's generator is closed (RPC over or cancelled), the backend's stream is
-    closed right then (the engine abort), not later by garbage collection."""
-    from cluster.worker.server import GenerationServicer
-
-    closed = []
-
-    class Backend:
-        async def generate(self, request):
-            try:
-                yield pb.GenerateResponse()
-                await asyncio.Event().wait()
-            finally:
-                closed.append(True)
-
-    async def main():
-        rpc = GenerationServicer(Backend()).Generate(pb.GenerateRequest(), context=None)
-        await rpc.__anext__()
-        await rpc.aclose()
-        return list(closed)
-
-    assert asyncio.run(main()) == [True]
-
-
-def test_fail_all_when_abort_raises_leaves_nothing_runnable():
-    """If `engine.abort` raises, the failed request is still taken out of the engine and
-    the scheduler's queues (never scheduled again), and the other requests are failed too."""
-    from cluster.worker.block_manager import BlockManager
-    from cluster.worker.config import EngineConfig
-    from cluster.worker.sampling_params import SamplingParams
-    from cluster.worker.scheduler import Scheduler
-    from cluster.worker.sequence import Sequence
-
-    cfg = EngineConfig(block_size=16).resolved(model_max_len=4096, num_kv_blocks=64)
-    scheduler = Scheduler(cfg, BlockManager(64, 16, cfg.enable_prefix_caching))
-    seqs = {}
-    for rid in ("a", "b"):
-        seqs[rid] = Sequence(rid, [1, 2, 3], SamplingParams(max_tokens=4))
-        scheduler.add(seqs[rid])
-    scheduler.schedule()  # both running, with blocks
-
-    def abort(rid):  # the engine's abort, failing half-way (after popping, before the scheduler)
-        engine.seqs.pop(rid)
-        raise RuntimeError("abort failed")
-
-    engine = SimpleNamespace(seqs=dict(seqs), detoks={"a": object(), "b": object()}, scheduler=scheduler, abort=abort)
-    failed = EngineLoop(lambda: None, lambda now, events: None)._fail_all(engine, "the engine failed")
-    assert sorted(f.request_id for f in failed) == ["a", "b"]
-    assert engine.seqs == {} and engine.detoks == {}
-    assert not scheduler.has_unfinished()
-    assert all(s.is_finished and s.block_table == [] for s in seqs.values())
-    assert scheduler.block_manager.num_free_blocks == 64
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 def test_stop_returns_once_the_engine_os_thread_is_gone():
     # MLX's per-thread compile cache is torn down after join() returns; stop() waits for
@@ -291,7 +241,7 @@ def test_a_request_sent_right_after_a_finish_joins_the_next_step(wait_ms):
     `finish_wait_ms` the loop holds the next step for it; without, the engine goes on
     stepping the other running request meanwhile."""
     from cluster.worker.sampling_params import SamplingParams
-    from cluster.worker.service_loop import AddRequest
+    from cluster.worker.engine_loop import AddRequest
 
     engine = FakeEngine()
     engine.config.finish_wait_ms = wait_ms
@@ -324,7 +274,7 @@ def test_a_request_sent_right_after_a_finish_joins_the_next_step(wait_ms):
 
 def test_the_loop_learns_whether_clients_come_back():
     from cluster.worker.sampling_params import SamplingParams
-    from cluster.worker.service_loop import AddRequest, _Comeback
+    from cluster.worker.engine_loop import AddRequest, _Comeback
 
     def add(at):
         return AddRequest(f"r{at}", [1], SamplingParams(), at)
@@ -350,7 +300,7 @@ def test_a_shutdown_ends_the_wait_for_comebacks():
     import time
 
     from cluster.worker.sampling_params import SamplingParams
-    from cluster.worker.service_loop import AddRequest
+    from cluster.worker.engine_loop import AddRequest
 
     engine = FakeEngine()
     engine.config.finish_wait_ms = 1000.0

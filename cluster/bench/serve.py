@@ -343,7 +343,7 @@ def format_report(r: dict, args) -> str:
 
 def main(args) -> int:
     """Entry point of `orchard bench` and `load/bench_serve.py`."""
-    import cluster  # noqa: F401  (OpenBLAS first, if MLX gets imported by a tokenizer load)
+    import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 
     if args.num_prompts < 1:
         raise SystemExit("--num-prompts must be >= 1")

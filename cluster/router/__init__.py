@@ -1,14 +1,14 @@
 """The router: registry (registration, heartbeats, health), placement policies with a
-prefix index, the `Generation` proxy with failover, metrics, and the server/CLI glue.
+prefix index, the `Generation` backend with failover, metrics, and the server/CLI glue.
+The gRPC servicer, the OpenAI HTTP front and the server start-up are cluster/api's.
 
     registry.py      workers, their load reports and states
     policy.py        round_robin, least_loaded, prefix_aware (+ imbalance guard)
     prefix_index.py  chained prefix keys of prompts -> workers, LRU bounded
-    proxy.py         RouterBackend (place, relay, retry, resume) and its gRPC servicer
+    proxy.py         RouterBackend (place, relay, retry, resume): the router's api Backend
     control.py       the `Router` service (RegisterWorker, Heartbeat, AddWorker, ...)
     metrics.py       orchard_router_* on the router's own Prometheus registry
     server.py        `orchard router serve`
     admin.py         `orchard router register|workers|drain|remove`
     loadgen.py       a closed-loop gRPC load generator for the router benchmarks (load/)
-    testing.py       FakeWorker: a model-free worker for the router's tests
 """

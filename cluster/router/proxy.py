@@ -16,7 +16,6 @@ go back to the client unchanged. A client cancel cancels the worker's stream.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -25,13 +24,13 @@ from typing import AsyncIterator
 
 import grpc
 
+from cluster.api import errors
+from cluster.api.wire import validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
-from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router import metrics as m
 from cluster.router.policy import Policy, PrefixAware
 from cluster.router.prefix_index import prompt_keys
 from cluster.router.registry import Registry, RegistryError
-from cluster.sdk import errors
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +62,9 @@ class _WorkerFailed(Exception):
 
 
 class RouterBackend:
-    """A `Generation` backend (as `WorkerService` is): `generate(request)` yields chunks and
-    raises `cluster.sdk.errors` exceptions. The gRPC servicer and the OpenAI HTTP front
-    both sit on it."""
+    """The router's `cluster.api.servicer.Backend` (as `WorkerService` is the worker's):
+    `generate(request)` yields chunks and raises `cluster.api.errors` exceptions. The gRPC
+    servicer and the OpenAI HTTP front both sit on it."""
 
     def __init__(self, registry: Registry, policy: Policy, metrics: m.RouterMetrics, config: ProxyConfig = ProxyConfig()):
         self.registry = registry
@@ -77,6 +76,11 @@ class RouterBackend:
         return pb.ListModelsResponse(models=self.registry.models())
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            validate_request(request)  # refused here, before any placement
+        except errors.InvalidRequest:
+            self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
+            raise
         t0 = time.perf_counter()
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         keys = prompt_keys(request) if isinstance(self.policy, PrefixAware) else []
@@ -180,22 +184,3 @@ class RouterBackend:
             except asyncio.CancelledError:  # the client went away (or the router stops) while it waited
                 self.metrics.requests.labels(worker="none", outcome=m.CANCELLED).inc()
                 raise
-
-
-class GenerationProxy(pb_grpc.GenerationServicer):
-    """`Generation` over gRPC on a backend: errors become statuses."""
-
-    def __init__(self, backend):
-        self.backend = backend
-
-    async def ListModels(self, request, context):
-        return await self.backend.list_models()
-
-    async def Generate(self, request, context):
-        try:
-            # closed here when the RPC ends or is cancelled: the worker's stream is cancelled at once
-            async with contextlib.aclosing(self.backend.generate(request, timeout=context.time_remaining())) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        except errors.OrchardError as e:
-            await context.abort(e.code, e.message)

@@ -1,7 +1,7 @@
 """Orchard's Python SDK: `Client` / `AsyncClient` over gRPC (a worker or the router)."""
 
 from cluster.sdk.client import DEFAULT_TARGET, AsyncClient, Client, GrpcBackend
-from cluster.sdk.errors import (
+from cluster.api.errors import (
     AlreadyExists,
     Cancelled,
     DeadlineExceeded,
@@ -12,7 +12,8 @@ from cluster.sdk.errors import (
     Overloaded,
     Unavailable,
 )
-from cluster.sdk.types import Chunk, Completion, TokenLogprob, Usage, build_request
+from cluster.api.wire import build_request
+from cluster.sdk.types import Chunk, Completion, TokenLogprob, Usage
 
 __all__ = [
     "DEFAULT_TARGET", "AsyncClient", "Client", "GrpcBackend",

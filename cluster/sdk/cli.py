@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from cluster.sdk.client import Client
-from cluster.sdk.errors import OrchardError
+from cluster.api.errors import OrchardError
 
 
 def generate(args) -> int:

@@ -8,8 +8,9 @@
 
 `stream` yields `Chunk`s; closing the iterator (or leaving the loop early) cancels the
 request, which frees its place on the worker at once. Failed calls raise the typed
-errors of `cluster.sdk.errors` (InvalidRequest, NotFound, Overloaded, Unavailable,
-DeadlineExceeded, Cancelled, ...). `timeout` is in seconds, per call or per client.
+errors of `cluster.api.errors`, exported by `cluster.sdk` (InvalidRequest, NotFound,
+Overloaded, Unavailable, DeadlineExceeded, Cancelled, ...). `timeout` is in seconds, per
+call or per client.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from typing import AsyncIterator, Iterable, Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.api.errors import from_rpc_error
+from cluster.api.wire import Message, build_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
-from cluster.sdk.errors import from_rpc_error
-from cluster.sdk.types import Chunk, Completion, Message, build_request
+from cluster.sdk.types import Chunk, Completion
 
 DEFAULT_TARGET = "127.0.0.1:50051"  # the router; a worker (127.0.0.1:50061) answers too
 _UNSET = object()
@@ -35,9 +37,9 @@ def _request(prompt, messages, params) -> pb.GenerateRequest:
 
 
 class GrpcBackend:
-    """The `Generation` backend interface (`generate(request)`, `list_models()`) over a
-    grpc.aio channel: what the OpenAI HTTP front uses to sit in front of a remote worker
-    or router. Errors come out as `cluster.sdk.errors` exceptions."""
+    """A `cluster.api.servicer.Backend` over a grpc.aio channel (a remote worker or
+    router): what `AsyncClient` calls through, and what the OpenAI HTTP front can sit on.
+    Errors come out as `cluster.api.errors` exceptions."""
 
     def __init__(self, channel: grpc.aio.Channel, timeout: float | None = None):
         self.channel = channel

@@ -1,19 +1,12 @@
-"""What the SDK hands back, and how a call's arguments become a `GenerateRequest`."""
+"""What the SDK hands back; a call's arguments become a `GenerateRequest` through
+`cluster.api.wire.build_request`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
+from cluster.api.wire import FINISH_REASON_NAMES
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
-from cluster.sdk.errors import InvalidRequest
-
-FINISH_REASONS = {
-    pb.FINISH_REASON_UNSPECIFIED: None,
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORT: "abort",
-}
 
 
 @dataclass(frozen=True)
@@ -62,7 +55,7 @@ class Chunk:
 
     @classmethod
     def from_proto(cls, r: pb.GenerateResponse) -> "Chunk":
-        finish = FINISH_REASONS.get(r.finish_reason)
+        finish = FINISH_REASON_NAMES.get(r.finish_reason)
         return cls(
             request_id=r.request_id,
             text=r.text,
@@ -100,67 +93,3 @@ class Completion:
             self.stop_reason = chunk.stop_reason
         if chunk.usage is not None:
             self.usage = chunk.usage
-
-
-Message = Mapping[str, str] | tuple[str, str]
-
-
-def build_request(
-    prompt: str | Sequence[int] | None = None,
-    *,
-    messages: Iterable[Message] | None = None,
-    model: str = "",
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    ignore_eos: bool = False,
-    logprobs: int | None = None,
-    request_id: str = "",
-    resume_token_ids: Sequence[int] | None = None,
-) -> pb.GenerateRequest:
-    """A `GenerateRequest` from keyword arguments: exactly one of a text prompt, a list of
-    token ids, or chat `messages` ({"role", "content"} dicts or (role, content) pairs)."""
-    if (prompt is None) == (messages is None):
-        raise InvalidRequest("pass exactly one of a prompt (text or token ids) or messages")
-    req = pb.GenerateRequest(request_id=request_id, model=model)
-    if messages is not None:
-        chat = req.chat
-        for m in messages:
-            role, content = (m["role"], m["content"]) if isinstance(m, Mapping) else m
-            chat.messages.add(role=role, content=content)
-        req.chat.SetInParent()
-    elif isinstance(prompt, str):
-        req.text = prompt
-    else:
-        req.token_ids.ids.extend(int(t) for t in prompt)
-        req.token_ids.SetInParent()
-    s = req.sampling
-    if max_tokens is not None:
-        if max_tokens < 0:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
-        s.max_tokens = max_tokens
-    if temperature is not None:
-        s.temperature = temperature
-    if top_p is not None:
-        s.top_p = top_p
-    if top_k is not None:
-        s.top_k = top_k
-    if min_p is not None:
-        s.min_p = min_p
-    if seed is not None:
-        s.seed = seed
-    if stop:
-        s.stop.extend([stop] if isinstance(stop, str) else list(stop))
-    if stop_token_ids:
-        s.stop_token_ids.extend(int(t) for t in stop_token_ids)
-    s.ignore_eos = bool(ignore_eos)
-    if logprobs is not None:
-        s.logprobs = logprobs
-    if resume_token_ids:
-        req.resume_token_ids.extend(int(t) for t in resume_token_ids)
-    return req

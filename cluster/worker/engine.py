@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import cluster  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 
 from cluster import platform
@@ -151,8 +150,36 @@ class Engine:
         self._refresh_stats()
         return True
 
+    def abort_all(self) -> list[str]:
+        """Abort every live request (shutdown, or after a failed step); their ids. A
+        request whose abort raises is still taken out of the engine and the scheduler's
+        queues, so it is never scheduled again."""
+        ids = list(self.seqs)
+        for rid in ids:
+            seq = self.seqs.get(rid)
+            try:
+                self.abort(rid)
+            except Exception:
+                log.exception("engine: aborting %s failed; dropping it", rid)
+                self.seqs.pop(rid, None)
+                self.detoks.pop(rid, None)
+                if seq is not None:
+                    self.scheduler.drop(seq)
+        self._refresh_stats()
+        return ids
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission (new or preempted)."""
+        return len(self.scheduler.waiting)
+
+    def is_waiting(self, request_id: str) -> bool:
+        """Whether a live request is waiting for the scheduler (not yet, or no longer, running)."""
+        seq = self.seqs.get(request_id)
+        return seq is not None and seq.status is SequenceStatus.WAITING
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -16,7 +16,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import cluster  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import mlx.nn as nn
 

@@ -26,12 +26,15 @@ be recomputed later (its output is unchanged). Waiting requests never preempt.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
 from cluster.worker.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,6 +115,18 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = status
+
+    def drop(self, seq: Sequence) -> None:
+        """Take `seq` out of the queues whatever state it is in (after a failed abort), mark
+        it aborted and free its blocks if that still works: it is never scheduled again."""
+        for queue_ in (self.running, self.waiting):
+            if seq in queue_:  # Sequence compares by identity
+                queue_.remove(seq)
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        try:
+            self.block_manager.free(seq)
+        except Exception:
+            log.exception("scheduler: freeing the blocks of %s failed", seq.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -1,8 +1,9 @@
-"""`orchard worker serve`: the engine behind gRPC, Prometheus and (optionally) OpenAI HTTP.
+"""`orchard worker serve`: wiring of the worker process.
 
-One asyncio event loop runs the grpc.aio server (Generation, WorkerAdmin, grpc.health.v1),
-the metrics endpoint and the OpenAI-compatible API; one engine thread (`EngineLoop`)
-owns the engine. `WorkerService` sits between them.
+`WorkerService` (the asyncio side, which owns the engine thread) is the `Backend` that
+the API layer serves: `cluster.api` starts gRPC (Generation, WorkerAdmin, health),
+/metrics and, with `--http`, the OpenAI-compatible API over it; `Registration` reports
+to a router.
 """
 
 from __future__ import annotations
@@ -16,89 +17,27 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
-import grpc
-from aiohttp import web
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
+from cluster.api.serving import Endpoints, MetricsEndpoint
+from cluster.api.servicer import GenerationServicer
 from cluster.net import check_addresses, parse_address
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
-from cluster.sdk.errors import OrchardError
 from cluster.worker.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-GENERATION_SERVICE = "orchard.v1.Generation"
 READY_PREFIX = "ORCHARD_WORKER_READY "  # + JSON of the bound addresses, printed on stdout
-GRPC_OPTIONS = [
-    ("grpc.so_reuseport", 0),  # a second worker on the same port must fail, not share it
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-]
-
-
-class GenerationServicer(pb_grpc.GenerationServicer):
-    """`Generation` over any backend with `generate(request)` and `list_models()` (the
-    worker's service here; the router can put its own behind the same servicer)."""
-
-    def __init__(self, backend):
-        self.backend = backend
-
-    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
-        try:
-            # closed here when the RPC ends or is cancelled: the engine abort is immediate
-            async with contextlib.aclosing(self.backend.generate(request)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        except OrchardError as e:
-            await context.abort(e.code, e.message)
-
-    async def ListModels(self, request, context) -> pb.ListModelsResponse:
-        try:
-            return await self.backend.list_models()
-        except OrchardError as e:
-            await context.abort(e.code, e.message)
-
 
 class WorkerAdminServicer(pb_grpc.WorkerAdminServicer):
-    def __init__(self, service, health_servicer):
-        self.service = service
-        self.health = health_servicer
+    def __init__(self, server: "WorkerServer"):
+        self.server = server
 
     async def GetLoad(self, request, context) -> pb.LoadReport:
-        return self.service.load_report()
+        return self.server.service.load_report()
 
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
-        response = self.service.set_draining(request.drain)
-        status = health_pb2.HealthCheckResponse.NOT_SERVING if request.drain else health_pb2.HealthCheckResponse.SERVING
-        await self.health.set(GENERATION_SERVICE, status)
-        return response
-
-
-def _bind(address: str) -> socket.socket:
-    host, port = parse_address(address)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {address}: {e.strerror}") from None
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
-
-
-async def _start_http(app: web.Application, address: str) -> tuple[web.AppRunner, str]:
-    sock = _bind(address)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.SockSite(runner, sock).start()
-    host, port = sock.getsockname()[:2]
-    return runner, f"{host}:{port}"
+        return await self.server.set_draining(request.drain)
 
 
 @dataclass
@@ -122,12 +61,16 @@ class WorkerServer:
     def __init__(self, options: WorkerOptions):
         self.options = options
         self.service = None
-        self.engine_loop = None
-        self.addresses: dict[str, str] = {}
-        self._grpc: grpc.aio.Server | None = None
-        self._runners: list[web.AppRunner] = []
+        self.endpoints = Endpoints()
         self._registration = None
-        self.health = health.aio.HealthServicer()
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        return self.endpoints.addresses
+
+    @property
+    def engine_loop(self):
+        return None if self.service is None else self.service.engine_loop
 
     async def start(self) -> "WorkerServer":
         """Load the engine and bind everything; on any failure, stop what already started
@@ -141,66 +84,47 @@ class WorkerServer:
 
     async def _start(self) -> None:
         from cluster.worker.engine import Engine
-        from cluster.worker.metrics import WorkerMetrics
         from cluster.worker.service import WorkerService
-        from cluster.worker.service_loop import EngineLoop
 
         opts = self.options
-        loop = asyncio.get_running_loop()
+        port = self.endpoints.bind_grpc(opts.grpc_address)
+        worker_id = opts.worker_id or f"{socket.gethostname()}-{port}"
 
-        def load_engine() -> Engine:
+        def load_engine() -> Engine:  # runs on the engine thread
             engine = Engine.from_pretrained(opts.model_path, opts.engine_config)
             log.info("engine warmed up in %.2f s", engine.warm_up())
             return engine
 
-        self.engine_loop = EngineLoop(
-            load_engine,
-            lambda now, events: self.service.on_engine_events(now, events),
-        )
-        await loop.run_in_executor(None, self.engine_loop.start)
+        self.service = service = WorkerService(worker_id, load_engine)
+        await service.start()
 
-        server = grpc.aio.server(options=GRPC_OPTIONS)
-        host, _ = parse_address(opts.grpc_address)
-        port = server.add_insecure_port(opts.grpc_address)
-        if port == 0:
-            raise OSError(f"cannot listen on {opts.grpc_address} for gRPC (in use?)")
-        self.addresses["grpc"] = f"{host}:{port}"
-        worker_id = opts.worker_id or f"{socket.gethostname()}-{port}"
-        engine = self.engine_loop.engine
-        metrics = WorkerMetrics(engine.model_name, worker_id, lambda: engine.stats)
-        self.service = WorkerService(self.engine_loop, worker_id, metrics)
-        self.service.attach(loop)
+        def add_services(server) -> None:
+            pb_grpc.add_GenerationServicer_to_server(GenerationServicer(service), server)
+            pb_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(self), server)
 
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.service), server)
-        pb_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(self.service, self.health), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        await server.start()
-        self._grpc = server
-        for name in ("", GENERATION_SERVICE):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-        if opts.metrics_address:
-            runner, addr = await _start_http(self._metrics_app(), opts.metrics_address)
-            self._runners.append(runner)
-            self.addresses["metrics"] = addr
-        if opts.http_address:
-            from cluster.openai_api import create_app
-
-            runner, addr = await _start_http(create_app(self.service), opts.http_address)
-            self._runners.append(runner)
-            self.addresses["http"] = addr
+        metrics = MetricsEndpoint(service.metrics.render, service.metrics.content_type,
+                                  healthy=lambda: service.engine_loop.alive)
+        await self.endpoints.start(add_services, backend=service, http_address=opts.http_address,
+                                   metrics=metrics, metrics_address=opts.metrics_address)
         if opts.router:
             from cluster.worker.registration import Registration
 
             advertise = opts.advertise_address or self.addresses["grpc"]
             if advertise.rpartition(":")[0] in ("0.0.0.0", "::", ""):  # bound to all: name this machine
                 advertise = f"{socket.getfqdn()}:{parse_address(advertise)[1]}"
-            self._registration = Registration(opts.router, advertise, self.service.load_report,
+            self._registration = Registration(opts.router, advertise, service.load_report,
                                               join_token=opts.join_token, worker_id=worker_id,
                                               interval=opts.heartbeat_interval)
             self._registration.start()
-        log.info("worker %s serving %s (%s): %s", worker_id, engine.model_name, opts.model_path,
+        log.info("worker %s serving %s (%s): %s", worker_id, service.model_name, opts.model_path,
                  ", ".join(f"{k} {v}" for k, v in self.addresses.items()))
+
+    async def set_draining(self, draining: bool) -> pb.DrainResponse:
+        """The one way in and out of draining: the service refuses new requests, gRPC
+        health says NOT_SERVING (and SERVING again when undrained)."""
+        response = self.service.set_draining(draining)
+        await self.endpoints.set_serving(not draining)
+        return response
 
     def ready_info(self) -> dict:
         """The bound addresses and what was loaded (for scripts that start workers)."""
@@ -210,40 +134,16 @@ class WorkerServer:
         return {**self.addresses, "worker_id": self.service.worker_id, "model": engine.model_name,
                 "dtypes": [str(engine.runner.dtype).removeprefix("mlx.core.")], "blas": platform.blas_path()}
 
-    def _metrics_app(self) -> web.Application:
-        metrics = self.service.metrics
-
-        async def handle_metrics(request: web.Request) -> web.Response:
-            body = metrics.render()
-            return web.Response(body=body, headers={"Content-Type": metrics.content_type})
-
-        async def handle_health(request: web.Request) -> web.Response:
-            ok = self.engine_loop is not None and self.engine_loop.alive
-            return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
-
-        app = web.Application()
-        app.router.add_get("/metrics", handle_metrics)
-        app.router.add_get("/health", handle_health)
-        return app
-
     async def stop(self) -> None:
         """Stop taking requests, give running streams `grace_seconds`, stop the engine."""
         if self.service is not None:
-            self.service.draining = True
+            self.service.set_draining(True)
         if self._registration is not None:
             await self._registration.stop()
             self._registration = None
-        await self.health.enter_graceful_shutdown()
-        for runner in self._runners:
-            await runner.cleanup()
-        self._runners.clear()
-        if self._grpc is not None:
-            await self._grpc.stop(self.options.grace_seconds)
-            self._grpc = None
-        if self.engine_loop is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop)
+        await self.endpoints.stop(self.options.grace_seconds)
         if self.service is not None:
-            self.service.close()
+            await self.service.stop()
 
 
 async def run_until_signalled(options: WorkerOptions, ready_line: bool = True) -> None:

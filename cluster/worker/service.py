@@ -1,14 +1,15 @@
 """The worker's asyncio side: requests in, chunks out, one engine thread behind it.
 
-`WorkerService` is a `Generation` backend (`generate(request) -> async iterator of
-GenerateResponse`, `list_models()`), used as is by the gRPC server and by the OpenAI
-HTTP front, plus the admin calls (`load_report`, `set_draining`). It validates and
-tokenizes requests (tokenization in a thread pool), hands them to the `EngineLoop`
-and routes the engine's events to one asyncio queue per request. It never touches MLX.
+`WorkerService` is a `cluster.api.servicer.Backend` (`generate`, `list_models`), used as
+is by the gRPC servicer and by the OpenAI HTTP front, plus the admin calls
+(`load_report`, `set_draining`). It owns the engine thread (`EngineLoop`, whose event
+sink it is), validates and tokenizes requests (tokenization in a thread pool), hands them
+to the engine thread and routes its events to one asyncio queue per request. It never
+touches MLX.
 
-Errors are `cluster.sdk.errors` exceptions; the front ends map them to gRPC statuses
+Errors are `cluster.api.errors` exceptions; the front ends map them to gRPC statuses
 and HTTP codes. A request whose consumer goes away (cancel, disconnect, closed
-iterator) is aborted in the engine at once, which frees its KV blocks.
+iterator, the gRPC deadline) is aborted in the engine at once, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -20,19 +21,17 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
+from cluster.api.errors import AlreadyExists, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
+from cluster.api.wire import FINISH_REASON_TO_PROTO, max_tokens, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
-from cluster.sdk.errors import AlreadyExists, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
-from cluster.worker.engine import QueueFullError, RequestOutput
+from cluster.worker.engine import Engine, EngineStats, QueueFullError, RequestOutput
+from cluster.worker.engine_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
 from cluster.worker.metrics import WorkerMetrics
 from cluster.worker.sampling_params import SamplingParams
-from cluster.worker.service_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_TOKENS = 256
-FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 # Prompts shorter than this are tokenized inline: a thread-pool hop would cost more.
 INLINE_TOKENIZE_CHARS = 512
 
@@ -46,19 +45,18 @@ class _Stream:
     last_token_time: float | None = None
 
 
-def sampling_params_from_proto(s: pb.SamplingParams, num_resumed: int = 0) -> SamplingParams | None:
-    """The engine's params; None when the `num_resumed` tokens generated elsewhere
-    already reach max_tokens (nothing is left to generate)."""
-    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    if max_tokens < 1:
-        raise InvalidRequest(f"max_tokens must be an integer >= 1, got {max_tokens}")
+def sampling_params_from_proto(request: pb.GenerateRequest, num_resumed: int = 0) -> SamplingParams | None:
+    """The engine's params for a validated request; None when the `num_resumed` tokens
+    generated elsewhere already reach max_tokens (nothing is left to generate). Values
+    out of the engine's ranges are InvalidRequest, in the engine's words."""
+    s, limit = request.sampling, max_tokens(request)
     kwargs = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
         if s.HasField(name):
             kwargs[name] = getattr(s, name)
     try:
         params = SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=limit,
             stop=tuple(s.stop),
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
@@ -66,14 +64,20 @@ def sampling_params_from_proto(s: pb.SamplingParams, num_resumed: int = 0) -> Sa
         )
     except (TypeError, ValueError) as e:
         raise InvalidRequest(str(e)) from None
-    return params if max_tokens > num_resumed else None
+    return params if limit > num_resumed else None
 
 
 class WorkerService:
-    def __init__(self, engine_loop: EngineLoop, worker_id: str, metrics: WorkerMetrics | None = None):
-        self.engine_loop = engine_loop
+    """`start()` loads the engine on its own thread (`engine_factory` runs there) and
+    takes the engine's read-only facts; `stop()` stops the engine thread. With
+    `metrics`, it observes the Prometheus metrics (`self.metrics`) as events pass."""
+
+    def __init__(self, worker_id: str, engine_factory: Callable[[], Engine], *, metrics: bool = True):
         self.worker_id = worker_id
-        self.metrics = metrics
+        self.engine_loop = EngineLoop(engine_factory, self.on_engine_events)
+        self._with_metrics = metrics
+        self.metrics: WorkerMetrics | None = None
+        self.stats = EngineStats()  # the engine's own, once started
         self.draining = False
         # Keyed by the engine's id of a stream: the client's id plus "@n", unique for the
         # worker's life, so late events of a cancelled request can never reach a new
@@ -83,26 +87,29 @@ class WorkerService:
         self._next_id = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchard-tokenize")
-        engine = engine_loop.engine
-        assert engine is not None, "start the EngineLoop first"
+
+    async def start(self, timeout: float | None = None) -> None:
+        """Load the engine (on its thread) and route its events into the running loop."""
+        self._loop = asyncio.get_running_loop()
+        engine = await self._loop.run_in_executor(None, self.engine_loop.start, timeout)
         # Read-only after the engine is built: safe to use from this side.
         self.model_name = engine.model_name
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.stats = engine.stats
+        if self._with_metrics:
+            self.metrics = WorkerMetrics(engine.model_name, self.worker_id, lambda: engine.stats)
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Route the engine thread's events into `loop` (call from that loop)."""
-        self._loop = loop
+    async def stop(self) -> None:
+        """Stop the engine thread (live requests end as aborted) and the tokenizer pool."""
+        await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def on_engine_events(self, now: float, events: list) -> None:
         """Called on the engine thread: hop onto the event loop once per step."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._dispatch, now, events)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def num_streams(self) -> int:
@@ -114,7 +121,10 @@ class WorkerService:
             models=[pb.ModelInfo(id=self.model_name, max_model_len=self.config.max_model_len, owned_by="orchard")]
         )
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, request: pb.GenerateRequest, timeout: float | None = None
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        """See `Backend`. The gRPC deadline (`timeout`) is enforced by gRPC itself: when it
+        passes, the RPC is cancelled, which closes this stream and aborts the request."""
         arrival = time.monotonic()
         if self.draining:
             raise Unavailable(f"worker {self.worker_id} is draining: it takes no new requests; send this one elsewhere")
@@ -122,8 +132,9 @@ class WorkerService:
             raise Unavailable(f"worker {self.worker_id} is not serving (starting or stopping)")
         if request.model and request.model != self.model_name:
             raise NotFound(f"model {request.model!r} is not served here; this worker serves {self.model_name!r}")
+        validate_request(request)
         resume = list(request.resume_token_ids)
-        params = sampling_params_from_proto(request.sampling, len(resume))
+        params = sampling_params_from_proto(request, len(resume))
         prompt = await self._prompt_token_ids(request)
         self._check_length(len(prompt), len(resume))
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
@@ -181,22 +192,17 @@ class WorkerService:
 
     # -- helpers ------------------------------------------------------------------------
     async def _prompt_token_ids(self, request: pb.GenerateRequest) -> list[int]:
+        """The prompt's token ids (a validated request has one of the three kinds)."""
         which = request.WhichOneof("prompt")
         if which == "token_ids":
             return list(request.token_ids.ids)
         if which == "text":
-            if not request.text:
-                raise InvalidRequest("the prompt is empty: send some text")
             if len(request.text) <= INLINE_TOKENIZE_CHARS:
                 return list(self.tokenizer.encode(request.text))
             loop = asyncio.get_running_loop()
             return list(await loop.run_in_executor(self._pool, self.tokenizer.encode, request.text))
-        if which == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not messages:
-                raise InvalidRequest("the chat has no messages: send at least one")
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self._apply_chat_template, messages)
-        raise InvalidRequest("the request has no prompt: set one of text, token_ids or chat")
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._apply_chat_template, messages)
 
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
         try:
@@ -208,8 +214,6 @@ class WorkerService:
         return [int(t) for t in ids]
 
     def _check_length(self, num_prompt: int, num_resumed: int) -> None:
-        if num_prompt < 1:
-            raise InvalidRequest("the prompt is empty: send at least one token")
         n, limit = num_prompt + num_resumed, self.config.max_model_len
         if n > limit:
             what = f"{num_prompt} prompt + {num_resumed} resumed tokens" if num_resumed else f"{num_prompt} tokens"
@@ -228,7 +232,7 @@ class WorkerService:
                 ))
         if not out.finished:
             return False
-        chunk.finish_reason = FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_ABORT)
+        chunk.finish_reason = FINISH_REASON_TO_PROTO.get(out.finish_reason, pb.FINISH_REASON_ABORT)
         if out.stop_reason is not None:
             chunk.stop_reason = str(out.stop_reason)
         chunk.usage.prompt_tokens = num_prompt

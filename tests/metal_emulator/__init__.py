@@ -77,7 +77,7 @@ from pathlib import Path
 
 import numpy as np
 
-import cluster  # noqa: F401  (OpenBLAS before mlx)
+import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 
 __all__ = ["metal_kernel", "config", "settings", "available", "EmulatorError", "CompileError"]

@@ -1,9 +1,9 @@
 """Typed errors, one per gRPC status a caller can act on.
 
-The worker raises these on its asyncio side; the gRPC server turns them into statuses,
-the OpenAI HTTP front into HTTP codes, and the SDK turns statuses back into them, so a
-caller sees the same exception whether it talked to a worker, the router or an
-in-process backend.
+Backends (the worker's service, the router's proxy) raise these; the gRPC servicer turns
+them into statuses, the OpenAI HTTP front into HTTP codes, and the SDK turns statuses
+back into them, so a caller sees the same exception whether it talked to a worker, the
+router or an in-process backend.
 """
 
 from __future__ import annotations

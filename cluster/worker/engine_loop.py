@@ -5,10 +5,12 @@ whole inbox before every step, and blocks on it only when nothing is runnable. A
 step that finished requests it first waits up to `finish_wait_ms` for as many new ones:
 closed-loop clients come back a few ms after their last token, and would otherwise wait
 for the whole next step (a prefill step is 0.1-0.3 s on a CPU) before joining one.
-Out: after each step, one call of `on_events(timestamp, events)` with everything the
-step produced (engine `RequestOutput`s, `Scheduled`, `Rejected`, `Failed`). The caller
-decides how to cross into its own world (the worker uses `call_soon_threadsafe`).
-Nothing here knows about gRPC or asyncio.
+Out: after each step, one call of the event sink, `sink(timestamp, events)`, with
+everything the step produced (engine `RequestOutput`s, `Scheduled`, `Rejected`,
+`Failed`). The sink decides how to cross into its own world (the worker's service uses
+`call_soon_threadsafe`). Nothing here knows about gRPC or asyncio, and the engine is used
+only through its public methods (`add_request`, `abort`, `abort_all`, `step`,
+`has_unfinished`, `num_waiting`, `is_waiting`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from typing import Callable
 
 from cluster.worker.engine import Engine, QueueFullError, RequestOutput
 from cluster.worker.sampling_params import SamplingParams
-from cluster.worker.sequence import SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +77,14 @@ class Failed:
 
 
 Event = RequestOutput | Scheduled | Rejected | Failed
+# Called on the engine thread once per step with (time.monotonic(), that step's events).
+EventSink = Callable[[float, list[Event]], None]
 
 
 class EngineLoop:
-    def __init__(self, engine_factory: Callable[[], Engine], on_events: Callable[[float, list[Event]], None]):
+    def __init__(self, engine_factory: Callable[[], Engine], sink: EventSink):
         self._factory = engine_factory
-        self._on_events = on_events
+        self._sink = sink
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
         self._ready = threading.Event()
@@ -127,7 +130,7 @@ class EngineLoop:
         comeback = _Comeback(engine.config.finish_wait_ms / 1000)
         while True:
             msgs = [] if engine.has_unfinished() else [self._inbox.get()]
-            if comeback.worth_waiting() and not engine.scheduler.waiting:
+            if comeback.worth_waiting() and not engine.num_waiting:
                 self._wait_for_comebacks(msgs, comeback)
             while True:
                 try:
@@ -141,9 +144,7 @@ class EngineLoop:
                 for msg in msgs:
                     stop = self._handle(engine, msg, events, queued) or stop
                 if stop:
-                    for rid in list(engine.seqs):
-                        engine.abort(rid)
-                        events.append(RequestOutput(rid, [], "", True, "abort"))
+                    events += [RequestOutput(rid, [], "", True, "abort") for rid in engine.abort_all()]
                     self._emit(time.monotonic(), events)
                     return
                 if engine.has_unfinished():
@@ -151,8 +152,9 @@ class EngineLoop:
                     comeback.finished(time.monotonic(), sum(
                         1 for e in events if isinstance(e, RequestOutput) and e.finished and e.finish_reason != "abort"))
             except Exception as e:  # keep serving: fail what was live, go on
-                log.exception("engine loop failed; aborting the %d live requests", len(engine.seqs))
-                events += self._fail_all(engine, f"the engine failed: {type(e).__name__}: {e}")
+                log.exception("engine loop failed; aborting its live requests")
+                message = f"the engine failed: {type(e).__name__}: {e}"
+                events += [Failed(rid, message) for rid in engine.abort_all()]
                 queued.clear()
             if events:
                 self._emit(time.monotonic(), events)
@@ -175,22 +177,10 @@ class EngineLoop:
         start = time.monotonic()
         outputs = engine.step()
         for rid, arrival in list(queued.items()):  # only requests not yet scheduled
-            seq = engine.seqs.get(rid)
-            if seq is None or seq.status is not SequenceStatus.WAITING:
+            if not engine.is_waiting(rid):
                 events.append(Scheduled(rid, max(0.0, start - arrival)))
                 del queued[rid]
         events += outputs
-
-    def _fail_all(self, engine: Engine, message: str) -> list[Event]:
-        failed = []
-        for rid, seq in list(engine.seqs.items()):
-            failed.append(Failed(rid, message))
-            try:
-                engine.abort(rid)
-            except Exception:
-                log.exception("engine loop: aborting %s failed; dropping it", rid)
-                _drop(engine, rid, seq)
-        return failed
 
     def _handle(self, engine: Engine, msg, events: list[Event], queued: dict[str, float]) -> bool:
         """One dispatch point for inbox messages. True means shut down."""
@@ -217,7 +207,7 @@ class EngineLoop:
 
     def _emit(self, now: float, events: list[Event]) -> None:
         try:
-            self._on_events(now, events)
+            self._sink(now, events)
         except Exception:  # the receiver is gone (shutting down): nothing to deliver to
             log.debug("engine loop: could not deliver %d events", len(events), exc_info=True)
 
@@ -259,22 +249,6 @@ class _Comeback:
         while self._windows and self._windows[0][1] <= drained_at:
             _, _, n, got = self._windows.pop(0)
             self.rate = 0.7 * self.rate + 0.3 * min(1.0, got / n)
-
-
-def _drop(engine: Engine, rid: str, seq) -> None:
-    """After a failed abort: take the request out of the engine and the scheduler's queues
-    (so it is never scheduled again), mark it aborted and free its blocks if that works."""
-    engine.seqs.pop(rid, None)
-    engine.detoks.pop(rid, None)
-    scheduler = engine.scheduler
-    for queue_ in (scheduler.running, scheduler.waiting):
-        if seq in queue_:  # Sequence compares by identity
-            queue_.remove(seq)
-    seq.status = SequenceStatus.FINISHED_ABORTED
-    try:
-        scheduler.block_manager.free(seq)
-    except Exception:
-        log.exception("engine loop: freeing the blocks of %s failed", rid)
 
 
 def _wait_os_thread_gone(native_id: int, timeout: float) -> None:

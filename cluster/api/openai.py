@@ -1,9 +1,8 @@
 """OpenAI-compatible HTTP API (aiohttp) in front of any `Generation` backend.
 
-A backend has `generate(request: GenerateRequest) -> async iterator of GenerateResponse`
-and `list_models() -> ListModelsResponse`, raising `cluster.sdk.errors` exceptions: the
-worker's `WorkerService` in process, or `cluster.sdk.GrpcBackend` over a channel (pass a
-channel or "HOST:PORT" to `create_app`), so the router serves the same API.
+The backend is a `cluster.api.servicer.Backend`: the worker's `WorkerService` or the
+router's `RouterBackend` in process (or the SDK's `GrpcBackend` over a channel), so the
+worker and the router serve the same API.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not),
 GET /v1/models, GET /health. Sampling fields: max_tokens (max_completion_tokens),
@@ -24,9 +23,10 @@ from typing import Any
 
 from aiohttp import web
 
+from cluster.api.errors import InvalidRequest, OrchardError
+from cluster.api.servicer import Backend
+from cluster.api.wire import FINISH_REASON_NAMES, build_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
-from cluster.sdk.errors import InvalidRequest, OrchardError
-from cluster.sdk.types import FINISH_REASONS, build_request
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,6 @@ def _sampling_kwargs(body: dict, chat: bool) -> dict[str, Any]:
         max_tokens = _field(body, "max_tokens", int)
     if max_tokens is None and not chat:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    if max_tokens is not None and max_tokens < 1:
-        raise _BadField("max_tokens", f"max_tokens must be >= 1, got {max_tokens}")
     seed = _field(body, "seed", int)
     if seed is not None and seed < 0:
         seed &= 0xFFFF_FFFF_FFFF_FFFF  # OpenAI accepts negative seeds: keep them distinct
@@ -150,12 +148,9 @@ def _chat_messages(body: dict) -> list[tuple[str, str]]:
 def _make_request(body: dict, chat: bool, request_id: str) -> pb.GenerateRequest:
     model = _field(body, "model", str, "")
     kwargs = _sampling_kwargs(body, chat)
-    try:
-        if chat:
-            return build_request(messages=_chat_messages(body), model=model, request_id=request_id, **kwargs)
-        return build_request(_completion_prompt(body), model=model, request_id=request_id, **kwargs)
-    except (ValueError, TypeError) as e:  # out of the wire types' range
-        raise InvalidRequest(f"invalid request: {e}") from None
+    if chat:
+        return build_request(messages=_chat_messages(body), model=model, request_id=request_id, **kwargs)
+    return build_request(_completion_prompt(body), model=model, request_id=request_id, **kwargs)
 
 
 # -- response building --------------------------------------------------------------------
@@ -209,7 +204,7 @@ class _Exchange:
         return body
 
     def stream_chunk(self, r: pb.GenerateResponse, first: bool) -> dict:
-        finish = FINISH_REASONS.get(r.finish_reason)
+        finish = FINISH_REASON_NAMES.get(r.finish_reason)
         logprobs = None
         if self.want_logprobs:
             logprobs = _chat_logprobs(r.logprobs) if self.chat else _completion_logprobs(r.logprobs, self.text_offset)
@@ -227,7 +222,7 @@ class _Exchange:
     def full(self, chunks: list[pb.GenerateResponse]) -> dict:
         text = "".join(c.text for c in chunks)
         last = chunks[-1] if chunks else pb.GenerateResponse()
-        finish = FINISH_REASONS.get(last.finish_reason)
+        finish = FINISH_REASON_NAMES.get(last.finish_reason)
         lps = [lp for c in chunks for lp in c.logprobs]
         logprobs = None
         if self.want_logprobs:
@@ -246,22 +241,10 @@ def _sse(data: dict | str) -> bytes:
 
 
 # -- the app ----------------------------------------------------------------------------------
-def _as_backend(backend):
-    if isinstance(backend, str) or not hasattr(backend, "generate"):
-        import grpc
-
-        from cluster.sdk.client import GrpcBackend
-
-        channel = grpc.aio.insecure_channel(backend) if isinstance(backend, str) else backend
-        return GrpcBackend(channel)
-    return backend
-
-
-def create_app(backend) -> web.Application:
-    """The OpenAI-compatible app over `backend` (a Generation backend, a grpc.aio
-    channel, or a "HOST:PORT" target)."""
+def create_app(backend: Backend) -> web.Application:
+    """The OpenAI-compatible app over `backend`."""
     app = web.Application(client_max_size=32 << 20)
-    app[_BACKEND] = _as_backend(backend)
+    app[_BACKEND] = backend
     app[_MODEL_CACHE] = [float("-inf"), ""]
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)

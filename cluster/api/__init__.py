@@ -1,0 +1,11 @@
+"""What the router, the worker and the SDK share: the API layer.
+
+    errors.py    typed errors, one per gRPC status (and its HTTP code)
+    wire.py      finish-reason names, defaults; build_request / validate_request (once)
+    servicer.py  the `Backend` protocol and the one `Generation` servicer over it
+    openai.py    OpenAI-compatible HTTP over any `Backend`
+    serving.py   one start-up for a server's gRPC (+ health), HTTP and /metrics
+
+The servers (cluster.worker, cluster.router) and the SDK (cluster.sdk) depend on this
+package; it depends on neither, and never imports MLX.
+"""

@@ -1,0 +1,53 @@
+"""`Generation` over gRPC on any `Backend`: the one servicer of the worker and the router.
+
+`Backend` writes down the interface that the worker's service, the router's proxy and the
+SDK's `GrpcBackend` share, and that the OpenAI HTTP front sits on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator, Protocol
+
+from cluster.api.errors import OrchardError
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
+
+class Backend(Protocol):
+    """The contract of a `Generation` backend (the worker's `WorkerService`, the router's
+    `RouterBackend`, the SDK's `GrpcBackend`).
+
+    `generate(request, timeout)` is an async generator of `GenerateResponse` chunks: the
+    tokens and text of each step, the last one with `finish_reason` and `usage`. It raises
+    `cluster.api.errors` exceptions (before or during the stream); closing it early (the
+    client left) cancels the request wherever it runs. `timeout` is the seconds left of
+    the caller's deadline, or None. `list_models()` names what it serves."""
+
+    def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        ...
+
+    async def list_models(self) -> pb.ListModelsResponse:
+        ...
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """`Generation` on a backend: chunks are relayed as they come, errors become statuses,
+    and the RPC's end (done, cancelled, deadline) closes the backend's stream at once."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async with contextlib.aclosing(self.backend.generate(request, timeout=context.time_remaining())) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except OrchardError as e:
+            await context.abort(e.code, e.message)
+
+    async def ListModels(self, request, context) -> pb.ListModelsResponse:
+        try:
+            return await self.backend.list_models()
+        except OrchardError as e:
+            await context.abort(e.code, e.message)

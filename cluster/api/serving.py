@@ -1,0 +1,157 @@
+"""One start-up for a server's endpoints: gRPC (with health), OpenAI HTTP, /metrics.
+
+The worker and the router each start an `Endpoints` with their servicers, their `Backend`
+for the OpenAI API and their metrics; both get the same gRPC options (message limits, no
+port sharing), the same binding rules and the same `/metrics` + `/health` endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cluster.api.servicer import Backend
+from cluster.net import parse_address
+
+log = logging.getLogger(__name__)
+
+GENERATION_SERVICE = "orchard.v1.Generation"
+GRPC_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class MetricsEndpoint:
+    """What `/metrics` renders and what `/health` on the same port answers."""
+
+    render: Callable[[], bytes]
+    content_type: str
+    healthy: Callable[[], bool] = lambda: True
+
+
+def bind(address: str, what: str, default_host: str = "127.0.0.1") -> socket.socket:
+    """A listening, non-blocking TCP socket on HOST:PORT (port 0: any free one); an
+    OSError that names the address and `what` it was for when it is taken."""
+    host, port = parse_address(address, default_host)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {address} for {what}: {e.strerror}") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def _host_port(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def metrics_app(metrics: MetricsEndpoint) -> web.Application:
+    async def handle_metrics(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})
+
+    async def handle_health(request: web.Request) -> web.Response:
+        ok = metrics.healthy()
+        return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/health", handle_health)
+    return app
+
+
+async def _start_http(app: web.Application, address: str, what: str,
+                      default_host: str) -> tuple[web.AppRunner, str]:
+    sock = bind(address, what, default_host)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    return runner, _host_port(sock)
+
+
+class Endpoints:
+    """A server's endpoints. `bind_grpc` first (the caller may need the port, e.g. for a
+    worker id), then `start`; `stop` stops whatever started, so a start that fails midway
+    can be undone. `addresses` has what was bound ("grpc", "http", "metrics"), with the
+    real port where 0 was asked for. An address with an empty host binds `default_host`."""
+
+    def __init__(self, default_host: str = "127.0.0.1", health_services: tuple[str, ...] = ("", GENERATION_SERVICE)):
+        self.default_host = default_host
+        self.health_services = health_services
+        self.health = health.aio.HealthServicer()
+        self.addresses: dict[str, str] = {}
+        self.grpc_server: grpc.aio.Server | None = None
+        self._runners: list[web.AppRunner] = []
+
+    def bind_grpc(self, address: str) -> int:
+        """Create the gRPC server and bind its port (not started yet); the bound port."""
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        host, _ = parse_address(address, self.default_host)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:
+            port = 0
+        if not port:
+            raise OSError(f"cannot listen on {address} for gRPC (in use?)")
+        self.grpc_server = server
+        self.addresses["grpc"] = f"{host}:{port}"
+        return port
+
+    async def start(
+        self,
+        add_services: Callable[[grpc.aio.Server], None],
+        *,
+        backend: Backend | None = None,
+        http_address: str | None = None,
+        metrics: MetricsEndpoint | None = None,
+        metrics_address: str | None = None,
+    ) -> None:
+        """Start gRPC with the services `add_services` adds plus gRPC health (SERVING),
+        then the OpenAI HTTP API over `backend` at `http_address` and `/metrics` +
+        `/health` at `metrics_address` (None: not served)."""
+        server = self.grpc_server
+        assert server is not None, "bind_grpc first"
+        add_services(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        await server.start()
+        await self.set_serving(True)
+        if metrics is not None and metrics_address:
+            runner, self.addresses["metrics"] = await _start_http(metrics_app(metrics), metrics_address, "metrics",
+                                                                  self.default_host)
+            self._runners.append(runner)
+        if backend is not None and http_address:
+            from cluster.api.openai import create_app
+
+            runner, self.addresses["http"] = await _start_http(create_app(backend), http_address, "HTTP",
+                                                               self.default_host)
+            self._runners.append(runner)
+
+    async def set_serving(self, serving: bool) -> None:
+        for name in self.health_services:
+            await self.health.set(name, SERVING if serving else NOT_SERVING)
+
+    async def stop(self, grace: float | None) -> None:
+        """Health says NOT_SERVING, HTTP stops, gRPC gives live RPCs `grace` seconds."""
+        await self.health.enter_graceful_shutdown()
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace)
+            self.grpc_server = None

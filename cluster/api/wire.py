@@ -1,0 +1,112 @@
+"""The wire contract beyond the .proto: finish-reason names, defaults, and one way to
+build and to check a `GenerateRequest`.
+
+`build_request` turns keyword arguments (the SDK's, the OpenAI front's) into a request
+and refuses only what the wire types cannot hold. `validate_request` is the one semantic
+check of a request, run by every backend as it takes one (the worker, the router), so a
+bad request gets the same INVALID_ARGUMENT / HTTP 400 whichever way it came in. What
+needs the tokenizer (the prompt's length against `max_model_len`) is the worker's; the
+engine keeps only the checks that protect its own invariants.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+from cluster.api.errors import InvalidRequest
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+
+# What an unset `sampling.max_tokens` means (the .proto says so too).
+DEFAULT_MAX_TOKENS = 256
+
+# The engine's finish reasons and the wire's, both ways.
+FINISH_REASON_TO_PROTO = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASON_TO_PROTO.items()} | {pb.FINISH_REASON_UNSPECIFIED: None}
+
+_MAX_TOKENS_MESSAGE = "max_tokens must be an integer >= 1, got {}"
+
+Message = Mapping[str, str] | tuple[str, str]
+
+
+def build_request(
+    prompt: str | Sequence[int] | None = None,
+    *,
+    messages: Iterable[Message] | None = None,
+    model: str = "",
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+    logprobs: int | None = None,
+    request_id: str = "",
+    resume_token_ids: Sequence[int] | None = None,
+) -> pb.GenerateRequest:
+    """A `GenerateRequest` from keyword arguments: exactly one of a text prompt, a list of
+    token ids, or chat `messages` ({"role", "content"} dicts or (role, content) pairs).
+    Values the wire types cannot hold (a negative max_tokens, a seed past 64 bits) are
+    InvalidRequest; everything else is the server's to judge (`validate_request`)."""
+    if (prompt is None) == (messages is None):
+        raise InvalidRequest("pass exactly one of a prompt (text or token ids) or messages")
+    try:
+        req = pb.GenerateRequest(request_id=request_id, model=model)
+        if messages is not None:
+            for m in messages:
+                role, content = (m["role"], m["content"]) if isinstance(m, Mapping) else m
+                req.chat.messages.add(role=role, content=content)
+            req.chat.SetInParent()
+        elif isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(int(t) for t in prompt)
+            req.token_ids.SetInParent()
+        s = req.sampling
+        for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                            ("top_k", top_k), ("min_p", min_p), ("seed", seed), ("logprobs", logprobs)):
+            if value is None:
+                continue
+            if name == "max_tokens" and isinstance(value, int) and value < 0:
+                raise InvalidRequest(_MAX_TOKENS_MESSAGE.format(value))
+            try:
+                setattr(s, name, value)
+            except (ValueError, TypeError) as e:
+                raise InvalidRequest(f"{name}={value!r} cannot be sent: {e}") from None
+        if stop:
+            s.stop.extend([stop] if isinstance(stop, str) else list(stop))
+        if stop_token_ids:
+            s.stop_token_ids.extend(int(t) for t in stop_token_ids)
+        s.ignore_eos = bool(ignore_eos)
+        if resume_token_ids:
+            req.resume_token_ids.extend(int(t) for t in resume_token_ids)
+    except (ValueError, TypeError) as e:  # out of the wire types' range
+        raise InvalidRequest(f"invalid request: {e}") from None
+    return req
+
+
+def validate_request(request: pb.GenerateRequest) -> None:
+    """Raise InvalidRequest, with what to fix, for a request no server can serve."""
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise InvalidRequest("the request has no prompt: set one of text, token_ids or chat")
+    if which == "text" and not request.text:
+        raise InvalidRequest("the prompt is empty: send some text")
+    if which == "token_ids" and not request.token_ids.ids:
+        raise InvalidRequest("the prompt is empty: send at least one token")
+    if which == "chat" and not request.chat.messages:
+        raise InvalidRequest("the chat has no messages: send at least one")
+    s = request.sampling
+    if s.HasField("max_tokens") and s.max_tokens < 1:
+        raise InvalidRequest(_MAX_TOKENS_MESSAGE.format(s.max_tokens))
+
+
+def max_tokens(request: pb.GenerateRequest) -> int:
+    s = request.sampling
+    return s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS

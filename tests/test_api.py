@@ -1,0 +1,160 @@
+"""The API layer both servers and the SDK share (cluster/api), and the package's structure:
+who may import whom, and what importing the SDK costs."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.api.errors import InvalidRequest
+from cluster.api.wire import (
+    DEFAULT_MAX_TOKENS,
+    FINISH_REASON_NAMES,
+    FINISH_REASON_TO_PROTO,
+    build_request,
+    max_tokens,
+    validate_request,
+)
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_generation_servicer_closes_the_backend_stream_at_once():
+    """Closing the RPC's generator closes the backend's stream right then (the engine abort
+    on a worker, the worker's stream on the router), not later by garbage collection."""
+    from cluster.api.servicer import GenerationServicer
+
+    closed = []
+
+    class Backend:
+        async def generate(self, request, timeout=None):
+            try:
+                yield pb.GenerateResponse()
+                await asyncio.Event().wait()
+            finally:
+                closed.append(True)
+
+    class Context:
+        def time_remaining(self):
+            return None
+
+    async def main():
+        rpc = GenerationServicer(Backend()).Generate(pb.GenerateRequest(), Context())
+        await rpc.__anext__()
+        await rpc.aclose()
+        return list(closed)
+
+    assert asyncio.run(main()) == [True]
+
+
+def test_the_servicer_passes_the_deadline_and_maps_errors_to_statuses():
+    from cluster.api.servicer import GenerationServicer
+
+    seen = {}
+
+    class Backend:
+        async def generate(self, request, timeout=None):
+            seen["timeout"] = timeout
+            raise InvalidRequest("bad")
+            yield  # an async generator
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def time_remaining(self):
+            return 7.5
+
+        async def abort(self, code, message):
+            seen["status"] = (code, message)
+            raise Aborted
+
+    async def main():
+        with pytest.raises(Aborted):
+            async for _ in GenerationServicer(Backend()).Generate(pb.GenerateRequest(), Context()):
+                pass
+
+    asyncio.run(main())
+    import grpc
+
+    assert seen == {"timeout": 7.5, "status": (grpc.StatusCode.INVALID_ARGUMENT, "bad")}
+
+
+@pytest.mark.parametrize("request_, words", [
+    (pb.GenerateRequest(), "no prompt"),
+    (build_request(""), "empty"),
+    (build_request([]), "empty"),
+    (build_request(messages=[]), "messages"),
+    (build_request("hi", max_tokens=0), "max_tokens must be an integer >= 1, got 0"),
+])
+def test_validate_request_refuses_what_no_server_can_serve(request_, words):
+    with pytest.raises(InvalidRequest, match=words):
+        validate_request(request_)
+
+
+def test_build_request_and_validate_agree_on_max_tokens():
+    """The wire cannot hold a negative max_tokens: build_request refuses it in the same
+    words as the server refuses 0."""
+    with pytest.raises(InvalidRequest, match="max_tokens must be an integer >= 1, got -1"):
+        build_request("hi", max_tokens=-1)
+    with pytest.raises(InvalidRequest, match="seed"):
+        build_request("hi", seed=2**64)
+    validate_request(build_request("hi", max_tokens=1))
+    assert max_tokens(build_request("hi")) == DEFAULT_MAX_TOKENS
+    assert max_tokens(build_request("hi", max_tokens=3)) == 3
+
+
+def test_finish_reasons_round_trip():
+    for name, value in FINISH_REASON_TO_PROTO.items():
+        assert FINISH_REASON_NAMES[value] == name
+    assert FINISH_REASON_NAMES[pb.FINISH_REASON_UNSPECIFIED] is None
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_layering():
+    """Servers and the API layer never import the SDK (the SDK is a client of cluster.api,
+    never the other way round), and the API layer imports no server and no MLX."""
+    for path in sorted((ROOT / "cluster").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        names = _imports(path)
+        if rel.startswith(("cluster/router/", "cluster/worker/", "cluster/api/")):
+            assert not any(n == "cluster.sdk" or n.startswith("cluster.sdk.") for n in names), rel
+        if rel.startswith("cluster/api/"):
+            assert not any(n.startswith(("cluster.worker", "cluster.router", "mlx")) for n in names), rel
+
+
+def test_importing_the_sdk_loads_neither_mlx_nor_openblas():
+    code = ("import sys, cluster.sdk; maps = open('/proc/self/maps').read() if sys.platform.startswith('linux') "
+            "else ''; print('mlx' in sys.modules, 'openblas' in maps, 'cluster.platform' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "False"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS is preloaded on Linux only")
+def test_importing_the_worker_loads_openblas_before_mlx():
+    from cluster import platform
+
+    if platform.find_openblas() is None:
+        pytest.skip("no OpenBLAS on this machine")
+    code = ("import cluster.worker, sys; print('openblas' in open('/proc/self/maps').read(), "
+            "'mlx.core' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]
