@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
-# gRPC client channels: reconnect quickly after a peer or the network comes back (gRPC's
-# default backoff starts at 1 s and grows to 120 s).
+# Keepalive: a peer that stops answering HTTP/2 pings (a Mac asleep, a process stopped,
+# a cable pulled) is found within KEEPALIVE_TIME + KEEPALIVE_TIMEOUT, even mid-stream and
+# while the TCP connection looks open, and its calls fail UNAVAILABLE instead of hanging.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+# gRPC client channels: keepalive, and reconnect quickly after a peer or the network comes
+# back (gRPC's default backoff starts at 1 s and grows to 120 s).
 CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+]
+# gRPC servers: accept the clients' keepalive pings (by default a server answers pings
+# more often than every 5 minutes with GOAWAY "too_many_pings"), and ping idle clients.
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_time_ms", 2 * KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 ]
 
 

@@ -32,6 +32,8 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
         self.model = model
         self.token_delay = token_delay
         self.die_after_tokens: int | None = None  # total tokens streamed before dying
+        self.hang_after_tokens: int | None = None  # total tokens streamed before going silent (a sleeping Mac)
+        self.end_after_tokens: int | None = None  # total tokens streamed before ending streams without a finish
         self.dead = False
         self.requests: list[pb.GenerateRequest] = []
         self.running = 0
@@ -95,6 +97,10 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
                     self.dead = True
                 if self.dead:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (dead)")
+                if self.hang_after_tokens is not None and self.tokens_streamed >= self.hang_after_tokens:
+                    await asyncio.Event().wait()  # the connection stays open and nothing more comes
+                if self.end_after_tokens is not None and self.tokens_streamed >= self.end_after_tokens:
+                    return  # the stream ends OK, but short: no finish reason
                 self.tokens_streamed += 1
                 tok = fake_token(request, i)
                 last = i == max_tokens - 1

@@ -53,6 +53,32 @@ def test_generation_servicer_closes_the_backend_stream_at_once():
     assert asyncio.run(main()) == [True]
 
 
+def test_finished_refuses_a_stream_that_ends_short_and_closes_it():
+    from cluster.api.errors import Unavailable
+    from cluster.api.servicer import finished
+
+    closed = []
+
+    async def short():
+        try:
+            yield pb.GenerateResponse(token_ids=[1])
+        finally:
+            closed.append("short")
+
+    async def whole():
+        yield pb.GenerateResponse(token_ids=[1])
+        yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP)
+        closed.append("read past the finish")  # never reached: it stops at the finish chunk
+
+    async def main():
+        with pytest.raises(Unavailable, match="ended before the request finished"):
+            [c async for c in finished(short())]
+        return [c.finish_reason for c in [c async for c in finished(whole())]]
+
+    assert asyncio.run(main()) == [0, pb.FINISH_REASON_STOP]
+    assert closed == ["short"]
+
+
 def test_the_servicer_passes_the_deadline_and_maps_errors_to_statuses():
     from cluster.api.servicer import GenerationServicer
 

@@ -181,8 +181,8 @@ def test_disconnect_mid_stream_frees_kv(tiny_worker):
 class FakeBackend:
     """A Generation backend that fails in a chosen way."""
 
-    def __init__(self, error=None, after: int = 0):
-        self.error, self.after = error, after
+    def __init__(self, error=None, after: int = 0, finish: bool = True):
+        self.error, self.after, self.finish = error, after, finish
 
     async def list_models(self):
         return pb.ListModelsResponse(models=[pb.ModelInfo(id="fake", max_model_len=64)])
@@ -192,6 +192,8 @@ class FakeBackend:
             yield pb.GenerateResponse(request_id=request.request_id, token_ids=[i], text=f"t{i} ")
         if self.error is not None:
             raise self.error
+        if not self.finish:
+            return  # ends short: no finish reason
         yield pb.GenerateResponse(request_id=request.request_id, finish_reason=pb.FINISH_REASON_STOP,
                                   usage=pb.Usage(prompt_tokens=1, completion_tokens=self.after))
 
@@ -231,6 +233,21 @@ def test_error_after_the_first_chunk_ends_the_stream_with_an_error_event():
     assert status == 200 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["message"] == "worker went away"
     assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": "t0 "}
+
+
+def test_a_stream_that_ends_short_is_an_error_never_a_short_answer():
+    """A backend stream that stops without a finish reason (its server went away) is a 503,
+    or an error event on a started SSE stream: never a completion that looks finished."""
+    async def fn(client):
+        plain = await client.post("/v1/completions", json={"prompt": "x"})
+        streamed = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+        return plain.status, await plain.json(), await streamed.text()
+
+    status, body, text = _with_app(FakeBackend(after=2, finish=False), fn)
+    assert status == 503 and "ended before the request finished" in body["error"]["message"]
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "ended before the request finished" in json.loads(events[-2])["error"]["message"]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["t0 ", "t1 "]
 
 
 def test_app_over_a_grpc_target(tiny_worker):

@@ -387,3 +387,66 @@ def test_start_failure_frees_what_started():
         await again.stop(grace=0)
 
     run(main())
+
+
+async def _victim_first(c: Cluster, attr: str, after: int, stop_heartbeats: bool = False):
+    """Make whichever worker streams first misbehave (`attr` = `after` tokens) and the other
+    behave; optionally stop the victim's heartbeats too (a sleeping Mac)."""
+    for w in c.workers:
+        setattr(w, attr, after)
+    while not any(w.tokens_streamed >= after for w in c.workers):
+        await asyncio.sleep(0.005)
+    victim = next(i for i, w in enumerate(c.workers) if w.tokens_streamed >= after)
+    setattr(c.workers[1 - victim], attr, None)
+    if stop_heartbeats:
+        await c.registrations[victim].stop()
+    return victim
+
+
+@pytest.mark.parametrize("heartbeats", ["on", "off"])
+def test_a_stream_that_goes_silent_resumes_elsewhere(heartbeats):
+    """A worker that stops sending mid-stream while its connection lives (a wedged engine
+    still heartbeating, or a sleeping Mac) is dead for that stream after the idle timeout:
+    the stream resumes on the other worker, token-exact, instead of hanging."""
+    async def main():
+        async with Cluster(stream_idle_timeout=0.5) as c:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            victim = asyncio.create_task(_victim_first(c, "hang_after_tokens", 3, heartbeats == "off"))
+            chunks = await c.generate("hello there", max_tokens=10)
+            took = loop.time() - t0
+            v = await victim
+            assert tokens(chunks) == expected_tokens("hello there", 10)
+            assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert {ch.worker_id for ch in chunks[3:]} == {f"w{1 - v}"}
+            assert took < 5.0
+            assert 'orchard_router_retries_total{kind="resume"} 1.0' in await c.metrics()
+
+    run(main())
+
+
+def test_a_stream_that_ends_without_finishing_resumes_elsewhere():
+    async def main():
+        async with Cluster() as c:
+            victim = asyncio.create_task(_victim_first(c, "end_after_tokens", 4))
+            chunks = await c.generate("cut short", max_tokens=12)
+            await victim
+            assert tokens(chunks) == expected_tokens("cut short", 12)
+            assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+    run(main())
+
+
+def test_a_stream_never_ends_short_even_with_nowhere_to_resume():
+    """With no other worker to resume on, the client gets an error, never a short answer
+    that looks finished."""
+    async def main():
+        async with Cluster(n_workers=1, worker_wait=0.2) as c:
+            c.workers[0].end_after_tokens = 3
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate("cut short", max_tokens=12)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "ended before the request finished" in e.value.details()
+
+    run(main())
+

@@ -145,10 +145,15 @@ def test_prefix_affinity(cluster):
     assert after[1 - home] == before[1 - home]
 
 
-@pytest.mark.parametrize("sampling", ["greedy", pytest.param("seeded", marks=pytest.mark.slow)])
-def test_failover_resumes_mid_stream(cluster, sampling):
-    """16 concurrent streams; kill -9 of a worker mid-stream; outputs unchanged. Greedy by
-    contract; seeded sampling too, since the engine replays a seed's stream on resume."""
+@pytest.mark.parametrize("sampling,fault", [
+    ("greedy", "kill"),
+    pytest.param("seeded", "kill", marks=pytest.mark.slow),
+    pytest.param("greedy", "stop", marks=pytest.mark.slow),
+])
+def test_failover_resumes_mid_stream(cluster, sampling, fault):
+    """16 concurrent streams; kill -9 (or SIGSTOP: a Mac asleep, its connections open but
+    silent) of a worker mid-stream; outputs unchanged, none cut short. Greedy by contract;
+    seeded sampling too, since the engine replays a seed's stream on resume."""
     prompts = [f"Stream {i}: the router keeps every token of" for i in range(16)]
     max_tokens = 400  # the tiny model is fast: the streams must still be running at the kill
 
@@ -177,7 +182,8 @@ def test_failover_resumes_mid_stream(cluster, sampling):
                     if kill_after_tokens and not killed and seen["tokens"] >= kill_after_tokens:
                         busiest = max(set(serving.values()), key=list(serving.values()).count)
                         killed.append(int(busiest.split("-")[1]))
-                        os.kill(cluster.workers[killed[0]].proc.pid, signal.SIGKILL)
+                        os.kill(cluster.workers[killed[0]].proc.pid,
+                                signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
                 return f
 
             return await asyncio.gather(*(collect(stub, make(i, p), on_chunk(i)) for i, p in enumerate(prompts)))
@@ -201,6 +207,11 @@ def test_failover_resumes_mid_stream(cluster, sampling):
         assert states[f"worker-{1 - victim}"] == pb.WORKER_STATE_HEALTHY
     finally:
         for victim in killed:
+            if fault == "stop":
+                os.kill(cluster.workers[victim].proc.pid, signal.SIGCONT)
+                wait_for(lambda: sum(w.state == pb.WORKER_STATE_HEALTHY for w in list_workers(cluster).values()) == 2,
+                         30, "the stopped worker back")
+                continue
             cluster.workers[victim].proc.wait(timeout=10)
             cluster.start_worker(victim)
             cluster.wait_ready(120)

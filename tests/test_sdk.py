@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from cluster.api.errors import from_status
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.sdk import (
     AsyncClient,
@@ -24,7 +25,6 @@ from cluster.sdk import (
     Unavailable,
     build_request,
 )
-from cluster.api.errors import from_status
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:
@@ -182,3 +182,33 @@ def test_orchard_generate_cli(tiny_worker):
     assert streamed.returncode == 0 and streamed.stdout == out.stdout
     bad = subprocess.run(cmd[:-1] + ["--temperature", "-1", "Hello"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
+
+
+def test_a_stream_that_ends_short_raises_in_both_clients():
+    """A server that ends a stream without a finish reason (not Orchard's: its servers
+    never do) still cannot hand the SDK's caller a cut-off answer as a whole one."""
+    from concurrent import futures
+
+    from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
+    class Short(pb_grpc.GenerationServicer):
+        def Generate(self, request, context):
+            yield pb.GenerateResponse(token_ids=[1], text="a")
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_GenerationServicer_to_server(Short(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=10) as c:
+            with pytest.raises(Unavailable, match="ended before the request finished"):
+                c.generate("x")
+
+        async def main():
+            async with AsyncClient(f"127.0.0.1:{port}", timeout=10) as c:
+                with pytest.raises(Unavailable, match="ended before the request finished"):
+                    await c.generate("x")
+
+        asyncio.run(main())
+    finally:
+        server.stop(0)

@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from cluster.api.errors import InvalidRequest, OrchardError
-from cluster.api.servicer import Backend
+from cluster.api.servicer import Backend, finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
@@ -310,7 +310,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         ex = _Exchange(chat, "", want_logprobs)
         proto = _make_request(body, chat, ex.id)
         ex.model = await _served_model(request.app, proto.model)
-        chunks = backend.generate(proto)
+        chunks = finished(backend.generate(proto))
     except OrchardError as e:
         return error_response(e.http_status, e.message, getattr(e, "param", None))
     async with contextlib.aclosing(chunks):

@@ -9,9 +9,12 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator, Protocol
 
-from cluster.api.errors import OrchardError
+from cluster.api.errors import OrchardError, Unavailable
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
+
+STREAM_ENDED_SHORT = "the stream ended before the request finished (its server went away): retry it"
 
 
 class Backend(Protocol):
@@ -19,7 +22,8 @@ class Backend(Protocol):
     `RouterBackend`, the SDK's `GrpcBackend`).
 
     `generate(request, timeout)` is an async generator of `GenerateResponse` chunks: the
-    tokens and text of each step, the last one with `finish_reason` and `usage`. It raises
+    tokens and text of each step, the last one with `finish_reason` and `usage` (a stream
+    that ends without one is an error to its client, never a short answer). It raises
     `cluster.api.errors` exceptions (before or during the stream); closing it early (the
     client left) cancels the request wherever it runs. `timeout` is the seconds left of
     the caller's deadline, or None. `list_models()` names what it serves."""
@@ -31,6 +35,17 @@ class Backend(Protocol):
         ...
 
 
+async def finished(chunks: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[pb.GenerateResponse]:
+    """A backend's stream up to its finish chunk; Unavailable if it ends before one, so a
+    client never takes a cut-off answer for a whole one. Closing this closes `chunks`."""
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            yield chunk
+            if chunk.finish_reason:
+                return
+    raise Unavailable(STREAM_ENDED_SHORT)
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """`Generation` on a backend: chunks are relayed as they come, errors become statuses,
     and the RPC's end (done, cancelled, deadline) closes the backend's stream at once."""
@@ -40,7 +55,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async with contextlib.aclosing(self.backend.generate(request, timeout=context.time_remaining())) as chunks:
+            # closed here when the RPC ends or is cancelled: the backend's stream at once
+            async with contextlib.aclosing(finished(self.backend.generate(request, timeout=context.time_remaining()))
+                                           ) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except OrchardError as e:

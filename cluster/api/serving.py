@@ -17,7 +17,7 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.api.servicer import Backend
-from cluster.net import parse_address
+from cluster.net import SERVER_KEEPALIVE_OPTIONS, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
+    *SERVER_KEEPALIVE_OPTIONS,
 ]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -11,6 +11,11 @@ serving the model is only unhealthy (it missed heartbeats on a busy machine, or 
 stream to it broke), the request waits up to `worker_wait` seconds for it to report in
 before it fails UNAVAILABLE. Errors that are the request's fault (INVALID_ARGUMENT, ...)
 go back to the client unchanged. A client cancel cancels the worker's stream.
+
+A stream never ends short: a worker's stream that stops without a finish reason, or that
+sends nothing for `stream_idle_timeout` seconds once started (the worker is wedged, or
+asleep behind a live connection), is that worker failing, and the request resumes
+elsewhere. Keepalive on the channels (`cluster.net`) finds a peer that stopped answering.
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
 class ProxyConfig:
     max_attempts: int = 4  # placements per request, the first included
     worker_wait: float = 5.0  # seconds a request waits for an unhealthy worker to come back
+    # Seconds a started stream may go without a chunk before its worker counts as dead for
+    # it (a wedged worker whose connection lives). Before the first token a request may
+    # queue for long on a busy worker: there keepalive finds a dead or sleeping peer.
+    stream_idle_timeout: float = 30.0
 
 
 class _WorkerFailed(Exception):
@@ -117,7 +126,7 @@ class RouterBackend:
             call = worker.generation.Generate(upstream, timeout=remaining)
             outcome = m.CANCELLED
             try:
-                async for chunk in call:
+                async for chunk in self._relay(call, rid, worker.worker_id):
                     if chunk.token_ids:
                         if first_token_at is None:
                             first_token_at = time.perf_counter()
@@ -132,10 +141,15 @@ class RouterBackend:
                                 yield chunk
                             raise _WorkerFailed(grpc.StatusCode.ABORTED, "the worker aborted the request")
                         chunk.usage.completion_tokens = max(chunk.usage.completion_tokens, len(base_resume) + len(sent))
+                        # counted before the last yield: the consumer may stop reading at it
+                        outcome = m.SUCCESS
+                        self.metrics.e2e.observe(time.perf_counter() - t0)
+                        yield chunk
+                        return
                     yield chunk
-                outcome = m.SUCCESS
-                self.metrics.e2e.observe(time.perf_counter() - t0)
-                return
+                # Never end a client's stream short: a worker's stream that stops without a
+                # finish reason (its channel closed under it) is a failed worker.
+                raise _WorkerFailed(grpc.StatusCode.UNAVAILABLE, "the worker's stream ended before the request finished")
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code not in RETRYABLE:
@@ -147,6 +161,8 @@ class RouterBackend:
                     self.registry.mark_failed(worker.worker_id, f"{code.name}: {e.details()}")
             except _WorkerFailed as e:
                 failure, outcome = e, m.FAILED
+                if e.code is grpc.StatusCode.UNAVAILABLE:
+                    self.registry.mark_failed(worker.worker_id, e.details)
             finally:
                 worker.inflight -= 1
                 call.cancel()  # no-op once it finished; reaches the worker if the client left
@@ -157,6 +173,27 @@ class RouterBackend:
         raise errors.Unavailable(
             f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}"
         )
+
+    async def _relay(self, call, rid: str, worker_id: str) -> AsyncIterator[pb.GenerateResponse]:
+        """The worker's chunks; once the stream has started, a gap longer than
+        `stream_idle_timeout` fails it (the worker is wedged or gone, for this stream)."""
+        idle = self.config.stream_idle_timeout
+        chunks = call.__aiter__()
+        started = False
+        while True:
+            try:
+                if started and idle > 0:
+                    chunk = await asyncio.wait_for(chunks.__anext__(), idle)
+                else:
+                    chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                log.warning("request %s: no output from %s for %.1f s", rid, worker_id, idle)
+                raise _WorkerFailed(grpc.StatusCode.UNAVAILABLE,
+                                    f"no output for {idle:g} s (stream idle timeout)") from None
+            started = True
+            yield chunk
 
     async def _pool(self, rid: str, model: str, excluded: set[str], wait_until: float):
         """(healthy workers for `model` not yet tried, the error to give if there are none).

@@ -42,6 +42,7 @@ class RouterConfig:
     remove_after: float = 30.0
     max_attempts: int = 4
     worker_wait: float = 5.0
+    stream_idle_timeout: float = 30.0
     static_workers: tuple[str, ...] = ()
 
 
@@ -59,7 +60,7 @@ class RouterServer:
             on_remove=self.policy.forget,
         )
         self.metrics = RouterMetrics(self.registry)
-        self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(config.max_attempts, config.worker_wait))
+        self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(config.max_attempts, config.worker_wait, config.stream_idle_timeout))
         self.endpoints = Endpoints(default_host=ALL_INTERFACES, health_services=("",))
         self._stop = asyncio.Event()
         self._health_task = None

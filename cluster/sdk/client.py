@@ -20,14 +20,21 @@ from typing import AsyncIterator, Iterable, Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.api.errors import from_rpc_error
+from cluster.api.errors import Unavailable, from_rpc_error
+from cluster.api.servicer import STREAM_ENDED_SHORT, finished
 from cluster.api.wire import Message, build_request
+from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.sdk.types import Chunk, Completion
 
 DEFAULT_TARGET = "127.0.0.1:50051"  # the router; a worker (127.0.0.1:50061) answers too
 _UNSET = object()
+
+
+def _options(options) -> list[tuple]:
+    """Keepalive and quick reconnects (`cluster.net.CHANNEL_OPTIONS`), then the caller's."""
+    return [*CHANNEL_OPTIONS, *(options or ())]
 
 
 def _request(prompt, messages, params) -> pb.GenerateRequest:
@@ -70,7 +77,7 @@ class AsyncClient:
         self.target = target
         self.timeout = timeout
         self._own_channel = channel is None
-        self.channel = channel or grpc.aio.insecure_channel(target, options=list(options or ()))
+        self.channel = channel or grpc.aio.insecure_channel(target, options=_options(options))
         self.backend = GrpcBackend(self.channel, timeout)
         self._admin = pb_grpc.WorkerAdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -92,7 +99,7 @@ class AsyncClient:
                      messages: Iterable[Message] | None = None, timeout=_UNSET, **params) -> AsyncIterator[Chunk]:
         """Yield chunks as they come. `await it.aclose()` (or leaving `async for`) cancels."""
         request = _request(prompt, messages, params)
-        gen = self.backend.generate(request, timeout=self._timeout(timeout))
+        gen = finished(self.backend.generate(request, timeout=self._timeout(timeout)))
         try:
             async for response in gen:
                 yield Chunk.from_proto(response)
@@ -141,7 +148,7 @@ class Client:
         self.target = target
         self.timeout = timeout
         self._own_channel = channel is None
-        self.channel = channel or grpc.insecure_channel(target, options=list(options or ()))
+        self.channel = channel or grpc.insecure_channel(target, options=_options(options))
         self._stub = pb_grpc.GenerationStub(self.channel)
         self._admin = pb_grpc.WorkerAdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -167,10 +174,13 @@ class Client:
         try:
             for response in call:
                 yield Chunk.from_proto(response)
+                if response.finish_reason:
+                    return
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         finally:
             call.cancel()
+        raise Unavailable(STREAM_ENDED_SHORT)  # never take a cut-off answer for a whole one
 
     def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest | None = None, *,
                  messages: Iterable[Message] | None = None, timeout=_UNSET, **params) -> Completion:
