@@ -34,6 +34,7 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
         self.die_after_tokens: int | None = None  # total tokens streamed before dying
         self.hang_after_tokens: int | None = None  # total tokens streamed before going silent (a sleeping Mac)
         self.end_after_tokens: int | None = None  # total tokens streamed before ending streams without a finish
+        self.stalled = False  # what its load reports say of its engine (a wedged engine's watchdog)
         self.dead = False
         self.requests: list[pb.GenerateRequest] = []
         self.running = 0
@@ -66,7 +67,7 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
         return pb.LoadReport(
             worker_id=self.worker_id, model=self.model, num_running=self.running + self.extra_running,
             kv_blocks_used=0, kv_blocks_total=100, max_num_seqs=64, block_size=16, max_model_len=2048,
-            draining=self.draining,
+            draining=self.draining, stalled=self.stalled,
         )
 
     async def GetLoad(self, request, context):

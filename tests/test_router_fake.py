@@ -450,3 +450,35 @@ def test_a_stream_never_ends_short_even_with_nowhere_to_resume():
 
     run(main())
 
+
+def test_a_worker_reporting_a_stalled_engine_has_its_streams_resumed_at_once():
+    """A wedged engine's watchdog says so in the load report: its streams, even those that
+    have no token yet (no idle timeout applies to them), resume elsewhere at once."""
+    async def main():
+        async with Cluster(stream_idle_timeout=60) as c:
+            for w in c.workers:
+                w.hang_after_tokens = 0  # whoever gets it sends nothing at all
+
+            async def wedge():
+                while not any(w.requests for w in c.workers):
+                    await asyncio.sleep(0.005)
+                victim = next(w for w in c.workers if w.requests)
+                other = next(w for w in c.workers if w is not victim)
+                other.hang_after_tokens = None
+                victim.stalled = True
+                return victim
+
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            wedged = asyncio.create_task(wedge())
+            chunks = await c.generate("stuck", max_tokens=6)
+            victim = await wedged
+            assert loop.time() - t0 < 5.0
+            assert tokens(chunks) == expected_tokens("stuck", 6)
+            assert {ch.worker_id for ch in chunks} == {next(w for w in c.workers if w is not victim).worker_id}
+            assert c.router.registry.workers[victim.worker_id].state == pb.WORKER_STATE_UNHEALTHY
+            victim.stalled = False
+            await c.wait_healthy(2)  # its next report clears it
+
+    run(main())
+

@@ -42,6 +42,8 @@ class FakeEngine:
         self.seqs: dict[str, FakeSeq] = {}
         self.aborted: list[str] = []
         self.thread = None
+        self.unwedged = threading.Event()
+        self.unwedged.set()
 
     def add_request(self, rid, prompt, params, arrival_time=None, resume_token_ids=()):
         self.thread = threading.current_thread().name
@@ -70,6 +72,7 @@ class FakeEngine:
         return rid in self.seqs and self.seqs[rid].status is SequenceStatus.WAITING
 
     def step(self):
+        self.unwedged.wait()  # a test-only wedge: the step blocks while it is clear
         if any(s.prompt[0] == BOOM for s in self.seqs.values()):
             raise RuntimeError("boom")
         outs = []
@@ -87,11 +90,11 @@ class FakeEngine:
         return outs
 
 
-def run_with_service(fn, engine: FakeEngine | None = None):
+def run_with_service(fn, engine: FakeEngine | None = None, **service_kwargs):
     engine = engine or FakeEngine()
 
     async def main():
-        svc = WorkerService("w1", lambda: engine)
+        svc = WorkerService("w1", lambda: engine, **service_kwargs)
         await svc.start(timeout=5)
         try:
             return await asyncio.wait_for(fn(svc, engine), 10)
@@ -314,3 +317,25 @@ def test_a_shutdown_ends_the_wait_for_comebacks():
     t = time.monotonic()
     loop.stop(5)  # the loop is waiting up to 1 s for A's client to come back
     assert not loop.alive and time.monotonic() - t < 0.5
+
+
+def test_a_wedged_engine_is_reported_stalled_and_refuses_new_requests():
+    """The watchdog's input: one engine step longer than stall_timeout makes the service
+    stalled (load report, new requests refused); a step that finishes clears it, and the
+    requests that waited through the wedge complete."""
+    async def fn(svc, engine):
+        assert not svc.stalled and not svc.load_report().stalled
+        engine.unwedged.clear()
+        task = asyncio.create_task(collect(svc, build_request([1, 2], max_tokens=3)))
+        await asyncio.sleep(0.5)
+        stalled = (svc.stalled, svc.load_report().stalled)
+        with pytest.raises(Unavailable, match="stalled"):
+            await collect(svc, build_request([3], max_tokens=1))
+        engine.unwedged.set()
+        chunks = await task
+        return stalled, svc.stalled, [t for c in chunks for t in c.token_ids]
+
+    stalled, after, toks = run_with_service(fn, stall_timeout=0.2)
+    assert stalled == (True, True) and not after
+    assert toks == [100, 101, 102]
+

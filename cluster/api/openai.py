@@ -267,6 +267,8 @@ async def _health(request: web.Request) -> web.Response:
     backend = request.app[_BACKEND]
     if getattr(backend, "draining", False):
         return web.json_response({"status": "draining"}, status=503)
+    if getattr(backend, "stalled", False):
+        return web.json_response({"status": "stalled"}, status=503)
     try:
         await backend.list_models()
     except OrchardError as e:

@@ -15,7 +15,9 @@ go back to the client unchanged. A client cancel cancels the worker's stream.
 A stream never ends short: a worker's stream that stops without a finish reason, or that
 sends nothing for `stream_idle_timeout` seconds once started (the worker is wedged, or
 asleep behind a live connection), is that worker failing, and the request resumes
-elsewhere. Keepalive on the channels (`cluster.net`) finds a peer that stopped answering.
+elsewhere. So are all the streams of a worker that reports its engine stalled (its
+watchdog), started or not. Keepalive on the channels (`cluster.net`) finds a peer that
+stopped answering.
 """
 
 from __future__ import annotations
@@ -62,6 +64,26 @@ class ProxyConfig:
     # it (a wedged worker whose connection lives). Before the first token a request may
     # queue for long on a busy worker: there keepalive finds a dead or sleeping peer.
     stream_idle_timeout: float = 30.0
+
+
+class _Attempt:
+    """One stream open on a worker; the registry abandons it when the worker reports its
+    engine stalled (the call is cancelled, and the request resumes elsewhere)."""
+
+    def __init__(self, call):
+        self.call = call
+        self.abandoned: str | None = None
+
+    def abandon(self, reason: str) -> None:
+        if self.abandoned is None:
+            self.abandoned = reason
+            self.call.cancel()
+
+
+def _cancelling() -> bool:
+    """Whether the current task is being cancelled (the client left, the router stops)."""
+    task = asyncio.current_task()
+    return task is not None and getattr(task, "cancelling", lambda: 0)() > 0
 
 
 class _WorkerFailed(Exception):
@@ -124,6 +146,8 @@ class RouterBackend:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             worker.inflight += 1
             call = worker.generation.Generate(upstream, timeout=remaining)
+            attempt = _Attempt(call)
+            worker.attempts.add(attempt)
             outcome = m.CANCELLED
             try:
                 async for chunk in self._relay(call, rid, worker.worker_id):
@@ -150,21 +174,29 @@ class RouterBackend:
                 # Never end a client's stream short: a worker's stream that stops without a
                 # finish reason (its channel closed under it) is a failed worker.
                 raise _WorkerFailed(grpc.StatusCode.UNAVAILABLE, "the worker's stream ended before the request finished")
+            except asyncio.CancelledError:
+                if attempt.abandoned is None or _cancelling():
+                    raise
+                failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, attempt.abandoned), m.FAILED
             except grpc.aio.AioRpcError as e:
                 code = e.code()
-                if code not in RETRYABLE:
+                if attempt.abandoned is not None:  # we cancelled it: the worker stalled
+                    failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, attempt.abandoned), m.FAILED
+                elif code not in RETRYABLE:
                     outcome = m.ERROR
                     raise errors.from_rpc_error(e) from None
-                failure = _WorkerFailed(code, e.details() or code.name)
-                outcome = m.FAILED
-                if code in UNREACHABLE:
-                    self.registry.mark_failed(worker.worker_id, f"{code.name}: {e.details()}")
+                else:
+                    failure = _WorkerFailed(code, e.details() or code.name)
+                    outcome = m.FAILED
+                    if code in UNREACHABLE:
+                        self.registry.mark_failed(worker.worker_id, f"{code.name}: {e.details()}")
             except _WorkerFailed as e:
                 failure, outcome = e, m.FAILED
                 if e.code is grpc.StatusCode.UNAVAILABLE:
                     self.registry.mark_failed(worker.worker_id, e.details)
             finally:
                 worker.inflight -= 1
+                worker.attempts.discard(attempt)
                 call.cancel()  # no-op once it finished; reaches the worker if the client left
                 self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
             excluded.add(worker.worker_id)

@@ -64,6 +64,9 @@ class WorkerRecord:
     generation: object = None  # GenerationStub
     admin: object = None  # WorkerAdminStub
     health: object = None  # HealthStub
+    # The router's open streams there (proxy attempts with `abandon(reason)`): a worker
+    # that reports itself stalled has them all resumed elsewhere at once.
+    attempts: set = field(default_factory=set)
 
     @property
     def model(self) -> str:
@@ -93,7 +96,7 @@ class WorkerRecord:
         self.report = report
         self.inflight_at_report = self.inflight
         self.last_seen = now
-        self.healthy = True
+        self.healthy = not report.stalled
 
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(
@@ -189,7 +192,13 @@ class Registry:
     def record_report(self, w: WorkerRecord, report: pb.LoadReport) -> None:
         state, healthy = w.state, w.healthy
         w.on_report(report, time.monotonic())
-        if not healthy:
+        if report.stalled:
+            if healthy:
+                log.warning("worker %s reports its engine stalled: unhealthy; resuming its %d streams elsewhere",
+                            w.worker_id, len(w.attempts))
+            for attempt in list(w.attempts):
+                attempt.abandon(f"worker {w.worker_id}'s engine stalled")
+        elif not healthy:
             log.info("worker %s is healthy again", w.worker_id)
         if w.state != state:
             self._notify()
@@ -312,7 +321,7 @@ class Registry:
         except grpc.aio.AioRpcError as e:
             log.debug("poll of %s failed: %s", w.address, e.code())
             return
-        if health.status != health_pb2.HealthCheckResponse.SERVING:
+        if health.status != health_pb2.HealthCheckResponse.SERVING and not report.stalled:
             return
         if w.worker_id in self.workers and self.workers[w.worker_id] is w:
             new_id = report.worker_id

@@ -90,6 +90,9 @@ class EngineLoop:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self.engine: Engine | None = None  # set once loaded; read-only for other threads
+        # time.monotonic() when the current round of work (messages, a step) began; None
+        # while the thread waits for work. Written by the engine thread, read by a watchdog.
+        self.busy_since: float | None = None
 
     # -- any thread -------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> Engine:
@@ -115,6 +118,12 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.engine is not None
 
+    def stalled(self, timeout: float, now: float | None = None) -> bool:
+        """Whether the engine thread has been in one round of work (a step, or handling
+        its messages) for longer than `timeout` seconds: wedged, while the process lives."""
+        since = self.busy_since
+        return since is not None and (time.monotonic() if now is None else now) - since > timeout
+
     # -- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
         _name_os_thread("orchard-engine")
@@ -137,7 +146,8 @@ class EngineLoop:
                     msgs.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            comeback.observe(msgs, time.monotonic())
+            self.busy_since = now = time.monotonic()
+            comeback.observe(msgs, now)
             events: list[Event] = []
             try:
                 stop = False
@@ -158,6 +168,7 @@ class EngineLoop:
                 queued.clear()
             if events:
                 self._emit(time.monotonic(), events)
+            self.busy_since = None
 
     def _wait_for_comebacks(self, msgs: list, comeback: "_Comeback") -> None:
         """Take inbox messages until as many new requests arrived as the last step

@@ -53,6 +53,10 @@ class WorkerOptions:
     advertise_address: str | None = None  # what the router dials (default: the bound gRPC address)
     heartbeat_interval: float = 1.0  # seconds (the router's own interval, if shorter, wins)
     grace_seconds: float = 5.0
+    # Seconds one engine step (with unfinished work) may take before the engine counts as
+    # wedged: health NOT_SERVING, the router resumes its streams elsewhere. Far above any
+    # real step (a 2048-token prefill on a slow Mac takes seconds).
+    stall_timeout: float = 60.0
 
 
 class WorkerServer:
@@ -63,6 +67,7 @@ class WorkerServer:
         self.service = None
         self.endpoints = Endpoints()
         self._registration = None
+        self._watchdog: asyncio.Task | None = None
 
     @property
     def addresses(self) -> dict[str, str]:
@@ -95,7 +100,7 @@ class WorkerServer:
             log.info("engine warmed up in %.2f s", engine.warm_up())
             return engine
 
-        self.service = service = WorkerService(worker_id, load_engine)
+        self.service = service = WorkerService(worker_id, load_engine, stall_timeout=opts.stall_timeout)
         await service.start()
 
         def add_services(server) -> None:
@@ -103,9 +108,10 @@ class WorkerServer:
             pb_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(self), server)
 
         metrics = MetricsEndpoint(service.metrics.render, service.metrics.content_type,
-                                  healthy=lambda: service.engine_loop.alive)
+                                  healthy=lambda: service.engine_loop.alive and not service.stalled)
         await self.endpoints.start(add_services, backend=service, http_address=opts.http_address,
                                    metrics=metrics, metrics_address=opts.metrics_address)
+        self._watchdog = asyncio.create_task(self._watch_progress())
         if opts.router:
             from cluster.worker.registration import Registration
 
@@ -119,11 +125,28 @@ class WorkerServer:
         log.info("worker %s serving %s (%s): %s", worker_id, service.model_name, opts.model_path,
                  ", ".join(f"{k} {v}" for k, v in self.addresses.items()))
 
+    async def _watch_progress(self) -> None:
+        """gRPC health follows the engine's progress: NOT_SERVING while it is stalled (the
+        load report and /health say so too), SERVING again when it moves (unless draining)."""
+        service, was = self.service, False
+        period = min(1.0, self.options.stall_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            stalled = service.stalled
+            if stalled != was:
+                if stalled:
+                    log.error("worker %s: the engine has made no progress for %.0f s: reporting NOT_SERVING",
+                              service.worker_id, service.stall_timeout)
+                else:
+                    log.warning("worker %s: the engine is moving again", service.worker_id)
+                await self.endpoints.set_serving(not stalled and not service.draining)
+                was = stalled
+
     async def set_draining(self, draining: bool) -> pb.DrainResponse:
         """The one way in and out of draining: the service refuses new requests, gRPC
-        health says NOT_SERVING (and SERVING again when undrained)."""
+        health says NOT_SERVING (and SERVING again when undrained and not stalled)."""
         response = self.service.set_draining(draining)
-        await self.endpoints.set_serving(not draining)
+        await self.endpoints.set_serving(not draining and not self.service.stalled)
         return response
 
     def ready_info(self) -> dict:
@@ -138,6 +161,9 @@ class WorkerServer:
         """Stop taking requests, give running streams `grace_seconds`, stop the engine."""
         if self.service is not None:
             self.service.set_draining(True)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._registration is not None:
             await self._registration.stop()
             self._registration = None

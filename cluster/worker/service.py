@@ -72,8 +72,10 @@ class WorkerService:
     takes the engine's read-only facts; `stop()` stops the engine thread. With
     `metrics`, it observes the Prometheus metrics (`self.metrics`) as events pass."""
 
-    def __init__(self, worker_id: str, engine_factory: Callable[[], Engine], *, metrics: bool = True):
+    def __init__(self, worker_id: str, engine_factory: Callable[[], Engine], *, metrics: bool = True,
+                 stall_timeout: float = 60.0):
         self.worker_id = worker_id
+        self.stall_timeout = stall_timeout  # seconds in one engine step before the engine counts as wedged
         self.engine_loop = EngineLoop(engine_factory, self.on_engine_events)
         self._with_metrics = metrics
         self.metrics: WorkerMetrics | None = None
@@ -112,6 +114,11 @@ class WorkerService:
             loop.call_soon_threadsafe(self._dispatch, now, events)
 
     @property
+    def stalled(self) -> bool:
+        """The engine thread is wedged: unfinished work and no step done for `stall_timeout`."""
+        return self.engine_loop.stalled(self.stall_timeout)
+
+    @property
     def num_streams(self) -> int:
         return len(self._streams)
 
@@ -130,6 +137,9 @@ class WorkerService:
             raise Unavailable(f"worker {self.worker_id} is draining: it takes no new requests; send this one elsewhere")
         if not self.engine_loop.alive or self._loop is None:
             raise Unavailable(f"worker {self.worker_id} is not serving (starting or stopping)")
+        if self.stalled:
+            raise Unavailable(f"worker {self.worker_id}'s engine has made no progress for {self.stall_timeout:g} s "
+                              "(stalled): send this request elsewhere")
         if request.model and request.model != self.model_name:
             raise NotFound(f"model {request.model!r} is not served here; this worker serves {self.model_name!r}")
         validate_request(request)
@@ -180,7 +190,7 @@ class WorkerService:
         return pb.LoadReport(
             worker_id=self.worker_id, model=self.model_name, num_running=s.num_running, num_waiting=s.num_waiting,
             kv_blocks_used=s.num_blocks_used, kv_blocks_total=s.num_blocks_total, max_num_seqs=c.max_num_seqs,
-            block_size=c.block_size, max_model_len=c.max_model_len, draining=self.draining,
+            block_size=c.block_size, max_model_len=c.max_model_len, draining=self.draining, stalled=self.stalled,
         )
 
     def set_draining(self, draining: bool) -> pb.DrainResponse:

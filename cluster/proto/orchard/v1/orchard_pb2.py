@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18orchard/v1/orchard.proto\x12\norchard.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.orchard.v1.ChatMessage\"\xb6\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xeb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.orchard.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.orchard.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.orchard.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\x05\x42\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.orchard.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.orchard.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.orchard.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.orchard.v1.Usage\x12\x11\n\tworker_id\x18\x08 \x01(\t\"\x13\n\x11ListModelsRequest\"@\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.orchard.v1.ModelInfo\"\x10\n\x0eGetLoadRequest\"\xdc\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"\x1d\n\x0c\x44rainRequest\x12\r\n\x05\x64rain\x18\x01 \x01(\x08\"K\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\"u\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\njoin_token\x18\x03 \x01(\t\x12$\n\x04load\x18\x04 \x01(\x0b\x32\x16.orchard.v1.LoadReport\"J\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\"_\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\njoin_token\x18\x02 \x01(\t\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.orchard.v1.LoadReport\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"#\n\x10\x41\x64\x64WorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"&\n\x11\x41\x64\x64WorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\"(\n\x13RemoveWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x16\n\x14RemoveWorkerResponse\"\x14\n\x12ListWorkersRequest\"\xaf\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12&\n\x05state\x18\x04 \x01(\x0e\x32\x17.orchard.v1.WorkerState\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.orchard.v1.LoadReport\x12\x10\n\x08inflight\x18\x06 \x01(\r\x12\x0e\n\x06static\x18\x07 \x01(\x08\">\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.orchard.v1.WorkerInfo\"6\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"=\n\x13\x44rainWorkerResponse\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.orchard.v1.WorkerInfo*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*|\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_HEALTHY\x10\x01\x12\x1a\n\x16WORKER_STATE_UNHEALTHY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.orchard.v1.GenerateRequest\x1a\x1c.orchard.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.orchard.v1.ListModelsRequest\x1a\x1e.orchard.v1.ListModelsResponse2\x8a\x01\n\x0bWorkerAdmin\x12=\n\x07GetLoad\x12\x1a.orchard.v1.GetLoadRequest\x1a\x16.orchard.v1.LoadReport\x12<\n\x05\x44rain\x12\x18.orchard.v1.DrainRequest\x1a\x19.orchard.v1.DrainResponse2\xe8\x03\n\x06Router\x12W\n\x0eRegisterWorker\x12!.orchard.v1.RegisterWorkerRequest\x1a\".orchard.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.orchard.v1.HeartbeatRequest\x1a\x1d.orchard.v1.HeartbeatResponse\x12H\n\tAddWorker\x12\x1c.orchard.v1.AddWorkerRequest\x1a\x1d.orchard.v1.AddWorkerResponse\x12Q\n\x0cRemoveWorker\x12\x1f.orchard.v1.RemoveWorkerRequest\x1a .orchard.v1.RemoveWorkerResponse\x12N\n\x0bListWorkers\x12\x1e.orchard.v1.ListWorkersRequest\x1a\x1f.orchard.v1.ListWorkersResponse\x12N\n\x0b\x44rainWorker\x12\x1e.orchard.v1.DrainWorkerRequest\x1a\x1f.orchard.v1.DrainWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18orchard/v1/orchard.proto\x12\norchard.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.orchard.v1.ChatMessage\"\xb6\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xeb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.orchard.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x18.orchard.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.orchard.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\x05\x42\x08\n\x06prompt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.orchard.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.orchard.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.orchard.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.orchard.v1.Usage\x12\x11\n\tworker_id\x18\x08 \x01(\t\"\x13\n\x11ListModelsRequest\"@\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.orchard.v1.ModelInfo\"\x10\n\x0eGetLoadRequest\"\xed\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x0f\n\x07stalled\x18\x0b \x01(\x08\"\x1d\n\x0c\x44rainRequest\x12\r\n\x05\x64rain\x18\x01 \x01(\x08\"K\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\"u\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\njoin_token\x18\x03 \x01(\t\x12$\n\x04load\x18\x04 \x01(\x0b\x32\x16.orchard.v1.LoadReport\"J\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\"_\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\njoin_token\x18\x02 \x01(\t\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.orchard.v1.LoadReport\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"#\n\x10\x41\x64\x64WorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"&\n\x11\x41\x64\x64WorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\"(\n\x13RemoveWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x16\n\x14RemoveWorkerResponse\"\x14\n\x12ListWorkersRequest\"\xaf\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12&\n\x05state\x18\x04 \x01(\x0e\x32\x17.orchard.v1.WorkerState\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.orchard.v1.LoadReport\x12\x10\n\x08inflight\x18\x06 \x01(\r\x12\x0e\n\x06static\x18\x07 \x01(\x08\">\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.orchard.v1.WorkerInfo\"6\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"=\n\x13\x44rainWorkerResponse\x12&\n\x06worker\x18\x01 \x01(\x0b\x32\x16.orchard.v1.WorkerInfo*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*|\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_HEALTHY\x10\x01\x12\x1a\n\x16WORKER_STATE_UNHEALTHY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.orchard.v1.GenerateRequest\x1a\x1c.orchard.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.orchard.v1.ListModelsRequest\x1a\x1e.orchard.v1.ListModelsResponse2\x8a\x01\n\x0bWorkerAdmin\x12=\n\x07GetLoad\x12\x1a.orchard.v1.GetLoadRequest\x1a\x16.orchard.v1.LoadReport\x12<\n\x05\x44rain\x12\x18.orchard.v1.DrainRequest\x1a\x19.orchard.v1.DrainResponse2\xe8\x03\n\x06Router\x12W\n\x0eRegisterWorker\x12!.orchard.v1.RegisterWorkerRequest\x1a\".orchard.v1.RegisterWorkerResponse\x12H\n\tHeartbeat\x12\x1c.orchard.v1.HeartbeatRequest\x1a\x1d.orchard.v1.HeartbeatResponse\x12H\n\tAddWorker\x12\x1c.orchard.v1.AddWorkerRequest\x1a\x1d.orchard.v1.AddWorkerResponse\x12Q\n\x0cRemoveWorker\x12\x1f.orchard.v1.RemoveWorkerRequest\x1a .orchard.v1.RemoveWorkerResponse\x12N\n\x0bListWorkers\x12\x1e.orchard.v1.ListWorkersRequest\x1a\x1f.orchard.v1.ListWorkersResponse\x12N\n\x0b\x44rainWorker\x12\x1e.orchard.v1.DrainWorkerRequest\x1a\x1f.orchard.v1.DrainWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'orchard.v1.orchard_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2562
-  _globals['_FINISHREASON']._serialized_end=2682
-  _globals['_WORKERSTATE']._serialized_start=2684
-  _globals['_WORKERSTATE']._serialized_end=2808
+  _globals['_FINISHREASON']._serialized_start=2579
+  _globals['_FINISHREASON']._serialized_end=2699
+  _globals['_WORKERSTATE']._serialized_start=2701
+  _globals['_WORKERSTATE']._serialized_end=2825
   _globals['_CHATMESSAGE']._serialized_start=40
   _globals['_CHATMESSAGE']._serialized_end=84
   _globals['_TOKENIDS']._serialized_start=86
@@ -62,41 +62,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADREQUEST']._serialized_start=1359
   _globals['_GETLOADREQUEST']._serialized_end=1375
   _globals['_LOADREPORT']._serialized_start=1378
-  _globals['_LOADREPORT']._serialized_end=1598
-  _globals['_DRAINREQUEST']._serialized_start=1600
-  _globals['_DRAINREQUEST']._serialized_end=1629
-  _globals['_DRAINRESPONSE']._serialized_start=1631
-  _globals['_DRAINRESPONSE']._serialized_end=1706
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1708
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1825
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1827
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1901
-  _globals['_HEARTBEATREQUEST']._serialized_start=1903
-  _globals['_HEARTBEATREQUEST']._serialized_end=1998
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2000
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2034
-  _globals['_ADDWORKERREQUEST']._serialized_start=2036
-  _globals['_ADDWORKERREQUEST']._serialized_end=2071
-  _globals['_ADDWORKERRESPONSE']._serialized_start=2073
-  _globals['_ADDWORKERRESPONSE']._serialized_end=2111
-  _globals['_REMOVEWORKERREQUEST']._serialized_start=2113
-  _globals['_REMOVEWORKERREQUEST']._serialized_end=2153
-  _globals['_REMOVEWORKERRESPONSE']._serialized_start=2155
-  _globals['_REMOVEWORKERRESPONSE']._serialized_end=2177
-  _globals['_LISTWORKERSREQUEST']._serialized_start=2179
-  _globals['_LISTWORKERSREQUEST']._serialized_end=2199
-  _globals['_WORKERINFO']._serialized_start=2202
-  _globals['_WORKERINFO']._serialized_end=2377
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=2379
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=2441
-  _globals['_DRAINWORKERREQUEST']._serialized_start=2443
-  _globals['_DRAINWORKERREQUEST']._serialized_end=2497
-  _globals['_DRAINWORKERRESPONSE']._serialized_start=2499
-  _globals['_DRAINWORKERRESPONSE']._serialized_end=2560
-  _globals['_GENERATION']._serialized_start=2811
-  _globals['_GENERATION']._serialized_end=2973
-  _globals['_WORKERADMIN']._serialized_start=2976
-  _globals['_WORKERADMIN']._serialized_end=3114
-  _globals['_ROUTER']._serialized_start=3117
-  _globals['_ROUTER']._serialized_end=3605
+  _globals['_LOADREPORT']._serialized_end=1615
+  _globals['_DRAINREQUEST']._serialized_start=1617
+  _globals['_DRAINREQUEST']._serialized_end=1646
+  _globals['_DRAINRESPONSE']._serialized_start=1648
+  _globals['_DRAINRESPONSE']._serialized_end=1723
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1725
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1842
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1844
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1918
+  _globals['_HEARTBEATREQUEST']._serialized_start=1920
+  _globals['_HEARTBEATREQUEST']._serialized_end=2015
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2017
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2051
+  _globals['_ADDWORKERREQUEST']._serialized_start=2053
+  _globals['_ADDWORKERREQUEST']._serialized_end=2088
+  _globals['_ADDWORKERRESPONSE']._serialized_start=2090
+  _globals['_ADDWORKERRESPONSE']._serialized_end=2128
+  _globals['_REMOVEWORKERREQUEST']._serialized_start=2130
+  _globals['_REMOVEWORKERREQUEST']._serialized_end=2170
+  _globals['_REMOVEWORKERRESPONSE']._serialized_start=2172
+  _globals['_REMOVEWORKERRESPONSE']._serialized_end=2194
+  _globals['_LISTWORKERSREQUEST']._serialized_start=2196
+  _globals['_LISTWORKERSREQUEST']._serialized_end=2216
+  _globals['_WORKERINFO']._serialized_start=2219
+  _globals['_WORKERINFO']._serialized_end=2394
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=2396
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2458
+  _globals['_DRAINWORKERREQUEST']._serialized_start=2460
+  _globals['_DRAINWORKERREQUEST']._serialized_end=2514
+  _globals['_DRAINWORKERRESPONSE']._serialized_start=2516
+  _globals['_DRAINWORKERRESPONSE']._serialized_end=2577
+  _globals['_GENERATION']._serialized_start=2828
+  _globals['_GENERATION']._serialized_end=2990
+  _globals['_WORKERADMIN']._serialized_start=2993
+  _globals['_WORKERADMIN']._serialized_end=3131
+  _globals['_ROUTER']._serialized_start=3134
+  _globals['_ROUTER']._serialized_end=3622
 # @@protoc_insertion_point(module_scope)
