@@ -35,6 +35,7 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
         self.hang_after_tokens: int | None = None  # total tokens streamed before going silent (a sleeping Mac)
         self.end_after_tokens: int | None = None  # total tokens streamed before ending streams without a finish
         self.stalled = False  # what its load reports say of its engine (a wedged engine's watchdog)
+        self.fail_with: grpc.StatusCode | None = None  # fail every request at once with this status
         self.dead = False
         self.requests: list[pb.GenerateRequest] = []
         self.running = 0
@@ -88,6 +89,10 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
         if request.text == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad prompt")
         self.requests.append(request)
+        if self.fail_with is not None:
+            await context.abort(self.fail_with, f"failing on purpose ({self.fail_with.name})")
+        if request.text.startswith("poison"):  # breaks any engine it reaches
+            await context.abort(grpc.StatusCode.INTERNAL, "the engine failed: RuntimeError: poisoned")
         self.running += 1
         try:
             max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16

@@ -482,3 +482,45 @@ def test_a_worker_reporting_a_stalled_engine_has_its_streams_resumed_at_once():
 
     run(main())
 
+
+
+def test_a_poison_request_fails_after_two_workers_and_no_more():
+    """A request that breaks the engine (INTERNAL) on two workers is failed to its client
+    with INTERNAL and not tried on a third; other requests go on."""
+    async def main():
+        async with Cluster(n_workers=3) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate("poison pill")
+            assert e.value.code() == grpc.StatusCode.INTERNAL and "2 workers" in e.value.details()
+            assert sum(len(w.requests) for w in c.workers) == 2
+            assert tokens(await c.generate("fine")) == expected_tokens("fine", 8)
+            text = await c.metrics()
+            assert "orchard_router_poison_requests_total 1.0" in text
+
+    run(main())
+
+
+def test_a_failing_worker_that_heartbeats_is_held_off_by_its_circuit_breaker():
+    """A worker that fails every request but keeps reporting healthy: after 3 failures in a
+    row its circuit opens and it gets no requests (while it stays open), then one probe."""
+    async def main():
+        async with Cluster(circuit_cooldown=1.0) as c:
+            bad, good = c.workers
+            bad.fail_with = grpc.StatusCode.UNAVAILABLE
+            for i in range(12):
+                assert tokens(await c.generate(f"q{i}")) == expected_tokens(f"q{i}", 8)
+                await c.wait_healthy(2)  # its heartbeats make it healthy again at once
+            assert len(bad.requests) == 3  # then the circuit held it off
+            assert "orchard_router_circuit_open{worker=\"w0\"} 1.0" in await c.metrics()
+            await asyncio.sleep(1.1)  # the cool-down is over: one probe; it fails, open again
+            for i in range(4):
+                await c.generate(f"r{i}")
+            assert len(bad.requests) == 4
+            bad.fail_with = None
+            await asyncio.sleep(2.1)  # open for twice as long, then a probe that succeeds closes it
+            for i in range(6):
+                await c.generate(f"s{i}")
+            assert len(bad.requests) >= 5 and bad.requests[-1].text.startswith("s")
+            assert "orchard_router_circuit_open{worker=\"w0\"} 0.0" in await c.metrics()
+
+    run(main())

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from cluster.router.breaker import CLOSED
 from cluster.router.registry import STATE_NAMES, Registry
 from cluster.worker.metrics import REQUEST_LATENCY_BUCKETS as E2E_BUCKETS  # the worker's (vLLM's) edges
 from cluster.worker.metrics import TTFT_BUCKETS
@@ -37,6 +38,13 @@ class _WorkerGauges:
         for w in workers:
             inflight.add_metric([w.worker_id], w.inflight)
         yield inflight
+        circuit = GaugeMetricFamily(
+            "orchard_router_circuit_open", "1 while a worker's circuit breaker is open or half-open (after "
+            "consecutive failures: no requests but one probe)", labels=["worker"],
+        )
+        for w in workers:
+            circuit.add_metric([w.worker_id], float(w.breaker.state != CLOSED))
+        yield circuit
 
 
 class RouterMetrics:
@@ -53,6 +61,14 @@ class RouterMetrics:
         self.e2e = Histogram(
             "orchard_router_e2e_request_latency_seconds", "Request latency seen by the router's clients",
             buckets=E2E_BUCKETS, registry=r,
+        )
+        self.poison = Counter(
+            "orchard_router_poison_requests_total",
+            "Requests failed to their client after failing with INTERNAL on two workers (not tried again)", registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "orchard_router_retry_budget_exhausted_total",
+            "Requests failed fast instead of retried: the router's retry budget was spent", registry=r,
         )
         self.retries = Counter(
             "orchard_router_retries_total",

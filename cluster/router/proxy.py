@@ -35,6 +35,7 @@ from cluster.api import errors
 from cluster.api.wire import validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router import metrics as m
+from cluster.router.breaker import RetryBudget, backoff
 from cluster.router.policy import Policy, PrefixAware
 from cluster.router.prefix_index import prompt_keys
 from cluster.router.registry import Registry, RegistryError
@@ -102,6 +103,7 @@ class RouterBackend:
         self.policy = policy
         self.metrics = metrics
         self.config = config
+        self.budget = RetryBudget()
 
     async def list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=self.registry.models())
@@ -127,7 +129,11 @@ class RouterBackend:
         wait_until = time.monotonic() + self.config.worker_wait  # for an unhealthy worker, once per request
         if deadline is not None:
             wait_until = min(wait_until, deadline)
+        internal = 0  # attempts failed with INTERNAL (two make the request a poison)
+        self.budget.on_request()
         for attempt in range(self.config.max_attempts):
+            if attempt:
+                await self._before_retry(rid, attempt, failure, deadline)
             pool, no_worker = await self._pool(rid, request.model, excluded, wait_until)
             if not pool:
                 self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
@@ -137,6 +143,7 @@ class RouterBackend:
                     raise errors.from_status(no_worker.code, str(no_worker))
                 raise errors.Unavailable(f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}")
             worker = self.policy.choose(pool, keys)
+            worker.breaker.on_start()
             if attempt:
                 self.metrics.retries.labels(kind="resume" if sent else "retry").inc()
                 log.info("request %s: %s on %s after %d tokens", rid, "resuming" if sent else "retrying",
@@ -146,8 +153,8 @@ class RouterBackend:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             worker.inflight += 1
             call = worker.generation.Generate(upstream, timeout=remaining)
-            attempt = _Attempt(call)
-            worker.attempts.add(attempt)
+            stream = _Attempt(call)
+            worker.attempts.add(stream)
             outcome = m.CANCELLED
             try:
                 async for chunk in self._relay(call, rid, worker.worker_id):
@@ -175,13 +182,13 @@ class RouterBackend:
                 # finish reason (its channel closed under it) is a failed worker.
                 raise _WorkerFailed(grpc.StatusCode.UNAVAILABLE, "the worker's stream ended before the request finished")
             except asyncio.CancelledError:
-                if attempt.abandoned is None or _cancelling():
+                if stream.abandoned is None or _cancelling():
                     raise
-                failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, attempt.abandoned), m.FAILED
+                failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, stream.abandoned), m.FAILED
             except grpc.aio.AioRpcError as e:
                 code = e.code()
-                if attempt.abandoned is not None:  # we cancelled it: the worker stalled
-                    failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, attempt.abandoned), m.FAILED
+                if stream.abandoned is not None:  # we cancelled it: the worker stalled
+                    failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, stream.abandoned), m.FAILED
                 elif code not in RETRYABLE:
                     outcome = m.ERROR
                     raise errors.from_rpc_error(e) from None
@@ -190,14 +197,22 @@ class RouterBackend:
                     outcome = m.FAILED
                     if code in UNREACHABLE:
                         self.registry.mark_failed(worker.worker_id, f"{code.name}: {e.details()}")
+                    if code is grpc.StatusCode.INTERNAL:
+                        internal += 1
+                        if internal >= 2:  # the same request broke two workers: it is the cause
+                            self.metrics.poison.inc()
+                            log.error("request %s failed with INTERNAL on %d workers: not tried again", rid, internal)
+                            raise errors.InternalError(
+                                f"the request failed on {internal} workers ({e.details()}): not tried again") from None
             except _WorkerFailed as e:
                 failure, outcome = e, m.FAILED
                 if e.code is grpc.StatusCode.UNAVAILABLE:
                     self.registry.mark_failed(worker.worker_id, e.details)
             finally:
                 worker.inflight -= 1
-                worker.attempts.discard(attempt)
-                call.cancel()  # no-op once it finished; reaches the worker if the client left
+                worker.attempts.discard(stream)
+                call.cancel()
+                self._judge(worker, outcome)  # no-op once it finished; reaches the worker if the client left
                 self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
             excluded.add(worker.worker_id)
             log.warning("request %s: worker %s failed (%s: %s)", rid, worker.worker_id, failure.code.name, failure.details)
@@ -205,6 +220,28 @@ class RouterBackend:
         raise errors.Unavailable(
             f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}"
         )
+
+    async def _before_retry(self, rid: str, attempt: int, failure: "_WorkerFailed", deadline: float | None) -> None:
+        """Spend the retry budget (or fail fast when it is spent) and back off."""
+        if not self.budget.try_retry():
+            self.metrics.retry_budget_exhausted.inc()
+            raise errors.Unavailable(f"worker failed ({failure.code.name}: {failure.details}); the router's retry "
+                                     "budget is spent (too many failures at once): retry later")
+        delay = backoff(attempt)
+        if deadline is not None:
+            delay = min(delay, max(0.0, deadline - time.monotonic()))
+        await asyncio.sleep(delay)
+
+    def _judge(self, worker, outcome: str) -> None:
+        """The worker's circuit breaker learns from how the attempt ended."""
+        if outcome == m.FAILED:
+            if worker.breaker.on_failure():
+                log.warning("worker %s: %d failures in a row: circuit open for %.1f s", worker.worker_id,
+                            worker.breaker.failures, worker.breaker.cooldown)
+        elif outcome in (m.SUCCESS, m.ERROR):  # it answered (an error of the request's own is an answer)
+            worker.breaker.on_success()
+        else:
+            worker.breaker.on_abandon()
 
     async def _relay(self, call, rid: str, worker_id: str) -> AsyncIterator[pb.GenerateResponse]:
         """The worker's chunks; once the stream has started, a gap longer than

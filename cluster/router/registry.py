@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.router.breaker import CLOSED, CircuitBreaker
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class RegistryConfig:
     heartbeat_interval: float = 1.0
     missed_heartbeats: int = 3
     remove_after: float = 30.0
+    circuit_threshold: int = 3  # consecutive failed requests that open a worker's circuit breaker
+    circuit_cooldown: float = 2.0  # seconds it stays open before one probe request (doubling, to 30 s)
 
     @property
     def unhealthy_after(self) -> float:
@@ -67,6 +70,7 @@ class WorkerRecord:
     # The router's open streams there (proxy attempts with `abandon(reason)`): a worker
     # that reports itself stalled has them all resumed elsewhere at once.
     attempts: set = field(default_factory=set)
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     @property
     def model(self) -> str:
@@ -150,9 +154,11 @@ class Registry:
                 grpc.StatusCode.NOT_FOUND if model else grpc.StatusCode.UNAVAILABLE,
                 f"no worker serves {what}" + (f" (served: {', '.join(known)})" if known else " (no workers registered)"),
             )
-        ready = [w for w in serving if w.state == HEALTHY]
+        ready = [w for w in serving if w.state == HEALTHY and w.breaker.allows()]
         if not ready:
-            states = ", ".join(f"{w.worker_id}: {STATE_NAMES[w.state]}" for w in serving)
+            states = ", ".join(f"{w.worker_id}: {STATE_NAMES[w.state]}"
+                               + (f", circuit {w.breaker.state}" if w.breaker.state != CLOSED else "")
+                               for w in serving)
             raise RegistryError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"no healthy worker for {('model ' + repr(model)) if model else 'the request'} ({states})",
@@ -252,7 +258,8 @@ class Registry:
         if w is None and stale is not None and stale.worker_id != worker_id:
             self.remove(stale.worker_id)
         if w is None:
-            w = WorkerRecord(worker_id=worker_id, address=address, static=static)
+            w = WorkerRecord(worker_id=worker_id, address=address, static=static,
+                             breaker=CircuitBreaker(self.config.circuit_threshold, self.config.circuit_cooldown))
             self._open(w)
             self.workers[worker_id] = w
             log.info("worker %s at %s joined (model %s%s)", worker_id, address, report.model, ", static" if static else "")

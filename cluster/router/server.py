@@ -43,6 +43,8 @@ class RouterConfig:
     max_attempts: int = 4
     worker_wait: float = 5.0
     stream_idle_timeout: float = 30.0
+    circuit_threshold: int = 3
+    circuit_cooldown: float = 2.0
     static_workers: tuple[str, ...] = ()
 
 
@@ -56,6 +58,8 @@ class RouterServer:
                 heartbeat_interval=config.heartbeat_interval,
                 missed_heartbeats=config.missed_heartbeats,
                 remove_after=config.remove_after,
+                circuit_threshold=config.circuit_threshold,
+                circuit_cooldown=config.circuit_cooldown,
             ),
             on_remove=self.policy.forget,
         )
