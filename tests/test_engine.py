@@ -351,3 +351,57 @@ def test_warm_up_leaves_no_trace(model_dirs):
     for params in kinds:
         assert warm.generate(prompts, params) == cold.generate(prompts, params)
     assert warm.warm_up() == 0.0  # only a fresh engine: now its blocks hold cached prefixes
+
+
+def test_a_failed_step_is_pinned_on_its_cause_and_the_rest_continue_exactly(model_dirs):
+    """The engine thread isolates a step failure: requests batched with the one that breaks
+    the step come back one at a time, resumed after the tokens they had emitted, and end
+    with exactly the tokens and text of a run without the failure (seeded sampling too);
+    only the cause fails."""
+    import threading
+
+    from cluster.worker.engine import RequestOutput
+    from cluster.worker.engine_loop import AddRequest, EngineLoop, Failed
+
+    prompts = random_prompts(3, seed=11, lengths=(40, 70, 25))
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=5 + i, ignore_eos=True) for i in range(3)]
+
+    def run(with_poison: bool):
+        engine = Engine.from_pretrained(model_dirs["qwen3"], EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64))
+        prepare = engine.runner.prepare
+
+        def poisoned(plan):
+            if any(e.seq.request_id == "poison" for e in plan.scheduled):
+                raise RuntimeError("poisoned")
+            return prepare(plan)
+
+        engine.runner.prepare = poisoned
+        out = {f"r{i}": ([], "") for i in range(3)}
+        failed, done = {}, threading.Event()
+
+        def sink(now, events):
+            for ev in events:
+                if isinstance(ev, Failed):
+                    failed[ev.request_id] = ev.message
+                elif isinstance(ev, RequestOutput) and ev.request_id in out:
+                    toks, text = out[ev.request_id]
+                    out[ev.request_id] = (toks + ev.new_token_ids, text + ev.new_text)
+                if sum(len(t) for t, _ in out.values()) == 72 and (failed or not with_poison):
+                    done.set()
+
+        loop = EngineLoop(lambda: engine, sink)
+        loop.start(timeout=60)
+        try:
+            for i in range(3):
+                loop.submit(AddRequest(f"r{i}", prompts[i], params[i], 0.0))
+                if i == 1 and with_poison:  # mid-prefill of the others
+                    loop.submit(AddRequest("poison", [5] * 30, SamplingParams(max_tokens=4), 0.0))
+            assert done.wait(120)
+        finally:
+            loop.stop(10)
+        return out, failed
+
+    clean, _ = run(False)
+    faulty, failed = run(True)
+    assert list(failed) == ["poison"] and "poisoned" in failed["poison"]
+    assert faulty == clean

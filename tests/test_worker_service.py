@@ -25,9 +25,14 @@ BOOM = 999  # a prompt starting with this token makes the fake engine's step rai
 @dataclass
 class FakeSeq:
     prompt: list[int]
-    max_tokens: int
+    params: object
     out: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
+    arrival: float = 0.0
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
 
 
 class FakeEngine:
@@ -41,6 +46,7 @@ class FakeEngine:
         self.stats = EngineStats(num_blocks_total=8)
         self.seqs: dict[str, FakeSeq] = {}
         self.aborted: list[str] = []
+        self.added: list[tuple[str, tuple[int, ...]]] = []  # (request id, resumed tokens), in order
         self.thread = None
         self.unwedged = threading.Event()
         self.unwedged.set()
@@ -51,7 +57,8 @@ class FakeEngine:
             raise ValueError("prompt token ids must be in [0, 500)")
         if sum(s.status is SequenceStatus.WAITING for s in self.seqs.values()) >= 3:
             raise QueueFullError("the waiting queue is full (3 requests): retry later")
-        self.seqs[rid] = FakeSeq(list(prompt), params.max_tokens)
+        self.seqs[rid] = FakeSeq(list(prompt), params, list(resume_token_ids), arrival=arrival_time or 0.0)
+        self.added.append((rid, tuple(resume_token_ids)))
 
     def abort(self, rid):
         self.aborted.append(rid)
@@ -65,6 +72,13 @@ class FakeEngine:
 
     def has_unfinished(self):
         return bool(self.seqs)
+
+    def live_request_ids(self):
+        return list(self.seqs)
+
+    def request_state(self, rid):
+        s = self.seqs[rid]
+        return list(s.prompt), list(s.out), s.params, s.arrival
 
     num_waiting = 0  # nothing is held back for admission here
 
@@ -187,6 +201,35 @@ def test_an_engine_failure_fails_the_live_requests_and_the_worker_goes_on():
 
     after = run_with_service(fn)
     assert [t for c in after for t in c.token_ids] == [100, 101]
+
+
+def test_a_failed_step_fails_only_its_cause_and_the_batch_continues_exactly():
+    """A step that raises with a poison request batched beside others: the others come
+    back one at a time, resumed after what they had sent, and finish with exactly the
+    tokens they would have had; the poison fails alone, and the worker goes on."""
+    async def fn(svc, engine):
+        engine.unwedged.clear()  # hold the first step until all four are in
+        tasks = [asyncio.create_task(collect(svc, build_request([i + 1], max_tokens=5, request_id=f"ok{i}")))
+                 for i in range(2)]
+        await asyncio.sleep(0.05)
+        tasks.insert(1, asyncio.create_task(collect(svc, build_request([BOOM], max_tokens=5, request_id="bad"))))
+        tasks.append(asyncio.create_task(collect(svc, build_request([7], max_tokens=5, request_id="ok2"))))
+        await asyncio.sleep(0.05)
+        engine.unwedged.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        after = await collect(svc, build_request([1], max_tokens=2))
+        return results, after
+
+    engine = FakeEngine()
+    results, after = run_with_service(fn, engine)
+    good = [r for i, r in enumerate(results) if i != 1]
+    assert isinstance(results[1], InternalError) and "boom" in str(results[1])
+    for chunks in good:
+        assert [t for c in chunks for t in c.token_ids] == [100, 101, 102, 103, 104]
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert [t for c in after for t in c.token_ids] == [100, 101]
+    readded = [rid for rid, _ in engine.added if rid != "bad"]
+    assert len(readded) > 4  # the innocent ones came back (resumed) after the failed step
 
 
 def test_validation_before_the_engine():

@@ -171,6 +171,16 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def live_request_ids(self) -> list[str]:
+        return list(self.seqs)
+
+    def request_state(self, request_id: str) -> tuple[list[int], list[int], SamplingParams, float]:
+        """(prompt token ids, output token ids so far (resumed ones included), sampling
+        params, arrival time) of a live request: what it takes to add it again."""
+        seq = self.seqs[request_id]
+        n = seq.num_prompt_tokens
+        return list(seq.token_ids[:n]), list(seq.token_ids[n:]), seq.sampling_params, seq.arrival_time
+
     @property
     def num_waiting(self) -> int:
         """Requests waiting for admission (new or preempted)."""

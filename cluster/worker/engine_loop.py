@@ -10,7 +10,11 @@ everything the step produced (engine `RequestOutput`s, `Scheduled`, `Rejected`,
 `Failed`). The sink decides how to cross into its own world (the worker's service uses
 `call_soon_threadsafe`). Nothing here knows about gRPC or asyncio, and the engine is used
 only through its public methods (`add_request`, `abort`, `abort_all`, `step`,
-`has_unfinished`, `num_waiting`, `is_waiting`).
+`has_unfinished`, `num_waiting`, `is_waiting`, `live_request_ids`, `request_state`).
+
+A failed step does not fail its whole batch: its requests come back one at a time, each
+resumed exactly after the tokens its client has, until one fails a step on its own (the
+cause, failed alone) or all went through (see `_Isolation`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -136,9 +141,11 @@ class EngineLoop:
             self._ready.set()
         engine = self.engine
         queued: dict[str, float] = {}  # request id -> arrival, until first scheduled
+        sent: dict[str, int] = {}  # request id -> output tokens its client has (resumed + emitted)
+        iso = _Isolation()
         comeback = _Comeback(engine.config.finish_wait_ms / 1000)
         while True:
-            msgs = [] if engine.has_unfinished() else [self._inbox.get()]
+            msgs = [] if engine.has_unfinished() or iso.suspects else [self._inbox.get()]
             if comeback.worth_waiting() and not engine.num_waiting:
                 self._wait_for_comebacks(msgs, comeback)
             while True:
@@ -152,23 +159,51 @@ class EngineLoop:
             try:
                 stop = False
                 for msg in msgs:
-                    stop = self._handle(engine, msg, events, queued) or stop
+                    stop = self._handle(engine, msg, events, queued, sent, iso) or stop
                 if stop:
-                    events += [RequestOutput(rid, [], "", True, "abort") for rid in engine.abort_all()]
+                    gone = engine.abort_all() + iso.drop_all()
+                    events += [RequestOutput(rid, [], "", True, "abort") for rid in gone]
                     self._emit(time.monotonic(), events)
                     return
+                for msg in iso.next_adds():  # isolating: the next suspect, or at the end what was held
+                    self._add(engine, msg, events, queued, sent, probe=iso.probe == msg.request_id)
                 if engine.has_unfinished():
-                    self._step(engine, events, queued)
+                    self._step(engine, events, queued, sent)
+                    iso.probe = None  # it went through a step: not the cause
                     comeback.finished(time.monotonic(), sum(
                         1 for e in events if isinstance(e, RequestOutput) and e.finished and e.finish_reason != "abort"))
-            except Exception as e:  # keep serving: fail what was live, go on
-                log.exception("engine loop failed; aborting its live requests")
-                message = f"the engine failed: {type(e).__name__}: {e}"
-                events += [Failed(rid, message) for rid in engine.abort_all()]
-                queued.clear()
+            except Exception as e:  # keep serving: isolate the cause, recompute the rest
+                events += self._isolate(engine, e, iso, sent)
             if events:
                 self._emit(time.monotonic(), events)
             self.busy_since = None
+
+    def _isolate(self, engine: Engine, error: Exception, iso: "_Isolation", sent: dict[str, int]) -> list[Event]:
+        """After a failed step: fail the request on probation if there was one (it failed
+        with only cleared requests beside it: it is the cause); take every other live
+        request out, to come back one at a time, each resumed after the tokens its client
+        has, so it continues exactly (the same path as a router's resume)."""
+        message = f"the engine failed: {type(error).__name__}: {error}"
+        culprit, iso.probe = iso.probe, None
+        failed: list[Event] = []
+        if culprit is not None:
+            log.error("engine: request %s failed a step on probation: failing it (%s)", culprit, message)
+            failed.append(Failed(culprit, message))
+        else:
+            log.exception("engine step failed; its requests come back one at a time to find the cause")
+        for rid in engine.live_request_ids():
+            if rid == culprit:
+                continue
+            try:
+                prompt, output, params, arrival = engine.request_state(rid)
+            except Exception:
+                failed.append(Failed(rid, message))
+                continue
+            iso.suspects.append(AddRequest(rid, prompt, params, arrival, tuple(output[: sent.get(rid, 0)])))
+        engine.abort_all()
+        for ev in failed:
+            sent.pop(ev.request_id, None)
+        return failed
 
     def _wait_for_comebacks(self, msgs: list, comeback: "_Comeback") -> None:
         """Take inbox messages until as many new requests arrived as the last step
@@ -184,31 +219,50 @@ class EngineLoop:
                 return
             adds += isinstance(msg, AddRequest)
 
-    def _step(self, engine: Engine, events: list[Event], queued: dict[str, float]) -> None:
+    def _step(self, engine: Engine, events: list[Event], queued: dict[str, float], sent: dict[str, int]) -> None:
         start = time.monotonic()
         outputs = engine.step()
         for rid, arrival in list(queued.items()):  # only requests not yet scheduled
             if not engine.is_waiting(rid):
                 events.append(Scheduled(rid, max(0.0, start - arrival)))
                 del queued[rid]
+        for out in outputs:
+            if out.finished:
+                sent.pop(out.request_id, None)
+            elif out.request_id in sent:
+                sent[out.request_id] += len(out.new_token_ids)
         events += outputs
 
-    def _handle(self, engine: Engine, msg, events: list[Event], queued: dict[str, float]) -> bool:
+    def _add(self, engine: Engine, msg: AddRequest, events: list[Event], queued: dict[str, float],
+             sent: dict[str, int], probe: bool = False) -> None:
+        """Add a request (`probe`: one coming back after a failed step; its queue time and
+        its refusal were dealt with the first time)."""
+        try:
+            engine.add_request(
+                msg.request_id, msg.prompt_token_ids, msg.params,
+                arrival_time=msg.arrival_time, resume_token_ids=msg.resume_token_ids,
+            )
+            sent[msg.request_id] = len(msg.resume_token_ids)
+            if not probe:
+                queued[msg.request_id] = msg.arrival_time
+        except (ValueError, QueueFullError) as e:
+            events.append(Rejected(msg.request_id, e) if not probe else Failed(msg.request_id, str(e)))
+        except Exception as e:
+            log.exception("add_request failed for %s", msg.request_id)
+            events.append(Failed(msg.request_id, f"the engine could not take the request: {type(e).__name__}: {e}"))
+
+    def _handle(self, engine: Engine, msg, events: list[Event], queued: dict[str, float], sent: dict[str, int],
+                iso: "_Isolation") -> bool:
         """One dispatch point for inbox messages. True means shut down."""
         if isinstance(msg, AddRequest):
-            try:
-                engine.add_request(
-                    msg.request_id, msg.prompt_token_ids, msg.params,
-                    arrival_time=msg.arrival_time, resume_token_ids=msg.resume_token_ids,
-                )
-                queued[msg.request_id] = msg.arrival_time
-            except (ValueError, QueueFullError) as e:
-                events.append(Rejected(msg.request_id, e))
-            except Exception as e:
-                log.exception("add_request failed for %s", msg.request_id)
-                events.append(Failed(msg.request_id, f"the engine could not take the request: {type(e).__name__}: {e}"))
+            if iso.active:
+                iso.held.append(msg)  # new work waits until the cause of a failed step is found
+            else:
+                self._add(engine, msg, events, queued, sent)
         elif isinstance(msg, AbortRequest):
             queued.pop(msg.request_id, None)
+            sent.pop(msg.request_id, None)
+            iso.drop(msg.request_id)
             engine.abort(msg.request_id)
         elif isinstance(msg, Shutdown):
             return True
@@ -221,6 +275,44 @@ class EngineLoop:
             self._sink(now, events)
         except Exception:  # the receiver is gone (shutting down): nothing to deliver to
             log.debug("engine loop: could not deliver %d events", len(events), exc_info=True)
+
+
+class _Isolation:
+    """After a failed step, its requests come back one at a time (`suspects`): each is on
+    probation (`probe`) until it has gone through one step, with only cleared requests
+    beside it. New requests are held meanwhile, so a failure is pinned on the one that
+    came back last. When no suspect is left, the held requests are added."""
+
+    def __init__(self):
+        self.suspects: deque[AddRequest] = deque()
+        self.held: list[AddRequest] = []
+        self.probe: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.suspects) or self.probe is not None
+
+    def next_adds(self) -> list[AddRequest]:
+        """What to add before the next step."""
+        if self.probe is not None:
+            return []
+        if self.suspects:
+            msg = self.suspects.popleft()
+            self.probe = msg.request_id
+            return [msg]
+        held, self.held = self.held, []
+        return held
+
+    def drop(self, request_id: str) -> None:
+        """Its client went away."""
+        self.suspects = deque(m for m in self.suspects if m.request_id != request_id)
+        self.held = [m for m in self.held if m.request_id != request_id]
+
+    def drop_all(self) -> list[str]:
+        ids = [m.request_id for m in (*self.suspects, *self.held)]
+        self.suspects.clear()
+        self.held.clear()
+        return ids
 
 
 class _Comeback:
