@@ -176,7 +176,8 @@ def add_worker_parsers(sub) -> None:
     serve.add_argument("--http", default=None, metavar="HOST:PORT", help="OpenAI-compatible HTTP address (default: off)")
     serve.add_argument("--metrics", default="127.0.0.1:9101", metavar="HOST:PORT", help="Prometheus /metrics address, or off")
     serve.add_argument("--worker-id", default=None, help="default: HOSTNAME-GRPCPORT")
-    serve.add_argument("--router", default=None, metavar="HOST:PORT", help="register with this router and send heartbeats")
+    serve.add_argument("--router", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                       help="register with this router (or these routers) and send heartbeats")
     serve.add_argument("--join-token", default=os.environ.get("ORCHARD_JOIN_TOKEN", ""),
                        help="the router's join token (default $ORCHARD_JOIN_TOKEN)")
     serve.add_argument("--advertise", default=None, metavar="HOST:PORT",

@@ -524,3 +524,48 @@ def test_a_failing_worker_that_heartbeats_is_held_off_by_its_circuit_breaker():
             assert "orchard_router_circuit_open{worker=\"w0\"} 0.0" in await c.metrics()
 
     run(main())
+
+
+def test_a_second_router_carries_an_sdk_stream_through_the_first_ones_death():
+    """Workers register with two routers; the SDK, given both, resumes a stream broken by
+    its router's death on the other, after the tokens it has: one unbroken stream."""
+    from cluster.sdk import AsyncClient
+
+    async def main():
+        routers = []
+        for _ in range(2):
+            r = RouterServer(RouterConfig(grpc_address="127.0.0.1:0", http_address=None, metrics_address=None,
+                                          join_token="tok", heartbeat_interval=0.2))
+            await r.start()
+            routers.append(r)
+        workers = [await FakeWorker(f"w{i}", token_delay=0.02).start() for i in range(2)]
+        regs = [Registration(r.grpc_address, w.address, w.load_report, join_token="tok", worker_id=w.worker_id,
+                             interval=0.2) for w in workers for r in routers]
+        for reg in regs:
+            reg.start()
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 5
+            while any(sum(x.state == HEALTHY for x in r.registry.snapshot()) < 2 for r in routers):
+                assert loop.time() < deadline, "workers did not register with both routers"
+                await asyncio.sleep(0.02)
+            got, seen = [], []
+            async with AsyncClient([routers[0].grpc_address, routers[1].grpc_address], timeout=20) as client:
+                async for chunk in client.stream("two routers", max_tokens=30, temperature=0):
+                    got += chunk.token_ids
+                    seen.append(client.target)
+                    if len(got) == 5:
+                        await routers[0].stop(grace=0)  # the first router dies mid-stream
+                    last = chunk
+            assert got == expected_tokens("two routers", 30)
+            assert last.finish_reason == "length" and last.usage.completion_tokens == 30
+            assert seen[0] == routers[0].grpc_address and seen[-1] == routers[1].grpc_address
+        finally:
+            for reg in regs:
+                await reg.stop()
+            for r in routers:
+                await r.stop(grace=0)
+            for w in workers:
+                await w.server.stop(0)
+
+    run(main())

@@ -10,17 +10,20 @@
 request, which frees its place on the worker at once. Failed calls raise the typed
 errors of `cluster.api.errors`, exported by `cluster.sdk` (InvalidRequest, NotFound,
 Overloaded, Unavailable, DeadlineExceeded, Cancelled, ...). `timeout` is in seconds, per
-call or per client.
+call or per client. Give several targets (routers) and a stream survives a router's
+death: it resumes on the next one after the tokens already received.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.api.errors import Unavailable, from_rpc_error
+from cluster.api.errors import OrchardError, Unavailable, from_rpc_error
 from cluster.api.servicer import STREAM_ENDED_SHORT, finished
 from cluster.api.wire import Message, build_request
 from cluster.net import CHANNEL_OPTIONS
@@ -30,6 +33,7 @@ from cluster.sdk.types import Chunk, Completion
 
 DEFAULT_TARGET = "127.0.0.1:50051"  # the router; a worker (127.0.0.1:50061) answers too
 _UNSET = object()
+log = logging.getLogger(__name__)
 
 
 def _options(options) -> list[tuple]:
@@ -41,6 +45,52 @@ def _request(prompt, messages, params) -> pb.GenerateRequest:
     if isinstance(prompt, pb.GenerateRequest):
         return prompt
     return build_request(prompt, messages=messages, **params)
+
+
+def _targets(target: str | Sequence[str]) -> list[str]:
+    targets = [t.strip() for t in target.split(",")] if isinstance(target, str) else [str(t) for t in target]
+    targets = [t for t in targets if t]
+    if not targets:
+        raise ValueError("no target: give HOST:PORT, or several (a list or comma-separated)")
+    return targets
+
+
+# A target gone (its process died, the network to it broke): worth the next one.
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
+
+
+class _Failover:
+    """One stream's way across targets: the tokens received so far, and the request that
+    resumes after them on the next target (as the router resumes on another worker)."""
+
+    def __init__(self, request: pb.GenerateRequest, targets: list[str], index: int, timeout: float | None):
+        self.request = request
+        self.base = list(request.resume_token_ids)
+        self.got: list[int] = []
+        self.targets, self.index, self.tried = targets, index, 1
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def received(self, response: pb.GenerateResponse) -> None:
+        self.got.extend(response.token_ids)
+
+    def next_target(self, error: OrchardError) -> int:
+        """The index of the target to resume on; raises `error` when it is not a target's
+        failure or every target was tried."""
+        if error.code not in FAILOVER_CODES or self.tried >= len(self.targets):
+            raise error
+        self.tried += 1
+        self.index = (self.index + 1) % len(self.targets)
+        resumed = pb.GenerateRequest()
+        resumed.CopyFrom(self.request)
+        del resumed.resume_token_ids[:]
+        resumed.resume_token_ids.extend(self.base + self.got)
+        self.request, self.base, self.got = resumed, self.base + self.got, []
+        log.info("stream on %s failed (%s); resuming on %s after %d tokens", self.targets[self.index - 1],
+                 error.code.name, self.targets[self.index], len(self.base))
+        return self.index
 
 
 class GrpcBackend:
@@ -72,13 +122,29 @@ class GrpcBackend:
 
 
 class AsyncClient:
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
+    """`target`: one HOST:PORT, or several (a list, or comma-separated) for a fleet with
+    more than one router: a stream broken by its router's death (UNAVAILABLE) resumes on
+    the next with the tokens already received (`resume_token_ids`), so the caller sees
+    one stream; other calls go to the next target when one is unreachable."""
+
+    def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET, *, timeout: float | None = None,
                  channel: grpc.aio.Channel | None = None, options: Sequence[tuple] | None = None):
-        self.target = target
+        self.targets = _targets(target)
         self.timeout = timeout
+        self._options = _options(options)
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._own_channel = channel is None
-        self.channel = channel or grpc.aio.insecure_channel(target, options=_options(options))
-        self.backend = GrpcBackend(self.channel, timeout)
+        if channel is not None:
+            self._channels[self.targets[0]] = channel
+        self._use(0)
+
+    def _use(self, index: int) -> None:
+        self._index = index
+        self.target = self.targets[index]
+        if self.target not in self._channels:
+            self._channels[self.target] = grpc.aio.insecure_channel(self.target, options=self._options)
+        self.channel = self._channels[self.target]
+        self.backend = GrpcBackend(self.channel, self.timeout)
         self._admin = pb_grpc.WorkerAdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -90,7 +156,8 @@ class AsyncClient:
 
     async def close(self) -> None:
         if self._own_channel:
-            await self.channel.close()
+            for channel in self._channels.values():
+                await channel.close()
 
     def _timeout(self, timeout):
         return self.timeout if timeout is _UNSET else timeout
@@ -99,12 +166,18 @@ class AsyncClient:
                      messages: Iterable[Message] | None = None, timeout=_UNSET, **params) -> AsyncIterator[Chunk]:
         """Yield chunks as they come. `await it.aclose()` (or leaving `async for`) cancels."""
         request = _request(prompt, messages, params)
-        gen = finished(self.backend.generate(request, timeout=self._timeout(timeout)))
-        try:
-            async for response in gen:
-                yield Chunk.from_proto(response)
-        finally:
-            await gen.aclose()
+        failover = _Failover(request, self.targets, self._index, self._timeout(timeout))
+        while True:
+            gen = finished(self.backend.generate(failover.request, timeout=failover.remaining()))
+            try:
+                async for response in gen:
+                    failover.received(response)
+                    yield Chunk.from_proto(response)
+                return
+            except OrchardError as e:
+                self._use(failover.next_target(e))  # or raises e
+            finally:
+                await gen.aclose()
 
     async def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest | None = None, *,
                        messages: Iterable[Message] | None = None, timeout=_UNSET, **params) -> Completion:
@@ -118,37 +191,55 @@ class AsyncClient:
         return await self.generate(messages=messages, timeout=timeout, **params)
 
     async def list_models(self, *, timeout=_UNSET) -> list[pb.ModelInfo]:
-        return list((await self.backend.list_models(timeout=self._timeout(timeout))).models)
+        return list((await self._unary(lambda: self.backend._stub.ListModels, pb.ListModelsRequest(), timeout)).models)
 
     async def _unary(self, method, request, timeout):
-        try:
-            return await method(request, timeout=self._timeout(timeout))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        """`method()` (re-read after a failover) called on the current target; the next
+        target when this one is unreachable."""
+        for tried in range(len(self.targets)):
+            try:
+                return await method()(request, timeout=self._timeout(timeout))
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+                if err.code not in FAILOVER_CODES or tried == len(self.targets) - 1:
+                    raise err from None
+                self._use((self._index + 1) % len(self.targets))
 
     async def get_load(self, *, timeout=_UNSET) -> pb.LoadReport:
         """A worker's load report (WorkerAdmin)."""
-        return await self._unary(self._admin.GetLoad, pb.GetLoadRequest(), timeout)
+        return await self._unary(lambda: self._admin.GetLoad, pb.GetLoadRequest(), timeout)
 
     async def drain(self, drain: bool = True, *, timeout=_UNSET) -> pb.DrainResponse:
         """Make a worker stop (or resume) taking new requests (WorkerAdmin)."""
-        return await self._unary(self._admin.Drain, pb.DrainRequest(drain=drain), timeout)
+        return await self._unary(lambda: self._admin.Drain, pb.DrainRequest(drain=drain), timeout)
 
     async def health(self, service: str = "", *, timeout=_UNSET) -> str:
         """grpc.health.v1 status name: 'SERVING', 'NOT_SERVING', ..."""
-        r = await self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        r = await self._unary(lambda: self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
 class Client:
-    """The blocking twin of `AsyncClient` (plain grpc channel, no event loop)."""
+    """The blocking twin of `AsyncClient` (plain grpc channels, no event loop), with the
+    same failover across several targets."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
+    def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET, *, timeout: float | None = None,
                  channel: grpc.Channel | None = None, options: Sequence[tuple] | None = None):
-        self.target = target
+        self.targets = _targets(target)
         self.timeout = timeout
+        self._options = _options(options)
+        self._channels: dict[str, grpc.Channel] = {}
         self._own_channel = channel is None
-        self.channel = channel or grpc.insecure_channel(target, options=_options(options))
+        if channel is not None:
+            self._channels[self.targets[0]] = channel
+        self._use(0)
+
+    def _use(self, index: int) -> None:
+        self._index = index
+        self.target = self.targets[index]
+        if self.target not in self._channels:
+            self._channels[self.target] = grpc.insecure_channel(self.target, options=self._options)
+        self.channel = self._channels[self.target]
         self._stub = pb_grpc.GenerationStub(self.channel)
         self._admin = pb_grpc.WorkerAdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -161,7 +252,8 @@ class Client:
 
     def close(self) -> None:
         if self._own_channel:
-            self.channel.close()
+            for channel in self._channels.values():
+                channel.close()
 
     def _timeout(self, timeout):
         return self.timeout if timeout is _UNSET else timeout
@@ -170,17 +262,23 @@ class Client:
                messages: Iterable[Message] | None = None, timeout=_UNSET, **params) -> Iterator[Chunk]:
         """Yield chunks as they come. `it.close()` (or leaving the loop) cancels the request."""
         request = _request(prompt, messages, params)
-        call = self._stub.Generate(request, timeout=self._timeout(timeout))
-        try:
-            for response in call:
-                yield Chunk.from_proto(response)
-                if response.finish_reason:
-                    return
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            call.cancel()
-        raise Unavailable(STREAM_ENDED_SHORT)  # never take a cut-off answer for a whole one
+        failover = _Failover(request, self.targets, self._index, self._timeout(timeout))
+        while True:
+            call = self._stub.Generate(failover.request, timeout=failover.remaining())
+            try:
+                try:
+                    for response in call:
+                        failover.received(response)
+                        yield Chunk.from_proto(response)
+                        if response.finish_reason:
+                            return
+                except grpc.RpcError as e:
+                    raise from_rpc_error(e) from None
+                raise Unavailable(STREAM_ENDED_SHORT)  # never take a cut-off answer for a whole one
+            except OrchardError as e:
+                self._use(failover.next_target(e))  # or raises e
+            finally:
+                call.cancel()
 
     def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest | None = None, *,
                  messages: Iterable[Message] | None = None, timeout=_UNSET, **params) -> Completion:
@@ -193,20 +291,24 @@ class Client:
         return self.generate(messages=messages, timeout=timeout, **params)
 
     def _unary(self, method, request, timeout):
-        try:
-            return method(request, timeout=self._timeout(timeout))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        for tried in range(len(self.targets)):
+            try:
+                return method()(request, timeout=self._timeout(timeout))
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+                if err.code not in FAILOVER_CODES or tried == len(self.targets) - 1:
+                    raise err from None
+                self._use((self._index + 1) % len(self.targets))
 
     def list_models(self, *, timeout=_UNSET) -> list[pb.ModelInfo]:
-        return list(self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout).models)
+        return list(self._unary(lambda: self._stub.ListModels, pb.ListModelsRequest(), timeout).models)
 
     def get_load(self, *, timeout=_UNSET) -> pb.LoadReport:
-        return self._unary(self._admin.GetLoad, pb.GetLoadRequest(), timeout)
+        return self._unary(lambda: self._admin.GetLoad, pb.GetLoadRequest(), timeout)
 
     def drain(self, drain: bool = True, *, timeout=_UNSET) -> pb.DrainResponse:
-        return self._unary(self._admin.Drain, pb.DrainRequest(drain=drain), timeout)
+        return self._unary(lambda: self._admin.Drain, pb.DrainRequest(drain=drain), timeout)
 
     def health(self, service: str = "", *, timeout=_UNSET) -> str:
-        r = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        r = self._unary(lambda: self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)

@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 
 READY_PREFIX = "ORCHARD_WORKER_READY "  # + JSON of the bound addresses, printed on stdout
 
+def routers(value: str | None) -> list[str]:
+    """`--router A,B`: the routers a worker registers with (a fleet may run several)."""
+    return [r.strip() for r in (value or "").split(",") if r.strip()]
+
+
 class WorkerAdminServicer(pb_grpc.WorkerAdminServicer):
     def __init__(self, server: "WorkerServer"):
         self.server = server
@@ -48,7 +53,7 @@ class WorkerOptions:
     metrics_address: str | None = "127.0.0.1:9101"
     http_address: str | None = None
     worker_id: str | None = None  # default: hostname-grpcport
-    router: str | None = None  # register with this router and send heartbeats
+    router: str | None = None  # register with this router (or these: comma-separated) and send heartbeats
     join_token: str = ""
     advertise_address: str | None = None  # what the router dials (default: the bound gRPC address)
     heartbeat_interval: float = 1.0  # seconds (the router's own interval, if shorter, wins)
@@ -66,7 +71,7 @@ class WorkerServer:
         self.options = options
         self.service = None
         self.endpoints = Endpoints()
-        self._registration = None
+        self._registrations: list = []
         self._watchdog: asyncio.Task | None = None
 
     @property
@@ -118,10 +123,11 @@ class WorkerServer:
             advertise = opts.advertise_address or self.addresses["grpc"]
             if advertise.rpartition(":")[0] in ("0.0.0.0", "::", ""):  # bound to all: name this machine
                 advertise = f"{socket.getfqdn()}:{parse_address(advertise)[1]}"
-            self._registration = Registration(opts.router, advertise, service.load_report,
-                                              join_token=opts.join_token, worker_id=worker_id,
-                                              interval=opts.heartbeat_interval)
-            self._registration.start()
+            for router in routers(opts.router):  # every router of the fleet places work here
+                registration = Registration(router, advertise, service.load_report, join_token=opts.join_token,
+                                            worker_id=worker_id, interval=opts.heartbeat_interval)
+                registration.start()
+                self._registrations.append(registration)
         log.info("worker %s serving %s (%s): %s", worker_id, service.model_name, opts.model_path,
                  ", ".join(f"{k} {v}" for k, v in self.addresses.items()))
 
@@ -164,9 +170,9 @@ class WorkerServer:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        if self._registration is not None:
-            await self._registration.stop()
-            self._registration = None
+        for registration in self._registrations:
+            await registration.stop()
+        self._registrations.clear()
         await self.endpoints.stop(self.options.grace_seconds)
         if self.service is not None:
             await self.service.stop()
@@ -197,7 +203,7 @@ def serve(args) -> int:
     from cluster.models_cache import resolve_model
 
     try:
-        check_addresses(args.grpc, off(args.metrics), off(args.http), args.router, args.advertise)
+        check_addresses(args.grpc, off(args.metrics), off(args.http), *routers(args.router), args.advertise)
     except ValueError as e:
         print(f"orchard worker serve: {e}", file=sys.stderr)
         return 2
