@@ -250,6 +250,46 @@ def test_a_stream_that_ends_short_is_an_error_never_a_short_answer():
     assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["t0 ", "t1 "]
 
 
+def test_a_request_past_its_timeout_is_504_and_cancelled():
+    """`X-Request-Timeout` (or the server's request_timeout): 504, or an error event on a
+    started stream; the backend's stream is closed (the request cancelled) either way."""
+    closed = []
+
+    class Slow(FakeBackend):
+        async def generate(self, request, timeout=None):
+            try:
+                for i in range(100):
+                    yield pb.GenerateResponse(token_ids=[i], text=f"t{i} ")
+                    await asyncio.sleep(0.05)
+            finally:
+                closed.append(timeout)
+
+    async def fn(client):
+        headers = {"X-Request-Timeout": "0.3"}
+        plain = await client.post("/v1/completions", json={"prompt": "x"}, headers=headers)
+        streamed = await client.post("/v1/completions", json={"prompt": "x", "stream": True}, headers=headers)
+        bad = await client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Timeout": "soon"})
+        return plain.status, await plain.json(), await streamed.text(), bad.status
+
+    status, body, text, bad = _with_app(Slow(), fn)
+    assert status == 504 and "0.3 s timeout" in body["error"]["message"] and body["error"]["code"] == 504
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[0].startswith("{") and json.loads(events[-2])["error"]["code"] == 504
+    assert bad == 400
+    assert closed == [0.3, 0.3]  # the deadline reached the backend, and its stream was closed
+
+    async def server_limit(client):
+        r = await client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Request-Timeout": "60"})
+        return r.status, await r.json()
+
+    async def run():
+        async with TestClient(TestServer(create_app(Slow(), request_timeout=0.2))) as client:
+            return await server_limit(client)
+
+    status, body = asyncio.run(run())
+    assert status == 504 and "0.2 s timeout" in body["error"]["message"]
+
+
 def test_app_over_a_grpc_target(tiny_worker):
     """The router's way in: the app in front of a remote Generation service."""
     async def fn(client):

@@ -14,6 +14,7 @@ shape `{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 40
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -23,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from cluster.api.errors import InvalidRequest, OrchardError
+from cluster.api.errors import DeadlineExceeded, InvalidRequest, OrchardError
 from cluster.api.servicer import Backend, finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -34,6 +35,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
                 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
 _BACKEND = web.AppKey("backend", object)
+_TIMEOUT = web.AppKey("request_timeout", object)
+TIMEOUT_HEADER = "X-Request-Timeout"  # seconds, per request (at most the server's --request-timeout)
 _MODEL_CACHE = web.AppKey("model_cache", list)
 
 
@@ -241,10 +244,13 @@ def _sse(data: dict | str) -> bytes:
 
 
 # -- the app ----------------------------------------------------------------------------------
-def create_app(backend: Backend) -> web.Application:
-    """The OpenAI-compatible app over `backend`."""
+def create_app(backend: Backend, request_timeout: float | None = None) -> web.Application:
+    """The OpenAI-compatible app over `backend`. A request that takes longer than
+    `request_timeout` seconds (or its own `X-Request-Timeout`, if shorter) is answered
+    504, or ends its SSE stream with an error event, and is cancelled wherever it runs."""
     app = web.Application(client_max_size=32 << 20)
     app[_BACKEND] = backend
+    app[_TIMEOUT] = request_timeout
     app[_MODEL_CACHE] = [float("-inf"), ""]
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -296,6 +302,40 @@ async def _served_model(app: web.Application, asked: str) -> str:
     return cache[1]
 
 
+def _timeout(request: web.Request) -> float | None:
+    """The request's time limit: the server's, or the client's header if shorter."""
+    limit = request.app[_TIMEOUT]
+    header = request.headers.get(TIMEOUT_HEADER)
+    if header is not None:
+        try:
+            asked = float(header)
+        except ValueError:
+            asked = -1.0
+        if not asked > 0:
+            raise InvalidRequest(f"{TIMEOUT_HEADER} must be a number of seconds > 0, got {header!r}")
+        limit = asked if limit is None else min(limit, asked)
+    return limit
+
+
+async def _within(chunks, timeout: float | None):
+    """`chunks`, or DeadlineExceeded once `timeout` seconds have passed (closing `chunks`:
+    the request is cancelled wherever it runs)."""
+    async with contextlib.aclosing(chunks):
+        if timeout is None:
+            async for chunk in chunks:
+                yield chunk
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(f"the request took longer than its {timeout:g} s timeout") from None
+            yield chunk
+
+
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     backend = request.app[_BACKEND]
     try:
@@ -312,7 +352,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         ex = _Exchange(chat, "", want_logprobs)
         proto = _make_request(body, chat, ex.id)
         ex.model = await _served_model(request.app, proto.model)
-        chunks = finished(backend.generate(proto))
+        timeout = _timeout(request)
+        chunks = finished(_within(backend.generate(proto, timeout=timeout), timeout))
     except OrchardError as e:
         return error_response(e.http_status, e.message, getattr(e, "param", None))
     async with contextlib.aclosing(chunks):

@@ -122,10 +122,12 @@ class Endpoints:
         http_address: str | None = None,
         metrics: MetricsEndpoint | None = None,
         metrics_address: str | None = None,
+        request_timeout: float | None = None,
     ) -> None:
         """Start gRPC with the services `add_services` adds plus gRPC health (SERVING),
-        then the OpenAI HTTP API over `backend` at `http_address` and `/metrics` +
-        `/health` at `metrics_address` (None: not served)."""
+        then the OpenAI HTTP API over `backend` at `http_address` (requests limited to
+        `request_timeout` seconds) and `/metrics` + `/health` at `metrics_address` (None:
+        not served)."""
         server = self.grpc_server
         assert server is not None, "bind_grpc first"
         add_services(server)
@@ -139,7 +141,7 @@ class Endpoints:
         if backend is not None and http_address:
             from cluster.api.openai import create_app
 
-            runner, self.addresses["http"] = await _start_http(create_app(backend), http_address, "HTTP",
+            runner, self.addresses["http"] = await _start_http(create_app(backend, request_timeout), http_address, "HTTP",
                                                                self.default_host)
             self._runners.append(runner)
 
