@@ -142,11 +142,69 @@ def _fast_swiglu_class(cls: type, use_c: bool) -> type:
     return _FAST_CLASSES[(cls, use_c)]
 
 
+class UnsupportedModel(ValueError):
+    """The model needs something of its attention that the engine does not honour: refused
+    when it loads, never served wrong."""
+
+
+def check_served(model: nn.Module) -> None:
+    """Refuse a model with a layer the paged engine cannot serve exactly. The engine gives
+    every layer full causal attention over its own K/V; mlx-lm tells what a layer needs by
+    the cache it makes for it: anything but a plain `KVCache` (a sliding window's
+    RotatingKVCache, a recurrent layer's ArraysCache, ...) or fewer caches than layers (KV
+    shared between layers) is a feature that would be silently ignored, and so is
+    multi-head latent attention (a compressed K/V of its own shape)."""
+    model_type = getattr(model, "model_type", None) or getattr(model.args, "model_type", type(model).__name__)
+    layers = len(model.layers)
+    if getattr(model.args, "kv_lora_rank", None):
+        raise UnsupportedModel(f"model type {model_type!r} is not served: it uses multi-head latent attention "
+                               "(MLA, kv_lora_rank), which the paged engine does not cache yet")
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is None:
+        return  # mlx-lm gives every layer a KVCache
+    caches = make_cache()
+    if len(caches) != layers:
+        raise UnsupportedModel(f"model type {model_type!r} is not served: it has {layers} layers but {len(caches)} "
+                               "caches (layers sharing K/V), which the paged engine does not honour yet")
+    other: dict[str, list[int]] = {}
+    for i, cache in enumerate(caches):
+        name = type(cache).__name__
+        if name != "KVCache":
+            other.setdefault(name, []).append(i)
+    if other:
+        what = "; ".join(f"layers {_ranges(ids)} use {name} ({_CACHE_MEANING.get(name, 'an attention the engine does not know')})"
+                         for name, ids in other.items())
+        raise UnsupportedModel(f"model type {model_type!r} is not served: {what}. The paged engine would give "
+                               "those layers full attention and generate the wrong tokens, so it refuses the model")
+
+
+_CACHE_MEANING = {
+    "RotatingKVCache": "sliding-window attention",
+    "ArraysCache": "a recurrent state: linear attention, Mamba or convolutions",
+    "MambaCache": "a recurrent Mamba state",
+    "CacheList": "several caches per layer",
+    "ChunkedKVCache": "chunked local attention",
+    "QuantizedKVCache": "a quantized K/V cache",
+}
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 4] -> '0-2, 4'."""
+    out, start = [], ids[0]
+    for prev, cur in zip(ids, ids[1:] + [None]):
+        if cur != prev + 1:
+            out.append(f"{start}-{prev}" if prev > start else f"{start}")
+            start = cur
+    return ", ".join(out)
+
+
 def load_model(path: str | Path):
-    """Load through mlx-lm (the path a real model takes) and pick the compute dtype."""
+    """Load through mlx-lm (the path a real model takes), refuse what the engine cannot
+    serve exactly (`check_served`), and pick the compute dtype."""
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(path))
+    check_served(model)
     dtype = weight_dtype(model)
     target = platform.compute_dtype(dtype)
     if target != dtype:
