@@ -87,9 +87,10 @@ EventSink = Callable[[float, list[Event]], None]
 
 
 class EngineLoop:
-    def __init__(self, engine_factory: Callable[[], Engine], sink: EventSink):
+    def __init__(self, engine_factory: Callable[[], Engine], sink: EventSink, faults=None):
         self._factory = engine_factory
         self._sink = sink
+        self.faults = faults  # cluster.worker.faults.FaultInjection, in fault tests only
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
         self._ready = threading.Event()
@@ -221,7 +222,10 @@ class EngineLoop:
 
     def _step(self, engine: Engine, events: list[Event], queued: dict[str, float], sent: dict[str, int]) -> None:
         start = time.monotonic()
+        slower = self.faults.before_step(engine.live_request_ids()) if self.faults is not None else 0.0
         outputs = engine.step()
+        if slower:
+            time.sleep((time.monotonic() - start) * (slower - 1))
         for rid, arrival in list(queued.items()):  # only requests not yet scheduled
             if not engine.is_waiting(rid):
                 events.append(Scheduled(rid, max(0.0, start - arrival)))

@@ -28,6 +28,7 @@ from cluster.api.wire import FINISH_REASON_TO_PROTO, max_tokens, validate_reques
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.worker.engine import Engine, EngineStats, QueueFullError, RequestOutput
 from cluster.worker.engine_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
+from cluster.worker.faults import FaultInjection
 from cluster.worker.metrics import WorkerMetrics
 from cluster.worker.sampling_params import SamplingParams
 
@@ -76,7 +77,8 @@ class WorkerService:
                  stall_timeout: float = 60.0):
         self.worker_id = worker_id
         self.stall_timeout = stall_timeout  # seconds in one engine step before the engine counts as wedged
-        self.engine_loop = EngineLoop(engine_factory, self.on_engine_events)
+        self.faults = FaultInjection.from_env(worker_id)  # None unless ORCHARD_FAULT_DIR is set (tests)
+        self.engine_loop = EngineLoop(engine_factory, self.on_engine_events, self.faults)
         self._with_metrics = metrics
         self.metrics: WorkerMetrics | None = None
         self.stats = EngineStats()  # the engine's own, once started
@@ -160,6 +162,8 @@ class WorkerService:
         engine_id = f"{rid}@{next(self._next_id)}"
         self._streams[engine_id] = stream
         self._running.add(rid)
+        if self.faults is not None:
+            self.faults.on_request(engine_id, request.text)
         self.engine_loop.submit(AddRequest(engine_id, prompt, params, arrival, tuple(resume)))
         finished = False
         try:

@@ -1,0 +1,47 @@
+"""Fault injection for the chaos benchmark and the fault tests (load/chaos.py): never on
+unless ORCHARD_FAULT_DIR names a directory. Files in it, named for the worker, make its
+engine thread misbehave the way real faults do, from outside the process:
+
+    WORKER_ID.wedge   every step blocks while the file exists (a wedged engine)
+    WORKER_ID.slow    every step takes FACTOR x longer (a worker that answers slowly;
+                      FACTOR is the file's content, 10 if empty)
+
+and a request whose text prompt contains POISON_MARK makes every step it is part of
+raise (a poison request).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+POISON_MARK = "ORCHARD-FAULT-POISON"
+
+
+class FaultInjection:
+    def __init__(self, directory: str, worker_id: str):
+        self.wedge = os.path.join(directory, f"{worker_id}.wedge")
+        self.slow = os.path.join(directory, f"{worker_id}.slow")
+        self.poisoned: set[str] = set()  # engine request ids
+
+    @classmethod
+    def from_env(cls, worker_id: str) -> "FaultInjection | None":
+        directory = os.environ.get("ORCHARD_FAULT_DIR")
+        return cls(directory, worker_id) if directory else None
+
+    def on_request(self, engine_id: str, text: str) -> None:
+        if POISON_MARK in text:
+            self.poisoned.add(engine_id)
+
+    def before_step(self, live_ids: list[str]) -> float:
+        """On the engine thread, before a step: block while wedged; raise for a poison in
+        the batch. Returns how much longer the step should take (a slow worker)."""
+        while os.path.exists(self.wedge):
+            time.sleep(0.05)
+        if self.poisoned.intersection(live_ids):
+            raise RuntimeError("a poisoned request is in this step (fault injection)")
+        try:
+            with open(self.slow) as f:
+                return float(f.read().strip() or 10)
+        except (OSError, ValueError):
+            return 0.0
