@@ -28,6 +28,7 @@ import grpc
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router import metrics as m
+from cluster.router.config import RouterConfig
 from cluster.router.policy import Policy, PrefixAware
 from cluster.router.prefix_index import prompt_keys
 from cluster.router.registry import Registry, RegistryError
@@ -52,8 +53,10 @@ UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    max_attempts: int = 4  # placements per request, the first included
-    worker_wait: float = 5.0  # seconds a request waits for an unhealthy worker to come back
+    """The proxy's part of `RouterConfig`: meanings and defaults are there."""
+
+    max_attempts: int = RouterConfig.max_attempts  # placements per request, the first included
+    worker_wait: float = RouterConfig.worker_wait  # seconds a request waits for an unhealthy worker to come back
 
 
 class _WorkerFailed(Exception):

@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.net import CHANNEL_OPTIONS
+from cluster.router.config import RouterConfig
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 
@@ -39,10 +40,12 @@ STATE_NAMES = {HEALTHY: "healthy", UNHEALTHY: "unhealthy", DRAINING: "draining"}
 
 @dataclass(frozen=True)
 class RegistryConfig:
-    join_token: str = ""  # empty: registration is open (a local cluster)
-    heartbeat_interval: float = 1.0
-    missed_heartbeats: int = 3
-    remove_after: float = 30.0
+    """The registry's part of `RouterConfig`: meanings and defaults are there."""
+
+    join_token: str = RouterConfig.join_token  # empty: registration is open (a local cluster)
+    heartbeat_interval: float = RouterConfig.heartbeat_interval
+    missed_heartbeats: int = RouterConfig.missed_heartbeats
+    remove_after: float = RouterConfig.remove_after
 
     @property
     def unhealthy_after(self) -> float:

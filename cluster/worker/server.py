@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import sys
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import AsyncIterator
 
 import grpc
@@ -26,7 +26,7 @@ from cluster.net import check_addresses, parse_address
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.sdk.errors import OrchardError
-from cluster.worker.config import EngineConfig
+from cluster.worker.config import WorkerOptions
 
 log = logging.getLogger(__name__)
 
@@ -99,21 +99,6 @@ async def _start_http(app: web.Application, address: str) -> tuple[web.AppRunner
     await web.SockSite(runner, sock).start()
     host, port = sock.getsockname()[:2]
     return runner, f"{host}:{port}"
-
-
-@dataclass
-class WorkerOptions:
-    model_path: str
-    engine_config: EngineConfig = field(default_factory=EngineConfig)
-    grpc_address: str = "127.0.0.1:50061"
-    metrics_address: str | None = "127.0.0.1:9101"
-    http_address: str | None = None
-    worker_id: str | None = None  # default: hostname-grpcport
-    router: str | None = None  # register with this router and send heartbeats
-    join_token: str = ""
-    advertise_address: str | None = None  # what the router dials (default: the bound gRPC address)
-    heartbeat_interval: float = 1.0  # seconds (the router's own interval, if shorter, wins)
-    grace_seconds: float = 5.0
 
 
 class WorkerServer:
@@ -265,28 +250,17 @@ async def run_until_signalled(options: WorkerOptions, ready_line: bool = True) -
         await server.stop()
 
 
-def serve(args) -> int:
-    """Entry point of `orchard worker serve`."""
-    from cluster.cli import engine_config_from_args, off
+def serve(options: WorkerOptions) -> int:
+    """Entry point of `orchard worker serve` (no model path: the built-in small model)."""
     from cluster.models_cache import resolve_model
 
     try:
-        check_addresses(args.grpc, off(args.metrics), off(args.http), args.router, args.advertise)
+        check_addresses(options.grpc_address, options.metrics_address, options.http_address, options.router,
+                        options.advertise_address)
     except ValueError as e:
         print(f"orchard worker serve: {e}", file=sys.stderr)
         return 2
-    options = WorkerOptions(
-        model_path=str(resolve_model(args.model)),
-        engine_config=engine_config_from_args(args),
-        grpc_address=args.grpc,
-        metrics_address=off(args.metrics),
-        http_address=off(args.http),
-        worker_id=args.worker_id,
-        router=args.router,
-        join_token=args.join_token,
-        advertise_address=args.advertise,
-        heartbeat_interval=args.heartbeat_interval,
-    )
+    options = replace(options, model_path=str(resolve_model(options.model_path)))
     code = 0
     try:
         asyncio.run(run_until_signalled(options))
