@@ -7,7 +7,8 @@ A field is on the command line when its metadata has `help` (make it with `setti
 
     help      the flag's help text
     flag      the flag's name when it is not --field-name (no leading dash: a positional)
-    env       an environment variable that, when set, replaces the default (e.g. a secret)
+    env       an environment variable that, when set, replaces the default (a secret, say:
+              then it is never typed on a command line); the help text says so
     off       the command line's spelling of None: "off" for addresses (an empty value too),
               -1 for ports
     choices   the allowed values, or a function that returns them
@@ -54,11 +55,6 @@ def default_of(cls: type, name: str) -> Any:
 def port_of(address: str) -> int:
     """The port of a HOST:PORT default (a port setting derived from an address setting)."""
     return int(address.rpartition(":")[2])
-
-
-def env_name(cls: type, name: str) -> str | None:
-    """The environment variable that field `name` of `cls` is read from, if any."""
-    return {f.name: f for f in fields(cls)}[name].metadata.get("env")
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -114,6 +110,8 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type, *, base: Any = N
             continue
         default = _from_env(f, tp, default)
         flag, kw = _flag(f), {"help": f.metadata["help"]}
+        if f.metadata.get("env"):
+            kw["help"] += f" (default: ${f.metadata['env']})"
         for key in ("metavar", "nargs"):
             if key in f.metadata:
                 kw[key] = f.metadata[key]

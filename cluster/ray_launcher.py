@@ -45,17 +45,16 @@ class RaySpec:
 
     model: str = setting(help="mlx-lm model directory, at the same path on every worker node")
     workers_per_node: int = setting(1, "worker actors on each worker node")
-    resource: str = setting("orchard_worker", "Ray resource that marks worker nodes")  # workers go on nodes that carry it
+    resource: str = setting("orchard_worker", "Ray resource that marks worker nodes")
     host: str | None = setting(None, "bind/advertise address (default: each node's Ray IP)")
-    # gRPC; 0: any free port (then restarts move the router)
-    router_port: int = setting(port_of(RouterConfig.grpc_address), "router gRPC port")
+    router_port: int = setting(port_of(RouterConfig.grpc_address),
+                               "router gRPC port (0: any free one, and a restart moves the router)")
     router_http_port: int | None = setting(port_of(RouterConfig.http_address), "OpenAI HTTP port (-1: off)", off=-1)
-    router_metrics_port: int | None = setting(port_of(RouterConfig.metrics_address), "-1: off", off=-1)
-    # worker i on a node: port + i (0: any free port)
+    router_metrics_port: int | None = setting(port_of(RouterConfig.metrics_address), "router metrics port (-1: off)", off=-1)
     worker_port: int = setting(port_of(WorkerOptions.grpc_address), "worker i on a node: port+i (0: free ports)")
     worker_metrics_port: int | None = setting(port_of(WorkerOptions.metrics_address),
                                               "worker i: port+i (0: free, -1: off)", off=-1)
-    join_token: str = setting(RouterConfig.join_token, "workers present it to the router (default $ORCHARD_JOIN_TOKEN)",
+    join_token: str = setting(RouterConfig.join_token, "workers present it to the router",
                               env="ORCHARD_JOIN_TOKEN")
     policy: str = setting(RouterConfig.policy, "the router's placement policy", choices=policy_names)
     max_restarts: int = setting(-1, "Ray restarts of a dead actor (-1: for ever)")
@@ -307,4 +306,5 @@ def run_status(ray_address: RayAddress) -> int:
     return 0
 
 
-__all__ = ["RaySpec", "RayAddress", "RayDeployment", "RouterActor", "WorkerActor", "launch", "worker_nodes", "existing_actors"]
+__all__ = ["RaySpec", "RayAddress", "RayDeployment", "RouterActor", "WorkerActor", "launch", "worker_nodes",
+           "existing_actors"]

@@ -1,6 +1,7 @@
 """The router: registry (registration, heartbeats, health), placement policies with a
 prefix index, the `Generation` proxy with failover, metrics, and the server/CLI glue.
 
+    config.py        RouterConfig: every setting of `orchard router serve`, its default and help
     registry.py      workers, their load reports and states
     policy.py        round_robin, least_loaded, prefix_aware (+ imbalance guard)
     prefix_index.py  chained prefix keys of prompts -> workers, LRU bounded

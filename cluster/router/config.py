@@ -23,7 +23,7 @@ class RouterConfig:
     metrics_address: str | None = setting("127.0.0.1:9100", "Prometheus /metrics address, or off", flag="--metrics",
                                           off="off")  # None: no metrics endpoint
     policy: str = setting("prefix_aware", "how requests are placed on workers", choices=policy_names)
-    join_token: str = setting("", "workers must present it to register (default $ORCHARD_JOIN_TOKEN; empty: open)",
+    join_token: str = setting("", "workers must present it to register (empty: open)",
                               env="ORCHARD_JOIN_TOKEN")
     heartbeat_interval: float = setting(1.0, "seconds between heartbeats/polls")
     missed_heartbeats: int = setting(3, "missed beats before a worker is unhealthy")

@@ -94,7 +94,7 @@ class WorkerOptions:
                                        metavar="HOST:PORT", off="off")
     worker_id: str | None = setting(None, "default: HOSTNAME-GRPCPORT")
     router: str | None = setting(None, "register with this router and send heartbeats", metavar="HOST:PORT")
-    join_token: str = setting("", "the router's join token (default $ORCHARD_JOIN_TOKEN)", env="ORCHARD_JOIN_TOKEN")
+    join_token: str = setting("", "the router's join token", env="ORCHARD_JOIN_TOKEN")
     advertise_address: str | None = setting(None, "the gRPC address the router should use (default: the bound one)",
                                             flag="--advertise", metavar="HOST:PORT")
     heartbeat_interval: float = setting(
