@@ -12,6 +12,7 @@ import sys
 
 from cluster import ray_launcher
 from cluster.config import add_flags, from_args
+from cluster.modelgen import ModelSpec
 from cluster.ray_launcher import RayAddress, RaySpec
 from cluster.router.config import RouterConfig
 from cluster.up import UpConfig, run_up
@@ -27,11 +28,11 @@ def _command(parser: argparse.ArgumentParser, run, *configs: type) -> None:
     parser.set_defaults(func=lambda args: run(*(from_args(cls, args) for cls in configs)))
 
 
-def _cmd_model_create(args) -> int:
+def _cmd_model_create(spec: ModelSpec) -> int:
     from cluster.modelgen import create_model, num_parameters
 
-    path = create_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
-    print(f"wrote {args.arch} {args.size} model ({num_parameters(path):,} parameters) to {path}")
+    path = create_model(spec.path, arch=spec.arch, size=spec.size, seed=spec.seed)
+    print(f"wrote {spec.arch} {spec.size} model ({num_parameters(path):,} parameters) to {path}")
     return 0
 
 
@@ -154,12 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
     create = model.add_parser("create", help="write a random-weight mlx-lm model directory (offline)")
-    create.add_argument("dir", help="where to write the mlx-lm model directory")
-    create.add_argument("--arch", choices=["qwen3", "llama", "qwen2"], default="qwen3", help="mlx-lm architecture")
-    create.add_argument("--size", choices=["tiny", "small"], default="tiny",
-                        help="tiny: 2 layers, hidden 128 (tests); small: 8 layers, hidden 512 (benchmarks, `orchard up`)")
-    create.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokenizer's corpus")
-    create.set_defaults(func=_cmd_model_create)
+    _command(create, _cmd_model_create, ModelSpec)
 
     _command(sub.add_parser("run", help="generate offline with the engine (no server)"), run_offline, RunConfig)
     add_router_parsers(sub)

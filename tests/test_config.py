@@ -13,6 +13,7 @@ import pytest
 
 from cluster.cli import build_parser
 from cluster.config import default_of, from_args, port_of
+from cluster.modelgen import ModelSpec
 from cluster.ray_launcher import RayAddress, RaySpec
 from cluster.router.config import RouterConfig
 from cluster.router.proxy import ProxyConfig
@@ -48,6 +49,16 @@ def test_a_worker_refuses_beyond_1024_waiting_the_library_never():
 
 def test_router_serve_defaults_are_the_router_config():
     assert from_args(RouterConfig, _parse("router", "serve")) == RouterConfig()
+
+
+def test_model_create_defaults_are_the_model_spec():
+    import inspect
+
+    from cluster.modelgen import create_model
+
+    assert from_args(ModelSpec, _parse("model", "create", "/d")) == ModelSpec(path="/d")
+    params = inspect.signature(create_model).parameters
+    assert all(params[name].default == getattr(ModelSpec(path="/d"), name) for name in ("arch", "size", "seed"))
 
 
 def test_registry_and_proxy_defaults_come_from_the_router_config():
