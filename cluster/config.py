@@ -94,7 +94,7 @@ def _from_env(f: dataclasses.Field, tp: Any, default: Any) -> Any:
     return default
 
 
-def add_flags(parser: argparse.ArgumentParser | Any, cls: type, *, base: Any = None) -> None:
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, base: Any = None) -> None:
     """Add the flags of config dataclass `cls` to `parser` (or an argument group). Their
     defaults are `base`'s values when given (an instance), else the fields' defaults, then
     the environment for fields that name a variable."""
@@ -102,7 +102,10 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type, *, base: Any = N
     for f in fields(cls):
         tp = _strip_optional(hints[f.name])
         required = base is None and f.default is MISSING and f.default_factory is MISSING
-        default = None if required else getattr(base, f.name) if base is not None else default_of(cls, f.name)
+        if base is not None:
+            default = getattr(base, f.name)
+        else:
+            default = None if required else default_of(cls, f.name)
         if _is_group(f, tp):
             add_flags(parser.add_argument_group(f.metadata["group"]), tp, base=default)
             continue
