@@ -14,10 +14,24 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import dataclass
 from pathlib import Path
+
+from cluster.config import setting
 
 ARCHS = ("qwen3", "llama", "qwen2")
 SIZES = ("tiny", "small")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """`orchard model create`: which random-weight model to write where."""
+
+    path: str = setting(help="where to write the mlx-lm model directory", flag="dir")
+    arch: str = setting("qwen3", "mlx-lm architecture", choices=ARCHS)
+    size: str = setting("tiny", "tiny: 2 layers, hidden 128 (tests); small: 8 layers, hidden 512 (benchmarks, "
+                                "`orchard up`)", choices=SIZES)
+    seed: int = setting(0, "seed of the weights and the tokenizer's corpus")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -151,7 +165,8 @@ def _init_weights(model, config: dict, seed: int):
     mx.eval(model.parameters())
 
 
-def create_model(path: str | Path, arch: str = "qwen3", size: str = "tiny", seed: int = 0) -> Path:
+def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = ModelSpec.size,
+                 seed: int = ModelSpec.seed) -> Path:
     import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
     import mlx.core as mx
     from mlx.utils import tree_flatten

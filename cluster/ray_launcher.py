@@ -25,9 +25,11 @@ import logging
 import math
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
-from cluster.worker.config import EngineConfig
+from cluster.config import default_of, port_of, setting
+from cluster.router.config import RouterConfig, policy_names
+from cluster.worker.config import EngineConfig, WorkerOptions
 
 log = logging.getLogger(__name__)
 
@@ -38,20 +40,34 @@ WORKER_PREFIX = "orchard-worker-"
 
 @dataclass(frozen=True)
 class RaySpec:
-    model: str
-    workers_per_node: int = 1
-    resource: str = "orchard_worker"  # workers go on nodes that carry it
-    host: str | None = None  # bind and advertise on this address (default: each node's Ray IP)
-    router_port: int = 50051  # gRPC; 0: any free port (then restarts move the router)
-    router_http_port: int | None = 8080  # None: no OpenAI HTTP
-    router_metrics_port: int | None = 9100
-    worker_port: int = 50061  # worker i on a node: port + i (0: any free port)
-    worker_metrics_port: int | None = 9101  # worker i on a node: port + i (0: any free, None: off)
-    join_token: str = ""
-    policy: str = "prefix_aware"
-    max_restarts: int = -1  # -1: restart for ever
+    """`orchard ray up`: what the router and worker actors run. Ports default to the
+    router's and the worker's own default addresses; the other settings are theirs."""
+
+    model: str = setting(help="mlx-lm model directory, at the same path on every worker node")
+    workers_per_node: int = setting(1, "worker actors on each worker node")
+    resource: str = setting("orchard_worker", "Ray resource that marks worker nodes")
+    host: str | None = setting(None, "bind/advertise address (default: each node's Ray IP)")
+    router_port: int = setting(port_of(RouterConfig.grpc_address),
+                               "router gRPC port (0: any free one, and a restart moves the router)")
+    router_http_port: int | None = setting(port_of(RouterConfig.http_address), "OpenAI HTTP port (-1: off)", off=-1)
+    router_metrics_port: int | None = setting(port_of(RouterConfig.metrics_address), "router metrics port (-1: off)", off=-1)
+    worker_port: int = setting(port_of(WorkerOptions.grpc_address), "worker i on a node: port+i (0: free ports)")
+    worker_metrics_port: int | None = setting(port_of(WorkerOptions.metrics_address),
+                                              "worker i: port+i (0: free, -1: off)", off=-1)
+    join_token: str = setting(RouterConfig.join_token, "workers present it to the router",
+                              env="ORCHARD_JOIN_TOKEN")
+    policy: str = setting(RouterConfig.policy, "the router's placement policy", choices=policy_names)
+    max_restarts: int = setting(-1, "Ray restarts of a dead actor (-1: for ever)")
+    timeout: float = setting(600.0, "seconds to wait for the workers")
     detached: bool = True
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = setting(default_factory=lambda: default_of(WorkerOptions, "engine_config"), group="engine")
+
+
+@dataclass(frozen=True)
+class RayAddress:
+    """Which Ray cluster `orchard ray up|down|status` joins."""
+
+    address: str = setting("auto", "Ray cluster address (default: auto)")
 
 
 class _LoopThread:
@@ -155,7 +171,7 @@ class RayDeployment:
     router_addresses: dict
     workers: dict[str, object]  # actor name -> handle
 
-    def wait_ready(self, timeout: float = 600.0, n: int | None = None) -> None:
+    def wait_ready(self, timeout: float | None = None, n: int | None = None) -> None:
         """Until the router reports `n` (default: all) healthy workers."""
         import time
 
@@ -165,6 +181,7 @@ class RayDeployment:
         from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 
         n = len(self.workers) if n is None else n
+        timeout = self.spec.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         with grpc.insecure_channel(self.router_addresses["grpc"]) as ch:
             stub = pb_grpc.RouterStub(ch)
@@ -188,12 +205,14 @@ class RayDeployment:
                 log.debug("kill: %s", e)
 
 
-def launch(spec: RaySpec, worker_timeout: float = 600.0) -> RayDeployment:
+def launch(spec: RaySpec, worker_timeout: float | None = None) -> RayDeployment:
     """Start the router on this node and the workers on the resource's nodes (needs
-    `ray.init()` first). Returns once the router is up and every worker actor is serving."""
+    `ray.init()` first). Returns once the router is up and every worker actor is serving
+    (within `worker_timeout`, default `spec.timeout`)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    worker_timeout = spec.timeout if worker_timeout is None else worker_timeout
     if spec.workers_per_node < 1:
         raise ValueError("workers_per_node must be >= 1")
     nodes = worker_nodes(spec.resource)
@@ -239,25 +258,16 @@ def _init(address: str):
     return ray
 
 
-def run_up(args) -> int:
-    from cluster.cli import engine_config_from_args
-
-    ray = _init(args.address)
+def run_up(spec: RaySpec, ray_address: RayAddress) -> int:
+    ray = _init(ray_address.address)
     if existing_actors():
         print(f"orchard is already running on this Ray cluster ({', '.join(existing_actors())}); "
               "`orchard ray down` first", flush=True)
         return 1
-    off = lambda p: None if p in (None, -1) else p  # noqa: E731
-    spec = RaySpec(
-        model=os.path.abspath(args.model), workers_per_node=args.workers_per_node, resource=args.resource,
-        host=args.host, router_port=args.router_port, router_http_port=off(args.router_http_port),
-        router_metrics_port=off(args.router_metrics_port), worker_port=args.worker_port,
-        worker_metrics_port=off(args.worker_metrics_port), join_token=args.join_token, policy=args.policy,
-        max_restarts=args.max_restarts, engine=engine_config_from_args(args),
-    )
+    spec = replace(spec, model=os.path.abspath(spec.model))
     try:
-        dep = launch(spec, worker_timeout=args.timeout)
-        dep.wait_ready(args.timeout)
+        dep = launch(spec)
+        dep.wait_ready()
     except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:
         print(f"orchard ray up: {e}", flush=True)
         return 1
@@ -269,8 +279,8 @@ def run_up(args) -> int:
     return 0
 
 
-def run_down(args) -> int:
-    ray = _init(args.address)
+def run_down(ray_address: RayAddress) -> int:
+    ray = _init(ray_address.address)
     names = existing_actors()
     for name in names:
         ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
@@ -280,8 +290,8 @@ def run_down(args) -> int:
     return 0
 
 
-def run_status(args) -> int:
-    ray = _init(args.address)
+def run_status(ray_address: RayAddress) -> int:
+    ray = _init(ray_address.address)
     names = existing_actors()
     if not names:
         print("no orchard actors on this Ray cluster")
@@ -296,4 +306,5 @@ def run_status(args) -> int:
     return 0
 
 
-__all__ = ["RaySpec", "RayDeployment", "RouterActor", "WorkerActor", "launch", "worker_nodes", "existing_actors"]
+__all__ = ["RaySpec", "RayAddress", "RayDeployment", "RouterActor", "WorkerActor", "launch", "worker_nodes",
+           "existing_actors"]

@@ -20,10 +20,30 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
+from cluster.config import port_of, setting
+from cluster.router.config import RouterConfig, policy_names
+from cluster.worker.config import MODEL_HELP, WorkerOptions
 
-from cluster.proto.orchard.v1 import orchard_pb2 as pb
-from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
+@dataclass(frozen=True)
+class UpConfig:
+    """`orchard up`. The router's and the workers' own settings are their defaults (the
+    children are started with only the flags below), so nothing here restates them."""
+
+    model: str | None = setting(None, MODEL_HELP)
+    workers: int = setting(2, "local worker processes")
+    grpc_address: str = setting(RouterConfig.grpc_address, "the router's gRPC address", flag="--grpc")
+    http_address: str | None = setting(RouterConfig.http_address, "the router's OpenAI HTTP address, or off",
+                                       flag="--http", off="off")
+    metrics_address: str | None = setting(RouterConfig.metrics_address, "the router's /metrics address, or off",
+                                          flag="--metrics", off="off")
+    policy: str = setting(RouterConfig.policy, "the router's placement policy", choices=policy_names)
+    worker_port_base: int = setting(port_of(WorkerOptions.grpc_address),
+                                    "worker i: gRPC port base+i (0: free ports)")
+    worker_metrics_port_base: int = setting(port_of(WorkerOptions.metrics_address),
+                                            "worker i: metrics port base+i (0: free)")
+    log_dir: str | None = setting(None, "where the processes log (default: a temporary directory)")
+    timeout: float = setting(300.0, "seconds to wait for the workers")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -51,13 +71,13 @@ class LocalCluster:
     def __init__(
         self,
         model: str | os.PathLike,
-        workers: int = 2,
-        grpc_address: str = "127.0.0.1:50051",
-        http_address: str | None = "127.0.0.1:8080",
-        metrics_address: str | None = "127.0.0.1:9100",
-        worker_port_base: int = 50061,  # 0: free ports
-        worker_metrics_port_base: int = 9101,
-        policy: str = "prefix_aware",
+        workers: int = UpConfig.workers,
+        grpc_address: str = UpConfig.grpc_address,
+        http_address: str | None = UpConfig.http_address,
+        metrics_address: str | None = UpConfig.metrics_address,
+        worker_port_base: int = UpConfig.worker_port_base,  # 0: free ports
+        worker_metrics_port_base: int = UpConfig.worker_metrics_port_base,
+        policy: str = UpConfig.policy,
         log_dir: str | os.PathLike | None = None,
         worker_args: list[str] | None = None,
         router_args: list[str] | None = None,
@@ -126,14 +146,19 @@ class LocalCluster:
         host, _, port = self.grpc_address.rpartition(":")
         return f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{port}"
 
-    def start(self, timeout: float = 300.0) -> None:
+    def start(self, timeout: float = UpConfig.timeout) -> None:
         """Start everything and wait until every worker is registered and healthy."""
         self.start_router()
         for i in range(self.num_workers):
             self.start_worker(i)
         self.wait_ready(timeout)
 
-    def healthy_workers(self) -> list[pb.WorkerInfo]:
+    def healthy_workers(self) -> list:  # of pb.WorkerInfo
+        import grpc
+
+        from cluster.proto.orchard.v1 import orchard_pb2 as pb
+        from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
         try:
             with grpc.insecure_channel(self.router_address) as ch:
                 resp = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=2)
@@ -141,7 +166,7 @@ class LocalCluster:
             return []
         return [w for w in resp.workers if w.state == pb.WORKER_STATE_HEALTHY]
 
-    def wait_ready(self, timeout: float = 300.0, n: int | None = None) -> None:
+    def wait_ready(self, timeout: float = UpConfig.timeout, n: int | None = None) -> None:
         n = self.num_workers if n is None else n
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -186,14 +211,14 @@ class LocalCluster:
         self.stop()
 
 
-def run_up(args) -> int:
+def run_up(config: UpConfig) -> int:
     from cluster.models_cache import resolve_model
 
-    model = resolve_model(args.model)
+    model = resolve_model(config.model)
     cluster = LocalCluster(
-        model, workers=args.workers, grpc_address=args.grpc, http_address=args.http, metrics_address=args.metrics,
-        worker_port_base=args.worker_port_base, worker_metrics_port_base=args.worker_metrics_port_base,
-        policy=args.policy, log_dir=args.log_dir,
+        model, workers=config.workers, grpc_address=config.grpc_address, http_address=config.http_address,
+        metrics_address=config.metrics_address, worker_port_base=config.worker_port_base,
+        worker_metrics_port_base=config.worker_metrics_port_base, policy=config.policy, log_dir=config.log_dir,
     )
     stop = {"now": False}
 
@@ -202,16 +227,16 @@ def run_up(args) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
-    print(f"starting a router and {args.workers} worker(s) on {model} (logs in {cluster.log_dir}) ...", flush=True)
+    print(f"starting a router and {config.workers} worker(s) on {model} (logs in {cluster.log_dir}) ...", flush=True)
     try:
         cluster.start_router()
-        for i in range(args.workers):
+        for i in range(config.workers):
             cluster.start_worker(i)
-        cluster.wait_ready(args.timeout)
+        cluster.wait_ready(config.timeout)
         http = f"http://{cluster.http_address}/v1" if cluster.http_address else "off"
         metrics = f"http://{cluster.metrics_address}/metrics" if cluster.metrics_address else "off"
         print(
-            f"\nOrchard is up: {args.workers} worker(s) serving {Path(model).name}\n"
+            f"\nOrchard is up: {config.workers} worker(s) serving {Path(model).name}\n"
             f"  gRPC     {cluster.router_address}          (orchard router workers --router {cluster.router_address})\n"
             f"  HTTP     {http}    (OpenAI-compatible)\n"
             f"  metrics  {metrics}\n"

@@ -158,7 +158,10 @@ async def run_benchmark(args, requests: list) -> dict:
     from cluster.bench.metrics import compute, parse_goodput
     from cluster.bench.server_metrics import ServerMetricsSampler
 
-    target = args.target or ("127.0.0.1:50051" if args.backend == "grpc" else "http://127.0.0.1:8080")
+    from cluster.router.config import RouterConfig
+
+    default_target = RouterConfig.grpc_address if args.backend == "grpc" else f"http://{RouterConfig.http_address}"
+    target = args.target or default_target
     slos = parse_goodput(args.goodput)
     percentiles = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
     backend = make_backend(args.backend, target)

@@ -36,6 +36,7 @@ from cluster.api.wire import validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router import metrics as m
 from cluster.router.breaker import RetryBudget, backoff
+from cluster.router.config import RouterConfig
 from cluster.router.policy import Policy, PrefixAware
 from cluster.router.prefix_index import prompt_keys
 from cluster.router.registry import Registry, RegistryError
@@ -59,12 +60,11 @@ UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    max_attempts: int = 4  # placements per request, the first included
-    worker_wait: float = 5.0  # seconds a request waits for an unhealthy worker to come back
-    # Seconds a started stream may go without a chunk before its worker counts as dead for
-    # it (a wedged worker whose connection lives). Before the first token a request may
-    # queue for long on a busy worker: there keepalive finds a dead or sleeping peer.
-    stream_idle_timeout: float = 30.0
+    """The proxy's part of `RouterConfig`: meanings and defaults are there."""
+
+    max_attempts: int = RouterConfig.max_attempts  # placements per request, the first included
+    worker_wait: float = RouterConfig.worker_wait  # seconds a request waits for an unhealthy worker to come back
+    stream_idle_timeout: float = RouterConfig.stream_idle_timeout  # a started stream's longest silence
 
 
 class _Attempt:

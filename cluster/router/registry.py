@@ -30,6 +30,7 @@ from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.breaker import CLOSED, CircuitBreaker
+from cluster.router.config import RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +41,14 @@ STATE_NAMES = {HEALTHY: "healthy", UNHEALTHY: "unhealthy", DRAINING: "draining"}
 
 @dataclass(frozen=True)
 class RegistryConfig:
-    join_token: str = ""  # empty: registration is open (a local cluster)
-    heartbeat_interval: float = 1.0
-    missed_heartbeats: int = 3
-    remove_after: float = 30.0
-    circuit_threshold: int = 3  # consecutive failed requests that open a worker's circuit breaker
-    circuit_cooldown: float = 2.0  # seconds it stays open before one probe request (doubling, to 30 s)
+    """The registry's part of `RouterConfig`: meanings and defaults are there."""
+
+    join_token: str = RouterConfig.join_token  # empty: registration is open (a local cluster)
+    heartbeat_interval: float = RouterConfig.heartbeat_interval
+    missed_heartbeats: int = RouterConfig.missed_heartbeats
+    remove_after: float = RouterConfig.remove_after
+    circuit_threshold: int = RouterConfig.circuit_threshold
+    circuit_cooldown: float = RouterConfig.circuit_cooldown
 
     @property
     def unhealthy_after(self) -> float:

@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+import sys
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cluster.api.servicer import GenerationServicer
 from cluster.api.serving import Endpoints, MetricsEndpoint
-from cluster.net import parse_address
+from cluster.net import check_addresses, parse_address
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.router.config import RouterConfig
 from cluster.router.control import RouterControl
 from cluster.router.metrics import RouterMetrics
 from cluster.router.policy import make_policy
@@ -28,24 +29,6 @@ from cluster.router.registry import Registry, RegistryConfig
 log = logging.getLogger(__name__)
 
 ALL_INTERFACES = "0.0.0.0"  # an address with an empty host binds all interfaces
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    grpc_address: str = "127.0.0.1:50051"
-    http_address: str | None = "127.0.0.1:8080"  # None: no HTTP API
-    metrics_address: str | None = "127.0.0.1:9100"  # None: no metrics endpoint
-    policy: str = "prefix_aware"
-    join_token: str = ""
-    heartbeat_interval: float = 1.0
-    missed_heartbeats: int = 3
-    remove_after: float = 30.0
-    max_attempts: int = 4
-    worker_wait: float = 5.0
-    stream_idle_timeout: float = 30.0
-    circuit_threshold: int = 3
-    circuit_cooldown: float = 2.0
-    static_workers: tuple[str, ...] = ()
 
 
 class RouterServer:
@@ -88,7 +71,7 @@ class RouterServer:
         await self.endpoints.start(
             add_services, backend=self.backend, http_address=self.config.http_address,
             metrics=MetricsEndpoint(lambda: generate_latest(registry), CONTENT_TYPE_LATEST),
-            metrics_address=self.config.metrics_address,
+            metrics_address=self.config.metrics_address, request_timeout=self.config.request_timeout,
         )
         for address in self.config.static_workers:
             self.registry.add_static(address)
@@ -142,3 +125,18 @@ async def serve(config: RouterConfig) -> None:
     await router.wait()
     log.info("router stopping")
     await router.stop()
+
+
+def run(config: RouterConfig) -> int:
+    """Entry point of `orchard router serve`: check the addresses, serve until signalled."""
+    try:
+        check_addresses(config.grpc_address, config.http_address, config.metrics_address, *config.static_workers)
+    except ValueError as e:
+        print(f"orchard router serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    except (OSError, ValueError) as e:
+        print(f"orchard router serve: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,35 +1,43 @@
-"""Engine configuration (vLLM's names). Frozen: derived values are resolved before use."""
+"""The engine's configuration (vLLM's names) and the worker's. Frozen: derived values are
+resolved before use. Each field's help text is its `orchard` flag's (cluster/config.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from cluster.config import setting
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16
+    block_size: int = setting(16, "tokens per KV cache block (8, 16 or 32)")
     # Explicit KV pool size in blocks; None derives it from `kv_cache_memory_bytes`.
-    num_kv_blocks: int | None = None
+    num_kv_blocks: int | None = setting(None, "KV pool size in blocks (default: from memory)")
     # Memory budget for the KV pool when `num_kv_blocks` is None; None picks a default
     # from the device (see `ModelRunner.default_kv_budget`).
     kv_cache_memory_bytes: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int = setting(64, "requests in one step at most")
     # Tokens per step; None: 2048 on Metal, 512 on the CPU (platform.default_max_num_batched_tokens).
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = setting(None, "tokens per step (default: 2048 on Metal, 512 on the CPU)")
     # None: the model's max_position_embeddings.
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    max_num_partial_prefills: int = 1
-    max_long_partial_prefills: int = 1
+    max_model_len: int | None = setting(None, "prompt + output tokens per request at most (default: the model's)")
+    enable_prefix_caching: bool = setting(True, "do not reuse the KV blocks of a shared prompt prefix",
+                                          flag="--no-prefix-caching", negate=True)
+    max_num_partial_prefills: int = setting(1, "prompts in prefill at once")
+    max_long_partial_prefills: int = setting(1, "of those, prompts longer than --long-prefill-token-threshold")
     # 0: 4% of max_model_len, as vLLM.
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int = setting(0, "a prompt longer than this is long (0: 4%% of max_model_len)")
     # Requests allowed to wait for admission before add_request refuses more (0 = unbounded).
-    max_waiting: int = 0
+    # The library (`Engine.generate`, `orchard run`) takes a whole batch at once: unbounded.
+    # A server bounds it instead (`WorkerOptions`' default engine config).
+    max_waiting: int = setting(0, "queued requests before refusing (0 = unbounded)")
     # After a step that finished requests, the worker's engine loop waits up to this long
     # for as many new ones before the next step: closed-loop clients (benchmarks, agents,
     # batch jobs) send their next request a few ms after the last token, and joining the
     # next step saves them a whole step's wait. 0 turns it off.
-    finish_wait_ms: float = 10.0
+    finish_wait_ms: float = setting(
+        10.0, "after a step that finished requests, wait up to this long for as many new ones, so "
+              "clients that come straight back join the next step (0 = off)")
     seed: int = 0
 
     def validate(self) -> None:
@@ -61,3 +69,42 @@ class EngineConfig:
             self, max_model_len=max_len, num_kv_blocks=num_kv_blocks, long_prefill_token_threshold=threshold,
             max_num_batched_tokens=self.max_num_batched_tokens or default_batched_tokens,
         )
+
+
+# A worker refuses requests beyond this many waiting (RESOURCE_EXHAUSTED, HTTP 429; the
+# router then places them elsewhere), so that a burst cannot queue without bound in one
+# process. The engine's own default stays unbounded for offline batches.
+SERVING_MAX_WAITING = 1024
+MODEL_HELP = "mlx-lm model directory (default: the built-in small model)"
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """`orchard worker serve`: one worker process (see `cluster.worker.server.WorkerServer`)."""
+
+    # None: the built-in small model (`serve` resolves it before the server starts).
+    model_path: str | None = setting(None, MODEL_HELP, flag="--model")
+    engine_config: EngineConfig = setting(
+        default_factory=lambda: EngineConfig(max_waiting=SERVING_MAX_WAITING), group="engine")
+    grpc_address: str = setting("127.0.0.1:50061", "gRPC address (port 0: any free)", flag="--grpc",
+                                metavar="HOST:PORT")
+    metrics_address: str | None = setting("127.0.0.1:9101", "Prometheus /metrics address, or off", flag="--metrics",
+                                          metavar="HOST:PORT", off="off")
+    http_address: str | None = setting(None, "OpenAI-compatible HTTP address (default: off)", flag="--http",
+                                       metavar="HOST:PORT", off="off")
+    worker_id: str | None = setting(None, "default: HOSTNAME-GRPCPORT")
+    router: str | None = setting(None, "register with this router (or these routers) and send heartbeats",
+                                 metavar="HOST:PORT[,HOST:PORT...]")
+    join_token: str = setting("", "the router's join token", env="ORCHARD_JOIN_TOKEN")
+    advertise_address: str | None = setting(None, "the gRPC address the router should use (default: the bound one)",
+                                            flag="--advertise", metavar="HOST:PORT")
+    heartbeat_interval: float = setting(
+        1.0, "load report to the router every SECONDS (the router's interval, if shorter, wins)", metavar="SECONDS")
+    grace_seconds: float = 5.0  # running streams' time to finish when the worker stops
+    request_timeout: float | None = setting(
+        None, "an OpenAI HTTP request that takes longer is answered 504 and cancelled (a client may ask for less "
+              "with X-Request-Timeout; default: no limit)", metavar="SECONDS")
+    stall_timeout: float = setting(
+        60.0, "an engine step with unfinished work that takes longer than this means a wedged engine: health "
+              "NOT_SERVING, and the router resumes the worker's streams elsewhere (far above any real step)",
+        metavar="SECONDS")

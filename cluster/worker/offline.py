@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+
+from cluster.config import setting
+from cluster.worker.config import MODEL_HELP, EngineConfig
 
 DEFAULT_PROMPTS = [
     "The orchard is quiet in the morning.",
@@ -12,17 +16,28 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def run_offline(args) -> int:
-    from cluster.cli import engine_config_from_args
+@dataclass(frozen=True)
+class RunConfig:
+    """`orchard run`. The engine's defaults are the library's: `Engine.generate` takes the
+    whole batch at once, so the waiting queue is unbounded here (a worker bounds it)."""
+
+    prompts: tuple[str, ...] = setting((), "prompts (default: a few built-in ones)", flag="prompts", nargs="*")
+    model: str | None = setting(None, MODEL_HELP)
+    max_tokens: int = setting(32, "tokens to generate per prompt at most")
+    temperature: float = setting(0.0, "sampling temperature (0: greedy)")
+    engine: EngineConfig = setting(default_factory=EngineConfig, group="engine")
+
+
+def run_offline(config: RunConfig) -> int:
     from cluster.models_cache import resolve_model
     from cluster.worker.engine import Engine
     from cluster.worker.sampling_params import SamplingParams
 
-    path = resolve_model(args.model)
-    engine = Engine.from_pretrained(path, engine_config_from_args(args))
+    path = resolve_model(config.model)
+    engine = Engine.from_pretrained(path, config.engine)
     tok = engine.tokenizer
-    prompts = args.prompts or DEFAULT_PROMPTS
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    prompts = list(config.prompts) or DEFAULT_PROMPTS
+    params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature)
     t0 = time.perf_counter()
     outputs = engine.generate([tok.encode(p) for p in prompts], params)
     dt = time.perf_counter() - t0

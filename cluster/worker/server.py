@@ -16,14 +16,14 @@ import os
 import signal
 import socket
 import sys
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 from cluster.api.serving import Endpoints, MetricsEndpoint
 from cluster.api.servicer import GenerationServicer
 from cluster.net import check_addresses, parse_address
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
-from cluster.worker.config import EngineConfig
+from cluster.worker.config import WorkerOptions
 
 log = logging.getLogger(__name__)
 
@@ -43,25 +43,6 @@ class WorkerAdminServicer(pb_grpc.WorkerAdminServicer):
 
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
         return await self.server.set_draining(request.drain)
-
-
-@dataclass
-class WorkerOptions:
-    model_path: str
-    engine_config: EngineConfig = field(default_factory=EngineConfig)
-    grpc_address: str = "127.0.0.1:50061"
-    metrics_address: str | None = "127.0.0.1:9101"
-    http_address: str | None = None
-    worker_id: str | None = None  # default: hostname-grpcport
-    router: str | None = None  # register with this router (or these: comma-separated) and send heartbeats
-    join_token: str = ""
-    advertise_address: str | None = None  # what the router dials (default: the bound gRPC address)
-    heartbeat_interval: float = 1.0  # seconds (the router's own interval, if shorter, wins)
-    grace_seconds: float = 5.0
-    # Seconds one engine step (with unfinished work) may take before the engine counts as
-    # wedged: health NOT_SERVING, the router resumes its streams elsewhere. Far above any
-    # real step (a 2048-token prefill on a slow Mac takes seconds).
-    stall_timeout: float = 60.0
 
 
 class WorkerServer:
@@ -115,7 +96,8 @@ class WorkerServer:
         metrics = MetricsEndpoint(service.metrics.render, service.metrics.content_type,
                                   healthy=lambda: service.engine_loop.alive and not service.stalled)
         await self.endpoints.start(add_services, backend=service, http_address=opts.http_address,
-                                   metrics=metrics, metrics_address=opts.metrics_address)
+                                   metrics=metrics, metrics_address=opts.metrics_address,
+                                   request_timeout=opts.request_timeout)
         self._watchdog = asyncio.create_task(self._watch_progress())
         if opts.router:
             from cluster.worker.registration import Registration
@@ -197,28 +179,17 @@ async def run_until_signalled(options: WorkerOptions, ready_line: bool = True) -
         await server.stop()
 
 
-def serve(args) -> int:
-    """Entry point of `orchard worker serve`."""
-    from cluster.cli import engine_config_from_args, off
+def serve(options: WorkerOptions) -> int:
+    """Entry point of `orchard worker serve` (no model path: the built-in small model)."""
     from cluster.models_cache import resolve_model
 
     try:
-        check_addresses(args.grpc, off(args.metrics), off(args.http), *routers(args.router), args.advertise)
+        check_addresses(options.grpc_address, options.metrics_address, options.http_address,
+                        *routers(options.router), options.advertise_address)
     except ValueError as e:
         print(f"orchard worker serve: {e}", file=sys.stderr)
         return 2
-    options = WorkerOptions(
-        model_path=str(resolve_model(args.model)),
-        engine_config=engine_config_from_args(args),
-        grpc_address=args.grpc,
-        metrics_address=off(args.metrics),
-        http_address=off(args.http),
-        worker_id=args.worker_id,
-        router=args.router,
-        join_token=args.join_token,
-        advertise_address=args.advertise,
-        heartbeat_interval=args.heartbeat_interval,
-    )
+    options = replace(options, model_path=str(resolve_model(options.model_path)))
     code = 0
     try:
         asyncio.run(run_until_signalled(options))

@@ -1,0 +1,46 @@
+"""The router's configuration: every setting of `orchard router serve`, its default and its
+help text (the flags are generated from it, cluster/config.py). The registry's and the
+proxy's configs take their defaults from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.config import setting
+
+
+def policy_names() -> list[str]:
+    from cluster.router.policy import POLICIES
+
+    return sorted(POLICIES)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    grpc_address: str = setting("127.0.0.1:50051", "gRPC address (Generation + Router services)", flag="--grpc")
+    http_address: str | None = setting("127.0.0.1:8080", "OpenAI-compatible HTTP address, or off", flag="--http",
+                                       off="off")  # None: no HTTP API
+    metrics_address: str | None = setting("127.0.0.1:9100", "Prometheus /metrics address, or off", flag="--metrics",
+                                          off="off")  # None: no metrics endpoint
+    policy: str = setting("prefix_aware", "how requests are placed on workers", choices=policy_names)
+    join_token: str = setting("", "workers must present it to register (empty: open)",
+                              env="ORCHARD_JOIN_TOKEN")
+    heartbeat_interval: float = setting(1.0, "seconds between heartbeats/polls")
+    missed_heartbeats: int = setting(3, "missed beats before a worker is unhealthy")
+    remove_after: float = setting(30.0, "seconds of silence before removal")
+    max_attempts: int = setting(4, "placements per request (retries + resumes)")
+    worker_wait: float = setting(
+        5.0, "how long a request with no healthy worker waits for an unhealthy one to report in", metavar="SECONDS")
+    stream_idle_timeout: float = setting(
+        30.0, "a started stream with no output for this long resumes on another worker (its worker is wedged or "
+              "asleep; before the first token a request may queue for long, and keepalive finds dead peers)",
+        metavar="SECONDS")
+    request_timeout: float | None = setting(
+        None, "an OpenAI HTTP request that takes longer is answered 504 and cancelled (a client may ask for less "
+              "with X-Request-Timeout; default: no limit)", metavar="SECONDS")
+    circuit_threshold: int = setting(3, "failed requests in a row that open a worker's circuit breaker")
+    circuit_cooldown: float = setting(
+        2.0, "how long an open circuit keeps requests off a worker before one probe (doubling while probes fail)",
+        metavar="SECONDS")
+    static_workers: tuple[str, ...] = setting((), "a static worker to poll (repeatable)", flag="--worker",
+                                              metavar="ADDR", repeat=True)
