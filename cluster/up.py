@@ -110,7 +110,7 @@ class LocalCluster:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "cluster.cli", *args],
+                [sys.executable, "-m", "cluster", *args],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True,
                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,

@@ -350,3 +350,24 @@ def test_a_failed_start_leaves_nothing_running(tiny_model_dir):
     assert not server.engine_loop._thread.is_alive()
     with socket.socket() as again:
         again.bind(("127.0.0.1", grpc_port))
+
+
+def test_a_model_that_cannot_load_is_one_clear_line_and_exit_78(tiny_model_dir, tmp_path):
+    """No traceback for a supervisor's log to repeat every few seconds: one line that says
+    which model and why, and EX_CONFIG (launchd's ThrottleInterval spaces the retries)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["model_type"] = "gemma3_text"  # an architecture whose weights these are not
+    (broken / "config.json").write_text(json.dumps(config))
+    out = subprocess.run([sys.executable, "-m", "cluster", "worker", "serve", "--model", str(broken), "--grpc",
+                          "127.0.0.1:0", "--metrics", "off"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 78, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"orchard worker serve: cannot load the model at {broken}: ")

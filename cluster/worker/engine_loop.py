@@ -36,6 +36,10 @@ from cluster.worker.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+class EngineLoadError(RuntimeError):
+    """The engine could not be built (the model did not load, or is refused)."""
+
+
 # -- inbox ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AddRequest:
@@ -107,7 +111,7 @@ class EngineLoop:
         if not self._ready.wait(timeout):
             raise TimeoutError("the engine did not load in time")
         if self._load_error is not None:
-            raise RuntimeError(f"the engine failed to load: {self._load_error}") from self._load_error
+            raise EngineLoadError(str(self._load_error) or type(self._load_error).__name__) from self._load_error
         return self.engine
 
     def submit(self, msg: AddRequest | AbortRequest | Shutdown) -> None:

@@ -24,10 +24,12 @@ from cluster.net import check_addresses, parse_address
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.worker.config import WorkerOptions
+from cluster.worker.engine_loop import EngineLoadError
 
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "ORCHARD_WORKER_READY "  # + JSON of the bound addresses, printed on stdout
+EXIT_CONFIG = 78  # sysexits.h EX_CONFIG: the model cannot be served as configured
 
 def routers(value: str | None) -> list[str]:
     """`--router A,B`: the routers a worker registers with (a fleet may run several)."""
@@ -196,6 +198,13 @@ def serve(options: WorkerOptions) -> int:
     except OSError as e:
         print(f"orchard worker serve: {e}", file=sys.stderr)
         code = 1
+    except EngineLoadError as e:
+        # One line that says what to fix, and an exit code a supervisor can tell from a
+        # crash (launchd's ThrottleInterval keeps it from restarting in a tight loop).
+        reason = " ".join(str(e).split())  # mlx-lm lists missing weights over many lines
+        reason = reason if len(reason) <= 400 else reason[:400] + " ..."
+        print(f"orchard worker serve: cannot load the model at {options.model_path}: {reason}", file=sys.stderr)
+        code = EXIT_CONFIG
     # Everything the worker started is stopped and joined. Skip interpreter teardown: MLX
     # keeps per-thread C++ state (compile caches) whose destructors take the GIL, and where
     # we cannot wait for the engine's OS thread to be gone (no /proc) they can race
