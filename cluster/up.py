@@ -83,6 +83,7 @@ class LocalCluster:
         router_args: list[str] | None = None,
         cpus: list[list[int]] | None = None,  # per worker: the CPUs it may run on
         worker_env: dict[str, str] | None = None,  # extra environment of the workers
+        routers: int = 1,  # more than one: the others on free ports, no HTTP; every worker registers with all
     ):
         self.model = str(model)
         self.num_workers = workers
@@ -98,7 +99,9 @@ class LocalCluster:
         self.cpus = cpus
         self.worker_env = worker_env or {}
         self.join_token = secrets.token_hex(16)
-        self.router: Child | None = None
+        self.router: Child | None = None  # the first router
+        self.extra_routers: list[Child | None] = [None] * (routers - 1)
+        self.extra_router_addresses: list[str] = []
         self.workers: list[Child] = []
         self.worker_addresses: list[str] = []
         self.worker_metrics: list[str] = []
@@ -117,11 +120,27 @@ class LocalCluster:
             )
         return Child(name, proc, log_path)
 
-    def start_router(self) -> Child:
-        args = ["router", "serve", "--grpc", self.grpc_address, "--join-token", self.join_token, "--policy", self.policy,
-                "--http", self.http_address or "off", "--metrics", self.metrics_address or "off", *self.router_args]
-        self.router = self._spawn("router", args)
-        return self.router
+    def start_router(self, i: int = 0) -> Child:
+        """Router 0 on the configured addresses; router i > 0 on free ports, without HTTP."""
+        if i == 0:
+            grpc, http, metrics = self.grpc_address, self.http_address or "off", self.metrics_address or "off"
+        else:
+            while len(self.extra_router_addresses) < i:
+                self.extra_router_addresses.append(f"127.0.0.1:{free_port()}")
+            grpc, http, metrics = self.extra_router_addresses[i - 1], "off", f"127.0.0.1:{free_port()}"
+        args = ["router", "serve", "--grpc", grpc, "--join-token", self.join_token, "--policy", self.policy,
+                "--http", http, "--metrics", metrics, *self.router_args]
+        child = self._spawn("router" if i == 0 else f"router-{i}", args)
+        if i == 0:
+            self.router = child
+        else:
+            self.extra_routers[i - 1] = child
+        return child
+
+    @property
+    def router_addresses(self) -> list[str]:
+        """Every router's gRPC address (what an SDK client given them all fails over across)."""
+        return [self.router_address, *self.extra_router_addresses]
 
     def start_worker(self, i: int) -> Child:
         host = self.grpc_address.rpartition(":")[0] or "127.0.0.1"
@@ -132,7 +151,7 @@ class LocalCluster:
             self.worker_addresses.append(f"{host}:{port}")
             self.worker_metrics.append(f"{host}:{mport}")
         args = ["worker", "serve", "--model", self.model, "--grpc", self.worker_addresses[i],
-                "--metrics", self.worker_metrics[i], "--router", self.router_address,
+                "--metrics", self.worker_metrics[i], "--router", ",".join(self.router_addresses),
                 "--join-token", self.join_token, "--worker-id", f"worker-{i}", *self.worker_args]
         child = self._spawn(f"worker-{i}", args, self.cpus[i % len(self.cpus)] if self.cpus else None, self.worker_env)
         if i < len(self.workers):
@@ -148,19 +167,20 @@ class LocalCluster:
 
     def start(self, timeout: float = UpConfig.timeout) -> None:
         """Start everything and wait until every worker is registered and healthy."""
-        self.start_router()
+        for r in range(1 + len(self.extra_routers)):
+            self.start_router(r)
         for i in range(self.num_workers):
             self.start_worker(i)
         self.wait_ready(timeout)
 
-    def healthy_workers(self) -> list:  # of pb.WorkerInfo
+    def healthy_workers(self, router: str | None = None) -> list:  # of pb.WorkerInfo
         import grpc
 
         from cluster.proto.orchard.v1 import orchard_pb2 as pb
         from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 
         try:
-            with grpc.insecure_channel(self.router_address) as ch:
+            with grpc.insecure_channel(router or self.router_address) as ch:
                 resp = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=2)
         except grpc.RpcError:
             return []
@@ -174,7 +194,7 @@ class LocalCluster:
             if dead:
                 c = dead[0]
                 raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}; its log ({c.log_path}):\n{c.tail()}")
-            if len(self.healthy_workers()) >= n:
+            if all(len(self.healthy_workers(r)) >= n for r in self.router_addresses):
                 return
             time.sleep(0.2)
         raise TimeoutError(f"{n} healthy workers not registered within {timeout:g} s (logs in {self.log_dir})")
@@ -183,11 +203,11 @@ class LocalCluster:
         return [c for c in self.children() if c.proc.poll() is not None]
 
     def children(self) -> list[Child]:
-        return [c for c in [*self.workers, self.router] if c is not None]
+        return [c for c in [*self.workers, self.router, *self.extra_routers] if c is not None]
 
     def stop(self, grace: float = 10.0) -> None:
         """Workers first (they finish nothing new), then the router: SIGTERM, then SIGKILL."""
-        for group in (self.workers, [self.router] if self.router else []):
+        for group in (self.workers, [c for c in (self.router, *self.extra_routers) if c is not None]):
             for c in group:
                 if c.proc.poll() is None:
                     c.proc.send_signal(signal.SIGTERM)
