@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cluster.config import setting
 
-ARCHS = ("qwen3", "llama", "qwen2")
+ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3")
 SIZES = ("tiny", "small")
 
 
@@ -55,7 +55,15 @@ _ARCH = {
                   rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, rope_theta=1000000.0,
                   rms_norm_eps=1e-6),
+    # sliding-window families: every other layer attends to the last `sliding_window` tokens
+    # (a window the tests' prompts exceed); local and global layers have their own RoPE base
+    "gemma3_text": dict(architectures=["Gemma3ForCausalLM"], rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                        query_pre_attn_scalar=64, sliding_window_pattern=2, rms_norm_eps=1e-6),
+    "ministral3": dict(architectures=["MistralForCausalLM"], tie_word_embeddings=False, rms_norm_eps=1e-5,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                        "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 512}),
 }
+_SLIDING_WINDOW = {"tiny": 32, "small": 256}
 
 
 def model_config(arch: str, size: str, token_ids: dict[str, int]) -> dict:
@@ -69,6 +77,10 @@ def model_config(arch: str, size: str, token_ids: dict[str, int]) -> dict:
         geo.pop("head_dim")
         geo["num_attention_heads"] = geo["hidden_size"] // 64
         geo["num_key_value_heads"] = max(1, geo["num_attention_heads"] // 2)
+    if arch in ("gemma3_text", "ministral3"):
+        geo["sliding_window"] = _SLIDING_WINDOW[size]
+    if arch == "ministral3":
+        geo["layer_types"] = ["sliding_attention", "full_attention"] * (geo["num_hidden_layers"] // 2)
     return {
         "model_type": arch,
         **_ARCH[arch],

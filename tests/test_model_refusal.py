@@ -1,5 +1,6 @@
 """A model with a layer the paged engine cannot serve exactly is refused when it loads,
-with a message that names the model type and the feature: never served wrong.
+with a message that names the model type and the feature: never served wrong. The
+sliding-window families it serves get their windows, layer by layer.
 
 Tiny models of real mlx-lm architectures, built in memory from their own ModelArgs."""
 
@@ -13,21 +14,17 @@ import pytest
 from cluster.modelgen import create_model
 from cluster.worker.config import EngineConfig
 from cluster.worker.engine import Engine
-from cluster.worker.model_runner import UnsupportedModel, check_served
+from cluster.worker.model_runner import UnsupportedModel, check_served, layer_windows
 
 BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=100, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512)
 REFUSED = {
-    # sliding windows: every other layer (Gemma's pattern, layer_types, gpt-oss's alternation)
-    "gemma3_text": (dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16),
-                    "layers 0, 2 use RotatingKVCache (sliding-window attention)"),
-    "ministral3": (dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
-                        rope_parameters={"rope_theta": 10000.0, "llama_4_scaling_beta": 0.0,
-                                         "original_max_position_embeddings": 512}),
-                   "layers 0, 2 use RotatingKVCache (sliding-window attention)"),
+    # a sliding-window family not yet checked against mlx-lm (olmo3: 3 sliding layers of 4)
+    "olmo3": (dict(sliding_window=8), "layers 0-2 use RotatingKVCache (sliding-window attention)"),
+    # attention sinks (and sliding windows)
     "gpt_oss": (dict(sliding_window=8, num_local_experts=2, num_experts_per_tok=1,
                      layer_types=["sliding_attention", "full_attention"] * 2),
-                "layers 0, 2 use RotatingKVCache"),
+                "its attention has sinks"),
     # recurrent layers beside full attention
     "qwen3_next": (dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
                         linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=0,
@@ -45,6 +42,20 @@ REFUSED = {
 def build(model_type: str, extra: dict):
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
     return module.Model(module.ModelArgs.from_dict({"model_type": model_type, **BASE, **extra}))
+
+
+SERVED = {  # the sliding-window families served exactly (tests/test_engine.py checks them against mlx-lm)
+    "gemma3_text": (dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16), [8, -1, 8, -1]),
+    "ministral3": (dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                        rope_parameters={"rope_theta": 10000.0, "llama_4_scaling_beta": 0.0,
+                                         "original_max_position_embeddings": 512}), [8, -1, 8, -1]),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(SERVED))
+def test_sliding_window_families_are_served_with_their_windows(model_type):
+    extra, windows = SERVED[model_type]
+    assert layer_windows(build(model_type, extra)) == windows
 
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED))

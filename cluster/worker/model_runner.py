@@ -47,11 +47,13 @@ class StepBatch:
 
 
 class PagedKVCache:
-    """Per-layer cache object handed to mlx-lm's attention; owns nothing but an index."""
+    """Per-layer cache object handed to mlx-lm's attention: the layer's index and its
+    attention window (-1: full); the K/V live in the runner's pool."""
 
-    def __init__(self, runner: "ModelRunner", layer: int):
+    def __init__(self, runner: "ModelRunner", layer: int, window: int = -1):
         self.runner = runner
         self.layer = layer
+        self.window = window
 
     @property
     def offset(self) -> mx.array:
@@ -79,6 +81,7 @@ class PagedKVCache:
             b.seq_lens,
             b.cu_seqlens_q,
             scale=scale,
+            sliding_window=self.window,
             plan=b.plan,
         )
         return out.reshape(T, H, 1, D)
@@ -147,35 +150,59 @@ class UnsupportedModel(ValueError):
     when it loads, never served wrong."""
 
 
-def check_served(model: nn.Module) -> None:
-    """Refuse a model with a layer the paged engine cannot serve exactly. The engine gives
-    every layer full causal attention over its own K/V; mlx-lm tells what a layer needs by
-    the cache it makes for it: anything but a plain `KVCache` (a sliding window's
-    RotatingKVCache, a recurrent layer's ArraysCache, ...) or fewer caches than layers (KV
-    shared between layers) is a feature that would be silently ignored, and so is
-    multi-head latent attention (a compressed K/V of its own shape)."""
-    model_type = getattr(model, "model_type", None) or getattr(model.args, "model_type", type(model).__name__)
+# Families whose sliding-window layers are served exactly: their attention masks the same
+# window their RotatingKVCache keeps, which the paged kernels apply per layer. Each is
+# checked token for token against mlx-lm (tests/test_engine.py); a family is added here
+# only with that test.
+SLIDING_WINDOW_FAMILIES = frozenset({"gemma3_text", "ministral3"})
+
+
+def _model_type(model: nn.Module) -> str:
+    return getattr(model, "model_type", None) or getattr(model.args, "model_type", type(model).__name__)
+
+
+def layer_windows(model: nn.Module) -> list[int]:
+    """Each layer's attention window (-1: full causal attention), or UnsupportedModel for a
+    model with a layer the paged engine cannot serve exactly. mlx-lm tells what a layer
+    needs by the cache it makes for it: a plain `KVCache` is full attention; a
+    RotatingKVCache is a sliding window, served for the families above; anything else (a
+    recurrent layer's ArraysCache, ...), fewer caches than layers (K/V shared between
+    layers), attention sinks and multi-head latent attention would be silently ignored."""
+    model_type = _model_type(model)
     layers = len(model.layers)
     if getattr(model.args, "kv_lora_rank", None):
         raise UnsupportedModel(f"model type {model_type!r} is not served: it uses multi-head latent attention "
                                "(MLA, kv_lora_rank), which the paged engine does not cache yet")
+    if any(hasattr(getattr(layer, "self_attn", None), "sinks") for layer in model.layers):
+        raise UnsupportedModel(f"model type {model_type!r} is not served: its attention has sinks (a learned "
+                               "logit per head in the softmax), which the paged kernels do not apply yet")
     make_cache = getattr(model, "make_cache", None)
     if make_cache is None:
-        return  # mlx-lm gives every layer a KVCache
+        return [-1] * layers  # mlx-lm gives every layer a KVCache
     caches = make_cache()
     if len(caches) != layers:
         raise UnsupportedModel(f"model type {model_type!r} is not served: it has {layers} layers but {len(caches)} "
                                "caches (layers sharing K/V), which the paged engine does not honour yet")
-    other: dict[str, list[int]] = {}
+    windows, other = [], {}
     for i, cache in enumerate(caches):
         name = type(cache).__name__
-        if name != "KVCache":
+        if name == "KVCache":
+            windows.append(-1)
+        elif name == "RotatingKVCache" and model_type in SLIDING_WINDOW_FAMILIES and not getattr(cache, "keep", 0):
+            windows.append(int(cache.max_size))
+        else:
             other.setdefault(name, []).append(i)
     if other:
         what = "; ".join(f"layers {_ranges(ids)} use {name} ({_CACHE_MEANING.get(name, 'an attention the engine does not know')})"
                          for name, ids in other.items())
         raise UnsupportedModel(f"model type {model_type!r} is not served: {what}. The paged engine would give "
                                "those layers full attention and generate the wrong tokens, so it refuses the model")
+    return windows
+
+
+def check_served(model: nn.Module) -> None:
+    """Raise UnsupportedModel for a model the engine cannot serve exactly (`layer_windows`)."""
+    layer_windows(model)
 
 
 _CACHE_MEANING = {
@@ -269,7 +296,8 @@ class ModelRunner:
         self.k_pool = [mx.zeros((slots, self.num_kv_heads, self.head_dim), self.dtype) for _ in range(self.num_layers)]
         self.v_pool = [mx.zeros((slots, self.num_kv_heads, self.head_dim), self.dtype) for _ in range(self.num_layers)]
         mx.eval(self.k_pool, self.v_pool)
-        self.caches = [PagedKVCache(self, i) for i in range(self.num_layers)]
+        self.windows = layer_windows(model)
+        self.caches = [PagedKVCache(self, i, w) for i, w in enumerate(self.windows)]
         self.head_only = getattr(model, "model_type", None) in _HEAD_ONLY_ARCHS and hasattr(model, "model")
         self.batch: StepBatch | None = None
         self.attention_backend = kernels.check_backend()
