@@ -312,6 +312,9 @@ def test_router_restart_workers_register_again():
             c.router = RouterServer(cfg)
             await c.router.start()
             await c.wait_healthy(2, timeout=5)
+            # the router counts a worker healthy as it registers it, a moment before the
+            # worker has read the reply: wait for the workers' own count
+            await c.wait_until(lambda: all(r.registrations >= 2 for r in c.registrations), "re-registrations")
             assert all(r.registrations == 2 for r in c.registrations)
 
     run(main())
@@ -421,6 +424,34 @@ def test_a_stream_that_goes_silent_resumes_elsewhere(heartbeats):
             assert {ch.worker_id for ch in chunks[3:]} == {f"w{1 - v}"}
             assert took < 5.0
             assert 'orchard_router_retries_total{kind="resume"} 1.0' in await c.metrics()
+
+    run(main())
+
+
+def test_a_silent_worker_has_its_streams_resumed_even_before_their_first_token():
+    """A Mac asleep: no heartbeat, and its open streams quiet (no token yet, so no idle
+    timeout applies): after stream_idle_timeout of silence they resume elsewhere."""
+    async def main():
+        async with Cluster(stream_idle_timeout=1.0) as c:
+            for w in c.workers:
+                w.hang_after_tokens = 0
+
+            async def sleep_one():
+                while not any(w.requests for w in c.workers):
+                    await asyncio.sleep(0.005)
+                victim = next(i for i, w in enumerate(c.workers) if w.requests)
+                c.workers[1 - victim].hang_after_tokens = None
+                await c.registrations[victim].stop()
+                return victim
+
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            asleep = asyncio.create_task(sleep_one())
+            chunks = await c.generate("asleep", max_tokens=6)
+            victim = await asleep
+            assert tokens(chunks) == expected_tokens("asleep", 6)
+            assert {ch.worker_id for ch in chunks} == {f"w{1 - victim}"}
+            assert 1.0 < loop.time() - t0 < 5.0
 
     run(main())
 

@@ -49,6 +49,9 @@ class RegistryConfig:
     remove_after: float = RouterConfig.remove_after
     circuit_threshold: int = RouterConfig.circuit_threshold
     circuit_cooldown: float = RouterConfig.circuit_cooldown
+    # A worker silent this long (no heartbeat, no poll) has its streams resumed elsewhere,
+    # those with no token yet included (a Mac asleep: its connections stay open and quiet).
+    abandon_after: float = RouterConfig.stream_idle_timeout
 
     @property
     def unhealthy_after(self) -> float:
@@ -312,6 +315,11 @@ class Registry:
                 log.warning("worker %s missed %d heartbeats: unhealthy", w.worker_id, self.config.missed_heartbeats)
                 w.healthy = False
                 self._notify()
+            if w.attempts and silent > self.config.abandon_after:
+                log.warning("worker %s silent for %.0f s: resuming its %d streams elsewhere", w.worker_id, silent,
+                            len(w.attempts))
+                for attempt in list(w.attempts):
+                    attempt.abandon(f"worker {w.worker_id} silent for {silent:.0f} s")
             if not w.static and silent > self.config.remove_after:
                 self.remove(w.worker_id)
 
