@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cluster.worker  # noqa: E402,F401  (OpenBLAS before MLX)
 from cluster.models_cache import resolve_model  # noqa: E402
-from cluster.router.loadgen import metric_sum, run_load, scrape, text_request  # noqa: E402
+from cluster.bench.closed_loop import metric_sum, run_load, scrape, text_request  # noqa: E402
 from cluster.up import LocalCluster, free_port  # noqa: E402
 
 WORDS = ("apple pear plum cherry quince orchard branch root leaf blossom harvest basket ladder "

@@ -28,7 +28,7 @@ from cluster.models_cache import resolve_model  # noqa: E402
 import grpc  # noqa: E402
 
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc  # noqa: E402
-from cluster.router.loadgen import _one, run_load, text_request  # noqa: E402
+from cluster.bench.closed_loop import one_request, run_load, text_request  # noqa: E402
 from cluster.up import LocalCluster, free_port  # noqa: E402
 
 WORDS = "apple pear plum cherry quince orchard branch root leaf blossom harvest basket ladder".split()
@@ -48,7 +48,7 @@ async def paired_ttft(worker: str, router: str, texts: list[str]) -> tuple[list[
         stubs = {"direct": pb_grpc.GenerationStub(wch), "router": pb_grpc.GenerationStub(rch)}
         for i, text in enumerate(texts):
             for name in (("direct", "router") if i % 2 == 0 else ("router", "direct")):
-                r = await _one(stubs[name], text_request(text, 8))
+                r = await one_request(stubs[name], text_request(text, 8))
                 (direct if name == "direct" else routed).append(r.ttft)
     return direct, routed
 

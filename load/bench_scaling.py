@@ -31,7 +31,7 @@ import grpc  # noqa: E402
 from cluster.models_cache import resolve_model  # noqa: E402
 from cluster.proto.orchard.v1 import orchard_pb2 as pb  # noqa: E402
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc  # noqa: E402
-from cluster.router.loadgen import run_load, text_request  # noqa: E402
+from cluster.bench.closed_loop import run_load, text_request  # noqa: E402
 from cluster.up import LocalCluster, free_port  # noqa: E402
 
 WORDS = "apple pear plum cherry quince orchard branch root leaf blossom harvest basket ladder".split()

@@ -286,10 +286,10 @@ async def wait_http(url: str, extra: dict, timeout: float = 300) -> None:
 def orchard_server_metrics(metrics_address: str) -> dict:
     import urllib.request
 
-    from prometheus_client.parser import text_string_to_metric_families
+    from cluster.bench.server_metrics import parse
 
     text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
-    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if "le" not in s.labels}
+    values = {name: v for (name, labels), v in parse(text).items() if "le" not in dict(labels)}
     mean = lambda n: values.get(f"{n}_sum", 0) / max(1, values.get(f"{n}_count", 0))  # noqa: E731
     return {"server_ttft_mean": mean("orchard_time_to_first_token_seconds"),
             "server_queue_time_mean": mean("orchard_request_queue_time_seconds"),

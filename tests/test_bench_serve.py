@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cluster.bench import datasets as ds
-from cluster.bench.backends import RequestOutput
+from cluster.bench.backends import RequestRecord
 from cluster.bench.metrics import compute, parse_goodput
 from cluster.bench.serve import arrival_gaps, build_parser, main
 from cluster.bench.server_metrics import ServerMetricsSampler, metrics_url, parse
@@ -98,7 +98,7 @@ def test_text_slices_and_custom(tmp_path, tokenizer):
 
 # -- metrics ----------------------------------------------------------------------------------
 def _out(start, ttft, gaps, tokens_per_chunk=1, prompt=10):
-    o = RequestOutput(success=True, start=start, prompt_tokens=prompt)
+    o = RequestRecord(success=True, start=start, prompt_tokens=prompt)
     o._chunk(start + ttft, tokens_per_chunk)
     t = start + ttft
     for g in gaps:
@@ -110,7 +110,7 @@ def _out(start, ttft, gaps, tokens_per_chunk=1, prompt=10):
 
 
 def test_metrics_like_vllm():
-    outs = [_out(0.0, 0.1, [0.01] * 9), _out(0.1, 0.3, [0.05] * 4), RequestOutput(success=False, error="boom")]
+    outs = [_out(0.0, 0.1, [0.01] * 9), _out(0.1, 0.3, [0.05] * 4), RequestRecord(success=False, error="boom")]
     m = compute(outs, duration_s=2.0, percentiles=[50, 99], slos=parse_goodput(["ttft:200", "tpot:20"]), t0=0.0)
     assert (m.completed, m.failed) == (1 + 1, 1)
     assert m.total_output_tokens == 15 and m.total_input_tokens == 20

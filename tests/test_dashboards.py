@@ -26,11 +26,13 @@ WORKER_METRICS = {
     "orchard_kv_cache_blocks_total", "orchard_num_requests_running", "orchard_num_requests_waiting",
     "orchard_prompt_tokens_total", "orchard_generation_tokens_total", "orchard_num_preemptions_total",
     "orchard_prefix_cache_queries_total", "orchard_prefix_cache_hits_total", "orchard_request_success_total",
+    "orchard_engine_stalls_total",
 }
 ROUTER_METRICS = {
     "orchard_router_requests_total", "orchard_router_time_to_first_token_seconds", "orchard_router_workers",
     "orchard_router_retries_total", "orchard_router_inflight_requests", "orchard_router_e2e_request_latency_seconds",
     "orchard_router_circuit_open", "orchard_router_poison_requests_total", "orchard_router_retry_budget_exhausted_total",
+    "orchard_router_deadline_exceeded_total",
 }
 PANEL_TYPES = {"row", "timeseries", "stat", "gauge", "bargauge", "table", "heatmap", "text"}
 

@@ -1,4 +1,4 @@
-"""Send one request, stream its answer, and time it: `RequestOutput`.
+"""Send one request, stream its answer, and time it: `RequestRecord`.
 
 Backends:
 - `grpc`: the SDK's `AsyncClient` (a router or a worker); prompts as token ids or text;
@@ -25,7 +25,7 @@ BACKENDS = ("grpc", "openai", "openai-chat")
 
 
 @dataclass
-class RequestOutput:
+class RequestRecord:
     success: bool = False
     error: str = ""
     start: float = 0.0  # perf_counter when sent
@@ -58,7 +58,7 @@ class RequestOptions:
     timeout: float | None = None
 
 
-class GrpcBackend:
+class GrpcTarget:
     name = "grpc"
 
     def __init__(self, target: str):
@@ -67,8 +67,8 @@ class GrpcBackend:
         self.target = target
         self.client = AsyncClient(target, options=[("grpc.max_receive_message_length", 64 << 20)])
 
-    async def send(self, req: SampleRequest, opts: RequestOptions) -> RequestOutput:
-        out = RequestOutput(prompt_tokens=req.prompt_len)
+    async def send(self, req: SampleRequest, opts: RequestOptions) -> RequestRecord:
+        out = RequestRecord(prompt_tokens=req.prompt_len)
         params = dict(model=opts.model, max_tokens=req.output_len, temperature=opts.temperature,
                       top_p=opts.top_p, top_k=opts.top_k, ignore_eos=opts.ignore_eos)
         messages = [{"role": r, "content": c} for r, c in req.messages] if req.messages is not None else None
@@ -126,10 +126,10 @@ class OpenAIBackend:
             body["prompt"] = req.prompt if req.prompt is not None else "".join(c for _, c in req.messages)
         return body
 
-    async def send(self, req: SampleRequest, opts: RequestOptions) -> RequestOutput:
+    async def send(self, req: SampleRequest, opts: RequestOptions) -> RequestRecord:
         import aiohttp
 
-        out = RequestOutput(prompt_tokens=req.prompt_len)
+        out = RequestRecord(prompt_tokens=req.prompt_len)
         body = self._body(req, opts)
         timeout = aiohttp.ClientTimeout(total=opts.timeout)
         out.start = time.perf_counter()
@@ -182,7 +182,7 @@ class OpenAIBackend:
 
 def make_backend(name: str, target: str):
     if name == "grpc":
-        return GrpcBackend(target)
+        return GrpcTarget(target)
     if name in ("openai", "openai-chat"):
         return OpenAIBackend(target, chat=name == "openai-chat")
     raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")

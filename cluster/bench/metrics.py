@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.bench.backends import RequestOutput
+from cluster.bench.backends import RequestRecord
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
@@ -67,11 +67,11 @@ class BenchmarkMetrics:
     latency: dict[str, LatencyStats] = field(default_factory=dict)
 
 
-def tpot_of(o: RequestOutput) -> float | None:
+def tpot_of(o: RequestRecord) -> float | None:
     return (o.latency - o.ttft) / (o.output_tokens - 1) if o.output_tokens > 1 else None
 
 
-def output_token_series(outputs: list[RequestOutput], t0: float, bin_s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+def output_token_series(outputs: list[RequestRecord], t0: float, bin_s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """(bin start times relative to t0, output tokens/s in each bin) over the run."""
     times = [t - t0 for o in outputs for t in o.chunk_times]
     tokens = [n for o in outputs for n in o.chunk_tokens]
@@ -84,7 +84,7 @@ def output_token_series(outputs: list[RequestOutput], t0: float, bin_s: float = 
     return np.arange(nbins) * bin_s, counts / bin_s
 
 
-def max_concurrency_seen(outputs: list[RequestOutput]) -> int:
+def max_concurrency_seen(outputs: list[RequestRecord]) -> int:
     events = []
     for o in outputs:
         if o.latency > 0:
@@ -96,7 +96,7 @@ def max_concurrency_seen(outputs: list[RequestOutput]) -> int:
     return best
 
 
-def compute(outputs: list[RequestOutput], duration_s: float, percentiles: list[float],
+def compute(outputs: list[RequestRecord], duration_s: float, percentiles: list[float],
             slos: dict[str, float] | None = None, t0: float | None = None) -> BenchmarkMetrics:
     ok = [o for o in outputs if o.success]
     ttfts = [o.ttft for o in ok]

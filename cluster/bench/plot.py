@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.bench.backends import RequestOutput
+from cluster.bench.backends import RequestRecord
 from cluster.bench.metrics import BenchmarkMetrics, output_token_series
 from cluster.bench.server_metrics import ServerSummary
 
 
-def plot_run(path: str | Path, outputs: list[RequestOutput], t0: float, metrics: BenchmarkMetrics,
+def plot_run(path: str | Path, outputs: list[RequestRecord], t0: float, metrics: BenchmarkMetrics,
              server: ServerSummary | None = None, title: str = "") -> Path:
     import matplotlib
 

@@ -44,7 +44,8 @@ def parse(text: str) -> dict[Key, float]:
     return out
 
 
-def _sum(values: dict[Key, float], name: str, **labels: str) -> float:
+def total(values: dict[Key, float], name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
     want = set(labels.items())
     return sum(v for (n, lv), v in values.items() if n == name and want <= set(lv))
 
@@ -174,7 +175,7 @@ class ServerMetricsSampler:
             have = [u for u in urls if any(n == name for n, _ in after[u])]
             if not have:
                 return None
-            return sum(_sum(after[u], name, **labels) - _sum(self._before[u], name, **labels) for u in have)
+            return sum(total(after[u], name, **labels) - total(self._before[u], name, **labels) for u in have)
 
         def as_int(x: float | None) -> int | None:
             return None if x is None else int(round(x))

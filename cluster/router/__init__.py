@@ -11,5 +11,4 @@ The gRPC servicer, the OpenAI HTTP front and the server start-up are cluster/api
     metrics.py       orchard_router_* on the router's own Prometheus registry
     server.py        `orchard router serve`
     admin.py         `orchard router register|workers|drain|remove`
-    loadgen.py       a closed-loop gRPC load generator for the router benchmarks (load/)
 """

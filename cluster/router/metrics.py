@@ -66,6 +66,11 @@ class RouterMetrics:
             "orchard_router_poison_requests_total",
             "Requests failed to their client after failing with INTERNAL on two workers (not tried again)", registry=r,
         )
+        self.deadline_exceeded = Counter(
+            "orchard_router_deadline_exceeded_total",
+            "Requests whose client's deadline passed before they finished (waiting for a worker or on one)",
+            registry=r,
+        )
         self.retry_budget_exhausted = Counter(
             "orchard_router_retry_budget_exhausted_total",
             "Requests failed fast instead of retried: the router's retry budget was spent", registry=r,

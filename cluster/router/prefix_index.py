@@ -1,7 +1,8 @@
 """An approximate map from prompt prefixes to the workers likely to hold them in KV cache.
 
 The router has no tokenizer, so a prompt is cut into chunks it can see: 16-token blocks
-for token-id prompts (the worker's block size), 64-character chunks for text and chat.
+for token-id prompts (the workers' default block size; the router does not know a worker's
+own, and another size only makes the hint coarser), 64-character chunks for text and chat.
 Chunk i's key is a hash chained over chunks 0..i (with the model name as the seed), so a
 key names a whole prefix, as in the worker's block manager. Each key remembers the
 workers a request with that prefix was recently sent to. The table is an LRU bounded in

@@ -138,6 +138,7 @@ class RouterBackend:
             if not pool:
                 self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
                 if deadline is not None and time.monotonic() >= deadline:
+                    self.metrics.deadline_exceeded.inc()
                     raise errors.DeadlineExceeded(f"the deadline passed while waiting for a worker ({no_worker})")
                 if failure is None:
                     raise errors.from_status(no_worker.code, str(no_worker))
@@ -191,6 +192,8 @@ class RouterBackend:
                     failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, stream.abandoned), m.FAILED
                 elif code not in RETRYABLE:
                     outcome = m.ERROR
+                    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                        self.metrics.deadline_exceeded.inc()
                     raise errors.from_rpc_error(e) from None
                 else:
                     failure = _WorkerFailed(code, e.details() or code.name)

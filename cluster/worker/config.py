@@ -14,7 +14,7 @@ class EngineConfig:
     # Explicit KV pool size in blocks; None derives it from `kv_cache_memory_bytes`.
     num_kv_blocks: int | None = setting(None, "KV pool size in blocks (default: from memory)")
     # Memory budget for the KV pool when `num_kv_blocks` is None; None picks a default
-    # from the device (see `ModelRunner.default_kv_budget`).
+    # from the device (see `model_runner.default_kv_budget`).
     kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = setting(64, "requests in one step at most")
     # Tokens per step; None: 2048 on Metal, 512 on the CPU (platform.default_max_num_batched_tokens).

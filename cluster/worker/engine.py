@@ -245,8 +245,6 @@ class Engine:
     def _on_token(self, seq: Sequence, result, row: int) -> RequestOutput:
         token = seq.token_ids[-1]
         params = seq.sampling_params
-        if result.logprobs is not None:
-            seq.output_logprobs.append(result.logprobs[row])
         self.stats.generation_tokens += 1
         detok = self.detoks[seq.request_id]
         status = None

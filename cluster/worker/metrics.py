@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -47,6 +47,10 @@ class WorkerMetrics:
         self.queue_time = histogram(
             "orchard_request_queue_time_seconds", "Time from arrival to first being scheduled.", REQUEST_LATENCY_BUCKETS
         )
+        self.stalls = Counter(
+            "orchard_engine_stalls_total", "Times the engine made no progress for the stall timeout (wedged).",
+            LABELS, registry=self.registry,
+        ).labels(*labels)
         self.registry.register(_EngineStatsCollector(labels, stats))
 
     def render(self) -> bytes:

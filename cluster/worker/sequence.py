@@ -42,8 +42,6 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
     num_forwarded_tokens: int = 0  # all tokens ever forwarded (recompute included)
-    output_logprobs: list[float] = field(default_factory=list)
-    first_scheduled_time: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def __post_init__(self):
@@ -58,10 +56,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -127,6 +127,8 @@ class WorkerServer:
                 if stalled:
                     log.error("worker %s: the engine has made no progress for %.0f s: reporting NOT_SERVING",
                               service.worker_id, service.stall_timeout)
+                    if service.metrics is not None:
+                        service.metrics.stalls.inc()
                 else:
                     log.warning("worker %s: the engine is moving again", service.worker_id)
                 await self.endpoints.set_serving(not stalled and not service.draining)

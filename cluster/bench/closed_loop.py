@@ -1,4 +1,5 @@
-"""A small closed-loop gRPC load generator for the router benchmarks (load/bench_*.py).
+"""A closed-loop gRPC load for the router benchmarks (load/bench_*.py): `orchard bench`
+(cluster/bench/serve.py) is the open-loop, vllm-bench-serve-style one.
 
 `run_load(target, requests, concurrency)` keeps `concurrency` streams open until every
 request is done and returns per-request TTFT, tokens and latency, plus the wall time.
@@ -7,7 +8,6 @@ request is done and returns per-request TTFT, tokens and latency, plus the wall 
 from __future__ import annotations
 
 import asyncio
-import re
 import statistics
 import time
 import urllib.request
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cluster.bench.server_metrics import parse, total
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 
@@ -61,7 +62,8 @@ def text_request(text: str, max_tokens: int, model: str = "") -> pb.GenerateRequ
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
-async def _one(stub, request: pb.GenerateRequest) -> RequestResult:
+async def one_request(stub, request: pb.GenerateRequest) -> RequestResult:
+    """Send one request on `stub` and time it."""
     t0 = time.perf_counter()
     ttft, n, last = None, 0, None
     async for chunk in stub.Generate(request):
@@ -83,7 +85,7 @@ async def run_load_async(target: str, requests: list[pb.GenerateRequest], concur
 
         async def client():
             while queue:
-                out.results.append(await _one(stub, queue.pop()))
+                out.results.append(await one_request(stub, queue.pop()))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -102,4 +104,4 @@ def scrape(address: str) -> str:
 
 def metric_sum(text: str, name: str) -> float:
     """Sum of a metric's samples over all label sets."""
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+    return total(parse(text), name)
