@@ -121,18 +121,17 @@ class GrpcBackend:
             raise from_rpc_error(e) from None
 
 
-class AsyncClient:
-    """`target`: one HOST:PORT, or several (a list, or comma-separated) for a fleet with
-    more than one router: a stream broken by its router's death (UNAVAILABLE) resumes on
-    the next with the tokens already received (`resume_token_ids`), so the caller sees
-    one stream; other calls go to the next target when one is unreachable."""
+class _Targets:
+    """A client's targets and one channel to each, opened on first use (`_open` is the
+    sync or the asyncio channel factory); `_use(i)` makes target i the current one."""
 
-    def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET, *, timeout: float | None = None,
-                 channel: grpc.aio.Channel | None = None, options: Sequence[tuple] | None = None):
+    _open = None
+
+    def __init__(self, target, timeout, channel, options):
         self.targets = _targets(target)
         self.timeout = timeout
         self._options = _options(options)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict = {}
         self._own_channel = channel is None
         if channel is not None:
             self._channels[self.targets[0]] = channel
@@ -142,8 +141,24 @@ class AsyncClient:
         self._index = index
         self.target = self.targets[index]
         if self.target not in self._channels:
-            self._channels[self.target] = grpc.aio.insecure_channel(self.target, options=self._options)
+            self._channels[self.target] = self._open(self.target, options=self._options)
         self.channel = self._channels[self.target]
+
+
+class AsyncClient(_Targets):
+    """`target`: one HOST:PORT, or several (a list, or comma-separated) for a fleet with
+    more than one router: a stream broken by its router's death (UNAVAILABLE) resumes on
+    the next with the tokens already received (`resume_token_ids`), so the caller sees
+    one stream; other calls go to the next target when one is unreachable."""
+
+    _open = staticmethod(grpc.aio.insecure_channel)
+
+    def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET, *, timeout: float | None = None,
+                 channel: grpc.aio.Channel | None = None, options: Sequence[tuple] | None = None):
+        _Targets.__init__(self, target, timeout, channel, options)
+
+    def _use(self, index: int) -> None:
+        _Targets._use(self, index)
         self.backend = GrpcBackend(self.channel, self.timeout)
         self._admin = pb_grpc.WorkerAdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -219,27 +234,18 @@ class AsyncClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 
-class Client:
+class Client(_Targets):
     """The blocking twin of `AsyncClient` (plain grpc channels, no event loop), with the
     same failover across several targets."""
 
+    _open = staticmethod(grpc.insecure_channel)
+
     def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET, *, timeout: float | None = None,
                  channel: grpc.Channel | None = None, options: Sequence[tuple] | None = None):
-        self.targets = _targets(target)
-        self.timeout = timeout
-        self._options = _options(options)
-        self._channels: dict[str, grpc.Channel] = {}
-        self._own_channel = channel is None
-        if channel is not None:
-            self._channels[self.targets[0]] = channel
-        self._use(0)
+        _Targets.__init__(self, target, timeout, channel, options)
 
     def _use(self, index: int) -> None:
-        self._index = index
-        self.target = self.targets[index]
-        if self.target not in self._channels:
-            self._channels[self.target] = grpc.insecure_channel(self.target, options=self._options)
-        self.channel = self._channels[self.target]
+        _Targets._use(self, index)
         self._stub = pb_grpc.GenerationStub(self.channel)
         self._admin = pb_grpc.WorkerAdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
