@@ -51,7 +51,7 @@ class RegistryConfig:
     circuit_cooldown: float = RouterConfig.circuit_cooldown
     # A worker silent this long (no heartbeat, no poll) has its streams resumed elsewhere,
     # those with no token yet included (a Mac asleep: its connections stay open and quiet).
-    abandon_after: float = RouterConfig.stream_idle_timeout
+    stream_idle_timeout: float = RouterConfig.stream_idle_timeout
 
     @property
     def unhealthy_after(self) -> float:
@@ -315,7 +315,7 @@ class Registry:
                 log.warning("worker %s missed %d heartbeats: unhealthy", w.worker_id, self.config.missed_heartbeats)
                 w.healthy = False
                 self._notify()
-            if w.attempts and silent > self.config.abandon_after:
+            if w.attempts and silent > self.config.stream_idle_timeout:
                 log.warning("worker %s silent for %.0f s: resuming its %d streams elsewhere", w.worker_id, silent,
                             len(w.attempts))
                 for attempt in list(w.attempts):

@@ -43,7 +43,7 @@ class RouterServer:
                 remove_after=config.remove_after,
                 circuit_threshold=config.circuit_threshold,
                 circuit_cooldown=config.circuit_cooldown,
-                abandon_after=config.stream_idle_timeout,
+                stream_idle_timeout=config.stream_idle_timeout,
             ),
             on_remove=self.policy.forget,
         )
