@@ -382,3 +382,32 @@ def test_a_wedged_engine_is_reported_stalled_and_refuses_new_requests():
     assert stalled == (True, True) and not after
     assert toks == [100, 101, 102]
 
+
+def test_a_suspect_that_cannot_come_back_does_not_stall_the_isolation():
+    """After a failed step, a suspect whose re-add is refused is failed, and the next
+    suspect and the requests held meanwhile still go on (nothing waits for ever)."""
+    async def fn(svc, engine):
+        real_add = engine.add_request
+
+        def add(rid, prompt, params, arrival_time=None, resume_token_ids=()):
+            if resume_token_ids and rid.startswith("victim@"):  # the engine id: the client id + "@n"
+                raise ValueError("cannot come back")
+            return real_add(rid, prompt, params, arrival_time, resume_token_ids)
+
+        engine.add_request = add
+        engine.unwedged.clear()  # the first step blocks until all four are sent
+        victim = asyncio.create_task(collect(svc, build_request([1], max_tokens=4, request_id="victim")))
+        other = asyncio.create_task(collect(svc, build_request([2], max_tokens=4, request_id="other")))
+        await asyncio.sleep(0.05)
+        bad = asyncio.create_task(collect(svc, build_request([BOOM], max_tokens=4, request_id="bad")))
+        late = asyncio.create_task(collect(svc, build_request([3], max_tokens=2, request_id="late")))
+        await asyncio.sleep(0.05)
+        engine.unwedged.set()  # step 1: victim and other emit a token; step 2 (with bad) fails
+        return await asyncio.gather(victim, other, bad, late, return_exceptions=True)
+
+    victim, other, bad, late = run_with_service(fn)
+    assert isinstance(bad, InternalError)
+    assert [t for c in other for t in c.token_ids] == [100, 101, 102, 103]
+    assert [t for c in late for t in c.token_ids] == [100, 101]
+    assert isinstance(victim, InternalError) and "cannot come back" in str(victim)
+

@@ -172,6 +172,8 @@ class EngineLoop:
                     return
                 for msg in iso.next_adds():  # isolating: the next suspect, or at the end what was held
                     self._add(engine, msg, events, queued, sent, probe=iso.probe == msg.request_id)
+                if iso.probe is not None and iso.probe not in engine.live_request_ids():
+                    iso.probe = None  # it could not be added again (failed above): on to the next
                 if engine.has_unfinished():
                     self._step(engine, events, queued, sent)
                     iso.probe = None  # it went through a step: not the cause
