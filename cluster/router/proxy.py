@@ -133,7 +133,7 @@ class RouterBackend:
         self.budget.on_request()
         for attempt in range(self.config.max_attempts):
             if attempt:
-                await self._before_retry(rid, attempt, failure, deadline)
+                await self._before_retry(attempt, failure, deadline)
             pool, no_worker = await self._pool(rid, request.model, excluded, wait_until)
             if not pool:
                 self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
@@ -224,7 +224,7 @@ class RouterBackend:
             f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}"
         )
 
-    async def _before_retry(self, rid: str, attempt: int, failure: "_WorkerFailed", deadline: float | None) -> None:
+    async def _before_retry(self, attempt: int, failure: "_WorkerFailed", deadline: float | None) -> None:
         """Spend the retry budget (or fail fast when it is spent) and back off."""
         if not self.budget.try_retry():
             self.metrics.retry_budget_exhausted.inc()

@@ -102,6 +102,11 @@ class WorkerRecord:
         total = self.report.kv_blocks_total
         return self.report.kv_blocks_used / total if total else 0.0
 
+    def abandon_streams(self, reason: str) -> None:
+        """Cancel the router's open streams on this worker; each resumes elsewhere."""
+        for attempt in list(self.attempts):
+            attempt.abandon(reason)
+
     def on_report(self, report: pb.LoadReport, now: float) -> None:
         self.report = report
         self.inflight_at_report = self.inflight
@@ -208,8 +213,7 @@ class Registry:
             if healthy:
                 log.warning("worker %s reports its engine stalled: unhealthy; resuming its %d streams elsewhere",
                             w.worker_id, len(w.attempts))
-            for attempt in list(w.attempts):
-                attempt.abandon(f"worker {w.worker_id}'s engine stalled")
+            w.abandon_streams(f"worker {w.worker_id}'s engine stalled")
         elif not healthy:
             log.info("worker %s is healthy again", w.worker_id)
         if w.state != state:
@@ -318,8 +322,7 @@ class Registry:
             if w.attempts and silent > self.config.stream_idle_timeout:
                 log.warning("worker %s silent for %.0f s: resuming its %d streams elsewhere", w.worker_id, silent,
                             len(w.attempts))
-                for attempt in list(w.attempts):
-                    attempt.abandon(f"worker {w.worker_id} silent for {silent:.0f} s")
+                w.abandon_streams(f"worker {w.worker_id} silent for {silent:.0f} s")
             if not w.static and silent > self.config.remove_after:
                 self.remove(w.worker_id)
 
