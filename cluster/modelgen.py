@@ -19,7 +19,8 @@ from pathlib import Path
 
 from cluster.config import setting
 
-ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3")
+ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3", "gemma2", "gpt_oss", "olmo3", "cohere2",
+         "gemma4_text", "deepseek_v3")
 SIZES = ("tiny", "small")
 
 
@@ -55,15 +56,45 @@ _ARCH = {
                   rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, rope_theta=1000000.0,
                   rms_norm_eps=1e-6),
-    # sliding-window families: every other layer attends to the last `sliding_window` tokens
-    # (a window the tests' prompts exceed); local and global layers have their own RoPE base
+    # sliding-window families: some layers attend to the last `sliding_window` tokens only
+    # (a window the tests' prompts exceed); local and global layers may have their own RoPE
     "gemma3_text": dict(architectures=["Gemma3ForCausalLM"], rope_theta=1000000.0, rope_local_base_freq=10000.0,
                         query_pre_attn_scalar=64, sliding_window_pattern=2, rms_norm_eps=1e-6),
     "ministral3": dict(architectures=["MistralForCausalLM"], tie_word_embeddings=False, rms_norm_eps=1e-5,
                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                         "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 512}),
+    "olmo3": dict(architectures=["Olmo3ForCausalLM"], rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # cohere2: RoPE on the sliding layers only; logit_scale 1 keeps greedy winners clear
+    "cohere2": dict(architectures=["Cohere2ForCausalLM"], rope_theta=50000.0, layer_norm_eps=1e-5, logit_scale=1.0,
+                    sliding_window_pattern=2),
+    # gemma2: attention logits soft-capped (a cap small enough that ignoring it changes tokens)
+    "gemma2": dict(architectures=["Gemma2ForCausalLM"], rope_theta=10000.0, rms_norm_eps=1e-6,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=30.0, query_pre_attn_scalar=64),
+    # gpt-oss: MoE, alternating sliding/full layers, a learned sink logit per head, YaRN RoPE
+    "gpt_oss": dict(architectures=["GptOssForCausalLM"], rope_theta=150000, rms_norm_eps=1e-5,
+                    num_local_experts=4, num_experts_per_tok=2,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "original_max_position_embeddings": 512, "truncate": False}),
+    # gemma4 (text): the last layers reuse an earlier layer's K/V; full-attention layers have
+    # their own head size and (K = V) their own KV heads; a per-layer input embedding
+    "gemma4_text": dict(architectures=["Gemma4ForCausalLM"], rms_norm_eps=1e-6, sliding_window_pattern=2,
+                        attention_k_eq_v=True, num_global_key_value_heads=1, global_partial_rotary_factor=0.25,
+                        final_logit_softcapping=30.0, use_double_wide_mlp=True, enable_moe_block=False,
+                        tie_word_embeddings=True),
+    # deepseek-v3: multi-head latent attention (a compressed K/V latent + a shared RoPE key),
+    # a dense first layer, then routed + shared experts
+    "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], rope_theta=10000.0, rms_norm_eps=1e-6,
+                        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                        moe_layer_freq=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True),
 }
 _SLIDING_WINDOW = {"tiny": 32, "small": 256}
+# Gemma 2 scales its tied embeddings by sqrt(hidden): at the usual std the residual stream
+# is the input token's embedding and the model echoes it whatever attention does; smaller
+# embeddings let attention (and its soft-cap) decide the tokens, which the tests need.
+_EMBED_STD = {"gemma2": 0.05}
+# how each family names its alternation of sliding (local) and full (global) layers
+_LAYER_TYPES = {"ministral3", "olmo3", "gpt_oss", "gemma4_text"}
 
 
 def model_config(arch: str, size: str, token_ids: dict[str, int]) -> dict:
@@ -72,15 +103,32 @@ def model_config(arch: str, size: str, token_ids: dict[str, int]) -> dict:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}: choose one of {', '.join(SIZES)}")
     geo = dict(_GEOMETRY[size])
-    if arch == "qwen2":
-        # qwen2 derives head_dim = hidden / heads: keep 64 by using fewer, wider heads.
-        geo.pop("head_dim")
-        geo["num_attention_heads"] = geo["hidden_size"] // 64
+    tiny = size == "tiny"
+    hidden, layers = geo["hidden_size"], geo["num_hidden_layers"]
+    if arch in ("qwen2", "cohere2"):
+        # these take head_dim = hidden / heads: keep 64 by using fewer, wider heads.
+        if arch == "qwen2":
+            geo.pop("head_dim")
+        geo["num_attention_heads"] = hidden // 64
         geo["num_key_value_heads"] = max(1, geo["num_attention_heads"] // 2)
-    if arch in ("gemma3_text", "ministral3"):
+    if arch in ("gemma3_text", "ministral3", "olmo3", "cohere2", "gpt_oss", "gemma4_text"):
         geo["sliding_window"] = _SLIDING_WINDOW[size]
-    if arch == "ministral3":
-        geo["layer_types"] = ["sliding_attention", "full_attention"] * (geo["num_hidden_layers"] // 2)
+    if arch == "gpt_oss":
+        geo["intermediate_size"] = geo["intermediate_size"] // 2
+    if arch == "gemma4_text":
+        # 4 layers (tiny): sliding, full, then a sliding and a full layer that reuse the
+        # K/V of the first two; full layers with head size 128 and one KV head
+        geo["num_hidden_layers"] = layers = max(layers, 4)
+        geo.update(num_kv_shared_layers=layers // 2, global_head_dim=2 * geo["head_dim"],
+                   hidden_size_per_layer_input=16 if tiny else 64, vocab_size_per_layer_input=geo["vocab_size"])
+    if arch in _LAYER_TYPES:
+        geo["layer_types"] = ["sliding_attention", "full_attention"] * (layers // 2)
+    if arch == "deepseek_v3":
+        geo.pop("head_dim")
+        geo.update(num_key_value_heads=geo["num_attention_heads"], kv_lora_rank=hidden // 2,
+                   q_lora_rank=None if tiny else hidden // 2, qk_rope_head_dim=16 if tiny else 32,
+                   qk_nope_head_dim=32 if tiny else 64, v_head_dim=32 if tiny else 64,
+                   moe_intermediate_size=geo["intermediate_size"] // 4)
     return {
         "model_type": arch,
         **_ARCH[arch],
@@ -168,7 +216,7 @@ def _init_weights(model, config: dict, seed: int):
             w = mx.zeros(p.shape)
         elif "embed_tokens" in name or "lm_head" in name:
             # logit std ~ 0.35 * sqrt(hidden) * |h|/sqrt(hidden): a few units
-            w = 0.35 * mx.random.normal(p.shape, key=k)
+            w = _EMBED_STD.get(config["model_type"], 0.35) * mx.random.normal(p.shape, key=k)
         else:
             fan_in = p.shape[-1]
             w = mx.random.normal(p.shape, key=k) / math.sqrt(fan_in)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
 
@@ -18,7 +19,11 @@ from cluster.worker.engine import Engine
 from cluster.worker.kernels import cpu as cpu_kernel
 from cluster.worker.sampling_params import SamplingParams
 
-ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3")  # the last two: sliding windows of 32 tokens
+# sliding windows of 32 tokens: gemma3_text, ministral3, gpt_oss, olmo3, cohere2, gemma4_text;
+# soft-capped logits: gemma2; sinks: gpt_oss; shared K/V and per-layer head sizes: gemma4_text;
+# multi-head latent attention: deepseek_v3
+ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3", "gemma2", "olmo3", "cohere2",
+         "gemma4_text", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +107,13 @@ def test_oracle_parity_with_chunking_and_preemption(model_dirs, arch, attention,
         assert max(abs(a - b) for a, b in zip(logprobs[i], want_lp)) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "ministral3"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "ministral3", "olmo3", "cohere2", "gemma4_text"])
 def test_sliding_window_layers_with_a_prefix_hit_across_the_window(model_dirs, arch):
     """A prompt that reuses 64 cached tokens of another (twice the 32-token window) and
     runs on past it: the windowed layers see exactly the last 32 keys, as in mlx-lm."""
     path = model_dirs[arch]
     engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64))
-    assert engine.runner.windows == [32, -1]  # layer 0 slides, layer 1 sees everything
+    assert engine.runner.windows[:2] == [32, -1]  # layer 0 slides, layer 1 sees everything
     shared = random_prompts(1, seed=7, lengths=(70,))[0]
     first, second = shared + [5, 6, 7], shared + [9, 10, 11, 12]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0)
@@ -124,6 +129,24 @@ def test_sliding_window_layers_with_a_prefix_hit_across_the_window(model_dirs, a
     want, want_lp = oracle(path, second, 40)
     assert out == want
     assert max(abs(a - b) for a, b in zip(lps, want_lp)) < 1e-4
+
+
+# a feature of a family and the LayerSpec change that switches it off in the engine
+FEATURES = [("gemma3_text", "window", -1), ("gemma4_text", "window", -1), ("gemma2", "softcap", 0.0)]
+
+
+@pytest.mark.parametrize("arch, field, off", FEATURES)
+def test_the_parity_tests_would_catch_a_feature_ignored(model_dirs, arch, field, off):
+    """With the feature switched off in the engine alone, its tokens differ from mlx-lm's on
+    the parity tests' kind of prompts: the tiny models make every feature count."""
+    path = model_dirs[arch]
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64))
+    assert any(getattr(c.spec, field) != off for c in engine.runner.caches), f"{arch} has no {field} to switch off"
+    for c in engine.runner.caches:
+        c.spec = dataclasses.replace(c.spec, **{field: off})
+    prompts = random_prompts(3, seed=11, lengths=(100, 150, 255))
+    got = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert any(g != oracle(path, p, 8)[0] for g, p in zip(got, prompts))
 
 
 def test_prefix_caching_reuses_blocks_and_keeps_output(model_dirs):
@@ -304,17 +327,28 @@ def test_stop_strings_and_stop_tokens(model_dirs):
     assert "".join(pieces) == text[: text.index(stop)]
 
 
-def test_quantized_model_matches_the_oracle(model_dirs, tmp_path):
-    """A 4-bit model (what most Mac users run) goes through the same paged path."""
+QUANTIZATIONS = {  # as mlx-lm's convert writes them (mlx-community's models)
+    "4bit-g64": dict(q_bits=4, q_group_size=64),
+    "8bit-g32": dict(q_bits=8, q_group_size=32),
+    "4bit-g32": dict(q_bits=4, q_group_size=32),
+    "mixed_3_6": dict(quant_predicate="mixed_3_6", q_group_size=64),  # per-layer bits in config.json
+    "mxfp4": dict(q_mode="mxfp4", q_bits=4, q_group_size=32),
+}
+
+
+@pytest.mark.parametrize("quant", sorted(QUANTIZATIONS))
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "deepseek_v3"])
+def test_quantized_models_match_the_oracle(model_dirs, tmp_path, arch, quant):
+    """Quantized models (what most Mac users run) go through the same paged path."""
     from mlx_lm import convert
 
-    q4 = tmp_path / "q4"
-    convert(str(model_dirs["qwen3"]), mlx_path=str(q4), quantize=True, q_group_size=64, q_bits=4)
-    engine = Engine.from_pretrained(q4, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=48))
+    q = tmp_path / quant
+    convert(str(model_dirs[arch]), mlx_path=str(q), quantize=True, **QUANTIZATIONS[quant])
+    engine = Engine.from_pretrained(q, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=48))
     prompts = random_prompts(4, seed=8, lengths=(5, 50, 120, 1))
     got = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     for prompt, tokens in zip(prompts, got):
-        assert tokens == oracle(q4, prompt, 6)[0]
+        assert tokens == oracle(q, prompt, 6)[0]
 
 
 def test_half_precision_weights_run_in_fp32_on_the_cpu(model_dirs, tmp_path):

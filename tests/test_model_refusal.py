@@ -14,27 +14,29 @@ import pytest
 from cluster.modelgen import create_model
 from cluster.worker.config import EngineConfig
 from cluster.worker.engine import Engine
-from cluster.worker.model_runner import UnsupportedModel, check_served, layer_windows
+from cluster.worker.model_runner import UnsupportedModel, check_served
 
 BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=100, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512)
 REFUSED = {
-    # a sliding-window family not yet checked against mlx-lm (olmo3: 3 sliding layers of 4)
-    "olmo3": (dict(sliding_window=8), "layers 0-2 use RotatingKVCache (sliding-window attention)"),
-    # attention sinks (and sliding windows)
+    # a sliding-window family not yet checked against mlx-lm
+    "exaone4": (dict(sliding_window=8, sliding_window_pattern="LLLG", head_dim=16, tie_word_embeddings=True,
+                     rope_scaling=None),
+                "layers 0-2 use RotatingKVCache (sliding-window attention)"),
+    # attention sinks, until the kernels apply them
     "gpt_oss": (dict(sliding_window=8, num_local_experts=2, num_experts_per_tok=1,
-                     layer_types=["sliding_attention", "full_attention"] * 2),
-                "its attention has sinks"),
+                     layer_types=["sliding_attention", "full_attention"] * 2), "attention sinks"),
     # recurrent layers beside full attention
     "qwen3_next": (dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
                         linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=0,
                         num_experts_per_tok=0, decoder_sparse_step=1, shared_expert_intermediate_size=0,
                         mlp_only_layers=[], moe_intermediate_size=0, norm_topk_prob=True, partial_rotary_factor=0.5),
                    "layers 0, 2 use ArraysCache (a recurrent state"),
-    # multi-head latent attention
-    "deepseek_v3": (dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+    # multi-head latent attention in a family whose MLA is not checked against mlx-lm
+    "deepseek_v2": (dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
                          n_routed_experts=None, moe_intermediate_size=64, n_shared_experts=None,
-                         first_k_dense_replace=4),
+                         first_k_dense_replace=4, rope_scaling={"type": "yarn", "factor": 1.0,
+                                                                "original_max_position_embeddings": 512}),
                     "multi-head latent attention (MLA, kv_lora_rank)"),
 }
 
@@ -44,18 +46,33 @@ def build(model_type: str, extra: dict):
     return module.Model(module.ModelArgs.from_dict({"model_type": model_type, **BASE, **extra}))
 
 
-SERVED = {  # the sliding-window families served exactly (tests/test_engine.py checks them against mlx-lm)
-    "gemma3_text": (dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16), [8, -1, 8, -1]),
+SERVED = {  # what each layer gets (tests/test_engine.py checks these families against mlx-lm)
+    "gemma3_text": (dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16),
+                    dict(window=[8, -1, 8, -1])),
     "ministral3": (dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
                         rope_parameters={"rope_theta": 10000.0, "llama_4_scaling_beta": 0.0,
-                                         "original_max_position_embeddings": 512}), [8, -1, 8, -1]),
+                                         "original_max_position_embeddings": 512}), dict(window=[8, -1, 8, -1])),
+    "gemma2": (dict(attn_logit_softcapping=20.0, query_pre_attn_scalar=16), dict(softcap=[20.0] * 4)),
+    # the last two layers reuse layers 0 and 1's K/V; full layers: head 32, 1 KV head
+    "gemma4_text": (dict(sliding_window=8, sliding_window_pattern=2, num_kv_shared_layers=2, global_head_dim=32,
+                         attention_k_eq_v=True, num_global_key_value_heads=1, hidden_size_per_layer_input=8,
+                         vocab_size_per_layer_input=100, layer_types=["sliding_attention", "full_attention"] * 2),
+                    dict(window=[8, -1, 8, -1], kv_layer=[0, 1, 0, 1], head_dim=[16, 32, 16, 32],
+                         num_kv_heads=[2, 1, 2, 1])),
+    # one pool row: latent 16 + rope key 8, one KV head
+    "deepseek_v3": (dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                         n_routed_experts=None, moe_intermediate_size=64, n_shared_experts=None,
+                         first_k_dense_replace=4),
+                    dict(latent=[True] * 4, head_dim=[24] * 4, num_kv_heads=[1] * 4)),
 }
 
 
 @pytest.mark.parametrize("model_type", sorted(SERVED))
-def test_sliding_window_families_are_served_with_their_windows(model_type):
-    extra, windows = SERVED[model_type]
-    assert layer_windows(build(model_type, extra)) == windows
+def test_each_layer_gets_what_its_attention_needs(model_type):
+    extra, want = SERVED[model_type]
+    specs = check_served(build(model_type, extra))
+    for field, values in want.items():
+        assert [getattr(s, field) for s in specs] == values, field
 
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
@@ -84,6 +101,40 @@ def test_an_unknown_cache_kind_is_refused_by_name():
         check_served(model)
     model.make_cache = lambda: [__import__("mlx_lm").models.cache.KVCache() for _ in range(3)]
     with pytest.raises(UnsupportedModel, match="4 layers but 3 caches"):
+        check_served(model)
+
+
+@pytest.mark.parametrize("attr, meaning", [("attn_logit_softcapping", "soft-capped attention logits"),
+                                           ("sinks", "attention sinks"), ("alibi_slopes", "ALiBi position biases")])
+def test_a_planted_attention_feature_is_refused_by_name(attr, meaning):
+    """An attention module of a family the engine serves, given a feature it does not have
+    in mlx-lm's code for that family: refused, naming the layer, the feature and the type."""
+    model = build("llama", dict(tie_word_embeddings=True))
+    check_served(model)
+    setattr(model.layers[2].self_attn, attr, 0.5)
+    with pytest.raises(UnsupportedModel, match=rf"model type 'llama' is not served: layer 2's attention \(Attention\) "
+                                               rf"has {meaning}"):
+        check_served(model)
+
+
+def test_an_attention_computed_in_the_model_s_own_code_is_refused():
+    """A layer whose attention never calls mlx-lm's scaled_dot_product_attention (the paged
+    kernels would never see it) and that the engine has no family call for."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class ManualAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def __call__(self, x, mask=None, cache=None):
+            k, v = cache.update_and_fetch(x, x)
+            return mx.softmax(x @ k.T) @ v
+
+    model = build("llama", dict(tie_word_embeddings=True))
+    model.layers[1].self_attn = ManualAttention()
+    with pytest.raises(UnsupportedModel, match=r"layer 1's attention \(ManualAttention\) computes attention in its own code"):
         check_served(model)
 
 

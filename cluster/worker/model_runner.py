@@ -3,10 +3,11 @@
 mlx-lm's model code is used unchanged. The T packed tokens of a step are laid out as a
 batch of T rows of length 1: every Linear sees the same matrix it would see for one long
 row, RoPE takes a per-row offset array (each token's own position), and no mask is
-built. Each layer gets a `PagedKVCache` that writes the step's K/V into the block pool
-through `slot_mapping`; the model module's `scaled_dot_product_attention` is wrapped so
-that, for such a cache, attention goes to `kernels.paged_attention` (varlen, paged).
-Only the rows that are sampled reach the LM head.
+built. Each layer gets a `PagedKVCache` that writes the step's K/V into that layer's pool
+through `slot_mapping`, and each layer's attention module is wrapped (`attention.attach`)
+so that its attention runs in `kernels.paged_attention` (varlen, paged) with the layer's
+window, soft-cap, sinks and head geometry (`attention.LayerSpec`). Only the rows that are
+sampled reach the LM head.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cluster import platform
-from cluster.worker import cpu_math, kernels
+from cluster.worker import attention, cpu_math, kernels
+from cluster.worker.attention import LayerSpec, PagedKVCache, UnsupportedModel  # noqa: F401  (re-exported)
 from cluster.worker.kernels import AttentionPlan
 from cluster.worker.scheduler import SchedulerOutput
 
@@ -44,70 +46,6 @@ class StepBatch:
     sample_rows: mx.array  # [N] int32: rows whose logits are sampled
     plan: AttentionPlan | None  # host-side grouping, for the backends that use one
     num_tokens: int
-
-
-class PagedKVCache:
-    """Per-layer cache object handed to mlx-lm's attention: the layer's index and its
-    attention window (-1: full); the K/V live in the runner's pool."""
-
-    def __init__(self, runner: "ModelRunner", layer: int, window: int = -1):
-        self.runner = runner
-        self.layer = layer
-        self.window = window
-
-    @property
-    def offset(self) -> mx.array:
-        return self.runner.batch.positions
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        # keys/values: [T, KVH, 1, D] -> written to the flat pool [slots, KVH, D].
-        r = self.runner
-        T, KVH, _, D = keys.shape
-        slots = r.batch.slot_mapping
-        r.k_pool[self.layer][slots] = keys.reshape(T, KVH, D).astype(r.dtype)
-        r.v_pool[self.layer][slots] = values.reshape(T, KVH, D).astype(r.dtype)
-        return keys, values
-
-    def attend(self, queries: mx.array, scale: float) -> mx.array:
-        r = self.runner
-        b = r.batch
-        T, H, _, D = queries.shape
-        shape = (r.num_blocks, r.block_size, r.num_kv_heads, r.head_dim)
-        out = kernels.paged_attention(
-            queries.reshape(T, H, D),
-            r.k_pool[self.layer].reshape(shape),
-            r.v_pool[self.layer].reshape(shape),
-            b.block_tables,
-            b.seq_lens,
-            b.cu_seqlens_q,
-            scale=scale,
-            sliding_window=self.window,
-            plan=b.plan,
-        )
-        return out.reshape(T, H, 1, D)
-
-
-def _route_attention(model: nn.Module) -> None:
-    """Wrap the model module's SDPA so PagedKVCache layers use paged attention."""
-    module = sys.modules[type(model).__module__]
-    original = getattr(module, "scaled_dot_product_attention", None)
-    if original is None:
-        raise ValueError(
-            f"model type {getattr(model, 'model_type', type(model).__name__)!r} does not use mlx-lm's "
-            "scaled_dot_product_attention; Orchard serves architectures with the standard attention"
-        )
-    if getattr(original, "_orchard_paged", False):
-        return
-
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
-        if isinstance(cache, PagedKVCache):
-            if args or kwargs.get("sinks") is not None:
-                raise NotImplementedError("attention sinks are not supported by the paged attention")
-            return cache.attend(queries, scale)
-        return original(queries, keys, values, cache, scale, mask, *args, **kwargs)
-
-    scaled_dot_product_attention._orchard_paged = True
-    module.scaled_dot_product_attention = scaled_dot_product_attention
 
 
 def _use_fast_swiglu(model: nn.Module) -> None:
@@ -145,84 +83,9 @@ def _fast_swiglu_class(cls: type, use_c: bool) -> type:
     return _FAST_CLASSES[(cls, use_c)]
 
 
-class UnsupportedModel(ValueError):
-    """The model needs something of its attention that the engine does not honour: refused
-    when it loads, never served wrong."""
-
-
-# Families whose sliding-window layers are served exactly: their attention masks the same
-# window their RotatingKVCache keeps, which the paged kernels apply per layer. Each is
-# checked token for token against mlx-lm (tests/test_engine.py); a family is added here
-# only with that test.
-SLIDING_WINDOW_FAMILIES = frozenset({"gemma3_text", "ministral3"})
-
-
-def _model_type(model: nn.Module) -> str:
-    return getattr(model, "model_type", None) or getattr(model.args, "model_type", type(model).__name__)
-
-
-def layer_windows(model: nn.Module) -> list[int]:
-    """Each layer's attention window (-1: full causal attention), or UnsupportedModel for a
-    model with a layer the paged engine cannot serve exactly. mlx-lm tells what a layer
-    needs by the cache it makes for it: a plain `KVCache` is full attention; a
-    RotatingKVCache is a sliding window, served for the families above; anything else (a
-    recurrent layer's ArraysCache, ...), fewer caches than layers (K/V shared between
-    layers), attention sinks and multi-head latent attention would be silently ignored."""
-    model_type = _model_type(model)
-    layers = len(model.layers)
-    if getattr(model.args, "kv_lora_rank", None):
-        raise UnsupportedModel(f"model type {model_type!r} is not served: it uses multi-head latent attention "
-                               "(MLA, kv_lora_rank), which the paged engine does not cache yet")
-    if any(hasattr(getattr(layer, "self_attn", None), "sinks") for layer in model.layers):
-        raise UnsupportedModel(f"model type {model_type!r} is not served: its attention has sinks (a learned "
-                               "logit per head in the softmax), which the paged kernels do not apply yet")
-    make_cache = getattr(model, "make_cache", None)
-    if make_cache is None:
-        return [-1] * layers  # mlx-lm gives every layer a KVCache
-    caches = make_cache()
-    if len(caches) != layers:
-        raise UnsupportedModel(f"model type {model_type!r} is not served: it has {layers} layers but {len(caches)} "
-                               "caches (layers sharing K/V), which the paged engine does not honour yet")
-    windows, other = [], {}
-    for i, cache in enumerate(caches):
-        name = type(cache).__name__
-        if name == "KVCache":
-            windows.append(-1)
-        elif name == "RotatingKVCache" and model_type in SLIDING_WINDOW_FAMILIES and not getattr(cache, "keep", 0):
-            windows.append(int(cache.max_size))
-        else:
-            other.setdefault(name, []).append(i)
-    if other:
-        what = "; ".join(f"layers {_ranges(ids)} use {name} ({_CACHE_MEANING.get(name, 'an attention the engine does not know')})"
-                         for name, ids in other.items())
-        raise UnsupportedModel(f"model type {model_type!r} is not served: {what}. The paged engine would give "
-                               "those layers full attention and generate the wrong tokens, so it refuses the model")
-    return windows
-
-
-def check_served(model: nn.Module) -> None:
-    """Raise UnsupportedModel for a model the engine cannot serve exactly (`layer_windows`)."""
-    layer_windows(model)
-
-
-_CACHE_MEANING = {
-    "RotatingKVCache": "sliding-window attention",
-    "ArraysCache": "a recurrent state: linear attention, Mamba or convolutions",
-    "MambaCache": "a recurrent Mamba state",
-    "CacheList": "several caches per layer",
-    "ChunkedKVCache": "chunked local attention",
-    "QuantizedKVCache": "a quantized K/V cache",
-}
-
-
-def _ranges(ids: list[int]) -> str:
-    """[0, 1, 2, 4] -> '0-2, 4'."""
-    out, start = [], ids[0]
-    for prev, cur in zip(ids, ids[1:] + [None]):
-        if cur != prev + 1:
-            out.append(f"{start}-{prev}" if prev > start else f"{start}")
-            start = cur
-    return ", ".join(out)
+def check_served(model: nn.Module) -> list[LayerSpec]:
+    """Each layer's LayerSpec, or UnsupportedModel for a model the engine cannot serve exactly."""
+    return attention.layer_specs(model, fresh=True)
 
 
 def load_model(path: str | Path):
@@ -231,13 +94,13 @@ def load_model(path: str | Path):
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(path))
-    check_served(model)
+    check_served(model)  # before anything costly
     dtype = weight_dtype(model)
     target = platform.compute_dtype(dtype)
     if target != dtype:
         model.set_dtype(target)
         mx.eval(model.parameters())
-    _route_attention(model)
+    attention.attach(model)
     _use_fast_swiglu(model)
     return model, tokenizer
 
@@ -252,19 +115,11 @@ def weight_dtype(model: nn.Module):
     return mx.float32
 
 
-def model_geometry(model: nn.Module) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) from the model's args."""
-    args = model.args
-    n_layers = len(model.layers)
-    n_heads = args.num_attention_heads
-    n_kv = getattr(args, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
-    return n_layers, n_kv, head_dim
-
-
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype) -> int:
-    n_layers, n_kv, head_dim = model_geometry(model)
-    return 2 * n_layers * block_size * n_kv * head_dim * dtype.size
+    """Pool bytes one block of tokens takes over all layers (a layer sharing another's K/V
+    adds nothing; an MLA layer holds one row of latent + rope key)."""
+    return block_size * dtype.size * sum(s.num_kv_heads * s.head_dim * (1 if s.latent else 2)
+                                         for s in attention.layer_specs(model) if s.owns_kv)
 
 
 def default_kv_budget(model: nn.Module) -> int:
@@ -290,14 +145,21 @@ class ModelRunner:
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_layers, self.num_kv_heads, self.head_dim = model_geometry(model)
         self.dtype = weight_dtype(model)
+        self.specs = attention.layer_specs(model)
+        attention.attach(model)
         slots = num_blocks * block_size
-        self.k_pool = [mx.zeros((slots, self.num_kv_heads, self.head_dim), self.dtype) for _ in range(self.num_layers)]
-        self.v_pool = [mx.zeros((slots, self.num_kv_heads, self.head_dim), self.dtype) for _ in range(self.num_layers)]
-        mx.eval(self.k_pool, self.v_pool)
-        self.windows = layer_windows(model)
-        self.caches = [PagedKVCache(self, i, w) for i, w in enumerate(self.windows)]
+        # one pool per layer that owns K/V, shaped by that layer (Gemma 4's global layers
+        # have their own head size); an MLA layer's one pool serves as both K and V
+        self.k_pool: list[mx.array | None] = [None] * len(self.specs)
+        self.v_pool: list[mx.array | None] = [None] * len(self.specs)
+        for s in self.specs:
+            if s.owns_kv:
+                self.k_pool[s.layer] = mx.zeros((slots, s.num_kv_heads, s.head_dim), self.dtype)
+                self.v_pool[s.layer] = self.k_pool[s.layer] if s.latent else mx.zeros_like(self.k_pool[s.layer])
+        mx.eval(self.pool_arrays())
+        self.windows = [s.window for s in self.specs]
+        self.caches = [PagedKVCache(self, s) for s in self.specs]
         self.head_only = getattr(model, "model_type", None) in _HEAD_ONLY_ARCHS and hasattr(model, "model")
         self.batch: StepBatch | None = None
         self.attention_backend = kernels.check_backend()
@@ -354,4 +216,9 @@ class ModelRunner:
         return logits.astype(mx.float32)
 
     def pool_arrays(self) -> list[mx.array]:
-        return self.k_pool + self.v_pool
+        """Every pool array once (an MLA layer's K and V pool are one array)."""
+        seen: dict[int, mx.array] = {}
+        for a in self.k_pool + self.v_pool:
+            if a is not None:
+                seen.setdefault(id(a), a)
+        return list(seen.values())

@@ -1,0 +1,399 @@
+"""Each layer's attention, as the paged engine serves it.
+
+mlx-lm says what a layer's attention needs in a few ways: the cache it makes for the
+layer (a `KVCache`: full causal attention; a `RotatingKVCache`: a sliding window), the
+attention module's own attributes (soft-capped logits, sinks) and a few model arguments
+(K/V shared with an earlier layer, multi-head latent attention). `layer_specs` reads them
+once, when the model loads, into one `LayerSpec` per layer, and refuses (UnsupportedModel)
+a model with anything it does not know how to honour: a model is served exactly or not
+at all.
+
+`attach` then wraps each layer's attention module, and only that instance (a subclass
+swap; mlx-lm's classes and modules are left as they are):
+- most families call mlx-lm's `scaled_dot_product_attention` after writing K/V through
+  `cache.update_and_fetch`; their own `__call__` runs unchanged, with that one name bound
+  to `_paged_sdpa`, which sends a `PagedKVCache` layer to the paged kernels;
+- a family whose attention does its own arithmetic has its call here (`FAMILY_CALLS`):
+  Gemma 2 (soft-capped logits) and DeepSeek-V3's multi-head latent attention.
+
+The head geometry of every layer (KV heads, K and V widths) is measured, not guessed: a
+forward over one token with recording caches builds the graph (never evaluated) and
+reads the shapes each layer writes.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from cluster.worker import kernels
+
+
+class UnsupportedModel(ValueError):
+    """The model needs something of its attention that the engine does not honour: refused
+    when it loads, never served wrong."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What layer `layer`'s attention needs from the paged engine."""
+
+    layer: int
+    kv_layer: int  # whose K/V pool it reads: its own, or an earlier layer's (shared K/V)
+    window: int = -1  # sliding window in tokens (-1: full causal attention)
+    softcap: float = 0.0  # attention logits soft-capped at this value (0: off)
+    sinks: bool = False  # a learned logit per head joins the softmax (the module's `sinks`)
+    latent: bool = False  # multi-head latent attention: K = V = [latent | rope key], one pool
+    num_kv_heads: int = 0
+    head_dim: int = 0  # width of a pool row
+
+    @property
+    def owns_kv(self) -> bool:
+        return self.kv_layer == self.layer
+
+
+# -- the families' facts, in one place -------------------------------------------------------
+# A family is listed under a feature only once it matches mlx-lm token for token with it
+# (tests/test_engine.py, load/model_coverage.py). Everything else must be plain full
+# attention through mlx-lm's scaled_dot_product_attention.
+
+# Sliding-window layers: the window mlx-lm's RotatingKVCache keeps is the one the paged
+# kernels apply to that layer.
+SLIDING_WINDOW_FAMILIES = frozenset({"gemma3_text", "ministral3", "gpt_oss", "olmo3", "cohere2", "gemma4_text"})
+# Attention logits soft-capped: the attention module's attribute that holds the cap.
+SOFTCAP_FAMILIES = {"gemma2": "attn_logit_softcapping"}
+# A learned sink logit per head (the attention module's `sinks`).
+SINK_FAMILIES: frozenset[str] = frozenset()  # gpt_oss: once the kernels apply sinks
+# Later layers reuse an earlier layer's K/V: `model.model.previous_kvs[i]` names it.
+SHARED_KV_FAMILIES = frozenset({"gemma4_text"})
+# Multi-head latent attention, cached as mlx-lm caches it: the compressed latent and the
+# RoPE key, one row of kv_lora_rank + qk_rope_head_dim per token and layer.
+MLA_FAMILIES = frozenset({"deepseek_v3"})
+
+_CACHE_MEANING = {
+    "RotatingKVCache": "sliding-window attention",
+    "ArraysCache": "a recurrent state: linear attention, Mamba or convolutions",
+    "MambaCache": "a recurrent Mamba state",
+    "CacheList": "several caches per layer",
+    "ChunkedKVCache": "chunked local attention",
+    "QuantizedKVCache": "a quantized K/V cache",
+}
+# attention-module attributes that change the arithmetic, and what they mean
+_MODULE_FEATURES = {
+    "attn_logit_softcapping": "soft-capped attention logits",
+    "logit_softcapping": "soft-capped attention logits",
+    "softcap": "soft-capped attention logits",
+    "sinks": "attention sinks (a learned logit per head in the softmax)",
+    "alibi": "ALiBi position biases",
+    "alibi_slopes": "ALiBi position biases",
+}
+
+
+def model_type(model: nn.Module) -> str:
+    args = getattr(model, "args", None)
+    return getattr(model, "model_type", None) or getattr(args, "model_type", None) or type(model).__name__
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The module of each layer that writes K/V: the one whose `__call__` calls
+    `cache.update_and_fetch` (self_attn, attention, attn, ... whatever the family names it)."""
+    found = []
+    for i, layer in enumerate(model.layers):
+        mods = [m for _, m in layer.named_modules() if _calls(type(m), "update_and_fetch")]
+        if len(mods) != 1:
+            raise UnsupportedModel(f"model type {model_type(model)!r} is not served: layer {i} has "
+                                   f"{len(mods)} modules that write K/V, where the engine knows one attention per layer")
+        found.append(mods[0])
+    return found
+
+
+def _calls(cls: type, name: str) -> bool:
+    call = _original_call(cls)
+    return call is not None and name in _names(call.__code__)
+
+
+def _names(code) -> set[str]:
+    """Every name a code object (and the functions nested in it) refers to."""
+    out = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out |= _names(c)
+    return out
+
+
+def _original_call(cls: type):
+    call = getattr(cls, "__call__", None)
+    return getattr(call, "_orchard_original", call) if isinstance(call, types.FunctionType) else None
+
+
+def layer_specs(model: nn.Module, fresh: bool = False) -> list[LayerSpec]:
+    """One LayerSpec per layer (geometry measured), or UnsupportedModel naming the feature.
+    Read once per model object, unless `fresh`."""
+    cached = None if fresh else model.__dict__.get("_orchard_specs")
+    if cached is None:
+        cached = _layer_specs(model)
+        object.__setattr__(model, "_orchard_specs", cached)  # a plain attribute, not a module child
+    return list(cached)
+
+
+def _layer_specs(model: nn.Module) -> tuple[LayerSpec, ...]:
+    specs = _features(model)
+    geometry = _measure(model, specs)
+    out = []
+    for s in specs:
+        kvh, dk, dv = geometry[s.kv_layer]
+        if dk != dv and not s.latent:
+            raise UnsupportedModel(f"model type {model_type(model)!r} is not served: layer {s.layer} has keys of "
+                                   f"width {dk} and values of width {dv}; the paged kernels take one head size")
+        out.append(LayerSpec(**{**s.__dict__, "num_kv_heads": kvh, "head_dim": dk}))
+    return tuple(out)
+
+
+def _features(model: nn.Module) -> list[LayerSpec]:
+    """Each layer's window, softcap, sinks, shared K/V and MLA, from the model; geometry 0."""
+    mt = model_type(model)
+    n = len(model.layers)
+    refuse = lambda what: UnsupportedModel(f"model type {mt!r} is not served: {what}")  # noqa: E731
+    # K/V shared with earlier layers
+    kv_layer = list(range(n))
+    make_cache = getattr(model, "make_cache", None)
+    caches = make_cache() if make_cache is not None else None
+    if caches is not None and len(caches) != n:
+        previous = getattr(getattr(model, "model", None), "previous_kvs", None)
+        if mt not in SHARED_KV_FAMILIES or previous is None or len(caches) > n:
+            raise refuse(f"it has {n} layers but {len(caches)} caches (layers sharing K/V), which the engine "
+                         "honours for " + ", ".join(sorted(SHARED_KV_FAMILIES)) + " only")
+        kv_layer = [int(p) for p in previous]
+        owners = len(caches)  # layers 0 .. owners-1 write K/V; the rest read one of them
+        if any(kv_layer[i] != i for i in range(owners)) or any(kv_layer[i] >= owners for i in range(owners, n)):
+            raise refuse(f"its layers' K/V sources {kv_layer} are not the first {owners} layers")
+    # sliding windows, from the caches mlx-lm makes
+    windows, other = [-1] * n, {}
+    for i, cache in enumerate(caches or []):
+        name = type(cache).__name__
+        if name == "KVCache":
+            continue
+        if name == "RotatingKVCache" and mt in SLIDING_WINDOW_FAMILIES and not getattr(cache, "keep", 0):
+            windows[i] = int(cache.max_size)
+        else:
+            other.setdefault(name, []).append(i)
+    if other:
+        what = "; ".join(f"layers {_ranges(ids)} use {name} ({_CACHE_MEANING.get(name, 'an attention the engine does not know')})"
+                         for name, ids in other.items())
+        raise refuse(f"{what}. The paged engine would give those layers full attention and generate the wrong "
+                     "tokens, so it refuses the model")
+    modules = attention_modules(model)
+    latent = any(getattr(m, "kv_lora_rank", None) for m in modules)
+    if latent and mt not in MLA_FAMILIES:
+        raise refuse("it uses multi-head latent attention (MLA, kv_lora_rank), which the engine serves for "
+                     f"{', '.join(sorted(MLA_FAMILIES))} only")
+    for i in range(n):
+        if kv_layer[i] != i:
+            windows[i] = windows[kv_layer[i]]
+    # features of the attention modules themselves
+    softcap_attr = SOFTCAP_FAMILIES.get(mt)
+    specs = []
+    for i, m in enumerate(modules):
+        softcap = float(getattr(m, softcap_attr) or 0.0) if softcap_attr else 0.0
+        sinks = mt in SINK_FAMILIES and getattr(m, "sinks", None) is not None
+        for attr, meaning in _MODULE_FEATURES.items():
+            value = getattr(m, attr, None)
+            if value is None or value is False or attr == softcap_attr or (attr == "sinks" and sinks):
+                continue
+            if isinstance(value, (int, float)) and value == 0:
+                continue
+            raise refuse(f"layer {i}'s attention ({type(m).__name__}) has {meaning} ({attr}), which the engine does "
+                         "not apply for this family")
+        if mt not in FAMILY_CALLS and not _calls(type(m), "scaled_dot_product_attention"):
+            raise refuse(f"layer {i}'s attention ({type(m).__name__}) computes attention in its own code rather "
+                         "than through mlx-lm's scaled_dot_product_attention, and the engine has no paged version of it")
+        specs.append(LayerSpec(layer=i, kv_layer=kv_layer[i], window=windows[i], softcap=softcap, sinks=sinks,
+                               latent=latent))
+    return specs
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 4] -> '0-2, 4'."""
+    out, start = [], ids[0]
+    for prev, cur in zip(ids, ids[1:] + [None]):
+        if cur != prev + 1:
+            out.append(f"{start}-{prev}" if prev > start else f"{start}")
+            start = cur
+    return ", ".join(out)
+
+
+# -- the cache each layer is handed ------------------------------------------------------------
+
+class PagedKVCache:
+    """The cache object one layer's attention gets: writes the step's K/V into the runner's
+    pool through the step's slot mapping, and attends over the pool with the layer's spec."""
+
+    def __init__(self, runner, spec: LayerSpec):
+        self.runner = runner
+        self.spec = spec
+
+    @property
+    def offset(self) -> mx.array:
+        return self.runner.batch.positions
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        # keys / values [T, KVH, 1, D] -> the flat pool [slots, KVH, D]. A layer that shares
+        # an earlier layer's K/V writes nothing: that layer wrote them this step.
+        s, r = self.spec, self.runner
+        if s.owns_kv:
+            T, KVH, _, D = keys.shape
+            slots = r.batch.slot_mapping
+            r.k_pool[s.layer][slots] = keys.reshape(T, KVH, D).astype(r.dtype)
+            if not s.latent:  # MLA: one pool holds both
+                r.v_pool[s.layer][slots] = values.reshape(T, KVH, values.shape[-1]).astype(r.dtype)
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        s, r = self.spec, self.runner
+        b = r.batch
+        T, H, _, D = queries.shape
+        shape = (r.num_blocks, r.block_size, s.num_kv_heads, s.head_dim)
+        extra = {"sinks": sinks} if s.sinks else {}
+        out = kernels.paged_attention(
+            queries.reshape(T, H, D),
+            r.k_pool[s.kv_layer].reshape(shape),
+            r.v_pool[s.kv_layer].reshape(shape),
+            b.block_tables,
+            b.seq_lens,
+            b.cu_seqlens_q,
+            scale=scale,
+            sliding_window=s.window,
+            softcap=s.softcap,
+            plan=b.plan,
+            **extra,
+        )
+        return out.reshape(T, H, 1, D)
+
+
+class _ProbeCache:
+    """Records the shapes a layer writes (`_measure`); its attention output is zeros."""
+
+    def __init__(self, spec: LayerSpec):
+        self.spec = spec
+        self.shapes: tuple[int, int, int] | None = None
+        self.offset = mx.array([0], dtype=mx.int32)
+
+    def update_and_fetch(self, keys, values):
+        if self.shapes is None:
+            self.shapes = (keys.shape[1], keys.shape[-1], values.shape[-1])
+        return keys, values
+
+    def attend(self, queries, scale, sinks=None):
+        return mx.zeros_like(queries)
+
+
+def _measure(model: nn.Module, specs: list[LayerSpec]) -> list[tuple[int, int, int]]:
+    """(KV heads, K width, V width) each layer writes, from one token's forward, unevaluated."""
+    attach(model)
+    probes = [_ProbeCache(s) for s in specs]
+    model(mx.zeros((1, 1), dtype=mx.int32), cache=probes)
+    missing = [s.layer for s, p in zip(specs, probes) if p.shapes is None and s.owns_kv]
+    if missing:
+        raise UnsupportedModel(f"model type {model_type(model)!r} is not served: layers {_ranges(missing)} never "
+                               "write K/V through their cache")
+    return [p.shapes for p in probes]
+
+
+# -- routing each layer's attention to the paged kernels -------------------------------------
+
+def _paged_sdpa(queries, keys, values, cache, scale, mask=None, sinks=None, **kwargs):
+    """mlx-lm's scaled_dot_product_attention, as the wrapped layers see it."""
+    if not hasattr(cache, "attend"):
+        from mlx_lm.models.base import scaled_dot_product_attention
+
+        return scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=sinks, **kwargs)
+    if kwargs or isinstance(mask, mx.array):
+        raise UnsupportedModel(f"this attention passes {'a mask array' if isinstance(mask, mx.array) else sorted(kwargs)} "
+                               "to scaled_dot_product_attention, which the paged kernels do not apply")
+    return cache.attend(queries, scale, sinks)
+
+
+def _gemma2_call(self, x, mask=None, cache=None):
+    """Gemma 2's attention: logits soft-capped (mlx-lm computes them in the module)."""
+    if not hasattr(cache, "attend"):
+        return _original_call(type(self))(self, x, mask, cache)
+    B, L, _ = x.shape
+    q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+    k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q = self.rope(q, offset=cache.offset)
+    k = self.rope(k, offset=cache.offset)
+    cache.update_and_fetch(k, v)
+    out = cache.attend(q, self.scale)
+    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def _mla_call(self, x, mask=None, cache=None):
+    """DeepSeek-V3's multi-head latent attention over a paged pool of [latent | rope key]
+    rows (MQA: one KV head). The query is absorbed into the latent space (embed_q), as
+    mlx-lm does for decoding, and joined with its RoPE part, so one dot product gives
+    mlx-lm's q_nope . latent + q_pe . k_pe; the output's latent part goes out through
+    unembed_out."""
+    if not hasattr(cache, "attend"):
+        return _original_call(type(self))(self, x, mask, cache)
+    B, L, _ = x.shape
+    if self.q_lora_rank is None:
+        q = self.q_proj(x)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    q = q.reshape(B, L, self.num_heads, self.q_head_dim).transpose(0, 2, 1, 3)
+    q_nope, q_pe = mx.split(q, [self.qk_nope_head_dim], axis=-1)
+    latent, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank], axis=-1)
+    latent = self.kv_a_layernorm(latent)[:, None]  # [B, 1, L, r]
+    k_pe = self.rope(k_pe.reshape(B, L, 1, self.qk_rope_head_dim).transpose(0, 2, 1, 3), cache.offset)
+    q_pe = self.rope(q_pe, cache.offset)
+    kv = mx.concatenate([latent, k_pe], axis=-1)  # [B, 1, L, r + rope]
+    cache.update_and_fetch(kv, kv)
+    query = mx.concatenate([self.embed_q(q_nope), q_pe], axis=-1)  # [B, H, L, r + rope]
+    out = cache.attend(query, self.scale)[..., : self.kv_lora_rank]
+    out = self.unembed_out(out)  # [B, H, L, v_head_dim]
+    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+# families whose attention is computed here, not through scaled_dot_product_attention
+FAMILY_CALLS: dict[str, Callable] = {"gemma2": _gemma2_call, "deepseek_v3": _mla_call}
+
+_WRAPPED: dict[tuple[type, str], type] = {}
+
+
+def attach(model: nn.Module) -> None:
+    """Wrap each layer's attention module (this model's instances only) so that, given a
+    PagedKVCache, it attends through the paged kernels. Idempotent."""
+    call = FAMILY_CALLS.get(model_type(model))
+    for m in attention_modules(model):
+        cls = type(m)
+        if getattr(cls, "_orchard_paged", False):
+            continue
+        key = (cls, model_type(model))
+        if key not in _WRAPPED:
+            original = _original_call(cls)
+            paged = _per_class(call) if call else _rebind(original, scaled_dot_product_attention=_paged_sdpa)
+            paged._orchard_original = original
+            _WRAPPED[key] = type(cls.__name__, (cls,), {"__call__": paged, "_orchard_paged": True})
+        m.__class__ = _WRAPPED[key]
+
+
+def _per_class(call: Callable) -> types.FunctionType:
+    def paged(self, *args, **kwargs):
+        return call(self, *args, **kwargs)
+
+    return paged
+
+
+def _rebind(fn: types.FunctionType, **names) -> types.FunctionType:
+    """A copy of `fn` that sees `names` in place of its module's globals of those names."""
+    g = dict(fn.__globals__)
+    g.update(names)
+    out = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__qualname__ = fn.__qualname__
+    return out
