@@ -146,3 +146,17 @@ def test_the_refusal_comes_when_the_model_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(qwen3.Model, "make_cache", lambda self: [object() for _ in self.layers], raising=False)
     with pytest.raises(UnsupportedModel, match="model type 'qwen3' is not served"):
         Engine.from_pretrained(path, EngineConfig(num_kv_blocks=16))
+
+
+def test_kv_memory_per_token_follows_each_layer():
+    """MLA keeps one row of latent + rope key per token and layer (mlx-lm's cache, MLA-small);
+    Gemma 4's shared layers keep nothing and its global layers their own width."""
+    import mlx.core as mx
+
+    from cluster.worker.model_runner import kv_bytes_per_block
+
+    mla = build("deepseek_v3", SERVED["deepseek_v3"][0])
+    assert kv_bytes_per_block(mla, 16, mx.float32) == 4 * (16 + 8) * 16 * 4  # layers x row x tokens x bytes
+    gemma4 = build("gemma4_text", SERVED["gemma4_text"][0])
+    # layer 0: 2 KV heads x 16, layer 1: 1 x 32; K and V each; layers 2 and 3 share them
+    assert kv_bytes_per_block(gemma4, 16, mx.float32) == 2 * (2 * 16 + 1 * 32) * 16 * 4
