@@ -14,6 +14,7 @@ from cluster import ray_launcher
 from cluster.config import add_flags, from_args
 from cluster.modelgen import ModelSpec
 from cluster.ray_launcher import RayAddress, RaySpec
+from cluster.security import add_client_flags
 from cluster.router.config import RouterConfig
 from cluster.up import UpConfig, run_up
 from cluster.worker.config import WorkerOptions
@@ -78,6 +79,7 @@ def add_router_parsers(sub) -> None:
             p.add_argument("worker", help="worker id or address")
         if name == "drain":
             p.add_argument("--undo", action="store_true", help="take requests again")
+        add_client_flags(p, admin=True)
         p.set_defaults(func=_cmd_router_admin)
 
     _command(sub.add_parser("up", help="a router and N local workers, until Ctrl-C"), run_up, UpConfig)
@@ -103,6 +105,7 @@ def add_worker_parsers(sub) -> None:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=None, help="seconds")
+    add_client_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 
 
@@ -137,6 +140,16 @@ def add_deploy_parser(sub) -> None:
     t.set_defaults(func=_cmd_deploy_targets)
 
 
+def add_certs_parser(sub) -> None:
+    """`orchard certs init|issue`: the fleet's CA and its certificates (cluster/certs.py)."""
+    from cluster.certs import CertsInit, CertsIssue, run_init, run_issue
+
+    certs = sub.add_parser("certs", help="a CA for the fleet and certificates for its Macs (TLS, mutual TLS)")
+    csub = certs.add_subparsers(dest="certs_command", required=True)
+    _command(csub.add_parser("init", help="create the fleet CA in DIR"), run_init, CertsInit)
+    _command(csub.add_parser("issue", help="a key and certificate for a router or worker Mac"), run_issue, CertsIssue)
+
+
 def add_ray_parser(sub) -> None:
     """`orchard ray up|down|status`: router and workers as Ray actors (cluster/ray_launcher.py)."""
     ray = sub.add_parser("ray", help="run Orchard as Ray actors on an existing Ray cluster")
@@ -162,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_parsers(sub)
     add_bench_parser(sub)
     add_deploy_parser(sub)
+    add_certs_parser(sub)
     add_ray_parser(sub)
     return parser
 

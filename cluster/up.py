@@ -1,6 +1,9 @@
 """`orchard up`: a router and N local workers as subprocesses, one command.
 
-The workers register with the router (a fresh join token per run). `up` waits until all
+The workers register with the router (a fresh join token per run, passed to the children
+in their environment, never on a command line). With `--secure`, `up` also makes a fleet
+CA, a certificate per process, an API key and an admin key (files under the log
+directory's `secrets/`, mode 0600): mutual TLS on gRPC, TLS + keys on HTTP. `up` waits until all
 of them are healthy, prints the endpoints, then watches; Ctrl-C (or SIGTERM) stops the
 workers, then the router: SIGTERM by PID, SIGKILL after a grace period. Each child runs
 in its own session, so the terminal's Ctrl-C reaches only `up`, which stops them in order.
@@ -44,6 +47,8 @@ class UpConfig:
                                             "worker i: metrics port base+i (0: free)")
     log_dir: str | None = setting(None, "where the processes log (default: a temporary directory)")
     timeout: float = setting(300.0, "seconds to wait for the workers")
+    secure: bool = setting(False, "API keys, an admin key, TLS and mutual TLS: a CA and keys made for this run "
+                                  "(under LOG_DIR/secrets)")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,6 +89,7 @@ class LocalCluster:
         cpus: list[list[int]] | None = None,  # per worker: the CPUs it may run on
         worker_env: dict[str, str] | None = None,  # extra environment of the workers
         routers: int = 1,  # more than one: the others on free ports, no HTTP; every worker registers with all
+        secure: bool = False,  # keys, TLS and mutual TLS (`Secrets`)
     ):
         self.model = str(model)
         self.num_workers = workers
@@ -99,6 +105,7 @@ class LocalCluster:
         self.cpus = cpus
         self.worker_env = worker_env or {}
         self.join_token = secrets.token_hex(16)
+        self.secrets = Secrets.create(self.log_dir / "secrets", routers, workers) if secure else None
         self.router: Child | None = None  # the first router
         self.extra_routers: list[Child | None] = [None] * (routers - 1)
         self.extra_router_addresses: list[str] = []
@@ -110,7 +117,11 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str], cpus: list[int] | None = None, env: dict | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        # secrets go in the environment: a command line is visible to every user (ps)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", ORCHARD_JOIN_TOKEN=self.join_token, **(env or {}))
+        if self.secrets is not None:
+            env.update(ORCHARD_API_KEY=self.secrets.api_key, ORCHARD_ADMIN_KEY=self.secrets.admin_key)
+            args = [*args, *self.secrets.server_flags(name)]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "cluster", *args],
@@ -128,7 +139,7 @@ class LocalCluster:
             while len(self.extra_router_addresses) < i:
                 self.extra_router_addresses.append(f"127.0.0.1:{free_port()}")
             grpc, http, metrics = self.extra_router_addresses[i - 1], "off", f"127.0.0.1:{free_port()}"
-        args = ["router", "serve", "--grpc", grpc, "--join-token", self.join_token, "--policy", self.policy,
+        args = ["router", "serve", "--grpc", grpc, "--policy", self.policy,
                 "--http", http, "--metrics", metrics, *self.router_args]
         child = self._spawn("router" if i == 0 else f"router-{i}", args)
         if i == 0:
@@ -152,7 +163,7 @@ class LocalCluster:
             self.worker_metrics.append(f"{host}:{mport}")
         args = ["worker", "serve", "--model", self.model, "--grpc", self.worker_addresses[i],
                 "--metrics", self.worker_metrics[i], "--router", ",".join(self.router_addresses),
-                "--join-token", self.join_token, "--worker-id", f"worker-{i}", *self.worker_args]
+                "--worker-id", f"worker-{i}", *self.worker_args]
         child = self._spawn(f"worker-{i}", args, self.cpus[i % len(self.cpus)] if self.cpus else None, self.worker_env)
         if i < len(self.workers):
             self.workers[i] = child
@@ -173,14 +184,21 @@ class LocalCluster:
             self.start_worker(i)
         self.wait_ready(timeout)
 
+    def client_security(self, admin: bool = False):
+        """What a client of this cluster presents (the admin key with `admin`)."""
+        from cluster.security import NO_SECURITY
+
+        return NO_SECURITY if self.secrets is None else self.secrets.client(admin)
+
     def healthy_workers(self, router: str | None = None) -> list:  # of pb.WorkerInfo
         import grpc
 
         from cluster.proto.orchard.v1 import orchard_pb2 as pb
         from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+        from cluster.security import channel
 
         try:
-            with grpc.insecure_channel(router or self.router_address) as ch:
+            with channel(router or self.router_address, self.client_security(admin=True), aio=False) as ch:
                 resp = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=2)
         except grpc.RpcError:
             return []
@@ -231,6 +249,47 @@ class LocalCluster:
         self.stop()
 
 
+@dataclass(frozen=True)
+class Secrets:
+    """A local cluster's credentials: a CA, a certificate per process (named after it)
+    and one for its clients, an API key and an admin key; files mode 0600 in `dir`."""
+
+    dir: Path
+    api_key: str
+    admin_key: str
+
+    @classmethod
+    def create(cls, directory: Path, routers: int, workers: int) -> "Secrets":
+        from cluster.certs import CA_CERT, init_ca, issue
+
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not (directory / CA_CERT).exists():
+            init_ca(directory, "Orchard local cluster CA")
+        for name in ["router", *(f"router-{i}" for i in range(1, routers)), *(f"worker-{i}" for i in range(workers)),
+                     "client"]:
+            issue(directory, name)
+        keys = {}
+        for name in ("api-key", "admin-key"):
+            path = directory / name
+            if not path.exists():
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(secrets.token_urlsafe(24) + "\n")
+            keys[name] = path.read_text().strip()
+        return cls(directory, keys["api-key"], keys["admin-key"])
+
+    def server_flags(self, name: str) -> list[str]:
+        d = self.dir
+        return ["--tls-cert", str(d / f"{name}.pem"), "--tls-key", str(d / f"{name}-key.pem"), "--tls-ca", str(d / "ca.pem")]
+
+    def client(self, admin: bool = False):
+        from cluster.security import ClientSecurity
+
+        d = self.dir
+        return ClientSecurity(api_key=self.admin_key if admin else self.api_key, tls_ca=str(d / "ca.pem"),
+                              tls_cert=str(d / "client.pem"), tls_key=str(d / "client-key.pem"))
+
+
 def run_up(config: UpConfig) -> int:
     from cluster.models_cache import resolve_model
 
@@ -239,6 +298,7 @@ def run_up(config: UpConfig) -> int:
         model, workers=config.workers, grpc_address=config.grpc_address, http_address=config.http_address,
         metrics_address=config.metrics_address, worker_port_base=config.worker_port_base,
         worker_metrics_port_base=config.worker_metrics_port_base, policy=config.policy, log_dir=config.log_dir,
+        secure=config.secure,
     )
     stop = {"now": False}
 
@@ -253,15 +313,17 @@ def run_up(config: UpConfig) -> int:
         for i in range(config.workers):
             cluster.start_worker(i)
         cluster.wait_ready(config.timeout)
-        http = f"http://{cluster.http_address}/v1" if cluster.http_address else "off"
-        metrics = f"http://{cluster.metrics_address}/metrics" if cluster.metrics_address else "off"
+        scheme = "https" if config.secure else "http"
+        http = f"{scheme}://{cluster.http_address}/v1" if cluster.http_address else "off"
+        metrics = f"{scheme}://{cluster.metrics_address}/metrics" if cluster.metrics_address else "off"
         print(
             f"\nOrchard is up: {config.workers} worker(s) serving {Path(model).name}\n"
             f"  gRPC     {cluster.router_address}          (orchard router workers --router {cluster.router_address})\n"
             f"  HTTP     {http}    (OpenAI-compatible)\n"
             f"  metrics  {metrics}\n"
-            + "".join(f"  worker-{i}  gRPC {a}  metrics http://{m}/metrics\n"
+            + "".join(f"  worker-{i}  gRPC {a}  metrics {scheme}://{m}/metrics\n"
                       for i, (a, m) in enumerate(zip(cluster.worker_addresses, cluster.worker_metrics)))
+            + (_secure_notes(cluster.secrets.dir) if cluster.secrets else "")
             + "Ctrl-C stops them all.",
             flush=True,
         )
@@ -286,3 +348,11 @@ def run_up(config: UpConfig) -> int:
         cluster.stop()
         print("stopped.", flush=True)
     return 0
+
+
+def _secure_notes(d: Path) -> str:
+    return (f"  secured: keys and certificates in {d} (mode 0600). Clients:\n"
+            f"    export ORCHARD_API_KEY=$(cat {d}/api-key) ORCHARD_TLS_CA={d}/ca.pem \\\n"
+            f"           ORCHARD_TLS_CERT={d}/client.pem ORCHARD_TLS_KEY={d}/client-key.pem\n"
+            f"    (admin commands: ORCHARD_ADMIN_KEY=$(cat {d}/admin-key); HTTP: Authorization: Bearer $ORCHARD_API_KEY,"
+            f" --cacert {d}/ca.pem)\n")

@@ -28,11 +28,12 @@ from cluster.api.errors import DeadlineExceeded, InvalidRequest, OrchardError
 from cluster.api.servicer import Backend, finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.security import Keys, host_allowed
 
 log = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error", 404: "not_found_error", 409: "conflict_error",
                 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
 _BACKEND = web.AppKey("backend", object)
 _TIMEOUT = web.AppKey("request_timeout", object)
@@ -40,9 +41,9 @@ TIMEOUT_HEADER = "X-Request-Timeout"  # seconds, per request (at most the server
 _MODEL_CACHE = web.AppKey("model_cache", list)
 
 
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None) -> web.Response:
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": status}}
+                      "code": status if code is None else code}}
     return web.json_response(body, status=status)
 
 
@@ -244,11 +245,14 @@ def _sse(data: dict | str) -> bytes:
 
 
 # -- the app ----------------------------------------------------------------------------------
-def create_app(backend: Backend, request_timeout: float | None = None) -> web.Application:
+def create_app(backend: Backend, request_timeout: float | None = None, *, keys: Keys | None = None,
+               allowed_hosts: tuple[str, ...] | None = None) -> web.Application:
     """The OpenAI-compatible app over `backend`. A request that takes longer than
     `request_timeout` seconds (or its own `X-Request-Timeout`, if shorter) is answered
-    504, or ends its SSE stream with an error event, and is cancelled wherever it runs."""
-    app = web.Application(client_max_size=32 << 20)
+    504, or ends its SSE stream with an error event, and is cancelled wherever it runs.
+    With `keys`, `/v1/*` takes `Authorization: Bearer KEY` (401 otherwise); with
+    `allowed_hosts`, a request whose Host is not one of them is 403 (DNS rebinding)."""
+    app = web.Application(client_max_size=32 << 20, middlewares=[_guard(keys or Keys(), allowed_hosts)])
     app[_BACKEND] = backend
     app[_TIMEOUT] = request_timeout
     app[_MODEL_CACHE] = [float("-inf"), ""]
@@ -257,6 +261,23 @@ def create_app(backend: Backend, request_timeout: float | None = None) -> web.Ap
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     return app
+
+
+def _guard(keys: Keys, allowed: tuple[str, ...] | None):
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if not host_allowed(request.headers.get("Host"), allowed):
+            return error_response(403, f"Host {request.headers.get('Host')!r} is not served here: add it to the "
+                                       "server's --allowed-hosts", code="host_not_allowed")
+        if request.path.startswith("/v1/"):
+            refused = keys.refusal(request.headers.get("Authorization"), "inference")
+            if refused is not None:
+                response = error_response(401, refused[1], code="invalid_api_key")
+                response.headers["WWW-Authenticate"] = "Bearer"
+                return response
+        return await handler(request)
+
+    return guard
 
 
 async def _models(request: web.Request) -> web.Response:

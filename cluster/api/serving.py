@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.api.servicer import Backend
 from cluster.net import SERVER_KEEPALIVE_OPTIONS, parse_address
+from cluster.security import AuthInterceptor, SecurityConfig, allowed_hosts, http_ssl_context, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,16 @@ def _host_port(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def metrics_app(metrics: MetricsEndpoint) -> web.Application:
+def metrics_app(metrics: MetricsEndpoint, security: SecurityConfig = SecurityConfig()) -> web.Application:
+    """`/metrics` (with API keys configured, it takes one: Prometheus' `authorization`) and
+    `/health` (always open: a load balancer's probe)."""
+    keys = security.keys()
+
     async def handle_metrics(request: web.Request) -> web.Response:
+        refused = keys.refusal(request.headers.get("Authorization"), "inference")
+        if refused is not None:
+            return web.json_response({"error": refused[1]}, status=401 if refused[0] == "unauthenticated" else 403,
+                                     headers={"WWW-Authenticate": "Bearer"})
         return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})
 
     async def handle_health(request: web.Request) -> web.Response:
@@ -77,12 +86,12 @@ def metrics_app(metrics: MetricsEndpoint) -> web.Application:
     return app
 
 
-async def _start_http(app: web.Application, address: str, what: str,
-                      default_host: str) -> tuple[web.AppRunner, str]:
+async def _start_http(app: web.Application, address: str, what: str, default_host: str,
+                      ssl_context=None) -> tuple[web.AppRunner, str]:
     sock = bind(address, what, default_host)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.SockSite(runner, sock).start()
+    await web.SockSite(runner, sock, ssl_context=ssl_context).start()
     return runner, _host_port(sock)
 
 
@@ -92,8 +101,11 @@ class Endpoints:
     can be undone. `addresses` has what was bound ("grpc", "http", "metrics"), with the
     real port where 0 was asked for. An address with an empty host binds `default_host`."""
 
-    def __init__(self, default_host: str = "127.0.0.1", health_services: tuple[str, ...] = ("", GENERATION_SERVICE)):
+    def __init__(self, default_host: str = "127.0.0.1", health_services: tuple[str, ...] = ("", GENERATION_SERVICE),
+                 security: SecurityConfig = SecurityConfig()):
+        security.check()
         self.default_host = default_host
+        self.security = security
         self.health_services = health_services
         self.health = health.aio.HealthServicer()
         self.addresses: dict[str, str] = {}
@@ -102,10 +114,11 @@ class Endpoints:
 
     def bind_grpc(self, address: str) -> int:
         """Create the gRPC server and bind its port (not started yet); the bound port."""
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[AuthInterceptor(self.security.keys())])
         host, _ = parse_address(address, self.default_host)
+        creds = server_credentials(self.security)
         try:
-            port = server.add_insecure_port(address)
+            port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
         except RuntimeError:
             port = 0
         if not port:
@@ -134,15 +147,18 @@ class Endpoints:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         await server.start()
         await self.set_serving(True)
+        ssl_context = http_ssl_context(self.security)
         if metrics is not None and metrics_address:
-            runner, self.addresses["metrics"] = await _start_http(metrics_app(metrics), metrics_address, "metrics",
-                                                                  self.default_host)
+            runner, self.addresses["metrics"] = await _start_http(
+                metrics_app(metrics, self.security), metrics_address, "metrics", self.default_host, ssl_context)
             self._runners.append(runner)
         if backend is not None and http_address:
             from cluster.api.openai import create_app
 
-            runner, self.addresses["http"] = await _start_http(create_app(backend, request_timeout), http_address, "HTTP",
-                                                               self.default_host)
+            host, _ = parse_address(http_address, self.default_host)
+            app = create_app(backend, request_timeout, keys=self.security.keys(),
+                             allowed_hosts=allowed_hosts(self.security, host))
+            runner, self.addresses["http"] = await _start_http(app, http_address, "HTTP", self.default_host, ssl_context)
             self._runners.append(runner)
 
     async def set_serving(self, serving: bool) -> None:

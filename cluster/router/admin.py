@@ -9,12 +9,12 @@ import grpc
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.registry import STATE_NAMES
+from cluster.security import NO_SECURITY, ClientSecurity, channel, client_from_args
 
 
-def _call(router: str, method: str, request, timeout: float = 10.0):
-    with grpc.insecure_channel(router) as channel:
-        stub = pb_grpc.RouterStub(channel)
-        return getattr(stub, method)(request, timeout=timeout)
+def _call(router: str, method: str, request, security: ClientSecurity = NO_SECURITY, timeout: float = 10.0):
+    with channel(router, security, aio=False) as ch:
+        return getattr(pb_grpc.RouterStub(ch), method)(request, timeout=timeout)
 
 
 def format_workers(workers: list[pb.WorkerInfo]) -> str:
@@ -34,26 +34,28 @@ def format_workers(workers: list[pb.WorkerInfo]) -> str:
     return "\n".join(lines)
 
 
-def list_workers(router: str, timeout: float = 10.0) -> list[pb.WorkerInfo]:
-    return list(_call(router, "ListWorkers", pb.ListWorkersRequest(), timeout).workers)
+def list_workers(router: str, security: ClientSecurity = NO_SECURITY, timeout: float = 10.0) -> list[pb.WorkerInfo]:
+    return list(_call(router, "ListWorkers", pb.ListWorkersRequest(), security, timeout).workers)
 
 
 def run(args) -> int:
+    security = client_from_args(args, admin=True)
     try:
         if args.router_command == "register":
             for address in args.worker:
-                resp = _call(args.router, "AddWorker", pb.AddWorkerRequest(address=address))
+                resp = _call(args.router, "AddWorker", pb.AddWorkerRequest(address=address), security)
                 print(f"registered {address} as {resp.worker_id}")
         elif args.router_command == "workers":
-            workers = list_workers(args.router)
+            workers = list_workers(args.router, security)
             print(format_workers(workers) if workers else "no workers")
         elif args.router_command == "drain":
-            resp = _call(args.router, "DrainWorker", pb.DrainWorkerRequest(worker_id=args.worker, drain=not args.undo))
+            resp = _call(args.router, "DrainWorker", pb.DrainWorkerRequest(worker_id=args.worker, drain=not args.undo),
+                         security)
             w = resp.worker
             print(f"{w.worker_id}: {STATE_NAMES.get(w.state, 'unknown')}, {w.load.num_running} running, "
                   f"{w.load.num_waiting} waiting, {w.inflight} in flight from the router")
         elif args.router_command == "remove":
-            _call(args.router, "RemoveWorker", pb.RemoveWorkerRequest(worker_id=args.worker))
+            _call(args.router, "RemoveWorker", pb.RemoveWorkerRequest(worker_id=args.worker), security)
             print(f"removed {args.worker}")
     except grpc.RpcError as e:
         print(f"orchard router {args.router_command}: {e.code().name}: {e.details()}", file=sys.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.config import setting
+from cluster.security import SecurityConfig
 
 
 def policy_names() -> list[str]:
@@ -44,3 +45,4 @@ class RouterConfig:
         metavar="SECONDS")
     static_workers: tuple[str, ...] = setting((), "a static worker to poll (repeatable)", flag="--worker",
                                               metavar="ADDR", repeat=True)
+    security: SecurityConfig = setting(default_factory=SecurityConfig, group="security")

@@ -10,6 +10,7 @@ import grpc
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.registry import Registry, RegistryError
+from cluster.security import peer_identity
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,8 @@ class RouterControl(pb_grpc.RouterServicer):
 
     async def RegisterWorker(self, request, context):
         try:
-            w = self.registry.register(request.worker_id, request.address, request.join_token, request.load)
+            w = self.registry.register(request.worker_id, request.address, request.join_token, request.load,
+                                       identity=peer_identity(context))
         except RegistryError as e:
             await context.abort(e.code, str(e))
         interval_ms = int(self.registry.config.heartbeat_interval * 1000)
@@ -29,7 +31,8 @@ class RouterControl(pb_grpc.RouterServicer):
 
     async def Heartbeat(self, request, context):
         try:
-            known = self.registry.heartbeat(request.worker_id, request.join_token, request.load)
+            known = self.registry.heartbeat(request.worker_id, request.join_token, request.load,
+                                            identity=peer_identity(context))
         except RegistryError as e:
             await context.abort(e.code, str(e))
         return pb.HeartbeatResponse(known=known)

@@ -31,6 +31,7 @@ from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.breaker import CLOSED, CircuitBreaker
 from cluster.router.config import RouterConfig
+from cluster.security import NO_SECURITY, ClientSecurity, channel
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class WorkerRecord:
     # that reports itself stalled has them all resumed elsewhere at once.
     attempts: set = field(default_factory=set)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    identity: str | None = None  # the certificate name it registered with (mutual TLS)
 
     @property
     def model(self) -> str:
@@ -132,8 +134,12 @@ class RegistryError(Exception):
 
 
 class Registry:
-    def __init__(self, config: RegistryConfig = RegistryConfig(), connect: bool = True, on_remove=None):
+    def __init__(self, config: RegistryConfig = RegistryConfig(), connect: bool = True, on_remove=None,
+                 security: ClientSecurity = NO_SECURITY, bind_identities: bool = False):
         self.config = config
+        self.security = security  # how the router dials its workers
+        # mutual TLS: a worker id belongs to the certificate name that first registered it
+        self.bind_identities = bind_identities
         self.workers: dict[str, WorkerRecord] = {}
         self._connect = connect  # False in unit tests: no channels
         self._on_remove = on_remove or (lambda worker_id: None)
@@ -190,16 +196,38 @@ class Registry:
         if expected and not hmac.compare_digest(token.encode(), expected.encode()):
             raise RegistryError(grpc.StatusCode.PERMISSION_DENIED, "wrong join token")
 
-    def register(self, worker_id: str, address: str, token: str, report: pb.LoadReport) -> WorkerRecord:
+    def check_identity(self, worker_id: str, identity: str | None) -> None:
+        """Under mutual TLS a worker id belongs to the certificate that registered it first:
+        another certificate cannot take it over (its address stays as it is)."""
+        if not self.bind_identities:
+            return
+        if not identity:
+            raise RegistryError(grpc.StatusCode.UNAUTHENTICATED, "registration needs a client certificate of the fleet CA")
+        w = self.workers.get(worker_id)
+        if w is not None and w.identity is not None and w.identity != identity:
+            log.warning("refused worker id %s from certificate %r: it belongs to %r", worker_id, identity, w.identity)
+            raise RegistryError(grpc.StatusCode.PERMISSION_DENIED,
+                                f"worker id {worker_id!r} belongs to another certificate than {identity!r}")
+
+    def register(self, worker_id: str, address: str, token: str, report: pb.LoadReport,
+                 identity: str | None = None) -> WorkerRecord:
         self.check_token(token)
         if not address:
             raise RegistryError(grpc.StatusCode.INVALID_ARGUMENT, "a worker must register with its address")
         worker_id = worker_id or report.worker_id or address
-        return self._upsert(worker_id, address, report, static=False)
+        self.check_identity(worker_id, identity)
+        other = next((w for w in self.workers.values() if w.address == address and w.worker_id != worker_id), None)
+        if self.bind_identities and other is not None and other.identity not in (None, identity):
+            raise RegistryError(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{address} is worker {other.worker_id!r}'s, registered by another certificate")
+        w = self._upsert(worker_id, address, report, static=False)
+        w.identity = w.identity or identity
+        return w
 
-    def heartbeat(self, worker_id: str, token: str, report: pb.LoadReport) -> bool:
+    def heartbeat(self, worker_id: str, token: str, report: pb.LoadReport, identity: str | None = None) -> bool:
         """False: the worker is unknown (the router restarted, or removed it) and must register."""
         self.check_token(token)
+        self.check_identity(worker_id, identity)
         w = self.workers.get(worker_id)
         if w is None:
             return False
@@ -295,7 +323,7 @@ class Registry:
     def _open(self, w: WorkerRecord) -> None:
         if not self._connect:
             return
-        w.channel = grpc.aio.insecure_channel(w.address, options=CHANNEL_OPTIONS)
+        w.channel = channel(w.address, self.security, options=CHANNEL_OPTIONS)
         w.generation = pb_grpc.GenerationStub(w.channel)
         w.admin = pb_grpc.WorkerAdminStub(w.channel)
         w.health = health_pb2_grpc.HealthStub(w.channel)

@@ -46,10 +46,12 @@ class RouterServer:
                 stream_idle_timeout=config.stream_idle_timeout,
             ),
             on_remove=self.policy.forget,
+            security=config.security.client(),
+            bind_identities=config.security.mutual,
         )
         self.metrics = RouterMetrics(self.registry)
         self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(config.max_attempts, config.worker_wait, config.stream_idle_timeout))
-        self.endpoints = Endpoints(default_host=ALL_INTERFACES, health_services=("",))
+        self.endpoints = Endpoints(default_host=ALL_INTERFACES, health_services=("",), security=config.security)
         self._stop = asyncio.Event()
         self._health_task = None
 
@@ -132,6 +134,7 @@ def run(config: RouterConfig) -> int:
     """Entry point of `orchard router serve`: check the addresses, serve until signalled."""
     try:
         check_addresses(config.grpc_address, config.http_address, config.metrics_address, *config.static_workers)
+        config.security.check()
     except ValueError as e:
         print(f"orchard router serve: {e}", file=sys.stderr)
         return 2

@@ -13,7 +13,8 @@ def generate(args) -> int:
                   seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     try:
-        with Client(args.target, timeout=args.timeout) as client:
+        with Client(args.target, timeout=args.timeout, api_key=args.api_key, tls_ca=args.tls_ca,
+                    tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
             if args.stream:
                 last = None
                 for chunk in client.stream(**prompt, **params):

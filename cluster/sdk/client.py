@@ -1,7 +1,7 @@
 """`Client` (blocking) and `AsyncClient` (asyncio) over gRPC, for a worker or the router.
 
     from cluster.sdk import Client
-    with Client("127.0.0.1:50051") as c:
+    with Client("127.0.0.1:50051") as c:   # api_key= (default $ORCHARD_API_KEY), tls_ca= for TLS
         print(c.generate("Once upon a time", max_tokens=32, temperature=0).text)
         for chunk in c.stream("Hello", max_tokens=16):
             print(chunk.text, end="", flush=True)
@@ -30,6 +30,8 @@ from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.sdk.types import Chunk, Completion
+from cluster.security import ClientSecurity
+from cluster.security import channel as open_channel
 
 DEFAULT_TARGET = "127.0.0.1:50051"  # the router; a worker (127.0.0.1:50061) answers too
 _UNSET = object()
@@ -125,11 +127,12 @@ class _Targets:
     """A client's targets and one channel to each, opened on first use (`_open` is the
     sync or the asyncio channel factory); `_use(i)` makes target i the current one."""
 
-    _open = None
+    _aio = True
 
-    def __init__(self, target, timeout, channel, options):
+    def __init__(self, target, timeout, channel, options, security: ClientSecurity):
         self.targets = _targets(target)
         self.timeout = timeout
+        self.security = security
         self._options = _options(options)
         self._channels: dict = {}
         self._own_channel = channel is None
@@ -141,7 +144,7 @@ class _Targets:
         self._index = index
         self.target = self.targets[index]
         if self.target not in self._channels:
-            self._channels[self.target] = self._open(self.target, options=self._options)
+            self._channels[self.target] = open_channel(self.target, self.security, aio=self._aio, options=self._options)
         self.channel = self._channels[self.target]
 
 
@@ -151,11 +154,14 @@ class AsyncClient(_Targets):
     the next with the tokens already received (`resume_token_ids`), so the caller sees
     one stream; other calls go to the next target when one is unreachable."""
 
-    _open = staticmethod(grpc.aio.insecure_channel)
+    _aio = True
 
     def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET, *, timeout: float | None = None,
-                 channel: grpc.aio.Channel | None = None, options: Sequence[tuple] | None = None):
-        _Targets.__init__(self, target, timeout, channel, options)
+                 channel: grpc.aio.Channel | None = None, options: Sequence[tuple] | None = None,
+                 api_key: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None):
+        _Targets.__init__(self, target, timeout, channel, options,
+                          ClientSecurity.from_env(api_key, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key))
 
     def _use(self, index: int) -> None:
         _Targets._use(self, index)
@@ -238,11 +244,14 @@ class Client(_Targets):
     """The blocking twin of `AsyncClient` (plain grpc channels, no event loop), with the
     same failover across several targets."""
 
-    _open = staticmethod(grpc.insecure_channel)
+    _aio = False
 
     def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET, *, timeout: float | None = None,
-                 channel: grpc.Channel | None = None, options: Sequence[tuple] | None = None):
-        _Targets.__init__(self, target, timeout, channel, options)
+                 channel: grpc.Channel | None = None, options: Sequence[tuple] | None = None,
+                 api_key: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None):
+        _Targets.__init__(self, target, timeout, channel, options,
+                          ClientSecurity.from_env(api_key, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key))
 
     def _use(self, index: int) -> None:
         _Targets._use(self, index)

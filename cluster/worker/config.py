@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cluster.config import setting
+from cluster.security import SecurityConfig
 
 
 @dataclass(frozen=True)
@@ -108,3 +109,4 @@ class WorkerOptions:
         60.0, "an engine step with unfinished work that takes longer than this means a wedged engine: health "
               "NOT_SERVING, and the router resumes the worker's streams elsewhere (far above any real step)",
         metavar="SECONDS")
+    security: SecurityConfig = setting(default_factory=SecurityConfig, group="security")

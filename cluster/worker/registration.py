@@ -23,6 +23,7 @@ from collections.abc import Callable
 import grpc
 
 from cluster.net import CHANNEL_OPTIONS
+from cluster.security import NO_SECURITY, ClientSecurity, channel
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 
@@ -38,7 +39,9 @@ class Registration:
         join_token: str = "",
         worker_id: str = "",
         interval: float = 1.0,
+        security: ClientSecurity = NO_SECURITY,
     ):
+        self.security = security  # TLS (with this worker's certificate for mutual TLS) and a key
         self.router = router
         self.address = address  # where the router reaches this worker's gRPC server
         self.load = load
@@ -65,8 +68,8 @@ class Registration:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         period = self.interval
-        async with grpc.aio.insecure_channel(self.router, options=CHANNEL_OPTIONS) as channel:
-            stub = pb_grpc.RouterStub(channel)
+        async with channel(self.router, self.security, options=CHANNEL_OPTIONS) as ch:
+            stub = pb_grpc.RouterStub(ch)
             next_at = loop.time()
             while True:
                 try:

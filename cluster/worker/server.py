@@ -36,6 +36,15 @@ def routers(value: str | None) -> list[str]:
     return [r.strip() for r in (value or "").split(",") if r.strip()]
 
 
+def default_worker_id(options: WorkerOptions, port: int) -> str:
+    """HOSTNAME-PORT; under mutual TLS, the certificate's name (the router binds the id to it)."""
+    if options.security.mutual:
+        from cluster.certs import common_name
+
+        return common_name(options.security.tls_cert)
+    return f"{socket.gethostname()}-{port}"
+
+
 class WorkerAdminServicer(pb_grpc.WorkerAdminServicer):
     def __init__(self, server: "WorkerServer"):
         self.server = server
@@ -53,7 +62,7 @@ class WorkerServer:
     def __init__(self, options: WorkerOptions):
         self.options = options
         self.service = None
-        self.endpoints = Endpoints()
+        self.endpoints = Endpoints(security=options.security)
         self._registrations: list = []
         self._watchdog: asyncio.Task | None = None
 
@@ -81,7 +90,7 @@ class WorkerServer:
 
         opts = self.options
         port = self.endpoints.bind_grpc(opts.grpc_address)
-        worker_id = opts.worker_id or f"{socket.gethostname()}-{port}"
+        worker_id = opts.worker_id or default_worker_id(opts, port)
 
         def load_engine() -> Engine:  # runs on the engine thread
             engine = Engine.from_pretrained(opts.model_path, opts.engine_config)
@@ -109,7 +118,8 @@ class WorkerServer:
                 advertise = f"{socket.getfqdn()}:{parse_address(advertise)[1]}"
             for router in routers(opts.router):  # every router of the fleet places work here
                 registration = Registration(router, advertise, service.load_report, join_token=opts.join_token,
-                                            worker_id=worker_id, interval=opts.heartbeat_interval)
+                                            worker_id=worker_id, interval=opts.heartbeat_interval,
+                                            security=opts.security.client())
                 registration.start()
                 self._registrations.append(registration)
         log.info("worker %s serving %s (%s): %s", worker_id, service.model_name, opts.model_path,
@@ -190,6 +200,7 @@ def serve(options: WorkerOptions) -> int:
     try:
         check_addresses(options.grpc_address, options.metrics_address, options.http_address,
                         *routers(options.router), options.advertise_address)
+        options.security.check()
     except ValueError as e:
         print(f"orchard worker serve: {e}", file=sys.stderr)
         return 2
