@@ -279,7 +279,12 @@ class Secrets:
         return cls(directory, keys["api-key"], keys["admin-key"])
 
     def server_flags(self, name: str) -> list[str]:
+        """A process's TLS flags (its certificate, issued now if it is a new name)."""
+        from cluster.certs import issue
+
         d = self.dir
+        if not (d / f"{name}.pem").exists():
+            issue(d, name)
         return ["--tls-cert", str(d / f"{name}.pem"), "--tls-key", str(d / f"{name}-key.pem"), "--tls-ca", str(d / "ca.pem")]
 
     def client(self, admin: bool = False):

@@ -1,6 +1,8 @@
 """The router with real `orchard worker serve` processes on a tiny model.
 
-One router + 2 workers for the module (`LocalCluster`, free ports, 0.2 s heartbeats).
+One router + 2 workers for the module (`LocalCluster`, free ports, 0.2 s heartbeats),
+once in the clear and once secured (`orchard up --secure`'s set-up: API and admin keys,
+TLS, mutual TLS between router and workers): every test passes both ways.
 Tests that kill or restart a process bring it back before they end.
 """
 
@@ -13,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import ssl
 import urllib.request
 
 import grpc
@@ -20,6 +23,8 @@ import pytest
 
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.net import CHANNEL_OPTIONS
+from cluster.security import channel as secure_channel
 from cluster.up import LocalCluster, free_port
 
 HEARTBEAT = 0.2
@@ -30,8 +35,9 @@ def model_dir(tiny_model_dir):
     return tiny_model_dir
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["plain", "secure"])
+def cluster(request, model_dir, tmp_path_factory):
+    global CLUSTER
     c = LocalCluster(
         model_dir, workers=2,
         grpc_address=f"127.0.0.1:{free_port()}", http_address=f"127.0.0.1:{free_port()}",
@@ -39,14 +45,34 @@ def cluster(model_dir, tmp_path_factory):
         log_dir=tmp_path_factory.mktemp("router-logs"),
         router_args=["--heartbeat-interval", str(HEARTBEAT)],
         worker_args=["--num-kv-blocks", "1024", "--max-num-seqs", "64"],
+        secure=request.param == "secure",
     )
     with c:
+        CLUSTER = c
         yield c
 
 
-def orchard(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+CLUSTER: LocalCluster | None = None  # the module's cluster now: the helpers below present its credentials
+
+
+def channel(target: str, admin: bool = False):
+    """An asyncio channel to `target` with the cluster's credentials (none when plain)."""
+    return secure_channel(target, CLUSTER.client_security(admin), options=CHANNEL_OPTIONS)
+
+
+def client_env(admin: bool = True) -> dict:
+    """The environment a CLI command needs to reach the cluster."""
+    env = dict(os.environ)
+    sec = CLUSTER.client_security(admin)
+    if CLUSTER.secrets is not None:
+        env.update(ORCHARD_ADMIN_KEY=CLUSTER.secrets.admin_key, ORCHARD_API_KEY=CLUSTER.secrets.api_key,
+                   ORCHARD_TLS_CA=sec.tls_ca, ORCHARD_TLS_CERT=sec.tls_cert, ORCHARD_TLS_KEY=sec.tls_key)
+    return env
+
+
+def orchard(*args: str, timeout: float = 30, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=client_env() if env is None else env)
 
 
 def run(coro, timeout: float = 120):
@@ -70,7 +96,7 @@ async def collect(stub, req, on_chunk=None) -> tuple[list[int], str, list[pb.Gen
 
 
 def list_workers(c: LocalCluster) -> dict[str, pb.WorkerInfo]:
-    with grpc.insecure_channel(c.router_address) as ch:
+    with secure_channel(c.router_address, c.client_security(admin=True), aio=False) as ch:
         resp = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5)
     return {w.worker_id: w for w in resp.workers}
 
@@ -86,7 +112,13 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
 
 
 def scrape(address: str) -> str:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+    """/metrics, over TLS with a key when the cluster is secured."""
+    if CLUSTER is None or CLUSTER.secrets is None:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+            return r.read().decode()
+    sec = CLUSTER.client_security()
+    req = urllib.request.Request(f"https://{address}/metrics", headers={"Authorization": f"Bearer {sec.api_key}"})
+    with urllib.request.urlopen(req, timeout=5, context=ssl.create_default_context(cafile=sec.tls_ca)) as r:
         return r.read().decode()
 
 
@@ -99,8 +131,7 @@ def test_placement_follows_load(cluster):
     """Worker 0 saturated by direct clients, worker 1 idle: the router sends new work to 1."""
 
     async def main():
-        async with grpc.aio.insecure_channel(cluster.worker_addresses[0]) as wch, \
-                grpc.aio.insecure_channel(cluster.router_address) as rch:
+        async with channel(cluster.worker_addresses[0]) as wch, channel(cluster.router_address) as rch:
             direct, routed = pb_grpc.GenerationStub(wch), pb_grpc.GenerationStub(rch)
             hogs = [asyncio.create_task(collect(direct, request(f"hog {i}", 2000))) for i in range(24)]
             loop = asyncio.get_running_loop()
@@ -126,7 +157,7 @@ def test_prefix_affinity(cluster):
     prefix = "You are the orchard's assistant. Answer about apples, pears and plums, briefly. " * 12
 
     async def main():
-        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+        async with channel(cluster.router_address) as ch:
             stub = pb_grpc.GenerationStub(ch)
             before = [metric(scrape(m), "orchard_prefix_cache_hits_total") for m in cluster.worker_metrics]
             placed, cached = [], []
@@ -168,7 +199,7 @@ def test_failover_resumes_mid_stream(cluster, sampling, fault):
     async def streams(kill_after_tokens: int | None):
         """Run the 16 streams; once `kill_after_tokens` tokens have arrived in all, kill -9
         the worker serving most of the unfinished streams."""
-        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+        async with channel(cluster.router_address) as ch:
             stub = pb_grpc.GenerationStub(ch)
             seen = {"tokens": 0}
             serving: dict[int, str] = {}  # unfinished stream -> worker
@@ -251,7 +282,7 @@ def test_router_restart_workers_come_back(cluster):
 
 def test_drain_no_worker_and_unavailable(cluster):
     async def main():
-        async with grpc.aio.insecure_channel(cluster.router_address) as ch:
+        async with channel(cluster.router_address) as ch:
             stub = pb_grpc.GenerationStub(ch)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await collect(stub, request("x", model="no-such-model"))
@@ -299,7 +330,16 @@ def test_wrong_token_refused_then_static_registration(cluster, model_dir):
         wait_for(lambda: "refused" in extra.log_path.read_text(errors="replace"), 60, "the router's refusal")
         assert "PERMISSION_DENIED" in extra.log_path.read_text() or "join token" in extra.log_path.read_text()
         assert "extra" not in list_workers(cluster)
-        out = orchard("router", "register", "--router", cluster.router_address, "--worker", f"127.0.0.1:{port}")
+        register = ("router", "register", "--router", cluster.router_address, "--worker", f"127.0.0.1:{port}")
+        if cluster.secrets is not None:  # an admin operation: neither no key nor an API key will do
+            env = client_env()
+            env.pop("ORCHARD_ADMIN_KEY")
+            no_key = orchard(*register, env={**env, "ORCHARD_API_KEY": ""})
+            assert no_key.returncode == 1 and "UNAUTHENTICATED" in no_key.stderr, no_key.stderr
+            api_key = orchard(*register, "--admin-key", cluster.secrets.api_key, env=env)
+            assert api_key.returncode == 1 and "PERMISSION_DENIED" in api_key.stderr, api_key.stderr
+            assert "extra" not in list_workers(cluster)
+        out = orchard(*register)
         assert out.returncode == 0 and "extra" in out.stdout, out.stderr
         info = list_workers(cluster)["extra"]
         assert info.static and info.state == pb.WORKER_STATE_HEALTHY and info.model == model_dir.name
@@ -313,7 +353,14 @@ def test_wrong_token_refused_then_static_registration(cluster, model_dir):
 def test_openai_http_through_the_router(cluster):
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="none", timeout=30)
+    if cluster.secrets is None:
+        client = OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="none", timeout=30)
+    else:  # TLS verified against the fleet CA, and the API key
+        from openai import DefaultHttpxClient
+
+        sec = cluster.client_security()
+        client = OpenAI(base_url=f"https://{cluster.http_address}/v1", api_key=sec.api_key, timeout=30,
+                        http_client=DefaultHttpxClient(verify=ssl.create_default_context(cafile=sec.tls_ca)))
     models = [m.id for m in client.models.list().data]
     assert models == [cluster.model.rsplit("/", 1)[-1]]
     out = client.completions.create(model=models[0], prompt="Hello orchard", max_tokens=5, temperature=0,
