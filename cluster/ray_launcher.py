@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 from cluster.config import default_of, port_of, setting
 from cluster.router.config import RouterConfig, policy_names
+from cluster.security import SecurityConfig, inference_keys
 from cluster.worker.config import EngineConfig, WorkerOptions
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,13 @@ class RaySpec:
     policy: str = setting(RouterConfig.policy, "the router's placement policy", choices=policy_names)
     max_restarts: int = setting(-1, "Ray restarts of a dead actor (-1: for ever)")
     timeout: float = setting(600.0, "seconds to wait for the workers")
+    insecure: bool = setting(False, "allow an empty join token: anyone on the network may then register a worker")
     detached: bool = True
     engine: EngineConfig = setting(default_factory=lambda: default_of(WorkerOptions, "engine_config"), group="engine")
+    # keys and TLS for the router and every worker (certificate files at the same paths on
+    # every node; with --tls-ca, one certificate serves them all, so worker ids are not
+    # bound to per-Mac names: issue one per Mac and use launchd for that)
+    security: SecurityConfig = setting(default_factory=SecurityConfig, group="security")
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,7 @@ class RouterActor:
         config = RouterConfig(
             grpc_address=f"{host}:{spec.router_port}", http_address=_addr(host, spec.router_http_port),
             metrics_address=_addr(host, spec.router_metrics_port), policy=spec.policy, join_token=spec.join_token,
+            security=spec.security,
         )
         self._loop = _LoopThread("orchard-router")
 
@@ -138,6 +145,7 @@ class WorkerActor:
         options = WorkerOptions(
             model_path=spec.model, engine_config=spec.engine, grpc_address=f"{host}:{port}",
             metrics_address=_addr(host, mport), worker_id=worker_id, router=router, join_token=spec.join_token,
+            security=spec.security,
         )
         self._loop = _LoopThread("orchard-worker")
         self.server = WorkerServer(options)
@@ -183,7 +191,9 @@ class RayDeployment:
         n = len(self.workers) if n is None else n
         timeout = self.spec.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.router_addresses["grpc"]) as ch:
+        from cluster.security import channel
+
+        with channel(self.router_addresses["grpc"], self.spec.security.client(), aio=False) as ch:
             stub = pb_grpc.RouterStub(ch)
             while time.monotonic() < deadline:
                 try:
@@ -259,6 +269,15 @@ def _init(address: str):
 
 
 def run_up(spec: RaySpec, ray_address: RayAddress) -> int:
+    if not spec.join_token and not spec.insecure:
+        print("orchard ray up: no join token: anyone on the network could register a worker and receive prompts. "
+              "Set $ORCHARD_JOIN_TOKEN (e.g. `export ORCHARD_JOIN_TOKEN=$(openssl rand -hex 16)`), or pass "
+              "--insecure for a trusted network", flush=True)
+        return 2
+    # The actors run elsewhere, without this shell's environment: resolve the keys here.
+    sec = spec.security
+    spec = replace(spec, security=replace(sec, api_keys=inference_keys(sec.api_keys, sec.api_key_file),
+                                          api_key_file=None))
     ray = _init(ray_address.address)
     if existing_actors():
         print(f"orchard is already running on this Ray cluster ({', '.join(existing_actors())}); "

@@ -36,10 +36,18 @@ def _workers(router: str):
     return {w.worker_id: (w.address, w.state == pb.WORKER_STATE_HEALTHY) for w in resp.workers}
 
 
-def test_router_and_workers_as_ray_actors_survive_a_killed_worker(tiny_model_dir):
+def test_an_empty_join_token_is_refused_unless_insecure(tiny_model_dir, monkeypatch, capsys):
+    """Open registration on a LAN is a choice, never a default."""
+    monkeypatch.delenv("ORCHARD_JOIN_TOKEN", raising=False)
+    assert main(["ray", "up", "--model", str(tiny_model_dir)]) == 2
+    assert "no join token" in capsys.readouterr().out
+
+
+def test_router_and_workers_as_ray_actors_survive_a_killed_worker(tiny_model_dir, monkeypatch):
     import shutil
     import tempfile
 
+    monkeypatch.setenv("ORCHARD_JOIN_TOKEN", "ray-test-token")  # from the environment, not the command line
     temp_dir = tempfile.mkdtemp(prefix="oray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     ray.init(num_cpus=2, resources={"orchard_worker": 1}, include_dashboard=False, _node_ip_address="127.0.0.1",
              namespace=f"orchard-test-{free_port()}", logging_level="WARNING", _temp_dir=temp_dir)

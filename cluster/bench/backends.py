@@ -61,11 +61,14 @@ class RequestOptions:
 class GrpcTarget:
     name = "grpc"
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, security=None):
         from cluster.sdk import AsyncClient
+        from cluster.security import NO_SECURITY
 
+        s = security or NO_SECURITY
         self.target = target
-        self.client = AsyncClient(target, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.client = AsyncClient(target, options=[("grpc.max_receive_message_length", 64 << 20)],
+                                  api_key=s.api_key or None, tls_ca=s.tls_ca, tls_cert=s.tls_cert, tls_key=s.tls_key)
 
     async def send(self, req: SampleRequest, opts: RequestOptions) -> RequestRecord:
         out = RequestRecord(prompt_tokens=req.prompt_len)
@@ -100,7 +103,9 @@ class GrpcTarget:
 class OpenAIBackend:
     """`openai` (completions) or `openai-chat` (chat completions) over aiohttp, SSE."""
 
-    def __init__(self, base_url: str, chat: bool = False):
+    def __init__(self, base_url: str, chat: bool = False, security=None):
+        import ssl
+
         import aiohttp
 
         base = base_url if "://" in base_url else f"http://{base_url}"
@@ -109,7 +114,9 @@ class OpenAIBackend:
         self.name = "openai-chat" if chat else "openai"
         self.chat = chat
         self.url = f"{base}/v1/chat/completions" if chat else f"{base}/v1/completions"
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        ctx = ssl.create_default_context(cafile=security.tls_ca) if security and security.tls_ca else None
+        headers = {"Authorization": f"Bearer {security.api_key}"} if security and security.api_key else None
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=ctx), headers=headers)
 
     def _body(self, req: SampleRequest, opts: RequestOptions) -> dict:
         body = {"model": opts.model, "max_tokens": req.output_len, "temperature": opts.temperature,
@@ -180,9 +187,10 @@ class OpenAIBackend:
         await self.session.close()
 
 
-def make_backend(name: str, target: str):
+def make_backend(name: str, target: str, security=None):
+    """`security`: a cluster.security.ClientSecurity (key, CA, client certificate), or None."""
     if name == "grpc":
-        return GrpcTarget(target)
+        return GrpcTarget(target, security)
     if name in ("openai", "openai-chat"):
-        return OpenAIBackend(target, chat=name == "openai-chat")
+        return OpenAIBackend(target, chat=name == "openai-chat", security=security)
     raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")

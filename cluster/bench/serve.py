@@ -29,6 +29,9 @@ DEFAULT_PERCENTILES = "90,99"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from cluster.security import add_client_flags
+
+    add_client_flags(p.add_argument_group("credentials"))
     t = p.add_argument_group("target")
     t.add_argument("--backend", choices=("grpc", "openai", "openai-chat"), default="grpc",
                    help="grpc: the SDK; openai: /v1/completions; openai-chat: /v1/chat/completions")
@@ -164,7 +167,9 @@ async def run_benchmark(args, requests: list) -> dict:
     target = args.target or default_target
     slos = parse_goodput(args.goodput)
     percentiles = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
-    backend = make_backend(args.backend, target)
+    from cluster.security import client_from_args
+
+    backend = make_backend(args.backend, target, client_from_args(args) if hasattr(args, "tls_ca") else None)
     opts = RequestOptions(model=args.model, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           ignore_eos=args.ignore_eos, timeout=args.timeout)
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
