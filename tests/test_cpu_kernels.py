@@ -42,7 +42,8 @@ TOL = 2e-4  # float32 kernel vs float64 dense
 
 
 def run_cpu(case: Case, b) -> mx.array:
-    out = cpu.paged_attention_cpu(*b.args(), scale=b.scale, sliding_window=case.window, softcap=case.softcap)
+    out = cpu.paged_attention_cpu(*b.args(), scale=b.scale, sliding_window=case.window, softcap=case.softcap,
+                                  sinks=b.sinks)
     mx.eval(out)
     return out
 
@@ -64,7 +65,7 @@ def test_cpu_kernel_matches_reference_and_dense(case):
 
 def paged_attention_reference_f64(case: Case, b) -> np.ndarray:
     return _f64(kernels.paged_attention_reference(*b.args(), scale=b.scale, sliding_window=case.window,
-                                                  softcap=case.softcap))
+                                                  softcap=case.softcap, sinks=b.sinks))
 
 
 def test_never_reads_outside_the_context():
@@ -160,11 +161,26 @@ def test_inconsistent_batches_are_refused_before_the_c_code_reads_them():
 
 
 def test_largest_group_and_head_size():
-    """32 query heads on one KV head, head size 256: the kernel's limits."""
-    case = Case(((1, 70), (9, 40)), 32, 1, 256, 16, "float32", window=32, softcap=50.0)
-    b = make_batch(case, seed=13)
-    np.testing.assert_allclose(_f64(run_cpu(case, b)), naive_attention(b, case.window, case.softcap),
-                               rtol=TOL, atol=TOL)
+    """32 query heads on one KV head, head size 576 (DeepSeek's MLA row: latent 512 + rope
+    key 64; Gemma 4's global layers: 512): the kernel's limits."""
+    for case in (Case(((1, 70), (9, 40)), 32, 1, 576, 16, "float32", window=32, softcap=50.0),
+                 Case(((1, 50), (20, 30)), 8, 2, 512, 16, "float32", sinks=True)):
+        b = make_batch(case, seed=13)
+        np.testing.assert_allclose(_f64(run_cpu(case, b)), naive_attention(b, case.window, case.softcap),
+                                   rtol=TOL, atol=TOL)
+
+
+def test_beyond_the_c_kernel_s_limits_the_reference_serves(monkeypatch):
+    """DeepSeek-V3's MLA as the engine serves it: 128 query heads on one KV head of 576, more
+    than one work item holds: the dispatcher gives it to the reference, still exact."""
+    monkeypatch.setattr(kernels, "_forced", "cpu")
+    called = []
+    monkeypatch.setattr(cpu, "paged_attention_cpu", lambda *a, **k: called.append(1))
+    case = Case(((1, 20), (6, 12)), 128, 1, 576, 16, "float32")
+    b = make_batch(case, seed=3)
+    got = kernels.paged_attention(*b.args(), scale=b.scale)
+    assert not called
+    np.testing.assert_allclose(_f64(got), naive_attention(b), rtol=TOL, atol=TOL)
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_size", [(8, 4, 80), (6, 2, 96), (4, 1, 40), (3, 3, 8)])

@@ -22,7 +22,7 @@ from cluster.worker.sampling_params import SamplingParams
 # sliding windows of 32 tokens: gemma3_text, ministral3, gpt_oss, olmo3, cohere2, gemma4_text;
 # soft-capped logits: gemma2; sinks: gpt_oss; shared K/V and per-layer head sizes: gemma4_text;
 # multi-head latent attention: deepseek_v3
-ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3", "gemma2", "olmo3", "cohere2",
+ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3", "gemma2", "gpt_oss", "olmo3", "cohere2",
          "gemma4_text", "deepseek_v3")
 
 
@@ -107,7 +107,7 @@ def test_oracle_parity_with_chunking_and_preemption(model_dirs, arch, attention,
         assert max(abs(a - b) for a, b in zip(logprobs[i], want_lp)) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "ministral3", "olmo3", "cohere2", "gemma4_text"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "ministral3", "gpt_oss", "olmo3", "cohere2", "gemma4_text"])
 def test_sliding_window_layers_with_a_prefix_hit_across_the_window(model_dirs, arch):
     """A prompt that reuses 64 cached tokens of another (twice the 32-token window) and
     runs on past it: the windowed layers see exactly the last 32 keys, as in mlx-lm."""
@@ -132,7 +132,8 @@ def test_sliding_window_layers_with_a_prefix_hit_across_the_window(model_dirs, a
 
 
 # a feature of a family and the LayerSpec change that switches it off in the engine
-FEATURES = [("gemma3_text", "window", -1), ("gemma4_text", "window", -1), ("gemma2", "softcap", 0.0)]
+FEATURES = [("gemma3_text", "window", -1), ("gpt_oss", "window", -1), ("gemma4_text", "window", -1),
+            ("gemma2", "softcap", 0.0), ("gpt_oss", "sinks", False)]
 
 
 @pytest.mark.parametrize("arch, field, off", FEATURES)

@@ -23,9 +23,6 @@ REFUSED = {
     "exaone4": (dict(sliding_window=8, sliding_window_pattern="LLLG", head_dim=16, tie_word_embeddings=True,
                      rope_scaling=None),
                 "layers 0-2 use RotatingKVCache (sliding-window attention)"),
-    # attention sinks, until the kernels apply them
-    "gpt_oss": (dict(sliding_window=8, num_local_experts=2, num_experts_per_tok=1,
-                     layer_types=["sliding_attention", "full_attention"] * 2), "attention sinks"),
     # recurrent layers beside full attention
     "qwen3_next": (dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
                         linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=0,
@@ -52,6 +49,9 @@ SERVED = {  # what each layer gets (tests/test_engine.py checks these families a
     "ministral3": (dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
                         rope_parameters={"rope_theta": 10000.0, "llama_4_scaling_beta": 0.0,
                                          "original_max_position_embeddings": 512}), dict(window=[8, -1, 8, -1])),
+    "gpt_oss": (dict(sliding_window=8, num_local_experts=2, num_experts_per_tok=1,
+                     layer_types=["sliding_attention", "full_attention"] * 2),
+                dict(window=[8, -1, 8, -1], sinks=[True] * 4)),
     "gemma2": (dict(attn_logit_softcapping=20.0, query_pre_attn_scalar=16), dict(softcap=[20.0] * 4)),
     # the last two layers reuse layers 0 and 1's K/V; full layers: head 32, 1 KV head
     "gemma4_text": (dict(sliding_window=8, sliding_window_pattern=2, num_kv_shared_layers=2, global_head_dim=32,

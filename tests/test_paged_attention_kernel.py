@@ -57,6 +57,7 @@ class Case:
     softcap: float = 0.0
     partition: int = 0  # 0: single pass; > 0: split-K with partitions of this many keys
     simdgroups: int = km.NUM_SIMDGROUPS
+    sinks: bool = False  # a learned logit per head (gpt-oss)
 
     @property
     def id(self) -> str:
@@ -67,6 +68,8 @@ class Case:
             parts.append(f"W{self.window}")
         if self.softcap:
             parts.append(f"cap{self.softcap:g}")
+        if self.sinks:
+            parts.append("sinks")
         if self.partition:
             parts.append(f"split{self.partition}")
         if self.simdgroups != km.NUM_SIMDGROUPS:
@@ -96,6 +99,11 @@ CASES = [
     Case(DECODE, 4, 2, 96, 16, "float32"),
     Case(PREFILL_SHORT, 2, 1, 80, 16, "float16", softcap=50.0),
     Case(MIXED, 4, 4, 32, 8, "float32", window=128, partition=256),
+    # attention sinks: with GQA, a window, soft-cap, decode and prefill, and split-K
+    Case(DECODE, 8, 2, 64, 16, "float32", sinks=True),
+    Case(MIXED, 8, 1, 64, 16, "float32", window=128, sinks=True),
+    Case(PREFILL_MID, 4, 2, 64, 8, "float16", softcap=50.0, sinks=True),
+    Case(MIXED, 8, 2, 64, 16, "bfloat16", window=128, partition=256, sinks=True),
 ]
 
 
@@ -123,6 +131,7 @@ class Batch:
     seq_lens: mx.array
     cu_seqlens_q: mx.array
     scale: float
+    sinks: mx.array | None = None
 
     def args(self):
         return self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.cu_seqlens_q
@@ -168,6 +177,8 @@ def make_batch(case: Case, seed: int = 0, poison: bool = False) -> Batch:
         seq_lens=mx.array(np.array(lens, np.int32)),
         cu_seqlens_q=mx.array(cu),
         scale=D**-0.5,
+        # sinks comparable to the scores, so that they matter
+        sinks=mx.array((2 * rng.standard_normal(H)).astype(np.float32)) if case.sinks else None,
     )
 
 
@@ -176,7 +187,8 @@ def _f64(x: mx.array) -> np.ndarray:
 
 
 def naive_attention(b: Batch, window: int = -1, softcap: float = 0.0) -> np.ndarray:
-    """Dense float64 attention, one sequence at a time, straight from the contract."""
+    """Dense float64 attention, one sequence at a time, straight from the contract (a
+    sink is one more logit per head in the softmax, with no value)."""
     q, k, v = _f64(b.q), _f64(b.k_cache), _f64(b.v_cache)
     bt, lens, cu = np.array(b.block_tables), np.array(b.seq_lens), np.array(b.cu_seqlens_q)
     T, H, D = q.shape
@@ -198,8 +210,14 @@ def naive_attention(b: Batch, window: int = -1, softcap: float = 0.0) -> np.ndar
         if window > 0:
             allowed &= pos[None, :] > hi[:, None] - window
         scores = np.where(allowed[None], scores, -np.inf)
-        p = np.exp(scores - scores.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
+        if b.sinks is None:
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+        else:
+            sink = np.array(b.sinks, np.float64)[:, None, None]  # [H, 1, 1]
+            m = np.maximum(scores.max(-1, keepdims=True), sink)
+            p = np.exp(scores - m)
+            p /= p.sum(-1, keepdims=True) + np.exp(sink - m)
         out[r0:r1] = np.einsum("hqk,khd->qhd", p, vs)
     return out
 
@@ -223,7 +241,7 @@ def impl(request, monkeypatch):
 
 def run_kernel(case: Case, b: Batch) -> mx.array:
     out = km.paged_attention_kernel(
-        *b.args(), scale=b.scale, sliding_window=case.window, softcap=case.softcap,
+        *b.args(), scale=b.scale, sliding_window=case.window, softcap=case.softcap, sinks=b.sinks,
         partition_size=case.partition, num_simdgroups=case.simdgroups,
     )
     mx.eval(out)
@@ -234,7 +252,8 @@ def check_triangle(case: Case, b: Batch, out: mx.array) -> None:
     tol = TOL[case.dtype]
     assert out.shape == b.q.shape and out.dtype == b.q.dtype
     dense = naive_attention(b, case.window, case.softcap)
-    ref = paged_attention_reference(*b.args(), scale=b.scale, sliding_window=case.window, softcap=case.softcap)
+    ref = paged_attention_reference(*b.args(), scale=b.scale, sliding_window=case.window, softcap=case.softcap,
+                                    sinks=b.sinks)
     got, ref = _f64(out), _f64(ref)
     np.testing.assert_allclose(got, dense, rtol=tol, atol=tol, err_msg="kernel vs dense")
     np.testing.assert_allclose(ref, dense, rtol=tol, atol=tol, err_msg="reference vs dense")
@@ -279,6 +298,7 @@ def small_batches(draw):
         tuple(seqs), kv_heads * group, kv_heads, 32, draw(st.sampled_from([8, 16])), "float32",
         window=draw(st.sampled_from([-1, 1, 5, 32])), softcap=draw(st.sampled_from([0.0, 2.0])),
         partition=draw(st.sampled_from([0, 32])), simdgroups=draw(st.sampled_from([1, 4])),
+        sinks=draw(st.booleans()),
     )
 
 

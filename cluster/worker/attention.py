@@ -67,7 +67,7 @@ SLIDING_WINDOW_FAMILIES = frozenset({"gemma3_text", "ministral3", "gpt_oss", "ol
 # Attention logits soft-capped: the attention module's attribute that holds the cap.
 SOFTCAP_FAMILIES = {"gemma2": "attn_logit_softcapping"}
 # A learned sink logit per head (the attention module's `sinks`).
-SINK_FAMILIES: frozenset[str] = frozenset()  # gpt_oss: once the kernels apply sinks
+SINK_FAMILIES = frozenset({"gpt_oss"})
 # Later layers reuse an earlier layer's K/V: `model.model.previous_kvs[i]` names it.
 SHARED_KV_FAMILIES = frozenset({"gemma4_text"})
 # Multi-head latent attention, cached as mlx-lm caches it: the compressed latent and the
@@ -257,7 +257,6 @@ class PagedKVCache:
         b = r.batch
         T, H, _, D = queries.shape
         shape = (r.num_blocks, r.block_size, s.num_kv_heads, s.head_dim)
-        extra = {"sinks": sinks} if s.sinks else {}
         out = kernels.paged_attention(
             queries.reshape(T, H, D),
             r.k_pool[s.kv_layer].reshape(shape),
@@ -268,8 +267,8 @@ class PagedKVCache:
             scale=scale,
             sliding_window=s.window,
             softcap=s.softcap,
+            sinks=sinks if s.sinks else None,
             plan=b.plan,
-            **extra,
         )
         return out.reshape(T, H, 1, D)
 

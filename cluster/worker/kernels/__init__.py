@@ -11,7 +11,7 @@ Contract (all three):
   block_tables [S, max_blocks] int32   physical block ids per sequence (padding: any valid id)
   seq_lens     [S] int32      context length including this step's tokens
   cu_seqlens_q [S + 1] int32  query row offsets
-  scale, sliding_window (-1 off), softcap (0 off)
+  scale, sliding_window (-1 off), softcap (0 off), sinks ([H] logits, None off)
   -> [T, H, D]
 A query at chunk position p of a chunk of q_len in a context of L attends keys
 0 .. L - q_len + p, and with a window W only the last W of them.
@@ -55,9 +55,17 @@ def backend() -> str:
     return "cpu" if cpu.available() else "reference"
 
 
-def _c_kernel_serves(name: str, *dtypes) -> bool:
-    """The C kernel runs for backend `name` on these dtypes (float32 only; else the reference)."""
-    return name == "cpu" and all(d == mx.float32 for d in dtypes)
+def _c_kernel_serves(name: str, *dtypes, shape: tuple[int, int, int] | None = None) -> bool:
+    """The C kernel runs for backend `name` on these dtypes (float32 only) and, given
+    (H, KVH, D), shapes it supports; else the reference."""
+    if name != "cpu" or any(d != mx.float32 for d in dtypes):
+        return False
+    if shape is None:
+        return True
+    from cluster.worker.kernels.cpu import MAX_GROUP, MAX_HEAD_DIM
+
+    H, KVH, D = shape
+    return H % KVH == 0 and H // KVH <= MAX_GROUP and D <= MAX_HEAD_DIM
 
 
 def needs_plan(dtype=mx.float32) -> bool:
@@ -79,7 +87,8 @@ def check_backend() -> str:
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, *, scale, sliding_window=-1, softcap=0.0, plan=None
+    q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, *, scale, sliding_window=-1, softcap=0.0, sinks=None,
+    plan=None
 ):
     name = backend()
     if name == "metal":
@@ -87,16 +96,16 @@ def paged_attention(
 
         return paged_attention_metal(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-            scale=scale, sliding_window=sliding_window, softcap=softcap, plan=plan,
+            scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=plan,
         )
-    if _c_kernel_serves(name, q.dtype, k_cache.dtype):
+    if _c_kernel_serves(name, q.dtype, k_cache.dtype, shape=(q.shape[1], k_cache.shape[2], q.shape[2])):
         from cluster.worker.kernels.cpu import paged_attention_cpu
 
         return paged_attention_cpu(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-            scale=scale, sliding_window=sliding_window, softcap=softcap,
+            scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
         )
     return paged_attention_reference(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-        scale=scale, sliding_window=sliding_window, softcap=softcap, plan=plan,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=plan,
     )

@@ -38,7 +38,7 @@ _I64 = ctypes.c_int64
 _F32 = ctypes.c_float
 _PTR = ctypes.c_void_p
 
-MAX_GROUP, MAX_HEAD_DIM = 32, 256  # as in cpu_kernels.c
+MAX_GROUP, MAX_HEAD_DIM = 32, 576  # as in cpu_kernels.c
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -94,7 +94,7 @@ def _open(path: Path) -> ctypes.CDLL:
     fn = lib.orch_paged_attention_f32
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I32, _PTR, _PTR, _I32, _I32,
-                   _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR]
+                   _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR, _PTR]
     lib.orch_swiglu_f32.restype = None
     lib.orch_swiglu_f32.argtypes = [_PTR, _PTR, _PTR, _I64]
     return lib
@@ -164,6 +164,7 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Same contract as `paged_attention_reference` (float32 only). Evaluates its inputs."""
     lib = load()
@@ -201,13 +202,14 @@ def paged_attention_cpu(
     v = np.asarray(memoryview(v_cache))
     if not (k.flags.c_contiguous and v.flags.c_contiguous):
         raise ValueError("the K/V pools must be contiguous")
+    sink = None if sinks is None else np.ascontiguousarray(np.asarray(sinks.astype(mx.float32)), np.float32).reshape(H)
     out = np.empty((T, H, D), np.float32)
     rc = lib.orch_paged_attention_f32(
         qh.ctypes.data, qh.strides[0] // 4, qh.strides[1] // 4, k.ctypes.data, v.ctypes.data,
         tables.ctypes.data, tables.shape[1], lens.ctypes.data, cu.ctypes.data, S,
         T, H, KVH, D, BS,
         scale, sliding_window if sliding_window and sliding_window > 0 else -1, softcap or 0.0,
-        out.ctypes.data,
+        None if sink is None else sink.ctypes.data, out.ctypes.data,
     )
     del qh, k, v  # drop the views now: a live view would stop MLX updating the pool in place
     if rc == -2:

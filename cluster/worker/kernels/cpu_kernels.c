@@ -15,7 +15,8 @@
  * Layouts (float32): q [T, H, D] with unit stride in D; k_pool / v_pool [slots, KVH, D]
  * contiguous, slot = block_id * block_size + offset; out [T, H, D] contiguous.
  * A query at chunk position i of a chunk of q_len in a context of L tokens attends keys
- * 0 .. L - q_len + i, and with sliding_window W > 0 only the last W of them.
+ * 0 .. L - q_len + i, and with sliding_window W > 0 only the last W of them. sinks (NULL:
+ * none) holds one logit per query head that joins its softmax with no value (gpt-oss).
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,7 +26,7 @@
 #define TILE 32
 #define MAX_ROWS 32 /* query rows (tokens x heads of a group) per work item */
 #define MAX_GROUP 32
-#define MAX_HEAD_DIM 256
+#define MAX_HEAD_DIM 576 /* DeepSeek MLA: latent 512 + rope key 64; Gemma 4: 512 */
 #define NEG_BIG (-1.0e30f)
 
 /* 8 floats (GCC/clang vector extension): TILE is 4 of them */
@@ -65,7 +66,7 @@ int orch_paged_attention_f32(
     const int32_t *block_tables, int32_t max_blocks,
     const int32_t *seq_lens, const int32_t *cu_seqlens_q, int32_t num_seqs,
     int32_t num_tokens, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-    float scale, int32_t sliding_window, float softcap,
+    float scale, int32_t sliding_window, float softcap, const float *sinks,
     float *out)
 {
     if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
@@ -113,8 +114,9 @@ int orch_paged_attention_f32(
             const float *src = q + t * q_stride_t + (int64_t)(h * G + r % G) * q_stride_h;
             for (int d = 0; d < D; d++) qs[r][d] = src[d] * mul;
             memset(acc[r], 0, sizeof(float) * D);
-            m[r] = NEG_BIG;
-            l[r] = 0.0f;
+            /* a sink is one more logit with no value: the softmax starts from it */
+            m[r] = sinks ? sinks[h * G + r % G] : NEG_BIG;
+            l[r] = sinks ? 1.0f : 0.0f;
             rend[r] = seq_lens[s] - q_len + i + 1; /* keys [rstart, rend) */
             rstart[r] = sliding_window > 0 && rend[r] > sliding_window ? rend[r] - sliding_window : 0;
         }

@@ -17,7 +17,8 @@ Layout (one threadgroup per query row and group of query heads):
 - Each threadgroup finds its sequence by binary search over `cu_seqlens_q`, then visits
   only the keys its row may see: causal within the chunk (keys 0 .. L - q_len + p) and,
   with a sliding window W, only the last W of them. Soft-capping is
-  `softcap * tanh(score / softcap)` on the scaled score.
+  `softcap * tanh(score / softcap)` on the scaled score. A head's sink (gpt-oss) is one
+  more logit in its softmax's denominator, added when the partial softmaxes are merged.
 
 Long contexts (split-K): with few rows and long contexts a threadgroup per row leaves
 the GPU idle, so the context is cut into partitions of PARTITION_SIZE keys, one
@@ -51,6 +52,7 @@ MAX_QUERIES_PER_GROUP = 8  # query heads per threadgroup: registers grow with it
 PARTITION_SIZE = 512  # keys per threadgroup on the long-context path
 LONG_CONTEXT_MIN_KEYS = 2048  # split only when the longest context is at least this long...
 LONG_CONTEXT_MAX_THREADGROUPS = 1024  # ...and the single-pass grid has fewer threadgroups than this
+NO_SINK = -3.0e38  # ORCH_NEG: a head without a sink
 MAX_HEAD_SIZE = 256  # E = D/32 elements per lane and query head live in registers
 
 _HEADER = r"""
@@ -201,7 +203,11 @@ _SOURCE = r"""
   for (int g = 0; g < QPG; g++) {
     float M, total;
     orch_merge_head<D, QPG, NSG>(g, m, l, o, tg_m, tg_l, tg_o, sg, lane, M, total);
-    const float inv = 1.0f / total;
+    // the head's sink: one more logit in the denominator (ORCH_NEG when there is none)
+    const float sink = sinks[h0 + g];
+    const float M2 = max(M, sink);
+    const float keep = fast::exp(M - M2);
+    const float inv = keep / (total * keep + fast::exp(sink - M2));
     const size_t obase = (size_t(row) * H + h0 + g) * D;
     for (int d = int(tid); d < D; d += NSG * 32) {
       float acc = 0.0f;
@@ -296,7 +302,10 @@ _MERGE_SOURCE = r"""
     total += part_sum[base + j] * fast::exp(part_max[base + j] - M);
   }
   total = simd_sum(total);
-  const float inv = 1.0f / total;
+  const float sink = sinks[h];  // ORCH_NEG when there is none
+  const float M2 = max(M, sink);
+  const float inv = 1.0f / (total * fast::exp(M - M2) + fast::exp(sink - M2));
+  M = M2;
   for (int d = int(lane); d < D; d += 32) {
     float acc = 0.0f;
     for (int j = 0; j < num_parts; j++) {
@@ -306,7 +315,8 @@ _MERGE_SOURCE = r"""
   }
 """
 
-_INPUTS = ["q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "scale", "softcap", "window"]
+_INPUTS = ["q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "scale", "softcap", "window",
+           "sinks"]
 
 _kernels: dict = {}
 _warned: set = set()
@@ -325,7 +335,7 @@ def _kernel(kind: str):
             k = factory(name="orchard_paged_attention_partition", input_names=_INPUTS,
                         output_names=["part_out", "part_max", "part_sum"], source=_PARTITION_SOURCE, header=_HEADER)
         else:
-            k = factory(name="orchard_paged_attention_merge", input_names=["part_out", "part_max", "part_sum"],
+            k = factory(name="orchard_paged_attention_merge", input_names=["part_out", "part_max", "part_sum", "sinks"],
                         output_names=["out"], source=_MERGE_SOURCE, header=_HEADER)
         _kernels[key] = k
     return k
@@ -362,7 +372,7 @@ def _int32(x) -> mx.array:
 
 def paged_attention_kernel(
     q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, *, scale, sliding_window=-1, softcap=0.0,
-    partition_size: int = 0, num_simdgroups: int = NUM_SIMDGROUPS, max_context: int | None = None,
+    sinks=None, partition_size: int = 0, num_simdgroups: int = NUM_SIMDGROUPS, max_context: int | None = None,
 ) -> mx.array:
     """The kernel itself, with the launch choices explicit (tests force each path here).
 
@@ -383,7 +393,10 @@ def paged_attention_kernel(
     qpg = queries_per_group(H, KVH)
     nsg = int(num_simdgroups)
     window = int(sliding_window) if sliding_window and sliding_window > 0 else -1
-    inputs = [q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, float(scale), float(softcap or 0.0), window]
+    # no sinks: a finite "minus infinity" per head, whose exp is 0
+    sinks = mx.full((H,), NO_SINK, mx.float32) if sinks is None else sinks.astype(mx.float32).reshape(H)
+    inputs = [q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, float(scale), float(softcap or 0.0), window,
+              sinks]
     template = [("T", q.dtype), ("D", D), ("BS", BS), ("QPG", qpg), ("NSG", nsg)]
     threads = nsg * 32
     if partition_size <= 0:
@@ -401,7 +414,7 @@ def paged_attention_kernel(
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     return _kernel("merge")(
-        inputs=[part_out, part_max, part_sum], template=[("T", q.dtype), ("D", D)],
+        inputs=[part_out, part_max, part_sum, sinks], template=[("T", q.dtype), ("D", D)],
         grid=(32, H, T), threadgroup=(32, 1, 1), output_shapes=[(T, H, D)], output_dtypes=[q.dtype],
     )[0]
 
@@ -416,7 +429,8 @@ def _max_context(plan, block_tables, block_size: int) -> int:
 
 
 def paged_attention_metal(
-    q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, *, scale, sliding_window=-1, softcap=0.0, plan=None
+    q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, *, scale, sliding_window=-1, softcap=0.0, sinks=None,
+    plan=None
 ):
     """Same contract as `paged_attention_reference`; `plan` only tells the longest context."""
     if not supports(q, k_cache):
@@ -427,7 +441,7 @@ def paged_attention_metal(
                         "using the reference", q.shape[-1], q.dtype, k_cache.dtype)
         return paged_attention_reference(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-            scale=scale, sliding_window=sliding_window, softcap=softcap, plan=plan,
+            scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=plan,
         )
     T, H, _ = q.shape
     BS, KVH = k_cache.shape[1], k_cache.shape[2]
@@ -435,5 +449,5 @@ def paged_attention_metal(
     split = use_partitions(T, H, KVH, max_context)
     return paged_attention_kernel(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, sliding_window=sliding_window,
-        softcap=softcap, partition_size=PARTITION_SIZE if split else 0, max_context=max_context,
+        softcap=softcap, sinks=sinks, partition_size=PARTITION_SIZE if split else 0, max_context=max_context,
     )

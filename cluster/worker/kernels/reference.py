@@ -160,7 +160,7 @@ def _attend_fused_decode_fp32(q, k, v, bias, scale):
     return cpu_math.softmax(scores) @ v
 
 
-def _attend(q, k, v, plan: AttentionPlan, gi: int, sliding_window: int, scale: float, softcap: float):
+def _attend(q, k, v, plan: AttentionPlan, gi: int, sliding_window: int, scale: float, softcap: float, sinks=None):
     """q [N, H, q, D]; k, v [N, KVH, L, D] for group `gi` of the plan.
 
     The G query heads sharing a KV head are folded into rows, so QK^T and PV are one
@@ -171,16 +171,22 @@ def _attend(q, k, v, plan: AttentionPlan, gi: int, sliding_window: int, scale: f
     KVH = k.shape[1]
     G = H // KVH
     qg = q.reshape(N, KVH, G * Lq, D)
-    if not softcap:
+    if not softcap and sinks is None:
         bias = plan.bias(gi, sliding_window, G, q.dtype)
         fused = _attend_fused_decode_fp32 if Lq == 1 and q.dtype == mx.float32 else _attend_fused
         out = fused(qg, k, v, bias, mx.array(scale, q.dtype))
         return out.reshape(N, H, Lq, D)
     mask = _fold_mask(plan.mask(gi, sliding_window), G)
     scores = (qg * scale) @ k.swapaxes(-1, -2)  # [N, KVH, G*q, L]
-    scores = mx.tanh(scores / softcap) * softcap
-    scores = mx.where(mask, scores, mx.array(-float("inf"), scores.dtype))
-    probs = mx.softmax(scores.astype(mx.float32), axis=-1, precise=True).astype(v.dtype)
+    if softcap:
+        scores = mx.tanh(scores / softcap) * softcap
+    scores = mx.where(mask, scores, mx.array(-float("inf"), scores.dtype)).astype(mx.float32)
+    if sinks is not None:  # one more logit per head (row g*q + i is head g of the KV head)
+        sink = mx.repeat(sinks.astype(mx.float32).reshape(1, KVH, G, 1), Lq, axis=2)  # [1, KVH, G*q, 1]
+        scores = mx.concatenate([scores, mx.broadcast_to(sink, (*scores.shape[:-1], 1))], axis=-1)
+        probs = mx.softmax(scores, axis=-1, precise=True)[..., :-1].astype(v.dtype)
+    else:
+        probs = mx.softmax(scores, axis=-1, precise=True).astype(v.dtype)
     return (probs @ v).reshape(N, H, Lq, D)
 
 
@@ -195,9 +201,11 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    sinks: mx.array | None = None,
     plan: AttentionPlan | None = None,
 ) -> mx.array:
-    """q [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] -> [T, H, D]."""
+    """q [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] -> [T, H, D].
+    `sinks` [H] (gpt-oss): one more logit per head in its softmax, with no value."""
     T, H, D = q.shape
     NB, BS, KVH, _ = k_cache.shape
     if plan is None:
@@ -209,7 +217,7 @@ def paged_attention_reference(
         k = k_cache.reshape(-1, D)[rows]  # [N, KVH, L, D]
         v = v_cache.reshape(-1, D)[rows]
         qg = q[g.rows].reshape(N, g.q_len, H, D).transpose(0, 2, 1, 3)
-        o = _attend(qg, k, v, plan, gi, sliding_window, scale, softcap)
+        o = _attend(qg, k, v, plan, gi, sliding_window, scale, softcap, sinks)
         outs.append(o.transpose(0, 2, 1, 3).reshape(N * g.q_len, H, D))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     if plan.restore is not None:
