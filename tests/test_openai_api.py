@@ -164,7 +164,7 @@ def test_chat_errors(oai, tiny_worker):
 
 def test_disconnect_mid_stream_frees_kv(tiny_worker):
     stream = openai.OpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="x", max_retries=0).completions.create(
-        model="", prompt="Keep going", max_tokens=2000, stream=True, extra_body=IGNORE_EOS)
+        model="", prompt="Keep going", max_tokens=500, stream=True, extra_body=IGNORE_EOS)
     it = iter(stream)
     next(it), next(it)
     with Client(tiny_worker.grpc, timeout=10) as client:

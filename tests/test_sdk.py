@@ -71,19 +71,19 @@ def test_sync_and_async_clients_agree(tiny_worker):
 
 def test_closing_a_stream_cancels_the_request(tiny_worker):
     with Client(tiny_worker.grpc, timeout=30) as client:
-        it = client.stream([4, 5, 6], max_tokens=1000, ignore_eos=True)
+        it = client.stream([4, 5, 6], max_tokens=500, ignore_eos=True)
         next(it)
         assert client.get_load().num_running == 1
         it.close()
         assert wait_for(lambda: client.get_load().num_running == 0 and client.get_load().kv_blocks_used == 0)
 
-        for _ in client.stream([4, 5, 6], max_tokens=1000, ignore_eos=True):
+        for _ in client.stream([4, 5, 6], max_tokens=500, ignore_eos=True):
             break  # leaving the loop early cancels too
         assert wait_for(lambda: client.get_load().num_running == 0)
 
     async def run():
         async with AsyncClient(tiny_worker.grpc, timeout=30) as client:
-            it = client.stream([4, 5, 6], max_tokens=1000, ignore_eos=True)
+            it = client.stream([4, 5, 6], max_tokens=500, ignore_eos=True)
             await it.__anext__()
             assert (await client.get_load()).num_running == 1
             await it.aclose()

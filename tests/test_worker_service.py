@@ -40,7 +40,8 @@ class FakeEngine:
 
     def __init__(self):
         self.model_name = "fake"
-        self.config = SimpleNamespace(max_model_len=64, max_num_seqs=4, block_size=16, finish_wait_ms=0.0)
+        self.vocab_size = 500
+        self.config = SimpleNamespace(max_model_len=2048, max_num_seqs=4, block_size=16, finish_wait_ms=0.0)
         self.tokenizer = SimpleNamespace(encode=lambda text: [ord(c) % 50 + 1 for c in text],
                                          decode=lambda ids: "".join(f"<{i}>" for i in ids))
         self.stats = EngineStats(num_blocks_total=8)
@@ -235,9 +236,9 @@ def test_a_failed_step_fails_only_its_cause_and_the_batch_continues_exactly():
 def test_validation_before_the_engine():
     async def fn(svc, engine):
         for req, err, words in [
-            (build_request([1] * 65), InvalidRequest, "max_model_len"),
+            (build_request([1] * 2049), InvalidRequest, "max_model_len"),
             (build_request("hi", max_tokens=0), InvalidRequest, "max_tokens"),
-            (build_request([1], resume_token_ids=[2] * 64), InvalidRequest, "resumed"),
+            (build_request([1], resume_token_ids=[2] * 2048), InvalidRequest, "resumed"),
             (pb.GenerateRequest(), InvalidRequest, "no prompt"),
         ]:
             with pytest.raises(err, match=words):

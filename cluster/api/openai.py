@@ -363,6 +363,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json(loads=json.loads)
     except (ValueError, UnicodeDecodeError) as e:
         return error_response(400, f"the request body is not valid JSON: {e}")
+    except RecursionError:
+        return error_response(400, "the request body is nested too deeply to parse")
     if not isinstance(body, dict):
         return error_response(400, "the request body must be a JSON object")
     try:

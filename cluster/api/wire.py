@@ -11,9 +11,11 @@ engine keeps only the checks that protect its own invariants.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from cluster.api.errors import InvalidRequest
+from cluster.config import setting
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 # What an unset `sampling.max_tokens` means (the .proto says so too).
@@ -91,7 +93,23 @@ def build_request(
     return req
 
 
-def validate_request(request: pb.GenerateRequest) -> None:
+# A prompt's text longer than this many characters per token of max_model_len cannot fit
+# and is refused before it is tokenized (a byte-level BPE token is rarely more than ~16
+# characters even of code's indentation; 32 leaves room for any real text).
+CHARS_PER_TOKEN_BOUND = 32
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for, so that no request costs the server without bound
+    (stop strings are matched at every token on the engine thread)."""
+
+    max_stop_strings: int = setting(16, "stop strings per request at most")
+    max_stop_string_length: int = setting(256, "characters per stop string at most")
+    max_stop_token_ids: int = setting(64, "stop token ids per request at most")
+
+
+def validate_request(request: pb.GenerateRequest, limits: RequestLimits = RequestLimits()) -> None:
     """Raise InvalidRequest, with what to fix, for a request no server can serve."""
     which = request.WhichOneof("prompt")
     if which is None:
@@ -105,6 +123,48 @@ def validate_request(request: pb.GenerateRequest) -> None:
     s = request.sampling
     if s.HasField("max_tokens") and s.max_tokens < 1:
         raise InvalidRequest(_MAX_TOKENS_MESSAGE.format(s.max_tokens))
+    if len(s.stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"{len(s.stop)} stop strings: at most {limits.max_stop_strings} are allowed")
+    longest = max((len(x) for x in s.stop), default=0)
+    if longest > limits.max_stop_string_length:
+        raise InvalidRequest(f"a stop string of {longest} characters: at most {limits.max_stop_string_length} "
+                             "are allowed")
+    if any(not x for x in s.stop):
+        raise InvalidRequest("an empty stop string would stop at once: remove it")
+    if len(s.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(f"{len(s.stop_token_ids)} stop token ids: at most {limits.max_stop_token_ids} are "
+                             "allowed")
+    if any(t < 0 for t in s.stop_token_ids):
+        raise InvalidRequest("stop token ids must be >= 0")
+
+
+def prompt_chars(request: pb.GenerateRequest) -> int:
+    """Characters of a text or chat prompt (0 for token ids)."""
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        return len(request.text)
+    if which == "chat":
+        return sum(len(m.content) + len(m.role) for m in request.chat.messages)
+    return 0
+
+
+def check_fits(request: pb.GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The request's max_tokens once its prompt is counted: InvalidRequest when an explicit
+    max_tokens does not fit in max_model_len (vLLM's rule); the default is cut to the room
+    left. Resumed tokens count as generated ones."""
+    room = max_model_len - num_prompt_tokens
+    s = request.sampling
+    if s.HasField("max_tokens"):
+        if s.max_tokens > room:
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + s.max_tokens} tokens ({num_prompt_tokens} in the prompt, {s.max_tokens} for "
+                "the completion). Please reduce the length of the prompt or max_tokens.")
+        return s.max_tokens
+    if room < 1:
+        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens and the prompt has "
+                             f"{num_prompt_tokens}: no room for a completion. Please shorten the prompt.")
+    return min(DEFAULT_MAX_TOKENS, room)
 
 
 def max_tokens(request: pb.GenerateRequest) -> int:

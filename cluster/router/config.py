@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.api.wire import RequestLimits
 from cluster.config import setting
 from cluster.security import SecurityConfig
 
@@ -45,4 +46,5 @@ class RouterConfig:
         metavar="SECONDS")
     static_workers: tuple[str, ...] = setting((), "a static worker to poll (repeatable)", flag="--worker",
                                               metavar="ADDR", repeat=True)
+    limits: RequestLimits = setting(default_factory=RequestLimits, group="request limits")
     security: SecurityConfig = setting(default_factory=SecurityConfig, group="security")

@@ -17,6 +17,9 @@ from collections.abc import Iterable
 
 TOKEN_BLOCK = 16
 TEXT_CHUNK = 64
+# Only a prompt's first chunks are hashed (8,192 tokens, or 32 KiB of text): a huge prompt
+# costs the router bounded work, and placement needs no more than its beginning.
+MAX_CHUNKS = 512
 
 
 def chained_hashes(chunks: Iterable[bytes], seed: str = "") -> list[bytes]:
@@ -29,14 +32,15 @@ def chained_hashes(chunks: Iterable[bytes], seed: str = "") -> list[bytes]:
     return keys
 
 
-def token_chunks(token_ids: list[int], block: int = TOKEN_BLOCK) -> list[bytes]:
-    """Full blocks only: a partial last block is never cached by a worker."""
-    n = len(token_ids) // block * block
+def token_chunks(token_ids, block: int = TOKEN_BLOCK, max_chunks: int = MAX_CHUNKS) -> list[bytes]:
+    """Full blocks only (a partial last block is never cached by a worker), the first
+    `max_chunks` of them."""
+    n = min(len(token_ids) // block, max_chunks) * block
     return [b",".join(str(t).encode() for t in token_ids[i : i + block]) for i in range(0, n, block)]
 
 
-def text_chunks(text: str, size: int = TEXT_CHUNK) -> list[bytes]:
-    data = text.encode()
+def text_chunks(text: str, size: int = TEXT_CHUNK, max_chunks: int = MAX_CHUNKS) -> list[bytes]:
+    data = text[: size * max_chunks].encode()[: size * max_chunks]
     n = len(data) // size * size
     return [data[i : i + size] for i in range(0, n, size)]
 
@@ -45,11 +49,16 @@ def prompt_keys(request, block: int = TOKEN_BLOCK, chunk: int = TEXT_CHUNK) -> l
     """Prefix keys of a GenerateRequest's prompt (text, token ids or chat messages)."""
     kind = request.WhichOneof("prompt")
     if kind == "token_ids":
-        chunks = token_chunks(list(request.token_ids.ids), block)
+        chunks = token_chunks(request.token_ids.ids[: block * MAX_CHUNKS], block)
     elif kind == "chat":
         # Role and content with separators, as a chat template would lay them out.
-        text = "".join(f"\x1e{m.role}\x1f{m.content}" for m in request.chat.messages)
-        chunks = text_chunks(text, chunk)
+        parts, size = [], 0
+        for m in request.chat.messages:
+            if size >= chunk * MAX_CHUNKS:
+                break
+            parts.append(f"\x1e{m.role}\x1f{m.content[: chunk * MAX_CHUNKS]}")
+            size += len(parts[-1])
+        chunks = text_chunks("".join(parts), chunk)
     else:
         chunks = text_chunks(request.text, chunk)
     return chained_hashes(chunks, seed=f"{kind}:{request.model}")

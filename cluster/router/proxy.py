@@ -26,13 +26,13 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
 
 from cluster.api import errors
-from cluster.api.wire import validate_request
+from cluster.api.wire import RequestLimits, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router import metrics as m
 from cluster.router.breaker import RetryBudget, backoff
@@ -65,6 +65,7 @@ class ProxyConfig:
     max_attempts: int = RouterConfig.max_attempts  # placements per request, the first included
     worker_wait: float = RouterConfig.worker_wait  # seconds a request waits for an unhealthy worker to come back
     stream_idle_timeout: float = RouterConfig.stream_idle_timeout  # a started stream's longest silence
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what a request may ask for (RouterConfig.limits)
 
 
 class _Attempt:
@@ -110,7 +111,7 @@ class RouterBackend:
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            validate_request(request)  # refused here, before any placement
+            validate_request(request, self.config.limits)  # refused here, before any placement
         except errors.InvalidRequest:
             self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
             raise

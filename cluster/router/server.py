@@ -50,7 +50,8 @@ class RouterServer:
             bind_identities=config.security.mutual,
         )
         self.metrics = RouterMetrics(self.registry)
-        self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(config.max_attempts, config.worker_wait, config.stream_idle_timeout))
+        self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(
+            config.max_attempts, config.worker_wait, config.stream_idle_timeout, config.limits))
         self.endpoints = Endpoints(default_host=ALL_INTERFACES, health_services=("",), security=config.security)
         self._stop = asyncio.Event()
         self._health_task = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from cluster.api.wire import RequestLimits
 from cluster.config import setting
 from cluster.security import SecurityConfig
 
@@ -109,4 +110,5 @@ class WorkerOptions:
         60.0, "an engine step with unfinished work that takes longer than this means a wedged engine: health "
               "NOT_SERVING, and the router resumes the worker's streams elsewhere (far above any real step)",
         metavar="SECONDS")
+    limits: RequestLimits = setting(default_factory=RequestLimits, group="request limits")
     security: SecurityConfig = setting(default_factory=SecurityConfig, group="security")

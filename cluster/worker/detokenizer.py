@@ -4,6 +4,11 @@ Text is decoded from a short window of tokens (the last few already-emitted ones
 the new ones) so each step costs O(1), and a delta ending in U+FFFD (a multi-byte
 character split across tokens) is held back until the character completes. Text that
 could still become a stop string is held back too, so a stop string is never streamed.
+
+Each token costs O(new text + the longest stop string), never O(the text so far): only
+the text not yet handed out and the last few characters (as many as the longest stop
+string can need) are kept; a request limits its stop strings' number and length
+(cluster/api/wire.py), so a long generation cannot slow the engine step down.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.stop = tuple(stop)
+        self._longest = max((len(x) for x in self.stop), default=0)
         self.skip_special_tokens = skip_special_tokens
-        self.text = ""  # all output text so far (truncated at a stop string)
-        self.sent = 0  # characters of `text` already handed out
+        self.unsent = ""  # output text not handed out yet (truncated at a stop string)
+        self.tail = ""  # the last characters of all output text: where a stop string may begin
         self.stopped_on: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
@@ -39,8 +45,7 @@ class IncrementalDetokenizer:
         # character spans at most 4 byte tokens, so past that the bytes are just invalid.
         pending = len(self.ids) - self.read_offset
         if len(full) > len(prefix) and (not full.endswith("\ufffd") or pending >= 4):
-            before = len(self.text)
-            self.text += full[len(prefix) :]
+            self._append(full[len(prefix) :])
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
             if len(self.ids) > 4 * _CONTEXT:  # keep the window short
@@ -48,44 +53,59 @@ class IncrementalDetokenizer:
                 self.ids = self.ids[drop:]
                 self.prefix_offset -= drop
                 self.read_offset -= drop
-            if self.stop:
-                return self._find_stop(before)
+            return self.stopped_on
         return None
 
-    def _find_stop(self, before: int) -> str | None:
-        longest = max(len(s) for s in self.stop)
-        start = max(0, before - longest + 1)
+    def _append(self, delta: str) -> None:
+        """Add new text; cut it at the first stop string that now appears."""
+        if not self.stop:
+            self.unsent += delta
+            return
+        # a stop string ending in `delta` starts at most longest - 1 characters before it
+        window = self.tail + delta
+        base = len(self.tail)  # window[base:] is `delta`
         best = None
         for s in self.stop:
-            i = self.text.find(s, start)
+            i = window.find(s)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
-        if best is not None:
-            self.text = self.text[: best[0]]
-            self.stopped_on = best[1]
-        return self.stopped_on
+        if best is None:
+            self.unsent += delta
+            self.tail = window[-(self._longest - 1):] if self._longest > 1 else ""
+            return
+        i, s = best
+        cut = i - base  # characters of `delta` before the stop string (negative: it began earlier)
+        if cut >= 0:
+            self.unsent += delta[:cut]
+        else:  # held back, never handed out: drop the part of the stop string already there
+            self.unsent = self.unsent[: len(self.unsent) + cut]
+        self.stopped_on = s
 
     def _holdback(self) -> int:
-        """Length of the longest suffix of `text` that begins some stop string."""
+        """Length of the longest end of the text that begins some stop string (held back)."""
         if self.stopped_on is not None or not self.stop:
             return 0
         n = 0
+        tail = self.tail
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), n, -1):
-                if self.text.endswith(s[:k]):
-                    n = k
+            # candidates start where s's first character does, within the last len(s) - 1
+            lo = max(0, len(tail) - len(s) + 1)
+            i = tail.find(s[0], lo)
+            while i >= 0 and len(tail) - i > n:
+                if s.startswith(tail[i:]):
+                    n = len(tail) - i
                     break
-        return n
+                i = tail.find(s[0], i + 1)
+        return min(n, len(self.unsent))
 
     def take_delta(self, final: bool = False) -> str:
         """Text not yet handed out; at the end (`final`) nothing is held back."""
         if final and self.stopped_on is None and self.read_offset < len(self.ids):
             prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-            self.text += self._decode(self.ids[self.prefix_offset :])[len(prefix) :]
+            self.unsent += self._decode(self.ids[self.prefix_offset :])[len(prefix) :]
             self.read_offset = len(self.ids)
-        end = len(self.text) if final else len(self.text) - self._holdback()
-        if end <= self.sent:
+        end = len(self.unsent) if final else len(self.unsent) - self._holdback()
+        if end <= 0:
             return ""
-        delta = self.text[self.sent : end]
-        self.sent = end
+        delta, self.unsent = self.unsent[:end], self.unsent[end:]
         return delta

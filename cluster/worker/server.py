@@ -97,7 +97,8 @@ class WorkerServer:
             log.info("engine warmed up in %.2f s", engine.warm_up())
             return engine
 
-        self.service = service = WorkerService(worker_id, load_engine, stall_timeout=opts.stall_timeout)
+        self.service = service = WorkerService(worker_id, load_engine, stall_timeout=opts.stall_timeout,
+                                               limits=opts.limits)
         await service.start()
 
         def add_services(server) -> None:

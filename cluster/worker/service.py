@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from cluster.api.errors import AlreadyExists, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
-from cluster.api.wire import FINISH_REASON_TO_PROTO, max_tokens, validate_request
+from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, RequestLimits, check_fits, max_tokens,
+                              prompt_chars, validate_request)
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.worker.engine import Engine, EngineStats, QueueFullError, RequestOutput
 from cluster.worker.engine_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
@@ -46,11 +47,14 @@ class _Stream:
     last_token_time: float | None = None
 
 
-def sampling_params_from_proto(request: pb.GenerateRequest, num_resumed: int = 0) -> SamplingParams | None:
-    """The engine's params for a validated request; None when the `num_resumed` tokens
-    generated elsewhere already reach max_tokens (nothing is left to generate). Values
-    out of the engine's ranges are InvalidRequest, in the engine's words."""
-    s, limit = request.sampling, max_tokens(request)
+def sampling_params_from_proto(request: pb.GenerateRequest, num_resumed: int = 0,
+                               limit: int | None = None) -> SamplingParams | None:
+    """The engine's params for a validated request (`limit`: its max_tokens, once fitted
+    to max_model_len); None when the `num_resumed` tokens generated elsewhere already
+    reach it (nothing is left to generate). Values out of the engine's ranges are
+    InvalidRequest, in the engine's words."""
+    s = request.sampling
+    limit = max_tokens(request) if limit is None else limit
     kwargs = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
         if s.HasField(name):
@@ -74,8 +78,9 @@ class WorkerService:
     `metrics`, it observes the Prometheus metrics (`self.metrics`) as events pass."""
 
     def __init__(self, worker_id: str, engine_factory: Callable[[], Engine], *, metrics: bool = True,
-                 stall_timeout: float = 60.0):
+                 stall_timeout: float = 60.0, limits: RequestLimits = RequestLimits()):
         self.worker_id = worker_id
+        self.limits = limits
         self.stall_timeout = stall_timeout  # seconds in one engine step before the engine counts as wedged
         self.faults = FaultInjection.from_env(worker_id)  # None unless ORCHARD_FAULT_DIR is set (tests)
         self.engine_loop = EngineLoop(engine_factory, self.on_engine_events, self.faults)
@@ -100,6 +105,7 @@ class WorkerService:
         self.model_name = engine.model_name
         self.config = engine.config
         self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.vocab_size
         self.stats = engine.stats
         if self._with_metrics:
             self.metrics = WorkerMetrics(engine.model_name, self.worker_id, lambda: engine.stats)
@@ -144,11 +150,14 @@ class WorkerService:
                               "(stalled): send this request elsewhere")
         if request.model and request.model != self.model_name:
             raise NotFound(f"model {request.model!r} is not served here; this worker serves {self.model_name!r}")
-        validate_request(request)
+        validate_request(request, self.limits)
+        self._check_cost(request)  # before any work
         resume = list(request.resume_token_ids)
-        params = sampling_params_from_proto(request, len(resume))
+        sampling_params_from_proto(request, len(resume))  # the engine's ranges, before tokenizing
         prompt = await self._prompt_token_ids(request)
         self._check_length(len(prompt), len(resume))
+        params = sampling_params_from_proto(request, len(resume), check_fits(request, len(prompt),
+                                                                             self.config.max_model_len))
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._running:
             raise AlreadyExists(f"request id {rid!r} is already running on this worker: use a unique id")
@@ -226,6 +235,19 @@ class WorkerService:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers may return an encoding
             ids = ids["input_ids"]
         return [int(t) for t in ids]
+
+    def _check_cost(self, request: pb.GenerateRequest) -> None:
+        """What only the worker knows: the vocabulary, and how long a text can possibly fit."""
+        bad = [t for t in request.sampling.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary (0 .. {self.vocab_size - 1})")
+        chars, bound = prompt_chars(request), CHARS_PER_TOKEN_BOUND * self.config.max_model_len
+        if chars > bound:
+            raise InvalidRequest(f"the prompt has {chars} characters, more than max_model_len={self.config.max_model_len} "
+                                 f"tokens can hold (at most {bound} characters are read): shorten it")
+        if len(request.token_ids.ids) > self.config.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(request.token_ids.ids)} tokens, more than "
+                                 f"max_model_len={self.config.max_model_len}: shorten it")
 
     def _check_length(self, num_prompt: int, num_resumed: int) -> None:
         n, limit = num_prompt + num_resumed, self.config.max_model_len
