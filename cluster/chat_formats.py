@@ -29,6 +29,7 @@ class ChatFormat:
     bos: str | None = None
     pad: str | None = None
     tools: bool = False  # the template renders `tools=` and tool calls
+    call_marker: str | None = None  # what opens a tool call in the assistant's text
 
     @property
     def eos_tokens(self) -> tuple[str, ...]:
@@ -81,18 +82,18 @@ _CHATML_CONTROL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _HERMES_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 CHATML = ChatFormat(control=_CHATML_CONTROL, markers=_HERMES_MARKERS, eos="<|im_end|>", pad="<|endoftext|>",
-                    template=_chatml(), tools=True)
+                    template=_chatml(), tools=True, call_marker="<tool_call>")
 
 # Nemotron-H: ChatML, tool calls as <TOOLCALL>[...]</TOOLCALL>
 NEMOTRON = ChatFormat(control=_CHATML_CONTROL, markers=("<TOOLCALL>", "</TOOLCALL>", "<tool_response>",
                                                         "</tool_response>"),
-                      eos="<|im_end|>", pad="<|endoftext|>", template=_chatml("<TOOLCALL>", "</TOOLCALL>"), tools=True)
+                      eos="<|im_end|>", pad="<|endoftext|>", template=_chatml("<TOOLCALL>", "</TOOLCALL>"), tools=True, call_marker="<TOOLCALL>")
 
 # LFM2: ChatML after <|startoftext|>, tools as a list and pythonic calls between markers
 LFM2 = ChatFormat(control=("<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"),
                   markers=("<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>", "<|tool_call_end|>",
                            "<tool_response>", "</tool_response>"),
-                  eos="<|im_end|>", bos="<|startoftext|>", pad="<|pad|>", tools=True,
+                  eos="<|im_end|>", bos="<|startoftext|>", pad="<|pad|>", tools=True, call_marker="<|tool_call_start|>",
                   template=_chatml("<|tool_call_start|>", "<|tool_call_end|>", bos="yes", pythonic=True,
                                    list_open="<|tool_list_start|>", list_close="<|tool_list_end|>"))
 
@@ -101,7 +102,7 @@ LLAMA3 = ChatFormat(
     control=("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
              "<|eom_id|>", "<|finetune_right_pad_id|>"),
     markers=("<|python_tag|>",), eos="<|eot_id|>", stop=("<|eom_id|>", "<|end_of_text|>"),
-    bos="<|begin_of_text|>", pad="<|finetune_right_pad_id|>", tools=True,
+    bos="<|begin_of_text|>", pad="<|finetune_right_pad_id|>", tools=True, call_marker="<|python_tag|>",
     template=_j(
         "{{ bos_token }}",
         "{%- if tools %}{{ '<|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython\\n' }}",
@@ -141,7 +142,7 @@ GEMMA = ChatFormat(
 GEMMA4 = ChatFormat(
     control=("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>"),
     markers=("<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>"),
-    eos="<turn|>", stop=("<eos>",), bos="<bos>", pad="<pad>", tools=True,
+    eos="<turn|>", stop=("<eos>",), bos="<bos>", pad="<pad>", tools=True, call_marker="<|tool_call>",
     template=_j(
         "{{ bos_token }}",
         "{%- if tools or messages[0]['role'] == 'system' %}{{ '<|turn>system\\n' }}",
@@ -165,14 +166,16 @@ GEMMA4 = ChatFormat(
 MISTRAL = ChatFormat(
     control=("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
              "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"),
-    markers=("[TOOL_CALLS]",), eos="</s>", bos="<s>", pad="<unk>", tools=True,
+    markers=("[TOOL_CALLS]",), eos="</s>", bos="<s>", pad="<unk>", tools=True, call_marker="[TOOL_CALLS]",
     template=_j(
         "{{ bos_token }}",
         "{%- if messages[0]['role'] == 'system' %}{{ '[SYSTEM_PROMPT]' + messages[0]['content'] + '[/SYSTEM_PROMPT]' }}"
         "{%- set messages = messages[1:] %}{%- endif %}",
+        "{%- set ns = namespace(last_user=-1) %}{%- for message in messages %}{%- if message['role'] == 'user' %}"
+        "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}",
         "{%- for message in messages %}",
         "{%- if message['role'] == 'user' %}",
-        "{%- if tools and loop.last %}{{ '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}",
+        "{%- if tools and loop.index0 == ns.last_user %}{{ '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}",
         "{{ '[INST]' + message['content'] + '[/INST]' }}",
         "{%- elif message['role'] == 'tool' %}{{ '[TOOL_RESULTS]' + message['content'] + '[/TOOL_RESULTS]' }}",
         "{%- elif message.tool_calls %}{{ '[TOOL_CALLS][' }}",
@@ -186,7 +189,7 @@ MISTRAL = ChatFormat(
 PHI3 = ChatFormat(
     control=("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
     markers=("<|tool|>", "<|/tool|>", "<|tool_call|>", "<|/tool_call|>", "<|tool_response|>"),
-    eos="<|end|>", stop=("<|endoftext|>",), pad="<|endoftext|>", tools=True,
+    eos="<|end|>", stop=("<|endoftext|>",), pad="<|endoftext|>", tools=True, call_marker="<|tool_call|>",
     template=_j(
         "{%- if tools and messages[0]['role'] != 'system' %}{{ '<|system|>\\n<|tool|>' + (tools | tojson)"
         " + '<|/tool|><|end|>\\n' }}{%- endif %}",
@@ -212,7 +215,7 @@ DEEPSEEK = ChatFormat(
     control=(_DS["bos"], _DS["eos"], _DS["user"], _DS["assistant"]),
     markers=tuple(_DS[k] for k in ("calls", "calls_end", "call", "call_end", "sep", "outputs", "outputs_end",
                                    "output", "output_end")),
-    eos=_DS["eos"], bos=_DS["bos"], pad=_DS["eos"], tools=True,
+    eos=_DS["eos"], bos=_DS["bos"], pad=_DS["eos"], tools=True, call_marker=_DS["calls"],
     template=_j(
         "{{ bos_token }}",
         "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{%- endif %}",
@@ -236,7 +239,7 @@ COHERE = ChatFormat(
              "<|SYSTEM_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>"),
     markers=("<|START_ACTION|>", "<|END_ACTION|>", "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>",
              "<|START_RESPONSE|>", "<|END_RESPONSE|>"),
-    eos="<|END_OF_TURN_TOKEN|>", stop=("<EOS_TOKEN>",), bos="<BOS_TOKEN>", pad="<PAD>", tools=True,
+    eos="<|END_OF_TURN_TOKEN|>", stop=("<EOS_TOKEN>",), bos="<BOS_TOKEN>", pad="<PAD>", tools=True, call_marker="<|START_ACTION|>",
     template=_j(
         "{{ bos_token }}",
         "{%- if tools or messages[0]['role'] == 'system' %}{{ '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>' }}",
@@ -265,7 +268,7 @@ COHERE = ChatFormat(
 HARMONY = ChatFormat(
     control=("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
              "<|constrain|>", "<|return|>", "<|call|>"),
-    eos="<|return|>", stop=("<|call|>", "<|endoftext|>"), pad="<|endoftext|>", tools=True,
+    eos="<|return|>", stop=("<|call|>", "<|endoftext|>"), pad="<|endoftext|>", tools=True, call_marker="<|channel|>commentary to=functions.",
     template=_j(
         "{{ '<|start|>system<|message|>You are a helpful assistant.\\n\\nReasoning: medium\\n\\n"
         "# Valid channels: analysis, commentary, final. Channel must be included for every message.' }}",
@@ -296,7 +299,7 @@ HARMONY = ChatFormat(
 # Granite: <|start_of_role|>role<|end_of_role|> ... <|end_of_text|>; calls after <|tool_call|>
 GRANITE = ChatFormat(
     control=("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"), markers=("<|tool_call|>",),
-    eos="<|end_of_text|>", pad="<|end_of_text|>", tools=True,
+    eos="<|end_of_text|>", pad="<|end_of_text|>", tools=True, call_marker="<|tool_call|>",
     template=_j(
         "{%- if tools %}{{ '<|start_of_role|>available_tools<|end_of_role|>' }}{%- for tool in tools %}",
         "{{ (tool | tojson) + '\\n' }}{%- endfor %}{{ '<|end_of_text|>\\n' }}{%- endif %}",
@@ -314,7 +317,7 @@ GRANITE = ChatFormat(
 EXAONE = ChatFormat(
     control=("[PAD]", "[BOS]", "[|endofturn|]", "[|system|]", "[|user|]", "[|assistant|]", "[|tool|]"),
     markers=_HERMES_MARKERS[:2] + ("<tool_result>", "</tool_result>"), eos="[|endofturn|]", pad="[PAD]",
-    tools=True,
+    tools=True, call_marker="<tool_call>",
     template=_j(
         "{%- if tools %}{{ '[|system|]# Available Tools\\n<tools>' }}", _TOOLS_JSON,
         "{{ '\\n</tools>\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.[|endofturn|]\\n' }}",
@@ -334,7 +337,7 @@ EXAONE = ChatFormat(
 # call is "name\n{arguments}" and its result an <|observation|> turn
 GLM4 = ChatFormat(
     control=("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"),
-    eos="<|user|>", stop=("<|observation|>", "<|endoftext|>"), pad="<|endoftext|>", tools=True,
+    eos="<|user|>", stop=("<|observation|>", "<|endoftext|>"), pad="<|endoftext|>", tools=True, call_marker="<|assistant|>",
     template=_j(
         "{{ '[gMASK]<sop>' }}",
         "{%- if tools %}{{ '<|system|>\\n# Available tools' }}", _TOOLS_JSON, "{%- endif %}",
