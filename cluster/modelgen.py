@@ -2,7 +2,7 @@
 
 Writes a normal mlx-lm model directory (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json) with a byte-level BPE tokenizer trained here on a synthetic
-corpus. Fully offline and deterministic for a seed. Everything else in Orchard loads it
+corpus, carrying the family's chat template and special tokens (cluster/chat_formats.py). Fully offline and deterministic for a seed. Everything else in Orchard loads it
 with `mlx_lm.utils.load`, the path a real model takes on a Mac.
 
 Weights are scaled so the logits are well spread (std of a few units): greedy decoding
@@ -17,9 +17,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.chat_formats import (CHATML, COHERE, DEEPSEEK, EXAONE, GEMMA, GEMMA4, GLM4, GRANITE,
-                                  HARMONY, LFM2, LLAMA3, MISTRAL, NEMOTRON, PHI3, STARCODER2, TULU, ERNIE,
-                                  ChatFormat)
+from cluster.chat_formats import (CHATML, COHERE, DEEPSEEK, ERNIE, EXAONE, GEMMA, GEMMA4, GLM4, GRANITE,
+                                  HARMONY, LFM2, LLAMA3, MISTRAL, NEMOTRON, PHI3, STARCODER2, TULU, ChatFormat)
 from cluster.config import setting
 
 ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3", "gemma2", "gpt_oss", "olmo3", "cohere2",
@@ -43,6 +42,7 @@ class ModelSpec:
     size: str = setting("tiny", "tiny: 2 layers, hidden 128 (tests); small: 8 layers, hidden 512 (benchmarks, "
                                 "`orchard up`)", choices=SIZES)
     seed: int = setting(0, "seed of the weights and the tokenizer's corpus")
+
 
 # each family's chat format (cluster/chat_formats.py): ChatML unless the family has its own
 CHAT_FORMAT = {
@@ -231,6 +231,8 @@ def model_config(arch: str, size: str, token_ids: dict[str, int], chat: ChatForm
         geo.update(moe_intermediate_size=geo["intermediate_size"] // 4,
                    shared_expert_intermediate_size=geo["intermediate_size"] // 2,
                    shared_intermediate_size=geo["intermediate_size"] // 2)
+    if arch in ("mixtral", "olmoe", "granitemoehybrid"):  # experts as wide as intermediate_size: narrower
+        geo["intermediate_size"] //= 4
     if arch == "lfm2":
         geo.update(block_dim=hidden, block_ff_dim=geo["intermediate_size"])
     if arch == "deepseek_v3":
