@@ -2,7 +2,7 @@
 
 Writes a normal mlx-lm model directory (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json) with a byte-level BPE tokenizer trained here on a synthetic
-corpus. Fully offline and deterministic for a seed. Everything else in Orchard loads it
+corpus, carrying the family's chat template and special tokens (cluster/chat_formats.py). Fully offline and deterministic for a seed. Everything else in Orchard loads it
 with `mlx_lm.utils.load`, the path a real model takes on a Mac.
 
 Weights are scaled so the logits are well spread (std of a few units): greedy decoding
@@ -17,10 +17,19 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.chat_formats import (CHATML, COHERE, DEEPSEEK, ERNIE, EXAONE, GEMMA, GEMMA4, GLM4, GRANITE,
+                                  HARMONY, LFM2, LLAMA3, MISTRAL, NEMOTRON, PHI3, STARCODER2, TULU, ChatFormat)
 from cluster.config import setting
 
 ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3", "gemma2", "gpt_oss", "olmo3", "cohere2",
-         "gemma4_text", "deepseek_v3")
+         "gemma4_text", "deepseek_v3",
+         # dense
+         "phi3", "mistral", "starcoder2", "olmo2", "internlm3", "granite", "smollm3", "exaone4", "glm4", "helium",
+         "ernie4_5",
+         # mixture of experts
+         "qwen3_moe", "mixtral", "qwen2_moe", "olmoe",
+         # hybrid: recurrent (linear attention, Mamba, short convolutions) beside attention layers
+         "qwen3_next", "qwen3_5", "nemotron_h", "lfm2", "falcon_h1", "granitemoehybrid")
 SIZES = ("tiny", "small")
 
 
@@ -34,11 +43,15 @@ class ModelSpec:
                                 "`orchard up`)", choices=SIZES)
     seed: int = setting(0, "seed of the weights and the tokenizer's corpus")
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+
+# each family's chat format (cluster/chat_formats.py): ChatML unless the family has its own
+CHAT_FORMAT = {
+    "llama": LLAMA3, "gemma3_text": GEMMA, "gemma2": GEMMA, "gemma4_text": GEMMA4, "ministral3": MISTRAL,
+    "mistral": MISTRAL, "mixtral": MISTRAL, "gpt_oss": HARMONY, "cohere2": COHERE, "deepseek_v3": DEEPSEEK,
+    "phi3": PHI3, "starcoder2": STARCODER2, "olmo2": TULU, "olmoe": TULU, "granite": GRANITE,
+    "granitemoehybrid": GRANITE, "exaone4": EXAONE, "glm4": GLM4, "ernie4_5": ERNIE, "nemotron_h": NEMOTRON,
+    "lfm2": LFM2,
+}
 
 _GEOMETRY = {
     # tiny: well under 1M parameters, for tests. head_dim 64 as real models have.
@@ -87,17 +100,105 @@ _ARCH = {
                         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
                         moe_layer_freq=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                         topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True),
+    # -- dense
+    "phi3": dict(architectures=["Phi3ForCausalLM"], rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "mistral": dict(architectures=["MistralForCausalLM"], rope_theta=1000000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False),
+    "starcoder2": dict(architectures=["Starcoder2ForCausalLM"], rope_theta=100000.0, norm_epsilon=1e-5,
+                       tie_word_embeddings=False),
+    "olmo2": dict(architectures=["Olmo2ForCausalLM"], rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "internlm3": dict(architectures=["InternLM3ForCausalLM"], rope_theta=50000000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False),
+    # granite: muP-style multipliers on embeddings, attention scores, residuals and logits
+    "granite": dict(architectures=["GraniteForCausalLM"], rope_theta=10000.0, rms_norm_eps=1e-5, attention_bias=False,
+                    mlp_bias=False, embedding_multiplier=4.0, attention_multiplier=0.015625, residual_multiplier=0.5,
+                    logits_scaling=1.0, tie_word_embeddings=False),
+    # smollm3: every second layer without RoPE (NoPE)
+    "smollm3": dict(architectures=["SmolLM3ForCausalLM"], rope_theta=2000000.0, rms_norm_eps=1e-6,
+                    no_rope_layer_interval=2, tie_word_embeddings=True),
+    # exaone4: local (sliding) and global layers, QK-norm, post-norms
+    "exaone4": dict(architectures=["Exaone4ForCausalLM"], rope_theta=1000000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False, rope_scaling=None, sliding_window_pattern="LG"),
+    # glm4: RoPE on half of each head, interleaved; attention bias
+    "glm4": dict(architectures=["Glm4ForCausalLM"], rope_theta=10000.0, rms_norm_eps=1e-5, attention_bias=True,
+                 partial_rotary_factor=0.5),
+    "helium": dict(architectures=["HeliumForCausalLM"], rope_theta=20000.0, rms_norm_eps=1e-8, attention_bias=False,
+                   mlp_bias=False, tie_word_embeddings=False),
+    "ernie4_5": dict(architectures=["Ernie4_5ForCausalLM"], rope_theta=500000.0, rms_norm_eps=1e-5, use_bias=False,
+                     tie_word_embeddings=True),
+    # -- mixture of experts
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], rope_theta=1000000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                      mlp_only_layers=[], norm_topk_prob=True),
+    "mixtral": dict(architectures=["MixtralForCausalLM"], rope_theta=1000000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
+    # qwen2_moe: routed experts plus a gated shared expert
+    "qwen2_moe": dict(architectures=["Qwen2MoeForCausalLM"], rope_theta=1000000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(architectures=["OlmoeForCausalLM"], rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  num_experts=4, num_experts_per_tok=2),
+    # -- hybrid: recurrent layers beside attention layers
+    # qwen3_next: gated DeltaNet (linear attention) layers, every second layer full attention; MoE
+    "qwen3_next": dict(architectures=["Qwen3NextForCausalLM"], rope_theta=10000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False, partial_rotary_factor=0.25, full_attention_interval=2,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+                       linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
+    # qwen3_5 (text): gated DeltaNet beside full attention, dense MLPs
+    "qwen3_5": dict(architectures=["Qwen3_5ForCausalLM"], rms_norm_eps=1e-6, tie_word_embeddings=True,
+                    full_attention_interval=2, linear_num_value_heads=4, linear_num_key_heads=2,
+                    linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                     "mrope_section": [4, 2, 2]}),
+    # nemotron_h: Mamba-2 (M), attention (*) and MLP (-) blocks
+    "nemotron_h": dict(architectures=["NemotronHForCausalLM"], layer_norm_epsilon=1e-5, attention_bias=False,
+                       mlp_bias=False, use_bias=False, use_conv_bias=True, mamba_num_heads=4, mamba_head_dim=32,
+                       mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=1, tie_word_embeddings=False),
+    # lfm2: short gated convolutions beside attention layers
+    "lfm2": dict(architectures=["Lfm2ForCausalLM"], rope_theta=1000000.0, norm_eps=1e-5, conv_bias=False,
+                 conv_L_cache=3, block_multiple_of=64, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+                 tie_word_embeddings=True),
+    # falcon_h1: attention and Mamba-2 side by side in every layer, with muP multipliers
+    "falcon_h1": dict(architectures=["FalconH1ForCausalLM"], rope_theta=100000.0, rms_norm_eps=1e-5,
+                      mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_d_conv=4,
+                      mamba_n_groups=1, mamba_chunk_size=32, embedding_multiplier=1.0, lm_head_multiplier=1.0,
+                      key_multiplier=1.0, attention_in_multiplier=1.0, attention_out_multiplier=1.0,
+                      ssm_in_multiplier=1.0, ssm_out_multiplier=1.0, mlp_multipliers=[1.0, 1.0],
+                      ssm_multipliers=[1.0, 1.0, 1.0, 1.0, 1.0], tie_word_embeddings=False),
+    # granitemoehybrid (Granite 4): Mamba-2 and attention layers, granite's multipliers, MoE
+    "granitemoehybrid": dict(architectures=["GraniteMoeHybridForCausalLM"], rms_norm_eps=1e-5, attention_bias=False,
+                             embedding_multiplier=4.0, attention_multiplier=0.015625, residual_multiplier=0.5,
+                             logits_scaling=1.0, position_embedding_type="rope", rope_theta=10000.0,
+                             num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=32,
+                             mamba_proj_bias=False, mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1,
+                             mamba_conv_bias=True, tie_word_embeddings=False),
 }
 _SLIDING_WINDOW = {"tiny": 32, "small": 256}
 # Gemma 2 scales its tied embeddings by sqrt(hidden): at the usual std the residual stream
 # is the input token's embedding and the model echoes it whatever attention does; smaller
 # embeddings let attention (and its soft-cap) decide the tokens, which the tests need.
-_EMBED_STD = {"gemma2": 0.05}
-# how each family names its alternation of sliding (local) and full (global) layers
-_LAYER_TYPES = {"ministral3", "olmo3", "gpt_oss", "gemma4_text"}
+# Several families with tied embeddings have the same trouble (greedy output one token repeated
+# whatever the prompt): their embeddings are smaller too, or (starcoder2, granite, granitemoehybrid) untied.
+_EMBED_STD = {"gemma2": 0.05, "smollm3": 0.05, "ernie4_5": 0.05, "qwen3_5": 0.05}
+# each family's per-layer pattern (repeated over the layers): sliding (local) and full (global)
+# attention, or a hybrid's recurrent and attention layers
+_SLIDING_FULL = ["sliding_attention", "full_attention"]
+_LAYER_PATTERN = {
+    "ministral3": ("layer_types", _SLIDING_FULL), "olmo3": ("layer_types", _SLIDING_FULL),
+    "gpt_oss": ("layer_types", _SLIDING_FULL), "gemma4_text": ("layer_types", _SLIDING_FULL),
+    "lfm2": ("layer_types", ["conv", "full_attention"]),
+    "granitemoehybrid": ("layer_types", ["mamba", "attention"]),
+    "nemotron_h": ("hybrid_override_pattern", list("M-*-")),  # Mamba, MLP, attention, MLP
+    "exaone4": ("layer_types", _SLIDING_FULL),  # (for transformers' config; mlx-lm reads the pattern)
+}
+_SLIDING = {"gemma3_text", "ministral3", "olmo3", "cohere2", "gpt_oss", "gemma4_text", "exaone4"}
+# families that take head_dim = hidden / heads: keep 64 by using fewer, wider heads
+_HEAD_DIM_FROM_HEADS = {"qwen2", "cohere2", "phi3", "starcoder2", "internlm3", "granite", "mixtral", "qwen2_moe",
+                        "olmo2", "olmoe", "granitemoehybrid", "lfm2"}
+_MOE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "nemotron_h", "olmoe", "mixtral", "granitemoehybrid"}
 
 
-def model_config(arch: str, size: str, token_ids: dict[str, int]) -> dict:
+def model_config(arch: str, size: str, token_ids: dict[str, int], chat: ChatFormat = CHATML) -> dict:
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}: choose one of {', '.join(ARCHS)}")
     if size not in SIZES:
@@ -105,13 +206,12 @@ def model_config(arch: str, size: str, token_ids: dict[str, int]) -> dict:
     geo = dict(_GEOMETRY[size])
     tiny = size == "tiny"
     hidden, layers = geo["hidden_size"], geo["num_hidden_layers"]
-    if arch in ("qwen2", "cohere2"):
-        # these take head_dim = hidden / heads: keep 64 by using fewer, wider heads.
+    if arch in _HEAD_DIM_FROM_HEADS:
         if arch == "qwen2":
             geo.pop("head_dim")
         geo["num_attention_heads"] = hidden // 64
         geo["num_key_value_heads"] = max(1, geo["num_attention_heads"] // 2)
-    if arch in ("gemma3_text", "ministral3", "olmo3", "cohere2", "gpt_oss", "gemma4_text"):
+    if arch in _SLIDING:
         geo["sliding_window"] = _SLIDING_WINDOW[size]
     if arch == "gpt_oss":
         geo["intermediate_size"] = geo["intermediate_size"] // 2
@@ -121,21 +221,34 @@ def model_config(arch: str, size: str, token_ids: dict[str, int]) -> dict:
         geo["num_hidden_layers"] = layers = max(layers, 4)
         geo.update(num_kv_shared_layers=layers // 2, global_head_dim=2 * geo["head_dim"],
                    hidden_size_per_layer_input=16 if tiny else 64, vocab_size_per_layer_input=geo["vocab_size"])
-    if arch in _LAYER_TYPES:
-        geo["layer_types"] = ["sliding_attention", "full_attention"] * (layers // 2)
+    if arch == "nemotron_h":  # each block is one layer: tiny has a Mamba, an attention and two MLP layers
+        geo["num_hidden_layers"] = layers = max(layers, 4)
+    if arch in _LAYER_PATTERN:
+        key, unit = _LAYER_PATTERN[arch]
+        pattern = (unit * layers)[:layers]
+        geo[key] = "".join(pattern) if key == "hybrid_override_pattern" else pattern
+    if arch in _MOE:
+        geo.update(moe_intermediate_size=geo["intermediate_size"] // 4,
+                   shared_expert_intermediate_size=geo["intermediate_size"] // 2,
+                   shared_intermediate_size=geo["intermediate_size"] // 2)
+    if arch in ("mixtral", "olmoe", "granitemoehybrid"):  # experts as wide as intermediate_size: narrower
+        geo["intermediate_size"] //= 4
+    if arch == "lfm2":
+        geo.update(block_dim=hidden, block_ff_dim=geo["intermediate_size"])
     if arch == "deepseek_v3":
         geo.pop("head_dim")
         geo.update(num_key_value_heads=geo["num_attention_heads"], kv_lora_rank=hidden // 2,
                    q_lora_rank=None if tiny else hidden // 2, qk_rope_head_dim=16 if tiny else 32,
                    qk_nope_head_dim=32 if tiny else 64, v_head_dim=32 if tiny else 64,
                    moe_intermediate_size=geo["intermediate_size"] // 4)
+    eos = [token_ids[t] for t in chat.eos_tokens]
     return {
         "model_type": arch,
         **_ARCH[arch],
         **geo,
-        "bos_token_id": None,
-        "eos_token_id": token_ids["<|im_end|>"],
-        "pad_token_id": token_ids["<|endoftext|>"],
+        "bos_token_id": token_ids[chat.bos] if chat.bos else None,
+        "eos_token_id": eos if len(eos) > 1 else eos[0],
+        "pad_token_id": token_ids[chat.pad or chat.eos],
         "torch_dtype": "float32",
     }
 
@@ -181,20 +294,24 @@ def synthetic_corpus(seed: int, num_words: int = 120_000) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int, seed: int):
+def train_tokenizer(vocab_size: int, seed: int, chat: ChatFormat = CHATML):
+    """A byte-level BPE of exactly `vocab_size` tokens: the chat format's control tokens
+    first (special, ids 0..), the merges learnt from the corpus, and its tool-call markers
+    last (added as ordinary tokens, kept when decoding)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size - len(chat.markers),
+        special_tokens=list(chat.control),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=2,
         show_progress=False,
     )
     tok.train_from_iterator(synthetic_corpus(seed), trainer=trainer)
+    tok.add_tokens(list(chat.markers))
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"the tokenizer reached {tok.get_vocab_size()} tokens, not {vocab_size}")
     return tok
@@ -236,9 +353,12 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
     geo_vocab = _GEOMETRY.get(size, {}).get("vocab_size")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}: choose one of {', '.join(SIZES)}")
-    tok = train_tokenizer(geo_vocab, seed)
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    config = model_config(arch, size, ids)
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}: choose one of {', '.join(ARCHS)}")
+    chat = CHAT_FORMAT.get(arch, CHATML)
+    tok = train_tokenizer(geo_vocab, seed, chat)
+    ids = {t: tok.token_to_id(t) for t in chat.control + chat.markers}
+    config = model_config(arch, size, ids, chat)
 
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
@@ -251,20 +371,21 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
+        "bos_token": chat.bos,
+        "eos_token": chat.eos,
+        "pad_token": chat.pad or chat.eos,
         "unk_token": None,
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": chat.template,
     }, indent=2) + "\n")
+    special = [t for t in chat.control if t not in (chat.bos, chat.eos, chat.pad)]
     (path / "special_tokens_map.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        **({"bos_token": chat.bos} if chat.bos else {}), "eos_token": chat.eos, "pad_token": chat.pad or chat.eos,
+        "additional_special_tokens": special,
     }, indent=2) + "\n")
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["<|im_end|>"]}) + "\n")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}) + "\n")
     return path
 
 

@@ -19,11 +19,11 @@ from cluster.worker.engine import Engine
 from cluster.worker.kernels import cpu as cpu_kernel
 from cluster.worker.sampling_params import SamplingParams
 
-# sliding windows of 32 tokens: gemma3_text, ministral3, gpt_oss, olmo3, cohere2, gemma4_text;
+# sliding windows of 32 tokens: gemma3_text, ministral3, gpt_oss, olmo3, cohere2, gemma4_text, exaone4;
 # soft-capped logits: gemma2; sinks: gpt_oss; shared K/V and per-layer head sizes: gemma4_text;
 # multi-head latent attention: deepseek_v3
 ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3", "gemma2", "gpt_oss", "olmo3", "cohere2",
-         "gemma4_text", "deepseek_v3")
+         "gemma4_text", "exaone4", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_oracle_parity_with_chunking_and_preemption(model_dirs, arch, attention,
         assert max(abs(a - b) for a, b in zip(logprobs[i], want_lp)) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "ministral3", "gpt_oss", "olmo3", "cohere2", "gemma4_text"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "ministral3", "gpt_oss", "olmo3", "cohere2", "gemma4_text", "exaone4"])
 def test_sliding_window_layers_with_a_prefix_hit_across_the_window(model_dirs, arch):
     """A prompt that reuses 64 cached tokens of another (twice the 32-token window) and
     runs on past it: the windowed layers see exactly the last 32 keys, as in mlx-lm."""

@@ -20,9 +20,7 @@ BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_atte
             head_dim=16, vocab_size=100, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512)
 REFUSED = {
     # a sliding-window family not yet checked against mlx-lm
-    "exaone4": (dict(sliding_window=8, sliding_window_pattern="LLLG", head_dim=16, tie_word_embeddings=True,
-                     rope_scaling=None),
-                "layers 0-2 use RotatingKVCache (sliding-window attention)"),
+    "plamo3": (dict(sliding_window=8, sliding_window_pattern=2), "layers 0, 2 use RotatingKVCache (sliding-window attention)"),
     # recurrent layers beside full attention
     "qwen3_next": (dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
                         linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=0,
@@ -52,6 +50,8 @@ SERVED = {  # what each layer gets (tests/test_engine.py checks these families a
     "gpt_oss": (dict(sliding_window=8, num_local_experts=2, num_experts_per_tok=1,
                      layer_types=["sliding_attention", "full_attention"] * 2),
                 dict(window=[8, -1, 8, -1], sinks=[True] * 4)),
+    "exaone4": (dict(sliding_window=8, sliding_window_pattern="LLLG", tie_word_embeddings=True, rope_scaling=None),
+                dict(window=[8, 8, 8, -1])),
     "gemma2": (dict(attn_logit_softcapping=20.0, query_pre_attn_scalar=16), dict(softcap=[20.0] * 4)),
     # the last two layers reuse layers 0 and 1's K/V; full layers: head 32, 1 KV head
     "gemma4_text": (dict(sliding_window=8, sliding_window_pattern=2, num_kv_shared_layers=2, global_head_dim=32,

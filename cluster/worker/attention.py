@@ -63,7 +63,8 @@ class LayerSpec:
 
 # Sliding-window layers: the window mlx-lm's RotatingKVCache keeps is the one the paged
 # kernels apply to that layer.
-SLIDING_WINDOW_FAMILIES = frozenset({"gemma3_text", "ministral3", "gpt_oss", "olmo3", "cohere2", "gemma4_text"})
+SLIDING_WINDOW_FAMILIES = frozenset({"gemma3_text", "ministral3", "gpt_oss", "olmo3", "cohere2", "gemma4_text",
+                                     "exaone4"})
 # Attention logits soft-capped: the attention module's attribute that holds the cap.
 SOFTCAP_FAMILIES = {"gemma2": "attn_logit_softcapping"}
 # A learned sink logit per head (the attention module's `sinks`).
@@ -165,8 +166,9 @@ def _features(model: nn.Module) -> list[LayerSpec]:
     if caches is not None and len(caches) != n:
         previous = getattr(getattr(model, "model", None), "previous_kvs", None)
         if mt not in SHARED_KV_FAMILIES or previous is None or len(caches) > n:
-            raise refuse(f"it has {n} layers but {len(caches)} caches (layers sharing K/V), which the engine "
-                         "honours for " + ", ".join(sorted(SHARED_KV_FAMILIES)) + " only")
+            raise refuse(f"it has {n} layers but {len(caches)} caches: a layer without a cache of its own is "
+                         "served only where it reads an earlier layer's K/V, in "
+                         + ", ".join(sorted(SHARED_KV_FAMILIES)))
         kv_layer = [int(p) for p in previous]
         owners = len(caches)  # layers 0 .. owners-1 write K/V; the rest read one of them
         if any(kv_layer[i] != i for i in range(owners)) or any(kv_layer[i] >= owners for i in range(owners, n)):
