@@ -124,6 +124,40 @@ def test_validate_request_refuses_what_no_server_can_serve(request_, words):
         validate_request(request_)
 
 
+def _with(**fields):
+    """A valid request with the contract's fields set (sampling.X or X on the request)."""
+    r = build_request(messages=[{"role": "user", "content": "hi"}])
+    for name, value in fields.items():
+        target = r.sampling if hasattr(r.sampling, name) else r
+        if name == "logit_bias":
+            r.sampling.logit_bias[3] = value
+        elif name == "structured":
+            r.sampling.structured.json_object = True
+        elif name == "tool_choice":
+            r.tool_choice.mode = value
+        elif name == "history":
+            r.chat.messages.add(role="tool", content="42", tool_call_id="call_1")
+        else:
+            setattr(target, name, value)
+    return r
+
+
+# Fields of the contract that no backend honours yet: refused by name, never ignored. An
+# entry leaves this list (and wire._unsupported) with the change that implements it.
+@pytest.mark.parametrize("fields, name", [
+    (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=-1.0), "frequency_penalty"),
+    (dict(repetition_penalty=1.1), "repetition_penalty"), (dict(logit_bias=5.0), "logit_bias"),
+    (dict(structured=True), "structured output"), (dict(prompt_logprobs=0), "prompt_logprobs"), (dict(n=2), "n > 1"),
+    (dict(tools="[]x"), "tools"), (dict(tool_choice="auto"), "tool_choice"), (dict(parallel_tool_calls=False),
+                                                                             "parallel_tool_calls"),
+    (dict(history=True), "tool calls in the chat history"),
+])
+def test_fields_not_yet_served_are_refused_by_name(fields, name):
+    with pytest.raises(InvalidRequest, match=f"{name}.*not supported"):
+        validate_request(_with(**fields))
+    validate_request(_with(n=1))  # n=1 is the default
+
+
 def test_build_request_and_validate_agree_on_max_tokens():
     """The wire cannot hold a negative max_tokens: build_request refuses it in the same
     words as the server refuses 0."""

@@ -26,6 +26,7 @@ FINISH_REASON_TO_PROTO = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
 FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASON_TO_PROTO.items()} | {pb.FINISH_REASON_UNSPECIFIED: None}
 
@@ -136,6 +137,28 @@ def validate_request(request: pb.GenerateRequest, limits: RequestLimits = Reques
                              "allowed")
     if any(t < 0 for t in s.stop_token_ids):
         raise InvalidRequest("stop token ids must be >= 0")
+    unsupported = _unsupported(request)
+    if unsupported:
+        raise InvalidRequest(f"{', '.join(unsupported)}: not supported by this server yet")
+
+
+def _unsupported(request: pb.GenerateRequest) -> list[str]:
+    """The contract's fields no backend honours yet: refused by name, never ignored."""
+    s = request.sampling
+    named = {
+        "presence_penalty": s.presence_penalty != 0,
+        "frequency_penalty": s.frequency_penalty != 0,
+        "repetition_penalty": s.HasField("repetition_penalty"),
+        "logit_bias": bool(s.logit_bias),
+        "structured output (response_format)": s.HasField("structured"),
+        "prompt_logprobs": s.HasField("prompt_logprobs"),
+        "n > 1": s.n > 1,
+        "tools": bool(request.tools),
+        "tool_choice": request.HasField("tool_choice"),
+        "parallel_tool_calls": request.HasField("parallel_tool_calls"),
+        "tool calls in the chat history": any(m.tool_calls or m.tool_call_id for m in request.chat.messages),
+    }
+    return [name for name, present in named.items() if present]
 
 
 def prompt_chars(request: pb.GenerateRequest) -> int:
