@@ -152,6 +152,7 @@ def test_each_limit_is_refused_at_once_over_grpc_and_http(tiny_worker, what):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(_request(kw), timeout=30))
         took = time.perf_counter() - start
+    print(f"{what}: refused over gRPC in {took * 1000:.1f} ms")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
     assert took < 0.1 + (0.2 if what == "prompt text" else 0.0), f"refused after {took * 1000:.0f} ms"
     body = {"model": "", "prompt": kw.get("prompt", "hello there"), "max_tokens": kw.get("max_tokens", 4),
@@ -235,5 +236,6 @@ def test_an_abusive_neighbour_does_not_slow_a_stream(tiny_worker):
 
     base, abused = asyncio.run(asyncio.wait_for(main(), 120))
     p99 = lambda xs: statistics.quantiles(xs, n=100)[98]  # noqa: E731
+    print(f"p99 ITL {p99(base) * 1000:.1f} ms with ordinary neighbours, {p99(abused) * 1000:.1f} ms beside the abuse")
     assert p99(abused) < 3 * p99(base) + 0.05, (f"p99 ITL {p99(base) * 1000:.1f} ms with ordinary neighbours, "
                                                 f"{p99(abused) * 1000:.1f} ms beside the abuse")
