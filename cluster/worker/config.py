@@ -40,6 +40,10 @@ class EngineConfig:
     finish_wait_ms: float = setting(
         10.0, "after a step that finished requests, wait up to this long for as many new ones, so "
               "clients that come straight back join the next step (0 = off)")
+    # On the CPU, MLX's quantized matmuls have no fast path (cluster/worker/dequantize.py).
+    cpu_dequantize: str = setting(
+        "auto", "on the CPU, dequantize a quantized model's weights to float32 at load: much faster there "
+                "(auto: when they fit in half the free memory)", choices=("auto", "yes", "no"))
     seed: int = 0
 
     def validate(self) -> None:

@@ -95,7 +95,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
         platform.warn_if_slow_blas()
-        model, tokenizer = load_model(path)
+        model, tokenizer = load_model(path, config.cpu_dequantize)
         return cls(model, tokenizer, config, model_name=Path(path).name)
 
     # -- requests -------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from cluster import platform
 from cluster.worker import attention, cpu_math, kernels
 from cluster.worker.attention import LayerSpec, PagedKVCache, UnsupportedModel  # noqa: F401  (re-exported)
 from cluster.worker.kernels import AttentionPlan
+from cluster.worker.dequantize import maybe_dequantize
 from cluster.worker.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -88,13 +89,15 @@ def check_served(model: nn.Module) -> list[LayerSpec]:
     return attention.layer_specs(model, fresh=True)
 
 
-def load_model(path: str | Path):
+def load_model(path: str | Path, cpu_dequantize: str = "auto"):
     """Load through mlx-lm (the path a real model takes), refuse what the engine cannot
-    serve exactly (`check_served`), and pick the compute dtype."""
+    serve exactly (`check_served`), pick the compute dtype, and on the CPU dequantize a
+    quantized model (`dequantize.maybe_dequantize`)."""
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(path))
     check_served(model)  # before anything costly
+    maybe_dequantize(model, cpu_dequantize)
     dtype = weight_dtype(model)
     target = platform.compute_dtype(dtype)
     if target != dtype:
