@@ -100,6 +100,9 @@ def test_unsupported_shapes_and_dtypes_are_refused():
     b = make_batch(Case(((1, 20),), 4, 2, 64, 16, "float16"), seed=1)
     with pytest.raises(TypeError, match="float32"):
         cpu.paged_attention_cpu(*b.args(), scale=b.scale)
+    b = make_batch(Case(((1, 20),), 4, 2, 64, 16, "float32", kv_dtype="float16"), seed=1)
+    with pytest.raises(TypeError, match="one dtype for K and V"):
+        cpu.paged_attention_cpu(b.q, b.k_cache, b.v_cache.astype(mx.float32), *b.args()[3:], scale=b.scale)
     b = make_batch(Case(((1, 20),), 64, 1, 64, 16, "float32"), seed=1)  # 64 query heads per KV head
     with pytest.raises(ValueError, match="H / KVH <= 32"):
         cpu.paged_attention_cpu(*b.args(), scale=b.scale)
@@ -113,12 +116,12 @@ def test_dispatcher_picks_the_cpu_kernel_and_falls_back_for_other_dtypes(monkeyp
     real = cpu.paged_attention_cpu
     monkeypatch.setattr(cpu, "paged_attention_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(kernels, "_forced", "cpu")
-    for dtype in ("float32", "bfloat16"):
-        case = Case(((1, 30), (4, 9)), 4, 2, 64, 16, dtype)
+    for dtype, kv in (("float32", ""), ("bfloat16", ""), ("float32", "float16"), ("float32", "bfloat16")):
+        case = Case(((1, 30), (4, 9)), 4, 2, 64, 16, dtype, kv_dtype=kv)
         b = make_batch(case, seed=2)
         out = kernels.paged_attention(*b.args(), scale=b.scale)
         np.testing.assert_allclose(_f64(out), naive_attention(b), rtol=3e-2, atol=3e-2)
-    assert calls == [1], "float32 through the C kernel, bfloat16 through the reference"
+    assert calls == [1, 1, 1], "float32 queries (over any pool) through the C kernel, bfloat16 through the reference"
 
 
 def test_unknown_backend_names_are_refused(monkeypatch):
@@ -254,3 +257,18 @@ def test_the_engine_runs_its_mlps_through_the_c_swiglu(tmp_path, monkeypatch):
     n_layers = len(engine.runner.model.layers)
     if not mx.metal.is_available():
         assert len(calls) == 3 * n_layers, "one C SwiGLU per layer per step (prefill + 2 decode steps)"
+
+
+@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+def test_half_pools_are_widened_exactly_subnormals_and_signs_included(kv):
+    """Values a float16 pool holds only as subnormals (below 6.1e-5) come back as they are:
+    V scaled into that range, compared relatively."""
+    case = Case(((1, 40), (3, 33)), 4, 2, 64, 16, "float32", kv_dtype=kv)
+    b = make_batch(case, seed=11)
+    b.v_cache = (b.v_cache.astype(mx.float32) * 3e-6).astype(DTYPES_KV[kv])
+    got, want = _f64(run_cpu(case, b)), naive_attention(b)
+    assert np.abs(want).max() < 6.1e-5 and np.abs(want).max() > 1e-7
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-11)
+
+
+DTYPES_KV = {"float16": mx.float16, "bfloat16": mx.bfloat16}

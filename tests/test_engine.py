@@ -500,3 +500,39 @@ def test_a_failed_step_is_pinned_on_its_cause_and_the_rest_continue_exactly(mode
     faulty, failed = run(True)
     assert list(failed) == ["poison"] and "poisoned" in failed["poison"]
     assert faulty == clean
+
+
+@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+def test_a_half_precision_kv_cache_drifts_little_from_float32(model_dirs, kv):
+    """--kv-cache-dtype float16 / bfloat16 halves the pool; the float32 cache stays the exact
+    one (every oracle test above). The drift is bounded: on the common prefix of the
+    greedy outputs the chosen tokens' logprobs stay within a few hundredths."""
+    path = model_dirs["qwen3"]
+    prompts = random_prompts(4, seed=21, lengths=(40, 90, 7, 150))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+    runs = {}
+    for dtype in ("float32", kv):
+        engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64,
+                                                           kv_cache_dtype=dtype))
+        assert {p.dtype for p in engine.runner.pool_arrays()} == {getattr(mx, dtype)}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        runs[dtype] = collect(engine)
+    drift, same = 0.0, 0
+    for i in map(str, range(len(prompts))):
+        (t32, lp32), (th, lph) = runs["float32"][i], runs[kv][i]
+        n = next((j for j, (a, b) in enumerate(zip(t32, th)) if a != b), len(t32))
+        same += n
+        drift = max([drift] + [abs(a - b) for a, b in zip(lp32[:n], lph[:n])])
+    print(f"{kv} cache: {same}/{24 * len(prompts)} greedy tokens before the first divergence, "
+          f"logprob drift at most {drift:.2e}")
+    assert same >= 0.75 * 24 * len(prompts)
+    assert drift < (5e-3 if kv == "float16" else 5e-2)
+
+
+def test_kv_bytes_follow_the_cache_dtype(model_dirs):
+    path = model_dirs["qwen3"]
+    sizes = {dtype: Engine.from_pretrained(path, EngineConfig(kv_cache_memory_bytes=1 << 22,
+                                                              kv_cache_dtype=dtype)).config.num_kv_blocks
+             for dtype in ("float32", "float16")}
+    assert sizes["float16"] == 2 * sizes["float32"]

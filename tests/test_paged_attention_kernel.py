@@ -58,6 +58,15 @@ class Case:
     partition: int = 0  # 0: single pass; > 0: split-K with partitions of this many keys
     simdgroups: int = km.NUM_SIMDGROUPS
     sinks: bool = False  # a learned logit per head (gpt-oss)
+    kv_dtype: str = ""  # the pool's dtype when not the queries' (--kv-cache-dtype)
+
+    @property
+    def pool_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
+
+    @property
+    def tol(self) -> float:
+        return max(TOL[self.dtype], TOL[self.pool_dtype])
 
     @property
     def id(self) -> str:
@@ -70,6 +79,8 @@ class Case:
             parts.append(f"cap{self.softcap:g}")
         if self.sinks:
             parts.append("sinks")
+        if self.kv_dtype:
+            parts.append(f"kv-{self.kv_dtype}")
         if self.partition:
             parts.append(f"split{self.partition}")
         if self.simdgroups != km.NUM_SIMDGROUPS:
@@ -104,6 +115,11 @@ CASES = [
     Case(MIXED, 8, 1, 64, 16, "float32", window=128, sinks=True),
     Case(PREFILL_MID, 4, 2, 64, 8, "float16", softcap=50.0, sinks=True),
     Case(MIXED, 8, 2, 64, 16, "bfloat16", window=128, partition=256, sinks=True),
+    # float32 queries over a half-precision pool (--kv-cache-dtype float16 / bfloat16)
+    Case(DECODE, 8, 2, 64, 16, "float32", kv_dtype="float16"),
+    Case(MIXED, 8, 1, 128, 16, "float32", window=128, softcap=50.0, kv_dtype="bfloat16"),
+    Case(PREFILL_MID, 4, 2, 96, 8, "float32", sinks=True, kv_dtype="float16"),
+    Case(MIXED, 5, 1, 64, 32, "float32", partition=256, kv_dtype="float16"),
 ]
 
 
@@ -168,11 +184,11 @@ def make_batch(case: Case, seed: int = 0, poison: bool = False) -> Batch:
             live[bt[s, pos // BS], pos % BS] = True
         k[~live] = np.nan
         v[~live] = np.nan
-    dtype = DTYPES[case.dtype]
+    dtype, pool = DTYPES[case.dtype], DTYPES[case.pool_dtype]
     return Batch(
         q=mx.array(rng.standard_normal((T, H, D)).astype(np.float32)).astype(dtype),
-        k_cache=mx.array(k).astype(dtype),
-        v_cache=mx.array(v).astype(dtype),
+        k_cache=mx.array(k).astype(pool),
+        v_cache=mx.array(v).astype(pool),
         block_tables=mx.array(bt),
         seq_lens=mx.array(np.array(lens, np.int32)),
         cu_seqlens_q=mx.array(cu),
@@ -249,7 +265,7 @@ def run_kernel(case: Case, b: Batch) -> mx.array:
 
 
 def check_triangle(case: Case, b: Batch, out: mx.array) -> None:
-    tol = TOL[case.dtype]
+    tol = case.tol
     assert out.shape == b.q.shape and out.dtype == b.q.dtype
     dense = naive_attention(b, case.window, case.softcap)
     ref = paged_attention_reference(*b.args(), scale=b.scale, sliding_window=case.window, softcap=case.softcap,

@@ -249,9 +249,9 @@ class PagedKVCache:
         if s.owns_kv:
             T, KVH, _, D = keys.shape
             slots = r.batch.slot_mapping
-            r.k_pool[s.layer][slots] = keys.reshape(T, KVH, D).astype(r.dtype)
+            r.k_pool[s.layer][slots] = keys.reshape(T, KVH, D).astype(r.kv_dtype)
             if not s.latent:  # MLA: one pool holds both
-                r.v_pool[s.layer][slots] = values.reshape(T, KVH, values.shape[-1]).astype(r.dtype)
+                r.v_pool[s.layer][slots] = values.reshape(T, KVH, values.shape[-1]).astype(r.kv_dtype)
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:

@@ -10,6 +10,9 @@ from cluster.config import setting
 from cluster.security import SecurityConfig
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = setting(16, "tokens per KV cache block (8, 16 or 32)")
@@ -40,6 +43,10 @@ class EngineConfig:
     finish_wait_ms: float = setting(
         10.0, "after a step that finished requests, wait up to this long for as many new ones, so "
               "clients that come straight back join the next step (0 = off)")
+    # The pool's dtype; attention reads it widened to the compute dtype (kernels/).
+    kv_cache_dtype: str = setting(
+        "auto", "the KV cache's dtype (auto: the model's compute dtype, float32 on a CPU); float16 or bfloat16 "
+                "halve a float32 cache", choices=KV_CACHE_DTYPES)
     # On the CPU, MLX's quantized matmuls have no fast path (cluster/worker/dequantize.py).
     cpu_dequantize: str = setting(
         "auto", "on the CPU, dequantize a quantized model's weights to float32 at load: much faster there "

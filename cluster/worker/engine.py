@@ -71,18 +71,18 @@ class Engine:
         config.validate()
         self.model_name = model_name
         self.tokenizer = tokenizer
-        dtype = weight_dtype(model)
+        kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = config.kv_cache_memory_bytes or default_kv_budget(model)
-            num_blocks = max(1, budget // kv_bytes_per_block(model, config.block_size, dtype))
+            num_blocks = max(1, budget // kv_bytes_per_block(model, config.block_size, kv_dtype))
         model_max = int(getattr(model.args, "max_position_embeddings", 0) or 32768)
         max_len = min(config.max_model_len or model_max, num_blocks * config.block_size)
         self.config = config.resolved(model_max_len=max_len, num_kv_blocks=num_blocks,
                                       default_batched_tokens=platform.default_max_num_batched_tokens())
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         if not self.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:

@@ -144,11 +144,12 @@ def default_kv_budget(model: nn.Module) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int):
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, kv_dtype=None):
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = weight_dtype(model)
+        self.dtype = weight_dtype(model)  # what the model computes in
+        self.kv_dtype = kv_dtype or self.dtype  # what the pools hold
         self.specs = attention.layer_specs(model)
         attention.attach(model)
         slots = num_blocks * block_size
@@ -158,7 +159,7 @@ class ModelRunner:
         self.v_pool: list[mx.array | None] = [None] * len(self.specs)
         for s in self.specs:
             if s.owns_kv:
-                self.k_pool[s.layer] = mx.zeros((slots, s.num_kv_heads, s.head_dim), self.dtype)
+                self.k_pool[s.layer] = mx.zeros((slots, s.num_kv_heads, s.head_dim), self.kv_dtype)
                 self.v_pool[s.layer] = self.k_pool[s.layer] if s.latent else mx.zeros_like(self.k_pool[s.layer])
         mx.eval(self.pool_arrays())
         self.windows = [s.window for s in self.specs]
@@ -199,7 +200,7 @@ class ModelRunner:
             seq_lens=mx.array(seq_lens, dtype=mx.int32),
             block_tables=block_tables,
             sample_rows=mx.array(sample_rows, dtype=mx.int32),
-            plan=AttentionPlan.build(cu, seq_lens, block_tables, bs) if kernels.needs_plan(self.dtype) else None,
+            plan=AttentionPlan.build(cu, seq_lens, block_tables, bs) if kernels.needs_plan(self.dtype, self.kv_dtype) else None,
             num_tokens=cu[-1],
         )
 

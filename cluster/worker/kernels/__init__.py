@@ -7,7 +7,8 @@ The reference is the oracle both kernels are tested against.
 
 Contract (all three):
   q            [T, H, D]      packed queries of all sequences this step
-  k_cache      [num_blocks, block_size, KVH, D]   (v_cache the same)
+  k_cache      [num_blocks, block_size, KVH, D]   (v_cache the same); its dtype may
+               differ from q's (--kv-cache-dtype): read, it is widened to q's
   block_tables [S, max_blocks] int32   physical block ids per sequence (padding: any valid id)
   seq_lens     [S] int32      context length including this step's tokens
   cu_seqlens_q [S + 1] int32  query row offsets
@@ -55,10 +56,10 @@ def backend() -> str:
     return "cpu" if cpu.available() else "reference"
 
 
-def _c_kernel_serves(name: str, *dtypes, shape: tuple[int, int, int] | None = None) -> bool:
-    """The C kernel runs for backend `name` on these dtypes (float32 only) and, given
-    (H, KVH, D), shapes it supports; else the reference."""
-    if name != "cpu" or any(d != mx.float32 for d in dtypes):
+def _c_kernel_serves(name: str, q_dtype, kv_dtype=mx.float32, shape: tuple[int, int, int] | None = None) -> bool:
+    """The C kernel runs for backend `name` on float32 queries over float32 / float16 /
+    bfloat16 caches and, given (H, KVH, D), shapes it supports; else the reference."""
+    if name != "cpu" or q_dtype != mx.float32 or kv_dtype not in (mx.float32, mx.float16, mx.bfloat16):
         return False
     if shape is None:
         return True
@@ -68,9 +69,10 @@ def _c_kernel_serves(name: str, *dtypes, shape: tuple[int, int, int] | None = No
     return H % KVH == 0 and H // KVH <= MAX_GROUP and D <= MAX_HEAD_DIM
 
 
-def needs_plan(dtype=mx.float32) -> bool:
-    """Whether attention for `dtype` uses the host-side `AttentionPlan` (the C kernel does not)."""
-    return not _c_kernel_serves(backend(), dtype)
+def needs_plan(dtype=mx.float32, kv_dtype=None) -> bool:
+    """Whether attention for `dtype` queries over a `kv_dtype` pool (default: the same)
+    uses the host-side `AttentionPlan` (the C kernel does not)."""
+    return not _c_kernel_serves(backend(), dtype, dtype if kv_dtype is None else kv_dtype)
 
 
 def check_backend() -> str:

@@ -10,7 +10,9 @@ softmax, one call per layer per step; the C SwiGLU is a vectorised polynomial ex
 The shared library is built with the system compiler (`$CC`, else `cc`) into
 `$ORCHARD_HOME/kernels`, keyed by the source, the flags and the machine; nothing is built
 at install time. Without a compiler `available()` is False and MLX serves (a warning says
-so once). float32 only: that is what the CPU runs (fp16/bf16 matmuls are slow there).
+so once). Queries and outputs are float32 (what the CPU computes in: fp16/bf16 matmuls are
+slow there); the K/V pools may be float32, float16 or bfloat16 (`--kv-cache-dtype`), a
+half-precision tile widened to float32 as it is read.
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ def _compile(cc: list[str], cflags: list[str], lflags: list[str], target: Path) 
 
 def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    fn = lib.orch_paged_attention_f32
+    fn = lib.orch_paged_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I32, _PTR, _PTR, _I32, _I32,
+    fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I32, _PTR, _I32, _PTR, _PTR, _I32, _I32,
                    _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR, _PTR]
     lib.orch_swiglu_f32.restype = None
     lib.orch_swiglu_f32.argtypes = [_PTR, _PTR, _PTR, _I64]
@@ -148,6 +150,10 @@ def available() -> bool:
     return load() is not None
 
 
+# the C kernel's kv_kind for each pool dtype
+KV_KINDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
+
+
 def _host(a: mx.array, dtype) -> np.ndarray:
     """A zero-copy, C-contiguous numpy view of an evaluated MLX array (copy only if strided)."""
     return np.ascontiguousarray(np.asarray(memoryview(a)), dtype=dtype)
@@ -166,14 +172,16 @@ def paged_attention_cpu(
     softcap: float = 0.0,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """Same contract as `paged_attention_reference` (float32 only). Evaluates its inputs."""
+    """Same contract as `paged_attention_reference`: float32 queries, float32 / float16 /
+    bfloat16 caches. Evaluates its inputs."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {_error}")
     T, H, D = q.shape
     NB, BS, KVH, Dk = k_cache.shape
-    if q.dtype != mx.float32 or k_cache.dtype != mx.float32 or v_cache.dtype != mx.float32:
-        raise TypeError("the CPU attention kernel takes float32 queries and caches")
+    if q.dtype != mx.float32 or k_cache.dtype not in KV_KINDS or v_cache.dtype != k_cache.dtype:
+        raise TypeError("the CPU attention kernel takes float32 queries and float32, float16 or bfloat16 caches "
+                        f"(one dtype for K and V), not {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if v_cache.shape != k_cache.shape or Dk != D:
         raise ValueError(f"q {q.shape}, k_cache {k_cache.shape} and v_cache {v_cache.shape} do not agree")
     if not (KVH >= 1 and H % KVH == 0 and H // KVH <= MAX_GROUP and 1 <= D <= MAX_HEAD_DIM):
@@ -198,14 +206,17 @@ def paged_attention_cpu(
     qh = np.asarray(memoryview(q))
     if qh.strides[2] != 4 or qh.strides[0] % 4 or qh.strides[1] % 4:
         qh = np.ascontiguousarray(qh)
+    kind = KV_KINDS[k_cache.dtype]
+    if kind:  # half precision: the C code reads the raw 16-bit words
+        k_cache, v_cache = k_cache.view(mx.uint16), v_cache.view(mx.uint16)
     k = np.asarray(memoryview(k_cache))
     v = np.asarray(memoryview(v_cache))
     if not (k.flags.c_contiguous and v.flags.c_contiguous):
         raise ValueError("the K/V pools must be contiguous")
     sink = None if sinks is None else np.ascontiguousarray(np.asarray(sinks.astype(mx.float32)), np.float32).reshape(H)
     out = np.empty((T, H, D), np.float32)
-    rc = lib.orch_paged_attention_f32(
-        qh.ctypes.data, qh.strides[0] // 4, qh.strides[1] // 4, k.ctypes.data, v.ctypes.data,
+    rc = lib.orch_paged_attention(
+        qh.ctypes.data, qh.strides[0] // 4, qh.strides[1] // 4, k.ctypes.data, v.ctypes.data, kind,
         tables.ctypes.data, tables.shape[1], lens.ctypes.data, cu.ctypes.data, S,
         T, H, KVH, D, BS,
         scale, sliding_window if sliding_window and sliding_window > 0 else -1, softcap or 0.0,

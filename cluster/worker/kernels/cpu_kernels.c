@@ -12,8 +12,10 @@
  * horizontal sums), which is what makes prefill fast. Items are spread over threads with
  * OpenMP when the compiler has it.
  *
- * Layouts (float32): q [T, H, D] with unit stride in D; k_pool / v_pool [slots, KVH, D]
- * contiguous, slot = block_id * block_size + offset; out [T, H, D] contiguous.
+ * Layouts: q [T, H, D] float32 with unit stride in D; k_pool / v_pool [slots, KVH, D]
+ * contiguous, slot = block_id * block_size + offset, in float32, float16 or bfloat16
+ * (kv_kind 0, 1, 2: --kv-cache-dtype; a half-precision tile is widened to float32 as it
+ * is loaded, and all arithmetic stays float32); out [T, H, D] float32 contiguous.
  * A query at chunk position i of a chunk of q_len in a context of L tokens attends keys
  * 0 .. L - q_len + i, and with sliding_window W > 0 only the last W of them. sinks (NULL:
  * none) holds one logit per query head that joins its softmax with no value (gpt-oss).
@@ -54,15 +56,38 @@ static inline float exp_neg(float x) {
     return p * scale.f * zero;
 }
 
+/* IEEE half -> float, branch-free (normals, subnormals, inf and NaN): the half's exponent
+ * and mantissa shifted into a float's, rescaled by 2^-112; subnormals through the float
+ * 0.5 + m * 2^-24 trick. */
+static inline float bits_float(uint32_t u) { union { uint32_t u; float f; } x = { u }; return x.f; }
+static inline uint32_t float_bits(float f) { union { float f; uint32_t u; } x = { f }; return x.u; }
+static inline float half_to_float(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const float normal = bits_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float subnormal = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
+    return bits_float(sign | (two_w < (1u << 27) ? float_bits(subnormal) : float_bits(normal)));
+}
+static inline float bf16_to_float(uint16_t h) { return bits_float((uint32_t)h << 16); }
+
+/* n elements of a pool row (kind 1: float16, 2: bfloat16) into float32 */
+static inline void widen(const uint16_t *src, float *dst, int n, int kind) {
+    if (kind == 1)
+        for (int i = 0; i < n; i++) dst[i] = half_to_float(src[i]);
+    else
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_float(src[i]);
+}
+
 static inline float dot(const float *a, const float *b, int d) {
     float s = 0.0f;
     for (int i = 0; i < d; i++) s += a[i] * b[i];
     return s;
 }
 
-int orch_paged_attention_f32(
+int orch_paged_attention(
     const float *q, int64_t q_stride_t, int64_t q_stride_h,
-    const float *k_pool, const float *v_pool,
+    const void *k_pool_, const void *v_pool_, int32_t kv_kind,
     const int32_t *block_tables, int32_t max_blocks,
     const int32_t *seq_lens, const int32_t *cu_seqlens_q, int32_t num_seqs,
     int32_t num_tokens, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
@@ -70,8 +95,13 @@ int orch_paged_attention_f32(
     float *out)
 {
     if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
-        head_dim < 1 || head_dim > MAX_HEAD_DIM || block_size < 1 || num_seqs < 0 || num_tokens < 0)
+        head_dim < 1 || head_dim > MAX_HEAD_DIM || block_size < 1 || num_seqs < 0 || num_tokens < 0 ||
+        kv_kind < 0 || kv_kind > 2)
         return -1;
+    /* element offsets into the pools; a float32 pool is read in place, a half one widened */
+    const float *k_pool = (const float *)k_pool_, *v_pool = (const float *)v_pool_;
+    const uint16_t *k_half = (const uint16_t *)k_pool_, *v_half = (const uint16_t *)v_pool_;
+    const int esize = kv_kind ? 2 : 4;
     const int G = num_heads / num_kv_heads;
     const int D = head_dim;
     const int QB = MAX_ROWS / G; /* query tokens per item */
@@ -108,6 +138,8 @@ int orch_paged_attention_f32(
         int rstart[MAX_ROWS], rend[MAX_ROWS];
         const float *krow[TILE];
         const float *vrow[TILE];
+        /* a half-precision tile, widened: heap, only when the pool is half (TILE x D x 2) */
+        float *wide = kv_kind ? (float *)malloc(sizeof(float) * 2 * TILE * (size_t)D) : NULL;
         for (int r = 0; r < R; r++) {
             const int i = i0 + r / G;
             const int t = cu_seqlens_q[s] + i;
@@ -127,23 +159,32 @@ int orch_paged_attention_f32(
             for (int j = 0; j < n; j++) {
                 const int p = j0 + j;
                 const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-                krow[j] = k_pool + (slot * num_kv_heads + h) * D;
-                vrow[j] = v_pool + (slot * num_kv_heads + h) * D;
+                const int64_t at = (slot * num_kv_heads + h) * D;
+                if (kv_kind) {
+                    widen(k_half + at, wide + (size_t)j * D, D, kv_kind);
+                    widen(v_half + at, wide + (size_t)(TILE + j) * D, D, kv_kind);
+                    krow[j] = wide + (size_t)j * D;
+                    vrow[j] = wide + (size_t)(TILE + j) * D;
+                } else {
+                    krow[j] = k_pool + at;
+                    vrow[j] = v_pool + at;
+                }
             }
             /* Ask for the whole tile's K/V rows up front: walked key by key the loads are
              * one cache miss deep, and that is what bounds decode attention (~15% faster) */
-            for (int j = 0; j < n; j++)
-                for (int d = 0; d < D; d += 16) {
-                    __builtin_prefetch(krow[j] + d);
-                    __builtin_prefetch(vrow[j] + d);
-                }
+            if (!kv_kind)
+                for (int j = 0; j < n; j++)
+                    for (int d = 0; d < D; d += 16) {
+                        __builtin_prefetch(krow[j] + d);
+                        __builtin_prefetch(vrow[j] + d);
+                    }
             /* Ask for the next tile's K/V rows now: walked key by key, the loads would be
              * one cache miss deep, and decode attention is bound by exactly that. */
             for (int p = j0 + TILE; p < j0 + 2 * TILE && p < kend; p++) {
                 const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-                const float *kp = k_pool + (slot * num_kv_heads + h) * D;
-                const float *vp = v_pool + (slot * num_kv_heads + h) * D;
-                for (int d = 0; d < D; d += 16) {
+                const char *kp = (const char *)k_pool_ + (slot * num_kv_heads + h) * D * esize;
+                const char *vp = (const char *)v_pool_ + (slot * num_kv_heads + h) * D * esize;
+                for (int d = 0; d < D * esize; d += 64) {
                     __builtin_prefetch(kp + d);
                     __builtin_prefetch(vp + d);
                 }
@@ -234,6 +275,7 @@ int orch_paged_attention_f32(
             const float inv = 1.0f / l[r];
             for (int d = 0; d < D; d++) dst[d] = acc[r][d] * inv;
         }
+        free(wide);
     }
     free(first);
     return 0;

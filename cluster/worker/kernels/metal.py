@@ -359,7 +359,7 @@ def supports(q: mx.array, k_cache: mx.array) -> bool:
     D = q.shape[-1]
     return (
         q.dtype in (mx.float32, mx.float16, mx.bfloat16)
-        and k_cache.dtype == q.dtype
+        and k_cache.dtype in (mx.float32, mx.float16, mx.bfloat16)  # loads are widened to float
         and 0 < D <= MAX_HEAD_SIZE
         and k_cache.shape[-1] == D
     )

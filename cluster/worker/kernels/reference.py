@@ -214,8 +214,9 @@ def paged_attention_reference(
     for gi, g in enumerate(plan.groups):
         N = g.n_seqs
         rows = plan.kv_rows(gi, KVH)
-        k = k_cache.reshape(-1, D)[rows]  # [N, KVH, L, D]
-        v = v_cache.reshape(-1, D)[rows]
+        # [N, KVH, L, D], in the queries' dtype (a half-precision pool is widened as read)
+        k = k_cache.reshape(-1, D)[rows].astype(q.dtype)
+        v = v_cache.reshape(-1, D)[rows].astype(q.dtype)
         qg = q[g.rows].reshape(N, g.q_len, H, D).transpose(0, 2, 1, 3)
         o = _attend(qg, k, v, plan, gi, sliding_window, scale, softcap, sinks)
         outs.append(o.transpose(0, 2, 1, 3).reshape(N * g.q_len, H, D))
