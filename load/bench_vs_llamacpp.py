@@ -187,8 +187,11 @@ def bench_one(name: str, args, model: Path, gguf: Path, binary: Path, prompts: l
     try:
         asyncio.run(wait_http(url, extra))
         results, wall = asyncio.run(run_load(f"{url}/v1/completions", prompts, extra, args.max_tokens,
-                                             args.concurrency))
+                                             args.concurrency, force_close=True))  # both alike
         return summarize(results, wall, args.max_tokens)
+    except Exception:
+        print(f"[{name}] the load failed; the server's last lines:\n" + "".join(server.log[-25:]), file=sys.stderr)
+        raise
     finally:
         server.stop()
 

@@ -171,11 +171,15 @@ async def one_request(session: aiohttp.ClientSession, url: str, payload: dict) -
     return r
 
 
-async def run_load(url: str, prompts: list[str], extra: dict, max_tokens: int, concurrency: int) -> tuple[list, float]:
+async def run_load(url: str, prompts: list[str], extra: dict, max_tokens: int, concurrency: int,
+                   force_close: bool = False) -> tuple[list, float]:
+    """force_close: a connection per request (llama-server closes a connection after a
+    streamed response, which a pooled connection would find only when it writes)."""
     sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=3600)
+    connector = aiohttp.TCPConnector(limit=concurrency * 2, force_close=force_close)
 
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency * 2)) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         async def limited(prompt: str) -> RequestResult:
             async with sem:
                 payload = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
