@@ -5,7 +5,7 @@
     .venv/bin/python load/bench_vs_llamacpp.py --llama-arg=--cache-type-k=f32 --llama-arg=--cache-type-v=f32 \\
         --llama-arg=-fa --llama-arg=off                         # llama.cpp with an fp32 KV cache
 
-What it does, all cached under ~/.cache/orchard/llama.cpp/ and done once:
+What it does, all cached under $ORCHARD_HOME/llama.cpp (~/.cache/orchard) and done once:
 - builds `llama-server` from the llama.cpp source vendored in the `llama-cpp-python` sdist
   on PyPI (`pip download --no-binary :all:`; cmake, Release, native CPU, no web UI, no
   OpenSSL). It needs cmake and a C++ compiler, and says so when they are missing.
@@ -45,9 +45,9 @@ sys.path.insert(0, str(HERE))
 from bench_worker_vs_mlx import (  # noqa: E402
     Server, free_port, make_prompts, run_load, start_orchard, summarize, wait_http)
 
-from cluster.models_cache import builtin_model  # noqa: E402
+from cluster.models_cache import builtin_model, home  # noqa: E402
 
-CACHE = Path(os.environ.get("ORCHARD_CACHE", Path.home() / ".cache" / "orchard")) / "llama.cpp"
+CACHE = home() / "llama.cpp"
 LLAMA_CPP_PYTHON = "0.3.36"  # its vendored llama.cpp is commit 0c1e570
 CONVERTER_PACKAGES = ["torch", "numpy", "sentencepiece", "transformers", "safetensors", "protobuf"]
 
