@@ -7,7 +7,8 @@ greedy generation, plus quantized variants made with `mlx_lm.convert`.
 For each model: prompts longer than every sliding window (32 tokens in tiny models),
 chunked prefill (a 48-token step budget), preemption (a pool too small for the load: the
 engine must have preempted) and prefix caching (one prompt reuses a 64-token prefix of an
-earlier one: the engine must report the hit). Tokens must equal mlx-lm's and the chosen
+earlier one: the engine must report the hit; hybrid models turn prefix caching off, and
+run with recurrent-state slots, one per running request). Tokens must equal mlx-lm's and the chosen
 tokens' logprobs agree within 1e-4. A model the engine refuses at load is a row
 `refused: <reason>` (the message's first sentence), not a failure; a mismatch or any other error is, and the script
 exits non-zero. Prints a Markdown table (the README's model-support section).
@@ -33,6 +34,7 @@ from cluster.modelgen import ARCHS, create_model  # noqa: E402
 from cluster.worker.attention import UnsupportedModel  # noqa: E402
 from cluster.worker.config import EngineConfig  # noqa: E402
 from cluster.worker.engine import Engine  # noqa: E402
+from cluster.worker.model_runner import text_args  # noqa: E402
 from cluster.worker.sampling_params import SamplingParams  # noqa: E402
 
 DENSE, MOE, SLIDING, SOFTCAP, SINKS, MLA, HYBRID = "dense", "MoE", "sliding window", "soft-cap", "sinks", "MLA", "hybrid"
@@ -125,13 +127,16 @@ def check(path: Path, family: str, kind: str, seed: int = 0) -> Row:
         except UnsupportedModel as e:
             return Row(family, kind, "refused: " + str(e).splitlines()[0].split(". ")[0])
         model, _ = load(str(path))
-        prompts = prompts_for(seed, model.args.vocab_size if hasattr(model, "args") else 512)
+        prompts = prompts_for(seed, text_args(model).vocab_size)
         max_tokens = [6 + (3 * i) % 7 for i in range(len(prompts))]
         got, got_lp = serve(engine, prompts, max_tokens)
         problems = []
         if engine.stats.num_preemptions == 0:
             problems.append("no preemption (the pool was meant to be too small)")
-        if engine.stats.prefix_hits < SHARED:
+        if engine.state_slots is not None:  # a hybrid: prefix caching off, every prompt computed whole
+            if engine.stats.prefix_hits:
+                problems.append(f"a prefix hit of {engine.stats.prefix_hits} tokens with recurrent layers")
+        elif engine.stats.prefix_hits < SHARED:
             problems.append(f"prefix hit of {engine.stats.prefix_hits} tokens, not {SHARED}")
         for i, prompt in enumerate(prompts):
             want, want_lp = oracle(model, prompt, max_tokens[i])

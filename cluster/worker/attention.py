@@ -16,6 +16,11 @@ swap; mlx-lm's classes and modules are left as they are):
 - a family whose attention does its own arithmetic has its call here (`FAMILY_CALLS`):
   Gemma 2 (soft-capped logits) and DeepSeek-V3's multi-head latent attention.
 
+A hybrid model's recurrent layers (an mlx-lm `ArraysCache` / `MambaCache`: gated delta
+nets, Mamba-2, short convolutions) get a spec marked `recurrent` and no K/V pool; their
+modules (the ones that call `cache.advance`) are wrapped by `recurrent.attach`, which runs
+mlx-lm's own code for them on per-request state slots.
+
 The head geometry of every layer (KV heads, K and V widths) is measured, not guessed: a
 forward over one token with recording caches builds the graph (never evaluated) and
 reads the shapes each layer writes.
@@ -50,10 +55,11 @@ class LayerSpec:
     latent: bool = False  # multi-head latent attention: K = V = [latent | rope key], one pool
     num_kv_heads: int = 0
     head_dim: int = 0  # width of a pool row
+    recurrent: bool = False  # a recurrent state per request (a state slot) instead of K/V
 
     @property
     def owns_kv(self) -> bool:
-        return self.kv_layer == self.layer
+        return self.kv_layer == self.layer and not self.recurrent
 
 
 # -- the families' facts, in one place -------------------------------------------------------
@@ -74,6 +80,11 @@ SHARED_KV_FAMILIES = frozenset({"gemma4_text"})
 # Multi-head latent attention, cached as mlx-lm caches it: the compressed latent and the
 # RoPE key, one row of kv_lora_rank + qk_rope_head_dim per token and layer.
 MLA_FAMILIES = frozenset({"deepseek_v3"})
+# Hybrids: recurrent layers (their own state per request, `recurrent.py`) beside attention
+# layers. A layer without a cache (Nemotron-H's MLP blocks) is skipped: `layers` below
+# counts the model's caches, in the order the model hands them to its layers.
+HYBRID_FAMILIES = frozenset({"qwen3_next", "qwen3_5", "nemotron_h", "lfm2", "granitemoehybrid"})
+RECURRENT_CACHES = frozenset({"ArraysCache", "MambaCache"})
 
 _CACHE_MEANING = {
     "RotatingKVCache": "sliding-window attention",
@@ -100,16 +111,29 @@ def model_type(model: nn.Module) -> str:
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The module of each layer that writes K/V: the one whose `__call__` calls
-    `cache.update_and_fetch` (self_attn, attention, attn, ... whatever the family names it)."""
+    """The module behind each of the model's caches, in order: the one of each layer whose
+    `__call__` calls `cache.update_and_fetch` (self_attn, attention, attn, ... whatever the
+    family names it), or in a hybrid family the recurrent one that calls `cache.advance`
+    (a hybrid's layer without either has no cache)."""
     found = []
+    hybrid = model_type(model) in HYBRID_FAMILIES
     for i, layer in enumerate(model.layers):
         mods = [m for _, m in layer.named_modules() if _calls(type(m), "update_and_fetch")]
+        if hybrid:
+            mods += [m for _, m in layer.named_modules() if is_recurrent(m)]
+            if not mods:
+                continue
         if len(mods) != 1:
             raise UnsupportedModel(f"model type {model_type(model)!r} is not served: layer {i} has "
                                    f"{len(mods)} modules that write K/V, where the engine knows one attention per layer")
         found.append(mods[0])
     return found
+
+
+def is_recurrent(module: nn.Module) -> bool:
+    """A recurrent mixer: its `__call__` advances an mlx-lm ArraysCache (and writes no K/V)."""
+    cls = type(module)
+    return _calls(cls, "advance") and not _calls(cls, "update_and_fetch")
 
 
 def _calls(cls: type, name: str) -> bool:
@@ -146,6 +170,9 @@ def _layer_specs(model: nn.Module) -> tuple[LayerSpec, ...]:
     geometry = _measure(model, specs)
     out = []
     for s in specs:
+        if s.recurrent:
+            out.append(s)
+            continue
         kvh, dk, dv = geometry[s.kv_layer]
         if dk != dv and not s.latent:
             raise UnsupportedModel(f"model type {model_type(model)!r} is not served: layer {s.layer} has keys of "
@@ -163,6 +190,9 @@ def _features(model: nn.Module) -> list[LayerSpec]:
     kv_layer = list(range(n))
     make_cache = getattr(model, "make_cache", None)
     caches = make_cache() if make_cache is not None else None
+    hybrid = mt in HYBRID_FAMILIES
+    if hybrid and caches is not None:
+        n = len(caches)  # a hybrid's layers without a cache (MLP blocks) hold no state
     if caches is not None and len(caches) != n:
         previous = getattr(getattr(model, "model", None), "previous_kvs", None)
         if mt not in SHARED_KV_FAMILIES or previous is None or len(caches) > n:
@@ -174,10 +204,13 @@ def _features(model: nn.Module) -> list[LayerSpec]:
         if any(kv_layer[i] != i for i in range(owners)) or any(kv_layer[i] >= owners for i in range(owners, n)):
             raise refuse(f"its layers' K/V sources {kv_layer} are not the first {owners} layers")
     # sliding windows, from the caches mlx-lm makes
-    windows, other = [-1] * n, {}
+    windows, other, recurrent = [-1] * n, {}, [False] * n
     for i, cache in enumerate(caches or []):
         name = type(cache).__name__
         if name == "KVCache":
+            continue
+        if name in RECURRENT_CACHES and hybrid:
+            recurrent[i] = True
             continue
         if name == "RotatingKVCache" and mt in SLIDING_WINDOW_FAMILIES and not getattr(cache, "keep", 0):
             windows[i] = int(cache.max_size)
@@ -189,6 +222,9 @@ def _features(model: nn.Module) -> list[LayerSpec]:
         raise refuse(f"{what}. The paged engine would give those layers full attention and generate the wrong "
                      "tokens, so it refuses the model")
     modules = attention_modules(model)
+    if len(modules) != n or any(is_recurrent(m) != r for m, r in zip(modules, recurrent)):
+        raise refuse(f"its layers' attention and recurrent modules do not match the caches it makes "
+                     f"({', '.join(type(c).__name__ for c in caches or [])})")
     latent = any(getattr(m, "kv_lora_rank", None) for m in modules)
     if latent and mt not in MLA_FAMILIES:
         raise refuse("it uses multi-head latent attention (MLA, kv_lora_rank), which the engine serves for "
@@ -200,6 +236,9 @@ def _features(model: nn.Module) -> list[LayerSpec]:
     softcap_attr = SOFTCAP_FAMILIES.get(mt)
     specs = []
     for i, m in enumerate(modules):
+        if recurrent[i]:
+            specs.append(LayerSpec(layer=i, kv_layer=i, recurrent=True))
+            continue
         softcap = float(getattr(m, softcap_attr) or 0.0) if softcap_attr else 0.0
         sinks = mt in SINK_FAMILIES and getattr(m, "sinks", None) is not None
         for attr, meaning in _MODULE_FEATURES.items():
@@ -293,10 +332,13 @@ class _ProbeCache:
 
 
 def _measure(model: nn.Module, specs: list[LayerSpec]) -> list[tuple[int, int, int]]:
-    """(KV heads, K width, V width) each layer writes, from one token's forward, unevaluated."""
+    """(KV heads, K width, V width) each layer writes, from one token's forward, unevaluated
+    (a recurrent layer runs on a fresh mlx-lm cache of its own and writes none)."""
     attach(model)
-    probes = [_ProbeCache(s) for s in specs]
+    fresh = model.make_cache() if any(s.recurrent for s in specs) else None
+    probes = [fresh[s.layer] if s.recurrent else _ProbeCache(s) for s in specs]
     model(mx.zeros((1, 1), dtype=mx.int32), cache=probes)
+    probes = [_ProbeCache(s) if s.recurrent else p for s, p in zip(specs, probes)]
     missing = [s.layer for s, p in zip(specs, probes) if p.shapes is None and s.owns_kv]
     if missing:
         raise UnsupportedModel(f"model type {model_type(model)!r} is not served: layers {_ranges(missing)} never "
@@ -369,8 +411,13 @@ _WRAPPED: dict[tuple[type, str], type] = {}
 def attach(model: nn.Module) -> None:
     """Wrap each layer's attention module (this model's instances only) so that, given a
     PagedKVCache, it attends through the paged kernels. Idempotent."""
+    from cluster.worker import recurrent
+
     call = FAMILY_CALLS.get(model_type(model))
     for m in attention_modules(model):
+        if is_recurrent(m):
+            recurrent.attach(m)
+            continue
         cls = type(m)
         if getattr(cls, "_orchard_paged", False):
             continue

@@ -17,11 +17,13 @@ from cluster import platform
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
 from cluster.worker.detokenizer import IncrementalDetokenizer
-from cluster.worker.model_runner import ModelRunner, default_kv_budget, kv_bytes_per_block, load_model, weight_dtype
+from cluster.worker.model_runner import (ModelRunner, default_kv_budget, has_recurrent_layers, kv_bytes_per_block,
+                                         load_model, text_args, weight_dtype)
 from cluster.worker.sampler import Sampler
 from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.scheduler import Scheduler
 from cluster.worker.sequence import Sequence, SequenceStatus
+from cluster.worker.state_slots import StateSlots
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ class EngineStats:
     num_waiting: int = 0
     num_blocks_used: int = 0
     num_blocks_total: int = 0
+    state_slots_used: int = 0  # a hybrid model's recurrent-state slots (0 / 0 otherwise)
+    state_slots_total: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0
@@ -76,21 +80,34 @@ class Engine:
         if num_blocks is None:
             budget = config.kv_cache_memory_bytes or default_kv_budget(model)
             num_blocks = max(1, budget // kv_bytes_per_block(model, config.block_size, kv_dtype))
-        model_max = int(getattr(model.args, "max_position_embeddings", 0) or 32768)
+        model_max = int(getattr(text_args(model), "max_position_embeddings", 0) or 32768)
         max_len = min(config.max_model_len or model_max, num_blocks * config.block_size)
         self.config = config.resolved(model_max_len=max_len, num_kv_blocks=num_blocks,
                                       default_batched_tokens=platform.default_max_num_batched_tokens())
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype)
+        hybrid = has_recurrent_layers(model)
+        prefix_caching = config.enable_prefix_caching and not hybrid
+        if hybrid and config.enable_prefix_caching:
+            # A cached prefix's K/V is not enough: its recurrent state at the block boundary
+            # would be needed too, and is not kept. Exact, at the cost of recomputing.
+            log.info("prefix caching is off for %s: its recurrent layers' state is not cached", model_name)
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching)
+        self.state_slots = StateSlots(self.config.max_num_seqs) if hybrid else None
+        self.scheduler = Scheduler(self.config, self.block_manager, self.state_slots)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype,
+                                  num_state_slots=self.config.max_num_seqs if hybrid else 0)
+        if hybrid:
+            log.info("recurrent state: %d slots of %.1f KiB (%.1f MiB)", self.config.max_num_seqs,
+                     self.runner.state_bytes_per_slot / 1024,
+                     self.config.max_num_seqs * self.runner.state_bytes_per_slot / (1 << 20))
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         if not self.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids = {tokenizer.eos_token_id}
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
-        self.vocab_size = int(model.args.vocab_size)
-        self.stats = EngineStats(num_blocks_total=num_blocks)
+        self.vocab_size = int(text_args(model).vocab_size)
+        self.stats = EngineStats(num_blocks_total=num_blocks,
+                                 state_slots_total=self.state_slots.num_slots if hybrid else 0)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
@@ -234,6 +251,7 @@ class Engine:
             return 0.0  # only on a fresh engine: no block holds anything anyone may read
         seq = Sequence("warm-up", [0] * n, SamplingParams(max_tokens=2, temperature=0.0))  # greedy: no RNG draw
         seq.block_table = list(range(-(-(n + 1) // bs)))
+        seq.state_slot = 0  # free on a fresh engine; a request's first chunk never reads a slot
         for start, length in ((0, n), (n, 1)):  # the prefill, then a decode row
             plan = SchedulerOutput([ScheduledSeq(seq, start, length)])
             logits = self.runner.forward(self.runner.prepare(plan))
@@ -285,6 +303,8 @@ class Engine:
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.num_blocks_used = bm.num_used_blocks
+        if self.state_slots is not None:
+            s.state_slots_used = self.state_slots.num_used
         s.num_preemptions = self.scheduler.num_preemptions
         s.prefix_queries = bm.prefix_queries
         s.prefix_hits = bm.prefix_hits
@@ -305,3 +325,5 @@ class Engine:
     def check_integrity(self) -> None:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         self.block_manager.check_integrity(live)
+        if self.state_slots is not None:
+            self.state_slots.check_integrity(live)

@@ -6,7 +6,9 @@ row, RoPE takes a per-row offset array (each token's own position), and no mask 
 built. Each layer gets a `PagedKVCache` that writes the step's K/V into that layer's pool
 through `slot_mapping`, and each layer's attention module is wrapped (`attention.attach`)
 so that its attention runs in `kernels.paged_attention` (varlen, paged) with the layer's
-window, soft-cap, sinks and head geometry (`attention.LayerSpec`). Only the rows that are
+window, soft-cap, sinks and head geometry (`attention.LayerSpec`). A hybrid model's
+recurrent layers get a `recurrent.RecurrentCache` instead: each sequence's rows run from
+its state slot (decode rows batched, prefill chunks one by one). Only the rows that are
 sampled reach the LM head.
 """
 
@@ -21,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cluster import platform
-from cluster.worker import attention, cpu_math, kernels
+from cluster.worker import attention, cpu_math, kernels, recurrent
 from cluster.worker.attention import LayerSpec, PagedKVCache, UnsupportedModel  # noqa: F401  (re-exported)
 from cluster.worker.kernels import AttentionPlan
 from cluster.worker.dequantize import maybe_dequantize
@@ -47,6 +49,7 @@ class StepBatch:
     sample_rows: mx.array  # [N] int32: rows whose logits are sampled
     plan: AttentionPlan | None  # host-side grouping, for the backends that use one
     num_tokens: int
+    recurrent: recurrent.RecurrentPlan | None = None  # a hybrid model's recurrent layers' grouping
 
 
 def _use_fast_swiglu(model: nn.Module) -> None:
@@ -143,8 +146,24 @@ def default_kv_budget(model: nn.Module) -> int:
     return min(1 << 30, ram // 8)
 
 
+def text_args(model: nn.Module):
+    """The model's arguments, or a multimodal wrapper's language model's (qwen3_5's
+    `args` only hold its text_config): vocab_size, max_position_embeddings, ..."""
+    args = model.args
+    lm = getattr(model, "language_model", None)
+    if not hasattr(args, "vocab_size") and lm is not None and hasattr(lm, "args"):
+        return lm.args
+    return args
+
+
+def has_recurrent_layers(model: nn.Module) -> bool:
+    return any(s.recurrent for s in attention.layer_specs(model))
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, kv_dtype=None):
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, kv_dtype=None, num_state_slots: int = 0):
+        """`num_state_slots`: rows of each recurrent layer's state pools (a hybrid model:
+        the engine's max_num_seqs)."""
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -163,7 +182,15 @@ class ModelRunner:
                 self.v_pool[s.layer] = self.k_pool[s.layer] if s.latent else mx.zeros_like(self.k_pool[s.layer])
         mx.eval(self.pool_arrays())
         self.windows = [s.window for s in self.specs]
-        self.caches = [PagedKVCache(self, s) for s in self.specs]
+        self.has_recurrent = any(s.recurrent for s in self.specs)
+        states = recurrent.measure_states(model, self.specs) if self.has_recurrent else {}
+        if self.has_recurrent and num_state_slots < 1:
+            raise ValueError("a model with recurrent layers needs num_state_slots >= 1")
+        self.caches = [recurrent.RecurrentCache(self, s, states[s.layer], num_state_slots) if s.recurrent
+                       else PagedKVCache(self, s) for s in self.specs]
+        self.state_bytes_per_slot = sum(c.bytes_per_slot for c in self.caches
+                                        if isinstance(c, recurrent.RecurrentCache))
+        mx.eval(self.pool_arrays())
         self.head_only = getattr(model, "model_type", None) in _HEAD_ONLY_ARCHS and hasattr(model, "model")
         self.batch: StepBatch | None = None
         self.attention_backend = kernels.check_backend()
@@ -202,6 +229,7 @@ class ModelRunner:
             sample_rows=mx.array(sample_rows, dtype=mx.int32),
             plan=AttentionPlan.build(cu, seq_lens, block_tables, bs) if kernels.needs_plan(self.dtype, self.kv_dtype) else None,
             num_tokens=cu[-1],
+            recurrent=recurrent.plan_step(plan.scheduled) if self.has_recurrent else None,
         )
 
     def forward(self, batch: StepBatch) -> mx.array:
@@ -220,9 +248,11 @@ class ModelRunner:
         return logits.astype(mx.float32)
 
     def pool_arrays(self) -> list[mx.array]:
-        """Every pool array once (an MLA layer's K and V pool are one array)."""
+        """Every pool array once (an MLA layer's K and V pool are one array), recurrent
+        state pools included."""
         seen: dict[int, mx.array] = {}
-        for a in self.k_pool + self.v_pool:
+        states = [p for c in getattr(self, "caches", ()) if isinstance(c, recurrent.RecurrentCache) for p in c.pools]
+        for a in self.k_pool + self.v_pool + states:
             if a is not None:
                 seen.setdefault(id(a), a)
         return list(seen.values())

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
 from cluster.worker.sequence import Sequence, SequenceStatus
+from cluster.worker.state_slots import StateSlots
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,13 @@ _LOOKAHEAD = 32
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, state_slots: StateSlots | None = None):
+        """`state_slots`: a hybrid model's recurrent-state slots, taken at admission beside
+        the KV blocks and given back with them (None: a model without recurrent layers)."""
         assert config.max_model_len and config.long_prefill_token_threshold, "pass a resolved EngineConfig"
         self.config = config
         self.block_manager = block_manager
+        self.state_slots = state_slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -114,7 +118,12 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self._free_state(seq)
         seq.status = status
+
+    def _free_state(self, seq: Sequence) -> None:
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
 
     def drop(self, seq: Sequence) -> None:
         """Take `seq` out of the queues whatever state it is in (after a failed abort), mark
@@ -125,6 +134,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED_ABORTED
         try:
             self.block_manager.free(seq)
+            self._free_state(seq)
         except Exception:
             log.exception("scheduler: freeing the blocks of %s failed", seq.request_id)
 
@@ -148,6 +158,7 @@ class Scheduler:
             if entry is not None:
                 budget += entry.num_new_tokens
             self.block_manager.free(victim)
+            self._free_state(victim)
             victim.num_computed_tokens = 0
             victim.status = SequenceStatus.WAITING
             victim.num_preemptions += 1
@@ -234,7 +245,9 @@ class Scheduler:
         num_partial = len(partial)
         num_long = sum(1 for s in partial if self.is_long(s))
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(skipped) < _LOOKAHEAD:
+        slots = self.state_slots
+        while (self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(skipped) < _LOOKAHEAD
+               and (slots is None or slots.can_allocate())):
             seq = self.waiting[0]
             computed = bm.get_computed_blocks(seq)
             remaining = seq.num_uncomputed_tokens - len(computed) * bm.block_size
@@ -253,6 +266,8 @@ class Scheduler:
             if not bm.allocate_slots(seq, n, computed):
                 break
             self.waiting.popleft()
+            if slots is not None:
+                slots.allocate(seq)
             if seq.num_preemptions == 0:  # count each request's prefix lookup once
                 seq.num_cached_tokens = len(computed) * bm.block_size
                 bm.record_prefix_query(seq.num_tokens, seq.num_cached_tokens)
