@@ -74,10 +74,11 @@ def _coverage():
 
 @pytest.mark.parametrize("family, want", [
     ("qwen3", "exact"),
-    ("lfm2", "refused: model type 'lfm2' is not served: layers 0 use ArraysCache (a recurrent state"),
+    ("lfm2", "exact"),  # a hybrid: short convolutions on state slots beside attention
+    ("falcon_h1", "refused: model type 'falcon_h1' is not served: layers 0-1 use CacheList (several caches per layer)"),
 ])
 def test_model_coverage_row(tmp_path, family, want):
     coverage = _coverage()
     row = coverage.check(create_model(tmp_path / family, family, "tiny", seed=0), family, coverage.KIND[family])
     assert row.result.startswith(want) and not row.failed
-    assert (row.family, row.kind) == (family, {"qwen3": "dense", "lfm2": "hybrid"}[family])
+    assert (row.family, row.kind) == (family, {"qwen3": "dense", "lfm2": "hybrid", "falcon_h1": "hybrid"}[family])

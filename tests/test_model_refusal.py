@@ -21,12 +21,12 @@ BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_atte
 REFUSED = {
     # a sliding-window family not yet checked against mlx-lm
     "plamo3": (dict(sliding_window=8, sliding_window_pattern=2), "layers 0, 2 use RotatingKVCache (sliding-window attention)"),
-    # recurrent layers beside full attention
-    "qwen3_next": (dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
-                        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=0,
-                        num_experts_per_tok=0, decoder_sparse_step=1, shared_expert_intermediate_size=0,
-                        mlp_only_layers=[], moe_intermediate_size=0, norm_topk_prob=True, partial_rotary_factor=0.5),
-                   "layers 0, 2 use ArraysCache (a recurrent state"),
+    # recurrent layers in a family not checked against mlx-lm (the hybrids that are: tests/test_hybrid.py)
+    "mamba2": (dict(num_heads=8, head_dim=16, state_size=16, conv_kernel=4, n_groups=1, use_bias=False,
+                    use_conv_bias=True, time_step_limit=(0.0, float("inf")), time_step_rank="auto",
+                    layer_norm_epsilon=1e-5, tie_word_embeddings=True),
+               "layers 0-3 keep a recurrent state (ArraysCache), which the engine serves, with state slots, only for "
+               "the hybrid families"),
     # multi-head latent attention in a family whose MLA is not checked against mlx-lm
     "deepseek_v2": (dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
                          n_routed_experts=None, moe_intermediate_size=64, n_shared_experts=None,

@@ -216,6 +216,11 @@ def _features(model: nn.Module) -> list[LayerSpec]:
             windows[i] = int(cache.max_size)
         else:
             other.setdefault(name, []).append(i)
+    if other.keys() & RECURRENT_CACHES:
+        ids = sorted(i for name in other.keys() & RECURRENT_CACHES for i in other[name])
+        raise refuse(f"layers {_ranges(ids)} keep a recurrent state ({', '.join(sorted(other.keys() & RECURRENT_CACHES))}"
+                     "), which the engine serves, with state slots, only for the hybrid families checked against "
+                     f"mlx-lm: {', '.join(sorted(HYBRID_FAMILIES))}")
     if other:
         what = "; ".join(f"layers {_ranges(ids)} use {name} ({_CACHE_MEANING.get(name, 'an attention the engine does not know')})"
                          for name, ids in other.items())

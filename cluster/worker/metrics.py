@@ -88,6 +88,10 @@ class _EngineStatsCollector:
         total = s.num_blocks_total or 1
         yield gauge("orchard_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", s.num_blocks_used / total)
         yield gauge("orchard_kv_cache_blocks_total", "KV blocks in the pool.", s.num_blocks_total)
+        if s.state_slots_total:  # a hybrid model: its recurrent layers' per-request state
+            yield gauge("orchard_state_slots_used", "Recurrent-state slots held by running requests.",
+                        s.state_slots_used)
+            yield gauge("orchard_state_slots_total", "Recurrent-state slots (max_num_seqs).", s.state_slots_total)
         yield gauge("orchard_num_requests_running", "Requests being computed.", s.num_running)
         yield gauge("orchard_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield counter("orchard_prompt_tokens_total", "Prompt tokens received.", s.prompt_tokens)

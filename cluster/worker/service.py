@@ -204,6 +204,7 @@ class WorkerService:
             worker_id=self.worker_id, model=self.model_name, num_running=s.num_running, num_waiting=s.num_waiting,
             kv_blocks_used=s.num_blocks_used, kv_blocks_total=s.num_blocks_total, max_num_seqs=c.max_num_seqs,
             block_size=c.block_size, max_model_len=c.max_model_len, draining=self.draining, stalled=self.stalled,
+            state_slots_used=s.state_slots_used, state_slots_total=s.state_slots_total,
         )
 
     def set_draining(self, draining: bool) -> pb.DrainResponse:

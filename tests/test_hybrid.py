@@ -1,0 +1,200 @@
+"""Hybrid recurrent models (gated delta nets, Mamba-2, short convolutions beside attention)
+under continuous batching, against mlx-lm's own single-request greedy generation.
+
+Tiny random-weight models of the real mlx-lm architectures (`orchard model create`), CPU,
+float32. Prompts of different lengths (one of a single token) arrive together and one per
+step; a small step budget chunks the prefills, so a recurrent state is carried from chunk
+to chunk, and decode rows of several requests run as one batch beside prefill chunks; a
+small pool preempts, so requests are recomputed from their tokens on a fresh slot.
+Tokens must equal mlx-lm's and the chosen tokens' logprobs agree within 1e-4.
+"""
+
+from __future__ import annotations
+
+import random
+
+import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+import mlx.core as mx
+import pytest
+
+from cluster.modelgen import create_model
+from cluster.worker.block_manager import BlockManager
+from cluster.worker.config import EngineConfig
+from cluster.worker.engine import Engine
+from cluster.worker.sampling_params import SamplingParams
+from cluster.worker.scheduler import Scheduler
+from cluster.worker.sequence import Sequence, SequenceStatus
+from cluster.worker.state_slots import StateSlots
+
+# 3 slots, a 24-token step and 7 blocks of 16 tokens (112) for ~400 tokens of demand
+CONFIG = EngineConfig(num_kv_blocks=7, block_size=16, max_num_batched_tokens=24, max_num_seqs=3,
+                      max_num_partial_prefills=2, max_long_partial_prefills=2)
+LENGTHS = (37, 1, 70, 9, 52, 18)
+MAX_TOKENS = (7, 5, 9, 12, 4, 8)
+FAMILIES = ["qwen3_next", "qwen3_5", "nemotron_h", "lfm2", "granitemoehybrid"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            made[arch] = create_model(root / arch, arch, "tiny", seed=0)
+        return made[arch]
+
+    return get
+
+
+def oracle(model, prompt, max_tokens):
+    """mlx-lm's greedy generation: tokens and their logprobs."""
+    from mlx_lm.generate import generate_step
+
+    tokens, logprobs = [], []
+    for (tok, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=max_tokens), range(max_tokens)):
+        tokens.append(int(tok))
+        logprobs.append(lp[int(tok)].item())
+    return tokens, logprobs
+
+
+def serve(engine: Engine, prompts, max_tokens, together: int):
+    """The first `together` prompts at once, then one more every step; the engine's
+    invariants (blocks and state slots) checked after every step."""
+    tokens = {i: [] for i in range(len(prompts))}
+    logprobs = {i: [] for i in range(len(prompts))}
+    params = lambda i: SamplingParams(max_tokens=max_tokens[i], temperature=0, ignore_eos=True, logprobs=0)  # noqa: E731
+    pending = list(range(len(prompts)))
+    for i in pending[:together]:
+        engine.add_request(str(i), prompts[i], params(i))
+    pending = pending[together:]
+    most_slots = 0
+    while engine.has_unfinished() or pending:
+        if pending:
+            i = pending.pop(0)
+            engine.add_request(str(i), prompts[i], params(i))
+        for out in engine.step():
+            tokens[int(out.request_id)] += out.new_token_ids
+            logprobs[int(out.request_id)] += out.logprobs
+        engine.check_integrity()
+        most_slots = max(most_slots, engine.stats.state_slots_used)
+    return [tokens[i] for i in tokens], [logprobs[i] for i in logprobs], most_slots
+
+
+def check_family(path, together: int):
+    from mlx_lm.utils import load
+
+    engine = Engine.from_pretrained(path, CONFIG)
+    assert engine.state_slots is not None and engine.stats.state_slots_total == CONFIG.max_num_seqs
+    assert not engine.block_manager.enable_prefix_caching  # off for recurrent layers
+    model, _ = load(str(path))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
+    got, got_lp, most_slots = serve(engine, prompts, MAX_TOKENS, together)
+    assert engine.stats.num_preemptions > 0, "the pool was meant to be too small"
+    assert most_slots == CONFIG.max_num_seqs
+    assert engine.state_slots.num_used == 0 and engine.stats.state_slots_used == 0  # all given back
+    for i, prompt in enumerate(prompts):
+        want, want_lp = oracle(model, prompt, MAX_TOKENS[i])
+        assert got[i] == want, f"prompt {i} ({len(prompt)} tokens)"
+        assert max(abs(a - b) for a, b in zip(got_lp[i], want_lp)) < 1e-4, f"prompt {i}"
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_hybrid_matches_mlx_lm_chunked_batched_preempted(models, arch):
+    check_family(models(arch), together=3)
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])
+def test_hybrid_staggered_one_by_one(models, arch):
+    check_family(models(arch), together=1)
+
+
+def test_prefix_caching_is_off_and_abort_frees_the_slot(models, caplog):
+    """A shared prefix is recomputed (its recurrent state is not cached); an aborted
+    request's slot is free for the next one; the load report counts slots."""
+    with caplog.at_level("INFO"):
+        engine = Engine.from_pretrained(models("lfm2"), CONFIG)
+    assert "prefix caching is off" in caplog.text and "recurrent state: 3 slots of" in caplog.text
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    long = list(range(3, 43))  # two full blocks a prefix cache would hit
+    first = engine.generate([long], params)[0]
+    prompt = long[:12]
+    engine.add_request("a", prompt, params)
+    engine.add_request("b", prompt[:8], params)
+    engine.step()
+    assert engine.stats.state_slots_used == 2
+    assert engine.abort("a")
+    assert engine.stats.state_slots_used == 1
+    engine.check_integrity()
+    assert engine.generate([long], params)[0] == first
+    assert engine.stats.prefix_hits == 0 and engine.stats.prefix_queries > 0
+    assert engine.stats.state_slots_used == 0
+
+
+def test_state_slots_never_leak_or_double_free():
+    """Random adds, aborts, steps (some finishing requests) and preemptions (a pool too
+    small for the load) through the scheduler: after every operation, every slot is free
+    or held by exactly one running request, and a waiting request holds none."""
+    rng = random.Random(0)
+    preemptions = 0
+    for trial in range(40):
+        cfg = EngineConfig(num_kv_blocks=rng.randint(4, 12), block_size=8, max_num_batched_tokens=rng.randint(8, 40),
+                           max_num_seqs=rng.randint(1, 5), max_num_partial_prefills=2, max_long_partial_prefills=1)
+        cfg = cfg.resolved(model_max_len=cfg.num_kv_blocks * cfg.block_size, num_kv_blocks=cfg.num_kv_blocks)
+        bm = BlockManager(cfg.num_kv_blocks, cfg.block_size, enable_prefix_caching=False)
+        slots = StateSlots(cfg.max_num_seqs)
+        sched = Scheduler(cfg, bm, slots)
+        live: list[Sequence] = []
+        n = 0
+        for _ in range(150):
+            op = rng.random()
+            if op < 0.3:
+                seq = Sequence(f"r{n}", [rng.randrange(100) for _ in range(rng.randint(1, 24))],
+                               SamplingParams(max_tokens=rng.randint(1, 20)))
+                n += 1
+                sched.add(seq)
+                live.append(seq)
+            elif op < 0.4 and live:
+                seq = live.pop(rng.randrange(len(live)))
+                sched.abort(seq)
+                assert seq.state_slot == -1
+            else:
+                plan = sched.schedule()
+                starts = {id(e.seq): e.start for e in plan.scheduled}
+                for seq in plan.preempted:  # waiting without a slot, or admitted again from scratch
+                    assert (seq.state_slot == -1 and seq.status is SequenceStatus.WAITING
+                            or seq.state_slot >= 0 and starts.get(id(seq)) == 0)
+                assert all(e.seq.state_slot >= 0 for e in plan.scheduled)
+                assert len({e.seq.state_slot for e in plan.scheduled}) == len(plan.scheduled)
+                sched.postprocess(plan, {id(e.seq): 1 for e in plan.scheduled if e.sample})
+                for e in plan.scheduled:
+                    seq = e.seq
+                    if e.sample and seq.num_output_tokens >= seq.sampling_params.max_tokens \
+                            or seq.num_tokens >= cfg.max_model_len:
+                        sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+                        live.remove(seq)
+            slots.check_integrity(live)
+            bm.check_integrity(live)
+            for seq in live:
+                assert (seq.state_slot >= 0) == (seq.status is SequenceStatus.RUNNING)
+        for seq in list(live):
+            sched.abort(seq)
+        assert slots.num_free == slots.num_slots and bm.num_free_blocks == bm.num_blocks
+        preemptions += sched.num_preemptions
+    assert preemptions > 0
+
+
+def test_a_slot_is_never_freed_twice_nor_by_another():
+    slots = StateSlots(2)
+    a, b = Sequence("a", [1], SamplingParams()), Sequence("b", [1], SamplingParams())
+    assert slots.allocate(a) == 0 and slots.allocate(b) == 1
+    with pytest.raises(AssertionError):
+        slots.allocate(a)
+    slots.free(a)
+    slots.free(a)  # holds none now: nothing to free
+    b2 = Sequence("b2", [1], SamplingParams())
+    b2.state_slot = 1
+    with pytest.raises(AssertionError, match="held by b"):
+        slots.free(b2)
+    slots.check_integrity([b])
