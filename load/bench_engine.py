@@ -1,6 +1,10 @@
 """Engine vs mlx-lm's `batch_generate` on the same model and prompts, in one run.
 
-    python load/bench_engine.py [--model DIR] [--quick]
+    python load/bench_engine.py [--model DIR | --arch ARCH] [--quick]
+
+`--arch qwen3_5` (or qwen3_next, nemotron_h, lfm2, granitemoehybrid) runs the same loads on
+a `small` hybrid model of that architecture (recurrent layers on state slots beside paged
+attention), built once like the built-in model.
 
 Two loads (EOS ignored, greedy):
   decode-heavy : 32 prompts x 128 tokens, 128 new tokens
@@ -27,9 +31,10 @@ import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from cluster import platform  # noqa: E402
-from cluster.models_cache import resolve_model  # noqa: E402
+from cluster.models_cache import builtin_model, resolve_model  # noqa: E402
 from cluster.worker.config import EngineConfig  # noqa: E402
 from cluster.worker.engine import Engine  # noqa: E402
+from cluster.worker.model_runner import text_args  # noqa: E402
 from cluster.worker.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -103,14 +108,17 @@ def matmul_roofline_ms(model: nn.Module, rows: int, repeats: int = 10) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="mlx-lm model dir (default: the built-in small model)")
+    ap.add_argument("--arch", default=None, help="a `small` model of this architecture instead (e.g. qwen3_5, a hybrid)")
     ap.add_argument("--quick", action="store_true", help="a quarter of the load, for a smoke run")
     args = ap.parse_args()
-    path = resolve_model(args.model)
+    if args.model and args.arch:
+        ap.error("--model or --arch, not both")
+    path = builtin_model(args.arch, "small") if args.arch else resolve_model(args.model)
     print(f"model {path}; OpenBLAS {platform.blas_path() or 'NOT loaded'}; Metal {platform.has_metal()}")
 
     engine = Engine.from_pretrained(path, EngineConfig())
     model = mlx_lm_model(path, engine.runner.dtype)  # mlx-lm's own model, same weights and dtype
-    vocab = int(model.args.vocab_size)
+    vocab = int(text_args(model).vocab_size)
     q = 4 if args.quick else 1
     loads = [("decode-heavy", 32 // q, 128, 128 // q), ("prefill-heavy", 16 // q, 1024, 16)]
 
@@ -118,6 +126,9 @@ def main() -> int:
     engine.generate(make_prompts(2, 64, vocab, 0), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     run_mlx_lm(model, make_prompts(2, 64, vocab, 0), 4)
 
+    if engine.state_slots is not None:
+        print(f"hybrid: {engine.state_slots.num_slots} recurrent-state slots of "
+              f"{engine.runner.state_bytes_per_slot / 1024:.0f} KiB; prefix caching off")
     print(f"{'load':<14} {'mlx-lm tok/s':>13} {'orchard tok/s':>14} {'ratio':>7} {'host ms/step':>13} {'steps':>6}")
     for name, n, length, new in loads:
         prompts = make_prompts(n, length, vocab, seed=hash(name) % 1000)

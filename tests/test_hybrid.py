@@ -110,6 +110,39 @@ def test_hybrid_staggered_one_by_one(models, arch):
     check_family(models(arch), together=1)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+def test_equal_length_chunks_run_as_one_batch(models, arch):
+    """Prompts of one length arriving together: their chunks run through each recurrent
+    layer as one [G, L] batch (fresh, then continuing), still mlx-lm's tokens."""
+    from mlx_lm.utils import load
+
+    from cluster.worker import recurrent
+
+    path = models(arch)
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=32, block_size=16, max_num_batched_tokens=40,
+                                                       max_num_seqs=4, max_num_partial_prefills=4,
+                                                       max_long_partial_prefills=4, long_prefill_token_threshold=64))
+    shapes = []
+    plan_step = recurrent.plan_step
+
+    def spy(scheduled):
+        plan = plan_step(scheduled)
+        shapes.append([(g.size, g.length, g.continues) for g in plan.groups])
+        return plan
+
+    recurrent.plan_step = spy
+    try:
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 500) for _ in range(20)] for _ in range(4)]
+        got = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    finally:
+        recurrent.plan_step = plan_step
+    assert (2, 20, False) in shapes[0] and [(4, 1, True)] in shapes  # two fresh prompts at once; 4 decodes
+    model, _ = load(str(path))
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == oracle(model, prompt, 6)[0]
+
+
 def test_prefix_caching_is_off_and_abort_frees_the_slot(models, caplog):
     """A shared prefix is recomputed (its recurrent state is not cached); an aborted
     request's slot is free for the next one; the load report counts slots."""

@@ -7,8 +7,9 @@ swap of this instance, as attention's) so that, given a `RecurrentCache`, it run
 mlx-lm's own code for the module on:
 
 - all decode rows together, as a batch [B, 1, D] whose state is stacked from their slots;
-- each prefill chunk alone, as [1, L, D] from its slot's state, or from no state when the
-  chunk starts the sequence (exactly what mlx-lm's first call sees);
+- prefill chunks as [G, L, D], the G chunks of the step that have the same length L (most
+  often G = 1), from their slots' state, or from no state when the chunks start their
+  sequences (exactly what mlx-lm's first call sees);
 
 each with a plain mlx-lm `ArraysCache` (no mask, no padding: every row is a real token),
 then writes the new states back to the slots and puts the outputs back in packed order.
@@ -32,43 +33,54 @@ from cluster.worker.attention import LayerSpec, _original_call, _ProbeCache
 
 
 @dataclass
+class RecurrentGroup:
+    """Sequences of the step that run through a recurrent layer as one batch [size, length]:
+    the same number of new tokens, all continuing a state or all starting one."""
+
+    rows: mx.array | slice  # their packed rows, sequence by sequence (a slice when contiguous)
+    slots: mx.array  # [size] their state slots
+    size: int
+    length: int
+    continues: bool  # False: each starts its sequence, from no state
+
+
+@dataclass
 class RecurrentPlan:
     """How a step's packed rows run through the recurrent layers (built once per step)."""
 
-    decode_rows: mx.array | None  # [B] packed rows that continue a state by one token
-    decode_slots: mx.array | None  # [B] their slots
-    chunks: list[tuple[int, int, int, bool]]  # (first row, end row, slot, continues a state)
-    write_slots: mx.array  # the slot of each output group: decode rows, then chunks
-    order: mx.array | None  # packed row -> row of the groups' outputs; None: same order
+    groups: list[RecurrentGroup]
+    write_slots: mx.array  # every group's slots, in group order
+    order: mx.array | None  # packed row -> row of the groups' outputs; None: the same order
 
 
 def plan_step(scheduled) -> RecurrentPlan:
-    """`scheduled`: the step's ScheduledSeq entries, in packed order."""
-    decode_rows, decode_slots, chunks = [], [], []
+    """`scheduled`: the step's ScheduledSeq entries, in packed order. Decode rows form one
+    group; prefill chunks of equal length (the same prompt lengths, a shared budget split
+    evenly) form one each."""
+    members: dict[tuple[int, bool], list[tuple[int, int]]] = {}
     row = 0
     for e in scheduled:
         slot = e.seq.state_slot
         assert slot >= 0, f"request {e.seq.request_id} is scheduled without a state slot"
-        if e.num_new_tokens == 1 and e.start > 0:
-            decode_rows.append(row)
-            decode_slots.append(slot)
-        else:
-            chunks.append((row, row + e.num_new_tokens, slot, e.start > 0))
+        members.setdefault((e.num_new_tokens, e.start > 0), []).append((row, slot))
         row += e.num_new_tokens
-    produced = decode_rows + [r for a, b, _, _ in chunks for r in range(a, b)]
+    groups, produced, slots = [], [], []
+    for (length, continues), seqs in members.items():
+        rows = [r + i for r, _ in seqs for i in range(length)]
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        groups.append(RecurrentGroup(
+            rows=slice(rows[0], rows[0] + len(rows)) if contiguous else mx.array(rows, dtype=mx.int32),
+            slots=mx.array([s for _, s in seqs], dtype=mx.int32), size=len(seqs), length=length,
+            continues=continues))
+        produced += rows
+        slots += [s for _, s in seqs]
     order = None
     if produced != list(range(row)):
         inverse = [0] * row
         for i, r in enumerate(produced):
             inverse[r] = i
         order = mx.array(inverse, dtype=mx.int32)
-    return RecurrentPlan(
-        decode_rows=mx.array(decode_rows, dtype=mx.int32) if decode_rows else None,
-        decode_slots=mx.array(decode_slots, dtype=mx.int32) if decode_slots else None,
-        chunks=chunks,
-        write_slots=mx.array(decode_slots + [c[2] for c in chunks], dtype=mx.int32),
-        order=order,
-    )
+    return RecurrentPlan(groups=groups, write_slots=mx.array(slots, dtype=mx.int32), order=order)
 
 
 class RecurrentCache:
@@ -93,15 +105,12 @@ class RecurrentCache:
         T = x.shape[0]
         x = x.reshape(T, -1)
         outs, states = [], []
-        if plan.decode_rows is not None:
-            cache = self._cache(lambda p: p[plan.decode_slots])
-            y = call(x[plan.decode_rows][:, None], cache)
-            outs.append(y.reshape(y.shape[0], -1))
-            states.append(cache.cache)
-        for start, end, slot, continues in plan.chunks:
-            cache = self._cache(lambda p: p[slot : slot + 1]) if continues else ArraysCache(len(self.pools))
-            y = call(x[start:end][None], cache)
-            outs.append(y[0])
+        for g in plan.groups:
+            cache = ArraysCache(len(self.pools))
+            if g.continues:
+                cache.cache = [None if p is None else p[g.slots] for p in self.pools]
+            y = call(x[g.rows].reshape(g.size, g.length, -1), cache)
+            outs.append(y.reshape(g.size * g.length, -1))
             states.append(cache.cache)
         for j, pool in enumerate(self.pools):
             if pool is not None:
@@ -111,11 +120,6 @@ class RecurrentCache:
         if plan.order is not None:
             out = out[plan.order]
         return out[:, None]
-
-    def _cache(self, rows) -> ArraysCache:
-        cache = ArraysCache(len(self.pools))
-        cache.cache = [None if p is None else rows(p) for p in self.pools]
-        return cache
 
 
 def measure_states(model: nn.Module, specs: list[LayerSpec]) -> dict[int, list]:
