@@ -231,3 +231,34 @@ def test_a_slot_is_never_freed_twice_nor_by_another():
     with pytest.raises(AssertionError, match="held by b"):
         slots.free(b2)
     slots.check_integrity([b])
+
+
+@pytest.mark.slow
+def test_a_worker_serves_a_hybrid_model_and_reports_its_state_slots(models, worker_process):
+    """`orchard worker serve` on a hybrid: the openai client gets mlx-lm's greedy tokens;
+    GetLoad and /metrics count the state slots beside the KV blocks."""
+    import urllib.request
+
+    import grpc
+    import openai
+    from mlx_lm.utils import load
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.proto.orchard.v1 import orchard_pb2 as pb
+    from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
+    path = models("lfm2")
+    worker = worker_process(path, "--num-kv-blocks", "64", "--max-num-seqs", "4")
+    client = openai.OpenAI(base_url=f"http://{worker.http}/v1", api_key="none", max_retries=0, timeout=60)
+    model, tokenizer = load(str(path))
+    prompt = list(range(5, 45))
+    got = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=6,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    want = oracle(model, prompt, 6)[0]
+    assert got.choices[0].text == tokenizer.decode(want) and got.usage.completion_tokens == 6
+    with grpc.insecure_channel(worker.grpc) as channel:
+        load_report = pb_grpc.WorkerAdminStub(channel).GetLoad(pb.GetLoadRequest(), timeout=10)
+    assert (load_report.state_slots_used, load_report.state_slots_total) == (0, 4)
+    text = urllib.request.urlopen(f"http://{worker.metrics}/metrics", timeout=10).read().decode()
+    gauges = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert gauges["orchard_state_slots_total"] == 4 and gauges["orchard_state_slots_used"] == 0

@@ -57,15 +57,18 @@ def _use_fast_swiglu(model: nn.Module) -> None:
     else `cpu_math.swiglu` (MLX's CPU exp is scalar libm: at 512 rows, MLX 11.6 ms, the
     compiled polynomial 3.0 ms, C 0.3 ms). Per instance (a subclass swap), so mlx-lm
     itself is left as it is."""
-    module = sys.modules[type(model).__module__]
-    if platform.has_metal() or getattr(module, "swiglu", None) is None:
+    if platform.has_metal():
         return
+    family_swiglu = getattr(sys.modules[type(model).__module__], "swiglu", None) is not None
     from cluster.worker.kernels import cpu
 
     use_c = kernels.backend() == "cpu" and cpu.available()
     for layer in model.layers:
         mlp = getattr(layer, "mlp", None)
         if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            continue
+        # the family's module uses SwiGLU, or this MLP's own call does (qwen3_5 takes qwen3_next's MLP)
+        if not (family_swiglu or attention._calls(type(mlp), "swiglu")):
             continue
         mlp.__class__ = _fast_swiglu_class(type(mlp), use_c)
 
