@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from cluster.api.constraints import openai_extras
 from cluster.api.errors import DeadlineExceeded, InvalidRequest, OrchardError
 from cluster.api.servicer import Backend, finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request
@@ -151,7 +152,7 @@ def _chat_messages(body: dict) -> list[tuple[str, str]]:
 
 def _make_request(body: dict, chat: bool, request_id: str) -> pb.GenerateRequest:
     model = _field(body, "model", str, "")
-    kwargs = _sampling_kwargs(body, chat)
+    kwargs = _sampling_kwargs(body, chat) | openai_extras(body)  # penalties, logit_bias, structured outputs
     if chat:
         return build_request(messages=_chat_messages(body), model=model, request_id=request_id, **kwargs)
     return build_request(_completion_prompt(body), model=model, request_id=request_id, **kwargs)

@@ -3,8 +3,18 @@
 Greedy rows take the argmax. Other rows: temperature, then top-k, top-p and min-p
 filters, then the Gumbel-max trick. A row with a seed draws its noise from a key derived
 from (seed, index of the token in the output), so the same seed gives the same tokens
-whatever else shares the batch, and after a preemption too. Logprobs are of the raw
-model distribution (before temperature and filters), as vLLM reports them.
+whatever else shares the batch, and after a preemption too.
+
+Before any of that, `process_logits` changes the rows that ask for it, and only those:
+a grammar's bitmask (disallowed tokens to -inf), logit bias, then the repetition penalty
+(over prompt and output) and the frequency and presence penalties (over the output), in
+vLLM's order. Rows that ask for none are not touched, and a batch where no row asks
+skips it entirely.
+
+Logprobs are of the model's distribution after that processing (vLLM's "processed
+logprobs"), before temperature and the top-k/top-p/min-p filters: what the request's own
+settings made of the model, so a token that bias or a grammar rules out has logprob
+-inf and never appears among the top alternatives.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from cluster.worker.sampling_params import SamplingParams
 
@@ -21,6 +32,54 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None  # of the chosen tokens, when any row asked for logprobs
     top_logprobs: list[list[tuple[int, float]] | None]  # per row, when asked
+
+
+def process_logits(logits: mx.array, params: list[SamplingParams], histories=None,
+                   bitmask: np.ndarray | None = None, masked_rows: list[int] = ()) -> mx.array:
+    """`logits` [N, V] with the per-row processing applied to the rows that ask for it.
+
+    `histories[i]` is (token ids so far, number of prompt tokens) of row i, needed by rows
+    with penalties. `bitmask` [len(masked_rows), ceil(V / 32)] int32 holds one allowed-token
+    bitmask (bit t % 32 of word t // 32) for each of `masked_rows`."""
+    N, V = logits.shape
+    if masked_rows:
+        rows = mx.array(list(masked_rows))
+        shifts = mx.arange(32, dtype=mx.int32)
+        bits = (mx.array(bitmask)[:, :, None] >> shifts) & 1
+        allowed = bits.reshape(len(masked_rows), -1)[:, :V].astype(mx.bool_)
+        logits[rows] = mx.where(allowed, logits[rows], mx.array(-float("inf"), dtype=logits.dtype))
+    rows = [i for i, p in enumerate(params) if p.processes_logits]
+    if not rows:
+        return logits
+    sub = [params[i] for i in rows]
+    x = logits[mx.array(rows)]
+    if any(p.logit_bias for p in sub):
+        bias = np.zeros((len(rows), V), dtype=np.float32)
+        for r, p in enumerate(sub):
+            for token, b in p.logit_bias:
+                if token < V:
+                    bias[r, token] = b
+        x = x + mx.array(bias)
+    if any(p.repetition_penalty != 1.0 for p in sub):
+        seen = np.zeros((len(rows), V), dtype=np.bool_)
+        for r, i in enumerate(rows):
+            if params[i].repetition_penalty != 1.0:
+                seen[r, np.asarray(histories[i][0], dtype=np.int64)] = True
+        rep = mx.array([p.repetition_penalty for p in sub], dtype=mx.float32)[:, None]
+        x = mx.where(mx.array(seen), mx.where(x > 0, x / rep, x * rep), x)
+    if any(p.presence_penalty or p.frequency_penalty for p in sub):
+        counts = np.zeros((len(rows), V), dtype=np.float32)
+        for r, i in enumerate(rows):
+            tokens, num_prompt = histories[i]
+            out = np.asarray(tokens[num_prompt:], dtype=np.int64)
+            if out.size:
+                counts[r] = np.bincount(out, minlength=V)[:V]
+        freq = mx.array([p.frequency_penalty for p in sub], dtype=mx.float32)[:, None]
+        presence = mx.array([p.presence_penalty for p in sub], dtype=mx.float32)[:, None]
+        c = mx.array(counts)
+        x = x - freq * c - presence * (c > 0)
+    logits[mx.array(rows)] = x
+    return logits
 
 
 def _seed_for(seed: int, step: int) -> int:
@@ -35,9 +94,13 @@ class Sampler:
         self.key, sub = mx.random.split(self.key)
         return sub
 
-    def __call__(self, logits: mx.array, params: list[SamplingParams], steps: list[int]) -> SampleResult:
-        """logits [N, V] float32; `steps[i]` is the index of the token row i produces."""
+    def __call__(self, logits: mx.array, params: list[SamplingParams], steps: list[int], histories=None,
+                 bitmask: np.ndarray | None = None, masked_rows: list[int] = ()) -> SampleResult:
+        """logits [N, V] float32; `steps[i]` is the index of the token row i produces;
+        `histories`, `bitmask`, `masked_rows` as `process_logits` takes them."""
         N, V = logits.shape
+        if masked_rows or any(p.processes_logits for p in params):
+            logits = process_logits(logits, params, histories, bitmask, masked_rows)
         greedy = [p.greedy for p in params]
         tokens = mx.argmax(logits, axis=-1)
         if not all(greedy):
@@ -60,7 +123,8 @@ class Sampler:
             mx.eval(tokens, chosen)
         for i, p in enumerate(params):
             if p.logprobs is not None:
-                top[i] = sorted(zip(ids[i], vals[i]), key=lambda t: -t[1])[: p.logprobs] if k else []
+                ranked = sorted(zip(ids[i], vals[i]), key=lambda t: -t[1])[: p.logprobs] if k else []
+                top[i] = [(t, v) for t, v in ranked if v != -float("inf")]
         return SampleResult(tokens.tolist(), chosen.tolist(), top)
 
     def _sample(self, logits, params, steps, greedy) -> mx.array:
