@@ -25,6 +25,7 @@ of its own per schema and its Python package pulls in torch.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import OrderedDict
@@ -88,10 +89,10 @@ class GrammarCompiler:
     def lltokenizer(self):
         with self._lock:
             if self._lltok is None:
-                import llguidance.hf
+                import llguidance
 
-                self._lltok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
-                                                           eos_token=self._eos or None)
+                self._lltok = llguidance.LLTokenizer(_plain_added_tokens(self._hf), n_vocab=self.vocab_size,
+                                                     eos_token=self._eos or None)
             return self._lltok
 
     def compile(self, spec: StructuredOutput):
@@ -126,6 +127,37 @@ class GrammarCompiler:
             raise InvalidGrammar(f"the tokens already generated do not fit the {spec.kind.replace('_', ' ')}: "
                                  f"{matcher.get_error()}")
         return matcher
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level BPE: each byte as the printable character a vocabulary uses."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
+
+
+def _plain_added_tokens(hf) -> str:
+    """The tokenizer's JSON for llguidance, with added tokens that are not special (tool-
+    call markers such as Qwen's <tool_call>) moved into a byte-level BPE vocabulary:
+    llguidance takes every added token as special, so a grammar's literal "<tool_call>"
+    would never match the marker token the model actually emits."""
+    backend = copy.copy(hf.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    data = json.loads(backend.to_str())
+    model = data.get("model") or {}
+    byte_level = "ByteLevel" in json.dumps(data.get("pre_tokenizer")) or "ByteLevel" in json.dumps(data.get("decoder"))
+    if model.get("type") != "BPE" or not byte_level:
+        return json.dumps(data)
+    alphabet = _byte_level_alphabet()
+    keep = []
+    for added in data.get("added_tokens", []):
+        if added.get("special", True):
+            keep.append(added)
+        else:
+            model["vocab"]["".join(alphabet[b] for b in added["content"].encode())] = added["id"]
+    data["added_tokens"] = keep
+    return json.dumps(data)
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
