@@ -7,7 +7,9 @@ worker and the router serve the same API.
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not),
 GET /v1/models, GET /health. Sampling fields: max_tokens (max_completion_tokens),
 temperature, top_p, seed, stop, stream_options.include_usage, logprobs (top_logprobs for
-chat), and the extensions ignore_eos, top_k, min_p, stop_token_ids. Errors use OpenAI's
+chat), presence_penalty, frequency_penalty, logit_bias, response_format, and the extensions
+ignore_eos, top_k, min_p, stop_token_ids, repetition_penalty, vLLM's guided_* and
+structured_outputs (`cluster.api.constraints`). Errors use OpenAI's
 shape `{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 404
 (unknown model), 429 (queue full), 503 (draining or unavailable).
 """
