@@ -114,7 +114,8 @@ class WorkerService:
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size
-        self.grammars = engine.grammars  # thread-safe: specs are compiled here, before queueing
+        # thread-safe: specs are compiled here, before queueing (None: an engine without them)
+        self.grammars = getattr(engine, "grammars", None)
         self.stats = engine.stats
         if self._with_metrics:
             self.metrics = WorkerMetrics(engine.model_name, self.worker_id, lambda: engine.stats)
@@ -250,6 +251,8 @@ class WorkerService:
     async def _compile(self, spec: StructuredOutput) -> None:
         """Compile (and cache) a structured output's grammar before any engine work, off
         the event loop: a schema that cannot be compiled is the request's fault."""
+        if self.grammars is None:
+            raise InvalidRequest("structured outputs are not supported by this worker's engine")
         try:
             await asyncio.get_running_loop().run_in_executor(self._pool, self.grammars.compile, spec)
         except InvalidGrammar as e:
