@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -126,7 +125,7 @@ def bench_masks(model: Path, quick: bool) -> None:
           f"{(time.perf_counter() - t0) * 1e3:.0f} ms):")
     xgr = None
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401  (xgrammar needs it)
         import xgrammar as xgr
     except ImportError as e:
         print(f"  xgrammar not importable ({e}): llguidance alone")
@@ -147,8 +146,6 @@ def bench_masks(model: Path, quick: bool) -> None:
         llg = min(times)
         line = f"  doc of {len(tokens):4d} tokens: llguidance {llg:7.1f} us/token (compile {compile_ms:6.1f} ms)"
         if xgr is not None:
-            import torch
-
             info = xgr.TokenizerInfo.from_huggingface(tok._tokenizer, vocab_size=vocab)
             compiler = xgr.GrammarCompiler(info, max_threads=1)
             t0 = time.perf_counter()
@@ -165,7 +162,6 @@ def bench_masks(model: Path, quick: bool) -> None:
                 xtimes.append((time.perf_counter() - t0) / len(tokens) * 1e6)
             xg = min(xtimes)
             line += f"; xgrammar {xg:7.1f} us/token (compile {xc_ms:6.1f} ms); llguidance/xgrammar {llg / xg:.2f}"
-            del torch
         print(line)
 
 

@@ -76,7 +76,8 @@ def test_bitmask_rows_only_allow_their_tokens():
 
 def test_logprobs_are_the_processed_ones():
     raw = np.random.default_rng(2).standard_normal((2, V)).astype(np.float32)
-    params = [SamplingParams(temperature=0, logprobs=2, logit_bias={9: 100.0}), SamplingParams(temperature=0, logprobs=2)]
+    params = [SamplingParams(temperature=0, logprobs=2, logit_bias={9: 100.0}),
+              SamplingParams(temperature=0, logprobs=2)]
     res = Sampler()(mx.array(raw), params, [0, 0], [([1, 2], 1), ([1, 2], 1)])
     assert res.token_ids == [9, int(np.argmax(raw[1]))]
     x = reference(raw[0], params[0], [1, 2], 1)

@@ -12,7 +12,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.sdk import Client, InvalidRequest
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

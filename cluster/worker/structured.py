@@ -184,7 +184,10 @@ def tool_call_constraint(tools: Sequence[dict], tool_choice: str | dict = "requi
     {"type": "function", "function": {"name": ...}}). `tools` are in OpenAI's shape
     ({"type": "function", "function": {"name", "parameters"}}) or bare functions.
     `family_format` = (opening, closing) text the family puts around a call (Hermes:
-    ("<tool_call>\\n", "\\n</tool_call>")); None: the JSON alone (a json_schema spec)."""
+    ("<tool_call>\\n", "\\n</tool_call>")); None: the JSON alone (a json_schema spec).
+    Markers are matched as text: right for the families whose markers are ordinary added
+    tokens (Hermes/Qwen, see `_plain_added_tokens`); a marker that is a special token
+    would need llguidance's `<|name|>` token syntax instead."""
     functions = [t.get("function", t) for t in tools]
     if not functions or any(not isinstance(f.get("name"), str) for f in functions):
         raise InvalidGrammar("tools must be a non-empty list of functions with a name")
