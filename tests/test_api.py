@@ -145,9 +145,7 @@ def _with(**fields):
 # Fields of the contract that no backend honours yet: refused by name, never ignored. An
 # entry leaves this list (and wire._unsupported) with the change that implements it.
 @pytest.mark.parametrize("fields, name", [
-    (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=-1.0), "frequency_penalty"),
-    (dict(repetition_penalty=1.1), "repetition_penalty"), (dict(logit_bias=5.0), "logit_bias"),
-    (dict(structured=True), "structured output"), (dict(prompt_logprobs=0), "prompt_logprobs"), (dict(n=2), "n > 1"),
+    (dict(prompt_logprobs=0), "prompt_logprobs"), (dict(n=2), "n > 1"),
     (dict(tools="[]x"), "tools"), (dict(tool_choice="auto"), "tool_choice"), (dict(parallel_tool_calls=False),
                                                                              "parallel_tool_calls"),
     (dict(history=True), "tool calls in the chat history"),
@@ -156,6 +154,37 @@ def test_fields_not_yet_served_are_refused_by_name(fields, name):
     with pytest.raises(InvalidRequest, match=f"{name}.*not supported"):
         validate_request(_with(**fields))
     validate_request(_with(n=1))  # n=1 is the default
+
+
+# Penalties, logit bias and structured outputs are served: validated to OpenAI's ranges.
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(temperature=2.5), "temperature must be between 0 and 2"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(presence_penalty=5.0), "presence_penalty must be between -2 and 2"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty must be between -2 and 2"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty must be in \(0, 2\]"),
+    (dict(repetition_penalty=3.0), r"repetition_penalty must be in \(0, 2\]"),
+    (dict(logit_bias={5: 101.0}), "logit_bias values must be between -100 and 100"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias token id -1"),
+    (dict(logit_bias={i: 1.0 for i in range(301)}), "at most 300"),
+    (dict(structured={"json_schema": "{not json"}), "not valid JSON"),
+    (dict(structured={"choice": []}), "at least one choice"),
+    (dict(structured={"regex": " "}), "regex is empty"),
+])
+def test_sampling_ranges_are_refused_by_name(kwargs, words):
+    with pytest.raises(InvalidRequest, match=words):
+        validate_request(build_request("hi", **kwargs))
+
+
+def test_sampling_extensions_in_range_are_accepted():
+    for kwargs in (dict(temperature=2.0, presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=2.0,
+                        logit_bias={i: (-100.0 if i % 2 else 100.0) for i in range(300)}),
+                   dict(structured={"json_schema": {"type": "object"}}), dict(structured={"json_object": True}),
+                   dict(structured={"regex": "a+"}), dict(structured={"choice": ["a", "b"]}),
+                   dict(structured={"grammar": 'start: "x"'})):
+        validate_request(build_request("hi", **kwargs))
+    with pytest.raises(InvalidRequest, match="structured"):
+        build_request("hi", structured={"yaml": "x"})
 
 
 def test_build_request_and_validate_agree_on_max_tokens():

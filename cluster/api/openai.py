@@ -7,7 +7,9 @@ worker and the router serve the same API.
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not),
 GET /v1/models, GET /health. Sampling fields: max_tokens (max_completion_tokens),
 temperature, top_p, seed, stop, stream_options.include_usage, logprobs (top_logprobs for
-chat), and the extensions ignore_eos, top_k, min_p, stop_token_ids. Errors use OpenAI's
+chat), presence_penalty, frequency_penalty, logit_bias, response_format, and the extensions
+ignore_eos, top_k, min_p, stop_token_ids, repetition_penalty, vLLM's guided_* and
+structured_outputs (`cluster.api.constraints`). Errors use OpenAI's
 shape `{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 404
 (unknown model), 429 (queue full), 503 (draining or unavailable).
 """
@@ -24,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from cluster.api.constraints import openai_extras
 from cluster.api.errors import DeadlineExceeded, InvalidRequest, OrchardError
 from cluster.api.servicer import Backend, finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request
@@ -151,7 +154,7 @@ def _chat_messages(body: dict) -> list[tuple[str, str]]:
 
 def _make_request(body: dict, chat: bool, request_id: str) -> pb.GenerateRequest:
     model = _field(body, "model", str, "")
-    kwargs = _sampling_kwargs(body, chat)
+    kwargs = _sampling_kwargs(body, chat) | openai_extras(body)  # penalties, logit_bias, structured outputs
     if chat:
         return build_request(messages=_chat_messages(body), model=model, request_id=request_id, **kwargs)
     return build_request(_completion_prompt(body), model=model, request_id=request_id, **kwargs)

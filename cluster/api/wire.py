@@ -12,8 +12,9 @@ engine keeps only the checks that protect its own invariants.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
+from cluster.api.constraints import check_sampling, structured_proto
 from cluster.api.errors import InvalidRequest
 from cluster.config import setting
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -50,6 +51,11 @@ def build_request(
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
     logprobs: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    structured: Any = None,
     request_id: str = "",
     resume_token_ids: Sequence[int] | None = None,
 ) -> pb.GenerateRequest:
@@ -73,7 +79,9 @@ def build_request(
             req.token_ids.SetInParent()
         s = req.sampling
         for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                            ("top_k", top_k), ("min_p", min_p), ("seed", seed), ("logprobs", logprobs)):
+                            ("top_k", top_k), ("min_p", min_p), ("seed", seed), ("logprobs", logprobs),
+                            ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                            ("repetition_penalty", repetition_penalty)):
             if value is None:
                 continue
             if name == "max_tokens" and isinstance(value, int) and value < 0:
@@ -87,6 +95,10 @@ def build_request(
         if stop_token_ids:
             s.stop_token_ids.extend(int(t) for t in stop_token_ids)
         s.ignore_eos = bool(ignore_eos)
+        for token, bias in (logit_bias or {}).items():
+            s.logit_bias[int(token)] = float(bias)
+        if structured is not None:
+            s.structured.CopyFrom(structured_proto(structured))
         if resume_token_ids:
             req.resume_token_ids.extend(int(t) for t in resume_token_ids)
     except (ValueError, TypeError) as e:  # out of the wire types' range
@@ -137,6 +149,7 @@ def validate_request(request: pb.GenerateRequest, limits: RequestLimits = Reques
                              "allowed")
     if any(t < 0 for t in s.stop_token_ids):
         raise InvalidRequest("stop token ids must be >= 0")
+    check_sampling(s)
     unsupported = _unsupported(request)
     if unsupported:
         raise InvalidRequest(f"{', '.join(unsupported)}: not supported by this server yet")
@@ -146,11 +159,6 @@ def _unsupported(request: pb.GenerateRequest) -> list[str]:
     """The contract's fields no backend honours yet: refused by name, never ignored."""
     s = request.sampling
     named = {
-        "presence_penalty": s.presence_penalty != 0,
-        "frequency_penalty": s.frequency_penalty != 0,
-        "repetition_penalty": s.HasField("repetition_penalty"),
-        "logit_bias": bool(s.logit_bias),
-        "structured output (response_format)": s.HasField("structured"),
         "prompt_logprobs": s.HasField("prompt_logprobs"),
         "n > 1": s.n > 1,
         "tools": bool(request.tools),

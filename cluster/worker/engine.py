@@ -24,6 +24,7 @@ from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.scheduler import Scheduler
 from cluster.worker.sequence import Sequence, SequenceStatus
 from cluster.worker.state_slots import StateSlots
+from cluster.worker.structured import GrammarCompiler, fill_bitmasks
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.vocab_size = int(text_args(model).vocab_size)
+        # Compiles structured-output specs; shared with the worker's asyncio side, which
+        # checks a request's spec before queueing it.
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         self.stats = EngineStats(num_blocks_total=num_blocks,
                                  state_slots_total=self.state_slots.num_slots if hybrid else 0)
 
@@ -135,6 +139,9 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: send at least one token")
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary (0 .. {self.vocab_size - 1})")
         if len(resume_token_ids) >= params.max_tokens:
             raise ValueError(f"{len(resume_token_ids)} resumed tokens already reach max_tokens={params.max_tokens}")
         self.scheduler.check_fits(len(prompt_token_ids) + len(resume_token_ids))
@@ -143,6 +150,8 @@ class Engine:
             raise QueueFullError(f"the waiting queue is full ({cap} requests): retry later")
         prompt = [int(t) for t in prompt_token_ids]
         seq = Sequence(request_id, prompt + [int(t) for t in resume_token_ids], params, num_prompt_tokens=len(prompt))
+        if params.structured is not None:
+            seq.matcher = self.grammars.matcher_for(params.structured, resume_token_ids)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
@@ -220,8 +229,14 @@ class Engine:
             sampling = [e for e in plan.scheduled if e.sample]
             result = None
             if sampling:
+                masked = [i for i, e in enumerate(sampling) if e.seq.matcher is not None]
+                bitmask = None
+                if masked:  # the grammar masks, on this thread, while MLX runs the forward
+                    mx.async_eval(logits)
+                    bitmask = fill_bitmasks([sampling[i].seq.matcher for i in masked], logits.shape[1])
                 result = self.sampler(
-                    logits, [e.seq.sampling_params for e in sampling], [e.seq.num_output_tokens for e in sampling]
+                    logits, [e.seq.sampling_params for e in sampling], [e.seq.num_output_tokens for e in sampling],
+                    [(e.seq.token_ids, e.seq.num_prompt_tokens) for e in sampling], bitmask, masked,
                 )
             mx.eval(self.runner.pool_arrays())
             self.stats.forward_seconds += time.perf_counter() - t1
@@ -267,10 +282,20 @@ class Engine:
         detok = self.detoks[seq.request_id]
         status = None
         stop_string = detok.add(token)
-        if stop_string is not None:
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):  # cannot happen: the mask allowed only what it accepts
+                log.error("engine: %s: token %d broke its grammar: %s", seq.request_id, token, seq.matcher.get_error())
+                status = SequenceStatus.FINISHED_ABORTED
+            grammar_done = seq.matcher.is_stopped()
+        if status is not None:
+            pass
+        elif stop_string is not None:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_string
         elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif grammar_done:  # the structured output is complete: nothing else may follow
+            status = SequenceStatus.FINISHED_STOPPED
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:

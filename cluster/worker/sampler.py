@@ -3,15 +3,27 @@
 Greedy rows take the argmax. Other rows: temperature, then top-k, top-p and min-p
 filters, then the Gumbel-max trick. A row with a seed draws its noise from a key derived
 from (seed, index of the token in the output), so the same seed gives the same tokens
-whatever else shares the batch, and after a preemption too. Logprobs are of the raw
-model distribution (before temperature and filters), as vLLM reports them.
+whatever else shares the batch, and after a preemption too.
+
+Before any of that, `process_logits` changes the rows that ask for it, and only those:
+a grammar's bitmask (disallowed tokens to -inf), logit bias, then the repetition penalty
+(over prompt and output) and the frequency and presence penalties (over the output), in
+vLLM's order. Rows that ask for none are not touched, and a batch where no row asks
+skips it entirely.
+
+Logprobs are of the model's distribution after that processing (vLLM's "processed
+logprobs"), before temperature and the top-k/top-p/min-p filters: what the request's own
+settings made of the model, so a token that bias or a grammar rules out has logprob
+-inf and never appears among the top alternatives.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from cluster.worker.sampling_params import SamplingParams
 
@@ -21,6 +33,58 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None  # of the chosen tokens, when any row asked for logprobs
     top_logprobs: list[list[tuple[int, float]] | None]  # per row, when asked
+
+
+def process_logits(logits: mx.array, params: list[SamplingParams], histories=None,
+                   bitmask: np.ndarray | None = None, masked_rows: list[int] = ()) -> mx.array:
+    """`logits` [N, V] with the per-row processing applied to the rows that ask for it.
+
+    `histories[i]` is (token ids so far, number of prompt tokens) of row i, needed by rows
+    with penalties. `bitmask` [len(masked_rows), ceil(V / 32)] int32 holds one allowed-token
+    bitmask (bit t % 32 of word t // 32) for each of `masked_rows`.
+
+    The touched rows are processed in numpy, sparsely (only the biased and the seen
+    tokens of a row are touched), and put back with one gather: MLX's CPU scatter and
+    selects over a [rows, vocabulary] array cost milliseconds."""
+    N, V = logits.shape
+    touched = sorted(set(masked_rows) | {i for i, p in enumerate(params) if p.processes_logits})
+    if not touched:
+        return logits
+    x = np.array(logits[mx.array(touched)] if len(touched) < N else logits)
+    if len(masked_rows):
+        allowed = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")[:, :V]
+        where = {row: k for k, row in enumerate(masked_rows)}
+    for r, i in enumerate(touched):
+        p, row = params[i], x[r]
+        if len(masked_rows) and i in where:
+            row[allowed[where[i]] == 0] = -np.inf
+        if not p.processes_logits:
+            continue
+        if p.logit_bias:
+            ids, values = _bias_arrays(p.logit_bias, V)
+            row[ids] += values
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            tokens, num_prompt = histories[i]
+            tokens = np.asarray(tokens, dtype=np.int64)
+        if p.repetition_penalty != 1.0:
+            # a token seen twice is written twice with the same value: no need to dedupe
+            v = row[tokens]
+            row[tokens] = np.where(v > 0, v / np.float32(p.repetition_penalty), v * np.float32(p.repetition_penalty))
+        if p.presence_penalty or p.frequency_penalty:
+            ids, counts = np.unique(tokens[num_prompt:], return_counts=True)
+            row[ids] -= (np.float32(p.frequency_penalty) * counts + np.float32(p.presence_penalty)).astype(np.float32)
+    if len(touched) == N:
+        return mx.array(x)
+    order = list(range(N))
+    for r, i in enumerate(touched):
+        order[i] = N + r
+    return mx.concatenate([logits, mx.array(x)])[mx.array(order)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _bias_arrays(bias: tuple[tuple[int, float], ...], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    kept = [(t, b) for t, b in bias if t < vocab_size]
+    return (np.array([t for t, _ in kept], dtype=np.int64), np.array([b for _, b in kept], dtype=np.float32))
 
 
 def _seed_for(seed: int, step: int) -> int:
@@ -35,9 +99,13 @@ class Sampler:
         self.key, sub = mx.random.split(self.key)
         return sub
 
-    def __call__(self, logits: mx.array, params: list[SamplingParams], steps: list[int]) -> SampleResult:
-        """logits [N, V] float32; `steps[i]` is the index of the token row i produces."""
+    def __call__(self, logits: mx.array, params: list[SamplingParams], steps: list[int], histories=None,
+                 bitmask: np.ndarray | None = None, masked_rows: list[int] = ()) -> SampleResult:
+        """logits [N, V] float32; `steps[i]` is the index of the token row i produces;
+        `histories`, `bitmask`, `masked_rows` as `process_logits` takes them."""
         N, V = logits.shape
+        if masked_rows or any(p.processes_logits for p in params):
+            logits = process_logits(logits, params, histories, bitmask, masked_rows)
         greedy = [p.greedy for p in params]
         tokens = mx.argmax(logits, axis=-1)
         if not all(greedy):
@@ -60,7 +128,8 @@ class Sampler:
             mx.eval(tokens, chosen)
         for i, p in enumerate(params):
             if p.logprobs is not None:
-                top[i] = sorted(zip(ids[i], vals[i]), key=lambda t: -t[1])[: p.logprobs] if k else []
+                ranked = sorted(zip(ids[i], vals[i]), key=lambda t: -t[1])[: p.logprobs] if k else []
+                top[i] = [(t, v) for t, v in ranked if v != -float("inf")]
         return SampleResult(tokens.tolist(), chosen.tolist(), top)
 
     def _sample(self, logits, params, steps, greedy) -> mx.array:

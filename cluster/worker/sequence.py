@@ -44,6 +44,7 @@ class Sequence:
     num_preemptions: int = 0
     num_forwarded_tokens: int = 0  # all tokens ever forwarded (recompute included)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    matcher: object | None = None  # llguidance's LLMatcher over the output, for a structured output
 
     def __post_init__(self):
         self.token_ids = list(self.token_ids)

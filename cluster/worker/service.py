@@ -31,7 +31,8 @@ from cluster.worker.engine import Engine, EngineStats, QueueFullError, RequestOu
 from cluster.worker.engine_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
 from cluster.worker.faults import FaultInjection
 from cluster.worker.metrics import WorkerMetrics
-from cluster.worker.sampling_params import SamplingParams
+from cluster.worker.sampling_params import SamplingParams, StructuredOutput
+from cluster.worker.structured import InvalidGrammar
 
 log = logging.getLogger(__name__)
 # Prompts shorter than this are tokenized inline: a thread-pool hop would cost more.
@@ -56,15 +57,22 @@ def sampling_params_from_proto(request: pb.GenerateRequest, num_resumed: int = 0
     s = request.sampling
     limit = max_tokens(request) if limit is None else limit
     kwargs = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "repetition_penalty"):
         if s.HasField(name):
             kwargs[name] = getattr(s, name)
+    if s.HasField("structured"):
+        kind = s.structured.WhichOneof("kind")
+        spec = {"json_object": "", "choice": tuple(s.structured.choice.choices)}.get(kind)
+        kwargs["structured"] = StructuredOutput(kind, getattr(s.structured, kind) if spec is None else spec)
     try:
         params = SamplingParams(
             max_tokens=limit,
             stop=tuple(s.stop),
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            logit_bias=dict(s.logit_bias),
             **kwargs,
         )
     except (TypeError, ValueError) as e:
@@ -106,6 +114,8 @@ class WorkerService:
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size
+        # thread-safe: specs are compiled here, before queueing (None: an engine without them)
+        self.grammars = getattr(engine, "grammars", None)
         self.stats = engine.stats
         if self._with_metrics:
             self.metrics = WorkerMetrics(engine.model_name, self.worker_id, lambda: engine.stats)
@@ -153,7 +163,9 @@ class WorkerService:
         validate_request(request, self.limits)
         self._check_cost(request)  # before any work
         resume = list(request.resume_token_ids)
-        sampling_params_from_proto(request, len(resume))  # the engine's ranges, before tokenizing
+        early = sampling_params_from_proto(request, len(resume))  # the engine's ranges, before tokenizing
+        if early is not None and early.structured is not None:
+            await self._compile(early.structured)
         prompt = await self._prompt_token_ids(request)
         self._check_length(len(prompt), len(resume))
         params = sampling_params_from_proto(request, len(resume), check_fits(request, len(prompt),
@@ -237,11 +249,24 @@ class WorkerService:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
+    async def _compile(self, spec: StructuredOutput) -> None:
+        """Compile (and cache) a structured output's grammar before any engine work, off
+        the event loop: a schema that cannot be compiled is the request's fault."""
+        if self.grammars is None:
+            raise InvalidRequest("structured outputs are not supported by this worker's engine")
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.grammars.compile, spec)
+        except InvalidGrammar as e:
+            raise InvalidRequest(str(e)) from None
+
     def _check_cost(self, request: pb.GenerateRequest) -> None:
         """What only the worker knows: the vocabulary, and how long a text can possibly fit."""
         bad = [t for t in request.sampling.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary (0 .. {self.vocab_size - 1})")
+        bad = [t for t in request.sampling.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias token id {bad[0]} is outside the vocabulary (0 .. {self.vocab_size - 1})")
         chars, bound = prompt_chars(request), CHARS_PER_TOKEN_BOUND * self.config.max_model_len
         if chars > bound:
             raise InvalidRequest(f"the prompt has {chars} characters, more than max_model_len={self.config.max_model_len} "
