@@ -98,10 +98,14 @@ class Scheduler:
                 "give the worker more KV blocks"
             )
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        """Queue `seq` (`front`: first in line, as a sample forked from a running request)."""
         self.check_fits(seq.num_tokens)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
         if seq.is_finished:
@@ -236,7 +240,8 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(skipped) < _LOOKAHEAD:
             seq = self.waiting[0]
-            computed = bm.get_computed_blocks(seq)
+            # prompt logprobs need every prompt row forwarded: no prefix-cache hit (vLLM's rule)
+            computed = [] if seq.wants_prompt_logprobs else bm.get_computed_blocks(seq)
             remaining = seq.num_uncomputed_tokens - len(computed) * bm.block_size
             if remaining <= budget:
                 n = remaining  # the whole prefill runs now: no partial slot needed
@@ -253,7 +258,7 @@ class Scheduler:
             if not bm.allocate_slots(seq, n, computed):
                 break
             self.waiting.popleft()
-            if seq.num_preemptions == 0:  # count each request's prefix lookup once
+            if seq.num_preemptions == 0 and seq.index == 0:  # count each request's prefix lookup once
                 seq.num_cached_tokens = len(computed) * bm.block_size
                 bm.record_prefix_query(seq.num_tokens, seq.num_cached_tokens)
             seq.status = SequenceStatus.RUNNING
