@@ -147,7 +147,7 @@ def _with(**fields):
 @pytest.mark.parametrize("fields, name", [
     (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=-1.0), "frequency_penalty"),
     (dict(repetition_penalty=1.1), "repetition_penalty"), (dict(logit_bias=5.0), "logit_bias"),
-    (dict(structured=True), "structured output"), (dict(prompt_logprobs=0), "prompt_logprobs"), (dict(n=2), "n > 1"),
+    (dict(structured=True), "structured output"),
     (dict(tools="[]x"), "tools"), (dict(tool_choice="auto"), "tool_choice"), (dict(parallel_tool_calls=False),
                                                                              "parallel_tool_calls"),
     (dict(history=True), "tool calls in the chat history"),
@@ -156,6 +156,18 @@ def test_fields_not_yet_served_are_refused_by_name(fields, name):
     with pytest.raises(InvalidRequest, match=f"{name}.*not supported"):
         validate_request(_with(**fields))
     validate_request(_with(n=1))  # n=1 is the default
+
+
+def test_n_and_prompt_logprobs_are_served_within_bounds():
+    validate_request(_with(n=4, prompt_logprobs=0))
+    with pytest.raises(InvalidRequest, match="n=17: at most 16"):
+        validate_request(_with(n=17))
+    with pytest.raises(InvalidRequest, match="prompt_logprobs must be between 0 and 20"):
+        validate_request(_with(prompt_logprobs=21))
+    resumed = _with(n=2)
+    resumed.resume_token_ids.append(5)
+    with pytest.raises(InvalidRequest, match="n > 1 cannot be resumed"):
+        validate_request(resumed)
 
 
 def test_build_request_and_validate_agree_on_max_tokens():

@@ -4,8 +4,8 @@ The backend is a `cluster.api.servicer.Backend`: the worker's `WorkerService` or
 router's `RouterBackend` in process (or the SDK's `GrpcBackend` over a channel), so the
 worker and the router serve the same API.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not),
-GET /v1/models, GET /health. Sampling fields: max_tokens (max_completion_tokens),
+Routes: POST /v1/completions (`cluster.api.completions`: prompt lists, n, echo, prompt
+logprobs), POST /v1/chat/completions (SSE streaming or not), GET /v1/models, GET /health. Sampling fields: max_tokens (max_completion_tokens),
 temperature, top_p, seed, stop, stream_options.include_usage, logprobs (top_logprobs for
 chat), and the extensions ignore_eos, top_k, min_p, stop_token_ids. Errors use OpenAI's
 shape `{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 404
@@ -256,7 +256,9 @@ def create_app(backend: Backend, request_timeout: float | None = None, *, keys: 
     app[_BACKEND] = backend
     app[_TIMEOUT] = request_timeout
     app[_MODEL_CACHE] = [float("-inf"), ""]
-    app.router.add_post("/v1/completions", _completions)
+    from cluster.api.completions import completions  # it builds on this module's helpers
+
+    app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
@@ -301,10 +303,6 @@ async def _health(request: web.Request) -> web.Response:
     except OrchardError as e:
         return web.json_response({"status": "unavailable", "message": e.message}, status=503)
     return web.json_response({"status": "ok"})
-
-
-async def _completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=False)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:

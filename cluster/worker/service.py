@@ -218,6 +218,12 @@ class WorkerService:
                         if request.sampling.echo:
                             chunk.prompt_token_ids.extend(prompt)
                             chunk.prompt_text = self.tokenizer.decode(prompt)
+                            if request.sampling.HasField("prompt_logprobs"):  # the first token leads, without one
+                                rest = list(chunk.prompt_logprobs)
+                                del chunk.prompt_logprobs[:]
+                                chunk.prompt_logprobs.add(token_id=prompt[0], logprob=float("nan"),
+                                                          token=self._token_text(prompt[0]))
+                                chunk.prompt_logprobs.extend(rest)
                     if finished and chunk is list(chunks.values())[-1]:
                         chunk.usage.CopyFrom(usage.proto())
                     if chunk.token_ids or chunk.text or chunk.finish_reason or chunk.HasField("usage"):

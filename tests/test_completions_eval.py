@@ -1,0 +1,175 @@
+"""/v1/completions as evaluation harnesses use it, through the real `openai` client and
+lm-eval's `local-completions` model against a worker's HTTP server: echo with prompt
+logprobs (against mlx-lm's model run dense over the prompt), max_tokens=0, prompt
+lists, n > 1 (streamed too), vLLM's prompt_logprobs, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+from mlx_lm.utils import load
+
+from cluster.sdk import Client
+
+PROMPT = "The orchard is quiet in the morning, and the bees are slow."
+
+
+@pytest.fixture(scope="module")
+def oai(tiny_worker):
+    client = openai.OpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_model_dir):
+    """(tokenizer, dense log-softmax [len, vocab] of a token list), mlx-lm float32."""
+    model, tokenizer = load(str(tiny_model_dir))
+
+    def dense(ids: list[int]) -> np.ndarray:
+        logits = model(mx.array(ids)[None]).astype(mx.float32)[0]
+        return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    return tokenizer, dense
+
+
+def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt(oai, oracle):
+    tokenizer, dense = oracle
+    ids = tokenizer.encode(PROMPT)
+    r = oai.completions.create(model="", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    c = r.choices[0]
+    assert c.text == PROMPT and c.finish_reason == "length"
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and lp.tokens == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = dense(ids)
+    np.testing.assert_allclose(lp.token_logprobs[1:], ref[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+    for pos, top in enumerate(lp.top_logprobs[1:]):
+        best = np.sort(ref[pos])[::-1][:2]
+        assert 1 <= len(top) <= 2  # keyed by token text: two tokens may share one (a split character)
+        assert abs(max(top.values()) - best[0]) < 1e-4
+        assert all(min(abs(v - best)) < 1e-4 for v in top.values())
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 0)
+
+
+def test_echo_puts_the_prompt_before_the_completion(oai, tiny_worker):
+    plain = oai.completions.create(model="", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=1,
+                                   extra_body={"ignore_eos": True})
+    echoed = oai.completions.create(model="", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=1, echo=True,
+                                    extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    n_prompt = echoed.usage.prompt_tokens
+    lp = echoed.choices[0].logprobs
+    assert len(lp.token_logprobs) == n_prompt + 5
+    np.testing.assert_allclose(lp.token_logprobs[n_prompt:], plain.choices[0].logprobs.token_logprobs, atol=1e-5)
+    assert lp.tokens[n_prompt:] == plain.choices[0].logprobs.tokens
+    # echo without logprobs: the text alone; a token-id prompt is echoed as its text
+    with Client(tiny_worker.grpc, timeout=60) as client:
+        ids = client.generate(PROMPT, max_tokens=1, echo=True).prompt_token_ids
+    r = oai.completions.create(model="", prompt=ids, max_tokens=3, temperature=0, echo=True,
+                               extra_body={"ignore_eos": True})
+    assert r.choices[0].text.startswith(PROMPT) and r.choices[0].logprobs is None
+
+
+def test_a_list_of_prompts_with_n_gives_choices_prompt_by_prompt(oai):
+    prompts = ["An apple", "A pear tree in the", "Blossoms"]
+    seed = 7
+    r = oai.completions.create(model="", prompt=prompts, n=2, max_tokens=6, temperature=1.0, seed=seed,
+                               extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == list(range(6))
+    singles = [oai.completions.create(model="", prompt=p, max_tokens=6, temperature=1.0, seed=seed + j,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+               for p in prompts for j in range(2)]
+    assert [c.text for c in r.choices] == singles  # sample j of a prompt draws from seed + j
+    assert r.usage.completion_tokens == 6 * 6
+    prompt_tokens = sum(oai.completions.create(model="", prompt=p, max_tokens=1).usage.prompt_tokens for p in prompts)
+    assert r.usage.prompt_tokens == prompt_tokens
+
+
+def test_token_id_prompt_lists_and_greedy_n(oai, oracle):
+    tokenizer, _ = oracle
+    batch = [tokenizer.encode(p) for p in ("one two three", "four five")]
+    r = oai.completions.create(model="", prompt=batch, n=3, max_tokens=4, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert len(r.choices) == 6
+    for i, ids in enumerate(batch):
+        alone = oai.completions.create(model="", prompt=ids, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+        assert [c.text for c in r.choices[3 * i: 3 * i + 3]] == [alone] * 3
+
+
+def test_streaming_with_n_carries_each_choice_index(oai):
+    kwargs = dict(model="", prompt=["Cider", "Orchards in spring"], n=2, max_tokens=5, temperature=0.8, seed=3,
+                  extra_body={"ignore_eos": True})
+    whole = oai.completions.create(**kwargs)
+    texts: dict[int, str] = {}
+    finishes = {}
+    usage = None
+    for chunk in oai.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert finishes == {i: "length" for i in range(4)}
+    assert usage.completion_tokens == 20
+
+
+def test_vllm_prompt_logprobs_extension(oai, oracle):
+    tokenizer, dense = oracle
+    ids = tokenizer.encode(PROMPT)
+    r = oai.completions.create(model="", prompt=PROMPT, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 1})
+    entries = r.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    ref = dense(ids)
+    for pos, (tok, entry) in enumerate(zip(ids[1:], entries[1:])):
+        assert abs(entry[str(tok)]["logprob"] - ref[pos, tok]) < 1e-4
+        best = int(np.argmax(ref[pos]))
+        assert entry[str(best)]["rank"] == 1
+
+
+@pytest.mark.parametrize("extra, name", [({"best_of": 2}, "best_of"), ({"suffix": "end"}, "suffix"),
+                                         ({"prompt_logprobs": 21}, "prompt_logprobs"),
+                                         ({"n": 17}, "n=17")])
+def test_refusals_name_the_field(oai, extra, name):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="", prompt="x", max_tokens=2, extra_body=extra)
+    assert name in json.dumps(e.value.body)
+
+
+def test_bad_prompt_lists_are_400(oai):
+    for prompt in ([], [[]], ["a", [1, 2]], [1, "a"]):
+        with pytest.raises(openai.BadRequestError, match="prompt"):
+            oai.completions.create(model="", prompt=prompt, max_tokens=2)
+
+
+def test_lm_eval_local_completions_loglikelihood(tiny_worker, tiny_model_dir, oracle):
+    """lm-eval's own API model (batch 4, token-id prompts, echo + logprobs + max_tokens=1)
+    scores continuations as the dense model does."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    _, dense = oracle
+    lm = LocalCompletionsAPI(base_url=f"http://{tiny_worker.http}/v1/completions", model=tiny_model_dir.name,
+                             tokenizer=str(tiny_model_dir), tokenizer_backend="huggingface", batch_size=4,
+                             max_length=512, num_concurrent=1, max_retries=1)
+    pairs = [("The capital of the orchard is", " the old pear tree"), ("Two plus two is", " four"),
+             ("Bees fly to", " the blossoms"), ("Apples are", " red"), ("In autumn we press", " cider today")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    got = lm.loglikelihood(requests, disable_tqdm=True)
+    assert len(got) == len(pairs)
+    for (context, continuation), (logprob, greedy) in zip(pairs, got):
+        ctx, cont = lm._encode_pair(context, continuation)  # how lm-eval splits the tokens
+        whole = ctx + cont
+        ref = dense(whole)
+        want = sum(ref[len(ctx) + k - 1, t] for k, t in enumerate(cont))
+        assert abs(logprob - want) < 1e-3, (context, logprob, want)
+        assert greedy == all(int(np.argmax(ref[len(ctx) + k - 1])) == t for k, t in enumerate(cont))
