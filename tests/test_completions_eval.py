@@ -173,3 +173,24 @@ def test_lm_eval_local_completions_loglikelihood(tiny_worker, tiny_model_dir, or
         want = sum(ref[len(ctx) + k - 1, t] for k, t in enumerate(cont))
         assert abs(logprob - want) < 1e-3, (context, logprob, want)
         assert greedy == all(int(np.argmax(ref[len(ctx) + k - 1])) == t for k, t in enumerate(cont))
+
+
+def test_the_sdk_exposes_n_prompt_logprobs_and_echo(tiny_worker, oracle):
+    tokenizer, dense = oracle
+    with Client(tiny_worker.grpc, timeout=60) as client:
+        c = client.generate(PROMPT, max_tokens=3, temperature=0.9, seed=11, n=3, prompt_logprobs=0, echo=True,
+                            ignore_eos=True)
+        alone = [client.generate(PROMPT, max_tokens=3, temperature=0.9, seed=11 + i, ignore_eos=True).token_ids
+                 for i in range(3)]
+        chunks = list(client.stream(PROMPT, max_tokens=3, n=2, temperature=0, ignore_eos=True))
+    assert [s.index for s in c.choices] == [0, 1, 2]
+    assert [s.token_ids for s in c.choices] == alone
+    assert all(s.finish_reason == "length" for s in c.choices)
+    assert c.usage.completion_tokens == 9
+    ids = tokenizer.encode(PROMPT)
+    assert c.prompt_token_ids == ids and c.prompt_text == PROMPT
+    ref = dense(ids)
+    assert np.isnan(c.prompt_logprobs[0].logprob)  # the first prompt token has none
+    np.testing.assert_allclose([lp.logprob for lp in c.prompt_logprobs[1:]], ref[np.arange(len(ids) - 1), ids[1:]],
+                               atol=1e-4)
+    assert sorted({ch.index for ch in chunks}) == [0, 1] and sum(ch.finished for ch in chunks) == 2
