@@ -123,6 +123,21 @@ def test_streaming_with_n_carries_each_choice_index(oai):
     assert usage.completion_tokens == 20
 
 
+def test_streamed_echo_matches_the_whole_answer(oai):
+    kwargs = dict(model="", prompt=[PROMPT, "Short one"], max_tokens=0, echo=True, logprobs=1, temperature=0)
+    whole = oai.completions.create(**kwargs)
+    texts: dict[int, str] = {}
+    lps: dict[int, list] = {}
+    for chunk in oai.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            lps.setdefault(c.index, []).extend(c.logprobs.token_logprobs if c.logprobs else [])
+    assert texts == {0: PROMPT, 1: "Short one"} == {c.index: c.text for c in whole.choices}
+    for c in whole.choices:  # (float32 sums differ by a few ulps with the batch's shape)
+        assert lps[c.index][0] is None is c.logprobs.token_logprobs[0]
+        np.testing.assert_allclose(lps[c.index][1:], c.logprobs.token_logprobs[1:], atol=1e-4)
+
+
 def test_vllm_prompt_logprobs_extension(oai, oracle):
     tokenizer, dense = oracle
     ids = tokenizer.encode(PROMPT)
