@@ -40,7 +40,8 @@ from cluster.worker.sampling_params import SamplingParams  # noqa: E402
 
 def run(model, tokenizer, how: str, prompt: list[int], n: int, max_tokens: int) -> tuple[int, float, int]:
     """(tokens forwarded, seconds, tokens generated)."""
-    engine = Engine(model, tokenizer, EngineConfig(enable_prefix_caching="nocache" not in how))
+    blocks = n * -(-(len(prompt) + max_tokens) // 16) + 16  # room for n whole copies: no preemption
+    engine = Engine(model, tokenizer, EngineConfig(enable_prefix_caching="nocache" not in how, num_kv_blocks=blocks))
     forwarded = 0
     forward = engine.runner.forward
 

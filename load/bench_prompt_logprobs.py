@@ -32,7 +32,8 @@ from cluster.worker.sampling_params import SamplingParams  # noqa: E402
 
 
 def run(model, tokenizer, prompts: list[list[int]], params: SamplingParams) -> float:
-    engine = Engine(model, tokenizer, EngineConfig(enable_prefix_caching=False))
+    blocks = len(prompts) * -(-(max(map(len, prompts)) + params.max_tokens) // 16) + 16
+    engine = Engine(model, tokenizer, EngineConfig(enable_prefix_caching=False, num_kv_blocks=blocks))
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     t0 = time.perf_counter()

@@ -4,8 +4,8 @@ The backend is a `cluster.api.servicer.Backend`: the worker's `WorkerService` or
 router's `RouterBackend` in process (or the SDK's `GrpcBackend` over a channel), so the
 worker and the router serve the same API.
 
-Routes: POST /v1/completions (`cluster.api.completions`: prompt lists, n, echo, prompt
-logprobs), POST /v1/chat/completions (SSE streaming or not), GET /v1/models, GET /health. Sampling fields: max_tokens (max_completion_tokens),
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not),
+GET /v1/models, GET /health. Sampling fields: max_tokens (max_completion_tokens),
 temperature, top_p, seed, stop, stream_options.include_usage, logprobs (top_logprobs for
 chat), and the extensions ignore_eos, top_k, min_p, stop_token_ids. Errors use OpenAI's
 shape `{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 404
