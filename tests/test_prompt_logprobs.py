@@ -92,6 +92,26 @@ def test_prompt_logprobs_match_a_dense_forward(model_dirs, arch, budget):
     assert [sum((o.new_token_ids for o in outs[rid]), []) for rid in prompts] == alone
 
 
+def test_prompt_rows_per_step_are_bounded(model_dirs, monkeypatch):
+    """At most MAX_PROMPT_LOGPROB_ROWS prompt rows reach the LM head a step (the step's
+    logits stay bounded); the prompt is cut into more chunks and the logprobs are exact."""
+    from cluster.worker import scheduler
+
+    monkeypatch.setattr(scheduler, "MAX_PROMPT_LOGPROB_ROWS", 40)
+    path = model_dirs["qwen3"]
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=128, max_num_batched_tokens=256))
+    rows = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda batch: (rows.append(len(batch.logit_rows.tolist())), forward(batch))[1]
+    prompts = {"a": prompt(150, 10), "b": prompt(90, 11)}
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    outs = run(engine, {rid: (p, params) for rid, p in prompts.items()} | {"plain": (prompt(100, 12), SamplingParams(
+        max_tokens=2, temperature=0))})
+    assert max(rows) <= 40 + 3  # + each sequence's sampled row
+    for rid, p in prompts.items():
+        check_against_oracle(path, p, outs[rid][0].prompt_logprobs, 1)
+
+
 def test_a_prefix_cache_hit_is_bypassed_for_prompt_logprobs(model_dirs):
     path = model_dirs["qwen3"]
     engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=128))

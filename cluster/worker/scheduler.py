@@ -19,6 +19,10 @@ Pure Python (no MLX). The policy, in order, each step:
    only with blocks for its whole chunk, as in vLLM: shrinking chunks to the last free
    blocks would only trade them for preemptions.)
 
+A request with prompt logprobs sends every prompt row to the LM head, not just its last:
+at most `MAX_PROMPT_LOGPROB_ROWS` such rows a step (its chunks shrink to fit), so a step's
+logits stay bounded ([rows, vocab] float32: 512 rows of a 150k vocabulary are 300 MB).
+
 When a running request cannot get a block, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the queue with all its tokens, to
 be recomputed later (its output is unchanged). Waiting requests never preempt.
@@ -69,6 +73,8 @@ class SchedulerOutput:
 
 # How far down the waiting queue admission looks past prompts it has to skip.
 _LOOKAHEAD = 32
+# Prompt rows with logprobs (all reach the LM head) per step at most.
+MAX_PROMPT_LOGPROB_ROWS = 512
 
 
 class Scheduler:
@@ -79,6 +85,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._prompt_rows_left = 0  # this step's, while it is planned
 
     # -- requests in and out ------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int) -> None:
@@ -144,6 +151,7 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled: dict[int, ScheduledSeq] = {}  # id(seq) -> entry, in scheduling order
         budget = cfg.max_num_batched_tokens
+        self._prompt_rows_left = MAX_PROMPT_LOGPROB_ROWS
 
         def preempt_newest(current: Sequence) -> Sequence:
             nonlocal budget
@@ -187,7 +195,7 @@ class Scheduler:
             n = seq.num_uncomputed_tokens
             if self.is_long(seq):
                 n = min(n, max(1, (budget - reserve) // (len(prefilling) - i)))
-            schedule_running(seq, min(n, budget))
+            schedule_running(seq, self._cap_prompt_rows(seq, min(n, budget)))
 
         # 3. admit waiting requests
         budget = self._admit(budget, scheduled)
@@ -201,6 +209,9 @@ class Scheduler:
             if left <= 0:
                 continue  # a decode, or a prefill that finishes now
             extra = min(budget, left, self.block_manager.room(seq) - entry.num_new_tokens)
+            if seq.wants_prompt_logprobs:
+                extra = min(extra, self._prompt_rows_left)
+                self._prompt_rows_left -= max(0, extra)
             if extra > 0 and self.block_manager.allocate_slots(seq, entry.num_new_tokens + extra):
                 entry.num_new_tokens += extra
                 budget -= extra
@@ -243,20 +254,23 @@ class Scheduler:
             # prompt logprobs need every prompt row forwarded: no prefix-cache hit (vLLM's rule)
             computed = [] if seq.wants_prompt_logprobs else bm.get_computed_blocks(seq)
             remaining = seq.num_uncomputed_tokens - len(computed) * bm.block_size
-            if remaining <= budget:
+            if remaining <= budget and (not seq.wants_prompt_logprobs or remaining <= self._prompt_rows_left):
                 n = remaining  # the whole prefill runs now: no partial slot needed
             else:
                 long = self.is_long(seq)
-                if num_partial >= cfg.max_num_partial_prefills or (long and num_long >= cfg.max_long_partial_prefills):
+                if (num_partial >= cfg.max_num_partial_prefills or (long and num_long >= cfg.max_long_partial_prefills)
+                        or (seq.wants_prompt_logprobs and not self._prompt_rows_left)):
                     skipped.append(self.waiting.popleft())  # let a prompt behind it start
                     continue
                 n = budget
                 if long:  # leave room for the short prompts behind it
                     n = max(1, budget - self._short_waiting_reserve(budget // 2, start=1))
+                n = self._cap_prompt_rows(seq, n, take=False)
                 num_partial += 1
                 num_long += long
             if not bm.allocate_slots(seq, n, computed):
                 break
+            self._cap_prompt_rows(seq, n)
             self.waiting.popleft()
             if seq.num_preemptions == 0 and seq.index == 0:  # count each request's prefix lookup once
                 seq.num_cached_tokens = len(computed) * bm.block_size
@@ -268,6 +282,16 @@ class Scheduler:
         for seq in reversed(skipped):
             self.waiting.appendleft(seq)
         return budget
+
+    def _cap_prompt_rows(self, seq: Sequence, n: int, take: bool = True) -> int:
+        """`n` cut to this step's prompt-logprob rows left when `seq` asks for them (at
+        least 1, so it progresses); `take`: count them as taken."""
+        if not seq.wants_prompt_logprobs:
+            return n
+        n = max(1, min(n, self._prompt_rows_left))
+        if take:
+            self._prompt_rows_left = max(0, self._prompt_rows_left - n)
+        return n
 
     # -- after the forward ------------------------------------------------------------------
     def postprocess(self, plan: SchedulerOutput, sampled: dict[int, int]) -> list[ScheduledSeq]:
