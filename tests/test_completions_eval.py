@@ -209,3 +209,60 @@ def test_the_sdk_exposes_n_prompt_logprobs_and_echo(tiny_worker, oracle):
     np.testing.assert_allclose([lp.logprob for lp in c.prompt_logprobs[1:]], ref[np.arange(len(ids) - 1), ids[1:]],
                                atol=1e-4)
     assert sorted({ch.index for ch in chunks}) == [0, 1] and sum(ch.finished for ch in chunks) == 2
+
+
+MC_DOCS = [
+    {"question": "Which fruit grows on an apple tree?", "choices": ["apples", "pears", "stones"], "answer": 0},
+    {"question": "Bees make", "choices": ["honey", "cider", "bread", "iron"], "answer": 0},
+    {"question": "In autumn the leaves", "choices": ["fall", "sing"], "answer": 1},
+    {"question": "The orchard keeper prunes the", "choices": ["trees", "clouds", "rivers"], "answer": 2},
+    {"question": "Cider is pressed from", "choices": ["apples", "rocks"], "answer": 0},
+]
+
+
+def test_lm_eval_multiple_choice_task_scores_as_the_dense_model(tiny_worker, tiny_model_dir, oracle, tmp_path,
+                                                                 monkeypatch):
+    """A multiple-choice task (a local JSON dataset and task YAML written here, no
+    download) through `lm_eval.simple_evaluate` with local-completions at batch size 4:
+    its accuracy and per-choice loglikelihoods are the dense model's."""
+    import lm_eval
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "orchard_mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in MC_DOCS))
+    (tmp_path / "orchard_mc.yaml").write_text(f"""
+task: orchard_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+""")
+    lm = LocalCompletionsAPI(base_url=f"http://{tiny_worker.http}/v1/completions", model=tiny_model_dir.name,
+                             tokenizer=str(tiny_model_dir), tokenizer_backend="huggingface", batch_size=4,
+                             max_length=512, max_retries=1)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["orchard_mc"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+                                  log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
+                                  fewshot_random_seed=0)
+    _, dense = oracle
+    correct = []
+    for doc in MC_DOCS:
+        scores = []
+        for choice in doc["choices"]:
+            ctx, cont = lm._encode_pair(doc["question"], " " + choice)
+            ref = dense(ctx + cont)
+            scores.append(sum(float(ref[len(ctx) + k - 1, t]) for k, t in enumerate(cont)))
+        correct.append(int(np.argmax(scores)) == doc["answer"])
+        sample = next(s for s in out["samples"]["orchard_mc"] if s["doc"]["question"] == doc["question"])
+        got = [r[0] for r in sample["filtered_resps"]]
+        np.testing.assert_allclose(got, scores, atol=1e-3)
+    assert out["results"]["orchard_mc"]["acc,none"] == pytest.approx(float(np.mean(correct)))

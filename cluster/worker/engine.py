@@ -382,7 +382,10 @@ class Engine:
 
     # -- convenience --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
-        """Run prompts to completion; generated token ids per prompt, in order."""
+        """Run prompts to completion; generated token ids per prompt, in order (n = 1:
+        for n > 1 samples, step the engine and read each output's `index`)."""
+        if sampling_params is not None and sampling_params.n > 1:
+            raise ValueError("generate() returns one completion per prompt: use n=1")
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts):
             self.add_request(rid, prompt, sampling_params)
