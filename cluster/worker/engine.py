@@ -166,6 +166,8 @@ class Engine:
         params = parent.sampling_params
         bs = self.block_manager.block_size
         shared = (parent.num_prompt_tokens - 1) // bs
+        if getattr(self, "state_slots", None) is not None:
+            shared = 0  # a recurrent state is not in the blocks: each sample prefills the whole prompt
         for i in range(params.n - self.forks.pop(rid), params.n):
             seed = None if params.seed is None else (params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF
             child = Sequence(f"{rid}#{i}", parent.token_ids[: parent.num_prompt_tokens],
