@@ -145,7 +145,6 @@ def _with(**fields):
 # Fields of the contract that no backend honours yet: refused by name, never ignored. An
 # entry leaves this list (and wire._unsupported) with the change that implements it.
 @pytest.mark.parametrize("fields, name", [
-    (dict(prompt_logprobs=0), "prompt_logprobs"), (dict(n=2), "n > 1"),
     (dict(tools="[]x"), "tools"), (dict(tool_choice="auto"), "tool_choice"), (dict(parallel_tool_calls=False),
                                                                              "parallel_tool_calls"),
     (dict(history=True), "tool calls in the chat history"),
@@ -185,6 +184,18 @@ def test_sampling_extensions_in_range_are_accepted():
         validate_request(build_request("hi", **kwargs))
     with pytest.raises(InvalidRequest, match="structured"):
         build_request("hi", structured={"yaml": "x"})
+
+
+def test_n_and_prompt_logprobs_are_served_within_bounds():
+    validate_request(_with(n=4, prompt_logprobs=0))
+    with pytest.raises(InvalidRequest, match="n=17: at most 16"):
+        validate_request(_with(n=17))
+    with pytest.raises(InvalidRequest, match="prompt_logprobs must be between 0 and 20"):
+        validate_request(_with(prompt_logprobs=21))
+    resumed = _with(n=2)
+    resumed.resume_token_ids.append(5)
+    with pytest.raises(InvalidRequest, match="n > 1 cannot be resumed"):
+        validate_request(resumed)
 
 
 def test_build_request_and_validate_agree_on_max_tokens():

@@ -138,7 +138,7 @@ def test_models_and_health(oai, tiny_worker, tiny_model_dir):
     ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
     ({"prompt": ""}, 400, "empty"),
     ({"prompt": [7] * 600}, 400, "max_model_len"),
-    ({"prompt": "x", "n": 2}, 400, "n=1"),
+    ({"prompt": "x", "n": 0}, 400, "n must be >= 1"),
     ({"prompt": "x", "stop": 5}, 400, "stop"),
     ({}, 400, "prompt"),
     ({"prompt": "x", "model": "no-such-model"}, 404, "no-such-model"),

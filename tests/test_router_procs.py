@@ -374,3 +374,36 @@ def test_openai_http_through_the_router(cluster):
     for name in ("orchard_router_requests_total", "orchard_router_time_to_first_token_seconds_count",
                  "orchard_router_workers", "orchard_router_retries_total", "orchard_router_inflight_requests"):
         assert name in router_metrics
+
+
+def test_n_and_prompt_logprobs_pass_through_the_router(cluster):
+    """One request for 3 samples with prompt logprobs and echo: the router relays every
+    sample to its finish (not just the first), and sample i is what a lone request with
+    seed + i gives."""
+    def sampled(n: int, seed: int) -> pb.GenerateRequest:
+        req = pb.GenerateRequest(text="Pass it through the router", sampling=pb.SamplingParams(
+            max_tokens=4, temperature=0.8, seed=seed, ignore_eos=True, n=n, echo=n > 1))
+        if n > 1:
+            req.sampling.prompt_logprobs = 1
+        return req
+
+    async def go():
+        async with channel(cluster.router_address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            _, _, chunks = await collect(stub, sampled(3, 40))
+            alone = [(await collect(stub, sampled(1, 40 + i)))[0] for i in range(3)]
+            return chunks, alone
+
+    chunks, alone = run(go())
+    by_index: dict[int, list[int]] = {}
+    for c in chunks:
+        by_index.setdefault(c.index, []).extend(c.token_ids)
+    assert [by_index[i] for i in range(3)] == alone
+    assert sum(1 for c in chunks if c.finish_reason) == 3
+    assert chunks[-1].usage.completion_tokens == 12
+    first = chunks[0]
+    assert first.prompt_text == "Pass it through the router"
+    n_prompt = len(first.prompt_token_ids)
+    assert n_prompt == chunks[-1].usage.prompt_tokens and len(first.prompt_logprobs) == n_prompt
+    assert [lp.token_id for lp in first.prompt_logprobs] == list(first.prompt_token_ids)
+    assert all(lp.logprob < 0 and len(lp.top) == 1 for lp in first.prompt_logprobs[1:])

@@ -259,7 +259,9 @@ def create_app(backend: Backend, request_timeout: float | None = None, *, keys: 
     app[_BACKEND] = backend
     app[_TIMEOUT] = request_timeout
     app[_MODEL_CACHE] = [float("-inf"), ""]
-    app.router.add_post("/v1/completions", _completions)
+    from cluster.api.completions import completions  # it builds on this module's helpers
+
+    app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
@@ -304,10 +306,6 @@ async def _health(request: web.Request) -> web.Response:
     except OrchardError as e:
         return web.json_response({"status": "unavailable", "message": e.message}, status=503)
     return web.json_response({"status": "ok"})
-
-
-async def _completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=False)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:

@@ -10,6 +10,7 @@ import contextlib
 from typing import AsyncIterator, Protocol
 
 from cluster.api.errors import OrchardError, Unavailable
+from cluster.api.wire import num_choices
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 
@@ -35,14 +36,17 @@ class Backend(Protocol):
         ...
 
 
-async def finished(chunks: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[pb.GenerateResponse]:
-    """A backend's stream up to its finish chunk; Unavailable if it ends before one, so a
-    client never takes a cut-off answer for a whole one. Closing this closes `chunks`."""
+async def finished(chunks: AsyncIterator[pb.GenerateResponse], n: int = 1) -> AsyncIterator[pb.GenerateResponse]:
+    """A backend's stream up to its last finish chunk (one per sample of `n`; an abort
+    ends them all); Unavailable if it ends before, so a client never takes a cut-off
+    answer for a whole one. Closing this closes `chunks`."""
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             yield chunk
             if chunk.finish_reason:
-                return
+                n -= 1
+                if n <= 0 or chunk.finish_reason == pb.FINISH_REASON_ABORT:
+                    return
     raise Unavailable(STREAM_ENDED_SHORT)
 
 
@@ -56,8 +60,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         try:
             # closed here when the RPC ends or is cancelled: the backend's stream at once
-            async with contextlib.aclosing(finished(self.backend.generate(request, timeout=context.time_remaining()))
-                                           ) as chunks:
+            async with contextlib.aclosing(finished(self.backend.generate(request, timeout=context.time_remaining()),
+                                                    num_choices(request))) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except OrchardError as e:

@@ -56,13 +56,19 @@ def build_request(
     repetition_penalty: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
     structured: Any = None,
+    prompt_logprobs: int | None = None,
+    n: int = 1,
+    echo: bool = False,
     request_id: str = "",
     resume_token_ids: Sequence[int] | None = None,
 ) -> pb.GenerateRequest:
     """A `GenerateRequest` from keyword arguments: exactly one of a text prompt, a list of
     token ids, or chat `messages` ({"role", "content"} dicts or (role, content) pairs).
     Values the wire types cannot hold (a negative max_tokens, a seed past 64 bits) are
-    InvalidRequest; everything else is the server's to judge (`validate_request`)."""
+    InvalidRequest; everything else is the server's to judge (`validate_request`).
+    `n` samples share the prompt (chunks carry their `index`); `prompt_logprobs` asks for
+    each prompt token's logprob (+ that many alternatives) in the first chunk; `echo`
+    for the prompt's ids and text there."""
     if (prompt is None) == (messages is None):
         raise InvalidRequest("pass exactly one of a prompt (text or token ids) or messages")
     try:
@@ -81,7 +87,8 @@ def build_request(
         for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                             ("top_k", top_k), ("min_p", min_p), ("seed", seed), ("logprobs", logprobs),
                             ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-                            ("repetition_penalty", repetition_penalty)):
+                            ("repetition_penalty", repetition_penalty),
+                            ("prompt_logprobs", prompt_logprobs), ("n", None if n == 1 else n)):
             if value is None:
                 continue
             if name == "max_tokens" and isinstance(value, int) and value < 0:
@@ -99,6 +106,7 @@ def build_request(
             s.logit_bias[int(token)] = float(bias)
         if structured is not None:
             s.structured.CopyFrom(structured_proto(structured))
+        s.echo = bool(echo)
         if resume_token_ids:
             req.resume_token_ids.extend(int(t) for t in resume_token_ids)
     except (ValueError, TypeError) as e:  # out of the wire types' range
@@ -120,6 +128,7 @@ class RequestLimits:
     max_stop_strings: int = setting(16, "stop strings per request at most")
     max_stop_string_length: int = setting(256, "characters per stop string at most")
     max_stop_token_ids: int = setting(64, "stop token ids per request at most")
+    max_n: int = setting(16, "samples per request (n) at most")
 
 
 def validate_request(request: pb.GenerateRequest, limits: RequestLimits = RequestLimits()) -> None:
@@ -150,6 +159,12 @@ def validate_request(request: pb.GenerateRequest, limits: RequestLimits = Reques
     if any(t < 0 for t in s.stop_token_ids):
         raise InvalidRequest("stop token ids must be >= 0")
     check_sampling(s)
+    if num_choices(request) > limits.max_n:
+        raise InvalidRequest(f"n={s.n}: at most {limits.max_n} samples per request are allowed")
+    if s.n > 1 and request.resume_token_ids:
+        raise InvalidRequest("a request with n > 1 cannot be resumed (resume_token_ids)")
+    if s.HasField("prompt_logprobs") and s.prompt_logprobs > 20:
+        raise InvalidRequest(f"prompt_logprobs must be between 0 and 20, got {s.prompt_logprobs}")
     unsupported = _unsupported(request)
     if unsupported:
         raise InvalidRequest(f"{', '.join(unsupported)}: not supported by this server yet")
@@ -159,14 +174,18 @@ def _unsupported(request: pb.GenerateRequest) -> list[str]:
     """The contract's fields no backend honours yet: refused by name, never ignored."""
     s = request.sampling
     named = {
-        "prompt_logprobs": s.HasField("prompt_logprobs"),
-        "n > 1": s.n > 1,
         "tools": bool(request.tools),
         "tool_choice": request.HasField("tool_choice"),
         "parallel_tool_calls": request.HasField("parallel_tool_calls"),
         "tool calls in the chat history": any(m.tool_calls or m.tool_call_id for m in request.chat.messages),
     }
     return [name for name, present in named.items() if present]
+
+
+def num_choices(request: pb.GenerateRequest) -> int:
+    """How many samples (`index` 0 .. n-1) the request's stream carries; each ends with
+    a chunk that has its finish_reason, and the last of those has the usage."""
+    return max(1, request.sampling.n)
 
 
 def prompt_chars(request: pb.GenerateRequest) -> int:

@@ -32,7 +32,7 @@ from typing import AsyncIterator
 import grpc
 
 from cluster.api import errors
-from cluster.api.wire import RequestLimits, validate_request
+from cluster.api.wire import RequestLimits, num_choices, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router import metrics as m
 from cluster.router.breaker import RetryBudget, backoff
@@ -123,6 +123,8 @@ class RouterBackend:
         upstream.request_id = rid
         base_resume = list(request.resume_token_ids)
         sent: list[int] = []  # tokens relayed to the client so far
+        n = num_choices(request)
+        finishes = 0  # samples finished (n > 1 streams carry one finish chunk per sample)
         excluded: set[str] = set()
         failure: _WorkerFailed | None = None
         first_token_at = None
@@ -150,6 +152,12 @@ class RouterBackend:
                 self.metrics.retries.labels(kind="resume" if sent else "retry").inc()
                 log.info("request %s: %s on %s after %d tokens", rid, "resuming" if sent else "retrying",
                          worker.worker_id, len(sent))
+            if sent and n > 1:  # n samples cannot resume where they stopped: only a retry before any token
+                raise errors.Unavailable(f"the worker failed ({failure.code.name}: {failure.details}) after tokens "
+                                         "were sent, and a request with n > 1 cannot be resumed: retry it")
+            if sent:  # the first chunk (prompt logprobs, echo) reached the client already
+                upstream.sampling.ClearField("prompt_logprobs")
+                upstream.sampling.echo = False
             del upstream.resume_token_ids[:]
             upstream.resume_token_ids.extend(base_resume + sent)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -173,6 +181,15 @@ class RouterBackend:
                                 chunk.ClearField("usage")
                                 yield chunk
                             raise _WorkerFailed(grpc.StatusCode.ABORTED, "the worker aborted the request")
+                        finishes += 1
+                        if finishes < n:
+                            yield chunk
+                            continue
+                        if n > 1:
+                            outcome = m.SUCCESS
+                            self.metrics.e2e.observe(time.perf_counter() - t0)
+                            yield chunk
+                            return
                         chunk.usage.completion_tokens = max(chunk.usage.completion_tokens, len(base_resume) + len(sent))
                         # counted before the last yield: the consumer may stop reading at it
                         outcome = m.SUCCESS

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.api.errors import OrchardError, Unavailable, from_rpc_error
 from cluster.api.servicer import STREAM_ENDED_SHORT, finished
-from cluster.api.wire import Message, build_request
+from cluster.api.wire import Message, build_request, num_choices
 from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
@@ -70,6 +70,7 @@ class _Failover:
         self.base = list(request.resume_token_ids)
         self.got: list[int] = []
         self.targets, self.index, self.tried = targets, index, 1
+        self.n = num_choices(request)
         self.deadline = None if timeout is None else time.monotonic() + timeout
 
     def remaining(self) -> float | None:
@@ -81,14 +82,17 @@ class _Failover:
     def next_target(self, error: OrchardError) -> int:
         """The index of the target to resume on; raises `error` when it is not a target's
         failure or every target was tried."""
-        if error.code not in FAILOVER_CODES or self.tried >= len(self.targets):
-            raise error
+        if error.code not in FAILOVER_CODES or self.tried >= len(self.targets) or (self.n > 1 and self.got):
+            raise error  # (n samples cannot resume where they stopped)
         self.tried += 1
         self.index = (self.index + 1) % len(self.targets)
         resumed = pb.GenerateRequest()
         resumed.CopyFrom(self.request)
         del resumed.resume_token_ids[:]
         resumed.resume_token_ids.extend(self.base + self.got)
+        if self.got:  # the first chunk, with the prompt's logprobs and text, was received
+            resumed.sampling.ClearField("prompt_logprobs")
+            resumed.sampling.echo = False
         self.request, self.base, self.got = resumed, self.base + self.got, []
         log.info("stream on %s failed (%s); resuming on %s after %d tokens", self.targets[self.index - 1],
                  error.code.name, self.targets[self.index], len(self.base))
@@ -189,7 +193,7 @@ class AsyncClient(_Targets):
         request = _request(prompt, messages, params)
         failover = _Failover(request, self.targets, self._index, self._timeout(timeout))
         while True:
-            gen = finished(self.backend.generate(failover.request, timeout=failover.remaining()))
+            gen = finished(self.backend.generate(failover.request, timeout=failover.remaining()), failover.n)
             try:
                 async for response in gen:
                     failover.received(response)
@@ -282,11 +286,14 @@ class Client(_Targets):
             call = self._stub.Generate(failover.request, timeout=failover.remaining())
             try:
                 try:
+                    left = failover.n
                     for response in call:
                         failover.received(response)
                         yield Chunk.from_proto(response)
                         if response.finish_reason:
-                            return
+                            left -= 1
+                            if not left or response.finish_reason == pb.FINISH_REASON_ABORT:
+                                return
                 except grpc.RpcError as e:
                     raise from_rpc_error(e) from None
                 raise Unavailable(STREAM_ENDED_SHORT)  # never take a cut-off answer for a whole one

@@ -48,6 +48,10 @@ class Chunk:
     usage: Usage | None = None
     worker_id: str = ""
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # which of the request's n samples
+    prompt_logprobs: list[TokenLogprob] | None = None  # first chunk: each prompt token's after the first
+    prompt_token_ids: list[int] | None = None  # first chunk, with echo=True
+    prompt_text: str = ""  # first chunk, with echo=True
 
     @property
     def finished(self) -> bool:
@@ -65,12 +69,17 @@ class Chunk:
             usage=Usage.from_proto(r.usage) if r.HasField("usage") else None,
             worker_id=r.worker_id,
             logprobs=[TokenLogprob.from_proto(lp) for lp in r.logprobs] or None,
+            index=r.index,
+            prompt_logprobs=[TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None,
+            prompt_token_ids=list(r.prompt_token_ids) or None,
+            prompt_text=r.prompt_text,
         )
 
 
 @dataclass
 class Completion:
-    """A whole generation: what `generate` and `chat` return."""
+    """A whole generation: what `generate` and `chat` return. With n > 1 it is sample 0,
+    and `choices` holds all n (each a Completion, in index order); `usage` counts them all."""
 
     request_id: str = ""
     text: str = ""
@@ -80,8 +89,28 @@ class Completion:
     usage: Usage = field(default_factory=Usage)
     worker_id: str = ""
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str = ""
+    _others: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def choices(self) -> list["Completion"]:
+        return [self] + [self._others[i] for i in sorted(self._others)]
 
     def add(self, chunk: Chunk) -> None:
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        if chunk.prompt_token_ids:
+            self.prompt_token_ids, self.prompt_text = chunk.prompt_token_ids, chunk.prompt_text
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if chunk.index != self.index:
+            other = self._others.setdefault(chunk.index, Completion(index=chunk.index))
+            other.add(Chunk(chunk.request_id, chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stop_reason,
+                            None, chunk.worker_id, chunk.logprobs, chunk.index))
+            return
         self.request_id = chunk.request_id or self.request_id
         self.text += chunk.text
         self.token_ids += chunk.token_ids

@@ -148,6 +148,16 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         return True
 
+    def share_blocks(self, src: _Seq, dst: _Seq, num_blocks: int) -> None:
+        """Give `dst` (holding nothing yet) `src`'s first `num_blocks` computed blocks,
+        shared by reference (n > 1: a sample forked after its prompt's prefill)."""
+        if dst.block_table or num_blocks * self.block_size > src.num_computed_tokens:
+            raise ValueError("share_blocks: dst must hold no block, and src must have computed the shared ones")
+        for bid in src.block_table[:num_blocks]:
+            self.blocks[bid].ref_count += 1
+            dst.block_table.append(bid)
+        dst.num_computed_tokens = num_blocks * self.block_size
+
     def _take_free_block(self) -> int:
         bid, _ = self.free_queue.popitem(last=False)
         block = self.blocks[bid]

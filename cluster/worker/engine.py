@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,7 +37,7 @@ class QueueFullError(RuntimeError):
 class RequestOutput:
     """What one step produced for one request."""
 
-    request_id: str
+    request_id: str  # the request's (its n samples share it; `index` tells them apart)
     new_token_ids: list[int]
     new_text: str
     finished: bool
@@ -48,6 +48,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    index: int = 0  # which of the request's n samples
+    # with the first token, when asked: for each prompt token after the first, (its id,
+    # its logprob given the tokens before it, the top alternatives [(id, logprob)])
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -104,8 +108,11 @@ class Engine:
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         if not self.eos_token_ids and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids = {tokenizer.eos_token_id}
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}  # by each sample's own id (`Sequence.request_id`)
         self.detoks: dict[str, IncrementalDetokenizer] = {}
+        # n > 1: a request's live samples, and how many are still to fork from its first
+        self.groups: dict[str, list[str]] = {}
+        self.forks: dict[str, int] = {}
         self.vocab_size = int(text_args(model).vocab_size)
         # Compiles structured-output specs; shared with the worker's asyncio side, which
         # checks a request's spec before queueing it.
@@ -148,25 +155,67 @@ class Engine:
         cap = self.config.max_waiting
         if cap and len(self.scheduler.waiting) >= cap:
             raise QueueFullError(f"the waiting queue is full ({cap} requests): retry later")
+        if params.n > 1 and resume_token_ids:
+            raise ValueError("a request with n > 1 cannot be resumed")
+        if params.n > 1 and any(rid.startswith(request_id + "#") for rid in self.seqs):
+            raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_token_ids]
         seq = Sequence(request_id, prompt + [int(t) for t in resume_token_ids], params, num_prompt_tokens=len(prompt))
         if params.structured is not None:
             seq.matcher = self.grammars.matcher_for(params.structured, resume_token_ids)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
-        detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
+        self._add_seq(seq, resume_token_ids)
+        if params.n > 1:
+            self.groups[request_id] = [request_id]
+            self.forks[request_id] = params.n - 1
+        self.stats.prompt_tokens += len(prompt)
+
+    def _add_seq(self, seq: Sequence, resume_token_ids=(), front: bool = False) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], seq.sampling_params.stop)
         for t in resume_token_ids:
             detok.add(int(t))
         # Mark sent exactly what the first worker sent: it held back a split UTF-8 character
         # or a possible stop-string prefix at the end, so those are still to come from here.
         detok.take_delta()
-        self.scheduler.add(seq)
-        self.seqs[request_id] = seq
-        self.detoks[request_id] = detok
-        self.stats.prompt_tokens += len(prompt)
+        self.scheduler.add(seq, front=front)
+        self.seqs[seq.request_id] = seq
+        self.detoks[seq.request_id] = detok
+
+    def _fork(self, parent: Sequence) -> None:
+        """Start the other n - 1 samples of `parent`'s request now that its prompt is
+        computed: each takes the prompt's full blocks by reference (all but the block of
+        the last prompt token, whose logits each sample computes itself), so only that
+        tail is forwarded again, with or without prefix caching. Sample i draws from
+        seed + i when the request has a seed."""
+        rid = parent.request_id
+        params = parent.sampling_params
+        bs = self.block_manager.block_size
+        shared = (parent.num_prompt_tokens - 1) // bs
+        if getattr(self, "state_slots", None) is not None:
+            shared = 0  # a recurrent state is not in the blocks: each sample prefills the whole prompt
+        for i in range(params.n - self.forks.pop(rid), params.n):
+            seed = None if params.seed is None else (params.seed + i) & 0xFFFF_FFFF_FFFF_FFFF
+            child = Sequence(f"{rid}#{i}", parent.token_ids[: parent.num_prompt_tokens],
+                             replace(params, seed=seed, prompt_logprobs=None),
+                             arrival_time=parent.arrival_time, group_id=rid, index=i)
+            child.num_cached_tokens = parent.num_cached_tokens
+            if params.structured is not None:  # each sample walks its own grammar
+                child.matcher = self.grammars.matcher_for(params.structured, ())
+            self.block_manager.share_blocks(parent, child, shared)
+            self._add_seq(child, front=True)
+            self.groups[rid].append(child.request_id)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks. False if it is unknown or done."""
+        """Stop a request (all its samples) now and free its blocks. False if it is
+        unknown or done."""
+        self.forks.pop(request_id, None)
+        members = self.groups.pop(request_id, None)
+        if members is not None:
+            return any([self._abort_seq(m) for m in members])
+        return self._abort_seq(request_id)
+
+    def _abort_seq(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
         self.detoks.pop(request_id, None)
         if seq is None or seq.is_finished:
@@ -180,7 +229,7 @@ class Engine:
         """Abort every live request (shutdown, or after a failed step); their ids. A
         request whose abort raises is still taken out of the engine and the scheduler's
         queues, so it is never scheduled again."""
-        ids = list(self.seqs)
+        ids = self.live_request_ids()
         for rid in ids:
             seq = self.seqs.get(rid)
             try:
@@ -198,12 +247,14 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def live_request_ids(self) -> list[str]:
-        return list(self.seqs)
+        return list(dict.fromkeys(s.group_id for s in self.seqs.values()))
 
     def request_state(self, request_id: str) -> tuple[list[int], list[int], SamplingParams, float]:
         """(prompt token ids, output token ids so far (resumed ones included), sampling
         params, arrival time) of a live request: what it takes to add it again."""
         seq = self.seqs[request_id]
+        if seq.sampling_params.n > 1:
+            raise ValueError("a request with n > 1 cannot be resumed")
         n = seq.num_prompt_tokens
         return list(seq.token_ids[:n]), list(seq.token_ids[n:]), seq.sampling_params, seq.arrival_time
 
@@ -227,6 +278,9 @@ class Engine:
             t1 = time.perf_counter()
             logits = self.runner.forward(batch)
             sampling = [e for e in plan.scheduled if e.sample]
+            if batch.prompt_rows:
+                self._prompt_logprobs(plan, batch, logits)
+                logits = logits[mx.array(batch.sample_index, dtype=mx.int32)] if sampling else None
             result = None
             if sampling:
                 masked = [i for i, e in enumerate(sampling) if e.seq.matcher is not None]
@@ -242,12 +296,45 @@ class Engine:
             self.stats.forward_seconds += time.perf_counter() - t1
             sampled = {id(e.seq): tok for e, tok in zip(sampling, result.token_ids)} if result else {}
             produced = self.scheduler.postprocess(plan, sampled)
+            for e in produced:  # before any finishes (and frees its blocks)
+                if e.seq.request_id in self.forks:
+                    self._fork(e.seq)
             for i, e in enumerate(produced):
                 outputs.append(self._on_token(e.seq, result, i))
         self.stats.num_steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
         self._refresh_stats()
         return outputs
+
+    def _prompt_logprobs(self, plan, batch, logits: mx.array) -> None:
+        """Log-softmax the prompt rows of this step (float32, the raw model distribution,
+        as the sampler's logprobs) and append each one's target token, logprob and top k
+        to its sequence."""
+        rows, targets = [], []
+        for i, first, positions in batch.prompt_rows:
+            seq = plan.scheduled[i].seq
+            rows += range(first, first + len(positions))
+            targets += seq.token_ids[positions.start + 1 : positions.stop + 1]
+        x = logits[mx.array(rows, dtype=mx.int32)]
+        lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        target_ids = mx.array(targets, dtype=mx.int32)
+        chosen = mx.take_along_axis(lp, target_ids[:, None], axis=-1)[:, 0]
+        k = max(plan.scheduled[i].seq.sampling_params.prompt_logprobs for i, _, _ in batch.prompt_rows)
+        top_ids = top_vals = None
+        if k:
+            top_ids = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+            top_vals = mx.take_along_axis(lp, top_ids, axis=-1)
+            mx.eval(chosen, top_ids, top_vals)
+            top_ids, top_vals = top_ids.tolist(), top_vals.tolist()
+        chosen = chosen.tolist()
+        r = 0
+        for i, _, positions in batch.prompt_rows:
+            seq = plan.scheduled[i].seq
+            kk = seq.sampling_params.prompt_logprobs
+            for _ in positions:
+                top = sorted(zip(top_ids[r], top_vals[r]), key=lambda t: -t[1])[:kk] if kk else []
+                seq.prompt_logprobs.append((targets[r], chosen[r], top))
+                r += 1
 
     def warm_up(self) -> float:
         """Run one full-budget prefill step and one decode step through the model on free
@@ -303,8 +390,14 @@ class Engine:
             self._count_finished(seq)
             del self.seqs[seq.request_id]
             del self.detoks[seq.request_id]
+            members = self.groups.get(seq.group_id)
+            if members is not None:
+                members.remove(seq.request_id)
+                if not members and seq.group_id not in self.forks:
+                    del self.groups[seq.group_id]
         out = RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.group_id,
+            index=seq.index,
             new_token_ids=[token],
             new_text=detok.take_delta(final=status is not None),
             finished=status is not None,
@@ -317,6 +410,8 @@ class Engine:
         if params.logprobs is not None:
             out.logprobs = [result.logprobs[row]]
             out.top_logprobs = [result.top_logprobs[row] or []]
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return out
 
     def _count_finished(self, seq: Sequence) -> None:
@@ -336,7 +431,10 @@ class Engine:
 
     # -- convenience --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
-        """Run prompts to completion; generated token ids per prompt, in order."""
+        """Run prompts to completion; generated token ids per prompt, in order (n = 1:
+        for n > 1 samples, step the engine and read each output's `index`)."""
+        if sampling_params is not None and sampling_params.n > 1:
+            raise ValueError("generate() returns one completion per prompt: use n=1")
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts):
             self.add_request(rid, prompt, sampling_params)

@@ -9,7 +9,8 @@ so that its attention runs in `kernels.paged_attention` (varlen, paged) with the
 window, soft-cap, sinks and head geometry (`attention.LayerSpec`). A hybrid model's
 recurrent layers get a `recurrent.RecurrentCache` instead: each sequence's rows run from
 its state slot (decode rows batched, prefill chunks one by one). Only the rows that are
-sampled reach the LM head.
+sampled, and the prompt rows of a request that asks for prompt logprobs, reach the LM
+head.
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ class StepBatch:
     cu_seqlens_q: mx.array  # [S+1] int32
     seq_lens: mx.array  # [S] int32: context length after this step
     block_tables: mx.array  # [S, max_blocks] int32, padded with 0
-    sample_rows: mx.array  # [N] int32: rows whose logits are sampled
+    logit_rows: mx.array  # [M] int32: rows that reach the LM head
+    sample_index: list[int]  # [N]: which of the M logit rows are sampled, in plan order
+    # per scheduled entry with prompt logprobs: (entry index, first logit row, positions)
+    prompt_rows: list[tuple[int, int, range]]
     plan: AttentionPlan | None  # host-side grouping, for the backends that use one
     num_tokens: int
     recurrent: recurrent.RecurrentPlan | None = None  # a hybrid model's recurrent layers' grouping
@@ -206,9 +210,11 @@ class ModelRunner:
         slot_mapping: list[int] = []
         cu = [0]
         seq_lens: list[int] = []
-        sample_rows: list[int] = []
+        logit_rows: list[int] = []
+        sample_index: list[int] = []
+        prompt_rows: list[tuple[int, int, range]] = []
         tables: list[list[int]] = []
-        for e in plan.scheduled:
+        for i, e in enumerate(plan.scheduled):
             seq = e.seq
             bt = seq.block_table
             input_ids += seq.token_ids[e.start : e.end]
@@ -217,8 +223,17 @@ class ModelRunner:
             cu.append(cu[-1] + e.num_new_tokens)
             seq_lens.append(e.end)
             tables.append(bt[: -(-e.end // bs)])
+            if seq.wants_prompt_logprobs:
+                # rows at positions p predict token p + 1: every prompt position not done yet
+                # but the last (which is the sample row)
+                done = len(seq.prompt_logprobs)
+                positions_ = range(max(e.start, done), min(e.end, seq.num_prompt_tokens - 1))
+                if len(positions_):
+                    prompt_rows.append((i, len(logit_rows), positions_))
+                    logit_rows += [cu[-2] + p - e.start for p in positions_]
             if e.sample:
-                sample_rows.append(cu[-1] - 1)
+                sample_index.append(len(logit_rows))
+                logit_rows.append(cu[-1] - 1)
         width = max(len(t) for t in tables)
         tables = [t + [0] * (width - len(t)) for t in tables]
         block_tables = mx.array(tables, dtype=mx.int32)
@@ -229,25 +244,28 @@ class ModelRunner:
             cu_seqlens_q=mx.array(cu, dtype=mx.int32),
             seq_lens=mx.array(seq_lens, dtype=mx.int32),
             block_tables=block_tables,
-            sample_rows=mx.array(sample_rows, dtype=mx.int32),
+            logit_rows=mx.array(logit_rows, dtype=mx.int32),
+            sample_index=sample_index,
+            prompt_rows=prompt_rows,
             plan=AttentionPlan.build(cu, seq_lens, block_tables, bs) if kernels.needs_plan(self.dtype, self.kv_dtype) else None,
             num_tokens=cu[-1],
             recurrent=recurrent.plan_step(plan.scheduled) if self.has_recurrent else None,
         )
 
     def forward(self, batch: StepBatch) -> mx.array:
-        """Logits [N, vocab] (float32) for the sampled rows. K/V land in the pool."""
+        """Logits [M, vocab] (float32) for `batch.logit_rows` (the sampled rows, and the
+        prompt rows of requests with prompt logprobs). K/V land in the pool."""
         self.batch = batch
         inputs = batch.input_ids[:, None]
         model = self.model
         if self.head_only:
-            h = model.model(inputs, cache=self.caches)[batch.sample_rows, 0]
+            h = model.model(inputs, cache=self.caches)[batch.logit_rows, 0]
             if getattr(model, "lm_head", None) is not None:
                 logits = model.lm_head(h)
             else:
                 logits = model.model.embed_tokens.as_linear(h)
         else:
-            logits = model(inputs, cache=self.caches)[batch.sample_rows, 0]
+            logits = model(inputs, cache=self.caches)[batch.logit_rows, 0]
         return logits.astype(mx.float32)
 
     def pool_arrays(self) -> list[mx.array]:

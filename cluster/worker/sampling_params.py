@@ -52,6 +52,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is taken
     structured: StructuredOutput | None = None
+    # None: none. k >= 0: each prompt token's logprob given its prefix (the first has
+    # none) plus the top k alternatives, computed in the prefill's forward.
+    prompt_logprobs: int | None = None
+    n: int = 1  # samples of the prompt; the engine forks them after its prefill
 
     def __post_init__(self):
         # Accept lists from callers; store tuples so the object stays hashable and frozen.
@@ -76,6 +80,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         for name in ("presence_penalty", "frequency_penalty"):

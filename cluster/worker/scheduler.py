@@ -19,6 +19,10 @@ Pure Python (no MLX). The policy, in order, each step:
    only with blocks for its whole chunk, as in vLLM: shrinking chunks to the last free
    blocks would only trade them for preemptions.)
 
+A request with prompt logprobs sends every prompt row to the LM head, not just its last:
+at most `MAX_PROMPT_LOGPROB_ROWS` such rows a step (its chunks shrink to fit), so a step's
+logits stay bounded ([rows, vocab] float32: 512 rows of a 150k vocabulary are 300 MB).
+
 When a running request cannot get a block, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the queue with all its tokens, to
 be recomputed later (its output is unchanged). Waiting requests never preempt.
@@ -70,6 +74,8 @@ class SchedulerOutput:
 
 # How far down the waiting queue admission looks past prompts it has to skip.
 _LOOKAHEAD = 32
+# Prompt rows with logprobs (all reach the LM head) per step at most.
+MAX_PROMPT_LOGPROB_ROWS = 512
 
 
 class Scheduler:
@@ -83,6 +89,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._prompt_rows_left = 0  # this step's, while it is planned
 
     # -- requests in and out ------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int) -> None:
@@ -102,10 +109,14 @@ class Scheduler:
                 "give the worker more KV blocks"
             )
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        """Queue `seq` (`front`: first in line, as a sample forked from a running request)."""
         self.check_fits(seq.num_tokens)
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
         if seq.is_finished:
@@ -150,6 +161,7 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled: dict[int, ScheduledSeq] = {}  # id(seq) -> entry, in scheduling order
         budget = cfg.max_num_batched_tokens
+        self._prompt_rows_left = MAX_PROMPT_LOGPROB_ROWS
 
         def preempt_newest(current: Sequence) -> Sequence:
             nonlocal budget
@@ -194,7 +206,7 @@ class Scheduler:
             n = seq.num_uncomputed_tokens
             if self.is_long(seq):
                 n = min(n, max(1, (budget - reserve) // (len(prefilling) - i)))
-            schedule_running(seq, min(n, budget))
+            schedule_running(seq, self._cap_prompt_rows(seq, min(n, budget)))
 
         # 3. admit waiting requests
         budget = self._admit(budget, scheduled)
@@ -208,6 +220,9 @@ class Scheduler:
             if left <= 0:
                 continue  # a decode, or a prefill that finishes now
             extra = min(budget, left, self.block_manager.room(seq) - entry.num_new_tokens)
+            if seq.wants_prompt_logprobs:
+                extra = min(extra, self._prompt_rows_left)
+                self._prompt_rows_left -= max(0, extra)
             if extra > 0 and self.block_manager.allocate_slots(seq, entry.num_new_tokens + extra):
                 entry.num_new_tokens += extra
                 budget -= extra
@@ -249,26 +264,30 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(skipped) < _LOOKAHEAD
                and (slots is None or slots.can_allocate())):
             seq = self.waiting[0]
-            computed = bm.get_computed_blocks(seq)
+            # prompt logprobs need every prompt row forwarded: no prefix-cache hit (vLLM's rule)
+            computed = [] if seq.wants_prompt_logprobs else bm.get_computed_blocks(seq)
             remaining = seq.num_uncomputed_tokens - len(computed) * bm.block_size
-            if remaining <= budget:
+            if remaining <= budget and (not seq.wants_prompt_logprobs or remaining <= self._prompt_rows_left):
                 n = remaining  # the whole prefill runs now: no partial slot needed
             else:
                 long = self.is_long(seq)
-                if num_partial >= cfg.max_num_partial_prefills or (long and num_long >= cfg.max_long_partial_prefills):
+                if (num_partial >= cfg.max_num_partial_prefills or (long and num_long >= cfg.max_long_partial_prefills)
+                        or (seq.wants_prompt_logprobs and not self._prompt_rows_left)):
                     skipped.append(self.waiting.popleft())  # let a prompt behind it start
                     continue
                 n = budget
                 if long:  # leave room for the short prompts behind it
                     n = max(1, budget - self._short_waiting_reserve(budget // 2, start=1))
+                n = self._cap_prompt_rows(seq, n, take=False)
                 num_partial += 1
                 num_long += long
             if not bm.allocate_slots(seq, n, computed):
                 break
+            self._cap_prompt_rows(seq, n)
             self.waiting.popleft()
             if slots is not None:
                 slots.allocate(seq)
-            if seq.num_preemptions == 0:  # count each request's prefix lookup once
+            if seq.num_preemptions == 0 and seq.index == 0:  # count each request's prefix lookup once
                 seq.num_cached_tokens = len(computed) * bm.block_size
                 bm.record_prefix_query(seq.num_tokens, seq.num_cached_tokens)
             seq.status = SequenceStatus.RUNNING
@@ -278,6 +297,16 @@ class Scheduler:
         for seq in reversed(skipped):
             self.waiting.appendleft(seq)
         return budget
+
+    def _cap_prompt_rows(self, seq: Sequence, n: int, take: bool = True) -> int:
+        """`n` cut to this step's prompt-logprob rows left when `seq` asks for them (at
+        least 1, so it progresses); `take`: count them as taken."""
+        if not seq.wants_prompt_logprobs:
+            return n
+        n = max(1, min(n, self._prompt_rows_left))
+        if take:
+            self._prompt_rows_left = max(0, self._prompt_rows_left - n)
+        return n
 
     # -- after the forward ------------------------------------------------------------------
     def postprocess(self, plan: SchedulerOutput, sampled: dict[int, int]) -> list[ScheduledSeq]:

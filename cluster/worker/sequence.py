@@ -45,11 +45,29 @@ class Sequence:
     num_forwarded_tokens: int = 0  # all tokens ever forwarded (recompute included)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     matcher: object | None = None  # llguidance's LLMatcher over the output, for a structured output
+    # n > 1: the request this sample belongs to and its index there (`request_id` is then
+    # unique per sample: the request's own id for index 0)
+    group_id: str = ""
+    index: int = 0
+    # prompt_logprobs: entry j is (token_ids[j + 1], its logprob, top [(id, logprob)]),
+    # filled as prefill chunks are forwarded, handed out with the first output token
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self):
         self.token_ids = list(self.token_ids)
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
+        if not self.group_id:
+            self.group_id = self.request_id
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None and self.index == 0:
+            self.prompt_logprobs = []
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt positions whose logprobs are still to be computed (the prompt's last
+        position predicts the first output token, which the sampler reports)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

@@ -57,7 +57,8 @@ def sampling_params_from_proto(request: pb.GenerateRequest, num_resumed: int = 0
     s = request.sampling
     limit = max_tokens(request) if limit is None else limit
     kwargs = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "repetition_penalty"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "repetition_penalty",
+                 "prompt_logprobs"):
         if s.HasField(name):
             kwargs[name] = getattr(s, name)
     if s.HasField("structured"):
@@ -73,11 +74,25 @@ def sampling_params_from_proto(request: pb.GenerateRequest, num_resumed: int = 0
             presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty,
             logit_bias=dict(s.logit_bias),
+            n=max(1, s.n),
             **kwargs,
         )
     except (TypeError, ValueError) as e:
         raise InvalidRequest(str(e)) from None
     return params if limit > num_resumed else None
+
+
+@dataclass
+class _Usage:
+    """A request's usage, summed over its samples."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def proto(self) -> pb.Usage:
+        return pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                        cached_tokens=self.cached_tokens)
 
 
 class WorkerService:
@@ -187,12 +202,15 @@ class WorkerService:
             self.faults.on_request(engine_id, request.text)
         self.engine_loop.submit(AddRequest(engine_id, prompt, params, arrival, tuple(resume)))
         finished = False
+        left = params.n  # samples still running
+        usage = _Usage(len(prompt))
+        first = True
         try:
             while not finished:
                 events = [await stream.queue.get()]
                 while not stream.queue.empty():  # a slow reader gets the backlog as one chunk
                     events.append(stream.queue.get_nowait())
-                chunk = pb.GenerateResponse(request_id=rid, worker_id=self.worker_id)
+                chunks: dict[int, pb.GenerateResponse] = {}  # by sample index, in the order they come
                 for ev in events:
                     if isinstance(ev, Rejected):
                         finished = True
@@ -200,9 +218,29 @@ class WorkerService:
                     if isinstance(ev, Failed):
                         finished = True
                         raise InternalError(ev.message)
-                    finished = self._add_output(chunk, ev, len(prompt)) or finished
-                if chunk.token_ids or chunk.text or finished:
-                    yield chunk
+                    chunk = chunks.get(ev.index)
+                    if chunk is None:
+                        chunk = chunks[ev.index] = pb.GenerateResponse(request_id=rid, worker_id=self.worker_id,
+                                                                       index=ev.index)
+                    if self._add_output(chunk, ev, usage):
+                        left -= 1
+                        finished = left == 0 or ev.finish_reason == "abort"
+                for chunk in chunks.values():
+                    if first and (chunk.token_ids or chunk.finish_reason):
+                        first = False
+                        if request.sampling.echo:
+                            chunk.prompt_token_ids.extend(prompt)
+                            chunk.prompt_text = self.tokenizer.decode(prompt)
+                            if request.sampling.HasField("prompt_logprobs"):  # the first token leads, without one
+                                rest = list(chunk.prompt_logprobs)
+                                del chunk.prompt_logprobs[:]
+                                chunk.prompt_logprobs.add(token_id=prompt[0], logprob=float("nan"),
+                                                          token=self._token_text(prompt[0]))
+                                chunk.prompt_logprobs.extend(rest)
+                    if finished and chunk is list(chunks.values())[-1]:
+                        chunk.usage.CopyFrom(usage.proto())
+                    if chunk.token_ids or chunk.text or chunk.finish_reason or chunk.HasField("usage"):
+                        yield chunk
         finally:
             self._streams.pop(engine_id, None)
             self._running.discard(rid)
@@ -281,10 +319,16 @@ class WorkerService:
             what = f"{num_prompt} prompt + {num_resumed} resumed tokens" if num_resumed else f"{num_prompt} tokens"
             raise InvalidRequest(f"the prompt has {what}, more than max_model_len={limit}: shorten it")
 
-    def _add_output(self, chunk: pb.GenerateResponse, out: RequestOutput, num_prompt: int) -> bool:
-        """Append one engine output to `chunk`; True when it finished the request."""
+    def _add_output(self, chunk: pb.GenerateResponse, out: RequestOutput, usage: "_Usage") -> bool:
+        """Append one engine output to `chunk`; True when it finished its sample."""
         chunk.token_ids.extend(out.new_token_ids)
         chunk.text += out.new_text
+        if out.prompt_logprobs is not None:
+            for token, lp, top in out.prompt_logprobs:
+                chunk.prompt_logprobs.append(pb.TokenLogprob(
+                    token_id=token, logprob=lp, token=self._token_text(token),
+                    top=[pb.TopLogprob(token_id=t, logprob=v, token=self._token_text(t)) for t, v in top],
+                ))
         if out.logprobs is not None:
             tops = out.top_logprobs or [[] for _ in out.logprobs]
             for token, lp, top in zip(out.new_token_ids, out.logprobs, tops):
@@ -297,9 +341,9 @@ class WorkerService:
         chunk.finish_reason = FINISH_REASON_TO_PROTO.get(out.finish_reason, pb.FINISH_REASON_ABORT)
         if out.stop_reason is not None:
             chunk.stop_reason = str(out.stop_reason)
-        chunk.usage.prompt_tokens = num_prompt
-        chunk.usage.completion_tokens = out.num_output_tokens  # the resumed tokens included
-        chunk.usage.cached_tokens = min(out.num_cached_tokens, num_prompt)
+        usage.completion_tokens += out.num_output_tokens  # the resumed tokens included
+        if out.index == 0 or out.finish_reason == "abort":
+            usage.cached_tokens = min(out.num_cached_tokens, usage.prompt_tokens)
         return True
 
     def _token_text(self, token_id: int) -> str:
