@@ -216,3 +216,22 @@ def test_tool_call_constraint_forces_a_valid_call(engine, choice, family):
         jsonschema.validate(call["arguments"], by_name[call["name"]])
     with pytest.raises(InvalidGrammar, match="not among the tools"):
         tool_call_constraint(TOOLS, "nope")
+
+
+def test_every_sample_of_n_walks_its_own_grammar(engine):
+    """n > 1 forks samples after the prompt: each sample is constrained, not only the first."""
+    schema = SCHEMAS[0]
+    spec = StructuredOutput("json_schema", json.dumps(schema))
+    engine.add_request("n4", prompts(engine, 1)[0],
+                       SamplingParams(max_tokens=120, temperature=1.0, seed=3, n=4, structured=spec))
+    text: dict[int, str] = {}
+    reason: dict[int, str] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            text[o.index] = text.get(o.index, "") + o.new_text
+            if o.finished:
+                reason[o.index] = o.finish_reason
+    assert sorted(reason) == [0, 1, 2, 3] and set(reason.values()) == {"stop"}, reason
+    for i in range(4):
+        jsonschema.validate(json.loads(text[i]), schema)
+    assert len(set(text.values())) > 1  # four samples, not one copied
