@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.api.errors import InvalidRequest
+from cluster.api.tools import tool_choice_mode
 from cluster.api.wire import (
     DEFAULT_MAX_TOKENS,
     FINISH_REASON_NAMES,
@@ -148,14 +150,52 @@ def _with(**fields):
     (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=-1.0), "frequency_penalty"),
     (dict(repetition_penalty=1.1), "repetition_penalty"), (dict(logit_bias=5.0), "logit_bias"),
     (dict(structured=True), "structured output"), (dict(prompt_logprobs=0), "prompt_logprobs"), (dict(n=2), "n > 1"),
-    (dict(tools="[]x"), "tools"), (dict(tool_choice="auto"), "tool_choice"), (dict(parallel_tool_calls=False),
-                                                                             "parallel_tool_calls"),
-    (dict(history=True), "tool calls in the chat history"),
 ])
 def test_fields_not_yet_served_are_refused_by_name(fields, name):
     with pytest.raises(InvalidRequest, match=f"{name}.*not supported"):
         validate_request(_with(**fields))
     validate_request(_with(n=1))  # n=1 is the default
+
+
+_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_tools_round_trip_through_the_wire_and_are_validated():
+    """Tools, tool_choice, parallel_tool_calls and history with tool calls go onto the
+    wire; what no server can honour is refused by name (required / a named function wait
+    for constrained decoding), and what is malformed says what to fix."""
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "content": "12C", "tool_call_id": "call_1", "name": "get_weather"}]
+    r = build_request(messages=history, tools=[_WEATHER], tool_choice="auto", parallel_tool_calls=False)
+    validate_request(r)
+    assert json.loads(r.tools) == [_WEATHER] and r.tool_choice.mode == "auto" and r.parallel_tool_calls is False
+    call = r.chat.messages[1].tool_calls[0]
+    assert (call.id, call.name, json.loads(call.arguments)) == ("call_1", "get_weather", {"city": "Oslo"})
+    assert (r.chat.messages[2].tool_call_id, r.chat.messages[2].name) == ("call_1", "get_weather")
+    assert tool_choice_mode(build_request(messages=history, tools=[_WEATHER])) == "auto"
+    assert tool_choice_mode(build_request(messages=history)) == "none"
+    named = build_request(messages=history, tools=[_WEATHER], tool_choice={"type": "function",
+                                                                           "function": {"name": "get_weather"}})
+    assert named.tool_choice.function == "get_weather"
+    for bad, words in [
+        (dict(tools=[_WEATHER], tool_choice="required"), "tool_choice 'required' needs constrained decoding"),
+        (dict(tools=[_WEATHER], tool_choice="get_weather"), "tool_choice function 'get_weather' needs constrained"),
+        (dict(tools=[_WEATHER], tool_choice="nope"), "not in tools"),
+        (dict(tool_choice="required"), "needs tools"),
+        (dict(tools=[{"type": "function", "function": {}}]), r"tools\[0\].function.name is required"),
+        (dict(tools=[{"type": "code_interpreter"}]), "only tools of type 'function'"),
+    ]:
+        with pytest.raises(InvalidRequest, match=words):
+            validate_request(build_request(messages=history, **bad))
+    r = build_request(messages=history)
+    r.chat.messages[1].tool_calls[0].arguments = "{not json"
+    with pytest.raises(InvalidRequest, match="not JSON"):
+        validate_request(r)
+    with pytest.raises(InvalidRequest, match="need a chat prompt"):
+        validate_request(build_request("hi", tools=[_WEATHER]))
 
 
 def test_build_request_and_validate_agree_on_max_tokens():

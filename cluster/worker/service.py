@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from cluster.api.errors import AlreadyExists, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
+from cluster.api.tools import ToolCallStream, apply_to_chunk, parse_tools, template_messages, tool_choice_mode
 from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, RequestLimits, check_fits, max_tokens,
                               prompt_chars, validate_request)
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -70,6 +71,42 @@ def sampling_params_from_proto(request: pb.GenerateRequest, num_resumed: int = 0
     except (TypeError, ValueError) as e:
         raise InvalidRequest(str(e)) from None
     return params if limit > num_resumed else None
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes | None:
+    """A token's own bytes, from its vocabulary entry: a byte-level BPE piece or a
+    SentencePiece byte fallback (<0xE2>); None when neither."""
+    try:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+    except Exception:
+        return None
+    if not isinstance(piece, str) or not piece:
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    if all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return None
 
 
 class WorkerService:
@@ -152,6 +189,7 @@ class WorkerService:
             raise NotFound(f"model {request.model!r} is not served here; this worker serves {self.model_name!r}")
         validate_request(request, self.limits)
         self._check_cost(request)  # before any work
+        tool_stream = self._tool_stream(request)
         resume = list(request.resume_token_ids)
         sampling_params_from_proto(request, len(resume))  # the engine's ranges, before tokenizing
         prompt = await self._prompt_token_ids(request)
@@ -189,7 +227,9 @@ class WorkerService:
                         finished = True
                         raise InternalError(ev.message)
                     finished = self._add_output(chunk, ev, len(prompt)) or finished
-                if chunk.token_ids or chunk.text or finished:
+                if tool_stream is not None:
+                    apply_to_chunk(tool_stream, chunk)
+                if chunk.token_ids or chunk.text or chunk.tool_calls or finished:
                     yield chunk
         finally:
             self._streams.pop(engine_id, None)
@@ -224,17 +264,33 @@ class WorkerService:
                 return list(self.tokenizer.encode(request.text))
             loop = asyncio.get_running_loop()
             return list(await loop.run_in_executor(self._pool, self.tokenizer.encode, request.text))
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._apply_chat_template, messages)
+        messages = template_messages(request.chat.messages)
+        tools = parse_tools(request.tools) if tool_choice_mode(request) != "none" else None
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._apply_chat_template, messages,
+                                                                tools)
 
-    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def _apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            extra = {"tools": tools} if tools else {}
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         except Exception as e:
             raise InvalidRequest(f"the chat template could not be applied to these messages: {e}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers may return an encoding
             ids = ids["input_ids"]
         return [int(t) for t in ids]
+
+    def _tool_stream(self, request: pb.GenerateRequest) -> ToolCallStream | None:
+        """The parser of this model's tool calls for a request that offers tools (None
+        without); a model whose tokenizer has no tool calling refuses tools."""
+        if tool_choice_mode(request) == "none":
+            return None
+        tok = self.tokenizer
+        if not getattr(tok, "has_tool_calling", False):
+            raise InvalidRequest(f"model {self.model_name!r} has no tool calling (its chat template and tokenizer "
+                                 "have no tool-call format mlx-lm knows): send the request without tools")
+        parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+        return ToolCallStream(tok.tool_call_start, tok.tool_call_end or "", tok.tool_parser,
+                              parse_tools(request.tools), parallel)
 
     def _check_cost(self, request: pb.GenerateRequest) -> None:
         """What only the worker knows: the vocabulary, and how long a text can possibly fit."""
@@ -277,7 +333,14 @@ class WorkerService:
         return True
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """The token's text; a token that is part of a multi-byte character is spelled as
+        its own bytes, "bytes:\\xe2\\x80" (as OpenAI does), not as U+FFFD."""
+        text = self.tokenizer.decode([token_id])
+        if "\ufffd" in text:
+            raw = token_bytes(self.tokenizer, token_id)
+            if raw is not None and raw.decode("utf-8", "replace") == text:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
 
     def _dispatch(self, now: float, events: list) -> None:
         """On the event loop: route one step's events to their streams; observe metrics."""
