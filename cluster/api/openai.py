@@ -422,6 +422,8 @@ async def _health(request: web.Request) -> web.Response:
         return web.json_response({"status": "draining"}, status=503)
     if getattr(backend, "stalled", False):
         return web.json_response({"status": "stalled"}, status=503)
+    if getattr(backend, "serving", True) is False:  # a router with no worker that can take a request
+        return web.json_response({"status": "unavailable", "message": "no worker can take a request"}, status=503)
     try:
         await backend.list_models()
     except OrchardError as e:
