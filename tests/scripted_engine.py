@@ -91,8 +91,8 @@ class ScriptedEngine:
 
 
 class ScriptedServer:
-    """The worker service over a `ScriptedEngine` and its HTTP app, on 127.0.0.1 and a free
-    port, in a thread of its own (so that sync clients can call it) until `stop()`."""
+    """The worker service over a `ScriptedEngine`, its HTTP app (`url`) and gRPC
+    `Generation` (`grpc_address`), on 127.0.0.1 and free ports, in a thread of its own (so that sync clients can call it) until `stop()`."""
 
     def __init__(self, engine: ScriptedEngine, **app_kwargs):
         self.engine = engine
@@ -107,7 +107,11 @@ class ScriptedServer:
             raise RuntimeError(f"the scripted server did not start: {self.error!r}")
 
     async def _main(self):
+        import grpc
+
         from cluster.api.openai import create_app
+        from cluster.api.servicer import GenerationServicer
+        from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
         from cluster.worker.service import WorkerService
 
         self._loop = asyncio.get_running_loop()
@@ -123,12 +127,17 @@ class ScriptedServer:
             sock.setblocking(False)
             await web.SockSite(runner, sock).start()
             self.port = sock.getsockname()[1]
+            grpc_server = grpc.aio.server()
+            pb_grpc.add_GenerationServicer_to_server(GenerationServicer(svc), grpc_server)
+            self.grpc_address = f"127.0.0.1:{grpc_server.add_insecure_port('127.0.0.1:0')}"
+            await grpc_server.start()
         except BaseException as e:
             self.error = e
             self._ready.set()
             raise
         self._ready.set()
         await self._stop.wait()
+        await grpc_server.stop(0)
         await runner.cleanup()
         await svc.stop()
 

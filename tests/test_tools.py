@@ -205,3 +205,24 @@ def test_real_engine_renders_tools_and_history(tiny_worker, tiny_model_dir):
     assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
     bare = c.chat.completions.create(model="", messages=HISTORY[:1], max_tokens=1)
     assert bare.usage.prompt_tokens < r.usage.prompt_tokens
+
+
+def test_sdk_over_grpc_gets_tool_calls(server):
+    """The gRPC contract: tools, tool_choice and history go in, `tool_calls` and
+    FINISH_REASON_TOOL_CALLS come out, streamed or whole."""
+    from cluster.sdk import Client, ToolCall
+
+    server.engine.reply = "Sure." + CALL + CALL2
+    with Client(server.grpc_address) as c:
+        done = c.chat([{"role": "user", "content": "Weather?"}], tools=[WEATHER], tool_choice="auto")
+        assert done.finish_reason == "tool_calls" and done.text == "Sure."
+        assert [(t.name, json.loads(t.arguments)) for t in done.tool_calls] == [
+            ("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Bergen"})]
+        assert all(isinstance(t, ToolCall) and t.id.startswith("call_") for t in done.tool_calls)
+        chunks = list(c.stream(messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
+                               parallel_tool_calls=False))
+        assert [t.name for ch in chunks for t in ch.tool_calls] == ["get_weather"]
+        assert "".join(ch.text for ch in chunks) == "Sure." and chunks[-1].finish_reason == "tool_calls"
+        server.engine.reply = "fine"
+        c.chat(HISTORY, tools=[WEATHER])
+        assert "<tool_response>\n12 degrees and rain\n</tool_response>" in server.engine.prompts[-1]

@@ -37,17 +37,31 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made: `arguments` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @classmethod
+    def from_proto(cls, c: pb.ToolCall) -> "ToolCall":
+        return cls(c.id, c.name, c.arguments)
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed piece: the tokens and text of a step; the last one has finish_reason and usage."""
 
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "tool_calls" on the last chunk
     stop_reason: str = ""
     usage: Usage | None = None
     worker_id: str = ""
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed in this chunk
 
     @property
     def finished(self) -> bool:
@@ -65,6 +79,7 @@ class Chunk:
             usage=Usage.from_proto(r.usage) if r.HasField("usage") else None,
             worker_id=r.worker_id,
             logprobs=[TokenLogprob.from_proto(lp) for lp in r.logprobs] or None,
+            tool_calls=[ToolCall.from_proto(c) for c in r.tool_calls],
         )
 
 
@@ -80,12 +95,14 @@ class Completion:
     usage: Usage = field(default_factory=Usage)
     worker_id: str = ""
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     def add(self, chunk: Chunk) -> None:
         self.request_id = chunk.request_id or self.request_id
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.worker_id = chunk.worker_id or self.worker_id
+        self.tool_calls += chunk.tool_calls
         if chunk.logprobs:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
         if chunk.finish_reason is not None:
