@@ -42,8 +42,10 @@ class ScriptedEngine:
         self.prompts.append(text)
         self.params.append(params)
         reply = self.reply(text) if callable(self.reply) else self.reply
-        self.seqs[rid] = dict(out=self.tokenizer.encode(reply, add_special_tokens=False), i=0, prompt=list(prompt),
-                              params=params, detok=IncrementalDetokenizer(self.tokenizer, list(prompt), params.stop))
+        resumed = list(resume_token_ids)  # the script continues after them, as a resumed request does
+        self.seqs[rid] = dict(out=self.tokenizer.encode(reply, add_special_tokens=False), i=len(resumed),
+                              prompt=list(prompt), params=params,
+                              detok=IncrementalDetokenizer(self.tokenizer, list(prompt) + resumed, params.stop))
 
     def abort(self, rid):
         return self.seqs.pop(rid, None) is not None

@@ -226,3 +226,20 @@ def test_sdk_over_grpc_gets_tool_calls(server):
         server.engine.reply = "fine"
         c.chat(HISTORY, tools=[WEATHER])
         assert "<tool_response>\n12 degrees and rain\n</tool_response>" in server.engine.prompts[-1]
+
+
+def test_a_stream_resumed_mid_call_still_parses_it(server):
+    """Router failover resumes a request on another worker after the tokens already sent:
+    the new worker picks up the parser's state from them, so a call cut by the failover is
+    still parsed, and what was sent is not sent again."""
+    from cluster.sdk import Client, build_request
+
+    server.engine.reply = "Sure." + CALL + " bye"
+    ids = server.engine.tokenizer.encode(server.engine.reply, add_special_tokens=False)
+    cut = next(i for i in range(len(ids)) if "Oslo" in server.engine.tokenizer.decode(ids[:i]))  # inside the call
+    with Client(server.grpc_address) as c:
+        req = build_request(messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
+                            resume_token_ids=ids[:cut])
+        done = c.generate(req)
+    assert [(t.name, json.loads(t.arguments)) for t in done.tool_calls] == [("get_weather", {"city": "Oslo"})]
+    assert done.text == " bye" and done.finish_reason == "tool_calls"

@@ -133,6 +133,7 @@ class WorkerService:
         self._next_id = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchard-tokenize")
+        self._markers_checked: dict[tuple[str, ...], bool] = {}
 
     async def start(self, timeout: float | None = None) -> None:
         """Load the engine (on its thread) and route its events into the running loop."""
@@ -205,6 +206,8 @@ class WorkerService:
                 usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=len(resume)),
             )
             return
+        if tool_stream is not None and resume:  # resumed after failover: where the calls were, not sent again
+            tool_stream.feed(self.tokenizer.decode(resume))
         stream = _Stream(arrival)
         engine_id = f"{rid}@{next(self._next_id)}"
         self._streams[engine_id] = stream
@@ -288,9 +291,21 @@ class WorkerService:
         if not getattr(tok, "has_tool_calling", False):
             raise InvalidRequest(f"model {self.model_name!r} has no tool calling (its chat template and tokenizer "
                                  "have no tool-call format mlx-lm knows): send the request without tools")
+        start, end = tok.tool_call_start, tok.tool_call_end or ""
+        if not self._markers_survive(start, end):
+            raise InvalidRequest(f"model {self.model_name!r} marks its tool calls with special tokens ({start!r}) that "
+                                 "the detokenizer drops, so its calls cannot be found in the output: tools are not "
+                                 "supported for it yet")
         parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
-        return ToolCallStream(tok.tool_call_start, tok.tool_call_end or "", tok.tool_parser,
-                              parse_tools(request.tools), parallel)
+        return ToolCallStream(start, end, tok.tool_parser, parse_tools(request.tools), parallel)
+
+    def _markers_survive(self, *markers: str) -> bool:
+        """The tool-call markers come through the engine's detokenizer (which skips special tokens)."""
+        if markers not in self._markers_checked:
+            tok = self.tokenizer
+            self._markers_checked[markers] = all(
+                tok.decode(tok.encode(m, add_special_tokens=False), skip_special_tokens=True) == m for m in markers if m)
+        return self._markers_checked[markers]
 
     def _check_cost(self, request: pb.GenerateRequest) -> None:
         """What only the worker knows: the vocabulary, and how long a text can possibly fit."""
