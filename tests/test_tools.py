@@ -243,3 +243,46 @@ def test_a_stream_resumed_mid_call_still_parses_it(server):
         done = c.generate(req)
     assert [(t.name, json.loads(t.arguments)) for t in done.tool_calls] == [("get_weather", {"city": "Oslo"})]
     assert done.text == " bye" and done.finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("arch, call", [
+    ("lfm2", '<|tool_call_start|>[get_weather(city="Oslo")]<|tool_call_end|>'),
+    ("gemma4_text", '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'),
+])
+def test_other_families_through_the_openai_client(tmp_path, arch, call):
+    """Each family's own markers and parser (mlx-lm's, picked from its chat template),
+    from its tokenizer's tokens to the openai client's tool_calls."""
+    import openai
+
+    from cluster.modelgen import create_model
+
+    model = create_model(tmp_path / arch, arch, "tiny", seed=0)
+    srv = ScriptedServer(ScriptedEngine(model, reply="Checking. " + call))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        r = c.chat.completions.create(model="", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER])
+        (tc,) = r.choices[0].message.tool_calls
+        assert (tc.function.name, json.loads(tc.function.arguments)) == ("get_weather", {"city": "Oslo"})
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content.strip() == "Checking."
+        assert "get_weather" in srv.engine.prompts[-1]
+    finally:
+        srv.stop()
+
+
+def test_special_token_markers_are_refused_not_leaked():
+    """A tokenizer whose call markers are special tokens (dropped by the detokenizer):
+    tools are refused with the reason, never served with the call text as content."""
+    from types import SimpleNamespace
+
+    from cluster.api.errors import InvalidRequest
+    from cluster.api.wire import build_request
+    from cluster.worker.service import WorkerService
+
+    svc = WorkerService.__new__(WorkerService)
+    svc.model_name, svc._markers_checked = "m", {}
+    svc.tokenizer = SimpleNamespace(has_tool_calling=True, tool_call_start="<tc>", tool_call_end="</tc>",
+                                    tool_parser=None, encode=lambda text, add_special_tokens=False: [1],
+                                    decode=lambda ids, skip_special_tokens=True: "")
+    with pytest.raises(InvalidRequest, match="special tokens"):
+        svc._tool_stream(build_request(messages=[{"role": "user", "content": "x"}], tools=[WEATHER]))
