@@ -5,11 +5,16 @@ router's `RouterBackend` in process (or the SDK's `GrpcBackend` over a channel),
 worker and the router serve the same API.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not),
-GET /v1/models, GET /health. Sampling fields: max_tokens (max_completion_tokens),
-temperature, top_p, seed, stop, stream_options.include_usage, logprobs (top_logprobs for
-chat), and the extensions ignore_eos, top_k, min_p, stop_token_ids. Errors use OpenAI's
-shape `{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 404
-(unknown model), 429 (queue full), 503 (draining or unavailable).
+GET /v1/models, GET /v1/models/{id}, GET /health, and on the same app /v1/responses
+(responses.py) and /v1/messages (messages.py). Sampling fields: max_tokens
+(max_completion_tokens; a chat without it runs to the end of the context), temperature,
+top_p, seed, stop, stream_options.include_usage, logprobs (top_logprobs for chat), tools,
+tool_choice, parallel_tool_calls (chat), and the extensions ignore_eos, top_k, min_p,
+stop_token_ids. Any other parameter is a 400 that names it, except ACCEPTED_NO_EFFECT
+(user, metadata, store, ...), which real clients send and which change no output. Errors
+use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with 400 (bad
+input), 404 (unknown model or route), 405, 429 (queue full), 503 (draining or
+unavailable).
 """
 
 from __future__ import annotations
