@@ -8,7 +8,6 @@ the last test runs the real engine and checks the prompt it was given."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
