@@ -210,6 +210,15 @@ def test_build_request_and_validate_agree_on_max_tokens():
     assert max_tokens(build_request("hi", max_tokens=3)) == 3
 
 
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context():
+    """As OpenAI's and vLLM's chat do; a text prompt keeps the wire's default."""
+    from cluster.api.wire import check_fits
+
+    assert check_fits(build_request(messages=[{"role": "user", "content": "hi"}]), 100, 4096) == 3996
+    assert check_fits(build_request("hi"), 100, 4096) == DEFAULT_MAX_TOKENS
+    assert check_fits(build_request(messages=[{"role": "user", "content": "hi"}], max_tokens=7), 100, 4096) == 7
+
+
 def test_finish_reasons_round_trip():
     for name, value in FINISH_REASON_TO_PROTO.items():
         assert FINISH_REASON_NAMES[value] == name

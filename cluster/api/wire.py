@@ -20,7 +20,8 @@ from cluster.api.tools import validate_tools
 from cluster.config import setting
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
-# What an unset `sampling.max_tokens` means (the .proto says so too).
+# What an unset `sampling.max_tokens` means for a text or token prompt (a chat runs to the
+# end of the context; the .proto says so too).
 DEFAULT_MAX_TOKENS = 256
 
 # The engine's finish reasons and the wire's, both ways.
@@ -62,8 +63,9 @@ def build_request(
     token ids, or chat `messages` ({"role", "content"} dicts or (role, content) pairs; a
     dict may hold OpenAI's `tool_calls`, `tool_call_id` and `name`). `tools` are OpenAI's
     function tools, `tool_choice` "none" | "auto" | "required" | a function's name or
-    {"type": "function", "function": {"name": ...}}. Values the wire types cannot hold (a negative max_tokens, a seed past 64 bits) are
-    InvalidRequest; everything else is the server's to judge (`validate_request`)."""
+    {"type": "function", "function": {"name": ...}}. Values the wire types cannot hold (a
+    negative max_tokens, a seed past 64 bits) are InvalidRequest; everything else is the
+    server's to judge (`validate_request`)."""
     if (prompt is None) == (messages is None):
         raise InvalidRequest("pass exactly one of a prompt (text or token ids) or messages")
     try:
