@@ -136,6 +136,9 @@ class ToolCallStream:
         self.num_calls = 0
 
     def feed(self, text: str) -> tuple[str, list[pb.ToolCall]]:
+        # in a call, an end marker can only end in the new text: search from just before it
+        # (so a long call costs O(its length), not O(length^2))
+        scan_from = max(0, len(self.buffer) - len(self.end) + 1) if self.in_call else 0
         self.buffer += text
         content, calls = [], []
         while True:
@@ -149,9 +152,10 @@ class ToolCallStream:
                 content.append(self.buffer[:i])
                 self.buffer = self.buffer[i + len(self.start):]
                 self.in_call = True
+                scan_from = 0
             if not self.end:
                 break  # the call runs to the end of the output
-            j = self.buffer.find(self.end)
+            j = self.buffer.find(self.end, scan_from)
             if j < 0:
                 break
             body, self.buffer = self.buffer[:j], self.buffer[j + len(self.end):]
