@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.api.errors import InvalidRequest
+from cluster.api.tools import tool_choice_mode
 from cluster.api.wire import (
     DEFAULT_MAX_TOKENS,
     FINISH_REASON_NAMES,
@@ -142,19 +144,6 @@ def _with(**fields):
     return r
 
 
-# Fields of the contract that no backend honours yet: refused by name, never ignored. An
-# entry leaves this list (and wire._unsupported) with the change that implements it.
-@pytest.mark.parametrize("fields, name", [
-    (dict(tools="[]x"), "tools"), (dict(tool_choice="auto"), "tool_choice"), (dict(parallel_tool_calls=False),
-                                                                             "parallel_tool_calls"),
-    (dict(history=True), "tool calls in the chat history"),
-])
-def test_fields_not_yet_served_are_refused_by_name(fields, name):
-    with pytest.raises(InvalidRequest, match=f"{name}.*not supported"):
-        validate_request(_with(**fields))
-    validate_request(_with(n=1))  # n=1 is the default
-
-
 # Penalties, logit bias and structured outputs are served: validated to OpenAI's ranges.
 @pytest.mark.parametrize("kwargs, words", [
     (dict(temperature=2.5), "temperature must be between 0 and 2"),
@@ -198,6 +187,47 @@ def test_n_and_prompt_logprobs_are_served_within_bounds():
         validate_request(resumed)
 
 
+_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_tools_round_trip_through_the_wire_and_are_validated():
+    """Tools, tool_choice, parallel_tool_calls and history with tool calls go onto the
+    wire; what no server can honour is refused by name (required / a named function wait
+    for constrained decoding), and what is malformed says what to fix."""
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "content": "12C", "tool_call_id": "call_1", "name": "get_weather"}]
+    r = build_request(messages=history, tools=[_WEATHER], tool_choice="auto", parallel_tool_calls=False)
+    validate_request(r)
+    assert json.loads(r.tools) == [_WEATHER] and r.tool_choice.mode == "auto" and r.parallel_tool_calls is False
+    call = r.chat.messages[1].tool_calls[0]
+    assert (call.id, call.name, json.loads(call.arguments)) == ("call_1", "get_weather", {"city": "Oslo"})
+    assert (r.chat.messages[2].tool_call_id, r.chat.messages[2].name) == ("call_1", "get_weather")
+    assert tool_choice_mode(build_request(messages=history, tools=[_WEATHER])) == "auto"
+    assert tool_choice_mode(build_request(messages=history)) == "none"
+    named = build_request(messages=history, tools=[_WEATHER], tool_choice={"type": "function",
+                                                                           "function": {"name": "get_weather"}})
+    assert named.tool_choice.function == "get_weather"
+    for bad, words in [
+        (dict(tools=[_WEATHER], tool_choice="required"), "tool_choice 'required' needs constrained decoding"),
+        (dict(tools=[_WEATHER], tool_choice="get_weather"), "tool_choice function 'get_weather' needs constrained"),
+        (dict(tools=[_WEATHER], tool_choice="nope"), "not in tools"),
+        (dict(tool_choice="required"), "needs tools"),
+        (dict(tools=[{"type": "function", "function": {}}]), r"tools\[0\].function.name is required"),
+        (dict(tools=[{"type": "code_interpreter"}]), "only tools of type 'function'"),
+    ]:
+        with pytest.raises(InvalidRequest, match=words):
+            validate_request(build_request(messages=history, **bad))
+    r = build_request(messages=history)
+    r.chat.messages[1].tool_calls[0].arguments = "{not json"
+    with pytest.raises(InvalidRequest, match="not JSON"):
+        validate_request(r)
+    with pytest.raises(InvalidRequest, match="need a chat prompt"):
+        validate_request(build_request("hi", tools=[_WEATHER]))
+
+
 def test_build_request_and_validate_agree_on_max_tokens():
     """The wire cannot hold a negative max_tokens: build_request refuses it in the same
     words as the server refuses 0."""
@@ -208,6 +238,15 @@ def test_build_request_and_validate_agree_on_max_tokens():
     validate_request(build_request("hi", max_tokens=1))
     assert max_tokens(build_request("hi")) == DEFAULT_MAX_TOKENS
     assert max_tokens(build_request("hi", max_tokens=3)) == 3
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context():
+    """As OpenAI's and vLLM's chat do; a text prompt keeps the wire's default."""
+    from cluster.api.wire import check_fits
+
+    assert check_fits(build_request(messages=[{"role": "user", "content": "hi"}]), 100, 4096) == 3996
+    assert check_fits(build_request("hi"), 100, 4096) == DEFAULT_MAX_TOKENS
+    assert check_fits(build_request(messages=[{"role": "user", "content": "hi"}], max_tokens=7), 100, 4096) == 7
 
 
 def test_finish_reasons_round_trip():

@@ -3,7 +3,10 @@
     errors.py    typed errors, one per gRPC status (and its HTTP code)
     wire.py      finish-reason names, defaults; build_request / validate_request (once)
     servicer.py  the `Backend` protocol and the one `Generation` servicer over it
-    openai.py    OpenAI-compatible HTTP over any `Backend`
+    openai.py    OpenAI-compatible HTTP over any `Backend` (+ /v1/models/{id}, errors in OpenAI's shape)
+    tools.py     tool definitions and choices checked once; tool calls cut out of the output
+    responses.py OpenAI's Responses API (/v1/responses) on the same app
+    messages.py  Anthropic's Messages API (/v1/messages) on the same app
     serving.py   one start-up for a server's gRPC (+ health), HTTP and /metrics
 
 The servers (cluster.worker, cluster.router) and the SDK (cluster.sdk) depend on this

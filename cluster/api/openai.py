@@ -5,13 +5,19 @@ router's `RouterBackend` in process (or the SDK's `GrpcBackend` over a channel),
 worker and the router serve the same API.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not),
-GET /v1/models, GET /health. Sampling fields: max_tokens (max_completion_tokens),
-temperature, top_p, seed, stop, stream_options.include_usage, logprobs (top_logprobs for
-chat), presence_penalty, frequency_penalty, logit_bias, response_format, and the extensions
-ignore_eos, top_k, min_p, stop_token_ids, repetition_penalty, vLLM's guided_* and
-structured_outputs (`cluster.api.constraints`). Errors use OpenAI's
-shape `{"error": {"message", "type", "param", "code"}}` with 400 (bad input), 404
-(unknown model), 429 (queue full), 503 (draining or unavailable).
+GET /v1/models, GET /v1/models/{id}, GET /health, and on the same app /v1/responses
+(responses.py) and /v1/messages (messages.py); /v1/completions' evaluation features
+(echo, prompt lists, n, prompt_logprobs) are in completions.py. Sampling fields:
+max_tokens (max_completion_tokens; a chat without it runs to the end of the context),
+temperature, top_p, n, seed, stop, stream_options.include_usage, logprobs (top_logprobs
+for chat), presence_penalty, frequency_penalty, logit_bias, response_format, tools,
+tool_choice, parallel_tool_calls (chat), and the extensions ignore_eos, top_k, min_p,
+stop_token_ids, repetition_penalty, vLLM's guided_* and structured_outputs
+(`cluster.api.constraints`). Any other parameter is a 400 that names it, except
+ACCEPTED_NO_EFFECT (user, metadata, store, ...), which real clients send and which change
+no output. Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`
+with 400 (bad input), 404 (unknown model or route), 405, 429 (queue full), 503 (draining
+or unavailable).
 """
 
 from __future__ import annotations
@@ -133,7 +139,12 @@ def _completion_prompt(body: dict) -> str | list[int]:
     raise _BadField("prompt", "'prompt' must be a string or a list of token ids (one prompt per request)")
 
 
-def _chat_messages(body: dict) -> list[tuple[str, str]]:
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _chat_messages(body: dict) -> list[dict]:
+    """OpenAI's messages as the wire takes them: text content (parts joined), an
+    assistant's `tool_calls`, a tool result's `tool_call_id` and `name`."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _BadField("messages", "'messages' must be a non-empty list of {role, content} objects")
@@ -141,6 +152,8 @@ def _chat_messages(body: dict) -> list[tuple[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _BadField("messages", f"messages[{i}] must be an object with a string 'role'")
+        if m["role"] not in _ROLES:
+            raise _BadField("messages", f"messages[{i}].role {m['role']!r} is not one of {', '.join(_ROLES)}")
         content = m.get("content") or ""
         if isinstance(content, list):  # content parts: keep the text ones
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
@@ -148,15 +161,62 @@ def _chat_messages(body: dict) -> list[tuple[str, str]]:
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
             raise _BadField("messages", f"messages[{i}].content must be a string or a list of text parts")
-        out.append((m["role"], content))
+        msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise _BadField("messages", f"messages[{i}].tool_calls must be a list of "
+                                            "{id, type: function, function: {name, arguments}}")
+            msg["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise _BadField("messages", f"messages[{i}].{key} must be a string")
+                msg[key] = m[key]
+        out.append(msg)
     return out
 
 
+def _tool_kwargs(body: dict) -> dict[str, Any]:
+    tools = _field(body, "tools", list)
+    choice = body.get("tool_choice")
+    if choice is not None and not isinstance(choice, (str, dict)):
+        raise _BadField("tool_choice", "'tool_choice' must be a string or an object")
+    return dict(tools=tools or None, tool_choice=choice,
+                parallel_tool_calls=_field(body, "parallel_tool_calls", bool))
+
+
+# What each endpoint reads. Everything else is refused by name (400): never silently
+# ignored. ACCEPTED_NO_EFFECT are sent by real clients and change no output.
+ACCEPTED_NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                                "safety_identifier"})
+_COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "seed", "stop",
+                     "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+                     "top_k", "min_p", "stop_token_ids", "ignore_eos", "repetition_penalty", "response_format",
+                     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
+                    ) | ACCEPTED_NO_EFFECT
+CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                         "parallel_tool_calls"}
+# best_of and suffix are read to be refused by name (completions.py)
+COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix", "prompt_logprobs"}
+
+
+def check_params(body: dict, known: frozenset[str]) -> None:
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        raise _BadField(unknown[0], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
+                                    f"{', '.join(map(repr, unknown))}: not supported by this server")
+
+
 def _make_request(body: dict, chat: bool, request_id: str) -> pb.GenerateRequest:
+    check_params(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
     model = _field(body, "model", str, "")
     kwargs = _sampling_kwargs(body, chat) | openai_extras(body)  # penalties, logit_bias, structured outputs
     if chat:
-        return build_request(messages=_chat_messages(body), model=model, request_id=request_id, **kwargs)
+        return build_request(messages=_chat_messages(body), model=model, request_id=request_id, **kwargs,
+                             **_tool_kwargs(body))
     return build_request(_completion_prompt(body), model=model, request_id=request_id, **kwargs)
 
 
@@ -184,9 +244,22 @@ def _completion_logprobs(lps, offset: int) -> dict:
     }
 
 
+PARTIAL_TOKEN_PREFIX = "bytes:"  # a token that is not whole UTF-8 on its own, as OpenAI shows it: bytes:\xe2\x80
+
+
+def token_bytes(token: str) -> list[int]:
+    """A token's own bytes: its text's, or those a "bytes:\\xNN..." token spells out."""
+    if token.startswith(PARTIAL_TOKEN_PREFIX):
+        try:
+            return list(token[len(PARTIAL_TOKEN_PREFIX):].encode("latin-1").decode("unicode_escape").encode("latin-1"))
+        except (UnicodeError, ValueError):
+            pass
+    return list(token.encode("utf-8"))
+
+
 def _chat_logprobs(lps) -> dict:
     def entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        return {"token": token, "logprob": logprob, "bytes": token_bytes(token)}
 
     return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in lp.top]}
                         for lp in lps]}
@@ -202,6 +275,7 @@ class _Exchange:
         self.model = model
         self.want_logprobs = want_logprobs
         self.text_offset = 0
+        self.num_tool_calls = 0
 
     def _envelope(self, choices: list, usage: dict | None, stream: bool) -> dict:
         obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
@@ -218,6 +292,10 @@ class _Exchange:
         self.text_offset += len(r.text)
         if self.chat:
             delta = {"role": "assistant", "content": r.text} if first else ({"content": r.text} if r.text else {})
+            if r.tool_calls:  # a call is sent whole, when its end marker has arrived
+                delta["tool_calls"] = [{"index": self.num_tool_calls + i, **tool_call_json(c)}
+                                       for i, c in enumerate(r.tool_calls)]
+                self.num_tool_calls += len(r.tool_calls)
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": r.text, "logprobs": logprobs, "finish_reason": finish}
@@ -235,11 +313,18 @@ class _Exchange:
         if self.want_logprobs:
             logprobs = _chat_logprobs(lps) if self.chat else _completion_logprobs(lps, 0)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
+            calls = [tool_call_json(c) for ch in chunks for c in ch.tool_calls]
+            message = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope([choice], _usage(last.usage), stream=False)
+
+
+def tool_call_json(c: pb.ToolCall) -> dict:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
 def _sse(data: dict | str) -> bytes:
@@ -264,7 +349,12 @@ def create_app(backend: Backend, request_timeout: float | None = None, *, keys: 
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model_id:.+}", _model)
     app.router.add_get("/health", _health)
+    from cluster.api import messages, responses  # they build on this module
+
+    responses.add_routes(app)
+    messages.add_routes(app)
     return app
 
 
@@ -274,15 +364,39 @@ def _guard(keys: Keys, allowed: tuple[str, ...] | None):
         if not host_allowed(request.headers.get("Host"), allowed):
             return error_response(403, f"Host {request.headers.get('Host')!r} is not served here: add it to the "
                                        "server's --allowed-hosts", code="host_not_allowed")
+        anthropic = request.path.startswith("/v1/messages")
         if request.path.startswith("/v1/"):
-            refused = keys.refusal(request.headers.get("Authorization"), "inference")
+            authorization = request.headers.get("Authorization")
+            if authorization is None and request.headers.get("x-api-key"):  # Anthropic's clients send this
+                authorization = f"Bearer {request.headers['x-api-key']}"
+            refused = keys.refusal(authorization, "inference")
             if refused is not None:
+                if anthropic:
+                    return anthropic_error(401, refused[1])
                 response = error_response(401, refused[1], code="invalid_api_key")
                 response.headers["WWW-Authenticate"] = "Bearer"
                 return response
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPException as e:  # no such route or method: in the API's error shape, not plain text
+            if e.status < 400:
+                raise
+            message = (f"no route {request.method} {request.path}" if e.status == 404 else
+                       f"{request.method} is not allowed on {request.path}" if e.status == 405 else e.reason)
+            return anthropic_error(e.status, message) if anthropic else error_response(e.status, message)
 
     return guard
+
+
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                          503: "overloaded_error", 504: "timeout_error"}
+
+
+def anthropic_error(status: int, message: str) -> web.Response:
+    """Anthropic's error shape (on /v1/messages)."""
+    return web.json_response({"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+                                                         "message": message}}, status=status)
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -295,12 +409,27 @@ async def _models(request: web.Request) -> web.Response:
          "max_model_len": m.max_model_len} for m in models.models]})
 
 
+async def _model(request: web.Request) -> web.Response:
+    model_id = request.match_info["model_id"]
+    try:
+        models = await request.app[_BACKEND].list_models()
+    except OrchardError as e:
+        return error_response(e.http_status, e.message)
+    for m in models.models:
+        if m.id == model_id:
+            return web.json_response({"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by or "orchard",
+                                      "max_model_len": m.max_model_len})
+    return error_response(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+
+
 async def _health(request: web.Request) -> web.Response:
     backend = request.app[_BACKEND]
     if getattr(backend, "draining", False):
         return web.json_response({"status": "draining"}, status=503)
     if getattr(backend, "stalled", False):
         return web.json_response({"status": "stalled"}, status=503)
+    if getattr(backend, "serving", True) is False:  # a router with no worker that can take a request
+        return web.json_response({"status": "unavailable", "message": "no worker can take a request"}, status=503)
     try:
         await backend.list_models()
     except OrchardError as e:

@@ -15,6 +15,7 @@ from typing import Callable
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from cluster.api.servicer import Backend
 from cluster.net import SERVER_KEEPALIVE_OPTIONS, parse_address
@@ -95,6 +96,22 @@ async def _start_http(app: web.Application, address: str, what: str, default_hos
     return runner, _host_port(sock)
 
 
+class _NamingServer:
+    """The gRPC server as `add_services` sees it, noting the name of each service added
+    (for server reflection)."""
+
+    def __init__(self, server: grpc.aio.Server):
+        self._server = server
+        self.names: list[str] = []
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self.names += [h.service_name() for h in handlers if callable(getattr(h, "service_name", None))]
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def __getattr__(self, name):
+        return getattr(self._server, name)
+
+
 class Endpoints:
     """A server's endpoints. `bind_grpc` first (the caller may need the port, e.g. for a
     worker id), then `start`; `stop` stops whatever started, so a start that fails midway
@@ -143,8 +160,11 @@ class Endpoints:
         not served)."""
         server = self.grpc_server
         assert server is not None, "bind_grpc first"
-        add_services(server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        naming = _NamingServer(server)
+        add_services(naming)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, naming)
+        # server reflection, so that grpcurl can list and describe every service here
+        reflection.enable_server_reflection((*naming.names, reflection.SERVICE_NAME), server)
         await server.start()
         await self.set_serving(True)
         ssl_context = http_ssl_context(self.security)

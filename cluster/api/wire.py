@@ -11,15 +11,18 @@ engine keeps only the checks that protect its own invariants.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from cluster.api.constraints import check_sampling, structured_proto
 from cluster.api.errors import InvalidRequest
+from cluster.api.tools import validate_tools
 from cluster.config import setting
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
-# What an unset `sampling.max_tokens` means (the .proto says so too).
+# What an unset `sampling.max_tokens` means for a text or token prompt (a chat runs to the
+# end of the context; the .proto says so too).
 DEFAULT_MAX_TOKENS = 256
 
 # The engine's finish reasons and the wire's, both ways.
@@ -61,22 +64,30 @@ def build_request(
     echo: bool = False,
     request_id: str = "",
     resume_token_ids: Sequence[int] | None = None,
+    tools: Sequence[Mapping] | str | None = None,
+    tool_choice: str | Mapping | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> pb.GenerateRequest:
     """A `GenerateRequest` from keyword arguments: exactly one of a text prompt, a list of
-    token ids, or chat `messages` ({"role", "content"} dicts or (role, content) pairs).
+    token ids, or chat `messages` ({"role", "content"} dicts or (role, content) pairs; a
+    dict may hold OpenAI's `tool_calls`, `tool_call_id` and `name`). `tools` are OpenAI's
+    function tools, `tool_choice` "none" | "auto" | "required" | a function's name or
+    {"type": "function", "function": {"name": ...}}. `n` samples share the prompt (chunks
+    carry their `index`); `prompt_logprobs` asks for each prompt token's logprob (+ that
+    many alternatives) in the first chunk; `echo` for the prompt's ids and text there.
     Values the wire types cannot hold (a negative max_tokens, a seed past 64 bits) are
-    InvalidRequest; everything else is the server's to judge (`validate_request`).
-    `n` samples share the prompt (chunks carry their `index`); `prompt_logprobs` asks for
-    each prompt token's logprob (+ that many alternatives) in the first chunk; `echo`
-    for the prompt's ids and text there."""
+    InvalidRequest; everything else is the server's to judge (`validate_request`)."""
     if (prompt is None) == (messages is None):
         raise InvalidRequest("pass exactly one of a prompt (text or token ids) or messages")
     try:
         req = pb.GenerateRequest(request_id=request_id, model=model)
         if messages is not None:
             for m in messages:
-                role, content = (m["role"], m["content"]) if isinstance(m, Mapping) else m
-                req.chat.messages.add(role=role, content=content)
+                if isinstance(m, Mapping):
+                    _add_message(req.chat.messages, m)
+                else:
+                    role, content = m
+                    req.chat.messages.add(role=role, content=content)
             req.chat.SetInParent()
         elif isinstance(prompt, str):
             req.text = prompt
@@ -109,9 +120,46 @@ def build_request(
         s.echo = bool(echo)
         if resume_token_ids:
             req.resume_token_ids.extend(int(t) for t in resume_token_ids)
+        if tools:
+            req.tools = tools if isinstance(tools, str) else json.dumps(list(tools), ensure_ascii=False)
+        if tool_choice is not None:
+            _set_tool_choice(req.tool_choice, tool_choice)
+        if parallel_tool_calls is not None:
+            req.parallel_tool_calls = bool(parallel_tool_calls)
     except (ValueError, TypeError) as e:  # out of the wire types' range
         raise InvalidRequest(f"invalid request: {e}") from None
     return req
+
+
+def _add_message(messages, m: Mapping) -> None:
+    """One chat message dict (OpenAI's shape) onto the wire."""
+    content = m.get("content")
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise InvalidRequest(f"a {m.get('role')!r} message's content must be text")
+    msg = messages.add(role=m["role"], content=content, tool_call_id=m.get("tool_call_id") or "",
+                       name=m.get("name") or "")
+    for call in m.get("tool_calls") or ():
+        fn = call.get("function", call)
+        args = fn.get("arguments", "")
+        msg.tool_calls.add(id=call.get("id") or "", name=fn.get("name") or "",
+                           arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _set_tool_choice(choice: pb.ToolChoice, value: str | Mapping) -> None:
+    if isinstance(value, str):
+        if value in ("none", "auto", "required"):
+            choice.mode = value
+        else:
+            choice.function = value
+        return
+    fn = value.get("function") if isinstance(value, Mapping) else None
+    name = fn.get("name") if isinstance(fn, Mapping) else (value.get("name") if isinstance(value, Mapping) else None)
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                             '"function": {"name": ...}}')
+    choice.function = name
 
 
 # A prompt's text longer than this many characters per token of max_model_len cannot fit
@@ -165,21 +213,7 @@ def validate_request(request: pb.GenerateRequest, limits: RequestLimits = Reques
         raise InvalidRequest("a request with n > 1 cannot be resumed (resume_token_ids)")
     if s.HasField("prompt_logprobs") and s.prompt_logprobs > 20:
         raise InvalidRequest(f"prompt_logprobs must be between 0 and 20, got {s.prompt_logprobs}")
-    unsupported = _unsupported(request)
-    if unsupported:
-        raise InvalidRequest(f"{', '.join(unsupported)}: not supported by this server yet")
-
-
-def _unsupported(request: pb.GenerateRequest) -> list[str]:
-    """The contract's fields no backend honours yet: refused by name, never ignored."""
-    s = request.sampling
-    named = {
-        "tools": bool(request.tools),
-        "tool_choice": request.HasField("tool_choice"),
-        "parallel_tool_calls": request.HasField("parallel_tool_calls"),
-        "tool calls in the chat history": any(m.tool_calls or m.tool_call_id for m in request.chat.messages),
-    }
-    return [name for name, present in named.items() if present]
+    validate_tools(request)
 
 
 def num_choices(request: pb.GenerateRequest) -> int:
@@ -194,14 +228,17 @@ def prompt_chars(request: pb.GenerateRequest) -> int:
     if which == "text":
         return len(request.text)
     if which == "chat":
-        return sum(len(m.content) + len(m.role) for m in request.chat.messages)
+        return len(request.tools) + sum(len(m.content) + len(m.role) + sum(len(c.name) + len(c.arguments)
+                                                                           for c in m.tool_calls)
+                                        for m in request.chat.messages)
     return 0
 
 
 def check_fits(request: pb.GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> int:
     """The request's max_tokens once its prompt is counted: InvalidRequest when an explicit
-    max_tokens does not fit in max_model_len (vLLM's rule); the default is cut to the room
-    left. Resumed tokens count as generated ones."""
+    max_tokens does not fit in max_model_len (vLLM's rule). Unset, a chat runs to the end
+    of the context (as OpenAI's and vLLM's chat do); a text or token prompt gets
+    DEFAULT_MAX_TOKENS, cut to the room left. Resumed tokens count as generated ones."""
     room = max_model_len - num_prompt_tokens
     s = request.sampling
     if s.HasField("max_tokens"):
@@ -214,7 +251,7 @@ def check_fits(request: pb.GenerateRequest, num_prompt_tokens: int, max_model_le
     if room < 1:
         raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens and the prompt has "
                              f"{num_prompt_tokens}: no room for a completion. Please shorten the prompt.")
-    return min(DEFAULT_MAX_TOKENS, room)
+    return room if request.WhichOneof("prompt") == "chat" else min(DEFAULT_MAX_TOKENS, room)
 
 
 def max_tokens(request: pb.GenerateRequest) -> int:

@@ -106,6 +106,11 @@ class RouterBackend:
         self.config = config
         self.budget = RetryBudget()
 
+    @property
+    def serving(self) -> bool:
+        """Some worker can take a request (the HTTP /health and gRPC health say so)."""
+        return self.registry.can_serve
+
     async def list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=self.registry.models())
 

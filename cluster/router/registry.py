@@ -182,6 +182,11 @@ class Registry:
             )
         return ready
 
+    @property
+    def can_serve(self) -> bool:
+        """Some worker can take a request now (healthy, not draining)."""
+        return any(w.state == HEALTHY for w in self.workers.values())
+
     def models(self) -> list[pb.ModelInfo]:
         seen: dict[str, pb.ModelInfo] = {}
         for w in self.workers.values():

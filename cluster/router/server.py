@@ -16,7 +16,7 @@ import sys
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cluster.api.servicer import GenerationServicer
-from cluster.api.serving import Endpoints, MetricsEndpoint
+from cluster.api.serving import GENERATION_SERVICE, Endpoints, MetricsEndpoint
 from cluster.net import check_addresses, parse_address
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.config import RouterConfig
@@ -52,9 +52,11 @@ class RouterServer:
         self.metrics = RouterMetrics(self.registry)
         self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(
             config.max_attempts, config.worker_wait, config.stream_idle_timeout, config.limits))
-        self.endpoints = Endpoints(default_host=ALL_INTERFACES, health_services=("",), security=config.security)
+        self.endpoints = Endpoints(default_host=ALL_INTERFACES, health_services=("", GENERATION_SERVICE),
+                                   security=config.security)
         self._stop = asyncio.Event()
         self._health_task = None
+        self._serving_task = None
 
     async def start(self) -> None:
         """Bind and start everything; on any failure, stop what already started (gRPC
@@ -74,16 +76,29 @@ class RouterServer:
         self.endpoints.bind_grpc(self.config.grpc_address)
         await self.endpoints.start(
             add_services, backend=self.backend, http_address=self.config.http_address,
-            metrics=MetricsEndpoint(lambda: generate_latest(registry), CONTENT_TYPE_LATEST),
+            metrics=MetricsEndpoint(lambda: generate_latest(registry), CONTENT_TYPE_LATEST,
+                                    healthy=lambda: self.registry.can_serve),
             metrics_address=self.config.metrics_address, request_timeout=self.config.request_timeout,
         )
         for address in self.config.static_workers:
             self.registry.add_static(address)
         self._health_task = asyncio.create_task(self.registry.run(self._stop))
+        self._serving_task = asyncio.create_task(self._follow_serving())
         log.info(
             "router (%s) on gRPC %s, HTTP %s, metrics %s", self.policy.name, self.grpc_address,
             self.http_address or "off", self.metrics_address or "off",
         )
+
+    async def _follow_serving(self) -> None:
+        """gRPC health says SERVING while some worker can take a request, NOT_SERVING
+        while none can (none registered, all unhealthy or draining)."""
+        serving = None
+        while not self._stop.is_set():
+            now = self.registry.can_serve
+            if now != serving:
+                await self.endpoints.set_serving(now)
+                serving = now
+            await self.registry.wait_changed(0.25)
 
     @property
     def grpc_port(self) -> int | None:
@@ -104,6 +119,9 @@ class RouterServer:
 
     async def stop(self, grace: float = 3.0) -> None:
         self._stop.set()
+        if self._serving_task is not None:
+            await self._serving_task
+            self._serving_task = None
         await self.endpoints.stop(grace)
         if self._health_task is not None:
             await self._health_task

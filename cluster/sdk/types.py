@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.api.wire import FINISH_REASON_NAMES
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -37,13 +37,26 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made: `arguments` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @classmethod
+    def from_proto(cls, c: pb.ToolCall) -> "ToolCall":
+        return cls(c.id, c.name, c.arguments)
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One streamed piece: the tokens and text of a step; the last one has finish_reason and usage."""
 
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "tool_calls" on the last chunk
     stop_reason: str = ""
     usage: Usage | None = None
     worker_id: str = ""
@@ -52,6 +65,7 @@ class Chunk:
     prompt_logprobs: list[TokenLogprob] | None = None  # first chunk: each prompt token's after the first
     prompt_token_ids: list[int] | None = None  # first chunk, with echo=True
     prompt_text: str = ""  # first chunk, with echo=True
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed in this chunk
 
     @property
     def finished(self) -> bool:
@@ -73,6 +87,7 @@ class Chunk:
             prompt_logprobs=[TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None,
             prompt_token_ids=list(r.prompt_token_ids) or None,
             prompt_text=r.prompt_text,
+            tool_calls=[ToolCall.from_proto(c) for c in r.tool_calls],
         )
 
 
@@ -89,6 +104,7 @@ class Completion:
     usage: Usage = field(default_factory=Usage)
     worker_id: str = ""
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
     index: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_token_ids: list[int] | None = None
@@ -108,13 +124,13 @@ class Completion:
             self.usage = chunk.usage
         if chunk.index != self.index:
             other = self._others.setdefault(chunk.index, Completion(index=chunk.index))
-            other.add(Chunk(chunk.request_id, chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stop_reason,
-                            None, chunk.worker_id, chunk.logprobs, chunk.index))
+            other.add(replace(chunk, usage=None))
             return
         self.request_id = chunk.request_id or self.request_id
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.worker_id = chunk.worker_id or self.worker_id
+        self.tool_calls += chunk.tool_calls
         if chunk.logprobs:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
         if chunk.finish_reason is not None:

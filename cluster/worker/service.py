@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from cluster.api.errors import AlreadyExists, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
+from cluster.api.tools import ToolCallStream, apply_to_chunk, parse_tools, template_messages, tool_choice_mode
 from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, RequestLimits, check_fits, max_tokens,
                               prompt_chars, validate_request)
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -95,6 +96,42 @@ class _Usage:
                         cached_tokens=self.cached_tokens)
 
 
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes | None:
+    """A token's own bytes, from its vocabulary entry: a byte-level BPE piece or a
+    SentencePiece byte fallback (<0xE2>); None when neither."""
+    try:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+    except Exception:
+        return None
+    if not isinstance(piece, str) or not piece:
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    if all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return None
+
+
 class WorkerService:
     """`start()` loads the engine on its own thread (`engine_factory` runs there) and
     takes the engine's read-only facts; `stop()` stops the engine thread. With
@@ -119,6 +156,7 @@ class WorkerService:
         self._next_id = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchard-tokenize")
+        self._markers_checked: dict[tuple[str, ...], bool] = {}
 
     async def start(self, timeout: float | None = None) -> None:
         """Load the engine (on its thread) and route its events into the running loop."""
@@ -177,6 +215,7 @@ class WorkerService:
             raise NotFound(f"model {request.model!r} is not served here; this worker serves {self.model_name!r}")
         validate_request(request, self.limits)
         self._check_cost(request)  # before any work
+        tool_stream = self._tool_stream(request)
         resume = list(request.resume_token_ids)
         early = sampling_params_from_proto(request, len(resume))  # the engine's ranges, before tokenizing
         if early is not None and early.structured is not None:
@@ -194,6 +233,8 @@ class WorkerService:
                 usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=len(resume)),
             )
             return
+        if tool_stream is not None and resume:  # resumed after failover: where the calls were, not sent again
+            tool_stream.feed(self.tokenizer.decode(resume))
         stream = _Stream(arrival)
         engine_id = f"{rid}@{next(self._next_id)}"
         self._streams[engine_id] = stream
@@ -205,6 +246,7 @@ class WorkerService:
         left = params.n  # samples still running
         usage = _Usage(len(prompt))
         first = True
+        tool_streams = None if tool_stream is None else {0: tool_stream}
         try:
             while not finished:
                 events = [await stream.queue.get()]
@@ -225,7 +267,11 @@ class WorkerService:
                     if self._add_output(chunk, ev, usage):
                         left -= 1
                         finished = left == 0 or ev.finish_reason == "abort"
-                for chunk in chunks.values():
+                for index, chunk in chunks.items():
+                    if tool_streams is not None:  # each sample's calls are its own
+                        if index not in tool_streams:
+                            tool_streams[index] = self._tool_stream(request)
+                        apply_to_chunk(tool_streams[index], chunk)
                     if first and (chunk.token_ids or chunk.finish_reason):
                         first = False
                         if request.sampling.echo:
@@ -239,7 +285,8 @@ class WorkerService:
                                 chunk.prompt_logprobs.extend(rest)
                     if finished and chunk is list(chunks.values())[-1]:
                         chunk.usage.CopyFrom(usage.proto())
-                    if chunk.token_ids or chunk.text or chunk.finish_reason or chunk.HasField("usage"):
+                    if (chunk.token_ids or chunk.text or chunk.tool_calls or chunk.finish_reason
+                            or chunk.HasField("usage")):
                         yield chunk
         finally:
             self._streams.pop(engine_id, None)
@@ -275,12 +322,15 @@ class WorkerService:
                 return list(self.tokenizer.encode(request.text))
             loop = asyncio.get_running_loop()
             return list(await loop.run_in_executor(self._pool, self.tokenizer.encode, request.text))
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._apply_chat_template, messages)
+        messages = template_messages(request.chat.messages)
+        tools = parse_tools(request.tools) if tool_choice_mode(request) != "none" else None
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._apply_chat_template, messages,
+                                                                tools)
 
-    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def _apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            extra = {"tools": tools} if tools else {}
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         except Exception as e:
             raise InvalidRequest(f"the chat template could not be applied to these messages: {e}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers may return an encoding
@@ -296,6 +346,31 @@ class WorkerService:
             await asyncio.get_running_loop().run_in_executor(self._pool, self.grammars.compile, spec)
         except InvalidGrammar as e:
             raise InvalidRequest(str(e)) from None
+
+    def _tool_stream(self, request: pb.GenerateRequest) -> ToolCallStream | None:
+        """The parser of this model's tool calls for a request that offers tools (None
+        without); a model whose tokenizer has no tool calling refuses tools."""
+        if tool_choice_mode(request) == "none":
+            return None
+        tok = self.tokenizer
+        if not getattr(tok, "has_tool_calling", False):
+            raise InvalidRequest(f"model {self.model_name!r} has no tool calling (its chat template and tokenizer "
+                                 "have no tool-call format mlx-lm knows): send the request without tools")
+        start, end = tok.tool_call_start, tok.tool_call_end or ""
+        if not self._markers_survive(start, end):
+            raise InvalidRequest(f"model {self.model_name!r} marks its tool calls with special tokens ({start!r}) that "
+                                 "the detokenizer drops, so its calls cannot be found in the output: tools are not "
+                                 "supported for it yet")
+        parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+        return ToolCallStream(start, end, tok.tool_parser, parse_tools(request.tools), parallel)
+
+    def _markers_survive(self, *markers: str) -> bool:
+        """The tool-call markers come through the engine's detokenizer (which skips special tokens)."""
+        if markers not in self._markers_checked:
+            tok = self.tokenizer
+            self._markers_checked[markers] = all(
+                tok.decode(tok.encode(m, add_special_tokens=False), skip_special_tokens=True) == m for m in markers if m)
+        return self._markers_checked[markers]
 
     def _check_cost(self, request: pb.GenerateRequest) -> None:
         """What only the worker knows: the vocabulary, and how long a text can possibly fit."""
@@ -347,7 +422,14 @@ class WorkerService:
         return True
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """The token's text; a token that is part of a multi-byte character is spelled as
+        its own bytes, "bytes:\\xe2\\x80" (as OpenAI does), not as U+FFFD."""
+        text = self.tokenizer.decode([token_id])
+        if "\ufffd" in text:
+            raw = token_bytes(self.tokenizer, token_id)
+            if raw is not None and raw.decode("utf-8", "replace") == text:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
 
     def _dispatch(self, now: float, events: list) -> None:
         """On the event loop: route one step's events to their streams; observe metrics."""

@@ -1,0 +1,257 @@
+"""Anthropic's Messages API (`POST /v1/messages`) over the same `Backend` and chat path as
+the OpenAI fronts, for the agent tools that speak it to local servers.
+
+`system`, messages with text, `tool_use` and `tool_result` content blocks, `max_tokens`
+(required, as Anthropic's API has it), `stop_sequences`, temperature / top_p / top_k,
+tools (`input_schema`) and `tool_choice`; the model's calls come back as `tool_use`
+blocks with `stop_reason: "tool_use"`. Streaming sends Anthropic's events (message_start,
+content_block_start / delta / stop, message_delta, message_stop). Errors are in
+Anthropic's shape; `x-api-key` is accepted as the API key (the app's guard). Any other
+field is a 400 that names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from cluster.api.errors import InvalidRequest, OrchardError
+from cluster.api.openai import (_BACKEND, _ANTHROPIC_ERROR_TYPES, _served_model, _timeout, _within,
+                                anthropic_error)
+from cluster.api.servicer import finished
+from cluster.api.wire import FINISH_REASON_NAMES, build_request
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+
+PARAMS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k",
+                    "stream", "tools", "tool_choice", "metadata", "service_tier", "thinking"})
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/messages", _create)
+
+
+def _get(body: dict, name: str, kind: type | tuple, required: bool = False):
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise InvalidRequest(f"{name}: Field required")
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if (isinstance(value, bool) and bool not in kinds) or not (
+            isinstance(value, kinds) or (float in kinds and isinstance(value, int))):
+        raise InvalidRequest(f"{name}: wrong type, got {json.dumps(value)}")
+    return value
+
+
+def _blocks_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
+        return "".join(str(b.get("text", "")) for b in content)
+    raise InvalidRequest(f"{where}: only text content is supported here")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """Anthropic's system and messages as chat messages (OpenAI's chat shape)."""
+    messages = _get(body, "messages", list, required=True)
+    if not messages:
+        raise InvalidRequest("messages: at least one message is required")
+    out: list[dict] = []
+    system = body.get("system")
+    if system:
+        out.append({"role": "system", "content": _blocks_text(system, "system")})
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise InvalidRequest(f"messages.{i}.role: must be 'user' or 'assistant'")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise InvalidRequest(f"messages.{i}.content: must be a string or a list of content blocks")
+        text, calls = [], []
+        for j, b in enumerate(content):
+            kind = b.get("type") if isinstance(b, dict) else None
+            where = f"messages.{i}.content.{j}"
+            if kind == "text":
+                text.append(str(b.get("text", "")))
+            elif kind == "tool_use" and m["role"] == "assistant":
+                if not isinstance(b.get("name"), str):
+                    raise InvalidRequest(f"{where}.name: Field required")
+                calls.append({"id": b.get("id") or "", "type": "function",
+                              "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
+            elif kind == "tool_result" and m["role"] == "user":
+                result = b.get("content", "")
+                result = _blocks_text(result, where) if result is not None else ""
+                if b.get("is_error"):
+                    result = f"Error: {result}"
+                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id") or "", "content": result})
+            else:
+                raise InvalidRequest(f"{where}: content blocks of type {kind!r} are not supported in a {m['role']} "
+                                     "message")
+        if text or calls:
+            msg = {"role": m["role"], "content": "".join(text)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, Any, bool | None]:
+    tools = _get(body, "tools", list)
+    converted = None
+    if tools:
+        converted = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("type") not in (None, "custom"):
+                raise InvalidRequest(f"tools.{i}: only custom tools ({{name, description, input_schema}}) are "
+                                     f"supported, got type {t.get('type') if isinstance(t, dict) else None!r}")
+            fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
+            if t.get("description"):
+                fn["description"] = t["description"]
+            converted.append({"type": "function", "function": fn})
+    choice = _get(body, "tool_choice", dict)
+    if choice is None:
+        return converted, None, None
+    kind = choice.get("type")
+    mapped = {"auto": "auto", "none": "none", "any": "required"}.get(kind)
+    if kind == "tool":
+        mapped = {"type": "function", "function": {"name": choice.get("name")}}
+    if mapped is None:
+        raise InvalidRequest("tool_choice.type: must be auto, any, tool or none")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    return converted, mapped, parallel
+
+
+def _request(body: dict) -> pb.GenerateRequest:
+    unknown = sorted(k for k in body if k not in PARAMS)
+    if unknown:
+        raise InvalidRequest(f"{unknown[0]}: Extra inputs are not permitted (not supported by this server)")
+    thinking = body.get("thinking")
+    if thinking not in (None, {"type": "disabled"}):
+        raise InvalidRequest("thinking: extended thinking is not supported by this server")
+    max_tokens = _get(body, "max_tokens", int, required=True)
+    if max_tokens < 1:
+        raise InvalidRequest("max_tokens: must be at least 1")
+    stop = _get(body, "stop_sequences", list) or []
+    if not all(isinstance(s, str) for s in stop):
+        raise InvalidRequest("stop_sequences: must be a list of strings")
+    tools, choice, parallel = _tools(body)
+    return build_request(
+        messages=chat_messages(body), model=_get(body, "model", str, required=True), max_tokens=max_tokens,
+        temperature=_get(body, "temperature", float), top_p=_get(body, "top_p", float), top_k=_get(body, "top_k", int),
+        stop=stop, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
+        request_id=f"msg_{uuid.uuid4().hex}")
+
+
+def _stop_reason(r: pb.GenerateResponse, stop: list[str]) -> tuple[str, str | None]:
+    finish = FINISH_REASON_NAMES.get(r.finish_reason) or "stop"
+    if finish == "stop" and r.stop_reason in stop:
+        return "stop_sequence", r.stop_reason
+    return _STOP_REASONS.get(finish, "end_turn"), None
+
+
+def _tool_use(c: pb.ToolCall) -> dict:
+    try:
+        args = json.loads(c.arguments) if c.arguments else {}
+    except ValueError:
+        args = {}
+    return {"type": "tool_use", "id": f"toolu_{c.id.removeprefix('call_')}", "name": c.name, "input": args}
+
+
+def _usage(u: pb.Usage) -> dict:
+    return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _sse(event: str, data: dict) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
+
+
+async def _create(request: web.Request) -> web.StreamResponse:
+    try:
+        body = await request.json(loads=json.loads)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        return anthropic_error(400, f"the request body is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        return anthropic_error(400, "the request body must be a JSON object")
+    try:
+        proto = _request(body)
+        stream = bool(_get(body, "stream", bool))
+        model = await _served_model(request.app, proto.model)
+        timeout = _timeout(request)
+        chunks = finished(_within(request.app[_BACKEND].generate(proto, timeout=timeout), timeout))
+    except OrchardError as e:
+        return anthropic_error(e.http_status, e.message)
+    stop = list(proto.sampling.stop)
+    message = {"id": proto.request_id, "type": "message", "role": "assistant", "model": model, "content": [],
+               "stop_reason": None, "stop_sequence": None, "usage": _usage(pb.Usage())}
+    async with contextlib.aclosing(chunks):
+        try:
+            first = await anext(chunks, None)
+        except OrchardError as e:
+            return anthropic_error(e.http_status, e.message)
+        if not stream:
+            try:
+                text, calls, r = "", [], first
+                while r is not None:
+                    text += r.text
+                    calls += r.tool_calls
+                    if r.finish_reason:
+                        message["stop_reason"], message["stop_sequence"] = _stop_reason(r, stop)
+                        message["usage"] = _usage(r.usage)
+                    r = await anext(chunks, None)
+            except OrchardError as e:
+                return anthropic_error(e.http_status, e.message)
+            message["content"] = ([{"type": "text", "text": text}] if text or not calls else []) + \
+                [_tool_use(c) for c in calls]
+            return web.json_response(message)
+        return await _stream(request, message, first, chunks, stop)
+
+
+async def _stream(request: web.Request, message: dict, first, chunks, stop: list[str]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(event: str, **data):
+        await response.write(_sse(event, {"type": event, **data}))
+
+    await send("message_start", message=message)
+    index, text_open = 0, False
+    try:
+        r = first
+        while r is not None:
+            if r.text:
+                if not text_open:
+                    text_open = True
+                    await send("content_block_start", index=index, content_block={"type": "text", "text": ""})
+                await send("content_block_delta", index=index, delta={"type": "text_delta", "text": r.text})
+            for c in r.tool_calls:
+                if text_open:
+                    await send("content_block_stop", index=index)
+                    text_open, index = False, index + 1
+                block = _tool_use(c)
+                await send("content_block_start", index=index, content_block={**block, "input": {}})
+                await send("content_block_delta", index=index,
+                           delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                await send("content_block_stop", index=index)
+                index += 1
+            if r.finish_reason:
+                message["stop_reason"], message["stop_sequence"] = _stop_reason(r, stop)
+                message["usage"] = _usage(r.usage)
+            r = await anext(chunks, None)
+        if text_open:
+            await send("content_block_stop", index=index)
+        await send("message_delta", delta={"stop_reason": message["stop_reason"],
+                                           "stop_sequence": message["stop_sequence"]}, usage=message["usage"])
+        await send("message_stop")
+    except OrchardError as e:
+        await send("error", error={"type": _ANTHROPIC_ERROR_TYPES.get(e.http_status, "api_error"),
+                                   "message": e.message})
+    await response.write_eof()
+    return response

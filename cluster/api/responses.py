@@ -1,0 +1,354 @@
+"""OpenAI's Responses API (`POST /v1/responses`, the Agents SDK's default) over the same
+`Backend` and chat path as /v1/chat/completions.
+
+`input` is a string or a list of items (messages with text content, `function_call` and
+`function_call_output` items); `instructions` is a system message for this turn only;
+function tools become the request's tools and the model's calls `function_call` output
+items. `previous_response_id` continues a conversation this process stored (a bounded
+in-memory store: the oldest are forgotten first; `store: false` keeps a response out of
+it). Streaming sends the typed events the `openai` package reads (response.created,
+output_item / content_part / output_text / function_call_arguments events,
+response.completed). Any other field is a 400 that names it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from cluster.api.errors import NotFound, OrchardError
+from cluster.api.openai import (_BACKEND, _ERROR_TYPES, ACCEPTED_NO_EFFECT, _BadField, _field, _served_model,
+                                _timeout, _within, error_response)
+from cluster.api.servicer import finished
+from cluster.api.wire import FINISH_REASON_NAMES, build_request
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+
+STORE_SIZE = 1024  # responses kept for previous_response_id, the oldest forgotten first
+_STORE = web.AppKey("responses_store", collections.OrderedDict)
+
+PARAMS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
+                    "tools", "tool_choice", "parallel_tool_calls", "previous_response_id", "store", "text",
+                    "truncation", "reasoning", "include", "stream_options", "seed"}) | ACCEPTED_NO_EFFECT
+
+
+def add_routes(app: web.Application) -> None:
+    app[_STORE] = collections.OrderedDict()
+    app.router.add_post("/v1/responses", _create)
+    app.router.add_get("/v1/responses/{response_id}", _get)
+
+
+# -- request ----------------------------------------------------------------------------------
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+                                         for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise _BadField("input", f"{where}: only text content (input_text / output_text parts) is supported")
+
+
+def input_messages(items: Any) -> list[dict]:
+    """Responses `input` as chat messages (OpenAI's chat shape)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise _BadField("input", "'input' must be a string or a list of items")
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise _BadField("input", f"input[{i}] must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _BadField("input", f"input[{i}].role must be user, system, developer or assistant")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _text(item.get("content", ""), f"input[{i}]")})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
+                raise _BadField("input", f"input[{i}]: a function_call needs a name and arguments (a JSON string)")
+            call = {"id": item.get("call_id") or "", "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                output = _text(output, f"input[{i}].output") if isinstance(output, list) else json.dumps(output)
+            out.append({"role": "tool", "tool_call_id": item.get("call_id") or "", "content": output})
+        else:
+            raise _BadField("input", f"input[{i}]: items of type {kind!r} are not supported")
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = _field(body, "tools", list)
+    if not tools:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise _BadField("tools", f"tools[{i}]: tools of type {kind!r} are not supported; only function tools "
+                                     "({type: function, name, parameters})")
+        fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(body: dict):
+    choice = body.get("tool_choice")
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return choice["name"]
+    raise _BadField("tool_choice", "'tool_choice' must be none, auto, required or {type: function, name}")
+
+
+def _check(body: dict) -> None:
+    unknown = sorted(k for k in body if k not in PARAMS)
+    if unknown:
+        raise _BadField(unknown[0], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
+                                    f"{', '.join(map(repr, unknown))}: not supported by this server")
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if body.get("text") is not None and fmt not in (None, {"type": "text"}):
+        raise _BadField("text", "'text.format' other than text (structured output) is not supported by this server yet")
+    if body.get("reasoning") not in (None, {}):
+        raise _BadField("reasoning", "'reasoning' is not supported by this server")
+    if body.get("truncation") not in (None, "disabled"):
+        raise _BadField("truncation", "only truncation 'disabled' is supported")
+    if body.get("include"):
+        raise _BadField("include", "'include' is not supported by this server")
+
+
+# -- response -----------------------------------------------------------------------------------
+def _usage(u: pb.Usage) -> dict:
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+class _Turn:
+    """One response: its ids, its settings as echoed back, its output items."""
+
+    def __init__(self, body: dict, model: str, history: list[dict]):
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.msg_id = f"msg_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.body = body
+        self.model = model
+        self.history = history  # the conversation before this turn's output (without instructions)
+        self.text = ""
+        self.calls: list[pb.ToolCall] = []
+        self.usage: pb.Usage | None = None
+        self.finish: str | None = None
+
+    def message_item(self, status: str) -> dict:
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}]}
+
+    @staticmethod
+    def call_item(c: pb.ToolCall, status: str = "completed") -> dict:
+        return {"type": "function_call", "id": f"fc_{c.id.removeprefix('call_')}", "call_id": c.id, "name": c.name,
+                "arguments": c.arguments, "status": status}
+
+    def output(self) -> list[dict]:
+        items = []
+        if self.text or not self.calls:
+            items.append(self.message_item("incomplete" if self.finish == "length" else "completed"))
+        return items + [self.call_item(c) for c in self.calls]
+
+    def obj(self, status: str) -> dict:
+        b = self.body
+        done = status != "in_progress"
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
+            "output": self.output() if done else [], "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+            "temperature": b.get("temperature", 1.0), "top_p": b.get("top_p", 1.0),
+            "tools": b.get("tools") or [], "tool_choice": b.get("tool_choice") or "auto",
+            "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "previous_response_id": b.get("previous_response_id"), "store": b.get("store", True),
+            "metadata": b.get("metadata") or {}, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "usage": _usage(self.usage) if done and self.usage is not None else None,
+        }
+
+    @property
+    def status(self) -> str:
+        return "incomplete" if self.finish == "length" else "completed"
+
+    def conversation(self) -> list[dict]:
+        """The history plus this turn's output, as the next turn continues it."""
+        turn = {"role": "assistant", "content": self.text}
+        if self.calls:
+            turn["tool_calls"] = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls]
+        return self.history + [turn]
+
+
+def _remember(app: web.Application, turn: _Turn) -> None:
+    if turn.body.get("store", True) is False:
+        return
+    store = app[_STORE]
+    store[turn.id] = (turn.conversation(), turn.obj(turn.status))
+    while len(store) > STORE_SIZE:
+        store.popitem(last=False)
+
+
+def _sse(event: str, data: dict) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
+
+
+async def _get(request: web.Request) -> web.Response:
+    entry = request.app[_STORE].get(request.match_info["response_id"])
+    if entry is None:
+        return error_response(404, f"Response with id {request.match_info['response_id']!r} not found.",
+                              param="response_id")
+    return web.json_response(entry[1])
+
+
+async def _create(request: web.Request) -> web.StreamResponse:
+    try:
+        body = await request.json(loads=json.loads)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        return error_response(400, f"the request body is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        return error_response(400, "the request body must be a JSON object")
+    try:
+        _check(body)
+        if "input" not in body:
+            raise _BadField("input", "'input' is required")
+        history: list[dict] = []
+        prev = _field(body, "previous_response_id", str)
+        if prev:
+            entry = request.app[_STORE].get(prev)
+            if entry is None:
+                raise NotFound(f"Previous response with id {prev!r} not found (responses are kept in this server's "
+                               f"memory, the last {STORE_SIZE}, and only with store: true)")
+            history = list(entry[0])
+        history += input_messages(body["input"])
+        instructions = _field(body, "instructions", str)
+        messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
+        stream = _field(body, "stream", bool, False)
+        _field(body, "store", bool)
+        proto = build_request(
+            messages=messages, model=_field(body, "model", str, ""), max_tokens=_field(body, "max_output_tokens", int),
+            temperature=_field(body, "temperature", float), top_p=_field(body, "top_p", float),
+            seed=_field(body, "seed", int), tools=_tools(body), tool_choice=_tool_choice(body),
+            parallel_tool_calls=_field(body, "parallel_tool_calls", bool))
+        turn = _Turn(body, await _served_model(request.app, proto.model), history)
+        proto.request_id = turn.id
+        timeout = _timeout(request)
+        chunks = finished(_within(request.app[_BACKEND].generate(proto, timeout=timeout), timeout))
+    except OrchardError as e:
+        return error_response(e.http_status, e.message, getattr(e, "param", None))
+    async with contextlib.aclosing(chunks):
+        try:
+            first = await anext(chunks, None)
+        except OrchardError as e:
+            return error_response(e.http_status, e.message, getattr(e, "param", None))
+        if not stream:
+            try:
+                r = first
+                while r is not None:
+                    _take(turn, r)
+                    r = await anext(chunks, None)
+            except OrchardError as e:
+                return error_response(e.http_status, e.message, getattr(e, "param", None))
+            _remember(request.app, turn)
+            return web.json_response(turn.obj(turn.status))
+        return await _stream(request, turn, first, chunks)
+
+
+def _take(turn: _Turn, r: pb.GenerateResponse) -> None:
+    turn.text += r.text
+    turn.calls.extend(r.tool_calls)
+    if r.finish_reason:
+        turn.finish = FINISH_REASON_NAMES.get(r.finish_reason)
+        turn.usage = r.usage
+
+
+async def _stream(request: web.Request, turn: _Turn, first, chunks) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    seq = 0
+
+    async def send(event: str, **data):
+        nonlocal seq
+        await response.write(_sse(event, {"type": event, "sequence_number": seq, **data}))
+        seq += 1
+
+    await send("response.created", response=turn.obj("in_progress"))
+    await send("response.in_progress", response=turn.obj("in_progress"))
+    index = 0  # output_index of the next item
+    message_open = False
+    text_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+
+    async def close_message():
+        nonlocal message_open, index
+        if not message_open:
+            return
+        message_open = False
+        done = dict(text_part, text=turn.text)
+        await send("response.output_text.done", item_id=turn.msg_id, output_index=index, content_index=0,
+                   text=turn.text, logprobs=[])
+        await send("response.content_part.done", item_id=turn.msg_id, output_index=index, content_index=0, part=done)
+        await send("response.output_item.done", output_index=index, item=turn.message_item("completed"))
+        index += 1
+
+    try:
+        r = first
+        while r is not None:
+            if r.text:
+                if not message_open:
+                    message_open = True
+                    await send("response.output_item.added", output_index=index,
+                               item={**turn.message_item("in_progress"), "content": []})
+                    await send("response.content_part.added", item_id=turn.msg_id, output_index=index,
+                               content_index=0, part=text_part)
+                turn.text += r.text
+                await send("response.output_text.delta", item_id=turn.msg_id, output_index=index, content_index=0,
+                           delta=r.text, logprobs=[])
+            for c in r.tool_calls:
+                await close_message()
+                item = turn.call_item(c)
+                await send("response.output_item.added", output_index=index,
+                           item={**item, "arguments": "", "status": "in_progress"})
+                await send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                           delta=c.arguments)
+                await send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           arguments=c.arguments, name=c.name)
+                await send("response.output_item.done", output_index=index, item=item)
+                turn.calls.append(c)
+                index += 1
+            if r.finish_reason:
+                turn.finish = FINISH_REASON_NAMES.get(r.finish_reason)
+                turn.usage = r.usage
+            r = await anext(chunks, None)
+        if not turn.text and not turn.calls:  # an empty answer is still one (empty) message
+            message_open = True
+            await send("response.output_item.added", output_index=index,
+                       item={**turn.message_item("in_progress"), "content": []})
+            await send("response.content_part.added", item_id=turn.msg_id, output_index=index, content_index=0,
+                       part=text_part)
+        await close_message()
+        _remember(request.app, turn)
+        status = turn.status
+        await send("response.completed" if status == "completed" else "response.incomplete",
+                   response=turn.obj(status))
+    except OrchardError as e:
+        await send("error", code=_ERROR_TYPES.get(e.http_status, "server_error"), message=e.message, param=None)
+    await response.write_eof()
+    return response
+

@@ -1,0 +1,222 @@
+"""Tool calling on the wire: tool definitions and choices checked once, chat history
+turned into what a chat template reads, and tool calls cut out of a model's output.
+
+The model's family decides how a call looks (Hermes' `<tool_call>{json}</tool_call>`,
+LFM2's pythonic `[f(a=1)]`, Gemma 4's `call:f{...}`, Mistral's `[TOOL_CALLS]`): the worker
+takes the markers and the parser from mlx-lm's tokenizer (`tool_call_start`,
+`tool_call_end`, `tool_parser`) and `ToolCallStream` does the rest for any of them: text
+before a start marker streams as content, the call's text is held until its end marker
+(or the end of the output when the family has none) and parsed then, and markers never
+reach the content. Nothing here imports MLX.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Callable, Iterable, Mapping
+
+from cluster.api.errors import InvalidRequest
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+
+ToolParser = Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools): a call dict or a list of them
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# -- what a request may say ----------------------------------------------------------------
+def parse_tools(tools_json: str) -> list[dict]:
+    """The request's tool definitions (OpenAI's shape), or InvalidRequest saying what is wrong."""
+    if not tools_json:
+        return []
+    try:
+        tools = json.loads(tools_json)
+    except ValueError as e:
+        raise InvalidRequest(f"tools is not valid JSON: {e}") from None
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools must be a list of tool definitions")
+    names = set()
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise InvalidRequest(f"tools[{i}]: only tools of type 'function' are supported")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequest(f"tools[{i}].function.name is required")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON Schema object")
+        names.add(fn["name"])
+    return tools
+
+
+def tool_choice_mode(request: pb.GenerateRequest) -> str:
+    """"none", "auto", "required" or "function" (unset: "auto" with tools, "none" without)."""
+    if not request.HasField("tool_choice"):
+        return "auto" if request.tools else "none"
+    which = request.tool_choice.WhichOneof("choice")
+    if which == "function":
+        return "function"
+    mode = request.tool_choice.mode
+    if mode not in ("none", "auto", "required"):
+        raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or a function, got {mode!r}")
+    return mode
+
+
+def validate_tools(request: pb.GenerateRequest) -> None:
+    """The tool fields of a request, checked the same way by every backend."""
+    tools = parse_tools(request.tools)
+    if (request.tools or request.HasField("tool_choice") or request.HasField("parallel_tool_calls")) \
+            and request.WhichOneof("prompt") != "chat":
+        raise InvalidRequest("tools, tool_choice and parallel_tool_calls need a chat prompt (messages)")
+    mode = tool_choice_mode(request)
+    if mode in ("required", "function"):
+        if not tools:
+            raise InvalidRequest(f"tool_choice {mode!r} needs tools")
+        names = {t["function"]["name"] for t in tools}
+        if mode == "function" and request.tool_choice.function not in names:
+            raise InvalidRequest(f"tool_choice names function {request.tool_choice.function!r}, which is not in tools")
+        forced_tool_call(tools, request)
+    for m in request.chat.messages:
+        for call in m.tool_calls:
+            if not call.name:
+                raise InvalidRequest("a tool call in the chat history has no function name")
+            _arguments(call.arguments)
+
+
+def forced_tool_call(tools: list[dict], request: pb.GenerateRequest):
+    """The hook for `tool_choice` "required" or a named function: the grammar that forces
+    the output to be such a call (constrained decoding provides it). Until a backend can
+    enforce one, these two are refused by name rather than left to the model's whim."""
+    what = "'required'" if request.tool_choice.mode == "required" else f"function {request.tool_choice.function!r}"
+    raise InvalidRequest(f"tool_choice {what} needs constrained decoding, which this server does not have yet: "
+                         "use tool_choice 'auto' (or 'none')")
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments for a chat template: the JSON object (templates render it), or
+    the text as it is when it is not JSON."""
+    if not text:
+        return {}
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InvalidRequest(f"the arguments of a tool call in the chat history are not JSON: {text[:80]!r}") from None
+
+
+def template_messages(messages: Iterable[pb.ChatMessage]) -> list[dict]:
+    """Chat messages as a chat template reads them (mlx-lm's and transformers' shape):
+    assistant tool calls with their arguments as objects, tool results with their ids."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                               for c in m.tool_calls]
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+# -- tool calls in the output --------------------------------------------------------------
+class ToolCallStream:
+    """Cuts tool calls out of a streamed output. `feed(text)` returns the content that may
+    be shown now and the calls completed by it; `finish()` what is left at the end. Text
+    that could be the start of a start marker is held back until it is known not to be."""
+
+    def __init__(self, start: str, end: str, parser: ToolParser, tools: list[dict], parallel: bool = True):
+        self.start, self.end, self.parser, self.tools = start, end, parser, tools
+        self.parallel = parallel
+        self.buffer = ""  # text not yet handed out (in a call: the call's text so far)
+        self.in_call = False
+        self.num_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[pb.ToolCall]]:
+        # in a call, an end marker can only end in the new text: search from just before it
+        # (so a long call costs O(its length), not O(length^2))
+        scan_from = max(0, len(self.buffer) - len(self.end) + 1) if self.in_call else 0
+        self.buffer += text
+        content, calls = [], []
+        while True:
+            if not self.in_call:
+                i = self.buffer.find(self.start)
+                if i < 0:
+                    keep = _partial_suffix(self.buffer, self.start)
+                    content.append(self.buffer[:len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    break
+                content.append(self.buffer[:i])
+                self.buffer = self.buffer[i + len(self.start):]
+                self.in_call = True
+                scan_from = 0
+            if not self.end:
+                break  # the call runs to the end of the output
+            j = self.buffer.find(self.end, scan_from)
+            if j < 0:
+                break
+            body, self.buffer = self.buffer[:j], self.buffer[j + len(self.end):]
+            self.in_call = False
+            parsed, raw = self._parse(body)
+            calls += parsed
+            content.append(raw)
+        return "".join(content), self._keep(calls)
+
+    def finish(self) -> tuple[str, list[pb.ToolCall]]:
+        """The rest at the end of the output: a call cut short is parsed if it can be (a
+        family without an end marker ends here), else returned as text."""
+        rest, self.buffer = self.buffer, ""
+        if not self.in_call:
+            return rest, []
+        self.in_call = False
+        parsed, raw = self._parse(rest, closed=False)
+        return raw, self._keep(parsed)
+
+    def _parse(self, body: str, closed: bool = True) -> tuple[list[pb.ToolCall], str]:
+        """The calls in one call's text, or ([], the text with its markers) when it does not parse."""
+        try:
+            result = self.parser(body, self.tools)
+            items = result if isinstance(result, list) else [result]
+            calls = [_tool_call(item) for item in items]
+        except Exception:  # a parser of any family: a malformed call stays visible as text
+            return [], self.start + body + (self.end if closed else "")
+        return calls, ""
+
+    def _keep(self, calls: list[pb.ToolCall]) -> list[pb.ToolCall]:
+        if not self.parallel:
+            calls = calls[:max(0, 1 - self.num_calls)]
+        self.num_calls += len(calls)
+        return calls
+
+
+def _tool_call(item: Any) -> pb.ToolCall:
+    if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
+        raise ValueError(f"not a tool call: {item!r}")
+    args = item.get("arguments", {})
+    if not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    return pb.ToolCall(id=new_call_id(), name=item["name"], arguments=args)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def apply_to_chunk(stream: ToolCallStream, chunk: pb.GenerateResponse) -> None:
+    """Move the tool calls out of one response chunk's text into its `tool_calls`; on the
+    last chunk, a request that made calls and stopped finishes with "tool_calls"."""
+    content, calls = stream.feed(chunk.text)
+    if chunk.finish_reason:
+        more_content, more_calls = stream.finish()
+        content, calls = content + more_content, calls + more_calls
+        if stream.num_calls and chunk.finish_reason == pb.FINISH_REASON_STOP:
+            chunk.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+    chunk.text = content
+    chunk.tool_calls.extend(calls)

@@ -1,0 +1,113 @@
+"""/v1/messages through the real `anthropic` package: system, content blocks, max_tokens,
+stop_sequences, streaming events, tools (tool_use out, tool_result in), Anthropic's error
+shape and the x-api-key header. Outputs are scripted (tests/scripted_engine.py); the
+rendered prompt is the oracle for what reached the model."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripted_engine import ScriptedEngine, ScriptedServer
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+TOOL = {"name": "get_weather", "description": "The weather in a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    from cluster.security import Keys
+
+    srv = ScriptedServer(ScriptedEngine(tiny_model_dir, reply="Hello there."), keys=Keys(inference=("sk-test",)))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key="sk-test", max_retries=0)
+
+
+def test_text_with_system_and_blocks(server, client):
+    server.engine.reply = "Hello there."
+    m = client.messages.create(model="tiny-qwen3", max_tokens=40, system="Be brief.",
+                               extra_body={"temperature": 0.3, "top_k": 5},  # older clients' keyword arguments
+                               messages=[{"role": "user", "content": [{"type": "text", "text": "Say hi"}]}])
+    assert m.type == "message" and m.role == "assistant" and m.stop_reason == "end_turn"
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == "Hello there."
+    assert m.usage.output_tokens == len(server.engine.tokenizer.encode("Hello there.", add_special_tokens=False))
+    prompt = server.engine.prompts[-1]
+    assert "system\nBe brief.<|im_end|>" in prompt and "user\nSay hi<|im_end|>" in prompt
+    p = server.engine.params[-1]
+    assert (p.max_tokens, round(p.temperature, 3), p.top_k) == (40, 0.3, 5)
+
+
+def test_stop_sequences_and_max_tokens(server, client):
+    server.engine.reply = "alpha beta gamma delta"
+    m = client.messages.create(model="tiny-qwen3", max_tokens=100, stop_sequences=["gamma"],
+                               messages=[{"role": "user", "content": "go"}])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == "gamma" and m.content[0].text == "alpha beta "
+    m = client.messages.create(model="tiny-qwen3", max_tokens=2, messages=[{"role": "user", "content": "go"}])
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 2
+
+
+def test_streaming_events(server, client):
+    server.engine.reply = "Streaming works fine."
+    with client.messages.stream(model="tiny-qwen3", max_tokens=50, messages=[{"role": "user", "content": "go"}]) as s:
+        events = [e.type for e in s]
+        final = s.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert {"content_block_start", "content_block_delta", "content_block_stop", "message_delta"} <= set(events)
+    assert final.content[0].text == "Streaming works fine." and final.stop_reason == "end_turn"
+    assert final.usage.output_tokens > 0
+
+
+def test_tools_round_trip(server, client):
+    server.engine.reply = "Let me check." + CALL
+    m = client.messages.create(model="tiny-qwen3", max_tokens=100, tools=[TOOL],
+                               messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    assert m.stop_reason == "tool_use"
+    assert [b.type for b in m.content] == ["text", "tool_use"] and m.content[0].text == "Let me check."
+    use = m.content[1]
+    assert use.name == "get_weather" and use.input == {"city": "Oslo"} and use.id.startswith("toolu_")
+    assert "get_weather" in server.engine.prompts[-1]
+    server.engine.reply = "12 degrees."
+    m2 = client.messages.create(model="tiny-qwen3", max_tokens=100, tools=[TOOL], messages=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "12 degrees"}]}])
+    assert m2.content[0].text == "12 degrees."
+    prompt = server.engine.prompts[-1]
+    assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt
+    assert "<tool_response>\n12 degrees\n</tool_response>" in prompt
+
+
+def test_tool_use_streamed(server, client):
+    server.engine.reply = CALL
+    with client.messages.stream(model="tiny-qwen3", max_tokens=100, tools=[TOOL],
+                                messages=[{"role": "user", "content": "Weather?"}]) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", {"city": "Oslo"})]
+
+
+def test_errors_in_anthropic_shape(server, client):
+    import anthropic
+    import requests
+
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="tiny-qwen3", max_tokens=10, messages=[{"role": "user", "content": "x"}],
+                               extra_body={"frobnicate": 1})
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "frobnicate" in e.value.body["error"]["message"]
+    r = requests.post(server.url + "/v1/messages", json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                      headers={"x-api-key": "sk-test"})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+            model="tiny-qwen3", max_tokens=10, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["error"]["type"] == "authentication_error"
+    r = requests.post(server.url + "/v1/messages", json={}, headers={"Authorization": "Bearer sk-test"})
+    assert r.status_code == 400  # Bearer works too
