@@ -64,10 +64,11 @@ def test_model_by_id(server):
 @pytest.mark.parametrize("path, body, name", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"},
      "reasoning_effort"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 5},
      "presence_penalty"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}},
      "response_format"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 3}, "min_tokens"),
