@@ -16,7 +16,7 @@ from cluster.modelgen import create_model
 from cluster.worker.config import EngineConfig
 from cluster.worker.engine import Engine
 from cluster.worker.sampling_params import SamplingParams, StructuredOutput
-from cluster.worker.structured import GrammarCompiler, InvalidGrammar, tool_call_constraint
+from cluster.worker.structured import GrammarCompiler, InvalidGrammar, closed_objects, tool_call_constraint
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
@@ -235,3 +235,22 @@ def test_every_sample_of_n_walks_its_own_grammar(engine):
     for i in range(4):
         jsonschema.validate(json.loads(text[i]), schema)
     assert len(set(text.values())) > 1  # four samples, not one copied
+
+
+def test_tool_arguments_are_closed_to_undeclared_keys():
+    """An object schema that lists properties and says nothing of others gets
+    additionalProperties false (xgrammar's strict mode), at every depth; explicit choices stay."""
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "b": {"type": "array", "items": {"type": "object", "properties": {"y": {"type": "string"}}}},
+        "c": {"anyOf": [{"type": "object", "properties": {"z": {}}}, {"type": "null"}]},
+        "d": {"type": "object", "properties": {}, "additionalProperties": True}},
+        "$defs": {"T": {"type": "object", "properties": {"t": {}}}}}
+    out = closed_objects(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["b"]["items"]["additionalProperties"] is False
+    assert out["properties"]["c"]["anyOf"][0]["additionalProperties"] is False
+    assert out["properties"]["d"]["additionalProperties"] is True
+    assert out["$defs"]["T"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is left as it was

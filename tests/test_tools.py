@@ -137,16 +137,73 @@ def test_parallel_tool_calls_false(server, client):
     assert r.choices[0].message.content is None
 
 
-@pytest.mark.parametrize("choice, words", [
-    ("required", "tool_choice 'required' needs constrained decoding"),
-    ({"type": "function", "function": {"name": "get_weather"}}, "tool_choice function 'get_weather' needs"),
-])
-def test_forced_tool_choice_is_refused_by_name(client, choice, words):
+TRAVEL = {"type": "function", "function": {"name": "book_trip", "description": "Book a trip", "parameters": {
+    "type": "object", "properties": {"to": {"type": "string", "maxLength": 12},
+                                     "nights": {"type": "integer", "minimum": 1, "maximum": 14},
+                                     "class": {"enum": ["economy", "business"]}},
+    "required": ["to", "nights", "class"], "additionalProperties": False}}}
+WEATHER_STRICT = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def long_worker(tiny_model_dir, worker_process):
+    """The real engine with room for two tools' descriptions in the prompt (the tiny
+    tokenizer spends ~200 tokens on each)."""
+    return worker_process(tiny_model_dir, "--num-kv-blocks", "512", "--max-model-len", "2048")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book_trip"}}],
+                         ids=["required", "named"])
+def test_forced_tool_choice_makes_a_valid_call_on_the_real_engine(long_worker, choice):
+    """tool_choice "required" or a named function, enforced by constrained decoding on
+    random weights: every sample is one call, to an offered (or the named) function, with
+    arguments valid against its parameters schema; finish_reason is tool_calls."""
+    import jsonschema
     import openai
 
-    with pytest.raises(openai.BadRequestError, match=words):
-        client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER],
-                                       tool_choice=choice)
+    c = openai.OpenAI(base_url=f"http://{long_worker.http}/v1", api_key="none", max_retries=0)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_STRICT, TRAVEL)}
+    for seed in range(3):
+        r = c.chat.completions.create(model="", messages=[{"role": "user", "content": "Plan my week"}],
+                                      tools=[WEATHER_STRICT, TRAVEL], tool_choice=choice, max_tokens=256,
+                                      temperature=1.0, seed=seed)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls"
+        if isinstance(choice, dict):
+            assert call.function.name == "book_trip"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_forced_tool_choice_streams_and_refuses_what_it_cannot_combine(long_worker):
+    import openai
+
+    c = openai.OpenAI(base_url=f"http://{long_worker.http}/v1", api_key="none", max_retries=0)
+    chunks = list(c.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}],
+                                            tools=[TRAVEL], tool_choice="required", max_tokens=256, stream=True))
+    deltas = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].function.name == "book_trip" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert all("<tool_call>" not in (ch.choices[0].delta.content or "") for ch in chunks)
+    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+        c.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], tools=[TRAVEL],
+                                  tool_choice="required", response_format={"type": "json_object"})
+
+
+def test_langchain_with_structured_output_by_function_calling(long_worker):
+    """The issue's example: with_structured_output(method="function_calling") used to
+    return None; the named tool choice now forces a valid call."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Trip(BaseModel):
+        to: str = Field(max_length=12)
+        nights: int = Field(ge=1, le=14)
+
+    llm = ChatOpenAI(base_url=f"http://{long_worker.http}/v1", api_key="none", model="tiny-qwen3", max_tokens=256, temperature=0,
+                     max_retries=0)
+    trip = llm.with_structured_output(Trip, method="function_calling").invoke("Plan a trip")
+    assert isinstance(trip, Trip) and 1 <= trip.nights <= 14
 
 
 def test_a_model_without_tool_calling_refuses_tools(tmp_path):

@@ -76,21 +76,11 @@ def validate_tools(request: pb.GenerateRequest) -> None:
         names = {t["function"]["name"] for t in tools}
         if mode == "function" and request.tool_choice.function not in names:
             raise InvalidRequest(f"tool_choice names function {request.tool_choice.function!r}, which is not in tools")
-        forced_tool_call(tools, request)
     for m in request.chat.messages:
         for call in m.tool_calls:
             if not call.name:
                 raise InvalidRequest("a tool call in the chat history has no function name")
             _arguments(call.arguments)
-
-
-def forced_tool_call(tools: list[dict], request: pb.GenerateRequest):
-    """The hook for `tool_choice` "required" or a named function: the grammar that forces
-    the output to be such a call (constrained decoding provides it). Until a backend can
-    enforce one, these two are refused by name rather than left to the model's whim."""
-    what = "'required'" if request.tool_choice.mode == "required" else f"function {request.tool_choice.function!r}"
-    raise InvalidRequest(f"tool_choice {what} needs constrained decoding, which this server does not have yet: "
-                         "use tool_choice 'auto' (or 'none')")
 
 
 def _arguments(text: str) -> Any:

@@ -33,7 +33,7 @@ from cluster.worker.engine_loop import AbortRequest, AddRequest, EngineLoop, Fai
 from cluster.worker.faults import FaultInjection
 from cluster.worker.metrics import WorkerMetrics
 from cluster.worker.sampling_params import SamplingParams, StructuredOutput
-from cluster.worker.structured import InvalidGrammar
+from cluster.worker.structured import InvalidGrammar, tool_call_constraint
 
 log = logging.getLogger(__name__)
 # Prompts shorter than this are tokenized inline: a thread-pool hop would cost more.
@@ -216,6 +216,7 @@ class WorkerService:
         validate_request(request, self.limits)
         self._check_cost(request)  # before any work
         tool_stream = self._tool_stream(request)
+        self._force_tool_call(request)
         resume = list(request.resume_token_ids)
         early = sampling_params_from_proto(request, len(resume))  # the engine's ranges, before tokenizing
         if early is not None and early.structured is not None:
@@ -363,6 +364,33 @@ class WorkerService:
                                  "supported for it yet")
         parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
         return ToolCallStream(start, end, tok.tool_parser, parse_tools(request.tools), parallel)
+
+    def _force_tool_call(self, request: pb.GenerateRequest) -> None:
+        """tool_choice "required" or a named function: the request's output is constrained
+        (a grammar in its `structured` field) to one call in the family's own format,
+        {"name", "arguments"} JSON between its markers, the arguments following the
+        function's parameters schema. Only for families whose calls are that JSON (mlx-lm's
+        json_tools parser: Hermes, Qwen, ...); others are refused by name."""
+        mode = tool_choice_mode(request)
+        if mode not in ("required", "function"):
+            return
+        what = "'required'" if mode == "required" else f"function {request.tool_choice.function!r}"
+        if request.sampling.HasField("structured"):
+            raise InvalidRequest(f"tool_choice {what} and a structured output (response_format) cannot be combined: "
+                                 "send one of them")
+        tok = self.tokenizer
+        parser = getattr(getattr(tok, "tool_parser", None), "__module__", "") or ""
+        if not parser.endswith("json_tools"):
+            raise InvalidRequest(f"tool_choice {what} is enforced for models whose tool calls are JSON between markers "
+                                 f"(mlx-lm's json_tools parser); model {self.model_name!r} uses "
+                                 f"{parser.rsplit('.', 1)[-1] or 'another format'}: use tool_choice 'auto'")
+        choice = "required" if mode == "required" else request.tool_choice.function
+        start, end = tok.tool_call_start, tok.tool_call_end or ""
+        try:
+            spec = tool_call_constraint(parse_tools(request.tools), choice, (start + "\n", "\n" + end if end else ""))
+        except InvalidGrammar as e:
+            raise InvalidRequest(str(e)) from None
+        request.sampling.structured.grammar = spec.spec
 
     def _markers_survive(self, *markers: str) -> bool:
         """The tool-call markers come through the engine's detokenizer (which skips special tokens)."""

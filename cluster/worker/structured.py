@@ -176,10 +176,32 @@ def fill_bitmasks(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
 
 
 # -- tool calls ---------------------------------------------------------------------------
+def closed_objects(schema):
+    """`schema` with `additionalProperties: false` wherever an object lists its properties
+    and says nothing about others (xgrammar's strict mode, vLLM's default for tool calls):
+    arguments hold the declared parameters only, instead of whatever keys a model invents."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in schema[key].items()}
+    if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "allOf", "oneOf", "not", "if", "then", "else",
+                             "additionalProperties", "contains"})
+
+
 def tool_call_constraint(tools: Sequence[dict], tool_choice: str | dict = "required",
                          family_format: tuple[str, str] | None = None) -> StructuredOutput:
     """A constraint that forces one tool call as JSON, {"name": ..., "arguments": {...}},
-    the arguments following the function's `parameters` schema: any of `tools` for
+    the arguments following the function's `parameters` schema (its objects closed to
+    undeclared keys: `closed_objects`): any of `tools` for
     `tool_choice="required"`, or the named one (`"name"`, or OpenAI's
     {"type": "function", "function": {"name": ...}}). `tools` are in OpenAI's shape
     ({"type": "function", "function": {"name", "parameters"}}) or bare functions.
@@ -202,7 +224,7 @@ def tool_call_constraint(tools: Sequence[dict], tool_choice: str | dict = "requi
     variants = [{
         "type": "object",
         "properties": {"name": {"const": f["name"]},
-                       "arguments": f.get("parameters") or {"type": "object", "properties": {}}},
+                       "arguments": closed_objects(f.get("parameters") or {"type": "object", "properties": {}})},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     } for f in chosen]
