@@ -274,7 +274,8 @@ class Secrets:
             if not path.exists():
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
                 with os.fdopen(fd, "w") as f:
-                    f.write(secrets.token_urlsafe(24) + "\n")
+                    # a prefix, so a key never starts with "-" and reads as a flag after --api-key
+                    f.write(f"orchard-{name.split('-')[0]}-{secrets.token_urlsafe(24)}\n")
             keys[name] = path.read_text().strip()
         return cls(directory, keys["api-key"], keys["admin-key"])
 

@@ -81,3 +81,15 @@ def test_up_starts_serves_and_stops(tmp_path, tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_secure_keys_never_read_as_flags(tmp_path):
+    """`orchard up --secure` writes its keys mode 0600 and spelled so that none can start
+    with "-" (a bare token_urlsafe can, and `--api-key -abc` is then a missing argument)."""
+    from cluster.up import Secrets
+
+    for i in range(20):
+        s = Secrets.create(tmp_path / str(i), routers=1, workers=0)
+        assert s.api_key.startswith("orchard-api-") and s.admin_key.startswith("orchard-admin-")
+        assert (tmp_path / str(i) / "api-key").stat().st_mode & 0o777 == 0o600
+    assert len({Secrets.create(tmp_path / str(i), 1, 0).api_key for i in range(20)}) == 20  # kept, and distinct
