@@ -27,6 +27,7 @@ WORKER_METRICS = {
     "orchard_prompt_tokens_total", "orchard_generation_tokens_total", "orchard_num_preemptions_total",
     "orchard_prefix_cache_queries_total", "orchard_prefix_cache_hits_total", "orchard_request_success_total",
     "orchard_engine_stalls_total",
+    "orchard_state_slots_used", "orchard_state_slots_total",  # a hybrid model's recurrent-state slots
 }
 ROUTER_METRICS = {
     "orchard_router_requests_total", "orchard_router_time_to_first_token_seconds", "orchard_router_workers",

@@ -59,6 +59,12 @@ SERVED = {  # what each layer gets (tests/test_engine.py checks these families a
                          vocab_size_per_layer_input=100, layer_types=["sliding_attention", "full_attention"] * 2),
                     dict(window=[8, -1, 8, -1], kv_layer=[0, 1, 0, 1], head_dim=[16, 32, 16, 32],
                          num_kv_heads=[2, 1, 2, 1])),
+    # a hybrid: gated delta nets (state slots, no K/V pool) beside full attention
+    "qwen3_next": (dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2, num_experts=0,
+                        num_experts_per_tok=0, decoder_sparse_step=1, shared_expert_intermediate_size=0,
+                        mlp_only_layers=[], moe_intermediate_size=0, norm_topk_prob=True, partial_rotary_factor=0.5),
+                   dict(recurrent=[True, False, True, False], owns_kv=[False, True, False, True])),
     # one pool row: latent 16 + rope key 8, one KV head
     "deepseek_v3": (dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
                          n_routed_experts=None, moe_intermediate_size=64, n_shared_experts=None,
@@ -160,3 +166,14 @@ def test_kv_memory_per_token_follows_each_layer():
     gemma4 = build("gemma4_text", SERVED["gemma4_text"][0])
     # layer 0: 2 KV heads x 16, layer 1: 1 x 32; K and V each; layers 2 and 3 share them
     assert kv_bytes_per_block(gemma4, 16, mx.float32) == 2 * (2 * 16 + 1 * 32) * 16 * 4
+
+
+def test_a_hybrid_whose_caches_do_not_match_its_layers_is_refused():
+    """A recurrent module handed a K/V cache (or the reverse) would be served wrong: refused."""
+    from mlx_lm.models.cache import KVCache
+
+    model = build("qwen3_next", SERVED["qwen3_next"][0])
+    check_served(model)
+    model.make_cache = lambda: [KVCache() for _ in range(4)]
+    with pytest.raises(UnsupportedModel, match="attention and recurrent modules do not match the caches"):
+        check_served(model)

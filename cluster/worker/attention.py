@@ -81,8 +81,8 @@ SHARED_KV_FAMILIES = frozenset({"gemma4_text"})
 # RoPE key, one row of kv_lora_rank + qk_rope_head_dim per token and layer.
 MLA_FAMILIES = frozenset({"deepseek_v3"})
 # Hybrids: recurrent layers (their own state per request, `recurrent.py`) beside attention
-# layers. A layer without a cache (Nemotron-H's MLP blocks) is skipped: `layers` below
-# counts the model's caches, in the order the model hands them to its layers.
+# layers. A layer without a cache (Nemotron-H's MLP blocks) is skipped: a spec's `layer`
+# then counts the model's caches, in the order the model hands them to its layers.
 HYBRID_FAMILIES = frozenset({"qwen3_next", "qwen3_5", "nemotron_h", "lfm2", "granitemoehybrid"})
 RECURRENT_CACHES = frozenset({"ArraysCache", "MambaCache"})
 
