@@ -105,6 +105,9 @@ def add_worker_parsers(sub) -> None:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=None, help="seconds")
+    from cluster.sdk.cli import add_constraint_flags
+
+    add_constraint_flags(gen)
     add_client_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 

@@ -10,6 +10,7 @@ import re
 
 import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import jsonschema
+import numpy as np
 import pytest
 
 from cluster.modelgen import create_model
@@ -254,3 +255,18 @@ def test_tool_arguments_are_closed_to_undeclared_keys():
     assert out["properties"]["d"]["additionalProperties"] is True
     assert out["$defs"]["T"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the caller's schema is left as it was
+
+
+def test_parallel_mask_filling_equals_one_by_one(engine):
+    """From _PARALLEL_ROWS rows on, llguidance's thread pool fills the masks: the same bits."""
+    from cluster.worker import structured
+
+    specs = [StructuredOutput("json_schema", json.dumps(s)) for s in SCHEMAS] + [StructuredOutput("regex", "[a-c]+x")]
+    matchers = [engine.grammars.matcher_for(specs[i % len(specs)]) for i in range(12)]
+    starts = ['{"', '{"', "[", '{"', "ab"]
+    for i, m in enumerate(matchers[:6]):  # some advanced a little
+        assert m.consume_tokens(engine.tokenizer.encode(starts[i % len(specs)]))
+    together = structured.fill_bitmasks(matchers, engine.vocab_size)
+    alone = np.concatenate([structured.fill_bitmasks([m], engine.vocab_size) for m in matchers])
+    assert len(matchers) >= structured._PARALLEL_ROWS and np.array_equal(together, alone)
+    assert (together != -1).any()  # the grammars do forbid something

@@ -182,3 +182,22 @@ def test_router_passes_the_fields_through_unchanged():
             assert len(c.workers[0].requests) == 1  # refused by the router before placement
 
     run(go())
+
+
+def test_orchard_generate_takes_constraints(tiny_worker, tmp_path):
+    import subprocess
+    import sys
+
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    base = [sys.executable, "-m", "cluster.cli", "generate", "--target", tiny_worker.grpc, "--temperature", "0.8",
+            "--seed", "3", "--max-tokens", "150"]
+    out = subprocess.run(base + ["--json-schema", f"@{schema}", "A person:"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    jsonschema.validate(json.loads(out.stdout), PERSON)
+    out = subprocess.run(base + ["--choice", "left", "--choice", "right", "--presence-penalty", "0.5",
+                                 "--logit-bias", "7=-100", "Go:"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() in ("left", "right"), out.stderr
+    bad = subprocess.run(base + ["--regex", "a(b", "x"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "unclosed group" in bad.stderr

@@ -369,19 +369,15 @@ class Engine:
         detok = self.detoks[seq.request_id]
         status = None
         stop_string = detok.add(token)
-        grammar_done = False
-        if seq.matcher is not None:
-            if not seq.matcher.consume_token(token):  # cannot happen: the mask allowed only what it accepts
-                log.error("engine: %s: token %d broke its grammar: %s", seq.request_id, token, seq.matcher.get_error())
-                status = SequenceStatus.FINISHED_ABORTED
-            grammar_done = seq.matcher.is_stopped()
-        if status is not None:
-            pass
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            # cannot happen (the mask allowed only what the grammar accepts): end it, never emit past it
+            log.error("engine: %s: token %d broke its grammar: %s", seq.request_id, token, seq.matcher.get_error())
+            status = SequenceStatus.FINISHED_ABORTED
         elif stop_string is not None:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_string
         elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif grammar_done:  # the structured output is complete: nothing else may follow
+        elif seq.matcher is not None and seq.matcher.is_stopped():  # the structured output is complete
             status = SequenceStatus.FINISHED_STOPPED
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             status = SequenceStatus.FINISHED_LENGTH

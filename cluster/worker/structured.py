@@ -165,11 +165,24 @@ def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
     return np.full((rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
 
 
+_PARALLEL_ROWS = 8  # from this many constrained rows, llguidance's thread pool fills them
+_executor = None
+
+
 def fill_bitmasks(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
     """One allowed-token bitmask row per matcher (llguidance writes straight into it, with
     the GIL released, so this can run while MLX computes the forward)."""
+    global _executor
     mask = allocate_bitmask(len(matchers), vocab_size)
     width = mask.shape[1] * 4
+    if len(matchers) >= _PARALLEL_ROWS:
+        import llguidance
+
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.ctypes.data, width,
+                                          len(matchers))
+        return mask
     for i, m in enumerate(matchers):
         m.unsafe_compute_mask_ptr(mask[i].ctypes.data, width)
     return mask
