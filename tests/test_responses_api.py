@@ -119,3 +119,22 @@ def test_unknown_fields_are_refused_by_name(client):
         client.responses.create(model="tiny-qwen3", input="hi", extra_body={"frobnicate": 1})
     with pytest.raises(openai.BadRequestError, match="web_search"):
         client.responses.create(model="tiny-qwen3", input="hi", tools=[{"type": "web_search"}])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_items_keep_the_models_order(server, client, stream):
+    """Text after a call is a message of its own, after the call, streamed or not: the
+    streamed items are the final response's items."""
+    server.engine.reply = "First." + CALL + "Then."
+    if stream:
+        events = list(client.responses.create(model="tiny-qwen3", input="go", tools=[TOOL], stream=True))
+        final = events[-1].response
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        assert [(e.output_index, e.item.id) for e in events if e.type == "response.output_item.added"] == [
+            (i, o.id) for i, o in enumerate(final.output)]
+        assert [d.model_dump() for d in done] == [o.model_dump() for o in final.output]
+    else:
+        final = client.responses.create(model="tiny-qwen3", input="go", tools=[TOOL])
+    assert [o.type for o in final.output] == ["message", "function_call", "message"]
+    assert [final.output[0].content[0].text, final.output[2].content[0].text] == ["First.", "Then."]
+    assert final.output[0].id != final.output[2].id and final.output_text == "First.Then."

@@ -285,3 +285,23 @@ def test_special_token_markers_are_refused_not_leaked():
                                     decode=lambda ids, skip_special_tokens=True: "")
     with pytest.raises(InvalidRequest, match="special tokens"):
         svc._tool_stream(build_request(messages=[{"role": "user", "content": "x"}], tools=[WEATHER]))
+
+
+def test_split_chunk_keeps_the_models_order():
+    """A chunk is its text then its calls: text after a call moves to a chunk of its own,
+    which takes the finish and usage; the token ids stay on the first."""
+    import mlx_lm.tool_parsers.json_tools as jt
+
+    from cluster.api.tools import split_chunk
+    from cluster.proto.orchard.v1 import orchard_pb2 as pb
+
+    s = ToolCallStream(jt.tool_call_start, jt.tool_call_end, jt.parse_tool_call, [WEATHER])
+    chunk = pb.GenerateResponse(request_id="r", token_ids=[1, 2, 3], text="a" + CALL + "b",
+                                finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage(prompt_tokens=4, completion_tokens=3))
+    first, second = split_chunk(s, chunk)
+    assert (first.text, [c.name for c in first.tool_calls], list(first.token_ids)) == ("a", ["get_weather"], [1, 2, 3])
+    assert not first.finish_reason and not first.HasField("usage")
+    assert (second.text, second.finish_reason, second.usage.completion_tokens) == ("b", pb.FINISH_REASON_TOOL_CALLS, 3)
+    plain = ToolCallStream(jt.tool_call_start, jt.tool_call_end, jt.parse_tool_call, [WEATHER])
+    (only,) = split_chunk(plain, pb.GenerateResponse(text="hi", finish_reason=pb.FINISH_REASON_STOP))
+    assert (only.text, only.finish_reason) == ("hi", pb.FINISH_REASON_STOP)

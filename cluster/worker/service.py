@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from cluster.api.errors import AlreadyExists, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
-from cluster.api.tools import ToolCallStream, apply_to_chunk, parse_tools, template_messages, tool_choice_mode
+from cluster.api.tools import ToolCallStream, parse_tools, split_chunk, template_messages, tool_choice_mode
 from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, RequestLimits, check_fits, max_tokens,
                               prompt_chars, validate_request)
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.worker.detokenizer import token_bytes
 from cluster.worker.engine import Engine, EngineStats, QueueFullError, RequestOutput
 from cluster.worker.engine_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
 from cluster.worker.faults import FaultInjection
@@ -71,42 +72,6 @@ def sampling_params_from_proto(request: pb.GenerateRequest, num_resumed: int = 0
     except (TypeError, ValueError) as e:
         raise InvalidRequest(str(e)) from None
     return params if limit > num_resumed else None
-
-
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet: the character that stands for each byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-            *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    chars, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + n)] = b
-            n += 1
-    return chars
-
-
-_BYTE_LEVEL = _byte_level_decoder()
-
-
-def token_bytes(tokenizer, token_id: int) -> bytes | None:
-    """A token's own bytes, from its vocabulary entry: a byte-level BPE piece or a
-    SentencePiece byte fallback (<0xE2>); None when neither."""
-    try:
-        piece = tokenizer.convert_ids_to_tokens(token_id)
-    except Exception:
-        return None
-    if not isinstance(piece, str) or not piece:
-        return None
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        try:
-            return bytes([int(piece[3:5], 16)])
-        except ValueError:
-            return None
-    if all(c in _BYTE_LEVEL for c in piece):
-        return bytes(_BYTE_LEVEL[c] for c in piece)
-    return None
 
 
 class WorkerService:
@@ -230,10 +195,9 @@ class WorkerService:
                         finished = True
                         raise InternalError(ev.message)
                     finished = self._add_output(chunk, ev, len(prompt)) or finished
-                if tool_stream is not None:
-                    apply_to_chunk(tool_stream, chunk)
-                if chunk.token_ids or chunk.text or chunk.tool_calls or finished:
-                    yield chunk
+                for part in [chunk] if tool_stream is None else split_chunk(tool_stream, chunk):
+                    if part.token_ids or part.text or part.tool_calls or part.finish_reason:
+                        yield part
         finally:
             self._streams.pop(engine_id, None)
             self._running.discard(rid)
