@@ -138,3 +138,39 @@ def test_output_items_keep_the_models_order(server, client, stream):
     assert [o.type for o in final.output] == ["message", "function_call", "message"]
     assert [final.output[0].content[0].text, final.output[2].content[0].text] == ["First.", "Then."]
     assert final.output[0].id != final.output[2].id and final.output_text == "First.Then."
+
+
+def test_openai_agents_sdk_runs_a_tool_loop(server):
+    """The OpenAI Agents SDK (its default model is the Responses API): the agent calls a
+    function tool, the SDK runs it and sends the result back, the model answers."""
+    import asyncio
+
+    import openai
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # no export to OpenAI from a test
+    ran = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        ran.append(city)
+        return "12 degrees"
+
+    server.engine.reply = lambda prompt: "It is 12 degrees in Oslo." if "<tool_response>" in prompt else CALL
+    model = OpenAIResponsesModel("tiny-qwen3", openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none",
+                                                                  max_retries=0))
+    agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model)
+
+    async def both():  # one event loop: the client's connections belong to it
+        result = await Runner.run(agent, "Weather in Oslo?")
+        assert ran == ["Oslo"] and result.final_output == "It is 12 degrees in Oslo."
+        prompt = server.engine.prompts[-1]
+        assert "system\nAnswer with the weather." in prompt
+        assert "<tool_response>\n12 degrees\n</tool_response>" in prompt
+        run = Runner.run_streamed(agent, "Weather in Oslo?")  # streamed: the Responses events
+        kinds = [e.type async for e in run.stream_events()]
+        assert run.final_output == "It is 12 degrees in Oslo." and ran == ["Oslo", "Oslo"]
+        assert "raw_response_event" in kinds
+
+    asyncio.run(both())
