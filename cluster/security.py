@@ -73,6 +73,9 @@ class SecurityConfig:
     allowed_hosts: str | None = setting(
         None, "comma-separated Host names the HTTP API answers (against DNS rebinding; default: the loopback "
               "names when bound to loopback, any otherwise)", metavar="HOSTS")
+    cors_origins: str | None = setting(
+        None, "comma-separated origins (https://app.example) whose browser pages may call the HTTP API (CORS), "
+              "or * for any; default: none", metavar="ORIGINS")
 
     def check(self) -> None:
         """ValueError naming what is wrong (a missing file, a key without its certificate)."""

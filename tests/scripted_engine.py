@@ -96,8 +96,9 @@ class ScriptedServer:
     """The worker service over a `ScriptedEngine`, its HTTP app (`url`) and gRPC
     `Generation` (`grpc_address`), on 127.0.0.1 and free ports, in a thread of its own (so that sync clients can call it) until `stop()`."""
 
-    def __init__(self, engine: ScriptedEngine, **app_kwargs):
+    def __init__(self, engine: ScriptedEngine, *, router: bool = False, **app_kwargs):
         self.engine = engine
+        self.with_router = router  # also a router in front of it (`router_url`), with it as a static worker
         self._app_kwargs = app_kwargs
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -113,7 +114,12 @@ class ScriptedServer:
 
         from cluster.api.openai import create_app
         from cluster.api.servicer import GenerationServicer
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
         from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+        from cluster.router.config import RouterConfig
+        from cluster.router.server import RouterServer
+        from cluster.worker.server import WorkerAdminServicer
         from cluster.worker.service import WorkerService
 
         self._loop = asyncio.get_running_loop()
@@ -131,14 +137,31 @@ class ScriptedServer:
             self.port = sock.getsockname()[1]
             grpc_server = grpc.aio.server()
             pb_grpc.add_GenerationServicer_to_server(GenerationServicer(svc), grpc_server)
+            pb_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(SimpleNamespace(service=svc)), grpc_server)
+            health_servicer = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
             self.grpc_address = f"127.0.0.1:{grpc_server.add_insecure_port('127.0.0.1:0')}"
             await grpc_server.start()
+            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            router = None
+            if self.with_router:
+                router = RouterServer(RouterConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                                                   metrics_address=None, heartbeat_interval=0.2,
+                                                   static_workers=(self.grpc_address,)))
+                await router.start()
+                self.router_url = f"http://{router.http_address}"
+                for _ in range(500):
+                    if router.registry.can_serve:
+                        break
+                    await asyncio.sleep(0.02)
         except BaseException as e:
             self.error = e
             self._ready.set()
             raise
         self._ready.set()
         await self._stop.wait()
+        if router is not None:
+            await router.stop(grace=0)
         await grpc_server.stop(0)
         await runner.cleanup()
         await svc.stop()

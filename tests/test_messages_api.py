@@ -111,3 +111,15 @@ def test_errors_in_anthropic_shape(server, client):
     assert e.value.body["error"]["type"] == "authentication_error"
     r = requests.post(server.url + "/v1/messages", json={}, headers={"Authorization": "Bearer sk-test"})
     assert r.status_code == 400  # Bearer works too
+
+
+def test_blocks_keep_the_models_order(server, client):
+    server.engine.reply = "First." + CALL + "Then."
+    m = client.messages.create(model="tiny-qwen3", max_tokens=100, tools=[TOOL],
+                               messages=[{"role": "user", "content": "go"}])
+    assert [b.type for b in m.content] == ["text", "tool_use", "text"]
+    assert (m.content[0].text, m.content[2].text) == ("First.", "Then.")
+    with client.messages.stream(model="tiny-qwen3", max_tokens=100, tools=[TOOL],
+                                messages=[{"role": "user", "content": "go"}]) as s:
+        streamed = s.get_final_message()
+    assert [b.type for b in streamed.content] == ["text", "tool_use", "text"]

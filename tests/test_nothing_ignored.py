@@ -207,3 +207,27 @@ def test_router_reflection_and_health_follow_its_workers():
             await router.stop(grace=0)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_cors_for_the_listed_origins_only(tiny_model_dir):
+    """--cors-origins: a listed origin's preflight is answered and its responses (streams
+    too) are marked; another origin gets no CORS headers."""
+    import requests
+
+    srv = ScriptedServer(ScriptedEngine(tiny_model_dir, reply="hi"), cors_origins=("https://app.example",))
+    try:
+        url = srv.url + "/v1/chat/completions"
+        pre = requests.options(url, headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                                             "Access-Control-Request-Headers": "authorization, content-type"})
+        assert pre.status_code == 204 and pre.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert "POST" in pre.headers["Access-Control-Allow-Methods"]
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        for stream in (False, True):
+            r = requests.post(url, json={**body, "stream": stream}, headers={"Origin": "https://app.example"})
+            assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        other = requests.post(url, json=body, headers={"Origin": "https://evil.example"})
+        assert "Access-Control-Allow-Origin" not in other.headers
+        assert requests.options(url, headers={"Origin": "https://evil.example",
+                                              "Access-Control-Request-Method": "POST"}).status_code == 405
+    finally:
+        srv.stop()

@@ -119,3 +119,58 @@ def test_unknown_fields_are_refused_by_name(client):
         client.responses.create(model="tiny-qwen3", input="hi", extra_body={"frobnicate": 1})
     with pytest.raises(openai.BadRequestError, match="web_search"):
         client.responses.create(model="tiny-qwen3", input="hi", tools=[{"type": "web_search"}])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_items_keep_the_models_order(server, client, stream):
+    """Text after a call is a message of its own, after the call, streamed or not: the
+    streamed items are the final response's items."""
+    server.engine.reply = "First." + CALL + "Then."
+    if stream:
+        events = list(client.responses.create(model="tiny-qwen3", input="go", tools=[TOOL], stream=True))
+        final = events[-1].response
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        assert [(e.output_index, e.item.id) for e in events if e.type == "response.output_item.added"] == [
+            (i, o.id) for i, o in enumerate(final.output)]
+        assert [d.model_dump() for d in done] == [o.model_dump() for o in final.output]
+    else:
+        final = client.responses.create(model="tiny-qwen3", input="go", tools=[TOOL])
+    assert [o.type for o in final.output] == ["message", "function_call", "message"]
+    assert [final.output[0].content[0].text, final.output[2].content[0].text] == ["First.", "Then."]
+    assert final.output[0].id != final.output[2].id and final.output_text == "First.Then."
+
+
+def test_openai_agents_sdk_runs_a_tool_loop(server):
+    """The OpenAI Agents SDK (its default model is the Responses API): the agent calls a
+    function tool, the SDK runs it and sends the result back, the model answers."""
+    import asyncio
+
+    import openai
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # no export to OpenAI from a test
+    ran = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        ran.append(city)
+        return "12 degrees"
+
+    server.engine.reply = lambda prompt: "It is 12 degrees in Oslo." if "<tool_response>" in prompt else CALL
+    model = OpenAIResponsesModel("tiny-qwen3", openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none",
+                                                                  max_retries=0))
+    agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model)
+
+    async def both():  # one event loop: the client's connections belong to it
+        result = await Runner.run(agent, "Weather in Oslo?")
+        assert ran == ["Oslo"] and result.final_output == "It is 12 degrees in Oslo."
+        prompt = server.engine.prompts[-1]
+        assert "system\nAnswer with the weather." in prompt
+        assert "<tool_response>\n12 degrees\n</tool_response>" in prompt
+        run = Runner.run_streamed(agent, "Weather in Oslo?")  # streamed: the Responses events
+        kinds = [e.type async for e in run.stream_events()]
+        assert run.final_output == "It is 12 degrees in Oslo." and ran == ["Oslo", "Oslo"]
+        assert "raw_response_event" in kinds
+
+    asyncio.run(both())

@@ -342,3 +342,51 @@ def test_special_token_markers_are_refused_not_leaked():
                                     decode=lambda ids, skip_special_tokens=True: "")
     with pytest.raises(InvalidRequest, match="special tokens"):
         svc._tool_stream(build_request(messages=[{"role": "user", "content": "x"}], tools=[WEATHER]))
+
+
+def test_split_chunk_keeps_the_models_order():
+    """A chunk is its text then its calls: text after a call moves to a chunk of its own,
+    which takes the finish and usage; the token ids stay on the first."""
+    import mlx_lm.tool_parsers.json_tools as jt
+
+    from cluster.api.tools import split_chunk
+    from cluster.proto.orchard.v1 import orchard_pb2 as pb
+
+    s = ToolCallStream(jt.tool_call_start, jt.tool_call_end, jt.parse_tool_call, [WEATHER])
+    chunk = pb.GenerateResponse(request_id="r", token_ids=[1, 2, 3], text="a" + CALL + "b",
+                                finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage(prompt_tokens=4, completion_tokens=3))
+    first, second = split_chunk(s, chunk)
+    assert (first.text, [c.name for c in first.tool_calls], list(first.token_ids)) == ("a", ["get_weather"], [1, 2, 3])
+    assert not first.finish_reason and not first.HasField("usage")
+    assert (second.text, second.finish_reason, second.usage.completion_tokens) == ("b", pb.FINISH_REASON_TOOL_CALLS, 3)
+    plain = ToolCallStream(jt.tool_call_start, jt.tool_call_end, jt.parse_tool_call, [WEATHER])
+    (only,) = split_chunk(plain, pb.GenerateResponse(text="hi", finish_reason=pb.FINISH_REASON_STOP))
+    assert (only.text, only.finish_reason) == ("hi", pb.FINISH_REASON_STOP)
+
+
+def test_through_the_router(tiny_model_dir):
+    """The router checks the same tool fields, relays the calls, and serves the Responses
+    and Messages APIs over its workers."""
+    import anthropic
+    import openai
+
+    srv = ScriptedServer(ScriptedEngine(tiny_model_dir, reply="Sure." + CALL), router=True)
+    try:
+        c = openai.OpenAI(base_url=srv.router_url + "/v1", api_key="none", max_retries=0)
+        r = c.chat.completions.create(model="tiny-qwen3", messages=HISTORY[:1], tools=[WEATHER])
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+        deltas = [t for ch in c.chat.completions.create(model="tiny-qwen3", messages=HISTORY[:1], tools=[WEATHER],
+                                                        stream=True) if ch.choices
+                  for t in ch.choices[0].delta.tool_calls or []]
+        assert [d.function.name for d in deltas] == ["get_weather"]
+        with pytest.raises(openai.BadRequestError, match="tool_choice 'required'"):
+            c.chat.completions.create(model="tiny-qwen3", messages=HISTORY[:1], tools=[WEATHER], tool_choice="required")
+        resp = c.responses.create(model="tiny-qwen3", input="Weather?", tools=[{"type": "function", **WEATHER["function"]}])
+        assert [o.type for o in resp.output] == ["message", "function_call"]
+        msg = anthropic.Anthropic(base_url=srv.router_url, api_key="none", max_retries=0).messages.create(
+            model="tiny-qwen3", max_tokens=400, messages=[{"role": "user", "content": "Weather?"}],
+            tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}])
+        assert msg.stop_reason == "tool_use" and msg.content[1].input == {"city": "Oslo"}
+    finally:
+        srv.stop()

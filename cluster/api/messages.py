@@ -198,18 +198,21 @@ async def _create(request: web.Request) -> web.StreamResponse:
             return anthropic_error(e.http_status, e.message)
         if not stream:
             try:
-                text, calls, r = "", [], first
+                blocks, r = [], first  # in the model's order: text, tool_use, text...
                 while r is not None:
-                    text += r.text
-                    calls += r.tool_calls
+                    if r.text:
+                        if blocks and blocks[-1]["type"] == "text":
+                            blocks[-1]["text"] += r.text
+                        else:
+                            blocks.append({"type": "text", "text": r.text})
+                    blocks += [_tool_use(c) for c in r.tool_calls]
                     if r.finish_reason:
                         message["stop_reason"], message["stop_sequence"] = _stop_reason(r, stop)
                         message["usage"] = _usage(r.usage)
                     r = await anext(chunks, None)
             except OrchardError as e:
                 return anthropic_error(e.http_status, e.message)
-            message["content"] = ([{"type": "text", "text": text}] if text or not calls else []) + \
-                [_tool_use(c) for c in calls]
+            message["content"] = blocks or [{"type": "text", "text": ""}]
             return web.json_response(message)
         return await _stream(request, message, first, chunks, stop)
 

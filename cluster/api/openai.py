@@ -334,13 +334,16 @@ def _sse(data: dict | str) -> bytes:
 
 # -- the app ----------------------------------------------------------------------------------
 def create_app(backend: Backend, request_timeout: float | None = None, *, keys: Keys | None = None,
-               allowed_hosts: tuple[str, ...] | None = None) -> web.Application:
+               allowed_hosts: tuple[str, ...] | None = None, cors_origins: tuple[str, ...] = ()) -> web.Application:
     """The OpenAI-compatible app over `backend`. A request that takes longer than
     `request_timeout` seconds (or its own `X-Request-Timeout`, if shorter) is answered
     504, or ends its SSE stream with an error event, and is cancelled wherever it runs.
     With `keys`, `/v1/*` takes `Authorization: Bearer KEY` (401 otherwise); with
-    `allowed_hosts`, a request whose Host is not one of them is 403 (DNS rebinding)."""
+    `allowed_hosts`, a request whose Host is not one of them is 403 (DNS rebinding); with
+    `cors_origins` ("*" for any), browser pages of those origins may call it (CORS)."""
     app = web.Application(client_max_size=32 << 20, middlewares=[_guard(keys or Keys(), allowed_hosts)])
+    if cors_origins:
+        _cors(app, cors_origins)
     app[_BACKEND] = backend
     app[_TIMEOUT] = request_timeout
     app[_MODEL_CACHE] = [float("-inf"), ""]
@@ -386,6 +389,34 @@ def _guard(keys: Keys, allowed: tuple[str, ...] | None):
             return anthropic_error(e.status, message) if anthropic else error_response(e.status, message)
 
     return guard
+
+
+def _cors(app: web.Application, origins: tuple[str, ...]) -> None:
+    """CORS for browser clients of the listed origins: preflights answered, responses
+    (streams too, as their headers go out) marked. A request from another origin gets no
+    CORS headers: its browser blocks it."""
+    any_origin = "*" in origins
+
+    def allowed(request: web.Request) -> bool:
+        origin = request.headers.get("Origin")
+        return origin is not None and (any_origin or origin in origins)
+
+    @web.middleware
+    async def preflight(request: web.Request, handler):
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers and allowed(request):
+            return web.Response(status=204, headers={
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS", "Access-Control-Max-Age": "600",
+                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
+                                                                    "authorization, content-type")})
+        return await handler(request)
+
+    async def mark(request: web.Request, response: web.StreamResponse) -> None:
+        if allowed(request):
+            response.headers["Access-Control-Allow-Origin"] = request.headers["Origin"]
+            response.headers["Vary"] = "Origin"
+
+    app.middlewares.insert(0, preflight)
+    app.on_response_prepare.append(mark)
 
 
 _ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

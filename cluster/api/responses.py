@@ -139,23 +139,43 @@ def _usage(u: pb.Usage) -> dict:
 
 
 class _Turn:
-    """One response: its ids, its settings as echoed back, its output items."""
+    """One response: its ids, its settings as echoed back, its output items in order
+    (messages and function calls, as the model produced them)."""
 
     def __init__(self, body: dict, model: str, history: list[dict]):
         self.id = f"resp_{uuid.uuid4().hex}"
-        self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.body = body
         self.model = model
         self.history = history  # the conversation before this turn's output (without instructions)
-        self.text = ""
-        self.calls: list[pb.ToolCall] = []
+        self.items: list[dict | pb.ToolCall] = []  # {"id", "text"} for a message, or a call
         self.usage: pb.Usage | None = None
         self.finish: str | None = None
 
-    def message_item(self, status: str) -> dict:
-        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}]}
+    @property
+    def text(self) -> str:
+        return "".join(i["text"] for i in self.items if isinstance(i, dict))
+
+    @property
+    def calls(self) -> list[pb.ToolCall]:
+        return [i for i in self.items if isinstance(i, pb.ToolCall)]
+
+    def add_text(self, text: str) -> tuple[int, bool]:
+        """Append text to the last message, or open a new one after a call: (its index, opened)."""
+        opened = not self.items or not isinstance(self.items[-1], dict)
+        if opened:
+            self.items.append({"id": f"msg_{uuid.uuid4().hex}", "text": ""})
+        self.items[-1]["text"] += text
+        return len(self.items) - 1, opened
+
+    def add_call(self, c: pb.ToolCall) -> int:
+        self.items.append(c)
+        return len(self.items) - 1
+
+    @staticmethod
+    def message_item(m: dict, status: str) -> dict:
+        return {"type": "message", "id": m["id"], "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": m["text"], "annotations": [], "logprobs": []}]}
 
     @staticmethod
     def call_item(c: pb.ToolCall, status: str = "completed") -> dict:
@@ -163,10 +183,10 @@ class _Turn:
                 "arguments": c.arguments, "status": status}
 
     def output(self) -> list[dict]:
-        items = []
-        if self.text or not self.calls:
-            items.append(self.message_item("incomplete" if self.finish == "length" else "completed"))
-        return items + [self.call_item(c) for c in self.calls]
+        if not self.items:  # an empty answer is still one (empty) message
+            self.add_text("")
+        done = "incomplete" if self.finish == "length" else "completed"
+        return [self.message_item(i, done) if isinstance(i, dict) else self.call_item(i) for i in self.items]
 
     def obj(self, status: str) -> dict:
         b = self.body
@@ -272,8 +292,10 @@ async def _create(request: web.Request) -> web.StreamResponse:
 
 
 def _take(turn: _Turn, r: pb.GenerateResponse) -> None:
-    turn.text += r.text
-    turn.calls.extend(r.tool_calls)
+    if r.text:
+        turn.add_text(r.text)
+    for c in r.tool_calls:
+        turn.add_call(c)
     if r.finish_reason:
         turn.finish = FINISH_REASON_NAMES.get(r.finish_reason)
         turn.usage = r.usage
@@ -291,38 +313,42 @@ async def _stream(request: web.Request, turn: _Turn, first, chunks) -> web.Strea
 
     await send("response.created", response=turn.obj("in_progress"))
     await send("response.in_progress", response=turn.obj("in_progress"))
-    index = 0  # output_index of the next item
-    message_open = False
     text_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    open_index: int | None = None  # the message item being streamed
+
+    async def open_message(index: int):
+        nonlocal open_index
+        open_index = index
+        m = turn.items[index]
+        await send("response.output_item.added", output_index=index,
+                   item={**turn.message_item(m, "in_progress"), "content": []})
+        await send("response.content_part.added", item_id=m["id"], output_index=index, content_index=0,
+                   part=text_part)
 
     async def close_message():
-        nonlocal message_open, index
-        if not message_open:
+        nonlocal open_index
+        if open_index is None:
             return
-        message_open = False
-        done = dict(text_part, text=turn.text)
-        await send("response.output_text.done", item_id=turn.msg_id, output_index=index, content_index=0,
-                   text=turn.text, logprobs=[])
-        await send("response.content_part.done", item_id=turn.msg_id, output_index=index, content_index=0, part=done)
-        await send("response.output_item.done", output_index=index, item=turn.message_item("completed"))
-        index += 1
+        index, open_index = open_index, None
+        m = turn.items[index]
+        await send("response.output_text.done", item_id=m["id"], output_index=index, content_index=0,
+                   text=m["text"], logprobs=[])
+        await send("response.content_part.done", item_id=m["id"], output_index=index, content_index=0,
+                   part=dict(text_part, text=m["text"]))
+        await send("response.output_item.done", output_index=index, item=turn.message_item(m, "completed"))
 
     try:
         r = first
         while r is not None:
             if r.text:
-                if not message_open:
-                    message_open = True
-                    await send("response.output_item.added", output_index=index,
-                               item={**turn.message_item("in_progress"), "content": []})
-                    await send("response.content_part.added", item_id=turn.msg_id, output_index=index,
-                               content_index=0, part=text_part)
-                turn.text += r.text
-                await send("response.output_text.delta", item_id=turn.msg_id, output_index=index, content_index=0,
-                           delta=r.text, logprobs=[])
+                index, opened = turn.add_text(r.text)
+                if opened:
+                    await open_message(index)
+                await send("response.output_text.delta", item_id=turn.items[index]["id"], output_index=index,
+                           content_index=0, delta=r.text, logprobs=[])
             for c in r.tool_calls:
                 await close_message()
-                item = turn.call_item(c)
+                index, item = turn.add_call(c), turn.call_item(c)
                 await send("response.output_item.added", output_index=index,
                            item={**item, "arguments": "", "status": "in_progress"})
                 await send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
@@ -330,18 +356,12 @@ async def _stream(request: web.Request, turn: _Turn, first, chunks) -> web.Strea
                 await send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                            arguments=c.arguments, name=c.name)
                 await send("response.output_item.done", output_index=index, item=item)
-                turn.calls.append(c)
-                index += 1
             if r.finish_reason:
                 turn.finish = FINISH_REASON_NAMES.get(r.finish_reason)
                 turn.usage = r.usage
             r = await anext(chunks, None)
-        if not turn.text and not turn.calls:  # an empty answer is still one (empty) message
-            message_open = True
-            await send("response.output_item.added", output_index=index,
-                       item={**turn.message_item("in_progress"), "content": []})
-            await send("response.content_part.added", item_id=turn.msg_id, output_index=index, content_index=0,
-                       part=text_part)
+        if not turn.items:  # an empty answer is still one (empty) message
+            await open_message(turn.add_text("")[0])
         await close_message()
         _remember(request.app, turn)
         status = turn.status

@@ -177,7 +177,9 @@ class Endpoints:
 
             host, _ = parse_address(http_address, self.default_host)
             app = create_app(backend, request_timeout, keys=self.security.keys(),
-                             allowed_hosts=allowed_hosts(self.security, host))
+                             allowed_hosts=allowed_hosts(self.security, host),
+                             cors_origins=tuple(o.strip() for o in (self.security.cors_origins or "").split(",")
+                                                if o.strip()))
             runner, self.addresses["http"] = await _start_http(app, http_address, "HTTP", self.default_host, ssl_context)
             self._runners.append(runner)
 

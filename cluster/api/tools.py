@@ -126,20 +126,27 @@ class ToolCallStream:
         self.num_calls = 0
 
     def feed(self, text: str) -> tuple[str, list[pb.ToolCall]]:
+        return _joined(self.segments(text))
+
+    def finish(self) -> tuple[str, list[pb.ToolCall]]:
+        return _joined(self.rest())
+
+    def segments(self, text: str) -> list[str | pb.ToolCall]:
+        """What `text` completes, in the model's order: content (str) and calls."""
         # in a call, an end marker can only end in the new text: search from just before it
         # (so a long call costs O(its length), not O(length^2))
         scan_from = max(0, len(self.buffer) - len(self.end) + 1) if self.in_call else 0
         self.buffer += text
-        content, calls = [], []
+        out: list[str | pb.ToolCall] = []
         while True:
             if not self.in_call:
                 i = self.buffer.find(self.start)
                 if i < 0:
                     keep = _partial_suffix(self.buffer, self.start)
-                    content.append(self.buffer[:len(self.buffer) - keep])
+                    out.append(self.buffer[:len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break
-                content.append(self.buffer[:i])
+                out.append(self.buffer[:i])
                 self.buffer = self.buffer[i + len(self.start):]
                 self.in_call = True
                 scan_from = 0
@@ -150,36 +157,35 @@ class ToolCallStream:
                 break
             body, self.buffer = self.buffer[:j], self.buffer[j + len(self.end):]
             self.in_call = False
-            parsed, raw = self._parse(body)
-            calls += parsed
-            content.append(raw)
-        return "".join(content), self._keep(calls)
+            out += self._parse(body)
+        return [x for x in out if x != ""]
 
-    def finish(self) -> tuple[str, list[pb.ToolCall]]:
+    def rest(self) -> list[str | pb.ToolCall]:
         """The rest at the end of the output: a call cut short is parsed if it can be (a
         family without an end marker ends here), else returned as text."""
         rest, self.buffer = self.buffer, ""
         if not self.in_call:
-            return rest, []
+            return [rest] if rest else []
         self.in_call = False
-        parsed, raw = self._parse(rest, closed=False)
-        return raw, self._keep(parsed)
+        return self._parse(rest, closed=False)
 
-    def _parse(self, body: str, closed: bool = True) -> tuple[list[pb.ToolCall], str]:
-        """The calls in one call's text, or ([], the text with its markers) when it does not parse."""
+    def _parse(self, body: str, closed: bool = True) -> list[str | pb.ToolCall]:
+        """The calls in one call's text (those kept), or the text with its markers when it
+        does not parse."""
         try:
             result = self.parser(body, self.tools)
             items = result if isinstance(result, list) else [result]
             calls = [_tool_call(item) for item in items]
         except Exception:  # a parser of any family: a malformed call stays visible as text
-            return [], self.start + body + (self.end if closed else "")
-        return calls, ""
-
-    def _keep(self, calls: list[pb.ToolCall]) -> list[pb.ToolCall]:
+            return [self.start + body + (self.end if closed else "")]
         if not self.parallel:
             calls = calls[:max(0, 1 - self.num_calls)]
         self.num_calls += len(calls)
         return calls
+
+
+def _joined(segments: list[str | pb.ToolCall]) -> tuple[str, list[pb.ToolCall]]:
+    return ("".join(x for x in segments if isinstance(x, str)), [x for x in segments if not isinstance(x, str)])
 
 
 def _tool_call(item: Any) -> pb.ToolCall:
@@ -199,14 +205,33 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def apply_to_chunk(stream: ToolCallStream, chunk: pb.GenerateResponse) -> None:
-    """Move the tool calls out of one response chunk's text into its `tool_calls`; on the
-    last chunk, a request that made calls and stopped finishes with "tool_calls"."""
-    content, calls = stream.feed(chunk.text)
+def split_chunk(stream: ToolCallStream, chunk: pb.GenerateResponse) -> list[pb.GenerateResponse]:
+    """One response chunk with its tool calls cut out of its text into `tool_calls`. Text
+    that follows a call goes in a chunk of its own after it, so the chunks keep the
+    model's order (a chunk is its text, then its calls). The token ids and logprobs stay on
+    the first; the last one finishes, with "tool_calls" when calls were made and the
+    model stopped."""
+    segments = stream.segments(chunk.text)
     if chunk.finish_reason:
-        more_content, more_calls = stream.finish()
-        content, calls = content + more_content, calls + more_calls
+        segments += stream.rest()
         if stream.num_calls and chunk.finish_reason == pb.FINISH_REASON_STOP:
             chunk.finish_reason = pb.FINISH_REASON_TOOL_CALLS
-    chunk.text = content
-    chunk.tool_calls.extend(calls)
+    out = [chunk]
+    finish, usage, stop_reason = chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.stop_reason
+    chunk.text = ""
+    for seg in segments:
+        last = out[-1]
+        if isinstance(seg, str):
+            if last.tool_calls:  # text after a call: a new chunk
+                last = pb.GenerateResponse(request_id=chunk.request_id, worker_id=chunk.worker_id, index=chunk.index)
+                out.append(last)
+            last.text += seg
+        else:
+            last.tool_calls.append(seg)
+    if len(out) > 1:  # the finish moves to the last chunk
+        chunk.finish_reason, chunk.stop_reason = pb.FINISH_REASON_UNSPECIFIED, ""
+        chunk.ClearField("usage")
+        out[-1].finish_reason, out[-1].stop_reason = finish, stop_reason
+        if usage is not None:
+            out[-1].usage.CopyFrom(usage)
+    return out

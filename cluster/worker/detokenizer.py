@@ -109,3 +109,39 @@ class IncrementalDetokenizer:
             return ""
         delta, self.unsent = self.unsent[:end], self.unsent[end:]
         return delta
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes | None:
+    """A token's own bytes, from its vocabulary entry: a byte-level BPE piece or a
+    SentencePiece byte fallback (<0xE2>); None when neither."""
+    try:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+    except Exception:
+        return None
+    if not isinstance(piece, str) or not piece:
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    if all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return None

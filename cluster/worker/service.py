@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from cluster.api.errors import AlreadyExists, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
-from cluster.api.tools import ToolCallStream, apply_to_chunk, parse_tools, template_messages, tool_choice_mode
+from cluster.api.tools import ToolCallStream, parse_tools, split_chunk, template_messages, tool_choice_mode
 from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, RequestLimits, check_fits, max_tokens,
                               prompt_chars, validate_request)
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.worker.detokenizer import token_bytes
 from cluster.worker.engine import Engine, EngineStats, QueueFullError, RequestOutput
 from cluster.worker.engine_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
 from cluster.worker.faults import FaultInjection
@@ -94,42 +95,6 @@ class _Usage:
     def proto(self) -> pb.Usage:
         return pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
                         cached_tokens=self.cached_tokens)
-
-
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet: the character that stands for each byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-            *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    chars, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + n)] = b
-            n += 1
-    return chars
-
-
-_BYTE_LEVEL = _byte_level_decoder()
-
-
-def token_bytes(tokenizer, token_id: int) -> bytes | None:
-    """A token's own bytes, from its vocabulary entry: a byte-level BPE piece or a
-    SentencePiece byte fallback (<0xE2>); None when neither."""
-    try:
-        piece = tokenizer.convert_ids_to_tokens(token_id)
-    except Exception:
-        return None
-    if not isinstance(piece, str) or not piece:
-        return None
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        try:
-            return bytes([int(piece[3:5], 16)])
-        except ValueError:
-            return None
-    if all(c in _BYTE_LEVEL for c in piece):
-        return bytes(_BYTE_LEVEL[c] for c in piece)
-    return None
 
 
 class WorkerService:
@@ -269,10 +234,6 @@ class WorkerService:
                         left -= 1
                         finished = left == 0 or ev.finish_reason == "abort"
                 for index, chunk in chunks.items():
-                    if tool_streams is not None:  # each sample's calls are its own
-                        if index not in tool_streams:
-                            tool_streams[index] = self._tool_stream(request)
-                        apply_to_chunk(tool_streams[index], chunk)
                     if first and (chunk.token_ids or chunk.finish_reason):
                         first = False
                         if request.sampling.echo:
@@ -286,9 +247,15 @@ class WorkerService:
                                 chunk.prompt_logprobs.extend(rest)
                     if finished and chunk is list(chunks.values())[-1]:
                         chunk.usage.CopyFrom(usage.proto())
-                    if (chunk.token_ids or chunk.text or chunk.tool_calls or chunk.finish_reason
-                            or chunk.HasField("usage")):
-                        yield chunk
+                    parts = [chunk]
+                    if tool_streams is not None:  # each sample's calls are its own
+                        if index not in tool_streams:
+                            tool_streams[index] = self._tool_stream(request)
+                        parts = split_chunk(tool_streams[index], chunk)
+                    for part in parts:
+                        if (part.token_ids or part.text or part.tool_calls or part.finish_reason
+                                or part.HasField("usage")):
+                            yield part
         finally:
             self._streams.pop(engine_id, None)
             self._running.discard(rid)
