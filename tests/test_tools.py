@@ -380,8 +380,9 @@ def test_through_the_router(tiny_model_dir):
                                                         stream=True) if ch.choices
                   for t in ch.choices[0].delta.tool_calls or []]
         assert [d.function.name for d in deltas] == ["get_weather"]
-        with pytest.raises(openai.BadRequestError, match="tool_choice 'required'"):
-            c.chat.completions.create(model="tiny-qwen3", messages=HISTORY[:1], tools=[WEATHER], tool_choice="required")
+        with pytest.raises(openai.BadRequestError, match="which is not in tools"):
+            c.chat.completions.create(model="tiny-qwen3", messages=HISTORY[:1], tools=[WEATHER],
+                                      tool_choice={"type": "function", "function": {"name": "book_trip"}})
         resp = c.responses.create(model="tiny-qwen3", input="Weather?", tools=[{"type": "function", **WEATHER["function"]}])
         assert [o.type for o in resp.output] == ["message", "function_call"]
         msg = anthropic.Anthropic(base_url=srv.router_url, api_key="none", max_retries=0).messages.create(
