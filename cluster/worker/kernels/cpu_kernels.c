@@ -24,6 +24,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #define TILE 32
 #define MAX_ROWS 32 /* query rows (tokens x heads of a group) per work item */
@@ -73,9 +76,15 @@ static inline float bf16_to_float(uint16_t h) { return bits_float((uint32_t)h <<
 
 /* n elements of a pool row (kind 1: float16, 2: bfloat16) into float32 */
 static inline void widen(const uint16_t *src, float *dst, int n, int kind) {
-    if (kind == 1)
-        for (int i = 0; i < n; i++) dst[i] = half_to_float(src[i]);
-    else
+    if (kind == 1) {
+        int i = 0;
+#ifdef __F16C__
+        /* x86's F16C converts 8 halves in one instruction (exact, subnormals included) */
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+        for (; i < n; i++) dst[i] = half_to_float(src[i]);
+    } else
         for (int i = 0; i < n; i++) dst[i] = bf16_to_float(src[i]);
 }
 
