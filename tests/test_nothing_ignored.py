@@ -70,6 +70,7 @@ def test_model_by_id(server):
      "response_format"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, "messages"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 3}, "min_tokens"),
 ])

@@ -117,6 +117,10 @@ def test_unknown_fields_are_refused_by_name(client):
 
     with pytest.raises(openai.BadRequestError, match="'frobnicate'"):
         client.responses.create(model="tiny-qwen3", input="hi", extra_body={"frobnicate": 1})
+    with pytest.raises(openai.BadRequestError, match="verbosity"):
+        client.responses.create(model="tiny-qwen3", input="hi", text={"verbosity": "low"})
+    with pytest.raises(openai.BadRequestError, match="'tool_calls'"):
+        client.responses.create(model="tiny-qwen3", input=[{"role": "user", "content": "x", "tool_calls": []}])
     with pytest.raises(openai.BadRequestError, match="web_search"):
         client.responses.create(model="tiny-qwen3", input="hi", tools=[{"type": "web_search"}])
 

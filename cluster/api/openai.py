@@ -140,6 +140,7 @@ def _completion_prompt(body: dict) -> str | list[int]:
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})  # refusal: null only
 
 
 def _chat_messages(body: dict) -> list[dict]:
@@ -154,6 +155,9 @@ def _chat_messages(body: dict) -> list[dict]:
             raise _BadField("messages", f"messages[{i}] must be an object with a string 'role'")
         if m["role"] not in _ROLES:
             raise _BadField("messages", f"messages[{i}].role {m['role']!r} is not one of {', '.join(_ROLES)}")
+        extra = sorted(k for k in m if k not in _MESSAGE_KEYS or (k == "refusal" and m[k] is not None))
+        if extra:
+            raise _BadField("messages", f"messages[{i}]: {', '.join(map(repr, extra))} not supported by this server")
         content = m.get("content") or ""
         if isinstance(content, list):  # content parts: keep the text ones
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):

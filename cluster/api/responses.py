@@ -53,6 +53,11 @@ def _text(content: Any, where: str) -> str:
     raise _BadField("input", f"{where}: only text content (input_text / output_text parts) is supported")
 
 
+_ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
+              "function_call": {"type", "id", "call_id", "name", "arguments", "status"},
+              "function_call_output": {"type", "id", "call_id", "output", "status"}}
+
+
 def input_messages(items: Any) -> list[dict]:
     """Responses `input` as chat messages (OpenAI's chat shape)."""
     if isinstance(items, str):
@@ -64,6 +69,10 @@ def input_messages(items: Any) -> list[dict]:
         if not isinstance(item, dict):
             raise _BadField("input", f"input[{i}] must be an object")
         kind = item.get("type", "message")
+        extra = set(item) - _ITEM_KEYS.get(kind, set(item))
+        if extra:
+            raise _BadField("input", f"input[{i}]: unknown field{'s' if len(extra) > 1 else ''} "
+                                     f"{', '.join(map(repr, sorted(extra)))} in a {kind!r} item")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -120,9 +129,15 @@ def _check(body: dict) -> None:
     if unknown:
         raise _BadField(unknown[0], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
                                     f"{', '.join(map(repr, unknown))}: not supported by this server")
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if body.get("text") is not None and fmt not in (None, {"type": "text"}):
-        raise _BadField("text", "'text.format' other than text (structured output) is not supported by this server yet")
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+            raise _BadField("text", "'text' must be an object with 'format'")
+        if text.get("format") not in (None, {"type": "text"}):
+            raise _BadField("text", "'text.format' other than text (structured output) is not supported by this "
+                                    "server yet")
+        if text.get("verbosity") is not None:
+            raise _BadField("text", "'text.verbosity' is not supported by this server")
     if body.get("reasoning") not in (None, {}):
         raise _BadField("reasoning", "'reasoning' is not supported by this server")
     if body.get("truncation") not in (None, "disabled"):
