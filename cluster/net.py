@@ -8,14 +8,16 @@ from __future__ import annotations
 KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
 # gRPC client channels: keepalive, and reconnect quickly after a peer or the network comes
-# back (gRPC's default backoff starts at 1 s and grows to 120 s).
+# back (gRPC's default backoff starts at 1 s and grows to 120 s). Not
+# grpc.min_reconnect_backoff_ms: gRPC takes it as the minimum *connect timeout* too
+# (default 20 s), and at 100 ms a busy server's handshake fails the call with "connection
+# attempt timed out before receiving SETTINGS frame".
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 # gRPC servers: accept the clients' keepalive pings (by default a server answers pings

@@ -391,18 +391,3 @@ def test_through_the_router(tiny_model_dir):
         assert msg.stop_reason == "tool_use" and msg.content[1].input == {"city": "Oslo"}
     finally:
         srv.stop()
-
-
-def test_langchain_structured_output_by_function_calling_is_refused_not_none(server):
-    """LangChain forces the schema's function (a named tool_choice): until constrained
-    decoding can enforce it, the request fails with the reason instead of returning None."""
-    import openai
-    from langchain_openai import ChatOpenAI
-    from pydantic import BaseModel
-
-    class Weather(BaseModel):
-        city: str
-
-    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="none", model="tiny-qwen3", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="needs constrained decoding"):
-        llm.with_structured_output(Weather, method="function_calling").invoke("Oslo")
