@@ -216,6 +216,7 @@ def test_tools_round_trip_through_the_wire_and_are_validated():
         (dict(tool_choice="required"), "needs tools"),
         (dict(tools=[{"type": "function", "function": {}}]), r"tools\[0\].function.name is required"),
         (dict(tools=[{"type": "code_interpreter"}]), "only tools of type 'function'"),
+        (dict(tools=[_WEATHER, _WEATHER]), "a second function named 'get_weather'"),
     ]:
         with pytest.raises(InvalidRequest, match=words):
             validate_request(build_request(messages=history, **bad))

@@ -153,8 +153,10 @@ class Endpoints:
         metrics: MetricsEndpoint | None = None,
         metrics_address: str | None = None,
         request_timeout: float | None = None,
+        serving: bool = True,
     ) -> None:
-        """Start gRPC with the services `add_services` adds plus gRPC health (SERVING),
+        """Start gRPC with the services `add_services` adds plus gRPC health (SERVING, or
+        NOT_SERVING with `serving=False` until the caller says otherwise) and reflection,
         then the OpenAI HTTP API over `backend` at `http_address` (requests limited to
         `request_timeout` seconds) and `/metrics` + `/health` at `metrics_address` (None:
         not served)."""
@@ -166,7 +168,7 @@ class Endpoints:
         # server reflection, so that grpcurl can list and describe every service here
         reflection.enable_server_reflection((*naming.names, reflection.SERVICE_NAME), server)
         await server.start()
-        await self.set_serving(True)
+        await self.set_serving(serving)
         ssl_context = http_ssl_context(self.security)
         if metrics is not None and metrics_address:
             runner, self.addresses["metrics"] = await _start_http(

@@ -46,6 +46,8 @@ def parse_tools(tools_json: str) -> list[dict]:
             raise InvalidRequest(f"tools[{i}].function.name is required")
         if "parameters" in fn and not isinstance(fn["parameters"], dict):
             raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON Schema object")
+        if fn["name"] in names:
+            raise InvalidRequest(f"tools[{i}]: a second function named {fn['name']!r}")
         names.add(fn["name"])
     return tools
 

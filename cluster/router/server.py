@@ -79,6 +79,7 @@ class RouterServer:
             metrics=MetricsEndpoint(lambda: generate_latest(registry), CONTENT_TYPE_LATEST,
                                     healthy=lambda: self.registry.can_serve),
             metrics_address=self.config.metrics_address, request_timeout=self.config.request_timeout,
+            serving=False,  # until a worker can take a request (_follow_serving)
         )
         for address in self.config.static_workers:
             self.registry.add_static(address)
