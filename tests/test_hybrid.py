@@ -12,6 +12,7 @@ Tokens must equal mlx-lm's and the chosen tokens' logprobs agree within 1e-4.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
@@ -262,3 +263,22 @@ def test_a_worker_serves_a_hybrid_model_and_reports_its_state_slots(models, work
     text = urllib.request.urlopen(f"http://{worker.metrics}/metrics", timeout=10).read().decode()
     gauges = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert gauges["orchard_state_slots_total"] == 4 and gauges["orchard_state_slots_used"] == 0
+
+
+def test_n_samples_of_a_hybrid_model_each_get_their_own_state(models):
+    """n > 1 on recurrent layers: each sample is forked with a slot of its own and
+    recomputes the prompt (its state is not in the KV blocks); sample i equals a lone
+    request seeded seed + i, and every slot is given back."""
+    engine = Engine.from_pretrained(models("qwen3_next"), CONFIG)
+    prompt = list(range(5, 37))
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=11, ignore_eos=True)
+    engine.add_request("n", prompt, replace(params, n=3))
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.index] += out.new_token_ids
+        engine.check_integrity()
+    assert engine.stats.state_slots_used == 0
+    for i in range(3):
+        (alone,) = engine.generate([prompt], replace(params, seed=11 + i))
+        assert got[i] == alone, f"sample {i}"
