@@ -162,6 +162,29 @@ def test_chat_errors(oai, tiny_worker):
         list(oai.completions.create(model="", prompt="x", temperature=-2, stream=True))
 
 
+def test_chat_n_samples(oai):
+    """n > 1 in chat: n choices (index 0..n-1) forked from one prompt, sample i equal to a
+    lone request seeded seed + i; streamed chunks carry their choice's index, each choice
+    opens with the role, and the usage counts every sample."""
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    kw = dict(model="", messages=messages, max_tokens=8, temperature=1.0, extra_body=IGNORE_EOS)
+    r = oai.chat.completions.create(n=3, seed=5, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 24
+    for i, choice in enumerate(r.choices):
+        alone = oai.chat.completions.create(seed=5 + i, **kw).choices[0].message.content
+        assert choice.message.content == alone, f"choice {i}"
+    assert len({c.message.content for c in r.choices}) > 1
+    text, roles, finished = {}, {}, {}
+    for chunk in oai.chat.completions.create(n=3, seed=5, stream=True, **kw):
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            roles.setdefault(c.index, c.delta.role)
+            finished[c.index] = c.finish_reason or finished.get(c.index)
+    assert text == {c.index: c.message.content for c in r.choices}
+    assert roles == {0: "assistant", 1: "assistant", 2: "assistant"} and set(finished.values()) == {"length"}
+
+
 def test_disconnect_mid_stream_frees_kv(tiny_worker):
     stream = openai.OpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="x", max_retries=0).completions.create(
         model="", prompt="Keep going", max_tokens=500, stream=True, extra_body=IGNORE_EOS)

@@ -35,7 +35,7 @@ from aiohttp import web
 from cluster.api.constraints import openai_extras
 from cluster.api.errors import DeadlineExceeded, InvalidRequest, OrchardError
 from cluster.api.servicer import Backend, finished
-from cluster.api.wire import FINISH_REASON_NAMES, build_request
+from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.security import Keys, host_allowed
 
@@ -91,8 +91,10 @@ def _stop(body: dict) -> list[str]:
 
 def _sampling_kwargs(body: dict, chat: bool) -> dict[str, Any]:
     n = _field(body, "n", int, 1)
-    if n != 1:
-        raise _BadField("n", "only n=1 is supported: send several requests instead")
+    if n < 1:
+        raise _BadField("n", f"n must be >= 1, got {n}")
+    if n != 1 and not chat:  # completions.py takes n off the body and sets it per prompt
+        raise _BadField("n", "n is set per prompt by the completions endpoint")
     if _field(body, "best_of", int, 1) != 1:
         raise _BadField("best_of", "best_of is not supported")
     if body.get("echo"):
@@ -112,6 +114,7 @@ def _sampling_kwargs(body: dict, chat: bool) -> dict[str, Any]:
     stop_token_ids = _field(body, "stop_token_ids", list, [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
         raise _BadField("stop_token_ids", "'stop_token_ids' must be a list of integers")
+    extra = {"n": n} if n != 1 else {}
     return dict(
         max_tokens=max_tokens,
         temperature=_field(body, "temperature", float),
@@ -123,6 +126,7 @@ def _sampling_kwargs(body: dict, chat: bool) -> dict[str, Any]:
         stop_token_ids=stop_token_ids,
         ignore_eos=_field(body, "ignore_eos", bool, False),
         logprobs=logprobs,
+        **extra,
     )
 
 
@@ -278,8 +282,9 @@ class _Exchange:
         self.created = int(time.time())
         self.model = model
         self.want_logprobs = want_logprobs
-        self.text_offset = 0
-        self.num_tool_calls = 0
+        self.text_offset: dict[int, int] = {}  # by choice index (n samples)
+        self.num_tool_calls: dict[int, int] = {}
+        self.started: set[int] = set()  # choices whose first delta (with the role) is sent
 
     def _envelope(self, choices: list, usage: dict | None, stream: bool) -> dict:
         obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
@@ -288,30 +293,43 @@ class _Exchange:
             body["usage"] = usage
         return body
 
-    def stream_chunk(self, r: pb.GenerateResponse, first: bool) -> dict:
+    def stream_chunk(self, r: pb.GenerateResponse, first: bool = False) -> dict:
+        i = r.index
         finish = FINISH_REASON_NAMES.get(r.finish_reason)
         logprobs = None
+        offset = self.text_offset.get(i, 0)
         if self.want_logprobs:
-            logprobs = _chat_logprobs(r.logprobs) if self.chat else _completion_logprobs(r.logprobs, self.text_offset)
-        self.text_offset += len(r.text)
+            logprobs = _chat_logprobs(r.logprobs) if self.chat else _completion_logprobs(r.logprobs, offset)
+        self.text_offset[i] = offset + len(r.text)
         if self.chat:
+            first = i not in self.started
+            self.started.add(i)
             delta = {"role": "assistant", "content": r.text} if first else ({"content": r.text} if r.text else {})
             if r.tool_calls:  # a call is sent whole, when its end marker has arrived
-                delta["tool_calls"] = [{"index": self.num_tool_calls + i, **tool_call_json(c)}
-                                       for i, c in enumerate(r.tool_calls)]
-                self.num_tool_calls += len(r.tool_calls)
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                done = self.num_tool_calls.get(i, 0)
+                delta["tool_calls"] = [{"index": done + k, **tool_call_json(c)} for k, c in enumerate(r.tool_calls)]
+                self.num_tool_calls[i] = done + len(r.tool_calls)
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": r.text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": i, "text": r.text, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope([choice], None, stream=True)
 
     def usage_chunk(self, usage: pb.Usage) -> dict:
         return self._envelope([], _usage(usage), stream=True)
 
     def full(self, chunks: list[pb.GenerateResponse]) -> dict:
-        text = "".join(c.text for c in chunks)
+        """The whole answer: one choice per sample index, in index order; the usage (of
+        all samples) rides on the last chunk."""
+        by_index: dict[int, list[pb.GenerateResponse]] = {}
+        for c in chunks:
+            by_index.setdefault(c.index, []).append(c)
+        choices = [self._choice(i, by_index[i]) for i in sorted(by_index)] or [self._choice(0, [])]
         last = chunks[-1] if chunks else pb.GenerateResponse()
-        finish = FINISH_REASON_NAMES.get(last.finish_reason)
+        return self._envelope(choices, _usage(last.usage), stream=False)
+
+    def _choice(self, index: int, chunks: list[pb.GenerateResponse]) -> dict:
+        text = "".join(c.text for c in chunks)
+        finish = next((FINISH_REASON_NAMES.get(c.finish_reason) for c in reversed(chunks) if c.finish_reason), None)
         lps = [lp for c in chunks for lp in c.logprobs]
         logprobs = None
         if self.want_logprobs:
@@ -321,10 +339,8 @@ class _Exchange:
             message = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
                 message["tool_calls"] = calls
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return self._envelope([choice], _usage(last.usage), stream=False)
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
 def tool_call_json(c: pb.ToolCall) -> dict:
@@ -541,7 +557,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         proto = _make_request(body, chat, ex.id)
         ex.model = await _served_model(request.app, proto.model)
         timeout = _timeout(request)
-        chunks = finished(_within(backend.generate(proto, timeout=timeout), timeout))
+        chunks = finished(_within(backend.generate(proto, timeout=timeout), timeout), num_choices(proto))
     except OrchardError as e:
         return error_response(e.http_status, e.message, getattr(e, "param", None))
     async with contextlib.aclosing(chunks):
