@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 from dataclasses import dataclass, field
 
@@ -24,7 +23,7 @@ from aiohttp import web
 
 from cluster.api.errors import OrchardError
 from cluster.api.openai import (_BACKEND, _ERROR_TYPES, _BadField, _Exchange, _field, _make_request, _sampling_kwargs,
-                                _served_model, _sse, _timeout, _within, error_response)
+                                _served_model, _sse, _timeout, _within, error_response, read_body)
 from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -209,14 +208,7 @@ def _usage(usages: list[pb.Usage], p: _Params) -> dict:
 async def completions(request: web.Request) -> web.StreamResponse:
     backend = request.app[_BACKEND]
     try:
-        body = await request.json(loads=json.loads)
-    except (ValueError, UnicodeDecodeError) as e:
-        return error_response(400, f"the request body is not valid JSON: {e}")
-    except RecursionError:
-        return error_response(400, "the request body is nested too deeply to parse")
-    if not isinstance(body, dict):
-        return error_response(400, "the request body must be a JSON object")
-    try:
+        body = await read_body(request)
         stream = _field(body, "stream", bool, False)
         include_usage = bool(_field(body, "stream_options", dict, {}).get("include_usage")) and stream
         p = _params(body)

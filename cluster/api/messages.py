@@ -21,7 +21,7 @@ from aiohttp import web
 
 from cluster.api.errors import InvalidRequest, OrchardError
 from cluster.api.openai import (_BACKEND, _ANTHROPIC_ERROR_TYPES, _served_model, _timeout, _within,
-                                anthropic_error)
+                                anthropic_error, read_body)
 from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -175,12 +175,7 @@ def _sse(event: str, data: dict) -> bytes:
 
 async def _create(request: web.Request) -> web.StreamResponse:
     try:
-        body = await request.json(loads=json.loads)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        return anthropic_error(400, f"the request body is not valid JSON: {e}")
-    if not isinstance(body, dict):
-        return anthropic_error(400, "the request body must be a JSON object")
-    try:
+        body = await read_body(request)
         proto = _request(body)
         stream = bool(_get(body, "stream", bool))
         model = await _served_model(request.app, proto.model)

@@ -538,17 +538,23 @@ async def _within(chunks, timeout: float | None):
             yield chunk
 
 
+async def read_body(request: web.Request) -> dict:
+    """The request's JSON object, or InvalidRequest (400) saying what is wrong with it."""
+    try:
+        body = await request.json(loads=json.loads)
+    except RecursionError:
+        raise InvalidRequest("the request body is nested too deeply to parse") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     backend = request.app[_BACKEND]
     try:
-        body = await request.json(loads=json.loads)
-    except (ValueError, UnicodeDecodeError) as e:
-        return error_response(400, f"the request body is not valid JSON: {e}")
-    except RecursionError:
-        return error_response(400, "the request body is nested too deeply to parse")
-    if not isinstance(body, dict):
-        return error_response(400, "the request body must be a JSON object")
-    try:
+        body = await read_body(request)
         stream = _field(body, "stream", bool, False)
         stream_options = _field(body, "stream_options", dict, {})
         include_usage = bool(stream_options.get("include_usage")) and stream

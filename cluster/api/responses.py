@@ -24,7 +24,7 @@ from aiohttp import web
 
 from cluster.api.errors import NotFound, OrchardError
 from cluster.api.openai import (_BACKEND, _ERROR_TYPES, ACCEPTED_NO_EFFECT, _BadField, _field, _served_model,
-                                _timeout, _within, error_response)
+                                _timeout, _within, error_response, read_body)
 from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -255,12 +255,7 @@ async def _get(request: web.Request) -> web.Response:
 
 async def _create(request: web.Request) -> web.StreamResponse:
     try:
-        body = await request.json(loads=json.loads)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        return error_response(400, f"the request body is not valid JSON: {e}")
-    if not isinstance(body, dict):
-        return error_response(400, "the request body must be a JSON object")
-    try:
+        body = await read_body(request)
         _check(body)
         if "input" not in body:
             raise _BadField("input", "'input' is required")
