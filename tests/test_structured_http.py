@@ -86,6 +86,30 @@ def test_langchain_with_structured_output(tiny_worker):
     assert isinstance(owner, Owner)
 
 
+def test_langchain_json_mode_and_function_calling(tiny_worker):
+    """with_structured_output's other two methods: json_mode (response_format json_object:
+    any JSON object, here parsed into a model that takes any keys) and function_calling (a
+    named tool_choice, enforced by constrained decoding)."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import ConfigDict
+
+    class Anything(BaseModel):
+        model_config = ConfigDict(extra="allow")
+
+    llm = ChatOpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="unused", model="tiny-qwen3", temperature=0.3,
+                     max_tokens=200, max_retries=0, timeout=60, seed=2)
+    # any JSON object: a random model's keys are unbounded, so a seed whose object closes
+    closing = ChatOpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="unused", model="tiny-qwen3",
+                         temperature=0.3, max_tokens=200, max_retries=0, timeout=60, seed=3)
+    out = closing.with_structured_output(Anything, method="json_mode", include_raw=True).invoke("A JSON object, please.")
+    assert out["parsing_error"] is None and isinstance(out["parsed"], Anything)
+    assert isinstance(json.loads(out["raw"].content), dict)
+    short = ChatOpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="unused", model="tiny-qwen3",
+                       temperature=0.3, max_tokens=160, max_retries=0, timeout=60, seed=2)  # the tool fills the context
+    pet = short.with_structured_output(Pet, method="function_calling").invoke("Describe a pet.")
+    assert isinstance(pet, Pet) and 0 <= pet.legs <= 8
+
+
 def test_vllm_guided_extensions(oai):
     regex = r"[A-Z]{2}-[0-9]{2,4}"
     r = oai.completions.create(model="", prompt="Code:", max_tokens=20, temperature=1.0, seed=3,
