@@ -4,6 +4,7 @@ whole prompt (the oracle): log-softmax in float32, each prompt token given its p
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
@@ -208,3 +209,34 @@ def test_n_with_greedy_gives_n_equal_samples_and_abort_stops_them_all(model_dirs
     assert not engine.seqs and not engine.has_unfinished()
     assert engine.block_manager.num_used_blocks == 0
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_waiting_samples_cannot_wedge_a_small_pool(model_dirs, caching):
+    """Forked samples wait holding their prompt's blocks; when everything running has
+    been preempted and the head of the queue does not fit, those blocks are given back
+    (the samples recompute): the engine finishes everything, a request sent later
+    included, with exactly the tokens of lone seeded requests."""
+    path = model_dirs["qwen3"]
+    cfg = EngineConfig(num_kv_blocks=6, block_size=16, max_num_batched_tokens=256, max_num_seqs=2,
+                       enable_prefix_caching=caching)
+    engine = Engine.from_pretrained(path, cfg)
+    a, b = prompt(40, 0), prompt(20, 1)
+    sa = SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
+    engine.add_request("a", a, replace(sa, n=3))
+    engine.add_request("b", b, SamplingParams(max_tokens=30, temperature=1.0, seed=9, ignore_eos=True))
+    outs = []
+    for step in range(600):
+        if step == 150:
+            engine.add_request("late", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        if not engine.has_unfinished() and step > 150:
+            break
+        outs += engine.step()
+        engine.check_integrity()
+    assert not engine.has_unfinished(), "wedged"
+    assert engine.stats.num_preemptions > 0  # the pool was meant to be too small
+    got = collect([o for o in outs if o.request_id == "a"])
+    lone = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64))
+    for i in range(3):
+        assert got[i] == lone.generate([a], replace(sa, seed=3 + i))[0], i
+    assert sum(len(o.new_token_ids) for o in outs if o.request_id == "late") == 3

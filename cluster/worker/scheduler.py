@@ -282,7 +282,9 @@ class Scheduler:
                 num_partial += 1
                 num_long += long
             if not bm.allocate_slots(seq, n, computed):
-                break
+                if self.running or not self._release_waiting_blocks(seq, skipped):
+                    break
+                continue  # the same head again, with the blocks given back
             self._cap_prompt_rows(seq, n)
             self.waiting.popleft()
             if slots is not None:
@@ -297,6 +299,19 @@ class Scheduler:
         for seq in reversed(skipped):
             self.waiting.appendleft(seq)
         return budget
+
+    def _release_waiting_blocks(self, head: Sequence, skipped: list[Sequence]) -> bool:
+        """Nothing runs and `head` does not fit: the only other blocks are held by waiting
+        samples forked with their prompt's blocks (n > 1). Give them back (those samples
+        recompute their prompt, or hit the prefix cache), so the queue cannot wedge.
+        True if any block was freed."""
+        freed = False
+        for seq in [*skipped, *self.waiting]:
+            if seq is not head and seq.block_table:
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                freed = True
+        return freed
 
     def _cap_prompt_rows(self, seq: Sequence, n: int, take: bool = True) -> int:
         """`n` cut to this step's prompt-logprob rows left when `seq` asks for them (at
