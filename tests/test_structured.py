@@ -168,6 +168,7 @@ def test_resumed_tokens_rebuild_the_matcher(engine):
                                      '"no-such-format"}}}'), "no-such-format"),
     (StructuredOutput("regex", "a(b"), "unclosed group"),
     (StructuredOutput("grammar", "start: foo"), "foo"),
+    (StructuredOutput("json_schema", "false"), "no output satisfies"),
 ])
 def test_bad_specs_are_refused_naming_the_problem(engine, spec, words):
     with pytest.raises(InvalidGrammar, match=words):
@@ -270,3 +271,12 @@ def test_parallel_mask_filling_equals_one_by_one(engine):
     alone = np.concatenate([structured.fill_bitmasks([m], engine.vocab_size) for m in matchers])
     assert len(matchers) >= structured._PARALLEL_ROWS and np.array_equal(together, alone)
     assert (together != -1).any()  # the grammars do forbid something
+
+
+def test_a_true_schema_is_any_json_value(engine):
+    """`true` as a JSON schema (valid JSON Schema: anything goes) is any JSON value, not a 500."""
+    (text, _, reason), = run(engine, prompts(engine, 1), SamplingParams(
+        max_tokens=60, temperature=0.0, structured=StructuredOutput("json_schema", "true")))
+    if reason == "stop":
+        json.loads(text)
+    assert reason in ("stop", "length")

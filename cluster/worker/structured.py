@@ -59,9 +59,16 @@ def grammar_text(spec: StructuredOutput) -> str:
             schema = json.loads(spec.spec)
         except ValueError as e:
             raise InvalidGrammar(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, (dict, bool)):
+        if schema is False:
+            raise InvalidGrammar("the JSON schema is `false`, which no output satisfies")
+        if schema is True:
+            schema = {}  # any JSON value
+        if not isinstance(schema, dict):
             raise InvalidGrammar("the JSON schema must be a JSON object")
-        return M.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        try:
+            return M.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except (ValueError, RuntimeError) as e:  # llguidance's own complaint, as the request's fault
+            raise InvalidGrammar(f"the JSON schema cannot be compiled: {e}") from None
     if spec.kind == "json_object":
         return M.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if spec.kind == "regex":
