@@ -259,7 +259,7 @@ class WorkerService:
         finally:
             self._streams.pop(engine_id, None)
             self._running.discard(rid)
-            if not finished:
+            if not finished or left > 0:  # the client left, or one sample aborted and ended the stream
                 self.engine_loop.submit(AbortRequest(engine_id))
 
     # -- admin ------------------------------------------------------------------------
