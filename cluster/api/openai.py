@@ -238,20 +238,6 @@ def _usage(u: pb.Usage) -> dict:
     }
 
 
-def _completion_logprobs(lps, offset: int) -> dict:
-    tokens, offsets = [], []
-    for lp in lps:
-        offsets.append(offset)
-        tokens.append(lp.token)
-        offset += len(lp.token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in lps],
-        "text_offset": offsets,
-    }
-
-
 PARTIAL_TOKEN_PREFIX = "bytes:"  # a token that is not whole UTF-8 on its own, as OpenAI shows it: bytes:\xe2\x80
 
 
@@ -282,7 +268,6 @@ class _Exchange:
         self.created = int(time.time())
         self.model = model
         self.want_logprobs = want_logprobs
-        self.text_offset: dict[int, int] = {}  # by choice index (n samples)
         self.num_tool_calls: dict[int, int] = {}
         self.started: set[int] = set()  # choices whose first delta (with the role) is sent
 
@@ -293,25 +278,19 @@ class _Exchange:
             body["usage"] = usage
         return body
 
-    def stream_chunk(self, r: pb.GenerateResponse, first: bool = False) -> dict:
+    # The chat endpoint's choices (completions.py builds its own, on `_envelope`).
+    def stream_chunk(self, r: pb.GenerateResponse) -> dict:
         i = r.index
-        finish = FINISH_REASON_NAMES.get(r.finish_reason)
-        logprobs = None
-        offset = self.text_offset.get(i, 0)
-        if self.want_logprobs:
-            logprobs = _chat_logprobs(r.logprobs) if self.chat else _completion_logprobs(r.logprobs, offset)
-        self.text_offset[i] = offset + len(r.text)
-        if self.chat:
-            first = i not in self.started
-            self.started.add(i)
-            delta = {"role": "assistant", "content": r.text} if first else ({"content": r.text} if r.text else {})
-            if r.tool_calls:  # a call is sent whole, when its end marker has arrived
-                done = self.num_tool_calls.get(i, 0)
-                delta["tool_calls"] = [{"index": done + k, **tool_call_json(c)} for k, c in enumerate(r.tool_calls)]
-                self.num_tool_calls[i] = done + len(r.tool_calls)
-            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": i, "text": r.text, "logprobs": logprobs, "finish_reason": finish}
+        logprobs = _chat_logprobs(r.logprobs) if self.want_logprobs else None
+        first = i not in self.started
+        self.started.add(i)
+        delta = {"role": "assistant", "content": r.text} if first else ({"content": r.text} if r.text else {})
+        if r.tool_calls:  # a call is sent whole, when its end marker has arrived
+            done = self.num_tool_calls.get(i, 0)
+            delta["tool_calls"] = [{"index": done + k, **tool_call_json(c)} for k, c in enumerate(r.tool_calls)]
+            self.num_tool_calls[i] = done + len(r.tool_calls)
+        choice = {"index": i, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": FINISH_REASON_NAMES.get(r.finish_reason)}
         return self._envelope([choice], None, stream=True)
 
     def usage_chunk(self, usage: pb.Usage) -> dict:
@@ -330,17 +309,12 @@ class _Exchange:
     def _choice(self, index: int, chunks: list[pb.GenerateResponse]) -> dict:
         text = "".join(c.text for c in chunks)
         finish = next((FINISH_REASON_NAMES.get(c.finish_reason) for c in reversed(chunks) if c.finish_reason), None)
-        lps = [lp for c in chunks for lp in c.logprobs]
-        logprobs = None
-        if self.want_logprobs:
-            logprobs = _chat_logprobs(lps) if self.chat else _completion_logprobs(lps, 0)
-        if self.chat:
-            calls = [tool_call_json(c) for ch in chunks for c in ch.tool_calls]
-            message = {"role": "assistant", "content": text if text or not calls else None}
-            if calls:
-                message["tool_calls"] = calls
-            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        logprobs = _chat_logprobs([lp for c in chunks for lp in c.logprobs]) if self.want_logprobs else None
+        calls = [tool_call_json(c) for ch in chunks for c in ch.tool_calls]
+        message = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def tool_call_json(c: pb.ToolCall) -> dict:
@@ -489,7 +463,7 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=True)
+    return await _generate(request)
 
 
 async def _served_model(app: web.Application, asked: str) -> str:
@@ -551,16 +525,16 @@ async def read_body(request: web.Request) -> dict:
     return body
 
 
-async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+async def _generate(request: web.Request) -> web.StreamResponse:
+    """A chat completion, whole or streamed."""
     backend = request.app[_BACKEND]
     try:
         body = await read_body(request)
         stream = _field(body, "stream", bool, False)
         stream_options = _field(body, "stream_options", dict, {})
         include_usage = bool(stream_options.get("include_usage")) and stream
-        want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
-        ex = _Exchange(chat, "", want_logprobs)
-        proto = _make_request(body, chat, ex.id)
+        ex = _Exchange(True, "", bool(body.get("logprobs")))
+        proto = _make_request(body, True, ex.id)
         ex.model = await _served_model(request.app, proto.model)
         timeout = _timeout(request)
         chunks = finished(_within(backend.generate(proto, timeout=timeout), timeout), num_choices(proto))
@@ -581,12 +555,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         await response.prepare(request)
         usage = None
         try:
-            r, is_first = first, True
+            r = first
             while r is not None:
-                await response.write(_sse(ex.stream_chunk(r, is_first)))
+                await response.write(_sse(ex.stream_chunk(r)))
                 if r.HasField("usage"):
                     usage = r.usage
-                is_first = False
                 r = await anext(chunks, None)
         except OrchardError as e:
             kind = _ERROR_TYPES.get(e.http_status, "server_error")
