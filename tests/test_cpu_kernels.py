@@ -186,6 +186,19 @@ def test_beyond_the_c_kernel_s_limits_the_reference_serves(monkeypatch):
     np.testing.assert_allclose(_f64(got), naive_attention(b), rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize("kv", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("heads, kv_heads", [(40, 40), (36, 12), (12, 3)])
+def test_decode_rows_take_kv_heads_in_groups(heads, kv_heads, kv):
+    """A decode row's work item takes up to 32 / G KV heads at once (their rows of a slot
+    are contiguous): 40 KV heads of group 1 are items of 32 and 8, 12 of group 3 items of
+    10 and 2, 3 of group 4 one item; beside prefill chunks (one KV head an item), with a
+    window and sinks, over each pool dtype."""
+    case = Case(((1, 70), (1, 33), (1, 1), (9, 40), (1, 130)), heads, kv_heads, 64, 16, "float32",
+                window=64, sinks=True, kv_dtype=kv)
+    b = make_batch(case, seed=heads + kv_heads)
+    np.testing.assert_allclose(_f64(run_cpu(case, b)), naive_attention(b, case.window), rtol=TOL, atol=TOL)
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_size", [(8, 4, 80), (6, 2, 96), (4, 1, 40), (3, 3, 8)])
 def test_head_sizes_off_the_vector_width(heads, kv_heads, head_size):
     """Prefill blocks (several rows per item) with head sizes that are not a multiple of

@@ -4,10 +4,11 @@
  *
  * Built on first use by `cluster/worker/kernels/cpu.py` with the system C compiler and
  * loaded through ctypes; the engine calls it once per layer per step. One work item is
- * one KV head x a block of up to MAX_ROWS / G consecutive query tokens of one sequence
- * (a decode row is a block of one): its rows (tokens x the G query heads sharing that KV
- * head) walk the context through the block table together, so each K/V row is loaded
- * once per item, with an online softmax in float32 over tiles of TILE keys. Blocks of
+ * one KV head x a block of up to MAX_ROWS / G consecutive query tokens of one sequence,
+ * or for a decode row (one token) up to MAX_ROWS / G KV heads at once, whose rows of each
+ * slot are contiguous: its rows (tokens x the G query heads sharing each KV head) walk
+ * the context through the block table together, so each K/V row is loaded once per
+ * item, with an online softmax in float32 over tiles of TILE keys. Blocks of
  * several rows score a tile against a transposed copy of its keys (plain FMAs, no
  * horizontal sums), which is what makes prefill fast. Items are spread over threads with
  * OpenMP when the compiler has it.
@@ -114,29 +115,46 @@ int orch_paged_attention(
     const int G = num_heads / num_kv_heads;
     const int D = head_dim;
     const int QB = MAX_ROWS / G; /* query tokens per item */
-    /* first[s]: index of sequence s's first query block */
+    /* a decode row's item takes HG KV heads at once: a slot's rows of those heads are
+     * contiguous, so the context is read as whole runs of memory, not one head's 2-8
+     * cache lines out of every slot (which left decode attention latency-bound) */
+    const int HG = num_kv_heads < MAX_ROWS / G ? num_kv_heads : MAX_ROWS / G;
+    const int decode_groups = (num_kv_heads + HG - 1) / HG;
+    /* first[s]: index of sequence s's first item */
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * ((size_t)num_seqs + 1));
     if (!first) return -2;
     first[0] = 0;
-    for (int s = 0; s < num_seqs; s++)
-        first[s + 1] = first[s] + (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + QB - 1) / QB;
-    const int64_t items = first[num_seqs] * num_kv_heads;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
+        first[s + 1] = first[s] + (q_len == 1 ? decode_groups : (int64_t)(q_len + QB - 1) / QB * num_kv_heads);
+    }
+    const int64_t items = first[num_seqs];
     const float mul = softcap > 0.0f ? scale / softcap : scale;
 
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; item++) {
-        const int64_t blk = item / num_kv_heads;
-        const int h = (int)(item % num_kv_heads);
-        int lo = 0, hi = num_seqs - 1; /* the last s with first[s] <= blk (skips empty ones) */
+        int lo = 0, hi = num_seqs - 1; /* the last s with first[s] <= item (skips empty ones) */
         while (lo < hi) {
             const int mid = (lo + hi + 1) / 2;
-            if (first[mid] <= blk) lo = mid; else hi = mid - 1;
+            if (first[mid] <= item) lo = mid; else hi = mid - 1;
         }
         const int s = lo;
+        const int64_t local = item - first[s];
         const int q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
-        const int i0 = (int)(blk - first[s]) * QB;
-        const int nq = q_len - i0 < QB ? q_len - i0 : QB;
-        const int R = nq * G; /* row r = token (r / G) of the block, head h * G + r % G */
+        /* this item: query tokens [i0, i0 + nq) x KV heads [h0, h0 + nh) */
+        int i0, nq, h0, nh;
+        if (q_len == 1) {
+            i0 = 0; nq = 1;
+            h0 = (int)local * HG;
+            nh = num_kv_heads - h0 < HG ? num_kv_heads - h0 : HG;
+        } else {
+            i0 = (int)(local / num_kv_heads) * QB;
+            nq = q_len - i0 < QB ? q_len - i0 : QB;
+            h0 = (int)(local % num_kv_heads);
+            nh = 1;
+        }
+        const int RH = nq * G; /* rows per KV head: row hh * RH + r is token r / G, head (h0 + hh) * G + r % G */
+        const int R = RH * nh;
         const int32_t *table = block_tables + (int64_t)s * max_blocks;
 
         float qs[MAX_ROWS][MAX_HEAD_DIM];
@@ -145,142 +163,157 @@ int orch_paged_attention(
         float kt[MAX_HEAD_DIM][TILE] __attribute__((aligned(32)));
         float m[MAX_ROWS], l[MAX_ROWS];
         int rstart[MAX_ROWS], rend[MAX_ROWS];
+        const float *kbase[TILE], *vbase[TILE]; /* key j's row of head h0 (nh heads follow it) */
         const float *krow[TILE];
         const float *vrow[TILE];
-        /* a half-precision tile, widened: heap, only when the pool is half (TILE x D x 2) */
-        float *wide = kv_kind ? (float *)malloc(sizeof(float) * 2 * TILE * (size_t)D) : NULL;
+        /* a half-precision tile, widened: heap, only when the pool is half (TILE x nh x D x 2) */
+        float *wide = kv_kind ? (float *)malloc(sizeof(float) * 2 * TILE * (size_t)nh * D) : NULL;
         for (int r = 0; r < R; r++) {
-            const int i = i0 + r / G;
+            const int hh = r / RH, rr = r % RH;
+            const int i = i0 + rr / G;
+            const int head = (h0 + hh) * G + rr % G;
             const int t = cu_seqlens_q[s] + i;
-            const float *src = q + t * q_stride_t + (int64_t)(h * G + r % G) * q_stride_h;
+            const float *src = q + t * q_stride_t + (int64_t)head * q_stride_h;
             for (int d = 0; d < D; d++) qs[r][d] = src[d] * mul;
             memset(acc[r], 0, sizeof(float) * D);
             /* a sink is one more logit with no value: the softmax starts from it */
-            m[r] = sinks ? sinks[h * G + r % G] : NEG_BIG;
+            m[r] = sinks ? sinks[head] : NEG_BIG;
             l[r] = sinks ? 1.0f : 0.0f;
             rend[r] = seq_lens[s] - q_len + i + 1; /* keys [rstart, rend) */
             rstart[r] = sliding_window > 0 && rend[r] > sliding_window ? rend[r] - sliding_window : 0;
         }
-        const int kstart = rstart[0], kend = rend[R - 1];
-        const int transposed = R >= 4;
+        const int kstart = rstart[0], kend = rend[RH - 1]; /* every head's rows span the same keys */
+        const int transposed = RH >= 4;
+        const int64_t run = (int64_t)nh * D; /* elements of a slot's rows for these heads */
         for (int j0 = kstart; j0 < kend; j0 += TILE) {
             const int n = kend - j0 < TILE ? kend - j0 : TILE;
             for (int j = 0; j < n; j++) {
                 const int p = j0 + j;
                 const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-                const int64_t at = (slot * num_kv_heads + h) * D;
+                const int64_t at = (slot * num_kv_heads + h0) * D;
                 if (kv_kind) {
-                    widen(k_half + at, wide + (size_t)j * D, D, kv_kind);
-                    widen(v_half + at, wide + (size_t)(TILE + j) * D, D, kv_kind);
-                    krow[j] = wide + (size_t)j * D;
-                    vrow[j] = wide + (size_t)(TILE + j) * D;
+                    widen(k_half + at, wide + (size_t)j * run, (int)run, kv_kind);
+                    widen(v_half + at, wide + (size_t)(TILE + j) * run, (int)run, kv_kind);
+                    kbase[j] = wide + (size_t)j * run;
+                    vbase[j] = wide + (size_t)(TILE + j) * run;
                 } else {
-                    krow[j] = k_pool + at;
-                    vrow[j] = v_pool + at;
+                    kbase[j] = k_pool + at;
+                    vbase[j] = v_pool + at;
                 }
             }
             /* Ask for the whole tile's K/V rows up front: walked key by key the loads are
              * one cache miss deep, and that is what bounds decode attention (~15% faster) */
             if (!kv_kind)
                 for (int j = 0; j < n; j++)
-                    for (int d = 0; d < D; d += 16) {
-                        __builtin_prefetch(krow[j] + d);
-                        __builtin_prefetch(vrow[j] + d);
+                    for (int64_t d = 0; d < run; d += 16) {
+                        __builtin_prefetch(kbase[j] + d);
+                        __builtin_prefetch(vbase[j] + d);
                     }
             /* Ask for the next tile's K/V rows now: walked key by key, the loads would be
              * one cache miss deep, and decode attention is bound by exactly that. */
             for (int p = j0 + TILE; p < j0 + 2 * TILE && p < kend; p++) {
                 const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-                const char *kp = (const char *)k_pool_ + (slot * num_kv_heads + h) * D * esize;
-                const char *vp = (const char *)v_pool_ + (slot * num_kv_heads + h) * D * esize;
-                for (int d = 0; d < D * esize; d += 64) {
+                const char *kp = (const char *)k_pool_ + (slot * num_kv_heads + h0) * D * esize;
+                const char *vp = (const char *)v_pool_ + (slot * num_kv_heads + h0) * D * esize;
+                for (int64_t d = 0; d < run * esize; d += 64) {
                     __builtin_prefetch(kp + d);
                     __builtin_prefetch(vp + d);
                 }
             }
-            if (transposed) {
-                for (int j = 0; j < TILE; j++)
-                    for (int d = 0; d < D; d++) kt[d][j] = j < n ? krow[j][d] : 0.0f;
-                /* sc[r][0:TILE] = sum_d q[r][d] * kt[d][0:TILE], two rows at a time: eight
-                 * independent vector accumulators, each key vector loaded once per pair */
-                for (int r = 0; r < R; r += 2) {
-                    const float *q0 = qs[r], *q1 = qs[r + 1 < R ? r + 1 : r];
-                    vf8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-                    for (int d = 0; d < D; d++) {
-                        const vf8 *kr = (const vf8 *)kt[d];
-                        const float u = q0[d], w = q1[d];
-                        a0 += u * kr[0]; a1 += u * kr[1]; a2 += u * kr[2]; a3 += u * kr[3];
-                        b0 += w * kr[0]; b1 += w * kr[1]; b2 += w * kr[2]; b3 += w * kr[3];
-                    }
-                    vf8 *x = (vf8 *)sc[r];
-                    x[0] = a0; x[1] = a1; x[2] = a2; x[3] = a3;
-                    if (r + 1 < R) {
-                        x = (vf8 *)sc[r + 1];
-                        x[0] = b0; x[1] = b1; x[2] = b2; x[3] = b3;
-                    }
-                }
-            } else {
-                for (int r = 0; r < R; r++)
-                    for (int j = 0; j < n; j++) sc[r][j] = dot(qs[r], krow[j], D);
-            }
-            for (int r = 0; r < R; r++) {
-                const int jlo = rstart[r] > j0 ? rstart[r] - j0 : 0;
-                const int jhi = rend[r] - j0 < n ? rend[r] - j0 : n;
-                float *x = sc[r];
-                if (jhi <= jlo) { /* no key of this tile for this row */
-                    memset(x, 0, sizeof(float) * TILE);
-                    continue;
-                }
-                if (softcap > 0.0f)
-                    for (int j = jlo; j < jhi; j++) x[j] = tanhf(x[j]) * softcap;
-                float mt = NEG_BIG;
-                for (int j = jlo; j < jhi; j++) mt = x[j] > mt ? x[j] : mt;
-                const float m_new = mt > m[r] ? mt : m[r];
-                const float corr = exp_neg(m[r] - m_new);
-                float sum = 0.0f;
-                for (int j = 0; j < TILE; j++) {
-                    const float e = j >= jlo && j < jhi ? exp_neg(x[j] - m_new) : 0.0f;
-                    x[j] = e;
-                    sum += e;
-                }
-                l[r] = l[r] * corr + sum;
-                m[r] = m_new;
-                if (corr != 1.0f)
-                    for (int d = 0; d < D; d++) acc[r][d] *= corr;
-            }
-            if (D % 32 == 0) {
-                /* acc[r] += sum_j p[r][j] * v[j], 32 columns at a time held in registers */
-                for (int r = 0; r < R; r++) {
-                    const float *p = sc[r];
-                    for (int d0 = 0; d0 < D; d0 += 32) {
-                        vf8 a0, a1, a2, a3;
-                        memcpy(&a0, acc[r] + d0, 32); memcpy(&a1, acc[r] + d0 + 8, 32);
-                        memcpy(&a2, acc[r] + d0 + 16, 32); memcpy(&a3, acc[r] + d0 + 24, 32);
-                        for (int j = 0; j < n; j++) {
-                            const float w = p[j];
-                            vf8 v0, v1, v2, v3;
-                            memcpy(&v0, vrow[j] + d0, 32); memcpy(&v1, vrow[j] + d0 + 8, 32);
-                            memcpy(&v2, vrow[j] + d0 + 16, 32); memcpy(&v3, vrow[j] + d0 + 24, 32);
-                            a0 += w * v0; a1 += w * v1; a2 += w * v2; a3 += w * v3;
-                        }
-                        memcpy(acc[r] + d0, &a0, 32); memcpy(acc[r] + d0 + 8, &a1, 32);
-                        memcpy(acc[r] + d0 + 16, &a2, 32); memcpy(acc[r] + d0 + 24, &a3, 32);
-                    }
-                }
-            } else {
+            for (int hh = 0; hh < nh; hh++) {
+                float (*const qh)[MAX_HEAD_DIM] = qs + hh * RH, (*const ah)[MAX_HEAD_DIM] = acc + hh * RH;
+                float (*const sh)[TILE] = sc + hh * RH;
+                float *const mh = m + hh * RH, *const lh = l + hh * RH;
+                const int *const rs = rstart + hh * RH, *const re = rend + hh * RH;
                 for (int j = 0; j < n; j++) {
-                    const float *v = vrow[j];
-                    for (int r = 0; r < R; r++) {
-                        const float w = sc[r][j];
-                        if (w == 0.0f) continue;
-                        for (int d = 0; d < D; d++) acc[r][d] += w * v[d];
+                    krow[j] = kbase[j] + hh * D;
+                    vrow[j] = vbase[j] + hh * D;
+                }
+                if (transposed) {
+                    for (int j = 0; j < TILE; j++)
+                        for (int d = 0; d < D; d++) kt[d][j] = j < n ? krow[j][d] : 0.0f;
+                    /* sh[r][0:TILE] = sum_d q[r][d] * kt[d][0:TILE], two rows at a time: eight
+                     * independent vector accumulators, each key vector loaded once per pair */
+                    for (int r = 0; r < RH; r += 2) {
+                        const float *q0 = qh[r], *q1 = qh[r + 1 < RH ? r + 1 : r];
+                        vf8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+                        for (int d = 0; d < D; d++) {
+                            const vf8 *kr = (const vf8 *)kt[d];
+                            const float u = q0[d], w = q1[d];
+                            a0 += u * kr[0]; a1 += u * kr[1]; a2 += u * kr[2]; a3 += u * kr[3];
+                            b0 += w * kr[0]; b1 += w * kr[1]; b2 += w * kr[2]; b3 += w * kr[3];
+                        }
+                        vf8 *x = (vf8 *)sh[r];
+                        x[0] = a0; x[1] = a1; x[2] = a2; x[3] = a3;
+                        if (r + 1 < RH) {
+                            x = (vf8 *)sh[r + 1];
+                            x[0] = b0; x[1] = b1; x[2] = b2; x[3] = b3;
+                        }
+                    }
+                } else {
+                    for (int r = 0; r < RH; r++)
+                        for (int j = 0; j < n; j++) sh[r][j] = dot(qh[r], krow[j], D);
+                }
+                for (int r = 0; r < RH; r++) {
+                    const int jlo = rs[r] > j0 ? rs[r] - j0 : 0;
+                    const int jhi = re[r] - j0 < n ? re[r] - j0 : n;
+                    float *x = sh[r];
+                    if (jhi <= jlo) { /* no key of this tile for this row */
+                        memset(x, 0, sizeof(float) * TILE);
+                        continue;
+                    }
+                    if (softcap > 0.0f)
+                        for (int j = jlo; j < jhi; j++) x[j] = tanhf(x[j]) * softcap;
+                    float mt = NEG_BIG;
+                    for (int j = jlo; j < jhi; j++) mt = x[j] > mt ? x[j] : mt;
+                    const float m_new = mt > mh[r] ? mt : mh[r];
+                    const float corr = exp_neg(mh[r] - m_new);
+                    float sum = 0.0f;
+                    for (int j = 0; j < TILE; j++) {
+                        const float e = j >= jlo && j < jhi ? exp_neg(x[j] - m_new) : 0.0f;
+                        x[j] = e;
+                        sum += e;
+                    }
+                    lh[r] = lh[r] * corr + sum;
+                    mh[r] = m_new;
+                    if (corr != 1.0f)
+                        for (int d = 0; d < D; d++) ah[r][d] *= corr;
+                }
+                if (D % 32 == 0) {
+                    /* ah[r] += sum_j p[r][j] * v[j], 32 columns at a time held in registers */
+                    for (int r = 0; r < RH; r++) {
+                        const float *p = sh[r];
+                        for (int d0 = 0; d0 < D; d0 += 32) {
+                            vf8 a0, a1, a2, a3;
+                            memcpy(&a0, ah[r] + d0, 32); memcpy(&a1, ah[r] + d0 + 8, 32);
+                            memcpy(&a2, ah[r] + d0 + 16, 32); memcpy(&a3, ah[r] + d0 + 24, 32);
+                            for (int j = 0; j < n; j++) {
+                                const float w = p[j];
+                                vf8 v0, v1, v2, v3;
+                                memcpy(&v0, vrow[j] + d0, 32); memcpy(&v1, vrow[j] + d0 + 8, 32);
+                                memcpy(&v2, vrow[j] + d0 + 16, 32); memcpy(&v3, vrow[j] + d0 + 24, 32);
+                                a0 += w * v0; a1 += w * v1; a2 += w * v2; a3 += w * v3;
+                            }
+                            memcpy(ah[r] + d0, &a0, 32); memcpy(ah[r] + d0 + 8, &a1, 32);
+                            memcpy(ah[r] + d0 + 16, &a2, 32); memcpy(ah[r] + d0 + 24, &a3, 32);
+                        }
+                    }
+                } else {
+                    for (int j = 0; j < n; j++) {
+                        const float *v = vrow[j];
+                        for (int r = 0; r < RH; r++) {
+                            const float w = sh[r][j];
+                            if (w == 0.0f) continue;
+                            for (int d = 0; d < D; d++) ah[r][d] += w * v[d];
+                        }
                     }
                 }
-            }
+            } /* heads */
         }
         for (int r = 0; r < R; r++) {
-            const int t = cu_seqlens_q[s] + i0 + r / G;
-            float *dst = out + ((int64_t)t * num_heads + h * G + r % G) * D;
+            const int rr = r % RH;
+            const int t = cu_seqlens_q[s] + i0 + rr / G;
+            float *dst = out + ((int64_t)t * num_heads + (h0 + r / RH) * G + rr % G) * D;
             const float inv = 1.0f / l[r];
             for (int d = 0; d < D; d++) dst[d] = acc[r][d] * inv;
         }
