@@ -132,6 +132,9 @@ class WorkerService:
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size
+        # token id -> its logprob text: prompt logprobs with top k decode k + 1 texts per
+        # prompt token on the event loop; each text is decoded once (at most the vocabulary)
+        self._token_texts: dict[int, str] = {}
         # thread-safe: specs are compiled here, before queueing (None: an engine without them)
         self.grammars = getattr(engine, "grammars", None)
         self.stats = engine.stats
@@ -419,6 +422,12 @@ class WorkerService:
     def _token_text(self, token_id: int) -> str:
         """The token's text; a token that is part of a multi-byte character is spelled as
         its own bytes, "bytes:\\xe2\\x80" (as OpenAI does), not as U+FFFD."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._spell(token_id)
+        return text
+
+    def _spell(self, token_id: int) -> str:
         text = self.tokenizer.decode([token_id])
         if "\ufffd" in text:
             raw = token_bytes(self.tokenizer, token_id)
