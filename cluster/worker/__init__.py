@@ -10,6 +10,8 @@ import os as _os
 from cluster import platform as _platform
 
 _platform.preload_blas()
-# The CPU attention kernel uses OpenMP; libgomp's idle threads spin by default, stealing
-# the cores from OpenBLAS between layers. Read once when libgomp loads: set it first.
+# The C kernels (and the OpenMP build of OpenBLAS) run on libgomp's threads, which spin
+# when idle by default, stealing the cores from MLX's own thread between them (measured:
+# a decode step no faster with spinning, and far slower beside a pthread OpenBLAS). Read
+# once when libgomp loads: set it first.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
