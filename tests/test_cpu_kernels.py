@@ -285,3 +285,64 @@ def test_half_pools_are_widened_exactly_subnormals_and_signs_included(kv):
 
 
 DTYPES_KV = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16", "bfloat16"])
+def test_step_rows_are_written_into_the_pools_in_place_as_a_scatter_would(kv):
+    """`write_kv` (the C path of PagedKVCache) against MLX's own scatter of the same rows:
+    the same bytes in every slot, written into the pool arrays the engine holds (no copy),
+    nothing else touched; a pool that holds K only (MLA) takes no V; slots outside the
+    pool are refused before the C code writes."""
+    dtype = getattr(mx, kv)
+    rng = np.random.default_rng(7)
+    pool_k = mx.array(rng.standard_normal((64, 2, 8)).astype(np.float32)).astype(dtype)
+    pool_v = mx.array(rng.standard_normal((64, 2, 8)).astype(np.float32)).astype(dtype)
+    mx.eval(pool_k, pool_v)
+    want_k, want_v = mx.array(pool_k), mx.array(pool_v)
+    slots = mx.array([5, 17, 63, 0, 40], dtype=mx.int32)
+    keys = mx.array(rng.standard_normal((5, 2, 1, 8)).astype(np.float32) * 300)  # rounding matters
+    values = mx.array(rng.standard_normal((5, 2, 1, 8)).astype(np.float32))
+    want_k[slots] = keys.reshape(5, 2, 8).astype(dtype)
+    want_v[slots] = values.reshape(5, 2, 8).astype(dtype)
+    mx.eval(want_k, want_v)
+    cpu.write_kv(pool_k, pool_v, slots, keys, values)
+    def raw(a):  # the bytes, as unsigned words (numpy has no bfloat16)
+        return np.asarray(a.view(mx.uint16 if dtype.size == 2 else mx.uint32))
+
+    for got, want in ((pool_k, want_k), (pool_v, want_v)):
+        np.testing.assert_array_equal(raw(got), raw(want))
+    before_v = raw(pool_v).copy()
+    cpu.write_kv(pool_k, None, slots[:2], keys[:2] * 2, None)  # K only
+    np.testing.assert_array_equal(raw(pool_v), before_v)
+    np.testing.assert_array_equal(raw(pool_k[slots[:2]]), raw((keys[:2] * 2).reshape(2, 2, 8).astype(dtype)))
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu.write_kv(pool_k, pool_v, mx.array([3, 64], dtype=mx.int32), keys[:2], values[:2])
+
+
+def test_the_engine_writes_kv_in_c_and_matches_the_scatter_path(tmp_path, monkeypatch):
+    """The same model and prompts with the C row writer and with MLX's scatter (the
+    reference backend's path): the same greedy tokens, and the same pool contents."""
+    from cluster.modelgen import create_model
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.engine import Engine
+    from cluster.worker.sampling_params import SamplingParams
+
+    if mx.metal.is_available():
+        pytest.skip("the C row writer serves the CPU backend")
+    path = create_model(tmp_path / "m", "qwen3", "tiny", seed=5)
+    prompts = [[5 + i, 6, 7, 8, 9 + i] * (3 + i) for i in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runs, writes = {}, []
+    real = cpu.write_kv
+    monkeypatch.setattr(cpu, "write_kv", lambda *a: writes.append(1) or real(*a))
+    monkeypatch.setattr(kernels, "_forced", "cpu")
+    for in_c in (True, False):
+        engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=32, block_size=8))
+        assert engine.runner.write_kv_in_c
+        engine.runner.write_kv_in_c = in_c
+        writes.clear()
+        runs[in_c] = (engine.generate(prompts, params), [np.asarray(p) for p in engine.runner.pool_arrays()])
+        assert bool(writes) == in_c
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1]):
+        np.testing.assert_array_equal(a, b)

@@ -281,6 +281,7 @@ class PagedKVCache:
     def __init__(self, runner, spec: LayerSpec):
         self.runner = runner
         self.spec = spec
+        self.pending: tuple[mx.array, mx.array] | None = None  # this step's K/V, not yet in the pool
 
     @property
     def offset(self) -> mx.array:
@@ -288,9 +289,14 @@ class PagedKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         # keys / values [T, KVH, 1, D] -> the flat pool [slots, KVH, D]. A layer that shares
-        # an earlier layer's K/V writes nothing: that layer wrote them this step.
+        # an earlier layer's K/V writes nothing: that layer wrote them this step. With the C
+        # kernels the rows are copied in place when the layer attends (`write_pending`):
+        # MLX's scatter moves them element by element (2 x 1.2 ms a layer at 512 rows).
         s, r = self.spec, self.runner
         if s.owns_kv:
+            if r.write_kv_in_c:
+                self.pending = (keys, values)
+                return keys, values
             T, KVH, _, D = keys.shape
             slots = r.batch.slot_mapping
             r.k_pool[s.layer][slots] = keys.reshape(T, KVH, D).astype(r.kv_dtype)
@@ -298,8 +304,23 @@ class PagedKVCache:
                 r.v_pool[s.layer][slots] = values.reshape(T, KVH, values.shape[-1]).astype(r.kv_dtype)
         return keys, values
 
+    def write_pending(self, *with_them: mx.array) -> None:
+        """Put this step's K/V rows (held since update_and_fetch) into the layer's pools,
+        evaluating `with_them` in the same pass (the queries: one evaluation, not two)."""
+        if self.pending is None:
+            return
+        keys, values = self.pending
+        mx.eval(keys, values, *with_them)
+        self.pending = None
+        from cluster.worker.kernels import cpu
+
+        s, r = self.spec, self.runner
+        cpu.write_kv(r.k_pool[s.layer], None if s.latent else r.v_pool[s.layer], r.batch.slot_mapping,
+                     keys, None if s.latent else values)
+
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         s, r = self.spec, self.runner
+        self.write_pending(queries)
         b = r.batch
         T, H, _, D = queries.shape
         shape = (r.num_blocks, r.block_size, s.num_kv_heads, s.head_dim)

@@ -202,6 +202,8 @@ class ModelRunner:
         self.batch: StepBatch | None = None
         self.attention_backend = kernels.check_backend()
         log.info("attention backend: %s", self.attention_backend)
+        # the C kernels copy each step's K/V rows into the pools in place (PagedKVCache)
+        self.write_kv_in_c = self.attention_backend == "cpu" and self.kv_dtype.size in (2, 4)
 
     def prepare(self, plan: SchedulerOutput) -> StepBatch:
         bs = self.block_size
@@ -266,6 +268,9 @@ class ModelRunner:
                 logits = model.model.embed_tokens.as_linear(h)
         else:
             logits = model(inputs, cache=self.caches)[batch.logit_rows, 0]
+        for c in self.caches:  # a layer that wrote K/V but did not attend (none should): into the pool now
+            if isinstance(c, PagedKVCache):
+                c.write_pending()
         return logits.astype(mx.float32)
 
     def pool_arrays(self) -> list[mx.array]:

@@ -99,6 +99,8 @@ def _open(path: Path) -> ctypes.CDLL:
                    _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR, _PTR]
     lib.orch_swiglu_f32.restype = None
     lib.orch_swiglu_f32.argtypes = [_PTR, _PTR, _PTR, _I64]
+    lib.orch_write_rows.restype = None
+    lib.orch_write_rows.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
     return lib
 
 
@@ -245,3 +247,34 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     lib.orch_swiglu_f32(g.ctypes.data, xv.ctypes.data, out.ctypes.data, out.size)
     del g, xv
     return mx.array(out)
+
+
+def write_kv(k_pool: mx.array, v_pool: mx.array | None, slot_mapping: mx.array, keys: mx.array,
+             values: mx.array | None) -> None:
+    """Write the step's K/V rows into the pools in place: keys/values [T, ...] (each row
+    KVH x D) to rows `slot_mapping` of the flat pools [slots, KVH, D]; converted to the
+    pool's dtype by MLX first (the same rounding as a scatter would do). Evaluates its
+    inputs; the pools must be evaluated arrays nobody else is updating (the engine's)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    T, row = slot_mapping.shape[0], k_pool.shape[1:]
+    keys = keys.reshape(T, *row).astype(k_pool.dtype)
+    values = None if values is None else values.reshape(T, *row).astype(k_pool.dtype)
+    mx.eval(keys, slot_mapping, *(() if values is None else (values,)))
+    slots = _host(slot_mapping, np.int32)
+    if T and (int(slots.min()) < 0 or int(slots.max()) >= k_pool.shape[0]):
+        raise ValueError(f"slot mapping names slots outside the pool of {k_pool.shape[0]}")
+    raw = np.uint16 if k_pool.dtype.size == 2 else np.float32
+    if k_pool.dtype.size not in (2, 4):
+        raise TypeError(f"K/V pools of {k_pool.dtype} are not written here")
+    view = (lambda a: a.view(mx.uint16)) if raw is np.uint16 else (lambda a: a)
+    kp = np.asarray(memoryview(view(k_pool)))
+    vp = None if v_pool is None else np.asarray(memoryview(view(v_pool)))
+    kh = _host(view(keys), raw)
+    vh = None if values is None else _host(view(values), raw)
+    if not kp.flags.c_contiguous or not kp.flags.writeable or (vp is not None and not vp.flags.c_contiguous):
+        raise ValueError("the K/V pools must be contiguous and writable")
+    lib.orch_write_rows(kh.ctypes.data, None if vh is None else vh.ctypes.data, slots.ctypes.data, T,
+                        kh.strides[0], kp.ctypes.data, None if vp is None else vp.ctypes.data)
+    del kp, vp

@@ -336,3 +336,17 @@ void orch_swiglu_f32(const float *gate, const float *x, float *out, int64_t n)
         out[i] = g * sig * x[i];
     }
 }
+
+/* The step's K/V rows into the pools, in place: row t (row_bytes of k, the same of v,
+ * already in the pool's dtype) to pool slot slots[t]. MLX's scatter does this element by
+ * element (1.2 ms for 512 rows of 4 x 64 floats, per pool); here it is one memcpy a row.
+ * v may be NULL (a pool that holds K only). */
+void orch_write_rows(const char *k, const char *v, const int32_t *slots, int64_t T, int64_t row_bytes,
+                     char *k_pool, char *v_pool)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t at = (int64_t)slots[t] * row_bytes;
+        memcpy(k_pool + at, k + t * row_bytes, (size_t)row_bytes);
+        if (v) memcpy(v_pool + at, v + t * row_bytes, (size_t)row_bytes);
+    }
+}
