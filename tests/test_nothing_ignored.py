@@ -113,6 +113,7 @@ def test_chat_logprob_bytes_are_the_tokens_own(tiny_model_dir):
 
     svc = WorkerService.__new__(WorkerService)
     svc.tokenizer = load(Path(tiny_model_dir))
+    svc._token_texts = {}
     text = "€ héllo 日本語 ✓"
     tokens = [svc._token_text(t) for t in svc.tokenizer.encode(text)]
     assert any(t.startswith("bytes:") for t in tokens) and not any("\ufffd" in t for t in tokens)
