@@ -98,8 +98,8 @@ _CACHE_MEANING = {
     "RotatingKVCache": "sliding-window attention",
     "ArraysCache": "a recurrent state: linear attention, Mamba or convolutions",
     "MambaCache": "a recurrent Mamba state",
-    "CacheList": "several caches per layer, a shape the engine does not serve: it serves a CacheList only as one "
-                 "recurrent state beside one KVCache, in the hybrid families checked against mlx-lm",
+    "CacheList": "several caches per layer: the engine serves a CacheList only as one recurrent state beside one "
+                 "KVCache, in the hybrid families checked against mlx-lm",
     "ChunkedKVCache": "chunked local attention",
     "QuantizedKVCache": "a quantized K/V cache",
 }
