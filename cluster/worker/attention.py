@@ -90,7 +90,8 @@ SHARED_KV_FAMILIES = frozenset({"gemma4_text"})
 MLA_FAMILIES = frozenset({"deepseek_v3"})
 # Hybrids: recurrent layers (their own state per request, `recurrent.py`) beside attention
 # layers. A layer without a cache (Nemotron-H's MLP blocks) is skipped: a spec's `layer`
-# then counts the model's caches, in the order the model hands them to its layers.
+# then counts the model's caches, in the order the model hands them to its layers. A layer
+# with a recurrent mixer beside its attention (Falcon-H1) has one CacheList of the two.
 HYBRID_FAMILIES = frozenset({"qwen3_next", "qwen3_5", "nemotron_h", "lfm2", "granitemoehybrid", "falcon_h1"})
 RECURRENT_CACHES = frozenset({"ArraysCache", "MambaCache"})
 
