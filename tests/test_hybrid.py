@@ -1,5 +1,5 @@
-"""Hybrid recurrent models (gated delta nets, Mamba-2, short convolutions beside attention)
-under continuous batching, against mlx-lm's own single-request greedy generation.
+"""Hybrid recurrent models (gated delta nets, Mamba-2, short convolutions beside attention
+layers, or, in Falcon-H1, a Mamba-2 mixer beside the attention of every layer) under continuous batching, against mlx-lm's own single-request greedy generation.
 
 Tiny random-weight models of the real mlx-lm architectures (`orchard model create`), CPU,
 float32. Prompts of different lengths (one of a single token) arrive together and one per
@@ -32,7 +32,7 @@ CONFIG = EngineConfig(num_kv_blocks=7, block_size=16, max_num_batched_tokens=24,
                       max_num_partial_prefills=2, max_long_partial_prefills=2)
 LENGTHS = (37, 1, 70, 9, 52, 18)
 MAX_TOKENS = (7, 5, 9, 12, 4, 8)
-FAMILIES = ["qwen3_next", "qwen3_5", "nemotron_h", "lfm2", "granitemoehybrid"]
+FAMILIES = ["qwen3_next", "qwen3_5", "nemotron_h", "lfm2", "granitemoehybrid", "falcon_h1"]
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +106,12 @@ def test_hybrid_matches_mlx_lm_chunked_batched_preempted(models, arch):
     check_family(models(arch), together=3)
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_5", "falcon_h1"])
 def test_hybrid_staggered_one_by_one(models, arch):
     check_family(models(arch), together=1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h", "falcon_h1"])
 def test_equal_length_chunks_run_as_one_batch(models, arch):
     """Prompts of one length arriving together: their chunks run through each recurrent
     layer as one [G, L] batch (fresh, then continuing), still mlx-lm's tokens."""

@@ -27,6 +27,10 @@ REFUSED = {
                     layer_norm_epsilon=1e-5, tie_word_embeddings=True),
                "layers 0-3 keep a recurrent state (ArraysCache), which the engine serves, with state slots, only for "
                "the hybrid families"),
+    # a CacheList per layer (a convolution over K/V beside the attention's cache) in a family that is not a hybrid
+    "baichuan_m1": (dict(sliding_window=8, sliding_window_layers=[0, 2], conv_window=2),
+                    "layers 0, 2 use CacheList(ArraysCache, RotatingKVCache) (several caches per layer: the engine "
+                    "serves a CacheList only as one recurrent state beside one KVCache, in the hybrid families"),
     # multi-head latent attention in a family whose MLA is not checked against mlx-lm
     "deepseek_v2": (dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
                          n_routed_experts=None, moe_intermediate_size=64, n_shared_experts=None,
@@ -41,6 +45,8 @@ def build(model_type: str, extra: dict):
     return module.Model(module.ModelArgs.from_dict({"model_type": model_type, **BASE, **extra}))
 
 
+FALCON_H1 = dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
+                 mamba_chunk_size=16)
 SERVED = {  # what each layer gets (tests/test_engine.py checks these families against mlx-lm)
     "gemma3_text": (dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16),
                     dict(window=[8, -1, 8, -1])),
@@ -65,6 +71,9 @@ SERVED = {  # what each layer gets (tests/test_engine.py checks these families a
                         num_experts_per_tok=0, decoder_sparse_step=1, shared_expert_intermediate_size=0,
                         mlp_only_layers=[], moe_intermediate_size=0, norm_topk_prob=True, partial_rotary_factor=0.5),
                    dict(recurrent=[True, False, True, False], owns_kv=[False, True, False, True])),
+    # a Mamba-2 mixer beside the attention in every layer: a state slot and a K/V pool each
+    "falcon_h1": (FALCON_H1, dict(recurrent=[True] * 4, owns_kv=[True] * 4, num_kv_heads=[2] * 4,
+                                  cache_list=[("recurrent", "kv")] * 4)),
     # one pool row: latent 16 + rope key 8, one KV head
     "deepseek_v3": (dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
                          n_routed_experts=None, moe_intermediate_size=64, n_shared_experts=None,
@@ -166,6 +175,27 @@ def test_kv_memory_per_token_follows_each_layer():
     gemma4 = build("gemma4_text", SERVED["gemma4_text"][0])
     # layer 0: 2 KV heads x 16, layer 1: 1 x 32; K and V each; layers 2 and 3 share them
     assert kv_bytes_per_block(gemma4, 16, mx.float32) == 2 * (2 * 16 + 1 * 32) * 16 * 4
+    # Falcon-H1: every layer attends beside its mixer (whose state is a slot, not K/V)
+    falcon = build("falcon_h1", FALCON_H1)
+    assert kv_bytes_per_block(falcon, 16, mx.float32) == 4 * 2 * (2 * 16) * 16 * 4
+
+
+def test_a_cache_list_the_engine_does_not_serve_is_refused_naming_its_entries():
+    """In a hybrid family whose CacheList(ArraysCache, KVCache) layers are served (falcon_h1),
+    any other CacheList shape is refused, and the message names its entries."""
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+    model = build("falcon_h1", FALCON_H1)
+    check_served(model)
+    for entries, name in [(lambda: (ArraysCache(2), RotatingKVCache(8)), "CacheList(ArraysCache, RotatingKVCache)"),
+                          (lambda: (KVCache(), KVCache()), "CacheList(KVCache, KVCache)"),
+                          (lambda: (ArraysCache(2), KVCache(), KVCache()), "CacheList(ArraysCache, KVCache, KVCache)")]:
+        model.make_cache = lambda: [CacheList(*entries()) if i >= 2 else CacheList(ArraysCache(2), KVCache())
+                                    for i in range(4)]
+        with pytest.raises(UnsupportedModel) as e:
+            check_served(model)
+        assert (f"model type 'falcon_h1' is not served: layers 2-3 use {name} (several caches per layer: the engine "
+                "serves a CacheList only as one recurrent state beside one KVCache") in str(e.value)
 
 
 def test_a_hybrid_whose_caches_do_not_match_its_layers_is_refused():
@@ -175,5 +205,12 @@ def test_a_hybrid_whose_caches_do_not_match_its_layers_is_refused():
     model = build("qwen3_next", SERVED["qwen3_next"][0])
     check_served(model)
     model.make_cache = lambda: [KVCache() for _ in range(4)]
+    with pytest.raises(UnsupportedModel, match="attention and recurrent modules do not match the caches"):
+        check_served(model)
+    # a layer with a mixer beside its attention, handed a recurrent cache alone
+    from mlx_lm.models.cache import ArraysCache
+
+    model = build("falcon_h1", FALCON_H1)
+    model.make_cache = lambda: [ArraysCache(2) for _ in range(4)]
     with pytest.raises(UnsupportedModel, match="attention and recurrent modules do not match the caches"):
         check_served(model)

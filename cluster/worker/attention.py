@@ -19,7 +19,11 @@ swap; mlx-lm's classes and modules are left as they are):
 A hybrid model's recurrent layers (an mlx-lm `ArraysCache` / `MambaCache`: gated delta
 nets, Mamba-2, short convolutions) get a spec marked `recurrent` and no K/V pool; their
 modules (the ones that call `cache.advance`) are wrapped by `recurrent.attach`, which runs
-mlx-lm's own code for them on per-request state slots.
+mlx-lm's own code for them on per-request state slots. A layer with a recurrent mixer and
+an attention side by side (Falcon-H1: mlx-lm makes it a `CacheList(ArraysCache, KVCache)`)
+gets both: a spec that is `recurrent` and attends, with its `cache_list` saying which entry
+is which; the runner hands it a `LayerCaches` that its code indexes as mlx-lm's CacheList.
+Any other CacheList shape is refused, naming it.
 
 The head geometry of every layer (KV heads, K and V widths) is measured, not guessed: a
 forward over one token with recording caches builds the graph (never evaluated) and
@@ -55,11 +59,15 @@ class LayerSpec:
     latent: bool = False  # multi-head latent attention: K = V = [latent | rope key], one pool
     num_kv_heads: int = 0
     head_dim: int = 0  # width of a pool row
-    recurrent: bool = False  # a recurrent state per request (a state slot) instead of K/V
+    recurrent: bool = False  # a recurrent state per request (a state slot)
+    attention: bool = True  # attends over K/V (False: a recurrent layer alone, no K/V)
+    # mlx-lm hands this layer a CacheList: what each of its entries is ("recurrent" for the
+    # mixer's state, "kv" for the attention's K/V), in order; () for a single cache
+    cache_list: tuple[str, ...] = ()
 
     @property
     def owns_kv(self) -> bool:
-        return self.kv_layer == self.layer and not self.recurrent
+        return self.kv_layer == self.layer and self.attention
 
 
 # -- the families' facts, in one place -------------------------------------------------------
@@ -82,15 +90,17 @@ SHARED_KV_FAMILIES = frozenset({"gemma4_text"})
 MLA_FAMILIES = frozenset({"deepseek_v3"})
 # Hybrids: recurrent layers (their own state per request, `recurrent.py`) beside attention
 # layers. A layer without a cache (Nemotron-H's MLP blocks) is skipped: a spec's `layer`
-# then counts the model's caches, in the order the model hands them to its layers.
-HYBRID_FAMILIES = frozenset({"qwen3_next", "qwen3_5", "nemotron_h", "lfm2", "granitemoehybrid"})
+# then counts the model's caches, in the order the model hands them to its layers. A layer
+# with a recurrent mixer beside its attention (Falcon-H1) has one CacheList of the two.
+HYBRID_FAMILIES = frozenset({"qwen3_next", "qwen3_5", "nemotron_h", "lfm2", "granitemoehybrid", "falcon_h1"})
 RECURRENT_CACHES = frozenset({"ArraysCache", "MambaCache"})
 
 _CACHE_MEANING = {
     "RotatingKVCache": "sliding-window attention",
     "ArraysCache": "a recurrent state: linear attention, Mamba or convolutions",
     "MambaCache": "a recurrent Mamba state",
-    "CacheList": "several caches per layer",
+    "CacheList": "several caches per layer: the engine serves a CacheList only as one recurrent state beside one "
+                 "KVCache, in the hybrid families checked against mlx-lm",
     "ChunkedKVCache": "chunked local attention",
     "QuantizedKVCache": "a quantized K/V cache",
 }
@@ -110,23 +120,25 @@ def model_type(model: nn.Module) -> str:
     return getattr(model, "model_type", None) or getattr(args, "model_type", None) or type(model).__name__
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The module behind each of the model's caches, in order: the one of each layer whose
+def layer_modules(model: nn.Module) -> list[list[nn.Module]]:
+    """The modules behind each of the model's caches, in order: the one of each layer whose
     `__call__` calls `cache.update_and_fetch` (self_attn, attention, attn, ... whatever the
-    family names it), or in a hybrid family the recurrent one that calls `cache.advance`
-    (a hybrid's layer without either has no cache)."""
+    family names it), and in a hybrid family the recurrent one that calls `cache.advance`
+    (one or the other, or both side by side; a hybrid's layer with neither has no cache)."""
     found = []
     hybrid = model_type(model) in HYBRID_FAMILIES
     for i, layer in enumerate(model.layers):
         mods = [m for _, m in layer.named_modules() if _calls(type(m), "update_and_fetch")]
-        if hybrid:
-            mods += [m for _, m in layer.named_modules() if is_recurrent(m)]
-            if not mods:
-                continue
-        if len(mods) != 1:
+        mixers = [m for _, m in layer.named_modules() if is_recurrent(m)] if hybrid else []
+        if hybrid and not mods and not mixers:
+            continue
+        if len(mods) > 1 or not hybrid and not mods:
             raise UnsupportedModel(f"model type {model_type(model)!r} is not served: layer {i} has "
                                    f"{len(mods)} modules that write K/V, where the engine knows one attention per layer")
-        found.append(mods[0])
+        if len(mixers) > 1:
+            raise UnsupportedModel(f"model type {model_type(model)!r} is not served: layer {i} has "
+                                   f"{len(mixers)} recurrent modules, where the engine knows one state per layer")
+        found.append(mixers + mods)
     return found
 
 
@@ -170,7 +182,7 @@ def _layer_specs(model: nn.Module) -> tuple[LayerSpec, ...]:
     geometry = _measure(model, specs)
     out = []
     for s in specs:
-        if s.recurrent:
+        if not s.attention:
             out.append(s)
             continue
         kvh, dk, dv = geometry[s.kv_layer]
@@ -204,32 +216,38 @@ def _features(model: nn.Module) -> list[LayerSpec]:
         if any(kv_layer[i] != i for i in range(owners)) or any(kv_layer[i] >= owners for i in range(owners, n)):
             raise refuse(f"its layers' K/V sources {kv_layer} are not the first {owners} layers")
     # sliding windows, from the caches mlx-lm makes
-    windows, other, recurrent = [-1] * n, {}, [False] * n
+    windows, other, recurrent, attends, cache_list = [-1] * n, {}, [False] * n, [True] * n, [()] * n
     for i, cache in enumerate(caches or []):
         name = type(cache).__name__
         if name == "KVCache":
             continue
         if name in RECURRENT_CACHES and hybrid:
-            recurrent[i] = True
+            recurrent[i], attends[i] = True, False
+            continue
+        if name == "CacheList" and hybrid and _state_beside_kv(cache):
+            recurrent[i], cache_list[i] = True, _state_beside_kv(cache)
             continue
         if name == "RotatingKVCache" and mt in SLIDING_WINDOW_FAMILIES and not getattr(cache, "keep", 0):
             windows[i] = int(cache.max_size)
         else:
-            other.setdefault(name, []).append(i)
+            other.setdefault(_cache_name(cache), []).append(i)
     if other.keys() & RECURRENT_CACHES:
         ids = sorted(i for name in other.keys() & RECURRENT_CACHES for i in other[name])
         raise refuse(f"layers {_ranges(ids)} keep a recurrent state ({', '.join(sorted(other.keys() & RECURRENT_CACHES))}"
                      "), which the engine serves, with state slots, only for the hybrid families checked against "
                      f"mlx-lm: {', '.join(sorted(HYBRID_FAMILIES))}")
     if other:
-        what = "; ".join(f"layers {_ranges(ids)} use {name} ({_CACHE_MEANING.get(name, 'an attention the engine does not know')})"
+        what = "; ".join(f"layers {_ranges(ids)} use {name} "
+                         f"({_CACHE_MEANING.get(name.split('(')[0], 'an attention the engine does not know')})"
                          for name, ids in other.items())
         raise refuse(f"{what}. The paged engine would give those layers full attention and generate the wrong "
                      "tokens, so it refuses the model")
-    modules = attention_modules(model)
-    if len(modules) != n or any(is_recurrent(m) != r for m, r in zip(modules, recurrent)):
+    modules = layer_modules(model)
+    kinds = [(any(map(is_recurrent, ms)), not all(map(is_recurrent, ms))) for ms in modules]
+    if len(modules) != n or kinds != list(zip(recurrent, attends)):
         raise refuse(f"its layers' attention and recurrent modules do not match the caches it makes "
-                     f"({', '.join(type(c).__name__ for c in caches or [])})")
+                     f"({', '.join(_cache_name(c) for c in caches or [])})")
+    modules = [next((m for m in ms if not is_recurrent(m)), ms[0]) for ms in modules]  # the attention, if any
     latent = any(getattr(m, "kv_lora_rank", None) for m in modules)
     if latent and mt not in MLA_FAMILIES:
         raise refuse("it uses multi-head latent attention (MLA, kv_lora_rank), which the engine serves for "
@@ -241,8 +259,8 @@ def _features(model: nn.Module) -> list[LayerSpec]:
     softcap_attr = SOFTCAP_FAMILIES.get(mt)
     specs = []
     for i, m in enumerate(modules):
-        if recurrent[i]:
-            specs.append(LayerSpec(layer=i, kv_layer=i, recurrent=True))
+        if not attends[i]:
+            specs.append(LayerSpec(layer=i, kv_layer=i, recurrent=True, attention=False))
             continue
         softcap = float(getattr(m, softcap_attr) or 0.0) if softcap_attr else 0.0
         sinks = mt in SINK_FAMILIES and getattr(m, "sinks", None) is not None
@@ -258,8 +276,25 @@ def _features(model: nn.Module) -> list[LayerSpec]:
             raise refuse(f"layer {i}'s attention ({type(m).__name__}) computes attention in its own code rather "
                          "than through mlx-lm's scaled_dot_product_attention, and the engine has no paged version of it")
         specs.append(LayerSpec(layer=i, kv_layer=kv_layer[i], window=windows[i], softcap=softcap, sinks=sinks,
-                               latent=latent))
+                               latent=latent, recurrent=recurrent[i], cache_list=cache_list[i]))
     return specs
+
+
+def _cache_name(cache) -> str:
+    """A cache's type, and a CacheList's entries: 'CacheList(ArraysCache, KVCache)'."""
+    name = type(cache).__name__
+    if name == "CacheList":
+        name += f"({', '.join(_cache_name(c) for c in getattr(cache, 'caches', ()))})"
+    return name
+
+
+def _state_beside_kv(cache) -> tuple[str, ...] | None:
+    """The entries of a CacheList the engine serves (one recurrent state beside one plain
+    KVCache, in either order) as ("recurrent", "kv") in its order; None for any other."""
+    names = [type(c).__name__ for c in getattr(cache, "caches", ())]
+    if len(names) != 2 or sum(n in RECURRENT_CACHES for n in names) != 1 or names.count("KVCache") != 1:
+        return None
+    return tuple("recurrent" if n in RECURRENT_CACHES else "kv" for n in names)
 
 
 def _ranges(ids: list[int]) -> str:
@@ -340,6 +375,24 @@ class PagedKVCache:
         return out.reshape(T, H, 1, D)
 
 
+class LayerCaches:
+    """What a layer gets where mlx-lm hands it a CacheList: our caches for its entries, in
+    mlx-lm's order (the mixer's RecurrentCache, the attention's PagedKVCache), indexed as
+    mlx-lm's code indexes its CacheList (`cache[0]`, `cache[1]`)."""
+
+    def __init__(self, spec: LayerSpec, caches):
+        assert len(caches) == len(spec.cache_list)
+        self.spec = spec
+        self.caches = tuple(caches)
+
+    def __getitem__(self, i):
+        return self.caches[i]
+
+    def part(self, kind: str):
+        """The entry that is `kind`: "recurrent" or "kv"."""
+        return self.caches[self.spec.cache_list.index(kind)]
+
+
 class _ProbeCache:
     """Records the shapes a layer writes (`_measure`); its attention output is zeros."""
 
@@ -357,14 +410,29 @@ class _ProbeCache:
         return mx.zeros_like(queries)
 
 
+def probe_forward(model: nn.Module, specs: list[LayerSpec]) -> list[tuple["_ProbeCache | None", object]]:
+    """One token's forward, unevaluated: per layer, the _ProbeCache that recorded what its
+    attention writes and the fresh mlx-lm cache its recurrent module ran on (None where it
+    has no such part)."""
+    attach(model)
+    fresh = model.make_cache() if any(s.recurrent for s in specs) else None
+    parts = []
+    for s in specs:
+        kv = _ProbeCache(s) if s.attention else None
+        state = None
+        if s.recurrent:
+            state = fresh[s.layer][s.cache_list.index("recurrent")] if s.cache_list else fresh[s.layer]
+        parts.append((kv, state))
+    caches = [LayerCaches(s, [state if k == "recurrent" else kv for k in s.cache_list]) if s.cache_list
+              else (kv if kv is not None else state) for s, (kv, state) in zip(specs, parts)]
+    model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+    return parts
+
+
 def _measure(model: nn.Module, specs: list[LayerSpec]) -> list[tuple[int, int, int]]:
     """(KV heads, K width, V width) each layer writes, from one token's forward, unevaluated
     (a recurrent layer runs on a fresh mlx-lm cache of its own and writes none)."""
-    attach(model)
-    fresh = model.make_cache() if any(s.recurrent for s in specs) else None
-    probes = [fresh[s.layer] if s.recurrent else _ProbeCache(s) for s in specs]
-    model(mx.zeros((1, 1), dtype=mx.int32), cache=probes)
-    probes = [_ProbeCache(s) if s.recurrent else p for s, p in zip(specs, probes)]
+    probes = [kv or _ProbeCache(s) for s, (kv, _) in zip(specs, probe_forward(model, specs))]
     missing = [s.layer for s, p in zip(specs, probes) if p.shapes is None and s.owns_kv]
     if missing:
         raise UnsupportedModel(f"model type {model_type(model)!r} is not served: layers {_ranges(missing)} never "
@@ -440,7 +508,7 @@ def attach(model: nn.Module) -> None:
     from cluster.worker import recurrent
 
     call = FAMILY_CALLS.get(model_type(model))
-    for m in attention_modules(model):
+    for m in (m for ms in layer_modules(model) for m in ms):
         if is_recurrent(m):
             recurrent.attach(m)
             continue

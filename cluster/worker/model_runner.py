@@ -8,7 +8,9 @@ through `slot_mapping`, and each layer's attention module is wrapped (`attention
 so that its attention runs in `kernels.paged_attention` (varlen, paged) with the layer's
 window, soft-cap, sinks and head geometry (`attention.LayerSpec`). A hybrid model's
 recurrent layers get a `recurrent.RecurrentCache` instead: each sequence's rows run from
-its state slot (decode rows batched, prefill chunks one by one). Only the rows that are
+its state slot (decode rows batched, prefill chunks one by one); a layer with a recurrent
+mixer beside its attention (mlx-lm's CacheList of the two) gets both, in an
+`attention.LayerCaches` indexed as mlx-lm's CacheList. Only the rows that are
 sampled, and the prompt rows of a request that asks for prompt logprobs, reach the LM
 head.
 """
@@ -193,10 +195,18 @@ class ModelRunner:
         states = recurrent.measure_states(model, self.specs) if self.has_recurrent else {}
         if self.has_recurrent and num_state_slots < 1:
             raise ValueError("a model with recurrent layers needs num_state_slots >= 1")
-        self.caches = [recurrent.RecurrentCache(self, s, states[s.layer], num_state_slots) if s.recurrent
-                       else PagedKVCache(self, s) for s in self.specs]
-        self.state_bytes_per_slot = sum(c.bytes_per_slot for c in self.caches
-                                        if isinstance(c, recurrent.RecurrentCache))
+        self.state_caches: list[recurrent.RecurrentCache] = []
+        self.caches = []
+        for s in self.specs:
+            kv = PagedKVCache(self, s) if s.attention else None
+            state = recurrent.RecurrentCache(self, s, states[s.layer], num_state_slots) if s.recurrent else None
+            if state is not None:
+                self.state_caches.append(state)
+            if s.cache_list:  # mlx-lm's CacheList: the same entries, ours
+                self.caches.append(attention.LayerCaches(s, [state if k == "recurrent" else kv for k in s.cache_list]))
+            else:
+                self.caches.append(kv if kv is not None else state)
+        self.state_bytes_per_slot = sum(c.bytes_per_slot for c in self.state_caches)
         mx.eval(self.pool_arrays())
         self.head_only = getattr(model, "model_type", None) in _HEAD_ONLY_ARCHS and hasattr(model, "model")
         self.batch: StepBatch | None = None
@@ -277,7 +287,7 @@ class ModelRunner:
         """Every pool array once (an MLA layer's K and V pool are one array), recurrent
         state pools included."""
         seen: dict[int, mx.array] = {}
-        states = [p for c in getattr(self, "caches", ()) if isinstance(c, recurrent.RecurrentCache) for p in c.pools]
+        states = [p for c in getattr(self, "state_caches", ()) for p in c.pools]
         for a in self.k_pool + self.v_pool + states:
             if a is not None:
                 seen.setdefault(id(a), a)

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from cluster.worker.attention import LayerSpec, _original_call, _ProbeCache
+from cluster.worker.attention import LayerSpec, _original_call, probe_forward
 
 
 @dataclass
@@ -125,11 +125,9 @@ class RecurrentCache:
 def measure_states(model: nn.Module, specs: list[LayerSpec]) -> dict[int, list]:
     """For each recurrent layer, the (shape without the batch axis, dtype) of each entry of
     its mlx-lm cache after one token (None for an entry it leaves empty)."""
-    fresh = model.make_cache()
-    caches = [fresh[s.layer] if s.recurrent else _ProbeCache(s) for s in specs]
-    model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
-    return {s.layer: [None if a is None else (tuple(a.shape[1:]), a.dtype) for a in caches[s.layer].cache]
-            for s in specs if s.recurrent}
+    parts = probe_forward(model, specs)
+    return {s.layer: [None if a is None else (tuple(a.shape[1:]), a.dtype) for a in state.cache]
+            for s, (_, state) in zip(specs, parts) if s.recurrent}
 
 
 # -- wrapping the recurrent modules ----------------------------------------------------------
