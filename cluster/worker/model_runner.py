@@ -196,12 +196,15 @@ class ModelRunner:
         if self.has_recurrent and num_state_slots < 1:
             raise ValueError("a model with recurrent layers needs num_state_slots >= 1")
         self.state_caches: list[recurrent.RecurrentCache] = []
+        self.kv_caches: list[PagedKVCache] = []
         self.caches = []
         for s in self.specs:
             kv = PagedKVCache(self, s) if s.attention else None
             state = recurrent.RecurrentCache(self, s, states[s.layer], num_state_slots) if s.recurrent else None
             if state is not None:
                 self.state_caches.append(state)
+            if kv is not None:
+                self.kv_caches.append(kv)
             if s.cache_list:  # mlx-lm's CacheList: the same entries, ours
                 self.caches.append(attention.LayerCaches(s, [state if k == "recurrent" else kv for k in s.cache_list]))
             else:
@@ -278,9 +281,8 @@ class ModelRunner:
                 logits = model.model.embed_tokens.as_linear(h)
         else:
             logits = model(inputs, cache=self.caches)[batch.logit_rows, 0]
-        for c in self.caches:  # a layer that wrote K/V but did not attend (none should): into the pool now
-            if isinstance(c, PagedKVCache):
-                c.write_pending()
+        for c in self.kv_caches:  # a layer that wrote K/V but did not attend (none should): into the pool now
+            c.write_pending()
         return logits.astype(mx.float32)
 
     def pool_arrays(self) -> list[mx.array]:
