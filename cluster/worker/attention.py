@@ -224,8 +224,8 @@ def _features(model: nn.Module) -> list[LayerSpec]:
         if name in RECURRENT_CACHES and hybrid:
             recurrent[i], attends[i] = True, False
             continue
-        if name == "CacheList" and hybrid and _state_beside_kv(cache):
-            recurrent[i], cache_list[i] = True, _state_beside_kv(cache)
+        if name == "CacheList" and hybrid and (entries := _state_beside_kv(cache)):
+            recurrent[i], cache_list[i] = True, entries
             continue
         if name == "RotatingKVCache" and mt in SLIDING_WINDOW_FAMILIES and not getattr(cache, "keep", 0):
             windows[i] = int(cache.max_size)
@@ -388,9 +388,13 @@ class LayerCaches:
     def __getitem__(self, i):
         return self.caches[i]
 
-    def part(self, kind: str):
-        """The entry that is `kind`: "recurrent" or "kv"."""
-        return self.caches[self.spec.cache_list.index(kind)]
+
+def layer_cache(spec: LayerSpec, kv, state):
+    """The one object a layer is handed: its K/V cache, its recurrent state, or, where
+    mlx-lm gives it a CacheList, a LayerCaches of both in mlx-lm's order."""
+    if spec.cache_list:
+        return LayerCaches(spec, [state if k == "recurrent" else kv for k in spec.cache_list])
+    return kv if kv is not None else state
 
 
 class _ProbeCache:
@@ -423,9 +427,7 @@ def probe_forward(model: nn.Module, specs: list[LayerSpec]) -> list[tuple["_Prob
         if s.recurrent:
             state = fresh[s.layer][s.cache_list.index("recurrent")] if s.cache_list else fresh[s.layer]
         parts.append((kv, state))
-    caches = [LayerCaches(s, [state if k == "recurrent" else kv for k in s.cache_list]) if s.cache_list
-              else (kv if kv is not None else state) for s, (kv, state) in zip(specs, parts)]
-    model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+    model(mx.zeros((1, 1), dtype=mx.int32), cache=[layer_cache(s, kv, state) for s, (kv, state) in zip(specs, parts)])
     return parts
 
 

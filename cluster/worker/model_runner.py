@@ -205,10 +205,7 @@ class ModelRunner:
                 self.state_caches.append(state)
             if kv is not None:
                 self.kv_caches.append(kv)
-            if s.cache_list:  # mlx-lm's CacheList: the same entries, ours
-                self.caches.append(attention.LayerCaches(s, [state if k == "recurrent" else kv for k in s.cache_list]))
-            else:
-                self.caches.append(kv if kv is not None else state)
+            self.caches.append(attention.layer_cache(s, kv, state))
         self.state_bytes_per_slot = sum(c.bytes_per_slot for c in self.state_caches)
         mx.eval(self.pool_arrays())
         self.head_only = getattr(model, "model_type", None) in _HEAD_ONLY_ARCHS and hasattr(model, "model")

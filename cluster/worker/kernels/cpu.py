@@ -265,9 +265,9 @@ def write_kv(k_pool: mx.array, v_pool: mx.array | None, slot_mapping: mx.array, 
     slots = _host(slot_mapping, np.int32)
     if T and (int(slots.min()) < 0 or int(slots.max()) >= k_pool.shape[0]):
         raise ValueError(f"slot mapping names slots outside the pool of {k_pool.shape[0]}")
-    raw = np.uint16 if k_pool.dtype.size == 2 else np.float32
     if k_pool.dtype.size not in (2, 4):
         raise TypeError(f"K/V pools of {k_pool.dtype} are not written here")
+    raw = np.uint16 if k_pool.dtype.size == 2 else np.float32
     view = (lambda a: a.view(mx.uint16)) if raw is np.uint16 else (lambda a: a)
     kp = np.asarray(memoryview(view(k_pool)))
     vp = None if v_pool is None else np.asarray(memoryview(view(v_pool)))
