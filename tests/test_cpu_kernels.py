@@ -319,6 +319,23 @@ def test_step_rows_are_written_into_the_pools_in_place_as_a_scatter_would(kv):
         cpu.write_kv(pool_k, pool_v, mx.array([3, 64], dtype=mx.int32), keys[:2], values[:2])
 
 
+def test_one_row_sliced_from_a_longer_array_is_written_as_one_row():
+    """A single new row that is a slice of a longer array (a Mamba conv state is
+    `padded_input[:, -3:]`): numpy calls it contiguous whatever its first axis's stride,
+    so the row's size must come from the pool (it once came from that stride, and the
+    memcpy ran past both buffers)."""
+    pool = mx.zeros((4, 3, 5))
+    mx.eval(pool)
+    padded = mx.arange(40 * 5, dtype=mx.float32).reshape(1, 40, 5)
+    row = padded[:, -3:, :]
+    mx.eval(row)
+    assert np.asarray(memoryview(row)).strides[0] == 40 * 5 * 4  # the stride that misled
+    cpu.write_kv(pool, None, mx.array([2], dtype=mx.int32), row, None)
+    want = np.zeros((4, 3, 5), np.float32)
+    want[2] = np.asarray(row)[0]
+    np.testing.assert_array_equal(np.asarray(pool), want)
+
+
 def test_the_engine_writes_kv_in_c_and_matches_the_scatter_path(tmp_path, monkeypatch):
     """The same model and prompts with the C row writer and with MLX's scatter (the
     reference backend's path): the same greedy tokens, and the same pool contents."""

@@ -144,6 +144,36 @@ def test_equal_length_chunks_run_as_one_batch(models, arch):
         assert tokens == oracle(model, prompt, 6)[0]
 
 
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_states_written_in_place_equal_the_scatter(models, arch):
+    """With the C kernels each step's new states go into their slots by a memcpy a slot;
+    elsewhere (Metal) by MLX's scatter. Two engines on the same requests, one each way,
+    step by step: the same state pools bit for bit, and the same tokens."""
+    import numpy as np
+
+    engines = [Engine.from_pretrained(models(arch), CONFIG) for _ in range(2)]
+    if not engines[0].runner.write_kv_in_c:
+        pytest.skip("the states are written in place by the C kernels (CPU backend)")
+    engines[1].runner.write_kv_in_c = False
+    rng = random.Random(11)
+    for i, n in enumerate(LENGTHS):
+        prompt = [rng.randrange(3, 500) for _ in range(n)]
+        for e in engines:
+            e.add_request(str(i), prompt, SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0, ignore_eos=True))
+    outputs: list[list] = [[], []]
+    for _ in range(300):
+        if not engines[0].has_unfinished():
+            break
+        for e, out in zip(engines, outputs):
+            out += [(o.request_id, o.new_token_ids) for o in e.step()]
+        for a, b in zip(*(e.runner.state_caches for e in engines)):
+            for pa, pb in zip(a.pools, b.pools):
+                if pa is not None:
+                    np.testing.assert_array_equal(np.asarray(pa), np.asarray(pb))
+    assert not engines[0].has_unfinished() and not engines[1].has_unfinished()
+    assert outputs[0] == outputs[1] and outputs[0]
+
+
 def test_prefix_caching_is_off_and_abort_frees_the_slot(models, caplog):
     """A shared prefix is recomputed (its recurrent state is not cached); an aborted
     request's slot is free for the next one; the load report counts slots."""

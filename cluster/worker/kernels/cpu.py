@@ -275,6 +275,10 @@ def write_kv(k_pool: mx.array, v_pool: mx.array | None, slot_mapping: mx.array, 
     vh = None if values is None else _host(view(values), raw)
     if not kp.flags.c_contiguous or not kp.flags.writeable or (vp is not None and not vp.flags.c_contiguous):
         raise ValueError("the K/V pools must be contiguous and writable")
+    # a row's size from the pool, not from kh.strides[0]: numpy calls an array whose first
+    # axis has length 1 contiguous whatever that axis's stride is (a slice's, say)
+    row_bytes = kp.nbytes // max(kp.shape[0], 1)
+    assert kh.flags.c_contiguous and kh.nbytes == T * row_bytes
     lib.orch_write_rows(kh.ctypes.data, None if vh is None else vh.ctypes.data, slots.ctypes.data, T,
-                        kh.strides[0], kp.ctypes.data, None if vp is None else vp.ctypes.data)
+                        row_bytes, kp.ctypes.data, None if vp is None else vp.ctypes.data)
     del kp, vp
