@@ -131,14 +131,24 @@ def test_equal_length_chunks_run_as_one_batch(models, arch):
         shapes.append([(g.size, g.length, g.continues) for g in plan.groups])
         return plan
 
-    recurrent.plan_step = spy
+    from cluster.worker.kernels import cpu
+
+    recurrences, gated_delta = [], cpu.gated_delta
+
+    def count(*a):
+        recurrences.append(a[0].shape[:2])
+        return gated_delta(*a)
+
+    recurrent.plan_step, cpu.gated_delta = spy, count
     try:
         rng = random.Random(3)
         prompts = [[rng.randrange(3, 500) for _ in range(20)] for _ in range(4)]
         got = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     finally:
-        recurrent.plan_step = plan_step
+        recurrent.plan_step, cpu.gated_delta = plan_step, gated_delta
     assert (2, 20, False) in shapes[0] and [(4, 1, True)] in shapes  # two fresh prompts at once; 4 decodes
+    if arch == "qwen3_next" and engine.runner.attention_backend == "cpu":  # its recurrence ran in C
+        assert (2, 20) in recurrences and (4, 1) in recurrences
     model, _ = load(str(path))
     for prompt, tokens in zip(prompts, got):
         assert tokens == oracle(model, prompt, 6)[0]

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from cluster.worker.attention import LayerSpec, _original_call, probe_forward
+from cluster.worker.attention import LayerSpec, _original_call, _rebind, probe_forward
 
 
 @dataclass
@@ -160,6 +160,7 @@ def attach(module: nn.Module) -> None:
         if len(names) < 2 or "cache" not in names:
             raise TypeError(f"{cls.__name__}.__call__{signature} takes no input and cache")
         x_name = names[1]
+        on_slots = _with_c_recurrences(original)
 
         def __call__(self, *args, **kwargs):
             bound = signature.bind(self, *args, **kwargs)
@@ -172,10 +173,39 @@ def attach(module: nn.Module) -> None:
                 arguments.update({x_name: x, "cache": c})
                 if "mask" in arguments:
                     arguments["mask"] = None  # every row a real token: nothing to mask
-                return original(**arguments)
+                return on_slots(**arguments)
 
             return cache.run(call, bound.arguments[x_name])
 
         __call__._orchard_original = original
         _WRAPPED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "_orchard_recurrent": True})
     module.__class__ = _WRAPPED[cls]
+
+
+# -- the recurrences in C, where MLX's CPU runs them op by op -----------------------------------
+
+def _gated_delta_ops(q, k, v, g, beta, state=None, mask=None):
+    """mlx-lm's `gated_delta_ops` (its CPU path: a compiled step of six MLX ops per token,
+    0.8 ms a layer for a 32-row decode, a Python loop over a prefill chunk's tokens) in
+    one C call, where that is the same computation: no padding mask, float32 on the CPU.
+    Anything else: mlx-lm's own."""
+    from mlx_lm.models import gated_delta
+
+    from cluster.worker.kernels import cpu
+
+    if (mask is None and state is not None and mx.default_device() == mx.cpu and cpu.available()
+            and all(a.dtype == mx.float32 for a in (q, k, v, g, beta, state))):
+        return cpu.gated_delta(q, k, v, g, beta, state)
+    return gated_delta.gated_delta_ops(q, k, v, g, beta, state, mask)
+
+
+def _with_c_recurrences(call):
+    """`call` (a recurrent module's own __call__) seeing mlx-lm's `gated_delta_update` run
+    its recurrence through `_gated_delta_ops`: mlx-lm still computes the gates, the decay
+    and the zero state, and still picks its Metal kernel on a Mac."""
+    from mlx_lm.models import gated_delta
+
+    if call.__globals__.get("gated_delta_update") is not gated_delta.gated_delta_update:
+        return call
+    update = _rebind(gated_delta.gated_delta_update, gated_delta_ops=_gated_delta_ops)
+    return _rebind(call, gated_delta_update=update)

@@ -99,6 +99,8 @@ def _open(path: Path) -> ctypes.CDLL:
                    _I32, _I32, _I32, _I32, _F32, _I32, _F32, _PTR, _PTR]
     lib.orch_swiglu_f32.restype = None
     lib.orch_swiglu_f32.argtypes = [_PTR, _PTR, _PTR, _I64]
+    lib.orch_gated_delta.restype = ctypes.c_int
+    lib.orch_gated_delta.argtypes = [_PTR] * 8 + [_I64, _I64, _I32, _I32, _I32, _I32, _I32]
     lib.orch_write_rows.restype = None
     lib.orch_write_rows.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
     return lib
@@ -282,3 +284,35 @@ def write_kv(k_pool: mx.array, v_pool: mx.array | None, slot_mapping: mx.array, 
     lib.orch_write_rows(kh.ctypes.data, None if vh is None else vh.ctypes.data, slots.ctypes.data, T,
                         row_bytes, kp.ctypes.data, None if vp is None else vp.ctypes.data)
     del kp, vp
+
+
+def gated_delta(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                state: mx.array) -> tuple[mx.array, mx.array]:
+    """mlx-lm's `gated_delta_ops` (the gated delta rule over T tokens, in order) in C, all
+    float32: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g [B, T, Hv] or [B, T, Hv, Dk]; beta
+    [B, T, Hv]; state [B, Hv, Dv, Dk]. Returns y [B, T, Hv, Dv] and the new state.
+    Evaluates its inputs."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    arrays = (q, k, v, g, beta, state)
+    if any(a.dtype != mx.float32 for a in arrays):
+        raise TypeError("the C gated delta rule takes float32 arrays, not "
+                        + ", ".join(str(a.dtype) for a in arrays))
+    g_vec = g.ndim == 4
+    if (k.shape != q.shape or v.shape[:2] != (B, T) or g.shape != (B, T, Hv, Dk)[: 4 if g_vec else 3]
+            or beta.shape != (B, T, Hv) or state.shape != (B, Hv, Dv, Dk) or Hv % Hk):
+        raise ValueError(f"gated delta shapes do not agree: q {q.shape} k {k.shape} v {v.shape} g {g.shape} "
+                         f"beta {beta.shape} state {state.shape}")
+    mx.eval(*arrays)
+    qh, kh, vh, gh, bh, sh = (_host(a, np.float32) for a in arrays)
+    y = np.empty((B, T, Hv, Dv), np.float32)
+    new = np.empty((B, Hv, Dv, Dk), np.float32)
+    rc = lib.orch_gated_delta(qh.ctypes.data, kh.ctypes.data, vh.ctypes.data, gh.ctypes.data, bh.ctypes.data,
+                              sh.ctypes.data, new.ctypes.data, y.ctypes.data, B, T, Hk, Hv, Dk, Dv, int(g_vec))
+    del qh, kh, vh, gh, bh, sh
+    if rc != 0:
+        raise ValueError(f"the C gated delta rule does not take Dk={Dk} (at most 1024), Hv={Hv}, Hk={Hk}")
+    return mx.array(y), mx.array(new)

@@ -350,3 +350,53 @@ void orch_write_rows(const char *k, const char *v, const int32_t *slots, int64_t
         if (v) memcpy(v_pool + at, v + t * row_bytes, (size_t)row_bytes);
     }
 }
+
+/* The gated delta rule (Qwen3-Next / Qwen3.5 linear attention) over one step's tokens of
+ * B sequences, in order, as mlx-lm's `gated_delta_ops` (its CPU path): for each sequence
+ * b and value head h, the state S [Dv, Dk] at each token t
+ *     S *= g            (g[b, t, h] a scalar, or with g_vec a vector over Dk)
+ *     kv = S k          delta = (v - kv) * beta[b, t, h]
+ *     S += delta k^T    y[b, t, h] = S q
+ * with q, k of key head h / (Hv / Hk). q, k [B, T, Hk, Dk]; v, y [B, T, Hv, Dv]; g
+ * [B, T, Hv] or [B, T, Hv, Dk]; beta [B, T, Hv]; state_in, state_out [B, Hv, Dv, Dk]; all
+ * float32 and contiguous. One row of S (one dv) is independent of the others, so each
+ * row stays in registers through the T tokens. Returns -1 when Dk is too large. */
+#define GDN_MAX_DK 1024
+int orch_gated_delta(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                     const float *state_in, float *state_out, float *y,
+                     int64_t B, int64_t T, int32_t Hk, int32_t Hv, int32_t Dk, int32_t Dv, int32_t g_vec)
+{
+    if (Dk < 1 || Dk > GDN_MAX_DK || Dv < 1 || Hk < 1 || Hv % Hk) return -1;
+    const int rf = Hv / Hk;
+#pragma omp parallel for schedule(static) collapse(2) if (B * Hv * T * Dv * Dk > 65536)
+    for (int64_t b = 0; b < B; b++) {
+        for (int32_t h = 0; h < Hv; h++) {
+            float s[GDN_MAX_DK];
+            const int hk = h / rf;
+            for (int32_t r = 0; r < Dv; r++) {
+                const float *in = state_in + (((b * Hv) + h) * Dv + r) * Dk;
+                for (int i = 0; i < Dk; i++) s[i] = in[i];
+                for (int64_t t = 0; t < T; t++) {
+                    const int64_t bt = b * T + t;
+                    const float *kt = k + (bt * Hk + hk) * Dk, *qt = q + (bt * Hk + hk) * Dk;
+                    const float bet = beta[bt * Hv + h];
+                    float kv = 0.0f;
+                    if (g_vec) {
+                        const float *gt = g + (bt * Hv + h) * Dk;
+                        for (int i = 0; i < Dk; i++) { s[i] *= gt[i]; kv += s[i] * kt[i]; }
+                    } else {
+                        const float gt = g[bt * Hv + h];
+                        for (int i = 0; i < Dk; i++) { s[i] *= gt; kv += s[i] * kt[i]; }
+                    }
+                    const float delta = (v[(bt * Hv + h) * Dv + r] - kv) * bet;
+                    float out = 0.0f;
+                    for (int i = 0; i < Dk; i++) { s[i] += kt[i] * delta; out += s[i] * qt[i]; }
+                    y[(bt * Hv + h) * Dv + r] = out;
+                }
+                float *o = state_out + (((b * Hv) + h) * Dv + r) * Dk;
+                for (int i = 0; i < Dk; i++) o[i] = s[i];
+            }
+        }
+    }
+    return 0;
+}
