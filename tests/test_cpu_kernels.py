@@ -389,3 +389,21 @@ def test_gated_delta_rule_in_c_is_mlx_lms(B, T, Hk, Hv, Dk, Dv, vector_gate):
     np.testing.assert_allclose(np.asarray(new), np.asarray(want_state), rtol=1e-4, atol=1e-5)
     with pytest.raises(TypeError, match="float32"):
         cpu.gated_delta(q.astype(mx.float16), k, v, g, beta, state)
+
+
+@pytest.mark.parametrize("B,L,C,K,bias", [(1, 4, 24, 4, False), (32, 4, 64, 4, True), (2, 40, 16, 3, True)])
+def test_depthwise_convolution_in_c_is_mlxs(B, L, C, K, bias):
+    """The C depthwise convolution against mlx's `Conv1d(groups=C)`: decode rows (L = K,
+    one output) and a chunk, with and without bias."""
+    import mlx.nn as nn
+
+    conv = nn.Conv1d(C, C, K, groups=C, bias=bias)
+    if bias:
+        conv.bias = mx.array(np.random.default_rng(1).standard_normal(C).astype(np.float32))
+    x = mx.array(np.random.default_rng(B + L).standard_normal((B, L, C)).astype(np.float32))
+    want = conv(x)
+    got = cpu.depthwise_conv1d(x, conv.weight, conv.bias if bias else None)
+    assert got.shape == want.shape == (B, L - K + 1, C)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="depthwise"):
+        cpu.depthwise_conv1d(x, mx.zeros((C, K, 2)), None)

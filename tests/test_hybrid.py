@@ -133,22 +133,24 @@ def test_equal_length_chunks_run_as_one_batch(models, arch):
 
     from cluster.worker.kernels import cpu
 
-    recurrences, gated_delta = [], cpu.gated_delta
+    recurrences, convolutions, gated_delta, conv = [], [], cpu.gated_delta, cpu.depthwise_conv1d
 
-    def count(*a):
-        recurrences.append(a[0].shape[:2])
-        return gated_delta(*a)
+    def count(calls, fn):
+        return lambda *a: calls.append(a[0].shape[:2]) or fn(*a)
 
-    recurrent.plan_step, cpu.gated_delta = spy, count
+    recurrent.plan_step, cpu.gated_delta = spy, count(recurrences, gated_delta)
+    cpu.depthwise_conv1d = count(convolutions, conv)
     try:
         rng = random.Random(3)
         prompts = [[rng.randrange(3, 500) for _ in range(20)] for _ in range(4)]
         got = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     finally:
-        recurrent.plan_step, cpu.gated_delta = plan_step, gated_delta
+        recurrent.plan_step, cpu.gated_delta, cpu.depthwise_conv1d = plan_step, gated_delta, conv
     assert (2, 20, False) in shapes[0] and [(4, 1, True)] in shapes  # two fresh prompts at once; 4 decodes
-    if arch == "qwen3_next" and engine.runner.attention_backend == "cpu":  # its recurrence ran in C
-        assert (2, 20) in recurrences and (4, 1) in recurrences
+    if engine.runner.attention_backend == "cpu":  # the short convolutions (and qwen3_next's recurrence) ran in C
+        k = 4  # the tiny models' convolution width: each input carries k - 1 steps of state
+        assert (2, 20 + k - 1) in convolutions and (4, k) in convolutions
+        assert arch != "qwen3_next" or ((2, 20) in recurrences and (4, 1) in recurrences)
     model, _ = load(str(path))
     for prompt, tokens in zip(prompts, got):
         assert tokens == oracle(model, prompt, 6)[0]

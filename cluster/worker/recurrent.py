@@ -17,6 +17,11 @@ place; else MLX's scatter) and puts the outputs back in packed order.
 Chunked prefill carries the state from chunk to chunk; preemption frees the slot and the
 request is recomputed from its tokens (state_slots.py).
 
+On the CPU (no Metal), two pieces of mlx-lm's code that MLX runs op by op are swapped for
+C (kernels/cpu_kernels.c) computing the same thing: the gated delta rule's recurrence
+(`gated_delta_ops`) and the depthwise short convolution (`nn.Conv1d`, groups = channels).
+On a Mac mlx-lm's own Metal kernels run.
+
 The state arrays' shapes and dtypes are measured, not guessed: one token through the
 model on mlx-lm's own caches (`measure_states`), graph built, never evaluated.
 """
@@ -180,6 +185,7 @@ def attach(module: nn.Module) -> None:
         __call__._orchard_original = original
         _WRAPPED[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "_orchard_recurrent": True})
     module.__class__ = _WRAPPED[cls]
+    _depthwise(module)
 
 
 # -- the recurrences in C, where MLX's CPU runs them op by op -----------------------------------
@@ -209,3 +215,28 @@ def _with_c_recurrences(call):
         return call
     update = _rebind(gated_delta.gated_delta_update, gated_delta_ops=_gated_delta_ops)
     return _rebind(call, gated_delta_update=update)
+
+
+class _DepthwiseConv1d(nn.Conv1d):
+    """A recurrent module's short causal convolution (depthwise: one filter a channel, on
+    an input already padded with the state), in C where MLX's CPU convolution is slow
+    (0.5 ms a layer for a 32-row decode); mlx's own anywhere else."""
+
+    def __call__(self, x):
+        from cluster.worker.kernels import cpu
+
+        w = self.weight
+        bias = self["bias"] if "bias" in self else None
+        if (x.ndim == 3 and x.dtype == mx.float32 and w.dtype == mx.float32 and x.shape[1] >= w.shape[1]
+                and (bias is None or bias.dtype == mx.float32)
+                and mx.default_device() == mx.cpu and cpu.available()):
+            return cpu.depthwise_conv1d(x, w, bias)
+        return super().__call__(x)
+
+
+def _depthwise(module: nn.Module) -> None:
+    """Its depthwise Conv1d children (stride 1, no padding or dilation) run in C."""
+    for child in module.children().values():
+        if (type(child) is nn.Conv1d and child.groups == child.weight.shape[0] > 1 and child.weight.shape[2] == 1
+                and child.stride == 1 and child.padding == 0 and child.dilation == 1):
+            child.__class__ = _DepthwiseConv1d

@@ -101,6 +101,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.orch_swiglu_f32.argtypes = [_PTR, _PTR, _PTR, _I64]
     lib.orch_gated_delta.restype = ctypes.c_int
     lib.orch_gated_delta.argtypes = [_PTR] * 8 + [_I64, _I64, _I32, _I32, _I32, _I32, _I32]
+    lib.orch_depthwise_conv1d.restype = None
+    lib.orch_depthwise_conv1d.argtypes = [_PTR] * 4 + [_I64, _I64, _I64, _I32]
     lib.orch_write_rows.restype = None
     lib.orch_write_rows.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
     return lib
@@ -316,3 +318,26 @@ def gated_delta(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arr
     if rc != 0:
         raise ValueError(f"the C gated delta rule does not take Dk={Dk} (at most 1024), Hv={Hv}, Hk={Hk}")
     return mx.array(y), mx.array(new)
+
+
+def depthwise_conv1d(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
+    """`mx.conv1d(x, weight, groups=C)` (+ bias), stride 1, no padding, all float32: x [B, L,
+    C], weight [C, K, 1]; returns [B, L - K + 1, C]. Evaluates its inputs."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    B, L, C = x.shape
+    K = weight.shape[1]
+    if weight.shape != (C, K, 1) or (bias is not None and bias.shape != (C,)) or L < K:
+        raise ValueError(f"not a depthwise convolution: x {x.shape}, weight {weight.shape}, "
+                         f"bias {None if bias is None else bias.shape}")
+    if any(a.dtype != mx.float32 for a in (x, weight) + (() if bias is None else (bias,))):
+        raise TypeError("the C depthwise convolution takes float32 arrays")
+    mx.eval(x, weight, *(() if bias is None else (bias,)))
+    xh, wh = _host(x, np.float32), _host(weight, np.float32)
+    bh = None if bias is None else _host(bias, np.float32)
+    out = np.empty((B, L - K + 1, C), np.float32)
+    lib.orch_depthwise_conv1d(xh.ctypes.data, wh.ctypes.data, None if bh is None else bh.ctypes.data,
+                              out.ctypes.data, B, L, C, K)
+    del xh, wh, bh
+    return mx.array(out)

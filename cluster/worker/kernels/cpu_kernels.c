@@ -400,3 +400,34 @@ int orch_gated_delta(const float *q, const float *k, const float *v, const float
     }
     return 0;
 }
+
+/* A depthwise convolution (groups = channels, stride 1, no padding, no dilation: the
+ * short causal convolutions of Qwen3-Next / Qwen3.5, Mamba-2 and LFM2, whose inputs come
+ * already padded with the state): x [B, L, C], w [C, K] (mlx's [C, K, 1]), bias [C] or
+ * NULL; out [B, L - K + 1, C] = sum over k of x[b, t + k, c] w[c, k] (+ bias[c]), summed
+ * in order of k. Runs along c, so the loops vectorise. */
+void orch_depthwise_conv1d(const float *x, const float *w, const float *bias, float *out,
+                           int64_t B, int64_t L, int64_t C, int32_t K)
+{
+    const int64_t Lo = L - K + 1;
+    if (Lo <= 0) return;
+    float *wt = malloc(sizeof(float) * (size_t)(K * C)); /* [K, C]: tap k of every channel, contiguous */
+    if (!wt) return;
+    for (int64_t c = 0; c < C; c++)
+        for (int k = 0; k < K; k++) wt[k * C + c] = w[c * K + k];
+#pragma omp parallel for schedule(static) collapse(2) if (B * Lo * C * K > 262144)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t t = 0; t < Lo; t++) {
+            float *o = out + (b * Lo + t) * C;
+            const float *xi = x + (b * L + t) * C;
+            for (int64_t c = 0; c < C; c++) o[c] = xi[c] * wt[c];
+            for (int k = 1; k < K; k++) {
+                const float *xk = xi + k * C, *wk = wt + k * C;
+                for (int64_t c = 0; c < C; c++) o[c] += xk[c] * wk[c];
+            }
+            if (bias)
+                for (int64_t c = 0; c < C; c++) o[c] += bias[c];
+        }
+    }
+    free(wt);
+}
