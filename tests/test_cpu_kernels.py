@@ -407,3 +407,60 @@ def test_depthwise_convolution_in_c_is_mlxs(B, L, C, K, bias):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="depthwise"):
         cpu.depthwise_conv1d(x, mx.zeros((C, K, 2)), None)
+
+
+@pytest.mark.parametrize("M,K,N,bias", [(1, 64, 24, False), (16, 512, 96, True), (3, 40, 7, True),
+                                        (5, 13, 9, False), (32, 128, 130, False)])
+def test_linear_in_c_is_numpys(M, K, N, bias):
+    """The C linear (few-row x @ W.T + b) against numpy in float64: full 2 x 4 blocks and
+    the edges (odd rows, a weight-row count not a multiple of 4, K not a multiple of 8),
+    on an aligned weight copy and on the original; a leading batch axis is kept."""
+    rng = np.random.default_rng(M * K + N)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    x = rng.standard_normal((1, M, K)).astype(np.float32)
+    b = rng.standard_normal(N).astype(np.float32) if bias else None
+    want = x.astype(np.float64) @ w.T.astype(np.float64) + (0 if b is None else b)
+    wa = cpu.aligned_copy(mx.array(w))
+    assert np.asarray(memoryview(wa)).ctypes.data % 64 == 0
+    np.testing.assert_array_equal(np.asarray(wa), w)
+    for weight in (wa, mx.array(w)):
+        got = cpu.linear(mx.array(x), weight, None if b is None else mx.array(b))
+        assert got.shape == (1, M, N)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * K**0.5)
+
+
+def test_the_engine_runs_decode_linears_in_c_and_prefill_chunks_in_blas(tmp_path, monkeypatch):
+    """With the C kernels a model's Linears and tied LM head take the C path for a decode
+    step's few rows and BLAS for a long prefill chunk; the tokens are mlx-lm's."""
+    from mlx_lm.utils import load
+
+    from cluster.modelgen import create_model
+    from cluster.worker import model_runner
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.engine import Engine
+    from cluster.worker.sampling_params import SamplingParams
+
+    if mx.metal.is_available():
+        pytest.skip("the C linear serves the CPU backend")
+    monkeypatch.setattr(kernels, "_forced", "cpu")
+    path = create_model(tmp_path / "m", "qwen3", "tiny", seed=3)
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, block_size=16))
+    modules = [type(m) for _, m in engine.runner.model.named_modules()]
+    assert model_runner._CLinear in modules and model_runner._CEmbedding in modules
+    assert nn_linear_count(engine.runner.model) == 0  # every float32 Linear swapped
+    rows, real = [], cpu.linear
+    monkeypatch.setattr(cpu, "linear", lambda x, *a: rows.append(x.size // x.shape[-1]) or real(x, *a))
+    prompt = [(7 * i) % 500 + 3 for i in range(80)]  # 80 rows: BLAS
+    got = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert rows and max(rows) <= model_runner.C_LINEAR_MAX_ROWS and 1 in rows
+    model, _ = load(str(path))
+    from mlx_lm.generate import generate_step
+
+    want = [int(t) for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=5), range(5))]
+    assert got == want
+
+
+def nn_linear_count(model) -> int:
+    import mlx.nn as nn
+
+    return sum(type(m) is nn.Linear for _, m in model.named_modules())

@@ -103,6 +103,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.orch_gated_delta.argtypes = [_PTR] * 8 + [_I64, _I64, _I32, _I32, _I32, _I32, _I32]
     lib.orch_depthwise_conv1d.restype = None
     lib.orch_depthwise_conv1d.argtypes = [_PTR] * 4 + [_I64, _I64, _I64, _I32]
+    lib.orch_linear_f32.restype = ctypes.c_int
+    lib.orch_linear_f32.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64]
     lib.orch_write_rows.restype = None
     lib.orch_write_rows.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
     return lib
@@ -341,3 +343,46 @@ def depthwise_conv1d(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx
                               out.ctypes.data, B, L, C, K)
     del xh, wh, bh
     return mx.array(out)
+
+
+def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    """x @ weight.T (+ bias), float32, for a few rows: x [..., K], weight [N, K] (an
+    nn.Linear's). Evaluates its inputs. Fastest when the weight is 32-byte aligned
+    (`aligned_copy`)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    N, K = weight.shape
+    if x.shape[-1] != K or (bias is not None and bias.shape != (N,)):
+        raise ValueError(f"linear: x {x.shape}, weight {weight.shape}, bias {None if bias is None else bias.shape}")
+    if any(a.dtype != mx.float32 for a in (x, weight) + (() if bias is None else (bias,))):
+        raise TypeError("the C linear takes float32 arrays")
+    mx.eval(x, weight, *(() if bias is None else (bias,)))
+    xh, wh = _host(x, np.float32).reshape(-1, K), _host(weight, np.float32)
+    bh = None if bias is None else _host(bias, np.float32)
+    y = np.empty((xh.shape[0], N), np.float32)
+    rc = lib.orch_linear_f32(xh.ctypes.data, xh.shape[0], K, wh.ctypes.data, None if bh is None else bh.ctypes.data,
+                             y.ctypes.data, N)
+    del xh, wh, bh
+    if rc != 0:
+        raise MemoryError("the C linear could not allocate its scratch")
+    return mx.array(y).reshape(*x.shape[:-1], N)
+
+
+def aligned_copy(a: mx.array, alignment: int = 64) -> mx.array:
+    """A float32 copy of `a` whose data starts on an `alignment`-byte boundary: a view
+    into a buffer a little larger (MLX's allocator puts data 24 bytes past a 64-byte
+    boundary, a loaded weight anywhere), so the C kernels' vector loads never straddle
+    cache lines. Written through the buffer, as the K/V pools are."""
+    if a.dtype != mx.float32:
+        raise TypeError(f"aligned_copy takes float32, not {a.dtype}")
+    n, step = a.size, alignment // 4
+    buf = mx.zeros((n + step,), mx.float32)
+    mx.eval(buf, a)
+    host = np.asarray(memoryview(buf))
+    skip = (-host.ctypes.data % alignment) // 4
+    host[skip: skip + n] = np.asarray(memoryview(a)).reshape(-1)
+    del host
+    view = buf[skip: skip + n].reshape(a.shape)
+    mx.eval(view)
+    return view

@@ -431,3 +431,85 @@ void orch_depthwise_conv1d(const float *x, const float *w, const float *bias, fl
     }
     free(wt);
 }
+
+/* y [M, N] = x [M, K] w [N, K]^T (+ bias [N]): an nn.Linear for the few rows of a decode
+ * step, float32. BLAS packs the whole weight matrix into its own layout on every call, which
+ * at a few rows costs more than the product; here each weight row is read once, in place,
+ * and dotted with every row of x while it is in L1: blocks of 4 weight rows x 3 x rows (12
+ * 8-wide accumulators), each summed across its lanes at the end. Weight blocks are
+ * split over the threads. x is copied to an aligned scratch first; the weights' loads are
+ * aligned when the matrix is (cpu.py allocates them so). */
+typedef float vf8u __attribute__((vector_size(32), aligned(4)));
+
+static inline float hsum8(vf8 v) {
+    const float a = (v[0] + v[4]) + (v[1] + v[5]), b = (v[2] + v[6]) + (v[3] + v[7]);
+    return a + b;
+}
+
+static inline vf8 ld8(const float *p) { return *(const vf8u *)p; }
+
+#define LIN_MR 3
+#define LIN_NR 4
+
+/* rows m0 .. m0 + mr of x (mr <= LIN_MR) against weight rows n0 .. n0 + nr (nr <= LIN_NR) */
+static inline __attribute__((always_inline)) void linear_block(
+    const float *x, int64_t K, const float *w, const float *bias, float *y,
+    int64_t N, int64_t m0, int mr, int64_t n0, int nr)
+{
+    const int64_t K8 = K & ~(int64_t)7;
+    vf8 acc[LIN_MR][LIN_NR];
+    for (int i = 0; i < LIN_MR; i++)
+        for (int j = 0; j < LIN_NR; j++) acc[i][j] = (vf8){0};
+    const float *xr[LIN_MR], *wr[LIN_NR];
+    for (int i = 0; i < LIN_MR; i++) xr[i] = x + (m0 + (i < mr ? i : 0)) * K;
+    for (int j = 0; j < LIN_NR; j++) wr[j] = w + (n0 + (j < nr ? j : 0)) * K;
+    if (mr == LIN_MR && nr == LIN_NR) {
+        /* 12 accumulators (enough independent FMA chains to fill both pipes) + 4 weight
+         * vectors = AVX2's 16 registers; x is read as the FMAs' memory operand */
+        const float *x0 = xr[0], *x1 = xr[1], *x2 = xr[2];
+        vf8 a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0},
+            a20 = {0}, a21 = {0}, a22 = {0}, a23 = {0};
+        for (int64_t k = 0; k < K8; k += 8) {
+            const vf8 w0 = ld8(wr[0] + k), w1 = ld8(wr[1] + k), w2 = ld8(wr[2] + k), w3 = ld8(wr[3] + k);
+            vf8 xv = ld8(x0 + k);
+            a00 += xv * w0; a01 += xv * w1; a02 += xv * w2; a03 += xv * w3;
+            xv = ld8(x1 + k);
+            a10 += xv * w0; a11 += xv * w1; a12 += xv * w2; a13 += xv * w3;
+            xv = ld8(x2 + k);
+            a20 += xv * w0; a21 += xv * w1; a22 += xv * w2; a23 += xv * w3;
+        }
+        acc[0][0] = a00; acc[0][1] = a01; acc[0][2] = a02; acc[0][3] = a03;
+        acc[1][0] = a10; acc[1][1] = a11; acc[1][2] = a12; acc[1][3] = a13;
+        acc[2][0] = a20; acc[2][1] = a21; acc[2][2] = a22; acc[2][3] = a23;
+    } else {
+        for (int64_t k = 0; k < K8; k += 8)
+            for (int i = 0; i < mr; i++) {
+                const vf8 xv = ld8(xr[i] + k);
+                for (int j = 0; j < nr; j++) acc[i][j] += xv * ld8(wr[j] + k);
+            }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            float s = hsum8(acc[i][j]);
+            for (int64_t k = K8; k < K; k++) s += xr[i][k] * wr[j][k];
+            y[(m0 + i) * N + n0 + j] = bias ? s + bias[n0 + j] : s;
+        }
+}
+
+int orch_linear_f32(const float *x, int64_t M, int64_t K, const float *w, const float *bias, float *y, int64_t N)
+{
+    if (M <= 0 || N <= 0) return 0;
+    float *xa = aligned_alloc(64, (size_t)((M * K * 4 + 63) & ~(int64_t)63));
+    if (!xa) return -2;
+    memcpy(xa, x, (size_t)(M * K) * sizeof(float));
+    const int64_t nb = (N + LIN_NR - 1) / LIN_NR;
+#pragma omp parallel for schedule(static) if (M * N * K > 200000)
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t n0 = b * LIN_NR;
+        const int nr = N - n0 < LIN_NR ? (int)(N - n0) : LIN_NR;
+        for (int64_t m0 = 0; m0 < M; m0 += LIN_MR)
+            linear_block(xa, K, w, bias, y, N, m0, M - m0 < LIN_MR ? (int)(M - m0) : LIN_MR, n0, nr);
+    }
+    free(xa);
+    return 0;
+}
