@@ -446,7 +446,7 @@ def test_the_engine_runs_decode_linears_in_c_and_prefill_chunks_in_blas(tmp_path
     path = create_model(tmp_path / "m", "qwen3", "tiny", seed=3)
     engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, block_size=16))
     modules = [type(m) for _, m in engine.runner.model.named_modules()]
-    assert model_runner._CLinear in modules and model_runner._CEmbedding in modules
+    assert {model_runner._CLinear, model_runner._CEmbedding, model_runner._CRoPE} <= set(modules)
     assert nn_linear_count(engine.runner.model) == 0  # every float32 Linear swapped
     rows, real = [], cpu.linear
     monkeypatch.setattr(cpu, "linear", lambda x, *a: rows.append(x.size // x.shape[-1]) or real(x, *a))
@@ -464,3 +464,18 @@ def nn_linear_count(model) -> int:
     import mlx.nn as nn
 
     return sum(type(m) is nn.Linear for _, m in model.named_modules())
+
+
+@pytest.mark.parametrize("dims,traditional,base,scale", [(64, False, 1e6, 1.0), (64, True, 1e4, 1.0),
+                                                         (16, False, 1e7, 1.0), (32, False, 1e4, 0.25)])
+def test_rope_in_c_is_mlxs(dims, traditional, base, scale):
+    """The C RoPE against mlx's `fast.rope` with a position per row (the packed step):
+    halves and pairs, partial rotation (the features past `dims` untouched), a position
+    scale; positions up to 8,000. Equal to float32 rounding of the angle's cos and sin."""
+    rng = np.random.default_rng(dims)
+    x = mx.array(rng.standard_normal((16, 8, 1, 64)).astype(np.float32))
+    positions = mx.array(rng.integers(0, 8000, 16).astype(np.int32))
+    want = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=positions)
+    got = cpu.rope(x, positions, dims, traditional, cpu.rope_frequencies(dims, base), scale)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(got)[..., dims:], np.asarray(x)[..., dims:])

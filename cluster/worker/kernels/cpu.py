@@ -18,6 +18,7 @@ half-precision tile widened to float32 as it is read.
 from __future__ import annotations
 
 import ctypes
+import math
 import hashlib
 import logging
 import os
@@ -105,6 +106,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.orch_depthwise_conv1d.argtypes = [_PTR] * 4 + [_I64, _I64, _I64, _I32]
     lib.orch_linear_f32.restype = ctypes.c_int
     lib.orch_linear_f32.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64]
+    lib.orch_rope_f32.restype = None
+    lib.orch_rope_f32.argtypes = [_PTR] * 4 + [_I64, _I64, _I32, _I32, _I32, _F32]
     lib.orch_write_rows.restype = None
     lib.orch_write_rows.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
     return lib
@@ -386,3 +389,32 @@ def aligned_copy(a: mx.array, alignment: int = 64) -> mx.array:
     view = buf[skip: skip + n].reshape(a.shape)
     mx.eval(view)
     return view
+
+
+def rope(x: mx.array, positions: mx.array, dims: int, traditional: bool, inv_freq: mx.array,
+         scale: float) -> mx.array:
+    """mlx's `fast.rope(x, dims, traditional=..., base=..., scale=..., offset=positions)` for a
+    packed step: x [T, H, 1, D] float32 (a row per token), positions [T]; the frequencies
+    `inv_freq` [dims / 2] as `rope_frequencies` gives them. Evaluates its inputs."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    T, H, L, D = x.shape
+    if L != 1 or positions.shape != (T,) or dims > D or dims % 2 or inv_freq.shape != (dims // 2,) \
+            or D > MAX_HEAD_DIM:
+        raise ValueError(f"rope: x {x.shape}, positions {positions.shape}, dims {dims}, inv_freq {inv_freq.shape}")
+    if x.dtype != mx.float32:
+        raise TypeError(f"the C rope takes float32, not {x.dtype}")
+    mx.eval(x, positions, inv_freq)
+    xh, ph, fh = _host(x, np.float32), _host(positions, np.int32), _host(inv_freq, np.float32)
+    out = np.empty((T, H, 1, D), np.float32)
+    lib.orch_rope_f32(xh.ctypes.data, ph.ctypes.data, fh.ctypes.data, out.ctypes.data, T, H, D, dims,
+                      int(traditional), scale)
+    del xh, ph, fh
+    return mx.array(out)
+
+
+def rope_frequencies(dims: int, base: float) -> mx.array:
+    """The dims / 2 inverse frequencies of RoPE with this base, in float32, computed as mlx
+    computes them: base ** (-2i / dims)."""
+    return mx.exp(mx.arange(dims // 2, dtype=mx.float32) * (-math.log(base) / (dims // 2)))

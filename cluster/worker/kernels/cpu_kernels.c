@@ -513,3 +513,41 @@ int orch_linear_f32(const float *x, int64_t M, int64_t K, const float *w, const 
     free(xa);
     return 0;
 }
+
+/* RoPE for a step's rows, as mlx's `fast.rope` with a position per row: x, out [T, H, D]
+ * float32; row t at position pos[t] * scale; the first `dims` features of each head rotate
+ * by angle position x inv_freq[i] (dims / 2 frequencies), as halves (i, i + dims / 2) or,
+ * `traditional`, as pairs (2i, 2i + 1); the rest are copied. cos and sin are computed once
+ * a row, for all its heads. */
+void orch_rope_f32(const float *x, const int32_t *pos, const float *inv_freq, float *out,
+                   int64_t T, int64_t H, int32_t D, int32_t dims, int32_t traditional, float scale)
+{
+    const int half = dims / 2;
+#pragma omp parallel for schedule(static) if (T * H * D > 262144)
+    for (int64_t t = 0; t < T; t++) {
+        float c[MAX_HEAD_DIM / 2], s[MAX_HEAD_DIM / 2];
+        const float p = (float)pos[t] * scale;
+        for (int i = 0; i < half; i++) {
+            const float a = p * inv_freq[i];
+            c[i] = cosf(a);
+            s[i] = sinf(a);
+        }
+        for (int64_t h = 0; h < H; h++) {
+            const float *xr = x + (t * H + h) * D;
+            float *o = out + (t * H + h) * D;
+            if (traditional)
+                for (int i = 0; i < half; i++) {
+                    const float x1 = xr[2 * i], x2 = xr[2 * i + 1];
+                    o[2 * i] = x1 * c[i] - x2 * s[i];
+                    o[2 * i + 1] = x1 * s[i] + x2 * c[i];
+                }
+            else
+                for (int i = 0; i < half; i++) {
+                    const float x1 = xr[i], x2 = xr[i + half];
+                    o[i] = x1 * c[i] - x2 * s[i];
+                    o[i + half] = x1 * s[i] + x2 * c[i];
+                }
+            for (int i = 2 * half; i < D; i++) o[i] = xr[i];
+        }
+    }
+}
