@@ -331,9 +331,10 @@ def test_a_failed_start_leaves_nothing_running(tiny_model_dir):
     """The metrics port is taken: start() raises, and the engine thread and the gRPC server
     it had already started are stopped (the gRPC port can be bound again)."""
     import socket
+    import sys
 
     from cluster.worker.config import EngineConfig
-    from cluster.worker.server import WorkerOptions, WorkerServer
+    from cluster.worker.server import GIL_SWITCH_INTERVAL_S, WorkerOptions, WorkerServer
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -345,8 +346,14 @@ def test_a_failed_start_leaves_nothing_running(tiny_model_dir):
                                 grpc_address=f"127.0.0.1:{grpc_port}",
                                 metrics_address=f"127.0.0.1:{taken.getsockname()[1]}")
         server = WorkerServer(options)
-        with pytest.raises(OSError, match="cannot listen"):
-            asyncio.run(server.start())
+        default = sys.getswitchinterval()
+        try:
+            with pytest.raises(OSError, match="cannot listen"):
+                asyncio.run(server.start())
+            # the engine thread gets the GIL back quickly from the streaming side (server.py)
+            assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
+        finally:
+            sys.setswitchinterval(default)
     assert not server.engine_loop._thread.is_alive()
     with socket.socket() as again:
         again.bind(("127.0.0.1", grpc_port))
