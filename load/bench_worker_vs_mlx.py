@@ -391,8 +391,9 @@ def main() -> int:
     if len(names) == 2:
         o, m = out["orchard"], out["mlx"]
         tput, ttft = o["output_tok_s"] / m["output_tok_s"], o["ttft_mean"] / m["ttft_mean"]
-        print(f"\ntarget: >= 1.5x mlx-lm's output tokens/s (got {tput:.2f}x) and <= 0.25x its mean TTFT "
-              f"(got {ttft:.2f}x): {'MET' if tput >= 1.5 and ttft <= 0.25 else 'MISSED'}")
+        # issue 17 raised the throughput target from 1.5x to 2x
+        print(f"\ntarget: >= 2x mlx-lm's output tokens/s (got {tput:.2f}x) and <= 0.25x its mean TTFT "
+              f"(got {ttft:.2f}x): {'MET' if tput >= 2 and ttft <= 0.25 else 'MISSED'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"median": out, "runs": runs}, indent=2) + "\n")
     return 0
