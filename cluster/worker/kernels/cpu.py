@@ -102,7 +102,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.orch_swiglu_f32.argtypes = [_PTR, _PTR, _PTR, _I64]
     lib.orch_gated_delta.restype = ctypes.c_int
     lib.orch_gated_delta.argtypes = [_PTR] * 8 + [_I64, _I64, _I32, _I32, _I32, _I32, _I32]
-    lib.orch_depthwise_conv1d.restype = None
+    lib.orch_depthwise_conv1d.restype = ctypes.c_int
     lib.orch_depthwise_conv1d.argtypes = [_PTR] * 4 + [_I64, _I64, _I64, _I32]
     lib.orch_linear_f32.restype = ctypes.c_int
     lib.orch_linear_f32.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64]
@@ -342,9 +342,11 @@ def depthwise_conv1d(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx
     xh, wh = _host(x, np.float32), _host(weight, np.float32)
     bh = None if bias is None else _host(bias, np.float32)
     out = np.empty((B, L - K + 1, C), np.float32)
-    lib.orch_depthwise_conv1d(xh.ctypes.data, wh.ctypes.data, None if bh is None else bh.ctypes.data,
-                              out.ctypes.data, B, L, C, K)
+    rc = lib.orch_depthwise_conv1d(xh.ctypes.data, wh.ctypes.data, None if bh is None else bh.ctypes.data,
+                                   out.ctypes.data, B, L, C, K)
     del xh, wh, bh
+    if rc != 0:
+        raise MemoryError("the C depthwise convolution could not allocate its transposed weights")
     return mx.array(out)
 
 

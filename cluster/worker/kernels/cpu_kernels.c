@@ -406,13 +406,13 @@ int orch_gated_delta(const float *q, const float *k, const float *v, const float
  * already padded with the state): x [B, L, C], w [C, K] (mlx's [C, K, 1]), bias [C] or
  * NULL; out [B, L - K + 1, C] = sum over k of x[b, t + k, c] w[c, k] (+ bias[c]), summed
  * in order of k. Runs along c, so the loops vectorise. */
-void orch_depthwise_conv1d(const float *x, const float *w, const float *bias, float *out,
-                           int64_t B, int64_t L, int64_t C, int32_t K)
+int orch_depthwise_conv1d(const float *x, const float *w, const float *bias, float *out,
+                          int64_t B, int64_t L, int64_t C, int32_t K)
 {
     const int64_t Lo = L - K + 1;
-    if (Lo <= 0) return;
+    if (Lo <= 0 || K < 1) return -1;
     float *wt = malloc(sizeof(float) * (size_t)(K * C)); /* [K, C]: tap k of every channel, contiguous */
-    if (!wt) return;
+    if (!wt) return -2;
     for (int64_t c = 0; c < C; c++)
         for (int k = 0; k < K; k++) wt[k * C + c] = w[c * K + k];
 #pragma omp parallel for schedule(static) collapse(2) if (B * Lo * C * K > 262144)
@@ -430,6 +430,7 @@ void orch_depthwise_conv1d(const float *x, const float *w, const float *bias, fl
         }
     }
     free(wt);
+    return 0;
 }
 
 /* y [M, N] = x [M, K] w [N, K]^T (+ bias [N]): an nn.Linear for the few rows of a decode
