@@ -412,7 +412,7 @@ def test_depthwise_convolution_in_c_is_mlxs(B, L, C, K, bias):
 @pytest.mark.parametrize("M,K,N,bias", [(1, 64, 24, False), (16, 512, 96, True), (3, 40, 7, True),
                                         (5, 13, 9, False), (32, 128, 130, False)])
 def test_linear_in_c_is_numpys(M, K, N, bias):
-    """The C linear (few-row x @ W.T + b) against numpy in float64: full 2 x 4 blocks and
+    """The C linear (few-row x @ W.T + b) against numpy in float64: full 3 x 4 blocks and
     the edges (odd rows, a weight-row count not a multiple of 4, K not a multiple of 8),
     on an aligned weight copy and on the original; a leading batch axis is kept."""
     rng = np.random.default_rng(M * K + N)
@@ -448,11 +448,14 @@ def test_the_engine_runs_decode_linears_in_c_and_prefill_chunks_in_blas(tmp_path
     modules = [type(m) for _, m in engine.runner.model.named_modules()]
     assert {model_runner._CLinear, model_runner._CEmbedding, model_runner._CRoPE} <= set(modules)
     assert nn_linear_count(engine.runner.model) == 0  # every float32 Linear swapped
-    rows, real = [], cpu.linear
+    rows, ropes, real, real_rope = [], [], cpu.linear, cpu.rope
     monkeypatch.setattr(cpu, "linear", lambda x, *a: rows.append(x.size // x.shape[-1]) or real(x, *a))
+    monkeypatch.setattr(cpu, "rope", lambda x, *a: ropes.append(x.shape[0]) or real_rope(x, *a))
     prompt = [(7 * i) % 500 + 3 for i in range(80)]  # 80 rows: BLAS
     got = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
-    assert rows and max(rows) <= model_runner.C_LINEAR_MAX_ROWS and 1 in rows
+    assert rows and max(rows) < model_runner.C_LINEAR_MAX_ROWS and 1 in rows
+    assert 80 in ropes and 1 in ropes  # the prompt's rows and each decode row: RoPE in C
+    assert [model_runner._c_rows(n) for n in (1, 12, 16, 24, 32, 80)] == [True, True, False, True, False, False]
     model, _ = load(str(path))
     from mlx_lm.generate import generate_step
 

@@ -111,7 +111,7 @@ def test_hybrid_staggered_one_by_one(models, arch):
     check_family(models(arch), together=1)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "nemotron_h", "falcon_h1"])
 def test_equal_length_chunks_run_as_one_batch(models, arch):
     """Prompts of one length arriving together: their chunks run through each recurrent
     layer as one [G, L] batch (fresh, then continuing), still mlx-lm's tokens."""
@@ -150,23 +150,29 @@ def test_equal_length_chunks_run_as_one_batch(models, arch):
     if engine.runner.attention_backend == "cpu":  # the short convolutions (and qwen3_next's recurrence) ran in C
         k = 4  # the tiny models' convolution width: each input carries k - 1 steps of state
         assert (2, 20 + k - 1) in convolutions and (4, k) in convolutions
-        assert arch != "qwen3_next" or ((2, 20) in recurrences and (4, 1) in recurrences)
+        gated_delta_family = arch in ("qwen3_next", "qwen3_5")
+        assert not gated_delta_family or ((2, 20) in recurrences and (4, 1) in recurrences)
     model, _ = load(str(path))
     for prompt, tokens in zip(prompts, got):
         assert tokens == oracle(model, prompt, 6)[0]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_states_written_in_place_equal_the_scatter(models, arch):
+def test_states_written_in_place_equal_the_scatter(models, arch, monkeypatch):
     """With the C kernels each step's new states go into their slots by a memcpy a slot;
     elsewhere (Metal) by MLX's scatter. Two engines on the same requests, one each way,
     step by step: the same state pools bit for bit, and the same tokens."""
     import numpy as np
 
+    from cluster.worker.kernels import cpu
+
     engines = [Engine.from_pretrained(models(arch), CONFIG) for _ in range(2)]
     if not engines[0].runner.write_kv_in_c:
         pytest.skip("the states are written in place by the C kernels (CPU backend)")
     engines[1].runner.write_kv_in_c = False
+    state_pools = {id(p) for c in engines[0].runner.state_caches for p in c.pools if p is not None}
+    written, write_kv = [], cpu.write_kv
+    monkeypatch.setattr(cpu, "write_kv", lambda pool, *a: written.append(id(pool)) or write_kv(pool, *a))
     rng = random.Random(11)
     for i, n in enumerate(LENGTHS):
         prompt = [rng.randrange(3, 500) for _ in range(n)]
@@ -184,6 +190,7 @@ def test_states_written_in_place_equal_the_scatter(models, arch):
                     np.testing.assert_array_equal(np.asarray(pa), np.asarray(pb))
     assert not engines[0].has_unfinished() and not engines[1].has_unfinished()
     assert outputs[0] == outputs[1] and outputs[0]
+    assert state_pools <= set(written)  # the first engine's states went in by the C writer
 
 
 def test_prefix_caching_is_off_and_abort_frees_the_slot(models, caplog):

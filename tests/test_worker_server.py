@@ -327,7 +327,7 @@ def test_errors_are_orchard_errors(tiny_worker):
             client.generate("x", top_p=2.0)
 
 
-def test_a_failed_start_leaves_nothing_running(tiny_model_dir):
+def test_a_failed_start_leaves_nothing_running(tiny_model_dir, monkeypatch):
     """The metrics port is taken: start() raises, and the engine thread and the gRPC server
     it had already started are stopped (the gRPC port can be bound again)."""
     import socket
@@ -346,14 +346,14 @@ def test_a_failed_start_leaves_nothing_running(tiny_model_dir):
                                 grpc_address=f"127.0.0.1:{grpc_port}",
                                 metrics_address=f"127.0.0.1:{taken.getsockname()[1]}")
         server = WorkerServer(options)
-        default = sys.getswitchinterval()
-        try:
-            with pytest.raises(OSError, match="cannot listen"):
-                asyncio.run(server.start())
-            # the engine thread gets the GIL back quickly from the streaming side (server.py)
-            assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
-        finally:
-            sys.setswitchinterval(default)
+        default, intervals = sys.getswitchinterval(), []
+        real = sys.setswitchinterval
+        monkeypatch.setattr(sys, "setswitchinterval", lambda s: intervals.append(s) or real(s))
+        with pytest.raises(OSError, match="cannot listen"):
+            asyncio.run(server.start())
+    # the engine thread got the GIL back quickly from the streaming side while it ran
+    # (server.py), and stop() gave the process its own interval back
+    assert intervals == [GIL_SWITCH_INTERVAL_S, default] and sys.getswitchinterval() == default
     assert not server.engine_loop._thread.is_alive()
     with socket.socket() as again:
         again.bind(("127.0.0.1", grpc_port))

@@ -26,8 +26,9 @@ is which; the runner hands it a `LayerCaches` that its code indexes as mlx-lm's 
 Any other CacheList shape is refused, naming it.
 
 The head geometry of every layer (KV heads, K and V widths) is measured, not guessed: a
-forward over one token with recording caches builds the graph (never evaluated) and
-reads the shapes each layer writes.
+forward over one token with recording caches builds the graph and reads the shapes
+each layer writes (on a CPU the C kernels it reaches evaluate their inputs: one token's
+worth of work).
 """
 
 from __future__ import annotations
@@ -415,7 +416,7 @@ class _ProbeCache:
 
 
 def probe_forward(model: nn.Module, specs: list[LayerSpec]) -> list[tuple["_ProbeCache | None", object]]:
-    """One token's forward, unevaluated: per layer, the _ProbeCache that recorded what its
+    """One token's forward (lazy but for what a C kernel evaluates): per layer, the _ProbeCache that recorded what its
     attention writes and the fresh mlx-lm cache its recurrent module ran on (None where it
     has no such part)."""
     attach(model)

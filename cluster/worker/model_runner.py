@@ -107,11 +107,17 @@ def _c_rows(rows: int) -> bool:
     return rows < C_LINEAR_MAX_ROWS and rows % 16 != 0
 
 
+def _c_linear(x: mx.array) -> bool:
+    from cluster.worker.kernels import cpu
+
+    return _c_rows(x.size // x.shape[-1]) and cpu.runs_here(x)
+
+
 class _CLinear(nn.Linear):
     def __call__(self, x):
         from cluster.worker.kernels import cpu
 
-        if x.dtype == mx.float32 and _c_rows(x.size // x.shape[-1]):
+        if _c_linear(x):
             return cpu.linear(x, self.weight, self["bias"] if "bias" in self else None)
         return super().__call__(x)
 
@@ -120,7 +126,7 @@ class _CEmbedding(nn.Embedding):
     def as_linear(self, x):  # a tied LM head
         from cluster.worker.kernels import cpu
 
-        if x.dtype == mx.float32 and _c_rows(x.size // x.shape[-1]):
+        if _c_linear(x):
             return cpu.linear(x, self.weight)
         return super().as_linear(x)
 
@@ -133,7 +139,7 @@ class _CRoPE(nn.RoPE):
         from cluster.worker.kernels import cpu
 
         if (isinstance(offset, mx.array) and x.ndim == 4 and x.shape[2] == 1 and offset.shape == (x.shape[0],)
-                and x.dtype == mx.float32 and x.shape[-1] <= cpu.MAX_HEAD_DIM):
+                and x.shape[-1] <= cpu.MAX_HEAD_DIM and cpu.runs_here(x)):
             freqs = self.__dict__.get("_orchard_freqs")
             if freqs is None:
                 freqs = cpu.rope_frequencies(self.dims, self.base)
@@ -153,12 +159,16 @@ def _use_c_kernels(model: nn.Module) -> None:
     if platform.has_metal() or kernels.backend() != "cpu" or not cpu.available():
         return
     swaps = {nn.Linear: _CLinear, nn.Embedding: _CEmbedding, nn.RoPE: _CRoPE}
+    copies: dict[int, tuple[mx.array, mx.array]] = {}  # a weight two modules share (a tied head) is copied once
     for _, m in model.named_modules():
         cls = swaps.get(type(m))
         if cls is _CRoPE:
             m.__class__ = cls
         elif cls is not None and m.weight.dtype == mx.float32:
-            m.weight = cpu.aligned_copy(m.weight)
+            w = m.weight
+            if id(w) not in copies:
+                copies[id(w)] = (w, cpu.aligned_copy(w))  # the original kept until done: ids stay unique
+            m.weight = copies[id(w)][1]
             m.__class__ = cls
 
 

@@ -23,7 +23,7 @@ C (kernels/cpu_kernels.c) computing the same thing: the gated delta rule's recur
 On a Mac mlx-lm's own Metal kernels run.
 
 The state arrays' shapes and dtypes are measured, not guessed: one token through the
-model on mlx-lm's own caches (`measure_states`), graph built, never evaluated.
+model on mlx-lm's own caches (`measure_states`).
 """
 
 from __future__ import annotations
@@ -199,8 +199,7 @@ def _gated_delta_ops(q, k, v, g, beta, state=None, mask=None):
 
     from cluster.worker.kernels import cpu
 
-    if (mask is None and state is not None and mx.default_device() == mx.cpu and cpu.available()
-            and all(a.dtype == mx.float32 for a in (q, k, v, g, beta, state))):
+    if mask is None and state is not None and q.shape[-1] <= cpu.GDN_MAX_DK and cpu.runs_here(q, k, v, g, beta, state):
         return cpu.gated_delta(q, k, v, g, beta, state)
     return gated_delta.gated_delta_ops(q, k, v, g, beta, state, mask)
 
@@ -227,9 +226,7 @@ class _DepthwiseConv1d(nn.Conv1d):
 
         w = self.weight
         bias = self["bias"] if "bias" in self else None
-        if (x.ndim == 3 and x.dtype == mx.float32 and w.dtype == mx.float32 and x.shape[1] >= w.shape[1]
-                and (bias is None or bias.dtype == mx.float32)
-                and mx.default_device() == mx.cpu and cpu.available()):
+        if x.ndim == 3 and x.shape[1] >= w.shape[1] and cpu.runs_here(x, w, *(() if bias is None else (bias,))):
             return cpu.depthwise_conv1d(x, w, bias)
         return super().__call__(x)
 

@@ -73,6 +73,7 @@ class WorkerServer:
         self.endpoints = Endpoints(security=options.security)
         self._registrations: list = []
         self._watchdog: asyncio.Task | None = None
+        self._switch_interval: float | None = None
 
     @property
     def addresses(self) -> dict[str, str]:
@@ -97,7 +98,8 @@ class WorkerServer:
         from cluster.worker.service import WorkerService
 
         opts = self.options
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # a worker process (or Ray actor) serves one engine
+        self._switch_interval = sys.getswitchinterval()  # given back by stop()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         port = self.endpoints.bind_grpc(opts.grpc_address)
         worker_id = opts.worker_id or default_worker_id(opts, port)
 
@@ -182,6 +184,9 @@ class WorkerServer:
         await self.endpoints.stop(self.options.grace_seconds)
         if self.service is not None:
             await self.service.stop()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
 
 async def run_until_signalled(options: WorkerOptions, ready_line: bool = True) -> None:

@@ -161,6 +161,21 @@ def available() -> bool:
     return load() is not None
 
 
+def _loaded() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    return lib
+
+
+def runs_here(*arrays: mx.array) -> bool:
+    """Whether an op on these arrays can take a C kernel: all float32, on MLX's CPU device,
+    the kernels built. (The callers' own checks are about shapes.)"""
+    return mx.default_device() == mx.cpu and all(a.dtype == mx.float32 for a in arrays) and available()
+
+
+GDN_MAX_DK = 1024  # as in cpu_kernels.c
+
 # the C kernel's kv_kind for each pool dtype
 KV_KINDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 
@@ -243,9 +258,7 @@ def paged_attention_cpu(
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x in float32, as mlx-lm's `swiglu` (evaluates its inputs)."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    lib = _loaded()
     if gate.shape != x.shape or gate.dtype != mx.float32 or x.dtype != mx.float32:
         raise TypeError(f"swiglu takes two float32 arrays of one shape, not {gate.shape} {gate.dtype} "
                         f"and {x.shape} {x.dtype}")
@@ -264,9 +277,7 @@ def write_kv(k_pool: mx.array, v_pool: mx.array | None, slot_mapping: mx.array, 
     KVH x D) to rows `slot_mapping` of the flat pools [slots, KVH, D]; converted to the
     pool's dtype by MLX first (the same rounding as a scatter would do). Evaluates its
     inputs; the pools must be evaluated arrays nobody else is updating (the engine's)."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    lib = _loaded()
     T, row = slot_mapping.shape[0], k_pool.shape[1:]
     keys = keys.reshape(T, *row).astype(k_pool.dtype)
     values = None if values is None else values.reshape(T, *row).astype(k_pool.dtype)
@@ -287,7 +298,9 @@ def write_kv(k_pool: mx.array, v_pool: mx.array | None, slot_mapping: mx.array, 
     # a row's size from the pool, not from kh.strides[0]: numpy calls an array whose first
     # axis has length 1 contiguous whatever that axis's stride is (a slice's, say)
     row_bytes = kp.nbytes // max(kp.shape[0], 1)
-    assert kh.flags.c_contiguous and kh.nbytes == T * row_bytes
+    if not (kh.flags.c_contiguous and kh.nbytes == T * row_bytes and (vh is None or vh.nbytes == kh.nbytes)
+            and (vp is None or (vp.flags.writeable and vp.nbytes == kp.nbytes))):
+        raise ValueError(f"rows {kh.shape} do not fit pool rows of {row_bytes} bytes")
     lib.orch_write_rows(kh.ctypes.data, None if vh is None else vh.ctypes.data, slots.ctypes.data, T,
                         row_bytes, kp.ctypes.data, None if vp is None else vp.ctypes.data)
     del kp, vp
@@ -299,9 +312,7 @@ def gated_delta(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arr
     float32: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g [B, T, Hv] or [B, T, Hv, Dk]; beta
     [B, T, Hv]; state [B, Hv, Dv, Dk]. Returns y [B, T, Hv, Dv] and the new state.
     Evaluates its inputs."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    lib = _loaded()
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     arrays = (q, k, v, g, beta, state)
@@ -321,16 +332,14 @@ def gated_delta(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arr
                               sh.ctypes.data, new.ctypes.data, y.ctypes.data, B, T, Hk, Hv, Dk, Dv, int(g_vec))
     del qh, kh, vh, gh, bh, sh
     if rc != 0:
-        raise ValueError(f"the C gated delta rule does not take Dk={Dk} (at most 1024), Hv={Hv}, Hk={Hk}")
+        raise ValueError(f"the C gated delta rule does not take Dk={Dk} (at most {GDN_MAX_DK}), Hv={Hv}, Hk={Hk}")
     return mx.array(y), mx.array(new)
 
 
 def depthwise_conv1d(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
     """`mx.conv1d(x, weight, groups=C)` (+ bias), stride 1, no padding, all float32: x [B, L,
     C], weight [C, K, 1]; returns [B, L - K + 1, C]. Evaluates its inputs."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    lib = _loaded()
     B, L, C = x.shape
     K = weight.shape[1]
     if weight.shape != (C, K, 1) or (bias is not None and bias.shape != (C,)) or L < K:
@@ -345,8 +354,10 @@ def depthwise_conv1d(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx
     rc = lib.orch_depthwise_conv1d(xh.ctypes.data, wh.ctypes.data, None if bh is None else bh.ctypes.data,
                                    out.ctypes.data, B, L, C, K)
     del xh, wh, bh
-    if rc != 0:
+    if rc == -2:
         raise MemoryError("the C depthwise convolution could not allocate its transposed weights")
+    if rc != 0:
+        raise ValueError(f"the C depthwise convolution refused L={L}, K={K}")
     return mx.array(out)
 
 
@@ -354,9 +365,7 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
     """x @ weight.T (+ bias), float32, for a few rows: x [..., K], weight [N, K] (an
     nn.Linear's). Evaluates its inputs. Fastest when the weight is 32-byte aligned
     (`aligned_copy`)."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    lib = _loaded()
     N, K = weight.shape
     if x.shape[-1] != K or (bias is not None and bias.shape != (N,)):
         raise ValueError(f"linear: x {x.shape}, weight {weight.shape}, bias {None if bias is None else bias.shape}")
@@ -378,10 +387,13 @@ def aligned_copy(a: mx.array, alignment: int = 64) -> mx.array:
     """A float32 copy of `a` whose data starts on an `alignment`-byte boundary: a view
     into a buffer a little larger (MLX's allocator puts data 24 bytes past a 64-byte
     boundary, a loaded weight anywhere), so the C kernels' vector loads never straddle
-    cache lines. Written through the buffer, as the K/V pools are."""
+    cache lines. Written through the buffer, as the K/V pools are. A weight of 2^31 elements
+    or more is returned as it is."""
     if a.dtype != mx.float32:
         raise TypeError(f"aligned_copy takes float32, not {a.dtype}")
     n, step = a.size, alignment // 4
+    if n + step >= 2**31:  # MLX's axis lengths are int32: such a weight stays as it is (correct, a little slower)
+        return a
     buf = mx.zeros((n + step,), mx.float32)
     mx.eval(buf, a)
     host = np.asarray(memoryview(buf))
@@ -398,9 +410,7 @@ def rope(x: mx.array, positions: mx.array, dims: int, traditional: bool, inv_fre
     """mlx's `fast.rope(x, dims, traditional=..., base=..., scale=..., offset=positions)` for a
     packed step: x [T, H, 1, D] float32 (a row per token), positions [T]; the frequencies
     `inv_freq` [dims / 2] as `rope_frequencies` gives them. Evaluates its inputs."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {_error}")
+    lib = _loaded()
     T, H, L, D = x.shape
     if L != 1 or positions.shape != (T,) or dims > D or dims % 2 or inv_freq.shape != (dims // 2,) \
             or D > MAX_HEAD_DIM:
