@@ -222,7 +222,8 @@ def main() -> int:
     prompts = make_prompts(model, args.prompts, args.prompt_tokens)
     print(f"model {model} (GGUF {gguf.name}); {args.prompts} prompts of ~{args.prompt_tokens} tokens, "
           f"{args.max_tokens} new tokens, {args.concurrency} streams, EOS ignored; llama-server "
-          f"{' '.join(args.llama_args) or 'defaults'}", flush=True)
+          f"{' '.join(args.llama_args) or 'defaults (fp16 KV cache)'}; orchard worker "
+          f"{' '.join(args.worker_args) or 'defaults (KV cache in the compute dtype: float32 on a CPU)'}", flush=True)
     names = ("orchard", "llama.cpp")
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.repeat):
