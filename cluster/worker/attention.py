@@ -416,9 +416,9 @@ class _ProbeCache:
 
 
 def probe_forward(model: nn.Module, specs: list[LayerSpec]) -> list[tuple["_ProbeCache | None", object]]:
-    """One token's forward (lazy but for what a C kernel evaluates): per layer, the _ProbeCache that recorded what its
-    attention writes and the fresh mlx-lm cache its recurrent module ran on (None where it
-    has no such part)."""
+    """One token's forward (lazy but for what a C kernel evaluates): per layer, the
+    _ProbeCache that recorded what its attention writes and the fresh mlx-lm cache its
+    recurrent module ran on (None where it has no such part)."""
     attach(model)
     fresh = model.make_cache() if any(s.recurrent for s in specs) else None
     parts = []

@@ -18,8 +18,8 @@ half-precision tile widened to float32 as it is read.
 from __future__ import annotations
 
 import ctypes
-import math
 import hashlib
+import math
 import logging
 import os
 import platform as _platform
@@ -174,6 +174,16 @@ def runs_here(*arrays: mx.array) -> bool:
     return mx.default_device() == mx.cpu and all(a.dtype == mx.float32 for a in arrays) and available()
 
 
+def _float32_host(what: str, *arrays: mx.array | None) -> list[np.ndarray | None]:
+    """The float32 inputs of the C `what`, evaluated, as C-contiguous numpy views (None
+    stays None): a TypeError naming their dtypes for any other dtype."""
+    given = [a for a in arrays if a is not None]
+    if any(a.dtype != mx.float32 for a in given):
+        raise TypeError(f"the C {what} takes float32 arrays, not " + ", ".join(str(a.dtype) for a in given))
+    mx.eval(*given)
+    return [None if a is None else _host(a, np.float32) for a in arrays]
+
+
 GDN_MAX_DK = 1024  # as in cpu_kernels.c
 
 # the C kernel's kv_kind for each pool dtype
@@ -315,17 +325,12 @@ def gated_delta(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arr
     lib = _loaded()
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
-    arrays = (q, k, v, g, beta, state)
-    if any(a.dtype != mx.float32 for a in arrays):
-        raise TypeError("the C gated delta rule takes float32 arrays, not "
-                        + ", ".join(str(a.dtype) for a in arrays))
     g_vec = g.ndim == 4
     if (k.shape != q.shape or v.shape[:2] != (B, T) or g.shape != (B, T, Hv, Dk)[: 4 if g_vec else 3]
             or beta.shape != (B, T, Hv) or state.shape != (B, Hv, Dv, Dk) or Hv % Hk):
         raise ValueError(f"gated delta shapes do not agree: q {q.shape} k {k.shape} v {v.shape} g {g.shape} "
                          f"beta {beta.shape} state {state.shape}")
-    mx.eval(*arrays)
-    qh, kh, vh, gh, bh, sh = (_host(a, np.float32) for a in arrays)
+    qh, kh, vh, gh, bh, sh = _float32_host("gated delta rule", q, k, v, g, beta, state)
     y = np.empty((B, T, Hv, Dv), np.float32)
     new = np.empty((B, Hv, Dv, Dk), np.float32)
     rc = lib.orch_gated_delta(qh.ctypes.data, kh.ctypes.data, vh.ctypes.data, gh.ctypes.data, bh.ctypes.data,
@@ -345,11 +350,7 @@ def depthwise_conv1d(x: mx.array, weight: mx.array, bias: mx.array | None) -> mx
     if weight.shape != (C, K, 1) or (bias is not None and bias.shape != (C,)) or L < K:
         raise ValueError(f"not a depthwise convolution: x {x.shape}, weight {weight.shape}, "
                          f"bias {None if bias is None else bias.shape}")
-    if any(a.dtype != mx.float32 for a in (x, weight) + (() if bias is None else (bias,))):
-        raise TypeError("the C depthwise convolution takes float32 arrays")
-    mx.eval(x, weight, *(() if bias is None else (bias,)))
-    xh, wh = _host(x, np.float32), _host(weight, np.float32)
-    bh = None if bias is None else _host(bias, np.float32)
+    xh, wh, bh = _float32_host("depthwise convolution", x, weight, bias)
     out = np.empty((B, L - K + 1, C), np.float32)
     rc = lib.orch_depthwise_conv1d(xh.ctypes.data, wh.ctypes.data, None if bh is None else bh.ctypes.data,
                                    out.ctypes.data, B, L, C, K)
@@ -369,11 +370,8 @@ def linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
     N, K = weight.shape
     if x.shape[-1] != K or (bias is not None and bias.shape != (N,)):
         raise ValueError(f"linear: x {x.shape}, weight {weight.shape}, bias {None if bias is None else bias.shape}")
-    if any(a.dtype != mx.float32 for a in (x, weight) + (() if bias is None else (bias,))):
-        raise TypeError("the C linear takes float32 arrays")
-    mx.eval(x, weight, *(() if bias is None else (bias,)))
-    xh, wh = _host(x, np.float32).reshape(-1, K), _host(weight, np.float32)
-    bh = None if bias is None else _host(bias, np.float32)
+    xh, wh, bh = _float32_host("linear", x, weight, bias)
+    xh = xh.reshape(-1, K)
     y = np.empty((xh.shape[0], N), np.float32)
     rc = lib.orch_linear_f32(xh.ctypes.data, xh.shape[0], K, wh.ctypes.data, None if bh is None else bh.ctypes.data,
                              y.ctypes.data, N)
