@@ -409,12 +409,17 @@ def test_depthwise_convolution_in_c_is_mlxs(B, L, C, K, bias):
         cpu.depthwise_conv1d(x, mx.zeros((C, K, 2)), None)
 
 
-@pytest.mark.parametrize("M,K,N,bias", [(1, 64, 24, False), (16, 512, 96, True), (3, 40, 7, True),
-                                        (5, 13, 9, False), (32, 128, 130, False)])
+@pytest.mark.parametrize("M,K,N,bias", [(1, 64, 24, False), (3, 40, 7, True), (2, 13, 5, False),
+                                        (4, 64, 12, False), (8, 72, 25, True), (16, 512, 96, True),
+                                        (5, 13, 9, False), (21, 40, 13, True), (24, 64, 8, False),
+                                        (32, 128, 130, False), (45, 24, 7, True)])
 def test_linear_in_c_is_numpys(M, K, N, bias):
-    """The C linear (few-row x @ W.T + b) against numpy in float64: full 3 x 4 blocks and
-    the edges (odd rows, a weight-row count not a multiple of 4, K not a multiple of 8),
-    on an aligned weight copy and on the original; a leading batch axis is kept."""
+    """The C linear (few-row x @ W.T + b) against numpy in float64, through both kernels
+    and every tile shape: the dot kernel (1-3 rows; full 3 x 4 blocks and the edges: a
+    weight-row count not a multiple of 4, K not a multiple of 8) and the broadcast kernel
+    (4+ rows: 1, 2, 3 and 4 vectors of x rows, padded rows, a last block of fewer weight
+    rows, more than 32 rows), on an aligned weight copy and on the original; a leading
+    batch axis is kept."""
     rng = np.random.default_rng(M * K + N)
     w = rng.standard_normal((N, K)).astype(np.float32)
     x = rng.standard_normal((1, M, K)).astype(np.float32)
@@ -455,7 +460,7 @@ def test_the_engine_runs_decode_linears_in_c_and_prefill_chunks_in_blas(tmp_path
     got = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert rows and max(rows) < model_runner.C_LINEAR_MAX_ROWS and 1 in rows
     assert 80 in ropes and 1 in ropes  # the prompt's rows and each decode row: RoPE in C
-    assert [model_runner._c_rows(n) for n in (1, 12, 16, 24, 32, 80)] == [True, True, False, True, False, False]
+    assert [model_runner._c_rows(n) for n in (1, 12, 16, 24, 31, 32, 80)] == [True] * 5 + [False, False]
     model, _ = load(str(path))
     from mlx_lm.generate import generate_step
 

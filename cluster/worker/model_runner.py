@@ -97,14 +97,14 @@ def _fast_swiglu_class(cls: type, use_c: bool) -> type:
 
 
 # Which row counts a Linear runs in C (`cpu.linear`: each weight row read once, in place)
-# rather than BLAS. OpenBLAS packs the weights before every product and its kernels are
-# blocked by 16 rows: at 1-12 rows C is 1.5-3x faster, at 16 they tie, at 24 C is 1.3x
-# faster, from 32 rows BLAS wins (2 cores; load/bench_engine.py shows the step).
+# rather than BLAS. OpenBLAS packs the weights before every product: over a whole model's
+# matrices on 2 cores C takes 0.4-0.6x BLAS's time at 1-24 rows; at 32 they tie and past
+# it BLAS wins (`load/bench_engine.py` shows the step).
 C_LINEAR_MAX_ROWS = 32
 
 
 def _c_rows(rows: int) -> bool:
-    return rows < C_LINEAR_MAX_ROWS and rows % 16 != 0
+    return rows < C_LINEAR_MAX_ROWS
 
 
 def _c_linear(x: mx.array) -> bool:
