@@ -25,7 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -93,6 +93,32 @@ static inline float dot(const float *a, const float *b, int d) {
     float s = 0.0f;
     for (int i = 0; i < d; i++) s += a[i] * b[i];
     return s;
+}
+
+/* out[j] = q . krow[j] for the n keys of a tile (a decode row's scores). With AVX, 8 keys
+ * at a time: 8 independent FMA chains, then one horizontal-add tree for all 8 sums instead
+ * of a reduction per key (which, at D = 64, cost as much as the dot itself). Entries n ..
+ * of the last group of 8 are written with some key's score; the caller masks them. */
+static inline void scores(const float *q, const float *const *krow, int n, int D, float *out) {
+#if defined(__AVX__) && defined(__FMA__)
+    if (D % 8 == 0) {
+        for (int j0 = 0; j0 < n; j0 += 8) {
+            __m256 a[8];
+            for (int jj = 0; jj < 8; jj++) {
+                const float *k = krow[j0 + jj < n ? j0 + jj : j0];
+                __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+                for (int d = 8; d < D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), s);
+                a[jj] = s;
+            }
+            const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+            const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+            _mm256_storeu_ps(out + j0, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                                     _mm256_permute2f128_ps(u0, u1, 0x31)));
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < n; j++) out[j] = dot(q, krow[j], D);
 }
 
 int orch_paged_attention(
@@ -187,9 +213,11 @@ int orch_paged_attention(
         const int64_t run = (int64_t)nh * D; /* elements of a slot's rows for these heads */
         for (int j0 = kstart; j0 < kend; j0 += TILE) {
             const int n = kend - j0 < TILE ? kend - j0 : TILE;
+            /* key j0 + j's slot: its block and offset walked along, not divided out per key */
+            int blk = j0 / block_size, off = j0 % block_size;
             for (int j = 0; j < n; j++) {
-                const int p = j0 + j;
-                const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+                const int64_t slot = (int64_t)table[blk] * block_size + off;
+                if (++off == block_size) { off = 0; blk++; }
                 const int64_t at = (slot * num_kv_heads + h0) * D;
                 if (kv_kind) {
                     widen(k_half + at, wide + (size_t)j * run, (int)run, kv_kind);
@@ -201,18 +229,21 @@ int orch_paged_attention(
                     vbase[j] = v_pool + at;
                 }
             }
-            /* Ask for the whole tile's K/V rows up front: walked key by key the loads are
-             * one cache miss deep, and that is what bounds decode attention (~15% faster) */
-            if (!kv_kind)
+            /* Ask for the whole first tile's K/V rows up front: walked key by key the loads
+             * are one cache miss deep, and that is what bounds decode attention (~15%
+             * faster). Each later tile was asked for while the one before it ran (below). */
+            if (!kv_kind && j0 == kstart)
                 for (int j = 0; j < n; j++)
                     for (int64_t d = 0; d < run; d += 16) {
                         __builtin_prefetch(kbase[j] + d);
                         __builtin_prefetch(vbase[j] + d);
                     }
             /* Ask for the next tile's K/V rows now: walked key by key, the loads would be
-             * one cache miss deep, and decode attention is bound by exactly that. */
+             * one cache miss deep, and decode attention is bound by exactly that. (This
+             * tile had n = TILE keys when there is a next one: blk, off are its first.) */
             for (int p = j0 + TILE; p < j0 + 2 * TILE && p < kend; p++) {
-                const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+                const int64_t slot = (int64_t)table[blk] * block_size + off;
+                if (++off == block_size) { off = 0; blk++; }
                 const char *kp = (const char *)k_pool_ + (slot * num_kv_heads + h0) * D * esize;
                 const char *vp = (const char *)v_pool_ + (slot * num_kv_heads + h0) * D * esize;
                 for (int64_t d = 0; d < run * esize; d += 64) {
@@ -251,8 +282,7 @@ int orch_paged_attention(
                         }
                     }
                 } else {
-                    for (int r = 0; r < RH; r++)
-                        for (int j = 0; j < n; j++) sh[r][j] = dot(qh[r], krow[j], D);
+                    for (int r = 0; r < RH; r++) scores(qh[r], krow, n, D, sh[r]);
                 }
                 for (int r = 0; r < RH; r++) {
                     const int jlo = rs[r] > j0 ? rs[r] - j0 : 0;
