@@ -265,6 +265,7 @@ def test_the_engine_runs_its_mlps_through_the_c_swiglu(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu, "swiglu", lambda g, x: calls.append(g.shape) or real(g, x))
     monkeypatch.setattr(kernels, "_forced", None)
     engine = Engine.from_pretrained(create_model(tmp_path / "m", "llama", "tiny", seed=3), EngineConfig(num_kv_blocks=32))
+    engine.runner.host = None  # the MLX path's swaps, as every family has them (test_host_forward: the other)
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0]) == 3
     n_layers = len(engine.runner.model.layers)
@@ -355,6 +356,7 @@ def test_the_engine_writes_kv_in_c_and_matches_the_scatter_path(tmp_path, monkey
     monkeypatch.setattr(kernels, "_forced", "cpu")
     for in_c in (True, False):
         engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=32, block_size=8))
+        engine.runner.host = None  # the MLX path (the host path writes its rows in C, always)
         assert engine.runner.write_kv_in_c
         engine.runner.write_kv_in_c = in_c
         writes.clear()
@@ -450,6 +452,7 @@ def test_the_engine_runs_decode_linears_in_c_and_prefill_chunks_in_blas(tmp_path
     monkeypatch.setattr(kernels, "_forced", "cpu")
     path = create_model(tmp_path / "m", "qwen3", "tiny", seed=3)
     engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, block_size=16))
+    engine.runner.host = None  # the MLX path's swaps, as every family has them (test_host_forward: the other)
     modules = [type(m) for _, m in engine.runner.model.named_modules()]
     assert {model_runner._CLinear, model_runner._CEmbedding, model_runner._CRoPE} <= set(modules)
     assert nn_linear_count(engine.runner.model) == 0  # every float32 Linear swapped

@@ -108,6 +108,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.orch_linear_f32.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64]
     lib.orch_rope_f32.restype = None
     lib.orch_rope_f32.argtypes = [_PTR] * 4 + [_I64, _I64, _I32, _I32, _I32, _F32]
+    lib.orch_add_rmsnorm_f32.restype = None
+    lib.orch_add_rmsnorm_f32.argtypes = [_PTR] * 4 + [_I64, _I64, _F32]
     lib.orch_write_rows.restype = None
     lib.orch_write_rows.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
     return lib

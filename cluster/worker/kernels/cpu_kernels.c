@@ -680,6 +680,26 @@ int orch_linear_f32(const float *x, int64_t M, int64_t K, const float *w, const 
     return M >= 4 ? linear_bcast(x, M, K, w, bias, y, N) : linear_dot(x, M, K, w, bias, y, N);
 }
 
+/* RMSNorm of `rows` rows of `dim` floats, as MLX's `fast.rms_norm`: out = w * (x * r), r =
+ * 1 / sqrt(mean(x^2) + eps). With `residual` (non-NULL), first h += residual in place and
+ * normalise the sum: a decoder block's residual add and the next norm in one pass. */
+void orch_add_rmsnorm_f32(float *h, const float *residual, const float *w, float *out, int64_t rows, int64_t dim,
+                          float eps)
+{
+    for (int64_t t = 0; t < rows; t++) {
+        float *x = h + t * dim;
+        if (residual) {
+            const float *r = residual + t * dim;
+            for (int64_t i = 0; i < dim; i++) x[i] += r[i];
+        }
+        float ss = 0.0f;
+        for (int64_t i = 0; i < dim; i++) ss += x[i] * x[i];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        float *o = out + t * dim;
+        for (int64_t i = 0; i < dim; i++) o[i] = w[i] * (x[i] * inv);
+    }
+}
+
 /* RoPE for a step's rows, as mlx's `fast.rope` with a position per row: x, out [T, H, D]
  * float32; row t at position pos[t] * scale; the first `dims` features of each head rotate
  * by angle position x inv_freq[i] (dims / 2 frequencies), as halves (i, i + dims / 2) or,
