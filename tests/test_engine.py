@@ -87,9 +87,11 @@ def test_oracle_parity_with_chunking_and_preemption(model_dirs, arch, attention,
     if attention == "cpu" and cpu_kernel.load() is None and "no C compiler" in (cpu_kernel._error or ""):
         pytest.skip("no C compiler: the CPU attention kernel cannot be built here")
     monkeypatch.setattr(kernels, "_forced", attention)  # set_backend(attention), undone after the test
-    calls = []
-    real = cpu_kernel.paged_attention_cpu
-    monkeypatch.setattr(cpu_kernel, "paged_attention_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = []  # the C attention kernel's calls, from the MLX path or the host path (host_forward)
+    lib = cpu_kernel.load()
+    if lib is not None:
+        real = lib.orch_paged_attention
+        monkeypatch.setattr(lib, "orch_paged_attention", lambda *a: calls.append(1) or real(*a))
     path = model_dirs[arch]
     # 64-token budget forces chunked prefill of every prompt over 64 tokens; 48 blocks of
     # 16 (768 tokens) for ~1,600 tokens of demand forces preemption.

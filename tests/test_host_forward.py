@@ -87,7 +87,7 @@ def test_a_step_on_the_host_is_the_mlx_steps_logits_and_rows(tmp_path, arch, kv)
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_the_engine_on_the_host_path_generates_mlx_lms_tokens(tmp_path, arch, monkeypatch):
-    """Greedy generation through the engine, its decode steps on the host path (counted),
+    """Greedy generation through the engine, every step on the host path (counted),
     against mlx-lm's own `generate_step` on the same weights, one prompt at a time."""
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load
@@ -99,22 +99,40 @@ def test_the_engine_on_the_host_path_generates_mlx_lms_tokens(tmp_path, arch, mo
     monkeypatch.setattr(host_forward.HostForward, "forward", lambda self, b: calls.append(b.num_tokens) or real(self, b))
     prompts = [[(13 * i + 5 * j) % 500 + 3 for j in range(30 + 7 * i)] for i in range(3)]
     got = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-    assert calls and max(calls) < 32  # the decode steps (3 rows) took the host path
+    assert calls == [sum(map(len, prompts))] + [3] * 9  # every step: the prefill, then 3-row decodes
     model, _ = load(str(path))
     for prompt, tokens in zip(prompts, got):
         want = [int(t) for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=10), range(10))]
         assert tokens == want
 
 
-def test_steps_of_32_rows_and_more_take_the_mlx_path(tmp_path, monkeypatch):
-    """A 40-token prefill is one step through MLX (BLAS); the decode steps after it run here."""
-    engine = _engine(create_model(tmp_path / "m", "qwen3", "tiny", seed=1))
-    calls = []
-    real = host_forward.HostForward.forward
-    monkeypatch.setattr(host_forward.HostForward, "forward", lambda self, b: calls.append(b.num_tokens) or real(self, b))
-    engine.generate([[(3 * j) % 400 + 5 for j in range(40)]], SamplingParams(max_tokens=4, temperature=0,
-                                                                             ignore_eos=True))
-    assert calls == [1, 1, 1]
+def test_a_long_prefill_takes_blas_for_its_projections_and_c_for_a_decode_steps(tmp_path, monkeypatch):
+    """On the host path a 40-token prefill step's projections go through MLX's matmul
+    (BLAS) and a decode step's through the C linear; the tokens are mlx-lm's."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    path = create_model(tmp_path / "m", "qwen3", "tiny", seed=1)
+    engine = _engine(path)
+    c_rows, blas_rows = [], []
+    real_c = engine.runner.host.lib.orch_linear_f32
+    host = engine.runner.host
+
+    class Lib:  # the C library, its linear counted
+        def __getattr__(self, name):
+            return getattr(real_lib, name)
+
+        def orch_linear_f32(self, x, M, *rest):
+            c_rows.append(M)
+            return real_c(x, M, *rest)
+
+    real_lib, host.lib = host.lib, Lib()
+    monkeypatch.setattr(mx.array, "__matmul__", lambda a, b: blas_rows.append(a.shape[0]) or mx.matmul(a, b))
+    prompt = [(3 * j) % 400 + 5 for j in range(40)]
+    got = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert set(blas_rows) == {40} and 1 in c_rows and max(c_rows) < 32
+    model, _ = load(str(path))
+    assert got == [int(t) for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=4), range(4))]
 
 
 @pytest.mark.parametrize("arch, config, why", [

@@ -292,8 +292,8 @@ class ModelRunner:
         log.info("attention backend: %s", self.attention_backend)
         # the C kernels copy each step's K/V rows into the pools in place (PagedKVCache)
         self.write_kv_in_c = self.attention_backend == "cpu" and self.kv_dtype.size in (2, 4)
-        # a llama / qwen2 / qwen3 model's small steps on the CPU: no MLX graph (host_forward)
-        self.host = HostForward.build(model, self, C_LINEAR_MAX_ROWS) if self.attention_backend == "cpu" else None
+        # a llama / qwen2 / qwen3 model's steps on the CPU: no MLX graph (host_forward)
+        self.host = HostForward.build(model, self) if self.attention_backend == "cpu" else None
 
     def prepare(self, plan: SchedulerOutput) -> StepBatch:
         bs = self.block_size
@@ -348,7 +348,7 @@ class ModelRunner:
         """Logits [M, vocab] (float32) for `batch.logit_rows` (the sampled rows, and the
         prompt rows of requests with prompt logprobs). K/V land in the pool."""
         self.batch = batch
-        if self.host is not None and self.host.serves(batch):
+        if self.host is not None:
             return self.host.forward(batch)
         inputs = batch.input_ids[:, None]
         model = self.model
