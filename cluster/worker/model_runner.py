@@ -12,7 +12,8 @@ its state slot (decode rows batched, prefill chunks one by one); a layer with a 
 mixer beside its attention (mlx-lm's CacheList of the two) gets both, in an
 `attention.LayerCaches` indexed as mlx-lm's CacheList. Only the rows that are
 sampled, and the prompt rows of a request that asks for prompt logprobs, reach the LM
-head.
+head. On a CPU a llama / qwen2 / qwen3 model's step skips mlx-lm's module code and MLX's
+graph altogether (`host_forward.py`), through the same C kernels.
 """
 
 from __future__ import annotations

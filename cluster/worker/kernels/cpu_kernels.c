@@ -1,6 +1,7 @@
-/* CPU kernels for the engine's two hot spots that MLX's CPU backend runs slowly:
- * varlen paged attention (the Metal kernel's algorithm in C) and SwiGLU (MLX's CPU exp
- * is scalar libm).
+/* CPU kernels for what MLX's CPU backend runs slowly: varlen paged attention (the Metal
+ * kernel's algorithm in C), SwiGLU (MLX's CPU exp is scalar libm), and further down RMSNorm,
+ * RoPE, few-row Linears, K/V and state row writes, the gated delta rule and depthwise
+ * convolutions.
  *
  * Built on first use by `cluster/worker/kernels/cpu.py` with the system C compiler and
  * loaded through ctypes; the engine calls it once per layer per step. One work item is
