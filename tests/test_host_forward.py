@@ -27,6 +27,27 @@ def _cpu_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "_forced", "cpu")
 
 
+def _model(tmp_path, arch: str, seed: int, monkeypatch=None, **overrides):
+    """A tiny random model of `arch` (config `overrides` applied) whose norm weights and
+    biases are random too: modelgen makes them ones and zeros, which would hide a norm or
+    bias taken from the wrong place."""
+    from cluster import modelgen
+
+    if overrides:
+        real = modelgen.model_config
+        monkeypatch.setattr(modelgen, "model_config", lambda *a, **k: {**real(*a, **k), **overrides})
+    path = create_model(tmp_path / arch, arch, "tiny", seed=seed)
+    weights = mx.load(str(path / "model.safetensors"))
+    for i, (name, w) in enumerate(sorted(weights.items())):
+        noise = mx.random.normal(w.shape, key=mx.random.key(seed * 1000 + i))
+        if name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.2 * noise
+        elif name.endswith(".bias"):
+            weights[name] = 0.1 * noise
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return path
+
+
 def _engine(path, **config) -> Engine:
     return Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, block_size=8, **config))
 
@@ -55,13 +76,16 @@ def _step_both_ways(engine: Engine):
     return out
 
 
+BIASES = {"llama": dict(attention_bias=True, mlp_bias=True)}  # (qwen2 has q/k/v biases of its own)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("kv", ["float32", "float16"])
-def test_a_step_on_the_host_is_the_mlx_steps_logits_and_rows(tmp_path, arch, kv):
+def test_a_step_on_the_host_is_the_mlx_steps_logits_and_rows(tmp_path, arch, kv, monkeypatch):
     """A mixed step (decode rows beside a short prefill chunk) and then a decode-only step:
     the host path's logits and K/V rows are the MLX path's, to float32 rounding (the norm
     sums in another order); its argmax is the same token."""
-    path = create_model(tmp_path / arch, arch, "tiny", seed=2)
+    path = _model(tmp_path, arch, 2, monkeypatch, **BIASES.get(arch, {}))
     engine = _engine(path, kv_cache_dtype=kv)
     assert engine.runner.host is not None
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -86,20 +110,22 @@ def test_a_step_on_the_host_is_the_mlx_steps_logits_and_rows(tmp_path, arch, kv)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_the_engine_on_the_host_path_generates_mlx_lms_tokens(tmp_path, arch, monkeypatch):
+@pytest.mark.parametrize("n", [3, 6])
+def test_the_engine_on_the_host_path_generates_mlx_lms_tokens(tmp_path, arch, n, monkeypatch):
     """Greedy generation through the engine, every step on the host path (counted),
     against mlx-lm's own `generate_step` on the same weights, one prompt at a time."""
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load
 
-    path = create_model(tmp_path / arch, arch, "tiny", seed=6)
+    path = _model(tmp_path, arch, 6, monkeypatch, **BIASES.get(arch, {}))
     engine = _engine(path)
     calls = []
     real = host_forward.HostForward.forward
     monkeypatch.setattr(host_forward.HostForward, "forward", lambda self, b: calls.append(b.num_tokens) or real(self, b))
-    prompts = [[(13 * i + 5 * j) % 500 + 3 for j in range(30 + 7 * i)] for i in range(3)]
+    # 3 prompts: decode steps of 3 rows (the C linear's dot kernel); 6: of 6 (its broadcast kernel)
+    prompts = [[(13 * i + 5 * j) % 500 + 3 for j in range(30 + 7 * i)] for i in range(n)]
     got = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-    assert calls == [sum(map(len, prompts))] + [3] * 9  # every step: the prefill, then 3-row decodes
+    assert calls == [sum(map(len, prompts))] + [n] * 9  # every step: the prefill, then n-row decodes
     model, _ = load(str(path))
     for prompt, tokens in zip(prompts, got):
         want = [int(t) for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=10), range(10))]
@@ -160,3 +186,74 @@ def test_a_scaled_rope_keeps_the_mlx_path(tmp_path, caplog):
     with caplog.at_level("INFO", logger="cluster.worker.host_forward"):
         engine = _engine(path)
     assert engine.runner.host is None and "not a plain RoPE" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_quantized_half_precision_model_on_the_host_path_is_the_mlx_paths(tmp_path, arch, dtype, monkeypatch):
+    """The models people download: 4-bit, norms (and biases) kept in float16 or bfloat16 by
+    the checkpoint. Dequantized on the CPU and served on the host path, its half-precision
+    weights widened to float32 as MLX widens them: the MLX path's tokens and logprobs (that
+    path is checked against mlx-lm on quantized models in test_engine.py; mlx-lm's own
+    quantized matmul on half-precision scales rounds apart from any float32 computation)."""
+    from mlx_lm import convert
+
+    q = tmp_path / "q"
+    convert(str(_model(tmp_path, arch, 4, monkeypatch, **BIASES.get(arch, {}))), mlx_path=str(q), quantize=True,
+            q_bits=4, q_group_size=64, dtype=dtype)
+    prompts = [[(13 * i + 5 * j) % 500 + 3 for j in range(30 + 7 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    runs = []
+    for host in (True, False):
+        engine = _engine(q)
+        assert engine.runner.model.model.norm.weight.dtype == getattr(mx, dtype)  # what the widening is for
+        assert engine.runner.host is not None
+        if not host:
+            engine.runner.host = None
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        out: dict[str, tuple[list, list]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                toks, lps = out.setdefault(o.request_id, ([], []))
+                toks += o.new_token_ids
+                lps += o.logprobs or []
+        runs.append(out)
+    for i in range(len(prompts)):
+        assert runs[0][str(i)][0] == runs[1][str(i)][0]
+        np.testing.assert_allclose(runs[0][str(i)][1], runs[1][str(i)][1], rtol=1e-4, atol=1e-4)
+
+
+def test_heads_beyond_the_c_attention_keep_the_mlx_path(tmp_path, monkeypatch, caplog):
+    """64 query heads on one KV head is a group larger than the C attention takes: the model
+    keeps the MLX path (whose dispatcher gives such a layer the reference attention) and is
+    served, mlx-lm's tokens."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    path = _model(tmp_path, "llama", 3, monkeypatch, num_attention_heads=64, num_key_value_heads=1, head_dim=16)
+    with caplog.at_level("INFO", logger="cluster.worker.host_forward"):
+        engine = _engine(path)
+    assert engine.runner.host is None and "beyond the C attention kernel" in caplog.text
+    prompt = [(7 * j) % 300 + 4 for j in range(20)]
+    got = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    model, _ = load(str(path))
+    assert got == [int(t) for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=5), range(5))]
+
+
+def test_a_batch_outside_the_pool_is_an_error_and_writes_nothing(tmp_path):
+    """The C kernels trust their indices; the host path checks a step's before it writes:
+    a slot past the pool is a ValueError and the pools are as they were."""
+    import dataclasses
+
+    engine = _engine(create_model(tmp_path / "m", "qwen3", "tiny", seed=1))
+    engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    runner = engine.runner
+    batch = runner.prepare(engine.scheduler.schedule())
+    before = [np.asarray(p).copy() for p in runner.pool_arrays()]
+    bad = dataclasses.replace(batch, slot_mapping=mx.array([0, 1, 2, 3, runner.num_blocks * runner.block_size],
+                                                           dtype=mx.int32))
+    with pytest.raises(ValueError, match="slots outside the pool"):
+        runner.forward(bad)
+    for a, b in zip(before, runner.pool_arrays()):
+        np.testing.assert_array_equal(a, np.asarray(b))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,10 +51,11 @@ class _Layer:
         self.spec = spec
         self.in_norm = (_host(block.input_layernorm.weight), float(block.input_layernorm.eps))
         self.post_norm = (_host(block.post_attention_layernorm.weight), float(block.post_attention_layernorm.eps))
-        self.q, self.k, self.v, self.o = (_linear(a.q_proj), _linear(a.k_proj), _linear(a.v_proj), _linear(a.o_proj))
-        self.gate, self.up, self.down = _linear(m.gate_proj), _linear(m.up_proj), _linear(m.down_proj)
+        self.q, self.k, self.v, self.o = (_Weights.of(a.q_proj), _Weights.of(a.k_proj), _Weights.of(a.v_proj),
+                                          _Weights.of(a.o_proj))
+        self.gate, self.up, self.down = _Weights.of(m.gate_proj), _Weights.of(m.up_proj), _Weights.of(m.down_proj)
         self.heads, self.kv_heads = a.n_heads, a.n_kv_heads
-        self.head_dim = self.q[0].shape[0] // self.heads
+        self.head_dim = self.q.w.shape[0] // self.heads
         self.scale = float(a.scale)
         self.q_norm = (_host(a.q_norm.weight), float(a.q_norm.eps)) if with_qk_norm else None
         self.k_norm = (_host(a.k_norm.weight), float(a.k_norm.eps)) if with_qk_norm else None
@@ -62,19 +64,36 @@ class _Layer:
 
 
 def _host(a: mx.array) -> np.ndarray:
+    """A float32, C-contiguous host array of `a`: a view of its memory, or for a float16 /
+    bfloat16 array (a quantized model's norms keep the checkpoint's dtype) a widened copy,
+    exact, as MLX widens it where it meets float32 activations."""
+    if a.dtype != mx.float32:
+        a = a.astype(mx.float32)
     mx.eval(a)
-    return np.asarray(memoryview(a))
+    h = np.asarray(memoryview(a))
+    if not h.flags.c_contiguous:
+        h = np.ascontiguousarray(h)
+    return h
 
 
-def _linear(module) -> tuple:
-    """(weight, bias or None) as host views, then as MLX arrays (for BLAS, at many rows)."""
-    bias = module["bias"] if "bias" in module else None
-    return _host(module.weight), (None if bias is None else _host(bias)), module.weight, bias
+class _Weights(NamedTuple):
+    """A Linear's weight and bias as host arrays (for the C linear) and as the module's own
+    MLX arrays (for BLAS, at 32 rows and more)."""
+
+    w: np.ndarray
+    b: np.ndarray | None
+    w_mx: mx.array
+    b_mx: mx.array | None
+
+    @classmethod
+    def of(cls, module) -> "_Weights":
+        bias = module["bias"] if "bias" in module else None
+        return cls(_host(module.weight), None if bias is None else _host(bias), module.weight, bias)
 
 
 def _why_not(model: nn.Module, runner) -> str | None:
-    """Why this model's small steps cannot run here (None: they can)."""
-    from cluster.worker import model_runner
+    """Why this model's steps cannot run here (None: they can)."""
+    from cluster.worker import kernels, model_runner
     from cluster.worker.kernels import cpu
 
     family = type(model).__module__.rpartition(".")[2]
@@ -107,7 +126,12 @@ def _why_not(model: nn.Module, runner) -> str | None:
             return f"layer {spec.layer}'s RoPE is {type(a.rope).__name__}, not a plain RoPE"
         if (not spec.attention or spec.recurrent or not spec.owns_kv or spec.kv_layer != spec.layer or spec.latent
                 or spec.softcap or spec.sinks or spec.cache_list):
-            return f"layer {spec.layer}'s attention is not plain (window only)"
+            return f"layer {spec.layer}'s attention is not plain softmax attention over its own K/V pool"
+        head_dim = a.q_proj.weight.shape[0] // a.n_heads
+        if not kernels._c_kernel_serves("cpu", mx.float32, runner.kv_dtype, (a.n_heads, a.n_kv_heads, head_dim)) \
+                or a.rope.dims > head_dim:
+            return (f"layer {spec.layer}'s heads ({a.n_heads} on {a.n_kv_heads} KV heads of {head_dim}) are beyond "
+                    "the C attention kernel")
     return None
 
 
@@ -117,16 +141,16 @@ class HostForward:
     def __init__(self, model: nn.Module, runner):
         from cluster.worker.kernels import cpu
 
+        from cluster.worker.model_runner import _c_rows
+
         self.lib = cpu.load()
         self.runner = runner
-        from cluster.worker.model_runner import C_LINEAR_MAX_ROWS
-
-        self.c_rows = C_LINEAR_MAX_ROWS
+        self.in_c = _c_rows  # which row counts a projection runs in C (the MLX path's rule)
         inner = model.model
         qk_norm = type(model).__module__.endswith("qwen3")
         self.layers = [_Layer(b, s, qk_norm) for b, s in zip(inner.layers, runner.specs)]
         self.embed = _host(inner.embed_tokens.weight)
-        self.head = _linear(inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head)
+        self.head = _Weights.of(inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head)
         self.norm = (_host(inner.norm.weight), float(inner.norm.eps))
 
     @classmethod
@@ -140,15 +164,15 @@ class HostForward:
 
     # -- the step --------------------------------------------------------------------------------
 
-    def _linear(self, x: np.ndarray, wb: tuple) -> np.ndarray:
-        """x @ w.T (+ b): in C below C_LINEAR_MAX_ROWS rows, else by MLX's BLAS as nn.Linear
-        computes it (one hand-off, small beside the product)."""
-        w, b, w_mx, b_mx = wb
-        if x.shape[0] >= self.c_rows:
+    def _linear(self, x: np.ndarray, lin: _Weights) -> np.ndarray:
+        """x @ w.T (+ b): in C for few rows, else by MLX's BLAS as nn.Linear computes it
+        (one hand-off, small beside the product)."""
+        w, b = lin.w, lin.b
+        if not self.in_c(x.shape[0]):
             xm = mx.array(x)
-            y = xm @ w_mx.T if b_mx is None else mx.addmm(b_mx, xm, w_mx.T)
+            y = xm @ lin.w_mx.T if lin.b_mx is None else mx.addmm(lin.b_mx, xm, lin.w_mx.T)
             mx.eval(y)
-            return np.asarray(memoryview(y))
+            return np.ascontiguousarray(np.asarray(memoryview(y)))
         y = np.empty((x.shape[0], w.shape[0]), np.float32)
         rc = self.lib.orch_linear_f32(x.ctypes.data, x.shape[0], w.shape[1], w.ctypes.data,
                                       None if b is None else b.ctypes.data, y.ctypes.data, w.shape[0])
@@ -156,8 +180,9 @@ class HostForward:
             raise MemoryError("the C linear could not allocate its scratch")
         return y
 
-    def _norm(self, h: np.ndarray, residual: np.ndarray | None, wn: tuple[np.ndarray, float]) -> np.ndarray:
-        """rms_norm(h (+= residual, in place)) over the last axis."""
+    def _add_norm(self, h: np.ndarray, residual: np.ndarray | None, wn: tuple[np.ndarray, float]) -> np.ndarray:
+        """h += residual (in place: h is the residual stream), then rms_norm(h) over the last
+        axis, as a new array."""
         w, eps = wn
         out = np.empty_like(h)
         self.lib.orch_add_rmsnorm_f32(h.ctypes.data, None if residual is None else residual.ctypes.data,
@@ -168,9 +193,27 @@ class HostForward:
         dims, traditional, scale, freqs = rope
         T, H, D = x.shape
         out = np.empty_like(x)
-        self.lib.orch_rope_f32(x.ctypes.data, positions.ctypes.data, freqs.ctypes.data, out.ctypes.data, T, H, D,
-                               dims, int(traditional), scale)
+        if self.lib.orch_rope_f32(x.ctypes.data, positions.ctypes.data, freqs.ctypes.data, out.ctypes.data, T, H, D,
+                                  dims, int(traditional), scale):
+            raise ValueError(f"rope: dims {dims} of head size {D}")  # refused at build: unreachable
         return out
+
+    def _check(self, T, ids, slots, cu, lens, tables) -> None:
+        """The C kernels trust their indices: a batch that would send them outside the pools
+        is an error here (as `cpu.write_kv` and `cpu.paged_attention_cpu` check on the MLX
+        path), never a write to the wrong memory."""
+        r = self.runner
+        q_lens = np.diff(cu)
+        if not (ids.shape == slots.shape == (T,) and cu.shape == (lens.shape[0] + 1,) and cu[0] == 0
+                and cu[-1] == T and (q_lens >= 0).all() and (lens >= q_lens).all()
+                and tables.shape[0] == lens.shape[0]):
+            raise ValueError(f"a step batch that does not add up: {T} rows, cu_seqlens_q {cu.tolist()}, "
+                             f"seq_lens {lens.tolist()}, block tables {tables.shape}")
+        if T and (ids.min() < 0 or ids.max() >= self.embed.shape[0] or slots.min() < 0
+                  or slots.max() >= r.num_blocks * r.block_size):
+            raise ValueError("a step batch with token ids outside the vocabulary or slots outside the pool")
+        if tables.size and (tables.min() < 0 or tables.max() >= r.num_blocks or lens.max() > tables.shape[1] * r.block_size):
+            raise ValueError("a step batch whose block tables leave the pool or do not cover its contexts")
 
     def forward(self, batch) -> mx.array:
         """Logits [M, vocab] float32 for `batch.logit_rows`; K/V land in the pools, as
@@ -183,16 +226,17 @@ class HostForward:
             batch.input_ids, batch.positions, batch.slot_mapping, batch.cu_seqlens_q, batch.seq_lens,
             batch.block_tables))
         S = lens.shape[0]
+        self._check(T, ids, slots, cu, lens, tables)
         half = r.kv_dtype == mx.float16
         h = np.ascontiguousarray(self.embed[ids])  # [T, hidden]
         residual = None
         for L in self.layers:
-            x = self._norm(h, residual, L.in_norm)
+            x = self._add_norm(h, residual, L.in_norm)
             q = self._linear(x, L.q).reshape(T, L.heads, L.head_dim)
             k = self._linear(x, L.k).reshape(T, L.kv_heads, L.head_dim)
             v = self._linear(x, L.v).reshape(T, L.kv_heads, L.head_dim)
             if L.q_norm is not None:
-                q, k = self._norm(q, None, L.q_norm), self._norm(k, None, L.k_norm)
+                q, k = self._add_norm(q, None, L.q_norm), self._add_norm(k, None, L.k_norm)
             q, k = self._rope(q, pos, L.rope), self._rope(k, pos, L.rope)
             layer = L.spec.layer
             kp, vp = r.k_pool[layer], r.v_pool[layer]
@@ -213,11 +257,11 @@ class HostForward:
             if rc != 0:
                 raise RuntimeError(f"the CPU attention kernel failed ({rc}) on layer {layer}")
             o = self._linear(out.reshape(T, -1), L.o)
-            x = self._norm(h, o, L.post_norm)
+            x = self._add_norm(h, o, L.post_norm)
             gate, up = self._linear(x, L.gate), self._linear(x, L.up)
             act = np.empty_like(gate)
             self.lib.orch_swiglu_f32(gate.ctypes.data, up.ctypes.data, act.ctypes.data, gate.size)
             residual = self._linear(act, L.down)
-        final = self._norm(h, residual, self.norm)
+        final = self._add_norm(h, residual, self.norm)
         rows = np.asarray(memoryview(batch.logit_rows))
         return mx.array(self._linear(np.ascontiguousarray(final[rows]), self.head))

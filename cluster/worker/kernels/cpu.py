@@ -106,7 +106,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.orch_depthwise_conv1d.argtypes = [_PTR] * 4 + [_I64, _I64, _I64, _I32]
     lib.orch_linear_f32.restype = ctypes.c_int
     lib.orch_linear_f32.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64]
-    lib.orch_rope_f32.restype = None
+    lib.orch_rope_f32.restype = ctypes.c_int
     lib.orch_rope_f32.argtypes = [_PTR] * 4 + [_I64, _I64, _I32, _I32, _I32, _F32]
     lib.orch_add_rmsnorm_f32.restype = None
     lib.orch_add_rmsnorm_f32.argtypes = [_PTR] * 4 + [_I64, _I64, _F32]
@@ -420,9 +420,11 @@ def rope(x: mx.array, positions: mx.array, dims: int, traditional: bool, inv_fre
     mx.eval(x, positions, inv_freq)
     xh, ph, fh = _host(x, np.float32), _host(positions, np.int32), _host(inv_freq, np.float32)
     out = np.empty((T, H, 1, D), np.float32)
-    lib.orch_rope_f32(xh.ctypes.data, ph.ctypes.data, fh.ctypes.data, out.ctypes.data, T, H, D, dims,
-                      int(traditional), scale)
+    rc = lib.orch_rope_f32(xh.ctypes.data, ph.ctypes.data, fh.ctypes.data, out.ctypes.data, T, H, D, dims,
+                           int(traditional), scale)
     del xh, ph, fh
+    if rc != 0:
+        raise ValueError(f"rope: dims {dims} of head size {D} (at most {MAX_HEAD_DIM})")
     return mx.array(out)
 
 

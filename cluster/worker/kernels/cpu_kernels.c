@@ -662,7 +662,9 @@ static int linear_bcast(const float *x, int64_t M, int64_t K, const float *w, co
     for (int64_t b = 0; b < nb; b++) {
         const int64_t n0 = b * NR;
         const int nr = N - n0 < NR ? (int)(N - n0) : NR;
-        /* the block's rows come from memory on its first tile only: that one prefetches */
+        /* the block's rows come from memory on its first tile only: that one prefetches
+         * (the last of its prefetches reach 16 floats past the next block's rows, which a
+         * prefetch may: it never faults) */
         const float *pf = n0 + 2 * NR <= N ? w + (n0 + NR) * K : NULL;
         for (int64_t v0 = 0; v0 < MV; v0 += S, pf = NULL) {
             if (S == 1) tile_1x12(xt, MP, K, w, bias, y, M, N, n0, nr, v0, pf);
@@ -706,9 +708,10 @@ void orch_add_rmsnorm_f32(float *h, const float *residual, const float *w, float
  * by angle position x inv_freq[i] (dims / 2 frequencies), as halves (i, i + dims / 2) or,
  * `traditional`, as pairs (2i, 2i + 1); the rest are copied. cos and sin are computed once
  * a row, for all its heads. */
-void orch_rope_f32(const float *x, const int32_t *pos, const float *inv_freq, float *out,
-                   int64_t T, int64_t H, int32_t D, int32_t dims, int32_t traditional, float scale)
+int orch_rope_f32(const float *x, const int32_t *pos, const float *inv_freq, float *out,
+                  int64_t T, int64_t H, int32_t D, int32_t dims, int32_t traditional, float scale)
 {
+    if (dims < 0 || dims > D || D > MAX_HEAD_DIM) return -1;
     const int half = dims / 2;
 #pragma omp parallel for schedule(static) if (T * H * D > 262144)
     for (int64_t t = 0; t < T; t++) {
@@ -737,4 +740,5 @@ void orch_rope_f32(const float *x, const int32_t *pos, const float *inv_freq, fl
             for (int i = 2 * half; i < D; i++) o[i] = xr[i];
         }
     }
+    return 0;
 }
