@@ -11,14 +11,18 @@ Two loads (EOS ignored, greedy):
   prefill-heavy: 16 prompts x 1,024 tokens, 16 new tokens
 For each: output tokens/s of both and the ratio; the engine's host time per step
 outside the forward; and for decode, the share of the matmul roofline: the time of the
-same step's matmuls alone (every Linear of the model at the step's batch) over the
-engine's measured decode step time.
+same step's matmuls alone (every Linear of the engine's model at the step's batch, in the
+C linear or BLAS as the engine runs them) over the engine's measured decode step time.
+For a model on the host path (`cluster/worker/host_forward.py`: llama / qwen2 / qwen3 on
+a CPU) it also prints the decode step at batch 16 on that path and through mlx-lm's
+module code, alternating, against that step's matmuls alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +36,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from cluster import platform  # noqa: E402
 from cluster.models_cache import builtin_model, resolve_model  # noqa: E402
+from cluster.worker import model_runner  # noqa: E402
 from cluster.worker.config import EngineConfig  # noqa: E402
 from cluster.worker.engine import Engine  # noqa: E402
 from cluster.worker.model_runner import text_args  # noqa: E402
@@ -91,18 +96,59 @@ def mlx_lm_model(path, dtype) -> nn.Module:
     return model
 
 
-def matmul_roofline_ms(model: nn.Module, rows: int, repeats: int = 10) -> float:
-    """Time of one step's matmuls alone: every Linear at `rows` rows, plus the LM head."""
-    weights = [p for name, p in tree_flatten(model.parameters()) if name.endswith(".weight") and p.ndim == 2]
-    # embedding lookups are not matmuls, but a tied LM head is: weights already include it once
+def matmul_roofline_ms(weights: list[mx.array], rows: int, in_c: bool, repeats: int = 10) -> float:
+    """Time of one step's matmuls alone: each weight at `rows` rows, as the engine runs it
+    (`in_c`: the C linear, which the engine takes below 32 rows on a CPU; else BLAS)."""
+    from cluster.worker.kernels import cpu
+
     xs = {w.shape[1]: mx.random.normal((rows, w.shape[1])).astype(w.dtype) for w in weights}
     mx.eval(list(xs.values()))
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        mx.eval([xs[w.shape[1]] @ w.T for w in weights])
+        mx.eval([cpu.linear(xs[w.shape[1]], w) if in_c else xs[w.shape[1]] @ w.T for w in weights])
         best = min(best, time.perf_counter() - t0)
     return best * 1000
+
+
+def linear_weights(model: nn.Module) -> list[mx.array]:
+    """Every Linear's weight, and a tied LM head's (the embedding) once."""
+    return [p for name, p in tree_flatten(model.parameters()) if name.endswith(".weight") and p.ndim == 2]
+
+
+def c_linear_at(engine: Engine, rows: int) -> bool:
+    from cluster.worker.kernels import cpu
+
+    return engine.runner.attention_backend == "cpu" and cpu.available() and engine.runner.dtype == mx.float32 \
+        and model_runner._c_rows(rows)
+
+
+def host_path_decode_ms(engine: Engine, vocab: int, rows: int = 16, context: int = 300) -> tuple[float, float, float]:
+    """The decode step at `rows` sequences of ~`context` tokens on the host path and through
+    mlx-lm's module code (the MLX path), alternating in blocks of 10 steps (medians), and
+    that step's matmuls alone as the engine runs them (the C linear below 32 rows)."""
+    runner, host = engine.runner, engine.runner.host
+    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    for i, p in enumerate(make_prompts(rows, context, vocab, seed=7)):
+        engine.add_request(f"ab-{i}", p, params)
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for _ in range(5):
+            for on in (True, False):
+                runner.host = host if on else None
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    engine.step()
+                times[on].append((time.perf_counter() - t0) * 100)
+    finally:
+        runner.host = host
+        engine.abort_all()
+        while engine.has_unfinished():
+            engine.step()
+    mm = matmul_roofline_ms(linear_weights(runner.model), rows, c_linear_at(engine, rows))
+    return statistics.median(times[True]), statistics.median(times[False]), mm
 
 
 def main() -> int:
@@ -137,9 +183,13 @@ def main() -> int:
         ml_tps, or_tps = ml_n / ml_s, r["tokens"] / r["seconds"]
         print(f"{name:<14} {ml_tps:13.1f} {or_tps:14.1f} {or_tps / ml_tps:6.2f}x {r['host_ms_per_step']:13.2f} {r['steps']:6d}")
         if name == "decode-heavy":
-            roof = matmul_roofline_ms(model, n)
+            roof = matmul_roofline_ms(linear_weights(engine.runner.model), n, c_linear_at(engine, n))
             print(f"  decode step (median) {r['decode_step_ms']:.2f} ms at batch {n}; matmuls alone {roof:.2f} ms "
                   f"-> {100 * roof / r['decode_step_ms']:.0f}% of the matmul roofline")
+    if engine.runner.host is not None:
+        on, off, mm = host_path_decode_ms(engine, vocab)
+        print(f"decode step at batch 16 (~300 tokens of context): host path {on:.2f} ms, through mlx-lm's modules "
+              f"{off:.2f} ms ({off / on:.2f}x); matmuls alone {mm:.2f} ms -> {100 * mm / on:.0f}% of the host step")
     print("targets: decode-heavy >= 1.3x, prefill-heavy >= 1.0x")
     return 0
 
