@@ -98,7 +98,7 @@ def mlx_lm_model(path, dtype) -> nn.Module:
 
 def matmul_roofline_ms(weights: list[mx.array], rows: int, in_c: bool, repeats: int = 10) -> float:
     """Time of one step's matmuls alone: each weight at `rows` rows, as the engine runs it
-    (`in_c`: the C linear, which the engine takes below 32 rows on a CPU; else BLAS)."""
+    (`in_c`: the C linear, which the engine takes for few rows on a CPU; else BLAS)."""
     from cluster.worker.kernels import cpu
 
     xs = {w.shape[1]: mx.random.normal((rows, w.shape[1])).astype(w.dtype) for w in weights}
@@ -126,7 +126,7 @@ def c_linear_at(engine: Engine, rows: int) -> bool:
 def host_path_decode_ms(engine: Engine, vocab: int, rows: int = 16, context: int = 300) -> tuple[float, float, float]:
     """The decode step at `rows` sequences of ~`context` tokens on the host path and through
     mlx-lm's module code (the MLX path), alternating in blocks of 10 steps (medians), and
-    that step's matmuls alone as the engine runs them (the C linear below 32 rows)."""
+    that step's matmuls alone as the engine runs them (the C linear at these rows)."""
     runner, host = engine.runner, engine.runner.host
     params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
     for i, p in enumerate(make_prompts(rows, context, vocab, seed=7)):

@@ -419,9 +419,9 @@ def test_linear_in_c_is_numpys(M, K, N, bias):
     """The C linear (few-row x @ W.T + b) against numpy in float64, through both kernels
     and every tile shape: the dot kernel (1-3 rows; full 3 x 4 blocks and the edges: a
     weight-row count not a multiple of 4, K not a multiple of 8) and the broadcast kernel
-    (4+ rows: 1, 2, 3 and 4 vectors of x rows, padded rows, a last block of fewer weight
-    rows, more than 32 rows), on an aligned weight copy and on the original; a leading
-    batch axis is kept."""
+    (4+ rows: tiles of 1, 2 and 3 vectors of x rows, pairs of vectors past 24 rows, padded
+    rows, a last block of fewer weight rows), on an aligned weight copy and on the
+    original; a leading batch axis is kept."""
     rng = np.random.default_rng(M * K + N)
     w = rng.standard_normal((N, K)).astype(np.float32)
     x = rng.standard_normal((1, M, K)).astype(np.float32)
@@ -463,7 +463,7 @@ def test_the_engine_runs_decode_linears_in_c_and_prefill_chunks_in_blas(tmp_path
     got = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert rows and max(rows) < model_runner.C_LINEAR_MAX_ROWS and 1 in rows
     assert 80 in ropes and 1 in ropes  # the prompt's rows and each decode row: RoPE in C
-    assert [model_runner._c_rows(n) for n in (1, 12, 16, 24, 31, 32, 80)] == [True] * 5 + [False, False]
+    assert [model_runner._c_rows(n) for n in (1, 12, 16, 24, 32, 47, 48, 80)] == [True] * 6 + [False, False]
     model, _ = load(str(path))
     from mlx_lm.generate import generate_step
 

@@ -78,7 +78,7 @@ def _host(a: mx.array) -> np.ndarray:
 
 class _Weights(NamedTuple):
     """A Linear's weight and bias as host arrays (for the C linear) and as the module's own
-    MLX arrays (for BLAS, at 32 rows and more)."""
+    MLX arrays (for BLAS, at `model_runner.C_LINEAR_MAX_ROWS` rows and more)."""
 
     w: np.ndarray
     b: np.ndarray | None

@@ -100,12 +100,12 @@ def _fast_swiglu_class(cls: type, use_c: bool) -> type:
 
 # Which row counts a Linear runs in C (`cpu.linear`: each weight row read once, in place)
 # rather than BLAS. OpenBLAS packs the weights before every product: over a whole model's
-# matrices on 2 cores C takes 0.4-0.6x BLAS's time at 1-24 rows; at 32 they tie and past
-# it BLAS wins (`load/bench_engine.py` shows the step). Each path sums a row's products in
-# its own order (the C kernels: 1-3 rows as 8-lane dot products, 4-31 rows in plain k
+# matrices on 2 cores C takes 0.4-0.7x BLAS's time at 1-24 rows, 0.8-0.9x at 32-40; at 48
+# they tie and past it BLAS wins (`load/bench_engine.py` shows the step). Each path sums a row's products in
+# its own order (the C kernels: 1-3 rows as 8-lane dot products, 4-47 rows in plain k
 # order; BLAS: its own blocking), so a request's logits can move in the last bits with
 # the number of rows beside it in the step; a greedy token can change only at a near-tie.
-C_LINEAR_MAX_ROWS = 32
+C_LINEAR_MAX_ROWS = 48
 
 
 def _c_rows(rows: int) -> bool:
