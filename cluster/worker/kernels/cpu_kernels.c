@@ -311,22 +311,32 @@ int orch_paged_attention(
                         for (int d = 0; d < D; d++) ah[r][d] *= corr;
                 }
                 if (D % 32 == 0) {
-                    /* ah[r] += sum_j p[r][j] * v[j], 32 columns at a time held in registers */
-                    for (int r = 0; r < RH; r++) {
-                        const float *p = sh[r];
+                    /* ah[r] += sum_j p[r][j] * v[j], two rows and 32 columns at a time held in
+                     * registers: 8 independent FMA chains (4 were bound by the FMA latency), each
+                     * V vector loaded once for both rows. An odd last row pairs with itself. */
+                    for (int r = 0; r < RH; r += 2) {
+                        const int r1 = r + 1 < RH ? r + 1 : r;
+                        const float *p0 = sh[r], *p1 = sh[r1];
                         for (int d0 = 0; d0 < D; d0 += 32) {
-                            vf8 a0, a1, a2, a3;
+                            vf8 a0, a1, a2, a3, b0, b1, b2, b3;
                             memcpy(&a0, ah[r] + d0, 32); memcpy(&a1, ah[r] + d0 + 8, 32);
                             memcpy(&a2, ah[r] + d0 + 16, 32); memcpy(&a3, ah[r] + d0 + 24, 32);
+                            memcpy(&b0, ah[r1] + d0, 32); memcpy(&b1, ah[r1] + d0 + 8, 32);
+                            memcpy(&b2, ah[r1] + d0 + 16, 32); memcpy(&b3, ah[r1] + d0 + 24, 32);
                             for (int j = 0; j < n; j++) {
-                                const float w = p[j];
+                                const float w = p0[j], u = p1[j];
                                 vf8 v0, v1, v2, v3;
                                 memcpy(&v0, vrow[j] + d0, 32); memcpy(&v1, vrow[j] + d0 + 8, 32);
                                 memcpy(&v2, vrow[j] + d0 + 16, 32); memcpy(&v3, vrow[j] + d0 + 24, 32);
                                 a0 += w * v0; a1 += w * v1; a2 += w * v2; a3 += w * v3;
+                                b0 += u * v0; b1 += u * v1; b2 += u * v2; b3 += u * v3;
                             }
                             memcpy(ah[r] + d0, &a0, 32); memcpy(ah[r] + d0 + 8, &a1, 32);
                             memcpy(ah[r] + d0 + 16, &a2, 32); memcpy(ah[r] + d0 + 24, &a3, 32);
+                            if (r1 != r) {
+                                memcpy(ah[r1] + d0, &b0, 32); memcpy(ah[r1] + d0 + 8, &b1, 32);
+                                memcpy(ah[r1] + d0 + 16, &b2, 32); memcpy(ah[r1] + d0 + 24, &b3, 32);
+                            }
                         }
                     }
                 } else {
