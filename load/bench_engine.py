@@ -96,9 +96,10 @@ def mlx_lm_model(path, dtype) -> nn.Module:
     return model
 
 
-def matmul_roofline_ms(weights: list[mx.array], rows: int, in_c: bool, repeats: int = 10) -> float:
+def matmul_roofline_ms(weights: list[mx.array], rows: int, repeats: int = 10) -> float:
     """Time of one step's matmuls alone: each weight at `rows` rows, as the engine runs it
-    (`in_c`: the C linear, which the engine takes for few rows on a CPU; else BLAS)."""
+    (the C linear where `model_runner._c_linear` says so: few float32 rows on a CPU; else
+    BLAS)."""
     from cluster.worker.kernels import cpu
 
     xs = {w.shape[1]: mx.random.normal((rows, w.shape[1])).astype(w.dtype) for w in weights}
@@ -106,7 +107,8 @@ def matmul_roofline_ms(weights: list[mx.array], rows: int, in_c: bool, repeats: 
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        mx.eval([cpu.linear(xs[w.shape[1]], w) if in_c else xs[w.shape[1]] @ w.T for w in weights])
+        mx.eval([cpu.linear(x, w) if model_runner._c_linear(x) else x @ w.T
+                 for w in weights for x in (xs[w.shape[1]],)])
         best = min(best, time.perf_counter() - t0)
     return best * 1000
 
@@ -114,13 +116,6 @@ def matmul_roofline_ms(weights: list[mx.array], rows: int, in_c: bool, repeats: 
 def linear_weights(model: nn.Module) -> list[mx.array]:
     """Every Linear's weight, and a tied LM head's (the embedding) once."""
     return [p for name, p in tree_flatten(model.parameters()) if name.endswith(".weight") and p.ndim == 2]
-
-
-def c_linear_at(engine: Engine, rows: int) -> bool:
-    from cluster.worker.kernels import cpu
-
-    return engine.runner.attention_backend == "cpu" and cpu.available() and engine.runner.dtype == mx.float32 \
-        and model_runner._c_rows(rows)
 
 
 def host_path_decode_ms(engine: Engine, vocab: int, rows: int = 16, context: int = 300) -> tuple[float, float, float]:
@@ -147,7 +142,7 @@ def host_path_decode_ms(engine: Engine, vocab: int, rows: int = 16, context: int
         engine.abort_all()
         while engine.has_unfinished():
             engine.step()
-    mm = matmul_roofline_ms(linear_weights(runner.model), rows, c_linear_at(engine, rows))
+    mm = matmul_roofline_ms(linear_weights(runner.model), rows)
     return statistics.median(times[True]), statistics.median(times[False]), mm
 
 
@@ -183,7 +178,7 @@ def main() -> int:
         ml_tps, or_tps = ml_n / ml_s, r["tokens"] / r["seconds"]
         print(f"{name:<14} {ml_tps:13.1f} {or_tps:14.1f} {or_tps / ml_tps:6.2f}x {r['host_ms_per_step']:13.2f} {r['steps']:6d}")
         if name == "decode-heavy":
-            roof = matmul_roofline_ms(linear_weights(engine.runner.model), n, c_linear_at(engine, n))
+            roof = matmul_roofline_ms(linear_weights(engine.runner.model), n)
             print(f"  decode step (median) {r['decode_step_ms']:.2f} ms at batch {n}; matmuls alone {roof:.2f} ms "
                   f"-> {100 * roof / r['decode_step_ms']:.0f}% of the matmul roofline")
     if engine.runner.host is not None:

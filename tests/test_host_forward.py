@@ -17,6 +17,7 @@ from cluster.worker.config import EngineConfig
 from cluster.worker.engine import Engine
 from cluster.worker.kernels import cpu
 from cluster.worker.sampling_params import SamplingParams
+from test_engine import collect
 
 pytestmark = pytest.mark.skipif(mx.metal.is_available() or not cpu.available(),
                                 reason="the host path serves the CPU backend with the C kernels")
@@ -121,7 +122,8 @@ def test_the_engine_on_the_host_path_generates_mlx_lms_tokens(tmp_path, arch, n,
     engine = _engine(path)
     calls = []
     real = host_forward.HostForward.forward
-    monkeypatch.setattr(host_forward.HostForward, "forward", lambda self, b: calls.append(b.num_tokens) or real(self, b))
+    monkeypatch.setattr(host_forward.HostForward, "forward",
+                        lambda self, b: calls.append(b.num_tokens) or real(self, b))
     # 3 prompts: decode steps of 3 rows (the C linear's dot kernel); 6: of 6 (its broadcast kernel)
     prompts = [[(13 * i + 5 * j) % 500 + 3 for j in range(30 + 7 * i)] for i in range(n)]
     got = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
@@ -212,13 +214,7 @@ def test_a_quantized_half_precision_model_on_the_host_path_is_the_mlx_paths(tmp_
             engine.runner.host = None
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, params)
-        out: dict[str, tuple[list, list]] = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                toks, lps = out.setdefault(o.request_id, ([], []))
-                toks += o.new_token_ids
-                lps += o.logprobs or []
-        runs.append(out)
+        runs.append(collect(engine))
     for i in range(len(prompts)):
         assert runs[0][str(i)][0] == runs[1][str(i)][0]
         np.testing.assert_allclose(runs[0][str(i)][1], runs[1][str(i)][1], rtol=1e-4, atol=1e-4)

@@ -36,6 +36,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from cluster.worker.kernels.cpu import _host as cpu_host
+
 log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # mlx_lm.models.<name>: the block code this file mirrors
@@ -70,10 +72,7 @@ def _host(a: mx.array) -> np.ndarray:
     if a.dtype != mx.float32:
         a = a.astype(mx.float32)
     mx.eval(a)
-    h = np.asarray(memoryview(a))
-    if not h.flags.c_contiguous:
-        h = np.ascontiguousarray(h)
-    return h
+    return cpu_host(a, np.float32)
 
 
 class _Weights(NamedTuple):
@@ -140,7 +139,6 @@ class HostForward:
 
     def __init__(self, model: nn.Module, runner):
         from cluster.worker.kernels import cpu
-
         from cluster.worker.model_runner import _c_rows
 
         self.lib = cpu.load()
@@ -172,7 +170,7 @@ class HostForward:
             xm = mx.array(x)
             y = xm @ lin.w_mx.T if lin.b_mx is None else mx.addmm(lin.b_mx, xm, lin.w_mx.T)
             mx.eval(y)
-            return np.ascontiguousarray(np.asarray(memoryview(y)))
+            return cpu_host(y, np.float32)
         y = np.empty((x.shape[0], w.shape[0]), np.float32)
         rc = self.lib.orch_linear_f32(x.ctypes.data, x.shape[0], w.shape[1], w.ctypes.data,
                                       None if b is None else b.ctypes.data, y.ctypes.data, w.shape[0])
@@ -212,7 +210,8 @@ class HostForward:
         if T and (ids.min() < 0 or ids.max() >= self.embed.shape[0] or slots.min() < 0
                   or slots.max() >= r.num_blocks * r.block_size):
             raise ValueError("a step batch with token ids outside the vocabulary or slots outside the pool")
-        if tables.size and (tables.min() < 0 or tables.max() >= r.num_blocks or lens.max() > tables.shape[1] * r.block_size):
+        if tables.size and (tables.min() < 0 or tables.max() >= r.num_blocks
+                            or lens.max() > tables.shape[1] * r.block_size):
             raise ValueError("a step batch whose block tables leave the pool or do not cover its contexts")
 
     def forward(self, batch) -> mx.array:
@@ -220,11 +219,10 @@ class HostForward:
         `ModelRunner.forward` does through MLX."""
         r = self.runner
         T = batch.num_tokens
-        mx.eval(batch.input_ids, batch.positions, batch.slot_mapping, batch.cu_seqlens_q, batch.seq_lens,
-                batch.block_tables, batch.logit_rows)
-        ids, pos, slots, cu, lens, tables = (np.asarray(memoryview(a)) for a in (
-            batch.input_ids, batch.positions, batch.slot_mapping, batch.cu_seqlens_q, batch.seq_lens,
-            batch.block_tables))
+        arrays = (batch.input_ids, batch.positions, batch.slot_mapping, batch.cu_seqlens_q, batch.seq_lens,
+                  batch.block_tables, batch.logit_rows)
+        mx.eval(*arrays)
+        ids, pos, slots, cu, lens, tables, rows = (cpu_host(a, np.int32) for a in arrays)
         S = lens.shape[0]
         self._check(T, ids, slots, cu, lens, tables)
         half = r.kv_dtype == mx.float16
@@ -263,5 +261,4 @@ class HostForward:
             self.lib.orch_swiglu_f32(gate.ctypes.data, up.ctypes.data, act.ctypes.data, gate.size)
             residual = self._linear(act, L.down)
         final = self._add_norm(h, residual, self.norm)
-        rows = np.asarray(memoryview(batch.logit_rows))
         return mx.array(self._linear(np.ascontiguousarray(final[rows]), self.head))

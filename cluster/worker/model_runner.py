@@ -101,10 +101,11 @@ def _fast_swiglu_class(cls: type, use_c: bool) -> type:
 # Which row counts a Linear runs in C (`cpu.linear`: each weight row read once, in place)
 # rather than BLAS. OpenBLAS packs the weights before every product: over a whole model's
 # matrices on 2 cores C takes 0.4-0.7x BLAS's time at 1-24 rows, 0.8-0.9x at 32-40; at 48
-# they tie and past it BLAS wins (`load/bench_engine.py` shows the step). Each path sums a row's products in
-# its own order (the C kernels: 1-3 rows as 8-lane dot products, 4-47 rows in plain k
-# order; BLAS: its own blocking), so a request's logits can move in the last bits with
-# the number of rows beside it in the step; a greedy token can change only at a near-tie.
+# they tie and past it BLAS wins (`load/bench_engine.py` shows the step). Each path sums
+# a row's products in its own order (the C kernels: 1-3 rows as 8-lane dot products, 4-47
+# rows in plain k order; BLAS: its own blocking), so a request's logits can move in the
+# last bits with the number of rows beside it in the step; a greedy token can change only
+# at a near-tie.
 C_LINEAR_MAX_ROWS = 48
 
 
@@ -297,7 +298,7 @@ class ModelRunner:
         # the C kernels copy each step's K/V rows into the pools in place (PagedKVCache)
         self.write_kv_in_c = self.attention_backend == "cpu" and self.kv_dtype.size in (2, 4)
         # a llama / qwen2 / qwen3 model's steps on the CPU: no MLX graph (host_forward)
-        self.host = HostForward.build(model, self) if self.attention_backend == "cpu" else None
+        self.host = HostForward.build(model, self)
 
     def prepare(self, plan: SchedulerOutput) -> StepBatch:
         bs = self.block_size

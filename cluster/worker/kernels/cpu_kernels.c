@@ -492,7 +492,7 @@ int orch_depthwise_conv1d(const float *x, const float *w, const float *bias, flo
  *   turn, the block in L1 after the first. While a block's rows stream in, the next
  *   block's are prefetched: the weights come from DRAM (a model is larger than the cache),
  *   and the hardware prefetcher alone left the kernel waiting on memory. 1.5-2x the dot
- *   kernel at 8-32 rows; ahead of OpenBLAS up to ~64 rows. */
+ *   kernel at 8-32 rows; ahead of OpenBLAS below 48 rows. */
 typedef float vf8u __attribute__((vector_size(32), aligned(4)));
 
 static inline float hsum8(vf8 v) {
