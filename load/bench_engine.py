@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from cluster import platform  # noqa: E402
 from cluster.models_cache import builtin_model, resolve_model  # noqa: E402
-from cluster.worker import model_runner  # noqa: E402
+from cluster.worker import cpu_layers  # noqa: E402
 from cluster.worker.config import EngineConfig  # noqa: E402
 from cluster.worker.engine import Engine  # noqa: E402
 from cluster.worker.model_runner import text_args  # noqa: E402
@@ -98,7 +98,7 @@ def mlx_lm_model(path, dtype) -> nn.Module:
 
 def matmul_roofline_ms(weights: list[mx.array], rows: int, repeats: int = 10) -> float:
     """Time of one step's matmuls alone: each weight at `rows` rows, as the engine runs it
-    (the C linear where `model_runner._c_linear` says so: few float32 rows on a CPU; else
+    (the C linear where `cpu_layers.c_linear` says so: few float32 rows on a CPU; else
     BLAS)."""
     from cluster.worker.kernels import cpu
 
@@ -107,7 +107,7 @@ def matmul_roofline_ms(weights: list[mx.array], rows: int, repeats: int = 10) ->
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        mx.eval([cpu.linear(x, w) if model_runner._c_linear(x) else x @ w.T
+        mx.eval([cpu.linear(x, w) if cpu_layers.c_linear(x) else x @ w.T
                  for w in weights for x in (xs[w.shape[1]],)])
         best = min(best, time.perf_counter() - t0)
     return best * 1000

@@ -112,7 +112,7 @@ class ScriptedServer:
     async def _main(self):
         import grpc
 
-        from cluster.api.openai import create_app
+        from cluster.api.app import create_app
         from cluster.api.servicer import GenerationServicer
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 

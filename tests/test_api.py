@@ -278,6 +278,76 @@ def test_layering():
             assert not any(n.startswith(("cluster.worker", "cluster.router", "mlx")) for n in names), rel
 
 
+def _module_graph() -> tuple[dict[str, set[str]], list[str]]:
+    """cluster's modules -> the cluster modules each imports (at the top or inside a
+    function: a lazy import still ties the two), and every private name one module takes
+    from another (`from m import _x`, or `m._x` on an imported module)."""
+    files = {}
+    for path in (ROOT / "cluster").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def owner(name: str) -> str | None:  # the module a dotted name lives in
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph, private = {}, []
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges, aliases = set(), {}
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if owner(a.name):
+                        edges.add(owner(a.name))
+                        if a.asname and a.name in files:
+                            aliases[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    if full in files:
+                        edges.add(full)
+                        aliases[a.asname or a.name] = full
+                    elif owner(base):
+                        edges.add(owner(base))
+                        if a.name.startswith("_"):
+                            private.append(f"{module} imports {a.name} from {base}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                private.append(f"{module} reads {aliases[node.value.id]}.{node.attr}")
+        edges.discard(module)
+        edges.discard(package)  # a package's __init__ runs first anyway: not a circle of its own making
+        graph[module] = edges
+    return graph, private
+
+
+def test_no_import_circles_and_no_private_names_across_modules():
+    graph, private = _module_graph()
+    assert private == []
+    circles, seen = [], set()
+    for start in sorted(graph):  # a path back to `start` through its imports is a circle
+        stack, visited = [(start, (start,))], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    key = frozenset(path)
+                    if key not in seen:
+                        seen.add(key)
+                        circles.append(" -> ".join(path + (start,)))
+                elif nxt not in visited:
+                    visited.add(nxt)
+                    stack.append((nxt, path + (nxt,)))
+    assert circles == []
+
+
 def test_importing_the_sdk_loads_neither_mlx_nor_openblas():
     code = ("import sys, cluster.sdk; maps = open('/proc/self/maps').read() if sys.platform.startswith('linux') "
             "else ''; print('mlx' in sys.modules, 'openblas' in maps, 'cluster.platform' in sys.modules)")

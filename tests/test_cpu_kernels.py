@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(_compiler() is None, reason="no C compiler: the 
 
 
 def test_the_kernels_build_where_there_is_a_compiler():
-    assert cpu.available(), f"the CPU kernels did not build: {cpu._error}"
+    assert cpu.available(), f"the CPU kernels did not build: {cpu.build_error()}"
 
 TOL = 2e-4  # float32 kernel vs float64 dense
 
@@ -217,7 +217,7 @@ def test_a_fresh_build_loads_without_flushing_denormals(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", f"{shutil.which('cc') or shutil.which('gcc')} -Wall")
     monkeypatch.setattr(cpu, "_lib", None)
     monkeypatch.setattr(cpu, "_error", None)
-    assert cpu.available(), cpu._error
+    assert cpu.available(), cpu.build_error()
     assert list((tmp_path / "kernels").glob("cpu_kernels-*.so")), "built into $ORCHARD_HOME/kernels"
     tiny = np.float32(1e-40)  # a float32 subnormal
     assert tiny * np.float32(1.0) != 0
@@ -442,7 +442,7 @@ def test_the_engine_runs_decode_linears_in_c_and_prefill_chunks_in_blas(tmp_path
     from mlx_lm.utils import load
 
     from cluster.modelgen import create_model
-    from cluster.worker import model_runner
+    from cluster.worker import cpu_layers
     from cluster.worker.config import EngineConfig
     from cluster.worker.engine import Engine
     from cluster.worker.sampling_params import SamplingParams
@@ -454,16 +454,16 @@ def test_the_engine_runs_decode_linears_in_c_and_prefill_chunks_in_blas(tmp_path
     engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, block_size=16))
     engine.runner.host = None  # the MLX path's swaps, as every family has them (test_host_forward: the other)
     modules = [type(m) for _, m in engine.runner.model.named_modules()]
-    assert {model_runner._CLinear, model_runner._CEmbedding, model_runner._CRoPE} <= set(modules)
+    assert {cpu_layers.CLinear, cpu_layers.CEmbedding, cpu_layers.CRoPE} <= set(modules)
     assert nn_linear_count(engine.runner.model) == 0  # every float32 Linear swapped
     rows, ropes, real, real_rope = [], [], cpu.linear, cpu.rope
     monkeypatch.setattr(cpu, "linear", lambda x, *a: rows.append(x.size // x.shape[-1]) or real(x, *a))
     monkeypatch.setattr(cpu, "rope", lambda x, *a: ropes.append(x.shape[0]) or real_rope(x, *a))
     prompt = [(7 * i) % 500 + 3 for i in range(80)]  # 80 rows: BLAS
     got = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
-    assert rows and max(rows) < model_runner.C_LINEAR_MAX_ROWS and 1 in rows
+    assert rows and max(rows) < cpu_layers.C_LINEAR_MAX_ROWS and 1 in rows
     assert 80 in ropes and 1 in ropes  # the prompt's rows and each decode row: RoPE in C
-    assert [model_runner._c_rows(n) for n in (1, 12, 16, 24, 32, 47, 48, 80)] == [True] * 6 + [False, False]
+    assert [cpu_layers.c_rows(n) for n in (1, 12, 16, 24, 32, 47, 48, 80)] == [True] * 6 + [False, False]
     model, _ = load(str(path))
     from mlx_lm.generate import generate_step
 

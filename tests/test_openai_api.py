@@ -14,7 +14,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from cluster.api.openai import create_app
+from cluster.api.app import create_app
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.sdk import Client, GrpcBackend, InvalidRequest, Overloaded, Unavailable
 

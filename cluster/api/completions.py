@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from cluster.api.errors import OrchardError
-from cluster.api.openai import (_BACKEND, _ERROR_TYPES, _BadField, _Exchange, _field, _make_request, _sampling_kwargs,
-                                _served_model, _sse, _timeout, _within, error_response, read_body)
+from cluster.api.http import (BACKEND, ERROR_TYPES, BadField, body_field, error_response, read_body,
+                              request_timeout, served_model, sse, within)
+from cluster.api.openai import Exchange, make_request, sampling_kwargs
 from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -32,9 +33,13 @@ MAX_PROMPTS = 64  # prompts in one request at most
 MAX_LOGPROBS = 20
 
 
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+
+
 def _prompts(body: dict) -> list[str | list[int]]:
     if "prompt" not in body:
-        raise _BadField("prompt", "'prompt' is required")
+        raise BadField("prompt", "'prompt' is required")
     prompt = body["prompt"]
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt)):
         return [prompt]
@@ -42,9 +47,9 @@ def _prompts(body: dict) -> list[str | list[int]]:
         if all(isinstance(p, str) for p in prompt) or all(
                 isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
             if len(prompt) > MAX_PROMPTS:
-                raise _BadField("prompt", f"{len(prompt)} prompts: at most {MAX_PROMPTS} per request are allowed")
+                raise BadField("prompt", f"{len(prompt)} prompts: at most {MAX_PROMPTS} per request are allowed")
             return list(prompt)
-    raise _BadField("prompt", "'prompt' must be a string, a list of token ids, or a non-empty list of either "
+    raise BadField("prompt", "'prompt' must be a string, a list of token ids, or a non-empty list of either "
                               "(strings, or token-id lists)")
 
 
@@ -70,21 +75,21 @@ class _Params:
 
 def _params(body: dict) -> _Params:
     if body.get("best_of") not in (None, 1):
-        raise _BadField("best_of", "best_of is not supported: use n and pick among the choices")
+        raise BadField("best_of", "best_of is not supported: use n and pick among the choices")
     if body.get("suffix"):
-        raise _BadField("suffix", "suffix (insertion) is not supported")
-    n = _field(body, "n", int, 1)
+        raise BadField("suffix", "suffix (insertion) is not supported")
+    n = body_field(body, "n", int, 1)
     if n < 1:
-        raise _BadField("n", f"n must be >= 1, got {n}")
-    echo = _field(body, "echo", bool, False)
-    logprobs = _field(body, "logprobs", int)
-    prompt_logprobs = _field(body, "prompt_logprobs", int)
+        raise BadField("n", f"n must be >= 1, got {n}")
+    echo = body_field(body, "echo", bool, False)
+    logprobs = body_field(body, "logprobs", int)
+    prompt_logprobs = body_field(body, "prompt_logprobs", int)
     for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if k is not None and not 0 <= k <= MAX_LOGPROBS:
-            raise _BadField(name, f"'{name}' must be between 0 and {MAX_LOGPROBS}, got {k}")
-    max_tokens = _field(body, "max_tokens", int)
+            raise BadField(name, f"'{name}' must be between 0 and {MAX_LOGPROBS}, got {k}")
+    max_tokens = body_field(body, "max_tokens", int)
     if max_tokens == 0 and not echo:
-        raise _BadField("max_tokens", "max_tokens=0 generates nothing: it is allowed only with echo=true")
+        raise BadField("max_tokens", "max_tokens=0 generates nothing: it is allowed only with echo=true")
     return _Params(n, echo, logprobs, prompt_logprobs, 16 if max_tokens is None else max_tokens)
 
 
@@ -93,8 +98,8 @@ def _requests(body: dict, p: _Params, request_id: str) -> list[pb.GenerateReques
     if p.max_tokens == 0:
         rest["max_tokens"] = 1  # the prompt's forward needs one sampled token: dropped here
     prompts = _prompts(body)
-    first = _make_request({**rest, "prompt": prompts[0]}, False, request_id)  # every plain field checked once
-    kwargs = _sampling_kwargs(rest, chat=False)
+    first = make_request({**rest, "prompt": prompts[0]}, False, request_id)  # every plain field checked once
+    kwargs = sampling_kwargs(rest, chat=False)
     out = [first]
     for i, prompt in enumerate(prompts[1:], 1):
         out.append(build_request(prompt, model=first.model, request_id=f"{request_id}-{i}", **kwargs))
@@ -206,16 +211,16 @@ def _usage(usages: list[pb.Usage], p: _Params) -> dict:
 
 # -- the handler ----------------------------------------------------------------------------
 async def completions(request: web.Request) -> web.StreamResponse:
-    backend = request.app[_BACKEND]
+    backend = request.app[BACKEND]
     try:
         body = await read_body(request)
-        stream = _field(body, "stream", bool, False)
-        include_usage = bool(_field(body, "stream_options", dict, {}).get("include_usage")) and stream
+        stream = body_field(body, "stream", bool, False)
+        include_usage = bool(body_field(body, "stream_options", dict, {}).get("include_usage")) and stream
         p = _params(body)
-        ex = _Exchange(False, "", False)
+        ex = Exchange(False, "", False)
         protos = _requests(body, p, ex.id)
-        ex.model = await _served_model(request.app, protos[0].model)
-        timeout = _timeout(request)
+        ex.model = await served_model(request.app, protos[0].model)
+        timeout = request_timeout(request)
     except OrchardError as e:
         return error_response(e.http_status, e.message, getattr(e, "param", None))
     texts = [r.text if r.WhichOneof("prompt") == "text" else None for r in protos]
@@ -224,7 +229,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, proto: pb.GenerateRequest) -> None:
-        chunks = finished(_within(backend.generate(proto, timeout=timeout), timeout), num_choices(proto))
+        chunks = finished(within(backend.generate(proto, timeout=timeout), timeout), num_choices(proto))
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 await queue.put((i, chunk))
@@ -264,16 +269,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 text, lps = choice.piece(r)
                 finish = FINISH_REASON_NAMES.get(r.finish_reason)
                 if text or lps or finish or first_of_choice:
-                    await response.write(_sse(ex._envelope([choice.dump(text, lps, finish, first_of_choice)], None,
+                    await response.write(sse(ex._envelope([choice.dump(text, lps, finish, first_of_choice)], None,
                                                            stream=True)))
                 item = await anext(it, None)
         except OrchardError as e:
-            await response.write(_sse({"error": {"message": e.message, "type": _ERROR_TYPES.get(e.http_status,
+            await response.write(sse({"error": {"message": e.message, "type": ERROR_TYPES.get(e.http_status,
                                                                                                   "server_error"),
                                                  "param": None, "code": e.http_status}}))
         if include_usage and len(usages) == len(protos):
-            await response.write(_sse(ex._envelope([], _usage(usages, p), stream=True)))
-        await response.write(_sse("[DONE]"))
+            await response.write(sse(ex._envelope([], _usage(usages, p), stream=True)))
+        await response.write(sse("[DONE]"))
         await response.write_eof()
         return response
     except OrchardError as e:
@@ -286,7 +291,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             await done_tasks
 
 
-async def _full(ex: _Exchange, p: _Params, chunks, choices: dict, prompts: list[_Prompt], num_prompts: int) -> dict:
+async def _full(ex: Exchange, p: _Params, chunks, choices: dict, prompts: list[_Prompt], num_prompts: int) -> dict:
     texts: dict = {key: [] for key in choices}
     lps: dict = {key: [] for key in choices}
     finish: dict = {}

@@ -20,8 +20,8 @@ from typing import Any
 from aiohttp import web
 
 from cluster.api.errors import InvalidRequest, OrchardError
-from cluster.api.openai import (_BACKEND, _ANTHROPIC_ERROR_TYPES, _served_model, _timeout, _within,
-                                anthropic_error, read_body)
+from cluster.api.http import (ANTHROPIC_ERROR_TYPES, BACKEND, anthropic_error, read_body, request_timeout,
+                              served_model, within)
 from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -169,7 +169,7 @@ def _usage(u: pb.Usage) -> dict:
             "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
 
 
-def _sse(event: str, data: dict) -> bytes:
+def sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
 
 
@@ -178,9 +178,9 @@ async def _create(request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
         proto = _request(body)
         stream = bool(_get(body, "stream", bool))
-        model = await _served_model(request.app, proto.model)
-        timeout = _timeout(request)
-        chunks = finished(_within(request.app[_BACKEND].generate(proto, timeout=timeout), timeout))
+        model = await served_model(request.app, proto.model)
+        timeout = request_timeout(request)
+        chunks = finished(within(request.app[BACKEND].generate(proto, timeout=timeout), timeout))
     except OrchardError as e:
         return anthropic_error(e.http_status, e.message)
     stop = list(proto.sampling.stop)
@@ -217,7 +217,7 @@ async def _stream(request: web.Request, message: dict, first, chunks, stop: list
     await response.prepare(request)
 
     async def send(event: str, **data):
-        await response.write(_sse(event, {"type": event, **data}))
+        await response.write(sse(event, {"type": event, **data}))
 
     await send("message_start", message=message)
     index, text_open = 0, False
@@ -249,7 +249,7 @@ async def _stream(request: web.Request, message: dict, first, chunks, stop: list
                                            "stop_sequence": message["stop_sequence"]}, usage=message["usage"])
         await send("message_stop")
     except OrchardError as e:
-        await send("error", error={"type": _ANTHROPIC_ERROR_TYPES.get(e.http_status, "api_error"),
+        await send("error", error={"type": ANTHROPIC_ERROR_TYPES.get(e.http_status, "api_error"),
                                    "message": e.message})
     await response.write_eof()
     return response

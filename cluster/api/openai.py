@@ -7,7 +7,8 @@ worker and the router serve the same API.
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not),
 GET /v1/models, GET /v1/models/{id}, GET /health, and on the same app /v1/responses
 (responses.py) and /v1/messages (messages.py); /v1/completions' evaluation features
-(echo, prompt lists, n, prompt_logprobs) are in completions.py. Sampling fields:
+(echo, prompt lists, n, prompt_logprobs) are in completions.py; `cluster.api.app` puts them
+all on one app over the shared base (`cluster.api.http`). Sampling fields:
 max_tokens (max_completion_tokens; a chat without it runs to the end of the context),
 temperature, top_p, n, seed, stop, stream_options.include_usage, logprobs (top_logprobs
 for chat), presence_penalty, frequency_penalty, logit_bias, response_format, tools,
@@ -22,9 +23,7 @@ or unavailable).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -33,51 +32,26 @@ from typing import Any
 from aiohttp import web
 
 from cluster.api.constraints import openai_extras
-from cluster.api.errors import DeadlineExceeded, InvalidRequest, OrchardError
-from cluster.api.servicer import Backend, finished
+from cluster.api.errors import OrchardError
+from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, ERROR_TYPES, BadField, body_field, check_params,
+                              error_response, read_body, request_timeout, served_model, sse, within)
+from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
-from cluster.security import Keys, host_allowed
 
 log = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error", 404: "not_found_error", 409: "conflict_error",
-                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
-_BACKEND = web.AppKey("backend", object)
-_TIMEOUT = web.AppKey("request_timeout", object)
-TIMEOUT_HEADER = "X-Request-Timeout"  # seconds, per request (at most the server's --request-timeout)
-_MODEL_CACHE = web.AppKey("model_cache", list)
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": status if code is None else code}}
-    return web.json_response(body, status=status)
-
-
-class _BadField(InvalidRequest):
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model_id:.+}", _model)
+    app.router.add_get("/health", _health)
 
 
 # -- request parsing ----------------------------------------------------------------------
-def _field(body: dict, name: str, kind: type | tuple, default=None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) and bool not in kinds:
-        ok = False
-    else:
-        ok = isinstance(value, kinds) or (float in kinds and isinstance(value, int))
-    if not ok:
-        names = " or ".join("number" if k is float else k.__name__ for k in kinds)
-        raise _BadField(name, f"'{name}' must be a {names}, got {json.dumps(value)}")
-    return value
-
-
 def _stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -86,45 +60,45 @@ def _stop(body: dict) -> list[str]:
         return [stop]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return stop
-    raise _BadField("stop", "'stop' must be a string or a list of strings")
+    raise BadField("stop", "'stop' must be a string or a list of strings")
 
 
-def _sampling_kwargs(body: dict, chat: bool) -> dict[str, Any]:
-    n = _field(body, "n", int, 1)
+def sampling_kwargs(body: dict, chat: bool) -> dict[str, Any]:
+    n = body_field(body, "n", int, 1)
     if n < 1:
-        raise _BadField("n", f"n must be >= 1, got {n}")
+        raise BadField("n", f"n must be >= 1, got {n}")
     if n != 1 and not chat:  # completions.py takes n off the body and sets it per prompt
-        raise _BadField("n", "n is set per prompt by the completions endpoint")
-    if _field(body, "best_of", int, 1) != 1:
-        raise _BadField("best_of", "best_of is not supported")
+        raise BadField("n", "n is set per prompt by the completions endpoint")
+    if body_field(body, "best_of", int, 1) != 1:
+        raise BadField("best_of", "best_of is not supported")
     if body.get("echo"):
-        raise _BadField("echo", "echo is not supported")
-    max_tokens = _field(body, "max_completion_tokens", int) if chat else None
+        raise BadField("echo", "echo is not supported")
+    max_tokens = body_field(body, "max_completion_tokens", int) if chat else None
     if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", int)
+        max_tokens = body_field(body, "max_tokens", int)
     if max_tokens is None and not chat:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    seed = _field(body, "seed", int)
+    seed = body_field(body, "seed", int)
     if seed is not None and seed < 0:
         seed &= 0xFFFF_FFFF_FFFF_FFFF  # OpenAI accepts negative seeds: keep them distinct
     if chat:
-        logprobs = _field(body, "top_logprobs", int, 0) if _field(body, "logprobs", bool, False) else None
+        logprobs = body_field(body, "top_logprobs", int, 0) if body_field(body, "logprobs", bool, False) else None
     else:
-        logprobs = _field(body, "logprobs", int)
-    stop_token_ids = _field(body, "stop_token_ids", list, [])
+        logprobs = body_field(body, "logprobs", int)
+    stop_token_ids = body_field(body, "stop_token_ids", list, [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
-        raise _BadField("stop_token_ids", "'stop_token_ids' must be a list of integers")
+        raise BadField("stop_token_ids", "'stop_token_ids' must be a list of integers")
     extra = {"n": n} if n != 1 else {}
     return dict(
         max_tokens=max_tokens,
-        temperature=_field(body, "temperature", float),
-        top_p=_field(body, "top_p", float),
-        top_k=_field(body, "top_k", int),
-        min_p=_field(body, "min_p", float),
+        temperature=body_field(body, "temperature", float),
+        top_p=body_field(body, "top_p", float),
+        top_k=body_field(body, "top_k", int),
+        min_p=body_field(body, "min_p", float),
         seed=seed,
         stop=_stop(body),
         stop_token_ids=stop_token_ids,
-        ignore_eos=_field(body, "ignore_eos", bool, False),
+        ignore_eos=body_field(body, "ignore_eos", bool, False),
         logprobs=logprobs,
         **extra,
     )
@@ -132,7 +106,7 @@ def _sampling_kwargs(body: dict, chat: bool) -> dict[str, Any]:
 
 def _completion_prompt(body: dict) -> str | list[int]:
     if "prompt" not in body:
-        raise _BadField("prompt", "'prompt' is required")
+        raise BadField("prompt", "'prompt' is required")
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -140,7 +114,7 @@ def _completion_prompt(body: dict) -> str | list[int]:
         return prompt
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
-    raise _BadField("prompt", "'prompt' must be a string or a list of token ids (one prompt per request)")
+    raise BadField("prompt", "'prompt' must be a string or a list of token ids (one prompt per request)")
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -152,54 +126,51 @@ def _chat_messages(body: dict) -> list[dict]:
     assistant's `tool_calls`, a tool result's `tool_call_id` and `name`."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _BadField("messages", "'messages' must be a non-empty list of {role, content} objects")
+        raise BadField("messages", "'messages' must be a non-empty list of {role, content} objects")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _BadField("messages", f"messages[{i}] must be an object with a string 'role'")
+            raise BadField("messages", f"messages[{i}] must be an object with a string 'role'")
         if m["role"] not in _ROLES:
-            raise _BadField("messages", f"messages[{i}].role {m['role']!r} is not one of {', '.join(_ROLES)}")
+            raise BadField("messages", f"messages[{i}].role {m['role']!r} is not one of {', '.join(_ROLES)}")
         extra = sorted(k for k in m if k not in _MESSAGE_KEYS or (k == "refusal" and m[k] is not None))
         if extra:
-            raise _BadField("messages", f"messages[{i}]: {', '.join(map(repr, extra))} not supported by this server")
+            raise BadField("messages", f"messages[{i}]: {', '.join(map(repr, extra))} not supported by this server")
         content = m.get("content") or ""
         if isinstance(content, list):  # content parts: keep the text ones
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise _BadField("messages", f"messages[{i}]: only text content parts are supported")
+                raise BadField("messages", f"messages[{i}]: only text content parts are supported")
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
-            raise _BadField("messages", f"messages[{i}].content must be a string or a list of text parts")
+            raise BadField("messages", f"messages[{i}].content must be a string or a list of text parts")
         msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
         calls = m.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list) or not all(
                     isinstance(c, dict) and isinstance(c.get("function"), dict)
                     and isinstance(c["function"].get("name"), str) for c in calls):
-                raise _BadField("messages", f"messages[{i}].tool_calls must be a list of "
+                raise BadField("messages", f"messages[{i}].tool_calls must be a list of "
                                             "{id, type: function, function: {name, arguments}}")
             msg["tool_calls"] = calls
         for key in ("tool_call_id", "name"):
             if m.get(key) is not None:
                 if not isinstance(m[key], str):
-                    raise _BadField("messages", f"messages[{i}].{key} must be a string")
+                    raise BadField("messages", f"messages[{i}].{key} must be a string")
                 msg[key] = m[key]
         out.append(msg)
     return out
 
 
 def _tool_kwargs(body: dict) -> dict[str, Any]:
-    tools = _field(body, "tools", list)
+    tools = body_field(body, "tools", list)
     choice = body.get("tool_choice")
     if choice is not None and not isinstance(choice, (str, dict)):
-        raise _BadField("tool_choice", "'tool_choice' must be a string or an object")
+        raise BadField("tool_choice", "'tool_choice' must be a string or an object")
     return dict(tools=tools or None, tool_choice=choice,
-                parallel_tool_calls=_field(body, "parallel_tool_calls", bool))
+                parallel_tool_calls=body_field(body, "parallel_tool_calls", bool))
 
 
-# What each endpoint reads. Everything else is refused by name (400): never silently
-# ignored. ACCEPTED_NO_EFFECT are sent by real clients and change no output.
-ACCEPTED_NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
-                                "safety_identifier"})
+# What the chat and completions endpoints read (everything else is refused by name).
 _COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "seed", "stop",
                      "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
                      "top_k", "min_p", "stop_token_ids", "ignore_eos", "repetition_penalty", "response_format",
@@ -211,17 +182,10 @@ CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix", "prompt_logprobs"}
 
 
-def check_params(body: dict, known: frozenset[str]) -> None:
-    unknown = sorted(k for k in body if k not in known)
-    if unknown:
-        raise _BadField(unknown[0], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
-                                    f"{', '.join(map(repr, unknown))}: not supported by this server")
-
-
-def _make_request(body: dict, chat: bool, request_id: str) -> pb.GenerateRequest:
+def make_request(body: dict, chat: bool, request_id: str) -> pb.GenerateRequest:
     check_params(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
-    model = _field(body, "model", str, "")
-    kwargs = _sampling_kwargs(body, chat) | openai_extras(body)  # penalties, logit_bias, structured outputs
+    model = body_field(body, "model", str, "")
+    kwargs = sampling_kwargs(body, chat) | openai_extras(body)  # penalties, logit_bias, structured outputs
     if chat:
         return build_request(messages=_chat_messages(body), model=model, request_id=request_id, **kwargs,
                              **_tool_kwargs(body))
@@ -259,7 +223,7 @@ def _chat_logprobs(lps) -> dict:
                         for lp in lps]}
 
 
-class _Exchange:
+class Exchange:
     """One HTTP request: its ids, and how its chunks become OpenAI JSON."""
 
     def __init__(self, chat: bool, model: str, want_logprobs: bool):
@@ -321,112 +285,9 @@ def tool_call_json(c: pb.ToolCall) -> dict:
     return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
-def _sse(data: dict | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {payload}\n\n".encode()
-
-
-# -- the app ----------------------------------------------------------------------------------
-def create_app(backend: Backend, request_timeout: float | None = None, *, keys: Keys | None = None,
-               allowed_hosts: tuple[str, ...] | None = None, cors_origins: tuple[str, ...] = ()) -> web.Application:
-    """The OpenAI-compatible app over `backend`. A request that takes longer than
-    `request_timeout` seconds (or its own `X-Request-Timeout`, if shorter) is answered
-    504, or ends its SSE stream with an error event, and is cancelled wherever it runs.
-    With `keys`, `/v1/*` takes `Authorization: Bearer KEY` (401 otherwise); with
-    `allowed_hosts`, a request whose Host is not one of them is 403 (DNS rebinding); with
-    `cors_origins` ("*" for any), browser pages of those origins may call it (CORS)."""
-    app = web.Application(client_max_size=32 << 20, middlewares=[_guard(keys or Keys(), allowed_hosts)])
-    if cors_origins:
-        _cors(app, cors_origins)
-    app[_BACKEND] = backend
-    app[_TIMEOUT] = request_timeout
-    app[_MODEL_CACHE] = [float("-inf"), ""]
-    from cluster.api.completions import completions  # it builds on this module's helpers
-
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", _chat_completions)
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/v1/models/{model_id:.+}", _model)
-    app.router.add_get("/health", _health)
-    from cluster.api import messages, responses  # they build on this module
-
-    responses.add_routes(app)
-    messages.add_routes(app)
-    return app
-
-
-def _guard(keys: Keys, allowed: tuple[str, ...] | None):
-    @web.middleware
-    async def guard(request: web.Request, handler):
-        if not host_allowed(request.headers.get("Host"), allowed):
-            return error_response(403, f"Host {request.headers.get('Host')!r} is not served here: add it to the "
-                                       "server's --allowed-hosts", code="host_not_allowed")
-        anthropic = request.path.startswith("/v1/messages")
-        if request.path.startswith("/v1/"):
-            authorization = request.headers.get("Authorization")
-            if authorization is None and request.headers.get("x-api-key"):  # Anthropic's clients send this
-                authorization = f"Bearer {request.headers['x-api-key']}"
-            refused = keys.refusal(authorization, "inference")
-            if refused is not None:
-                if anthropic:
-                    return anthropic_error(401, refused[1])
-                response = error_response(401, refused[1], code="invalid_api_key")
-                response.headers["WWW-Authenticate"] = "Bearer"
-                return response
-        try:
-            return await handler(request)
-        except web.HTTPException as e:  # no such route or method: in the API's error shape, not plain text
-            if e.status < 400:
-                raise
-            message = (f"no route {request.method} {request.path}" if e.status == 404 else
-                       f"{request.method} is not allowed on {request.path}" if e.status == 405 else e.reason)
-            return anthropic_error(e.status, message) if anthropic else error_response(e.status, message)
-
-    return guard
-
-
-def _cors(app: web.Application, origins: tuple[str, ...]) -> None:
-    """CORS for browser clients of the listed origins: preflights answered, responses
-    (streams too, as their headers go out) marked. A request from another origin gets no
-    CORS headers: its browser blocks it."""
-    any_origin = "*" in origins
-
-    def allowed(request: web.Request) -> bool:
-        origin = request.headers.get("Origin")
-        return origin is not None and (any_origin or origin in origins)
-
-    @web.middleware
-    async def preflight(request: web.Request, handler):
-        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers and allowed(request):
-            return web.Response(status=204, headers={
-                "Access-Control-Allow-Methods": "GET, POST, OPTIONS", "Access-Control-Max-Age": "600",
-                "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
-                                                                    "authorization, content-type")})
-        return await handler(request)
-
-    async def mark(request: web.Request, response: web.StreamResponse) -> None:
-        if allowed(request):
-            response.headers["Access-Control-Allow-Origin"] = request.headers["Origin"]
-            response.headers["Vary"] = "Origin"
-
-    app.middlewares.insert(0, preflight)
-    app.on_response_prepare.append(mark)
-
-
-_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                          503: "overloaded_error", 504: "timeout_error"}
-
-
-def anthropic_error(status: int, message: str) -> web.Response:
-    """Anthropic's error shape (on /v1/messages)."""
-    return web.json_response({"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
-                                                         "message": message}}, status=status)
-
-
 async def _models(request: web.Request) -> web.Response:
     try:
-        models = await request.app[_BACKEND].list_models()
+        models = await request.app[BACKEND].list_models()
     except OrchardError as e:
         return error_response(e.http_status, e.message)
     return web.json_response({"object": "list", "data": [
@@ -437,7 +298,7 @@ async def _models(request: web.Request) -> web.Response:
 async def _model(request: web.Request) -> web.Response:
     model_id = request.match_info["model_id"]
     try:
-        models = await request.app[_BACKEND].list_models()
+        models = await request.app[BACKEND].list_models()
     except OrchardError as e:
         return error_response(e.http_status, e.message)
     for m in models.models:
@@ -448,7 +309,7 @@ async def _model(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    backend = request.app[_BACKEND]
+    backend = request.app[BACKEND]
     if getattr(backend, "draining", False):
         return web.json_response({"status": "draining"}, status=503)
     if getattr(backend, "stalled", False):
@@ -466,78 +327,19 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request)
 
 
-async def _served_model(app: web.Application, asked: str) -> str:
-    """The model to name in responses: the one asked for, else the backend's first
-    (looked up at most every 10 s, not once per request)."""
-    if asked:
-        return asked
-    cache = app[_MODEL_CACHE]
-    if time.monotonic() - cache[0] > 10.0:
-        models = (await app[_BACKEND].list_models()).models
-        cache[:] = [time.monotonic(), models[0].id if models else ""]
-    return cache[1]
-
-
-def _timeout(request: web.Request) -> float | None:
-    """The request's time limit: the server's, or the client's header if shorter."""
-    limit = request.app[_TIMEOUT]
-    header = request.headers.get(TIMEOUT_HEADER)
-    if header is not None:
-        try:
-            asked = float(header)
-        except ValueError:
-            asked = -1.0
-        if not asked > 0:
-            raise InvalidRequest(f"{TIMEOUT_HEADER} must be a number of seconds > 0, got {header!r}")
-        limit = asked if limit is None else min(limit, asked)
-    return limit
-
-
-async def _within(chunks, timeout: float | None):
-    """`chunks`, or DeadlineExceeded once `timeout` seconds have passed (closing `chunks`:
-    the request is cancelled wherever it runs)."""
-    async with contextlib.aclosing(chunks):
-        if timeout is None:
-            async for chunk in chunks:
-                yield chunk
-            return
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - time.monotonic()))
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded(f"the request took longer than its {timeout:g} s timeout") from None
-            yield chunk
-
-
-async def read_body(request: web.Request) -> dict:
-    """The request's JSON object, or InvalidRequest (400) saying what is wrong with it."""
-    try:
-        body = await request.json(loads=json.loads)
-    except RecursionError:
-        raise InvalidRequest("the request body is nested too deeply to parse") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    return body
-
-
 async def _generate(request: web.Request) -> web.StreamResponse:
     """A chat completion, whole or streamed."""
-    backend = request.app[_BACKEND]
+    backend = request.app[BACKEND]
     try:
         body = await read_body(request)
-        stream = _field(body, "stream", bool, False)
-        stream_options = _field(body, "stream_options", dict, {})
+        stream = body_field(body, "stream", bool, False)
+        stream_options = body_field(body, "stream_options", dict, {})
         include_usage = bool(stream_options.get("include_usage")) and stream
-        ex = _Exchange(True, "", bool(body.get("logprobs")))
-        proto = _make_request(body, True, ex.id)
-        ex.model = await _served_model(request.app, proto.model)
-        timeout = _timeout(request)
-        chunks = finished(_within(backend.generate(proto, timeout=timeout), timeout), num_choices(proto))
+        ex = Exchange(True, "", bool(body.get("logprobs")))
+        proto = make_request(body, True, ex.id)
+        ex.model = await served_model(request.app, proto.model)
+        timeout = request_timeout(request)
+        chunks = finished(within(backend.generate(proto, timeout=timeout), timeout), num_choices(proto))
     except OrchardError as e:
         return error_response(e.http_status, e.message, getattr(e, "param", None))
     async with contextlib.aclosing(chunks):
@@ -557,16 +359,16 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         try:
             r = first
             while r is not None:
-                await response.write(_sse(ex.stream_chunk(r)))
+                await response.write(sse(ex.stream_chunk(r)))
                 if r.HasField("usage"):
                     usage = r.usage
                 r = await anext(chunks, None)
         except OrchardError as e:
-            kind = _ERROR_TYPES.get(e.http_status, "server_error")
-            await response.write(_sse({"error": {"message": e.message, "type": kind, "param": None,
+            kind = ERROR_TYPES.get(e.http_status, "server_error")
+            await response.write(sse({"error": {"message": e.message, "type": kind, "param": None,
                                                  "code": e.http_status}}))
         if include_usage and usage is not None:
-            await response.write(_sse(ex.usage_chunk(usage)))
-        await response.write(_sse("[DONE]"))
+            await response.write(sse(ex.usage_chunk(usage)))
+        await response.write(sse("[DONE]"))
         await response.write_eof()
         return response

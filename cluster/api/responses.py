@@ -23,8 +23,8 @@ from typing import Any
 from aiohttp import web
 
 from cluster.api.errors import NotFound, OrchardError
-from cluster.api.openai import (_BACKEND, _ERROR_TYPES, ACCEPTED_NO_EFFECT, _BadField, _field, _served_model,
-                                _timeout, _within, error_response, read_body)
+from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, ERROR_TYPES, BadField, body_field, error_response,
+                              read_body, request_timeout, served_model, within)
 from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -50,7 +50,7 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
                                          for p in content):
         return "".join(str(p.get("text", "")) for p in content)
-    raise _BadField("input", f"{where}: only text content (input_text / output_text parts) is supported")
+    raise BadField("input", f"{where}: only text content (input_text / output_text parts) is supported")
 
 
 _ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
@@ -63,25 +63,25 @@ def input_messages(items: Any) -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list):
-        raise _BadField("input", "'input' must be a string or a list of items")
+        raise BadField("input", "'input' must be a string or a list of items")
     out: list[dict] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
-            raise _BadField("input", f"input[{i}] must be an object")
+            raise BadField("input", f"input[{i}] must be an object")
         kind = item.get("type", "message")
         extra = set(item) - _ITEM_KEYS.get(kind, set(item))
         if extra:
-            raise _BadField("input", f"input[{i}]: unknown field{'s' if len(extra) > 1 else ''} "
+            raise BadField("input", f"input[{i}]: unknown field{'s' if len(extra) > 1 else ''} "
                                      f"{', '.join(map(repr, sorted(extra)))} in a {kind!r} item")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise _BadField("input", f"input[{i}].role must be user, system, developer or assistant")
+                raise BadField("input", f"input[{i}].role must be user, system, developer or assistant")
             out.append({"role": "system" if role == "developer" else role,
                         "content": _text(item.get("content", ""), f"input[{i}]")})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
-                raise _BadField("input", f"input[{i}]: a function_call needs a name and arguments (a JSON string)")
+                raise BadField("input", f"input[{i}]: a function_call needs a name and arguments (a JSON string)")
             call = {"id": item.get("call_id") or "", "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
@@ -94,19 +94,19 @@ def input_messages(items: Any) -> list[dict]:
                 output = _text(output, f"input[{i}].output") if isinstance(output, list) else json.dumps(output)
             out.append({"role": "tool", "tool_call_id": item.get("call_id") or "", "content": output})
         else:
-            raise _BadField("input", f"input[{i}]: items of type {kind!r} are not supported")
+            raise BadField("input", f"input[{i}]: items of type {kind!r} are not supported")
     return out
 
 
 def _tools(body: dict) -> list[dict] | None:
-    tools = _field(body, "tools", list)
+    tools = body_field(body, "tools", list)
     if not tools:
         return None
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
             kind = t.get("type") if isinstance(t, dict) else None
-            raise _BadField("tools", f"tools[{i}]: tools of type {kind!r} are not supported; only function tools "
+            raise BadField("tools", f"tools[{i}]: tools of type {kind!r} are not supported; only function tools "
                                      "({type: function, name, parameters})")
         fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
         if t.get("description"):
@@ -121,29 +121,29 @@ def _tool_choice(body: dict):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return choice["name"]
-    raise _BadField("tool_choice", "'tool_choice' must be none, auto, required or {type: function, name}")
+    raise BadField("tool_choice", "'tool_choice' must be none, auto, required or {type: function, name}")
 
 
 def _check(body: dict) -> None:
     unknown = sorted(k for k in body if k not in PARAMS)
     if unknown:
-        raise _BadField(unknown[0], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
+        raise BadField(unknown[0], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
                                     f"{', '.join(map(repr, unknown))}: not supported by this server")
     text = body.get("text")
     if text is not None:
         if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
-            raise _BadField("text", "'text' must be an object with 'format'")
+            raise BadField("text", "'text' must be an object with 'format'")
         if text.get("format") not in (None, {"type": "text"}):
-            raise _BadField("text", "'text.format' other than text (structured output) is not supported by this "
+            raise BadField("text", "'text.format' other than text (structured output) is not supported by this "
                                     "server yet")
         if text.get("verbosity") is not None:
-            raise _BadField("text", "'text.verbosity' is not supported by this server")
+            raise BadField("text", "'text.verbosity' is not supported by this server")
     if body.get("reasoning") not in (None, {}):
-        raise _BadField("reasoning", "'reasoning' is not supported by this server")
+        raise BadField("reasoning", "'reasoning' is not supported by this server")
     if body.get("truncation") not in (None, "disabled"):
-        raise _BadField("truncation", "only truncation 'disabled' is supported")
+        raise BadField("truncation", "only truncation 'disabled' is supported")
     if body.get("include"):
-        raise _BadField("include", "'include' is not supported by this server")
+        raise BadField("include", "'include' is not supported by this server")
 
 
 # -- response -----------------------------------------------------------------------------------
@@ -258,9 +258,9 @@ async def _create(request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
         _check(body)
         if "input" not in body:
-            raise _BadField("input", "'input' is required")
+            raise BadField("input", "'input' is required")
         history: list[dict] = []
-        prev = _field(body, "previous_response_id", str)
+        prev = body_field(body, "previous_response_id", str)
         if prev:
             entry = request.app[_STORE].get(prev)
             if entry is None:
@@ -268,19 +268,19 @@ async def _create(request: web.Request) -> web.StreamResponse:
                                f"memory, the last {STORE_SIZE}, and only with store: true)")
             history = list(entry[0])
         history += input_messages(body["input"])
-        instructions = _field(body, "instructions", str)
+        instructions = body_field(body, "instructions", str)
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
-        stream = _field(body, "stream", bool, False)
-        _field(body, "store", bool)
+        stream = body_field(body, "stream", bool, False)
+        body_field(body, "store", bool)
         proto = build_request(
-            messages=messages, model=_field(body, "model", str, ""), max_tokens=_field(body, "max_output_tokens", int),
-            temperature=_field(body, "temperature", float), top_p=_field(body, "top_p", float),
-            seed=_field(body, "seed", int), tools=_tools(body), tool_choice=_tool_choice(body),
-            parallel_tool_calls=_field(body, "parallel_tool_calls", bool))
-        turn = _Turn(body, await _served_model(request.app, proto.model), history)
+            messages=messages, model=body_field(body, "model", str, ""), max_tokens=body_field(body, "max_output_tokens", int),
+            temperature=body_field(body, "temperature", float), top_p=body_field(body, "top_p", float),
+            seed=body_field(body, "seed", int), tools=_tools(body), tool_choice=_tool_choice(body),
+            parallel_tool_calls=body_field(body, "parallel_tool_calls", bool))
+        turn = _Turn(body, await served_model(request.app, proto.model), history)
         proto.request_id = turn.id
-        timeout = _timeout(request)
-        chunks = finished(_within(request.app[_BACKEND].generate(proto, timeout=timeout), timeout))
+        timeout = request_timeout(request)
+        chunks = finished(within(request.app[BACKEND].generate(proto, timeout=timeout), timeout))
     except OrchardError as e:
         return error_response(e.http_status, e.message, getattr(e, "param", None))
     async with contextlib.aclosing(chunks):
@@ -378,7 +378,7 @@ async def _stream(request: web.Request, turn: _Turn, first, chunks) -> web.Strea
         await send("response.completed" if status == "completed" else "response.incomplete",
                    response=turn.obj(status))
     except OrchardError as e:
-        await send("error", code=_ERROR_TYPES.get(e.http_status, "server_error"), message=e.message, param=None)
+        await send("error", code=ERROR_TYPES.get(e.http_status, "server_error"), message=e.message, param=None)
     await response.write_eof()
     return response
 

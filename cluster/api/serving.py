@@ -175,7 +175,7 @@ class Endpoints:
                 metrics_app(metrics, self.security), metrics_address, "metrics", self.default_host, ssl_context)
             self._runners.append(runner)
         if backend is not None and http_address:
-            from cluster.api.openai import create_app
+            from cluster.api.app import create_app
 
             host, _ = parse_address(http_address, self.default_host)
             app = create_app(backend, request_timeout, keys=self.security.keys(),

@@ -41,6 +41,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cluster.worker import kernels
+from cluster.worker.patching import calls, original_call, rebind
 
 
 class UnsupportedModel(ValueError):
@@ -129,7 +130,7 @@ def layer_modules(model: nn.Module) -> list[list[nn.Module]]:
     found = []
     hybrid = model_type(model) in HYBRID_FAMILIES
     for i, layer in enumerate(model.layers):
-        mods = [m for _, m in layer.named_modules() if _calls(type(m), "update_and_fetch")]
+        mods = [m for _, m in layer.named_modules() if calls(type(m), "update_and_fetch")]
         mixers = [m for _, m in layer.named_modules() if is_recurrent(m)] if hybrid else []
         if hybrid and not mods and not mixers:
             continue
@@ -146,26 +147,7 @@ def layer_modules(model: nn.Module) -> list[list[nn.Module]]:
 def is_recurrent(module: nn.Module) -> bool:
     """A recurrent mixer: its `__call__` advances an mlx-lm ArraysCache (and writes no K/V)."""
     cls = type(module)
-    return _calls(cls, "advance") and not _calls(cls, "update_and_fetch")
-
-
-def _calls(cls: type, name: str) -> bool:
-    call = _original_call(cls)
-    return call is not None and name in _names(call.__code__)
-
-
-def _names(code) -> set[str]:
-    """Every name a code object (and the functions nested in it) refers to."""
-    out = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            out |= _names(c)
-    return out
-
-
-def _original_call(cls: type):
-    call = getattr(cls, "__call__", None)
-    return getattr(call, "_orchard_original", call) if isinstance(call, types.FunctionType) else None
+    return calls(cls, "advance") and not calls(cls, "update_and_fetch")
 
 
 def layer_specs(model: nn.Module, fresh: bool = False) -> list[LayerSpec]:
@@ -273,7 +255,7 @@ def _features(model: nn.Module) -> list[LayerSpec]:
                 continue
             raise refuse(f"layer {i}'s attention ({type(m).__name__}) has {meaning} ({attr}), which the engine does "
                          "not apply for this family")
-        if mt not in FAMILY_CALLS and not _calls(type(m), "scaled_dot_product_attention"):
+        if mt not in FAMILY_CALLS and not calls(type(m), "scaled_dot_product_attention"):
             raise refuse(f"layer {i}'s attention ({type(m).__name__}) computes attention in its own code rather "
                          "than through mlx-lm's scaled_dot_product_attention, and the engine has no paged version of it")
         specs.append(LayerSpec(layer=i, kv_layer=kv_layer[i], window=windows[i], softcap=softcap, sinks=sinks,
@@ -460,7 +442,7 @@ def _paged_sdpa(queries, keys, values, cache, scale, mask=None, sinks=None, **kw
 def _gemma2_call(self, x, mask=None, cache=None):
     """Gemma 2's attention: logits soft-capped (mlx-lm computes them in the module)."""
     if not hasattr(cache, "attend"):
-        return _original_call(type(self))(self, x, mask, cache)
+        return original_call(type(self))(self, x, mask, cache)
     B, L, _ = x.shape
     q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
     k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -479,7 +461,7 @@ def _mla_call(self, x, mask=None, cache=None):
     mlx-lm's q_nope . latent + q_pe . k_pe; the output's latent part goes out through
     unembed_out."""
     if not hasattr(cache, "attend"):
-        return _original_call(type(self))(self, x, mask, cache)
+        return original_call(type(self))(self, x, mask, cache)
     B, L, _ = x.shape
     if self.q_lora_rank is None:
         q = self.q_proj(x)
@@ -507,21 +489,19 @@ _WRAPPED: dict[tuple[type, str], type] = {}
 
 def attach(model: nn.Module) -> None:
     """Wrap each layer's attention module (this model's instances only) so that, given a
-    PagedKVCache, it attends through the paged kernels. Idempotent."""
-    from cluster.worker import recurrent
-
+    PagedKVCache, it attends through the paged kernels. Idempotent. A hybrid model's
+    recurrent modules are left to `recurrent.attach`."""
     call = FAMILY_CALLS.get(model_type(model))
     for m in (m for ms in layer_modules(model) for m in ms):
         if is_recurrent(m):
-            recurrent.attach(m)
             continue
         cls = type(m)
         if getattr(cls, "_orchard_paged", False):
             continue
         key = (cls, model_type(model))
         if key not in _WRAPPED:
-            original = _original_call(cls)
-            paged = _per_class(call) if call else _rebind(original, scaled_dot_product_attention=_paged_sdpa)
+            original = original_call(cls)
+            paged = _per_class(call) if call else rebind(original, scaled_dot_product_attention=_paged_sdpa)
             paged._orchard_original = original
             _WRAPPED[key] = type(cls.__name__, (cls,), {"__call__": paged, "_orchard_paged": True})
         m.__class__ = _WRAPPED[key]
@@ -532,13 +512,3 @@ def _per_class(call: Callable) -> types.FunctionType:
         return call(self, *args, **kwargs)
 
     return paged
-
-
-def _rebind(fn: types.FunctionType, **names) -> types.FunctionType:
-    """A copy of `fn` that sees `names` in place of its module's globals of those names."""
-    g = dict(fn.__globals__)
-    g.update(names)
-    out = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
-    out.__kwdefaults__ = fn.__kwdefaults__
-    out.__qualname__ = fn.__qualname__
-    return out

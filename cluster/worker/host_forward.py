@@ -13,7 +13,7 @@ here instead: numpy arrays on the host, one C call for each norm (fused with the
 residual add before it), RoPE, K/V write, attention and SwiGLU, in the order mlx-lm's code
 runs them and through the same C kernels the MLX path calls (the norm is the only new
 one: MLX's `rms_norm` formula in float32). A projection of fewer than
-`model_runner.C_LINEAR_MAX_ROWS` rows (every decode step of a smaller batch) runs in the C
+`cpu_layers.C_LINEAR_MAX_ROWS` rows (every decode step of a smaller batch) runs in the C
 linear; a larger one (a prefill chunk) through MLX's BLAS, exactly as nn.Linear computes
 it, one hand-off beside a large product. The weights are the model's own, read in place.
 Measured on 2 cores: a 16-row decode step 1.5x faster, 32 and 64 rows and a 512-token
@@ -36,7 +36,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from cluster.worker.kernels.cpu import _host as cpu_host
+from cluster.worker import cpu_layers
+from cluster.worker.kernels.cpu import host_view
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,12 @@ def _host(a: mx.array) -> np.ndarray:
     if a.dtype != mx.float32:
         a = a.astype(mx.float32)
     mx.eval(a)
-    return cpu_host(a, np.float32)
+    return host_view(a, np.float32)
 
 
 class _Weights(NamedTuple):
     """A Linear's weight and bias as host arrays (for the C linear) and as the module's own
-    MLX arrays (for BLAS, at `model_runner.C_LINEAR_MAX_ROWS` rows and more)."""
+    MLX arrays (for BLAS, at `cpu_layers.C_LINEAR_MAX_ROWS` rows and more)."""
 
     w: np.ndarray
     b: np.ndarray | None
@@ -92,7 +93,7 @@ class _Weights(NamedTuple):
 
 def _why_not(model: nn.Module, runner) -> str | None:
     """Why this model's steps cannot run here (None: they can)."""
-    from cluster.worker import kernels, model_runner
+    from cluster.worker import kernels
     from cluster.worker.kernels import cpu
 
     family = type(model).__module__.rpartition(".")[2]
@@ -105,8 +106,8 @@ def _why_not(model: nn.Module, runner) -> str | None:
     code = importlib.import_module(type(model).__module__)
     inner = model.model
     head = getattr(model, "lm_head", None) if not model.args.tie_word_embeddings else inner.embed_tokens
-    if not isinstance(inner.embed_tokens, model_runner._CEmbedding) or (
-            head is not inner.embed_tokens and not isinstance(head, model_runner._CLinear)):
+    if not isinstance(inner.embed_tokens, cpu_layers.CEmbedding) or (
+            head is not inner.embed_tokens and not isinstance(head, cpu_layers.CLinear)):
         return "the embedding or LM head is not a float32 C layer"
     if type(inner.norm) is not nn.RMSNorm:
         return "the final norm is not a plain RMSNorm"
@@ -115,19 +116,19 @@ def _why_not(model: nn.Module, runner) -> str | None:
         if not (isinstance(block, code.TransformerBlock) and isinstance(a, code.Attention) and isinstance(m, code.MLP)):
             return f"layer {spec.layer} is not mlx-lm's {family} block"
         linears = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
-        if not all(isinstance(x, model_runner._CLinear) for x in linears):
+        if not all(isinstance(x, cpu_layers.CLinear) for x in linears):
             return f"layer {spec.layer} has a projection that is not a float32 C Linear"
         norms = [block.input_layernorm, block.post_attention_layernorm] + (
             [a.q_norm, a.k_norm] if family == "qwen3" else [])
         if not all(type(n) is nn.RMSNorm for n in norms):
             return f"layer {spec.layer} has a norm that is not a plain RMSNorm"
-        if not isinstance(a.rope, model_runner._CRoPE):
+        if not isinstance(a.rope, cpu_layers.CRoPE):
             return f"layer {spec.layer}'s RoPE is {type(a.rope).__name__}, not a plain RoPE"
         if (not spec.attention or spec.recurrent or not spec.owns_kv or spec.kv_layer != spec.layer or spec.latent
                 or spec.softcap or spec.sinks or spec.cache_list):
             return f"layer {spec.layer}'s attention is not plain softmax attention over its own K/V pool"
         head_dim = a.q_proj.weight.shape[0] // a.n_heads
-        if not kernels._c_kernel_serves("cpu", mx.float32, runner.kv_dtype, (a.n_heads, a.n_kv_heads, head_dim)) \
+        if not kernels.c_kernel_serves("cpu", mx.float32, runner.kv_dtype, (a.n_heads, a.n_kv_heads, head_dim)) \
                 or a.rope.dims > head_dim:
             return (f"layer {spec.layer}'s heads ({a.n_heads} on {a.n_kv_heads} KV heads of {head_dim}) are beyond "
                     "the C attention kernel")
@@ -139,11 +140,10 @@ class HostForward:
 
     def __init__(self, model: nn.Module, runner):
         from cluster.worker.kernels import cpu
-        from cluster.worker.model_runner import _c_rows
 
         self.lib = cpu.load()
         self.runner = runner
-        self.in_c = _c_rows  # which row counts a projection runs in C (the MLX path's rule)
+        self.in_c = cpu_layers.c_rows  # which row counts a projection runs in C (the MLX path's rule)
         inner = model.model
         qk_norm = type(model).__module__.endswith("qwen3")
         self.layers = [_Layer(b, s, qk_norm) for b, s in zip(inner.layers, runner.specs)]
@@ -170,7 +170,7 @@ class HostForward:
             xm = mx.array(x)
             y = xm @ lin.w_mx.T if lin.b_mx is None else mx.addmm(lin.b_mx, xm, lin.w_mx.T)
             mx.eval(y)
-            return cpu_host(y, np.float32)
+            return host_view(y, np.float32)
         y = np.empty((x.shape[0], w.shape[0]), np.float32)
         rc = self.lib.orch_linear_f32(x.ctypes.data, x.shape[0], w.shape[1], w.ctypes.data,
                                       None if b is None else b.ctypes.data, y.ctypes.data, w.shape[0])
@@ -222,7 +222,7 @@ class HostForward:
         arrays = (batch.input_ids, batch.positions, batch.slot_mapping, batch.cu_seqlens_q, batch.seq_lens,
                   batch.block_tables, batch.logit_rows)
         mx.eval(*arrays)
-        ids, pos, slots, cu, lens, tables, rows = (cpu_host(a, np.int32) for a in arrays)
+        ids, pos, slots, cu, lens, tables, rows = (host_view(a, np.int32) for a in arrays)
         S = lens.shape[0]
         self._check(T, ids, slots, cu, lens, tables)
         half = r.kv_dtype == mx.float16

@@ -35,7 +35,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from cluster.worker.attention import LayerSpec, _original_call, _rebind, probe_forward
+from cluster.worker.attention import LayerSpec, is_recurrent, layer_modules, probe_forward
+from cluster.worker.patching import original_call, rebind
 
 
 @dataclass
@@ -152,6 +153,14 @@ def measure_states(model: nn.Module, specs: list[LayerSpec]) -> dict[int, list]:
 _WRAPPED: dict[type, type] = {}
 
 
+def attach_model(model: nn.Module) -> None:
+    """`attach` each of a hybrid model's recurrent modules (`attention.attach` wraps the
+    attention ones). Idempotent."""
+    for m in (m for ms in layer_modules(model) for m in ms):
+        if is_recurrent(m):
+            attach(m)
+
+
 def attach(module: nn.Module) -> None:
     """Make this recurrent module run on state slots when handed a RecurrentCache (any
     other cache: mlx-lm's code, unchanged). Idempotent."""
@@ -159,7 +168,7 @@ def attach(module: nn.Module) -> None:
     if getattr(cls, "_orchard_recurrent", False):
         return
     if cls not in _WRAPPED:
-        original = _original_call(cls)
+        original = original_call(cls)
         signature = inspect.signature(original)
         names = list(signature.parameters)
         if len(names) < 2 or "cache" not in names:
@@ -212,8 +221,8 @@ def _with_c_recurrences(call):
 
     if call.__globals__.get("gated_delta_update") is not gated_delta.gated_delta_update:
         return call
-    update = _rebind(gated_delta.gated_delta_update, gated_delta_ops=_gated_delta_ops)
-    return _rebind(call, gated_delta_update=update)
+    update = rebind(gated_delta.gated_delta_update, gated_delta_ops=_gated_delta_ops)
+    return rebind(call, gated_delta_update=update)
 
 
 class _DepthwiseConv1d(nn.Conv1d):

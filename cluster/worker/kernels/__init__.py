@@ -56,7 +56,7 @@ def backend() -> str:
     return "cpu" if cpu.available() else "reference"
 
 
-def _c_kernel_serves(name: str, q_dtype, kv_dtype=mx.float32, shape: tuple[int, int, int] | None = None) -> bool:
+def c_kernel_serves(name: str, q_dtype, kv_dtype=mx.float32, shape: tuple[int, int, int] | None = None) -> bool:
     """The C kernel runs for backend `name` on float32 queries over float32 / float16 /
     bfloat16 caches and, given (H, KVH, D), shapes it supports; else the reference."""
     if name != "cpu" or q_dtype != mx.float32 or kv_dtype not in (mx.float32, mx.float16, mx.bfloat16):
@@ -72,7 +72,7 @@ def _c_kernel_serves(name: str, q_dtype, kv_dtype=mx.float32, shape: tuple[int, 
 def needs_plan(dtype=mx.float32, kv_dtype=None) -> bool:
     """Whether attention for `dtype` queries over a `kv_dtype` pool (default: the same)
     uses the host-side `AttentionPlan` (the C kernel does not)."""
-    return not _c_kernel_serves(backend(), dtype, dtype if kv_dtype is None else kv_dtype)
+    return not c_kernel_serves(backend(), dtype, dtype if kv_dtype is None else kv_dtype)
 
 
 def check_backend() -> str:
@@ -84,7 +84,7 @@ def check_backend() -> str:
         from cluster.worker.kernels import cpu
 
         if not cpu.available():
-            raise RuntimeError(f"ORCHARD_ATTENTION=cpu, but the CPU attention kernel cannot be built: {cpu._error}")
+            raise RuntimeError(f"ORCHARD_ATTENTION=cpu, but the CPU attention kernel cannot be built: {cpu.build_error()}")
     return name
 
 
@@ -100,7 +100,7 @@ def paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
             scale=scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=plan,
         )
-    if _c_kernel_serves(name, q.dtype, k_cache.dtype, shape=(q.shape[1], k_cache.shape[2], q.shape[2])):
+    if c_kernel_serves(name, q.dtype, k_cache.dtype, shape=(q.shape[1], k_cache.shape[2], q.shape[2])):
         from cluster.worker.kernels.cpu import paged_attention_cpu
 
         return paged_attention_cpu(

@@ -163,6 +163,11 @@ def available() -> bool:
     return load() is not None
 
 
+def build_error() -> str | None:
+    """Why the kernels could not be built (None: built, or not tried yet)."""
+    return _error
+
+
 def _loaded() -> ctypes.CDLL:
     lib = load()
     if lib is None:
@@ -183,7 +188,7 @@ def _float32_host(what: str, *arrays: mx.array | None) -> list[np.ndarray | None
     if any(a.dtype != mx.float32 for a in given):
         raise TypeError(f"the C {what} takes float32 arrays, not " + ", ".join(str(a.dtype) for a in given))
     mx.eval(*given)
-    return [None if a is None else _host(a, np.float32) for a in arrays]
+    return [None if a is None else host_view(a, np.float32) for a in arrays]
 
 
 GDN_MAX_DK = 1024  # as in cpu_kernels.c
@@ -192,7 +197,7 @@ GDN_MAX_DK = 1024  # as in cpu_kernels.c
 KV_KINDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 
 
-def _host(a: mx.array, dtype) -> np.ndarray:
+def host_view(a: mx.array, dtype) -> np.ndarray:
     """A zero-copy, C-contiguous numpy view of an evaluated MLX array (copy only if strided)."""
     return np.ascontiguousarray(np.asarray(memoryview(a)), dtype=dtype)
 
@@ -226,9 +231,9 @@ def paged_attention_cpu(
         raise ValueError(f"the CPU attention kernel does not support H={H}, KVH={KVH}, D={D} "
                          f"(needs H % KVH == 0, H / KVH <= {MAX_GROUP}, D <= {MAX_HEAD_DIM})")
     mx.eval(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
-    cu = _host(cu_seqlens_q, np.int32)
-    lens = _host(seq_lens, np.int32)
-    tables = _host(block_tables, np.int32)
+    cu = host_view(cu_seqlens_q, np.int32)
+    lens = host_view(seq_lens, np.int32)
+    tables = host_view(block_tables, np.int32)
     S = lens.shape[0]
     # The C code trusts its indices: check them here, where a bad batch is a clear error.
     if cu.shape != (S + 1,) or cu[0] != 0 or cu[-1] != T or (np.diff(cu) < 0).any():
@@ -294,7 +299,7 @@ def write_kv(k_pool: mx.array, v_pool: mx.array | None, slot_mapping: mx.array, 
     keys = keys.reshape(T, *row).astype(k_pool.dtype)
     values = None if values is None else values.reshape(T, *row).astype(k_pool.dtype)
     mx.eval(keys, slot_mapping, *(() if values is None else (values,)))
-    slots = _host(slot_mapping, np.int32)
+    slots = host_view(slot_mapping, np.int32)
     if T and (int(slots.min()) < 0 or int(slots.max()) >= k_pool.shape[0]):
         raise ValueError(f"slot mapping names slots outside the pool of {k_pool.shape[0]}")
     if k_pool.dtype.size not in (2, 4):
@@ -303,8 +308,8 @@ def write_kv(k_pool: mx.array, v_pool: mx.array | None, slot_mapping: mx.array, 
     view = (lambda a: a.view(mx.uint16)) if raw is np.uint16 else (lambda a: a)
     kp = np.asarray(memoryview(view(k_pool)))
     vp = None if v_pool is None else np.asarray(memoryview(view(v_pool)))
-    kh = _host(view(keys), raw)
-    vh = None if values is None else _host(view(values), raw)
+    kh = host_view(view(keys), raw)
+    vh = None if values is None else host_view(view(values), raw)
     if not kp.flags.c_contiguous or not kp.flags.writeable or (vp is not None and not vp.flags.c_contiguous):
         raise ValueError("the K/V pools must be contiguous and writable")
     # a row's size from the pool, not from kh.strides[0]: numpy calls an array whose first
@@ -418,7 +423,7 @@ def rope(x: mx.array, positions: mx.array, dims: int, traditional: bool, inv_fre
     if x.dtype != mx.float32:
         raise TypeError(f"the C rope takes float32, not {x.dtype}")
     mx.eval(x, positions, inv_freq)
-    xh, ph, fh = _host(x, np.float32), _host(positions, np.int32), _host(inv_freq, np.float32)
+    xh, ph, fh = host_view(x, np.float32), host_view(positions, np.int32), host_view(inv_freq, np.float32)
     out = np.empty((T, H, 1, D), np.float32)
     rc = lib.orch_rope_f32(xh.ctypes.data, ph.ctypes.data, fh.ctypes.data, out.ctypes.data, T, H, D, dims,
                            int(traditional), scale)
