@@ -13,6 +13,7 @@ import sys
 from cluster import ray_launcher
 from cluster.config import add_flags, from_args
 from cluster.modelgen import ModelSpec
+from cluster.models_cache import ModelImport, run_import
 from cluster.ray_launcher import RayAddress, RaySpec
 from cluster.security import add_client_flags
 from cluster.router.config import RouterConfig
@@ -32,6 +33,12 @@ def _command(parser: argparse.ArgumentParser, run, *configs: type) -> None:
 def _cmd_model_create(spec: ModelSpec) -> int:
     from cluster.modelgen import create_model, num_parameters
 
+    if spec.real:
+        from cluster.gguf import import_gguf
+        from cluster.models_cache import real_gguf
+
+        print(f"wrote {spec.real} to {import_gguf(real_gguf(spec.real), spec.path)}")
+        return 0
     path = create_model(spec.path, arch=spec.arch, size=spec.size, seed=spec.seed)
     print(f"wrote {spec.arch} {spec.size} model ({num_parameters(path):,} parameters) to {path}")
     return 0
@@ -172,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
     create = model.add_parser("create", help="write a random-weight mlx-lm model directory (offline)")
     _command(create, _cmd_model_create, ModelSpec)
+    _command(model.add_parser("import", help="write a GGUF file (llama.cpp's, Ollama's) as an mlx-lm model directory"),
+             run_import, ModelImport)
 
     _command(sub.add_parser("run", help="generate offline with the engine (no server)"), run_offline, RunConfig)
     add_router_parsers(sub)

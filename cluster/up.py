@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cluster.config import port_of, setting
 from cluster.router.config import RouterConfig, policy_names
-from cluster.worker.config import MODEL_HELP, WorkerOptions
+from cluster.worker.config import GGUF_FILE_HELP, MODEL_HELP, WorkerOptions
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class UpConfig:
     children are started with only the flags below), so nothing here restates them."""
 
     model: str | None = setting(None, MODEL_HELP)
+    gguf_file: str | None = setting(None, GGUF_FILE_HELP, metavar="NAME")
     workers: int = setting(2, "local worker processes")
     grpc_address: str = setting(RouterConfig.grpc_address, "the router's gRPC address", flag="--grpc")
     http_address: str | None = setting(RouterConfig.http_address, "the router's OpenAI HTTP address, or off",
@@ -299,7 +300,7 @@ class Secrets:
 def run_up(config: UpConfig) -> int:
     from cluster.models_cache import resolve_model
 
-    model = resolve_model(config.model)
+    model = resolve_model(config.model, config.gguf_file)
     cluster = LocalCluster(
         model, workers=config.workers, grpc_address=config.grpc_address, http_address=config.http_address,
         metrics_address=config.metrics_address, worker_port_base=config.worker_port_base,

@@ -88,7 +88,9 @@ class EngineConfig:
 # router then places them elsewhere), so that a burst cannot queue without bound in one
 # process. The engine's own default stays unbounded for offline batches.
 SERVING_MAX_WAITING = 1024
-MODEL_HELP = "mlx-lm model directory (default: the built-in small model)"
+MODEL_HELP = ("mlx-lm model directory, or a GGUF file: a path, a directory holding one, ollama:NAME[:TAG] or a hub "
+              "repo, imported once (default: the built-in small model)")
+GGUF_FILE_HELP = "which GGUF file of a directory or hub repo holding several"
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class WorkerOptions:
 
     # None: the built-in small model (`serve` resolves it before the server starts).
     model_path: str | None = setting(None, MODEL_HELP, flag="--model")
+    gguf_file: str | None = setting(None, GGUF_FILE_HELP, metavar="NAME")
     engine_config: EngineConfig = setting(
         default_factory=lambda: EngineConfig(max_waiting=SERVING_MAX_WAITING), group="engine")
     grpc_address: str = setting("127.0.0.1:50061", "gRPC address (port 0: any free)", flag="--grpc",

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from cluster.config import setting
-from cluster.worker.config import MODEL_HELP, EngineConfig
+from cluster.worker.config import GGUF_FILE_HELP, MODEL_HELP, EngineConfig
 
 DEFAULT_PROMPTS = [
     "The orchard is quiet in the morning.",
@@ -23,6 +23,7 @@ class RunConfig:
 
     prompts: tuple[str, ...] = setting((), "prompts (default: a few built-in ones)", flag="prompts", nargs="*")
     model: str | None = setting(None, MODEL_HELP)
+    gguf_file: str | None = setting(None, GGUF_FILE_HELP, metavar="NAME")
     max_tokens: int = setting(32, "tokens to generate per prompt at most")
     temperature: float = setting(0.0, "sampling temperature (0: greedy)")
     engine: EngineConfig = setting(default_factory=EngineConfig, group="engine")
@@ -33,7 +34,7 @@ def run_offline(config: RunConfig) -> int:
     from cluster.worker.engine import Engine
     from cluster.worker.sampling_params import SamplingParams
 
-    path = resolve_model(config.model)
+    path = resolve_model(config.model, config.gguf_file)
     engine = Engine.from_pretrained(path, config.engine)
     tok = engine.tokenizer
     prompts = list(config.prompts) or DEFAULT_PROMPTS

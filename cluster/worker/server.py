@@ -219,7 +219,7 @@ def serve(options: WorkerOptions) -> int:
     except ValueError as e:
         print(f"orchard worker serve: {e}", file=sys.stderr)
         return 2
-    options = replace(options, model_path=str(resolve_model(options.model_path)))
+    options = replace(options, model_path=str(resolve_model(options.model_path, options.gguf_file)))
     code = 0
     try:
         asyncio.run(run_until_signalled(options))

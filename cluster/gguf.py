@@ -1,0 +1,837 @@
+"""GGUF files (llama.cpp's, LM Studio's, Ollama's blobs) as ordinary mlx-lm model directories.
+
+Contract:
+- `import_gguf(src, dst)` reads a GGUF file with ggml's own `gguf` package and writes an
+  mlx-lm directory: config.json, model.safetensors, tokenizer.json + tokenizer_config.json
+  (the chat template from the metadata), special_tokens_map.json, generation_config.json and
+  gguf_import.json (what was done to each tensor type). `mlx_lm.load` and everything in
+  Orchard load that directory like any other; there is no second model path.
+- Architectures (`ARCHS`): llama (and Mistral, which llama.cpp files as llama), qwen2,
+  qwen3, gemma2, gemma3, phi3. Any other is refused by name (`GGUFError`).
+- llama.cpp's converter permutes the Q and K rows of a llama-family model for its
+  interleaved RoPE ("NORM"); mlx-lm rotates halves, as Hugging Face does, so the rows are
+  permuted back. The other families here use the halves layout in llama.cpp too (NEOX).
+  Gemma's converter stores its norms as 1 + w; mlx-lm adds the 1 itself, so 1 is taken off.
+- Weights: F32, F16 and BF16 pass through. Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K are
+  affine per 32 weights (w = d * q + m), which is MLX's affine quantization with group size
+  32: they stay quantized (MLX layers with float32 scales and biases), and `mx.dequantize`
+  gives exactly the gguf package's (llama.cpp's) dequantized values. MXFP4 maps onto MLX's
+  mxfp4 exactly. Every other type (Q6_K's 16-weight groups, Q2_K, Q3_K, the I-quants, ...)
+  is dequantized to float32 with the gguf package, and the log and gguf_import.json say so.
+- Tokenizer from the metadata: byte-level BPE (`tokenizer.ggml.model == "gpt2"`: tokens,
+  merges, llama.cpp's pre-tokenizer regexes for `tokenizer.ggml.pre`) and SentencePiece
+  (`llama`: tokens, scores, token types, byte fallback), built with `tokenizers` so that
+  transformers and mlx-lm load it as a fast tokenizer; control tokens special, BOS/EOS
+  handling and the end-of-generation tokens as llama.cpp has them.
+- `resolve(spec, gguf_file)` turns what a user names (a .gguf path, a directory holding
+  one, `ollama:NAME[:TAG]`, a hub repo) into an imported directory, cached under the models
+  cache (keyed by the file's path, size and modification time and this importer's version).
+
+Imports no MLX: the conversion is numpy, and the router-side `orchard up` may resolve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+IMPORTER_VERSION = 1  # part of the cache key: a changed importer imports again
+GROUP = 32  # MLX's affine group size that holds llama.cpp's 32-weight blocks
+
+
+class GGUFError(ValueError):
+    """A GGUF file Orchard cannot serve as it is; the message names what and why."""
+
+
+# -- architectures ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Arch:
+    model_type: str  # mlx-lm's
+    hf_class: str
+    permuted_qk: bool = False  # llama.cpp's converter interleaved the Q/K rows for NORM RoPE
+    norm_plus_one: bool = False  # stored norms are 1 + w (Gemma)
+    ffn_norm: str = "post_attention_layernorm"  # what llama.cpp's ffn_norm is
+    fused_up: bool = False  # ffn_up holds gate and up (Phi-3)
+
+
+ARCHS = {
+    "llama": Arch("llama", "LlamaForCausalLM", permuted_qk=True),
+    "qwen2": Arch("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": Arch("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": Arch("gemma2", "Gemma2ForCausalLM", norm_plus_one=True, ffn_norm="pre_feedforward_layernorm"),
+    "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", norm_plus_one=True, ffn_norm="pre_feedforward_layernorm"),
+    "phi3": Arch("phi3", "Phi3ForCausalLM", fused_up=True),
+}
+
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_qkv": "self_attn.qkv_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "ffn_norm": "post_attention_layernorm",  # (Arch.ffn_norm)
+}
+_TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_CONSUMED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+
+
+def hf_name(name: str, arch: Arch) -> str:
+    """mlx-lm's parameter name for a GGUF tensor name (GGUFError for one it does not know)."""
+    stem, _, kind = name.rpartition(".")
+    if kind not in ("weight", "bias") or not stem:
+        raise GGUFError(f"tensor {name!r}: not a weight or bias")
+    if stem in _TOP_TENSORS:
+        return f"{_TOP_TENSORS[stem]}.{kind}"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    if not m or m.group(2) not in _BLOCK_TENSORS:
+        raise GGUFError(f"tensor {name!r} is not one Orchard knows for this architecture")
+    part = _BLOCK_TENSORS[m.group(2)]
+    if m.group(2) == "ffn_norm":
+        part = arch.ffn_norm
+    if m.group(2) == "ffn_up" and arch.fused_up:
+        part = "mlp.gate_up_proj"
+    return f"model.layers.{m.group(1)}.{part}.{kind}"
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover - a dependency of the package
+        raise GGUFError("reading GGUF files needs the `gguf` package (pip install gguf)") from e
+    return gguf
+
+
+def read_metadata(reader) -> dict:
+    """The file's key/value metadata as Python values."""
+    md = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            md[key] = f.contents()
+        except (UnicodeDecodeError, ValueError) as e:
+            if key.startswith("tokenizer.ggml.tokens") or key.startswith("tokenizer.ggml.merges"):
+                md[key] = [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
+            else:
+                log.warning("GGUF metadata %s unreadable (%s): skipped", key, e)
+    return md
+
+
+def _need(md: dict, key: str):
+    if key not in md:
+        raise GGUFError(f"the GGUF metadata has no {key!r}")
+    return md[key]
+
+
+# -- weights: llama.cpp blocks -> MLX affine quantization ----------------------------------
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes per row (little-endian float16) -> float32 column."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """llama.cpp's 16-byte nibble layout: low nibbles are elements 0..15, high 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: 12 bytes -> eight 6-bit scales and eight 6-bit minimums."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q8_0(b):
+    d = _f16(b[:, 0:2])
+    q = (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return q, d, -128.0 * d
+
+
+def _q4_0(b):
+    d = _f16(b[:, 0:2])
+    return _nibbles(b[:, 2:18]), d, -8.0 * d
+
+
+def _q4_1(b):
+    return _nibbles(b[:, 4:20]), _f16(b[:, 0:2]), _f16(b[:, 2:4])
+
+
+def _q5(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    high = (np.ascontiguousarray(qh).view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    return _nibbles(qs) | (high.astype(np.uint8) << 4)
+
+
+def _q5_0(b):
+    d = _f16(b[:, 0:2])
+    return _q5(b[:, 2:6], b[:, 6:22]), d, -16.0 * d
+
+
+def _q5_1(b):
+    return _q5(b[:, 4:8], b[:, 8:24]), _f16(b[:, 0:2]), _f16(b[:, 2:4])
+
+
+def _k_low(qs: np.ndarray) -> np.ndarray:
+    """128 bytes -> 8 sub-blocks of 32: each 32-byte run's low nibbles, then its high ones."""
+    qs = qs.reshape(-1, 4, 1, 32)
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+
+
+def _q4_k(b):
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    return _k_low(b[:, 16:144]).reshape(-1, 256), d * sc, -(dmin * mn)
+
+
+def _q5_k(b):
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = _k_low(b[:, 48:176]) | (high << 4)
+    return q.reshape(-1, 256), d * sc, -(dmin * mn)
+
+
+def _mxfp4(b):
+    return _nibbles(b[:, 1:17]), b[:, 0:1].copy(), None
+
+
+@dataclass(frozen=True)
+class Affine:
+    bits: int
+    split: object  # blocks (n, type_size) uint8 -> q (n, block) uint8, scales (n, groups), biases or None
+    mode: str = "affine"
+
+
+# The types MLX holds exactly. Scales and biases are float32: d * q + m in float32 is
+# then the same float32 the gguf package computes (the products are exact, one rounding
+# in the sum), on every backend.
+EXACT = {"Q8_0": Affine(8, _q8_0), "Q4_0": Affine(4, _q4_0), "Q4_1": Affine(4, _q4_1), "Q5_0": Affine(5, _q5_0),
+         "Q5_1": Affine(5, _q5_1), "Q4_K": Affine(4, _q4_k), "Q5_K": Affine(5, _q5_k),
+         "MXFP4": Affine(4, _mxfp4, mode="mxfp4")}
+PASS_THROUGH = {"F32": "F32", "F16": "F16", "BF16": "BF16"}
+
+
+def pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Values < 2**bits along the last axis -> MLX's packed uint32 (a little-endian bit stream)."""
+    rows, cols = q.shape
+    if bits == 8:
+        by = q.astype(np.uint8)
+    elif bits == 4:
+        q = q.reshape(rows, cols // 2, 2).astype(np.uint8)
+        by = q[..., 0] | (q[..., 1] << 4)
+    else:
+        words = (q.reshape(rows, -1, 8).astype(np.uint64) << (bits * np.arange(8, dtype=np.uint64))).sum(axis=-1)
+        by = words.view(np.uint8).reshape(rows, -1, 8)[..., :bits].reshape(rows, -1)
+    return np.ascontiguousarray(by).view(np.uint32)
+
+
+def to_mlx_quantized(type_name: str, data: np.ndarray, cols: int) -> dict[str, np.ndarray]:
+    """A quantized GGUF tensor (rows of raw blocks) -> MLX's weight, scales and biases arrays."""
+    spec = EXACT[type_name]
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(-1, _type_size(type_name))
+    q, scales, biases = spec.split(blocks)
+    out = {"weight": pack(q.reshape(rows, cols), spec.bits), "scales": scales.reshape(rows, cols // GROUP)}
+    if biases is not None:
+        out["biases"] = biases.reshape(rows, cols // GROUP).astype(np.float32)
+    out["scales"] = out["scales"].astype(np.uint8 if spec.mode == "mxfp4" else np.float32)
+    return out
+
+
+def _type_size(type_name: str) -> int:
+    gguf = _gguf()
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][1]
+
+
+def dequantize(type_name: str, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The gguf package's (llama.cpp's) float32 values of a tensor of any type it reads."""
+    gguf = _gguf()
+    qtype = gguf.GGMLQuantizationType[type_name]
+    try:
+        out = gguf.quants.dequantize(np.ascontiguousarray(data), qtype)
+    except NotImplementedError as e:
+        raise GGUFError(f"tensor type {type_name}: the gguf package cannot dequantize it ({e})") from e
+    return np.asarray(out, dtype=np.float32).reshape(shape)
+
+
+# -- safetensors, written one tensor at a time ---------------------------------------------
+
+_ST_DTYPE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint32): "U32",
+             np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32"}
+_ST_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "U8": 1, "I32": 4}
+
+
+@dataclass
+class _Planned:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def write_safetensors(path: Path, planned: list[_Planned], produce) -> None:
+    """Write tensors planned up front (name, dtype, shape) whose bytes `produce()` yields in
+    order, as (name, ndarray or raw bytes); the header is written first, so that no more than
+    one tensor is in memory at a time."""
+    header, offset = {}, 0
+    for p in planned:
+        n = _ST_SIZE[p.dtype] * int(np.prod(p.shape, dtype=np.int64))
+        header[p.name] = {"dtype": p.dtype, "shape": list(p.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "mlx"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for p, (name, arr) in zip(planned, produce(), strict=True):
+            want = header[p.name]["data_offsets"]
+            raw = arr if isinstance(arr, (bytes, memoryview)) else np.ascontiguousarray(arr).tobytes()
+            if name != p.name or len(raw) != want[1] - want[0]:
+                raise RuntimeError(f"safetensors writer: {name} is {len(raw)} bytes, planned {p.name} "
+                                   f"{want[1] - want[0]}")
+            f.write(raw)
+
+
+# -- config ----------------------------------------------------------------------------------
+
+def _rope_llama3(factors: np.ndarray, base: float, dim: int) -> dict:
+    """The llama3 rope_scaling whose per-frequency factors are llama.cpp's rope_freqs tensor."""
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    wavelen = 2 * np.pi / freqs
+    factor = float(factors.max())
+    mid = (factors > 1.0 + 1e-6) & (factors < factor - 1e-6)
+    for low, high in ((1.0, 4.0),):
+        if mid.any():
+            # 1/f = (1 - s)/factor + s with s = (old/wavelen - low)/(high - low): solve for old
+            s = (1.0 / factors[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)
+            old = float(np.median((s * (high - low) + low) * wavelen[mid]))
+        else:
+            old = float(wavelen[factors >= factor - 1e-6].min() * low) if (factors > 1).any() else 8192.0
+        old = float(round(old))
+        cfg = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+               "original_max_position_embeddings": int(old)}
+        if np.allclose(_llama3_factors(cfg, freqs), factors, rtol=1e-5, atol=1e-6):
+            return cfg
+    raise GGUFError("rope_freqs: per-frequency RoPE factors that are not Llama 3's scheme")
+
+
+def _llama3_factors(cfg: dict, freqs: np.ndarray) -> np.ndarray:
+    factor, low, high, old = (cfg["factor"], cfg["low_freq_factor"], cfg["high_freq_factor"],
+                              cfg["original_max_position_embeddings"])
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            s = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - s) / factor + s))
+    return np.array(out)
+
+
+def _one(md: dict, key: str, what: str) -> int:
+    v = md.get(key)
+    if isinstance(v, list):
+        if len(set(v)) != 1:
+            raise GGUFError(f"{key}: a different {what} per layer ({sorted(set(v))}) is not supported")
+        v = v[0]
+    return v
+
+
+def model_config(md: dict, tensors: dict[str, tuple[tuple[int, ...], str]]) -> dict:
+    """config.json for mlx-lm from the metadata (and which tensors exist)."""
+    name = _need(md, "general.architecture")
+    if name not in ARCHS:
+        raise GGUFError(f"GGUF architecture {name!r} is not supported (supported: {', '.join(ARCHS)})")
+    arch = ARCHS[name]
+    p = f"{name}."
+    hidden, heads = int(_need(md, p + "embedding_length")), int(_one(md, p + "attention.head_count", "head count"))
+    kv = int(_one(md, p + "attention.head_count_kv", "KV head count") or heads)
+    head_dim = int(md.get(p + "attention.key_length") or hidden // heads)
+    rope_dim = int(md.get(p + "rope.dimension_count") or head_dim)
+    vocab = tensors["token_embd.weight"][0][0]
+    cfg = {
+        "model_type": arch.model_type, "architectures": [arch.hf_class],
+        "hidden_size": hidden, "num_hidden_layers": int(_need(md, p + "block_count")),
+        "intermediate_size": int(_one(md, p + "feed_forward_length", "MLP width")),
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+        "rms_norm_eps": float(md.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(md.get(p + "rope.freq_base", 10000.0)), "vocab_size": int(vocab),
+        "max_position_embeddings": int(md.get(p + "context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    if int(md.get(p + "attention.value_length") or head_dim) != head_dim:
+        raise GGUFError(f"{name}: a value head size unlike the key's is not supported")
+    scaling = md.get(p + "rope.scaling.type")
+    factor = float(md.get(p + "rope.scaling.factor", 1.0) or 1.0)
+    if scaling in ("linear",) and factor != 1.0:
+        cfg["rope_scaling"] = {"type": "linear", "factor": factor}
+    elif scaling == "yarn":
+        cfg["rope_scaling"] = {"type": "yarn", "factor": factor, "original_max_position_embeddings":
+                               int(md.get(p + "rope.scaling.original_context_length", cfg["max_position_embeddings"]))}
+    elif scaling not in (None, "none", "linear"):
+        raise GGUFError(f"{name}: RoPE scaling {scaling!r} is not supported")
+    if name in ("llama", "qwen2", "qwen3", "gemma2", "gemma3") and rope_dim != head_dim:
+        raise GGUFError(f"{name}: RoPE on {rope_dim} of {head_dim} head dimensions is not supported")
+    if name == "llama":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        cfg["mlp_bias"] = "blk.0.ffn_down.bias" in tensors
+    elif name == "qwen2":
+        if head_dim != hidden // heads:
+            raise GGUFError(f"qwen2: head size {head_dim} is not hidden / heads ({hidden // heads})")
+        del cfg["head_dim"]
+    elif name in ("gemma2", "gemma3"):
+        layers = cfg["num_hidden_layers"]
+        big = layers == (46 if name == "gemma2" else 62)  # llama.cpp's 27B rule for the query scale
+        cfg["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+        if name == "gemma2":
+            cfg["attn_logit_softcapping"] = float(md.get(p + "attn_logit_softcapping", 50.0))
+            cfg["final_logit_softcapping"] = float(md.get(p + "final_logit_softcapping", 30.0))
+        else:
+            cfg.pop("tie_word_embeddings")  # mlx-lm's gemma3 ties when lm_head is absent
+            if float(md.get(p + "final_logit_softcapping", 0.0) or 0.0):
+                raise GGUFError("gemma3 with a final logit soft-cap is not supported (mlx-lm has none)")
+            window = int(md.get(p + "attention.sliding_window", 0) or 0)
+            pattern = md.get(p + "attention.sliding_window_pattern", 6)
+            if isinstance(pattern, list):  # per layer: True where the layer is windowed
+                period = pattern.index(False) + 1 if False in pattern else len(pattern)
+                if [bool(x) for x in pattern] != [(i % period) != period - 1 for i in range(len(pattern))]:
+                    raise GGUFError(f"gemma3: sliding-window layers {pattern} are not every n-th global")
+                pattern = period
+            cfg.update(sliding_window=window or cfg["max_position_embeddings"],
+                       sliding_window_pattern=int(pattern) if window else 1,
+                       rope_local_base_freq=float(md.get(p + "rope.freq_base_swa", 10000.0)))
+    elif name == "phi3":
+        cfg.pop("head_dim")
+        if head_dim != hidden // heads:
+            raise GGUFError(f"phi3: head size {head_dim} is not hidden / heads ({hidden // heads})")
+        cfg["partial_rotary_factor"] = rope_dim / head_dim
+        orig = md.get(p + "rope.scaling.original_context_length")
+        cfg["original_max_position_embeddings"] = int(orig or cfg["max_position_embeddings"])
+    return cfg
+
+
+# -- tokenizer -------------------------------------------------------------------------------
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
+           r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?"
+          r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|[^\r\n\p{L}\p{N}]?((?=[\p{L}])"
+           r"([^a-z]))+((?=[\p{L}])([^A-Z]))*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|"
+          r"'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|"
+          r"'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|"
+          r"\s+(?!\S)|\s+")
+# llama.cpp's pre-tokenizer for each `tokenizer.ggml.pre` (src/llama-vocab.cpp): regexes
+# applied in turn, each splitting the pieces the previous left; its BPE then skips the
+# merges for a piece that is a whole token ("ignore_merges") where it says so.
+PRE_TOKENIZERS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "lfm2"), ([_LLAMA3], True)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), ([_QWEN2], False)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+                    ([r"\p{N}", _GPT2], False)),
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion"), ([_GPT2], False)),
+    "tekken": ([_TEKKEN], True),
+    **dict.fromkeys(("gpt-4o", "llama4"), ([_GPT4O], False)),
+    "default": ([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"], False),
+}
+# control tokens llama.cpp ends a generation on, by their text (src/llama-vocab.cpp)
+_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+              "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|return|>", "<|call|>", "<eos>", "</s>",
+              "<end_of_utterance>"}
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+
+@dataclass
+class Vocab:
+    """What the tokenizer files need, from the metadata."""
+
+    tokens: list[str]
+    types: list[int]
+    model: str
+    bos: int | None
+    eos: int | None
+    unk: int | None
+    pad: int | None
+    add_bos: bool
+    add_eos: bool
+    eog: list[int] = field(default_factory=list)
+
+
+def vocab_of(md: dict) -> Vocab:
+    tokens = list(_need(md, "tokenizer.ggml.tokens"))
+    model = _need(md, "tokenizer.ggml.model")
+    types = list(md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+
+    def tid(key):
+        v = md.get(f"tokenizer.ggml.{key}_token_id")
+        return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
+
+    add_bos = md.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None:  # llama.cpp's defaults: SentencePiece adds BOS; BPE only for Llama 3's
+        add_bos = model == "llama" or PRE_TOKENIZERS.get(md.get("tokenizer.ggml.pre", ""), (0, False))[1]
+    v = Vocab(tokens, types, model, tid("bos"), tid("eos"), tid("unknown"), tid("padding"), bool(add_bos),
+              bool(md.get("tokenizer.ggml.add_eos_token", False)))
+    eog = [v.eos, tid("eot"), tid("eom")]
+    eog += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in _EOG_TEXTS]
+    v.eog = list(dict.fromkeys(i for i in eog if i is not None))
+    return v
+
+
+def _bpe_tokenizer(md: dict, vocab: Vocab):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre = md.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise GGUFError(f"tokenizer.ggml.pre {pre!r}: a pre-tokenizer Orchard does not know "
+                        f"(known: {', '.join(sorted(PRE_TOKENIZERS))})")
+    regexes, ignore_merges = PRE_TOKENIZERS[pre]
+    merges = [tuple(m.split(" ", 1)) for m in _need(md, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)}, merges=merges,
+                               ignore_merges=ignore_merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _spm_tokenizer(md: dict, vocab: Vocab):
+    """SentencePiece BPE as Hugging Face's converter writes it: merges ranked by the merged
+    piece's score (llama.cpp's SPM tokenizer merges the best-scoring pair first), byte fallback."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = list(md.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(vocab.tokens))])
+    ids = {}
+    for i, t in enumerate(vocab.tokens):
+        ids.setdefault(t, i)
+    merges = []
+    for i, (t, ty) in enumerate(zip(vocab.tokens, vocab.types)):
+        if ty not in (NORMAL, USER_DEFINED) or ids[t] != i or len(t) < 2:
+            continue
+        local = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in ids and t[k:] in ids]
+        local.sort(key=lambda lr: (ids[lr[0]], ids[lr[1]]))
+        merges += [(lr, scores[i]) for lr in local]
+    merges.sort(key=lambda m: -m[1])  # stable: ties keep vocabulary order
+    bpe = models.BPE(vocab=ids, merges=[m for m, _ in merges], unk_token=vocab.tokens[vocab.unk]
+                     if vocab.unk is not None else None, byte_fallback=True, fuse_unk=True)
+    tok = Tokenizer(bpe)
+    prefix = md.get("tokenizer.ggml.add_space_prefix", True)
+    steps = [normalizers.Prepend("▁")] if prefix else []
+    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok
+
+
+def build_tokenizer(md: dict, vocab: Vocab):
+    """A `tokenizers.Tokenizer` equal to llama.cpp's for this vocabulary."""
+    from tokenizers import AddedToken, processors
+
+    if vocab.model == "gpt2":
+        tok = _bpe_tokenizer(md, vocab)
+    elif vocab.model == "llama":
+        tok = _spm_tokenizer(md, vocab)
+    else:
+        raise GGUFError(f"tokenizer.ggml.model {vocab.model!r} is not supported (gpt2: byte-level BPE, "
+                        "llama: SentencePiece)")
+    special = [i for i, ty in enumerate(vocab.types) if ty in (CONTROL, UNKNOWN)]
+    user = [i for i, ty in enumerate(vocab.types) if ty == USER_DEFINED]
+    tok.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False) for i in special])
+    tok.add_tokens([AddedToken(vocab.tokens[i], special=False, normalized=False) for i in user])
+    first = [vocab.tokens[vocab.bos]] if vocab.add_bos and vocab.bos is not None else []
+    last = [vocab.tokens[vocab.eos]] if vocab.add_eos and vocab.eos is not None else []
+    if first or last:
+        pairs = [(t, vocab.tokens.index(t)) for t in dict.fromkeys(first + last)]
+        tok.post_processor = processors.TemplateProcessing(
+            single=" ".join(first + ["$A"] + last), pair=" ".join(first + ["$A"] + last + first + ["$B:1"] + last),
+            special_tokens=pairs)
+    return tok
+
+
+def write_tokenizer(md: dict, dst: Path, max_len: int) -> Vocab:
+    vocab = vocab_of(md)
+    build_tokenizer(md, vocab).save(str(dst / "tokenizer.json"))
+    name = lambda i: vocab.tokens[i] if i is not None else None  # noqa: E731
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(vocab.bos), "eos_token": name(vocab.eos),
+           "unk_token": name(vocab.unk), "pad_token": name(vocab.pad if vocab.pad is not None else vocab.eos),
+           "add_bos_token": vocab.add_bos, "add_eos_token": vocab.add_eos, "clean_up_tokenization_spaces": False,
+           "model_max_length": max_len}
+    if (template := md.get("tokenizer.chat_template")) is not None:
+        cfg["chat_template"] = template
+    (dst / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    specials = {k: v for k, v in (("bos_token", cfg["bos_token"]), ("eos_token", cfg["eos_token"]),
+                                   ("unk_token", cfg["unk_token"]), ("pad_token", cfg["pad_token"])) if v}
+    (dst / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, ensure_ascii=False) + "\n")
+    gen = {"eos_token_id": vocab.eog if len(vocab.eog) > 1 else (vocab.eog[0] if vocab.eog else None)}
+    if vocab.bos is not None:
+        gen["bos_token_id"] = vocab.bos
+    (dst / "generation_config.json").write_text(json.dumps(gen) + "\n")
+    return vocab
+
+
+# -- import ----------------------------------------------------------------------------------
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (HF's rotate-halves -> interleaved pairs)."""
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+@dataclass
+class _Tensor:
+    gguf_name: str
+    name: str  # mlx-lm's
+    type_name: str
+    shape: tuple[int, ...]  # numpy order (rows first)
+    data: object  # the reader's raw array
+    how: str = ""  # "quantized" (MLX's layout) | "float" (as it is) | "dequantized" (to float32)
+    shift: bool = False  # a Gemma norm stored as 1 + w: written as float32 w
+
+
+def _plan(reader, md: dict, arch: Arch, cfg: dict) -> list[_Tensor]:
+    out = []
+    for t in reader.tensors:
+        if t.name in _CONSUMED:
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne[0] (columns) first
+        tt = _Tensor(t.name, hf_name(t.name, arch), t.tensor_type.name, shape, t.data,
+                     shift=arch.norm_plus_one and t.name.endswith("norm.weight"))
+        if tt.type_name in PASS_THROUGH:
+            tt.how = "float"
+        elif tt.type_name in EXACT and len(shape) == 2 and shape[1] % GROUP == 0 and t.name.endswith(".weight"):
+            tt.how = "quantized"
+        else:
+            tt.how = "dequantized"
+        out.append(tt)
+    return out
+
+
+def _outputs(t: _Tensor) -> list[_Planned]:
+    rows, cols = t.shape[0], t.shape[-1]
+    if t.how == "quantized":
+        spec = EXACT[t.type_name]
+        base = t.name[: -len(".weight")]
+        out = [_Planned(base + ".weight", "U32", (rows, cols * spec.bits // 32)),
+               _Planned(base + ".scales", "U8" if spec.mode == "mxfp4" else "F32", (rows, cols // GROUP))]
+        if spec.mode == "affine":
+            out.append(_Planned(base + ".biases", "F32", (rows, cols // GROUP)))
+        return out
+    dtype = PASS_THROUGH[t.type_name] if t.how == "float" and not t.shift else "F32"
+    return [_Planned(t.name, dtype, t.shape)]
+
+
+def _convert(t: _Tensor, arch: Arch, cfg: dict):
+    """Yield (name, bytes-like) for each planned output of `t`."""
+    data = np.asarray(t.data)
+    if arch.permuted_qk and t.gguf_name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
+        heads = cfg["num_attention_heads"] if ".attn_q." in t.gguf_name else cfg["num_key_value_heads"]
+        data = _unpermute(data, heads)
+    if t.how == "quantized":
+        parts = to_mlx_quantized(t.type_name, data.reshape(t.shape[0], -1), t.shape[-1])
+        for p in _outputs(t):
+            yield p.name, parts[p.name.rpartition(".")[2]]
+        return
+    (p,) = _outputs(t)
+    if p.dtype == "BF16":
+        yield p.name, np.ascontiguousarray(data).view(np.uint16).reshape(t.shape)
+    elif p.dtype == "F16":
+        yield p.name, np.ascontiguousarray(data).view(np.float16).reshape(t.shape)
+    else:
+        w = dequantize(t.type_name, data, t.shape)
+        if t.shift:
+            w = w - np.float32(1.0)
+        yield p.name, w.astype(np.float32)
+
+
+def import_gguf(src: str | Path, dst: str | Path) -> Path:
+    """Write the GGUF file `src` as an mlx-lm model directory `dst` (see the module's contract)."""
+    gguf = _gguf()
+    src, dst = Path(src), Path(dst)
+    try:
+        reader = gguf.GGUFReader(str(src))
+    except (ValueError, OSError, struct.error) as e:
+        raise GGUFError(f"{src}: not a GGUF file Orchard can read ({e})") from e
+    md = read_metadata(reader)
+    tensors = {t.name: (tuple(int(x) for x in reversed(t.shape.tolist())), t.tensor_type.name) for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"{src}: no token_embd.weight tensor")
+    cfg = model_config(md, tensors)
+    arch = ARCHS[md["general.architecture"]]
+    if "rope_freqs.weight" in tensors:
+        factors = dequantize(tensors["rope_freqs.weight"][1], np.asarray(
+            next(t.data for t in reader.tensors if t.name == "rope_freqs.weight")), (-1,))
+        if not np.all(factors == 1.0):
+            cfg["rope_scaling"] = _rope_llama3(factors.astype(np.float64), cfg["rope_theta"],
+                                               cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    if "rope_factors_long.weight" in tensors:  # Phi-3's LongRoPE
+        data = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1).tolist() for t in reader.tensors
+                if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+        cfg["rope_scaling"] = {"type": "longrope", "long_factor": data["rope_factors_long.weight"],
+                               "short_factor": data.get("rope_factors_short.weight", data["rope_factors_long.weight"])}
+    plan = _plan(reader, md, arch, cfg)
+    quantized = {t.name[: -len(".weight")]: {"group_size": GROUP, "bits": EXACT[t.type_name].bits,
+                                              **({"mode": "mxfp4"} if EXACT[t.type_name].mode == "mxfp4" else {})}
+                 for t in plan if t.how == "quantized"}
+    if quantized:
+        first = next(iter(quantized.values()))
+        cfg["quantization"] = {"group_size": GROUP, "bits": first["bits"], **quantized}
+        cfg["quantization_config"] = cfg["quantization"]
+    cfg["torch_dtype"] = "float32"
+    summary: dict[str, dict] = {}
+    for t in plan:
+        s = summary.setdefault(t.type_name, {"tensors": 0, "parameters": 0, "as": t.how})
+        s["tensors"] += 1
+        s["parameters"] += int(np.prod(t.shape))
+    for type_name, s in summary.items():
+        if s["as"] == "dequantized":
+            log.warning("%s: %d %s tensors (%d parameters) dequantized to float32: MLX holds no %s layout exactly",
+                        src.name, s["tensors"], type_name, s["parameters"], type_name)
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        planned = [p for t in plan for p in _outputs(t)]
+        write_safetensors(tmp / "model.safetensors", planned,
+                          lambda: (out for t in plan for out in _convert(t, arch, cfg)))
+        vocab = write_tokenizer(md, tmp, cfg["max_position_embeddings"])
+        eos = vocab.eog if len(vocab.eog) > 1 else (vocab.eog[0] if vocab.eog else None)
+        cfg.update(eos_token_id=eos, bos_token_id=vocab.bos, pad_token_id=vocab.pad)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "gguf_import.json").write_text(json.dumps({
+            "source": str(src), "size": src.stat().st_size, "architecture": md["general.architecture"],
+            "name": md.get("general.name"), "importer_version": IMPORTER_VERSION, "types": summary}, indent=2) + "\n")
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("imported %s (%s, %s) into %s: %s", src.name, md["general.architecture"], md.get("general.name", ""),
+             dst, ", ".join(f"{k} {v['as']}" for k, v in summary.items()))
+    return dst
+
+
+# -- finding the file ------------------------------------------------------------------------
+
+def ollama_models_dir() -> Path:
+    """Where Ollama keeps models: $OLLAMA_MODELS, else ~/.ollama/models."""
+    return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models")
+
+
+def ollama_blob(name: str) -> Path:
+    """`NAME[:TAG]` (TAG latest by default; NAME may be `user/model`) -> the GGUF blob its
+    manifest names as the model layer."""
+    model, _, tag = name.partition(":")
+    tag = tag or "latest"
+    host = "registry.ollama.ai"
+    parts = model.split("/")
+    if len(parts) == 1:
+        parts = ["library", model]
+    elif len(parts) == 3:
+        host, parts = parts[0], parts[1:]
+    root = ollama_models_dir()
+    manifest = root / "manifests" / host / Path(*parts) / tag
+    if not manifest.is_file():
+        raise GGUFError(f"ollama:{name}: no manifest at {manifest} (is it pulled? `ollama pull {model}:{tag}`)")
+    layers = json.loads(manifest.read_text()).get("layers", [])
+    digests = [lay["digest"] for lay in layers if lay.get("mediaType") == "application/vnd.ollama.image.model"]
+    if not digests:
+        raise GGUFError(f"ollama:{name}: the manifest {manifest} names no model layer")
+    blob = root / "blobs" / digests[0].replace(":", "-")
+    if not blob.is_file():
+        raise GGUFError(f"ollama:{name}: the model layer {blob} is missing")
+    return blob
+
+
+def find_gguf(spec: str, gguf_file: str | None = None) -> Path | None:
+    """The GGUF file `spec` names, or None when `spec` is not about one (an mlx-lm directory)."""
+    if spec.startswith("ollama:"):
+        return ollama_blob(spec[len("ollama:"):])
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path if is_gguf(path) else None
+    if path.is_dir():
+        if gguf_file:
+            chosen = path / gguf_file
+            if not chosen.is_file():
+                raise GGUFError(f"--gguf-file {gguf_file}: not found in {path}")
+            return chosen
+        if (path / "config.json").exists():
+            return None
+        found = sorted(path.glob("*.gguf"))
+        found = [f for f in found if not f.name.startswith("mmproj")]
+        if len(found) > 1:
+            raise GGUFError(f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}): "
+                            "pick one with --gguf-file")
+        return found[0] if found else None
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", spec) and not path.exists():
+        return hub_gguf(spec, gguf_file)
+    return None
+
+
+def hub_gguf(repo: str, gguf_file: str | None) -> Path:
+    """A GGUF file of a Hugging Face hub repo, downloaded once into the hub's cache."""
+    try:
+        from huggingface_hub import hf_hub_download, list_repo_files
+    except ImportError as e:  # pragma: no cover
+        raise GGUFError(f"{repo}: downloading from the hub needs huggingface_hub") from e
+    if gguf_file is None:
+        try:
+            files = [f for f in list_repo_files(repo) if f.endswith(".gguf") and "mmproj" not in f]
+        except Exception as e:  # noqa: BLE001 - network, auth, missing repo: one message
+            raise GGUFError(f"{repo}: not a local path, and the hub did not list it ({e})") from e
+        if len(files) != 1:
+            raise GGUFError(f"{repo} holds {len(files)} GGUF files ({', '.join(files[:8])}): pick one with --gguf-file")
+        gguf_file = files[0]
+    try:
+        return Path(hf_hub_download(repo, gguf_file))
+    except Exception as e:  # noqa: BLE001
+        raise GGUFError(f"{repo}/{gguf_file}: download failed ({e})") from e
+
+
+def is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def cache_key(path: Path) -> str:
+    st = path.stat()
+    ident = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{IMPORTER_VERSION}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def cached_import(path: Path, cache: Path) -> Path:
+    """`path` imported once into `cache` (a directory per file identity)."""
+    stem = re.sub(r"[^\w.-]", "_", path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name)[:60]
+    dst = cache / f"{stem}-{cache_key(path)}"
+    if (dst / "config.json").exists():
+        return dst
+    log.info("importing %s into %s (once)", path, dst)
+    try:
+        import_gguf(path, dst)
+    except FileExistsError:  # pragma: no cover - another process finished the same import
+        pass
+    return dst

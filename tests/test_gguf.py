@@ -1,0 +1,273 @@
+"""GGUF import (cluster/gguf.py): exact dequantization against the gguf package (llama.cpp's
+own), each architecture written as llama.cpp's converter writes it and read back to the same
+weights and logits, tokenizers against their originals, Ollama's blob layout, refusals."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import gguf
+from cluster import gguf as og
+from cluster.modelgen import create_model, synthetic_corpus
+from tests.gguf_export import export
+
+QT = gguf.GGMLQuantizationType
+
+
+def random_blocks(type_name: str, n: int, seed: int) -> np.ndarray:
+    """Random valid blocks: random bytes with every float16 field a finite, moderate value."""
+    rng = np.random.default_rng(seed)
+    size = gguf.GGML_QUANT_SIZES[QT[type_name]][1]
+    b = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    halves = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+    for off in halves.get(type_name, []):
+        vals = (rng.standard_normal(n) * 0.02).astype(np.float16)
+        vals[::7] = np.float16(6.1e-6)  # a subnormal now and then
+        b[:, off:off + 2] = vals.view(np.uint8).reshape(n, 2)
+    if type_name == "MXFP4":
+        b[:, 0] = rng.integers(100, 150, size=n)  # e8m0 exponents of real weights
+    return b
+
+
+def mlx_dequantize(parts: dict, spec: og.Affine) -> np.ndarray:
+    return np.array(mx.dequantize(mx.array(parts["weight"]), mx.array(parts["scales"]),
+                                  mx.array(parts["biases"]) if "biases" in parts else None,
+                                  group_size=og.GROUP, bits=spec.bits, mode=spec.mode).astype(mx.float32))
+
+
+@pytest.mark.parametrize("type_name", sorted(og.EXACT))
+def test_exact_types_dequantize_to_the_gguf_packages_values(type_name):
+    """MLX's dequantization of the converted layout equals llama.cpp's (the gguf package's)
+    value for value, on random blocks and on blocks the gguf package's quantizer made."""
+    block, _ = gguf.GGML_QUANT_SIZES[QT[type_name]]
+    rows, cols = 6, 2 * max(block, 64)
+    sources = [random_blocks(type_name, rows * cols // block, seed=1)]
+    try:
+        w = np.random.default_rng(2).standard_normal((rows, cols)).astype(np.float32) * 0.05
+        sources.append(gguf.quants.quantize(w, QT[type_name]).reshape(-1, sources[0].shape[1]))
+    except NotImplementedError:  # the K-quants: the package dequantizes them only
+        pass
+    for blocks in sources:
+        data = blocks.reshape(rows, -1)
+        want = og.dequantize(type_name, data, (rows, cols))
+        parts = og.to_mlx_quantized(type_name, data, cols)
+        if og.EXACT[type_name].mode == "affine":
+            assert parts["scales"].dtype == parts["biases"].dtype == np.float32  # so MLX computes in float32
+        got = mlx_dequantize(parts, og.EXACT[type_name])
+        assert np.isfinite(want).all()
+        np.testing.assert_array_equal(got, want)  # exact (+0 and -0 compare equal)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_pack_is_mlx_layout(bits):
+    q = np.random.default_rng(bits).integers(0, 2**bits, size=(3, 64)).astype(np.uint8)
+    got = mx.dequantize(mx.array(og.pack(q, bits)), mx.ones((3, 2)), mx.zeros((3, 2)), group_size=32, bits=bits)
+    np.testing.assert_array_equal(np.array(got), q)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-src")
+    return {arch: create_model(root / arch, arch, "tiny", seed=3) for arch in og_archs()}
+
+
+def og_archs():
+    return ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
+
+
+def _logits(path, ids):
+    from mlx_lm.utils import load
+
+    model, _ = load(str(path))
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+@pytest.mark.parametrize("arch", og_archs())
+def test_each_architecture_reads_back_to_the_same_model(arch, tiny_models, tmp_path):
+    """An mlx-lm model written as llama.cpp's converter does (names, Q/K permutation, Gemma's
+    norms) imports to the same weights, so mlx-lm computes the same logits; the tokenizer
+    encodes as the original and the chat template renders the same."""
+    from transformers import AutoTokenizer
+
+    src = tiny_models[arch]
+    dst = og.import_gguf(export(src, tmp_path / "m.gguf"), tmp_path / "imported")
+    want, got = mx.load(str(src / "model.safetensors")), mx.load(str(dst / "model.safetensors"))
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_array_equal(np.array(got[name]), np.array(want[name].astype(mx.float32)), err_msg=name)
+    ids = list(range(3, 40))
+    np.testing.assert_array_equal(_logits(dst, ids), _logits(src, ids))
+    t0, t1 = AutoTokenizer.from_pretrained(str(src)), AutoTokenizer.from_pretrained(str(dst))
+    text = "The orchard is quiet, numbers 1234 and 3.14! Caf\u00e9 \u4f60\u597d \U0001f34e\n\n  spaces"
+    assert t1.encode(text) == t0.encode(text)
+    msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "2+2?"}]
+    assert (t1.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            == t0.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+    def ids_of(v):
+        return {v} if isinstance(v, int) else set(v)
+
+    assert ids_of(json.loads((src / "config.json").read_text())["eos_token_id"]) <= ids_of(
+        json.loads((dst / "generation_config.json").read_text())["eos_token_id"])
+
+
+@pytest.mark.parametrize("k_types", [("Q4_K", "Q5_K"), ("Q6_K", "Q4_K")])
+def test_quantized_tensors_stay_quantized_and_equal_llama_cpps_values(tiny_models, tmp_path, k_types):
+    """Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 (quantized by the gguf package) and Q4_K / Q5_K
+    (random blocks) load as MLX quantized layers whose weights are llama.cpp's values; a Q6_K
+    tensor (16-weight groups) is dequantized to float32, also to llama.cpp's values."""
+    from mlx_lm.utils import load
+
+    src = tiny_models["llama"]
+    rows = 128  # ffn_down: 256 inputs, one K-quant super-block per row
+    raw = {f"blk.{i}.ffn_down.weight": (k, random_blocks(k, rows, 5 + i).reshape(rows, -1))
+           for i, k in enumerate(k_types)}
+    quant = {r"blk\.0\.attn_q\.weight": "Q8_0", r"blk\.0\.attn_k\.weight": "Q4_0", r"blk\.0\.ffn_gate\.weight": "Q4_1",
+             r"blk\.1\.attn_v\.weight": "Q5_0", r"blk\.1\.attn_output\.weight": "Q5_1", "token_embd.weight": "Q8_0"}
+    path = export(src, tmp_path / "q.gguf", quantize=quant, raw=raw)
+    dst = og.import_gguf(path, tmp_path / "imported")
+    reader = gguf.GGUFReader(str(path))
+    model, _ = load(str(dst))
+    modules = dict(model.named_modules())
+    heads = {"attn_q": 4, "attn_k": 2}
+    checked = set()
+    for t in reader.tensors:
+        if t.tensor_type.name in ("F32",):
+            continue
+        name = og.hf_name(t.name, og.ARCHS["llama"])[: -len(".weight")]
+        m = modules[name]
+        shape = tuple(reversed(t.shape.tolist()))
+        want = og.dequantize(t.tensor_type.name, np.asarray(t.data), shape)
+        kind = t.name.split(".")[-2]
+        if kind in heads:
+            want = og._unpermute(want, heads[kind])
+        if t.tensor_type.name == "Q6_K":
+            assert not hasattr(m, "scales") and m.weight.dtype == mx.float32
+            got = np.array(m.weight)
+        else:
+            assert m.bits == og.EXACT[t.tensor_type.name].bits and m.group_size == 32, name
+            got = np.array(mx.dequantize(m.weight, m.scales, m.biases, group_size=32, bits=m.bits))
+        np.testing.assert_array_equal(got, want, err_msg=t.name)
+        checked.add(t.tensor_type.name)
+    assert checked == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", *k_types}
+    summary = json.loads((dst / "gguf_import.json").read_text())["types"]
+    assert summary["Q4_K"]["as"] == "quantized"
+    assert summary.get("Q6_K", {"as": "dequantized"})["as"] == "dequantized"
+
+
+def test_cpu_dequantization_equals_llama_cpps(tiny_models, tmp_path):
+    """On the CPU the worker dequantizes quantized layers at load: the float32 weights it
+    serves are llama.cpp's dequantized values."""
+    from cluster.worker.model_runner import load_model
+
+    src = tiny_models["qwen3"]
+    path = export(src, tmp_path / "q.gguf", quantize={r"blk\.\d+\.ffn_(up|gate)\.weight": "Q4_1",
+                                                      r"blk\.\d+\.attn_v\.weight": "Q8_0"})
+    model, _ = load_model(og.import_gguf(path, tmp_path / "imported"), cpu_dequantize="yes")
+    modules = dict(model.named_modules())
+    n = 0
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.tensor_type.name in ("Q4_1", "Q8_0"):
+            m = modules[og.hf_name(t.name, og.ARCHS["qwen3"])[: -len(".weight")]]
+            assert not hasattr(m, "scales")
+            want = og.dequantize(t.tensor_type.name, np.asarray(t.data), tuple(reversed(t.shape.tolist())))
+            np.testing.assert_array_equal(np.array(m.weight), want)
+            n += 1
+    assert n == 3 * 2
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):
+    """A SentencePiece BPE vocabulary (tokens, scores, types, byte fallback) as llama.cpp's
+    converter stores it becomes a tokenizer that encodes as sentencepiece itself does."""
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    lines = synthetic_corpus(4, num_words=20_000)
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, model_type="bpe",
+                                   vocab_size=700, byte_fallback=True, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, character_coverage=0.9995, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else 6 if sp.is_byte(i)
+             else 1 for i in range(sp.vocab_size())]
+    md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(sp.vocab_size())],
+          "tokenizer.ggml.scores": [sp.get_score(i) for i in range(sp.vocab_size())],
+          "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": sp.bos_id(),
+          "tokenizer.ggml.eos_token_id": sp.eos_id(), "tokenizer.ggml.unknown_token_id": sp.unk_id()}
+    vocab = og.vocab_of(md)
+    assert vocab.add_bos  # llama.cpp's default for SentencePiece
+    tok = og.build_tokenizer(md, vocab)
+    rng = random.Random(0)
+    texts = [rng.choice(lines).strip() for _ in range(30)] + [
+        "Hello  world", " leading space", "tabs\tand\nnewlines", "Caf\u00e9 \u4f60\u597d \U0001f34e", "1234567", ""]
+    for text in texts:
+        assert tok.encode(text).ids == [sp.bos_id()] + sp.encode(text), text
+        assert tok.decode(tok.encode(text).ids, skip_special_tokens=True) == text, text
+
+
+def test_unsupported_architecture_is_refused_by_name(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "f.gguf"), "falcon")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(og.GGUFError, match="'falcon' is not supported"):
+        og.import_gguf(tmp_path / "f.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(og.GGUFError, match="not a GGUF"):
+        (tmp_path / "junk.gguf").write_bytes(b"nope" * 10)
+        og.import_gguf(tmp_path / "junk.gguf", tmp_path / "out")
+
+
+def test_unknown_pre_tokenizer_is_refused_by_name(tiny_models, tmp_path):
+    path = export(tiny_models["qwen3"], tmp_path / "m.gguf", pre="made-up-pre")
+    with pytest.raises(og.GGUFError, match="'made-up-pre'"):
+        og.import_gguf(path, tmp_path / "out")
+
+
+def test_resolve_finds_files_directories_and_ollama_blobs(tiny_models, tmp_path, monkeypatch):
+    from cluster.models_cache import resolve_model
+
+    monkeypatch.setenv("ORCHARD_HOME", str(tmp_path / "home"))
+    path = export(tiny_models["qwen3"], tmp_path / "q.gguf")
+    imported = resolve_model(str(path))
+    assert (imported / "config.json").exists() and imported.parent.parent == tmp_path / "home" / "models"
+    assert resolve_model(str(path)) == imported  # cached: the same directory, not imported again
+    # a directory holding one GGUF file; two need --gguf-file
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "a.gguf").write_bytes(path.read_bytes())
+    assert (resolve_model(str(d)) / "config.json").exists()
+    (d / "b.gguf").write_bytes(path.read_bytes())
+    with pytest.raises(SystemExit, match="--gguf-file"):
+        resolve_model(str(d))
+    assert (resolve_model(str(d), gguf_file="b.gguf") / "config.json").exists()
+    # Ollama: manifests/registry.ollama.ai/library/NAME/TAG names the model layer's blob
+    models = tmp_path / "ollama"
+    digest = "sha256:" + "ab" * 32
+    (models / "blobs").mkdir(parents=True)
+    (models / "blobs" / digest.replace(":", "-")).write_bytes(path.read_bytes())
+    manifest = models / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "q4"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"layers": [
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "cd" * 32},
+        {"mediaType": "application/vnd.ollama.image.model", "digest": digest}]}))
+    monkeypatch.setenv("OLLAMA_MODELS", str(models))
+    assert (resolve_model("ollama:tiny:q4") / "config.json").exists()
+    with pytest.raises(SystemExit, match="ollama pull tiny:latest"):
+        resolve_model("ollama:tiny")
+
+
+def test_orchard_model_import(tiny_models, tmp_path, capsys):
+    from cluster.cli import main
+
+    path = export(tiny_models["gemma2"], tmp_path / "g.gguf")
+    assert main(["model", "import", str(path), str(tmp_path / "out")]) == 0
+    assert "gemma2" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gemma2"
