@@ -591,7 +591,7 @@ def write_tokenizer(md: dict, dst: Path, max_len: int) -> Vocab:
 
 # -- import ----------------------------------------------------------------------------------
 
-def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (HF's rotate-halves -> interleaved pairs)."""
     n = rows.shape[0]
     return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
@@ -645,7 +645,7 @@ def _convert(t: _Tensor, arch: Arch, cfg: dict):
     data = np.asarray(t.data)
     if arch.permuted_qk and t.gguf_name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
         heads = cfg["num_attention_heads"] if ".attn_q." in t.gguf_name else cfg["num_key_value_heads"]
-        data = _unpermute(data, heads)
+        data = unpermute(data, heads)
     if t.how == "quantized":
         parts = to_mlx_quantized(t.type_name, data.reshape(t.shape[0], -1), t.shape[-1])
         for p in _outputs(t):

@@ -15,7 +15,7 @@ import pytest
 import gguf
 from cluster import gguf as og
 from cluster.modelgen import create_model, synthetic_corpus
-from tests.gguf_export import export
+from gguf_export import export
 
 QT = gguf.GGMLQuantizationType
 
@@ -146,7 +146,7 @@ def test_quantized_tensors_stay_quantized_and_equal_llama_cpps_values(tiny_model
         want = og.dequantize(t.tensor_type.name, np.asarray(t.data), shape)
         kind = t.name.split(".")[-2]
         if kind in heads:
-            want = og._unpermute(want, heads[kind])
+            want = og.unpermute(want, heads[kind])
         if t.tensor_type.name == "Q6_K":
             assert not hasattr(m, "scales") and m.weight.dtype == mx.float32
             got = np.array(m.weight)
