@@ -2,27 +2,54 @@
 
 A command's flags are generated from its config dataclass (cluster/config.py), which holds
 each setting's default and help text; the command receives an instance of it.
+
+The command tree is built first with each command's name and help only; a command's
+flags (and so its module) are added when that command is the one run. `orchard --help`,
+the router, `orchard generate` and `orchard bench` never import the worker package, which
+loads OpenBLAS, nor MLX.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+from typing import Callable
 
-from cluster import ray_launcher
 from cluster.config import add_flags, from_args
-from cluster.modelgen import ModelSpec
-from cluster.models_cache import ModelImport, run_import
-from cluster.ray_launcher import RayAddress, RaySpec
-from cluster.security import add_client_flags
-from cluster.router.config import RouterConfig
-from cluster.up import UpConfig, run_up
-from cluster.worker.config import WorkerOptions
-from cluster.worker.offline import RunConfig, run_offline
+
+# Each command: its words, its help, and what adds its flags ("module:function"). The
+# function takes the command's parser; `_configs` builds the common kind from dataclasses.
+COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("model", "create"), "write a random-weight mlx-lm model directory (offline)", "cluster.cli:_model_create"),
+    (("model", "import"), "write a GGUF file (llama.cpp's, Ollama's) as an mlx-lm model directory",
+     "cluster.cli:_model_import"),
+    (("run",), "generate offline with the engine (no server)", "cluster.cli:_run"),
+    (("router", "serve"), "run a router", "cluster.cli:_router_serve"),
+    (("router", "register"), "add static workers (the router polls them)", "cluster.cli:_router_admin"),
+    (("router", "workers"), "list the workers", "cluster.cli:_router_admin"),
+    (("router", "drain"), "stop new placements on a worker; it finishes what it has", "cluster.cli:_router_admin"),
+    (("router", "remove"), "forget a worker", "cluster.cli:_router_admin"),
+    (("up",), "a router and N local workers, until Ctrl-C", "cluster.cli:_up"),
+    (("worker", "serve"), "serve a model over gRPC (+ metrics, + OpenAI HTTP with --http)", "cluster.cli:_worker_serve"),
+    (("generate",), "send one request to a router or worker (through the SDK)", "cluster.cli:_generate"),
+    (("bench",), "serving benchmark (vllm bench serve style) against a router or worker", "cluster.cli:_bench"),
+    (("deploy", "prometheus-targets"), "write Prometheus file_sd targets (router.json, workers.json)",
+     "cluster.cli:_prometheus_targets"),
+    (("certs", "init"), "create the fleet CA in DIR", "cluster.cli:_certs_init"),
+    (("certs", "issue"), "a key and certificate for a router or worker Mac", "cluster.cli:_certs_issue"),
+    (("ray", "up"), "start the router (this node) and workers (nodes with --resource)", "cluster.cli:_ray_up"),
+    (("ray", "down"), "kill the orchard actors", "cluster.cli:_ray_down"),
+    (("ray", "status"), "list the orchard actors and their addresses", "cluster.cli:_ray_status"),
+]
+GROUPS = {"model": "model utilities", "router": "the router: serve, register workers, list, drain",
+          "worker": "worker commands", "deploy": "deployment helpers",
+          "certs": "a CA for the fleet and certificates for its Macs (TLS, mutual TLS)",
+          "ray": "run Orchard as Ray actors on an existing Ray cluster"}
 
 
-def _command(parser: argparse.ArgumentParser, run, *configs: type) -> None:
+def _configs(parser: argparse.ArgumentParser, run: Callable, *configs: type) -> None:
     """`parser`'s flags come from the config dataclasses `configs`; the command `run` is
     called with one instance of each, built from the parsed flags."""
     for cls in configs:
@@ -30,170 +57,188 @@ def _command(parser: argparse.ArgumentParser, run, *configs: type) -> None:
     parser.set_defaults(func=lambda args: run(*(from_args(cls, args) for cls in configs)))
 
 
-def _cmd_model_create(spec: ModelSpec) -> int:
-    from cluster.modelgen import create_model, num_parameters
+# -- the commands' flags (imported when the command runs) ----------------------------------------
+def _model_create(parser: argparse.ArgumentParser) -> None:
+    from cluster.modelgen import ModelSpec, create_model, num_parameters
 
-    if spec.real:
-        from cluster.gguf import import_gguf
-        from cluster.models_cache import real_gguf
+    def run(spec: ModelSpec) -> int:
+        if spec.real:
+            from cluster.gguf import import_gguf
+            from cluster.models_cache import real_gguf
 
-        print(f"wrote {spec.real} to {import_gguf(real_gguf(spec.real), spec.path)}")
+            print(f"wrote {spec.real} to {import_gguf(real_gguf(spec.real), spec.path)}")
+            return 0
+        path = create_model(spec.path, arch=spec.arch, size=spec.size, seed=spec.seed)
+        print(f"wrote {spec.arch} {spec.size} model ({num_parameters(path):,} parameters) to {path}")
         return 0
-    path = create_model(spec.path, arch=spec.arch, size=spec.size, seed=spec.seed)
-    print(f"wrote {spec.arch} {spec.size} model ({num_parameters(path):,} parameters) to {path}")
-    return 0
+
+    _configs(parser, run, ModelSpec)
 
 
-def _cmd_worker_serve(options: WorkerOptions) -> int:
-    """A worker: the engine behind gRPC, Prometheus metrics and optional OpenAI HTTP."""
-    from cluster.worker.server import serve
+def _model_import(parser: argparse.ArgumentParser) -> None:
+    from cluster.models_cache import ModelImport, run_import
 
-    return serve(options)
-
-
-def _cmd_generate(args) -> int:
-    """One request through the SDK to a router or worker."""
-    from cluster.sdk.cli import generate
-
-    return generate(args)
+    _configs(parser, run_import, ModelImport)
 
 
-def _cmd_router_serve(config: RouterConfig) -> int:
+def _run(parser: argparse.ArgumentParser) -> None:
+    from cluster.worker.offline import RunConfig, run_offline
+
+    _configs(parser, run_offline, RunConfig)
+
+
+def _router_serve(parser: argparse.ArgumentParser) -> None:
+    from cluster.router.config import RouterConfig
     from cluster.router.server import run
 
-    return run(config)
+    _configs(parser, run, RouterConfig)
 
 
-def _cmd_router_admin(args) -> int:
-    from cluster.router.admin import run
+def _router_admin(parser: argparse.ArgumentParser) -> None:
+    from cluster.router.config import RouterConfig
+    from cluster.security import add_client_flags
 
-    return run(args)
+    def run(args) -> int:
+        from cluster.router.admin import run
 
+        return run(args)
 
-def add_router_parsers(sub) -> None:
-    """`orchard router serve|register|workers|drain|remove` and `orchard up`."""
-    router = sub.add_parser("router", help="the router: serve, register workers, list, drain")
-    rsub = router.add_subparsers(dest="router_command", required=True)
-    _command(rsub.add_parser("serve", help="run a router"), _cmd_router_serve, RouterConfig)
-    for name, what in (("register", "add static workers (the router polls them)"), ("workers", "list the workers"),
-                       ("drain", "stop new placements on a worker; it finishes what it has"),
-                       ("remove", "forget a worker")):
-        p = rsub.add_parser(name, help=what)
-        p.add_argument("--router", default=RouterConfig.grpc_address, help="the router's gRPC address")
-        if name == "register":
-            p.add_argument("--worker", action="append", required=True, metavar="ADDR", help="worker gRPC address")
-        elif name in ("drain", "remove"):
-            p.add_argument("worker", help="worker id or address")
-        if name == "drain":
-            p.add_argument("--undo", action="store_true", help="take requests again")
-        add_client_flags(p, admin=True)
-        p.set_defaults(func=_cmd_router_admin)
-
-    _command(sub.add_parser("up", help="a router and N local workers, until Ctrl-C"), run_up, UpConfig)
+    name = parser.prog.split()[-1]
+    parser.add_argument("--router", default=RouterConfig.grpc_address, help="the router's gRPC address")
+    if name == "register":
+        parser.add_argument("--worker", action="append", required=True, metavar="ADDR", help="worker gRPC address")
+    elif name in ("drain", "remove"):
+        parser.add_argument("worker", help="worker id or address")
+    if name == "drain":
+        parser.add_argument("--undo", action="store_true", help="take requests again")
+    add_client_flags(parser, admin=True)
+    parser.set_defaults(func=run)
 
 
-def add_worker_parsers(sub) -> None:
-    """`orchard worker serve` and `orchard generate`."""
-    worker = sub.add_parser("worker", help="worker commands").add_subparsers(dest="worker_command", required=True)
-    serve = worker.add_parser("serve", help="serve a model over gRPC (+ metrics, + OpenAI HTTP with --http)")
-    _command(serve, _cmd_worker_serve, WorkerOptions)
+def _up(parser: argparse.ArgumentParser) -> None:
+    from cluster.up import UpConfig, run_up
 
-    gen = sub.add_parser("generate", help="send one request to a router or worker (through the SDK)")
-    gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--target", default=RouterConfig.grpc_address, metavar="HOST:PORT[,HOST:PORT...]",
-                     help="router (default) or a worker")
-    gen.add_argument("--stream", action="store_true", help="print the text as it comes")
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    gen.add_argument("--model", default="", help="model name (default: whatever the target serves)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--timeout", type=float, default=None, help="seconds")
-    from cluster.sdk.cli import add_constraint_flags
-
-    add_constraint_flags(gen)
-    add_client_flags(gen)
-    gen.set_defaults(func=_cmd_generate)
+    _configs(parser, run_up, UpConfig)
 
 
-def _cmd_bench(args) -> int:
-    from cluster.bench.serve import main
+def _worker_serve(parser: argparse.ArgumentParser) -> None:
+    from cluster.worker.config import WorkerOptions
 
-    return main(args)
+    def serve(options: WorkerOptions) -> int:
+        from cluster.worker.server import serve
+
+        return serve(options)
+
+    _configs(parser, serve, WorkerOptions)
 
 
-def add_bench_parser(sub) -> None:
+def _generate(parser: argparse.ArgumentParser) -> None:
+    from cluster.router.config import RouterConfig
+    from cluster.sdk.cli import add_constraint_flags, generate
+    from cluster.security import add_client_flags
+
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--target", default=RouterConfig.grpc_address, metavar="HOST:PORT[,HOST:PORT...]",
+                        help="router (default) or a worker")
+    parser.add_argument("--stream", action="store_true", help="print the text as it comes")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    parser.add_argument("--model", default="", help="model name (default: whatever the target serves)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds")
+    add_constraint_flags(parser)
+    add_client_flags(parser)
+    parser.set_defaults(func=generate)
+
+
+def _bench(parser: argparse.ArgumentParser) -> None:
     """`orchard bench`: a serving benchmark against a router or worker (cluster/bench/serve.py)."""
-    from cluster.bench.serve import add_arguments
+    from cluster.bench.serve import add_arguments, main
 
-    bench = sub.add_parser("bench", help="serving benchmark (vllm bench serve style) against a router or worker")
-    add_arguments(bench)
-    bench.set_defaults(func=_cmd_bench)
+    add_arguments(parser)
+    parser.set_defaults(func=main)
 
 
-def _cmd_deploy_targets(args) -> int:
+def _prometheus_targets(parser: argparse.ArgumentParser) -> None:
     from cluster.deploy_tools import run_prometheus_targets
 
-    return run_prometheus_targets(args)
+    parser.add_argument("--router", action="append", metavar="HOST:PORT",
+                        help="the router's metrics address (repeatable)")
+    parser.add_argument("--worker", action="append", metavar="HOST:PORT", help="a worker's metrics address (repeatable)")
+    parser.add_argument("--out", default="deploy/prometheus/targets",
+                        help="directory (default: deploy/prometheus/targets)")
+    parser.set_defaults(func=run_prometheus_targets)
 
 
-def add_deploy_parser(sub) -> None:
-    """`orchard deploy prometheus-targets`: files for deploy/prometheus/prometheus.yml."""
-    deploy = sub.add_parser("deploy", help="deployment helpers").add_subparsers(dest="deploy_command", required=True)
-    t = deploy.add_parser("prometheus-targets", help="write Prometheus file_sd targets (router.json, workers.json)")
-    t.add_argument("--router", action="append", metavar="HOST:PORT", help="the router's metrics address (repeatable)")
-    t.add_argument("--worker", action="append", metavar="HOST:PORT", help="a worker's metrics address (repeatable)")
-    t.add_argument("--out", default="deploy/prometheus/targets", help="directory (default: deploy/prometheus/targets)")
-    t.set_defaults(func=_cmd_deploy_targets)
+def _certs_init(parser: argparse.ArgumentParser) -> None:
+    from cluster.certs import CertsInit, run_init
+
+    _configs(parser, run_init, CertsInit)
 
 
-def add_certs_parser(sub) -> None:
-    """`orchard certs init|issue`: the fleet's CA and its certificates (cluster/certs.py)."""
-    from cluster.certs import CertsInit, CertsIssue, run_init, run_issue
+def _certs_issue(parser: argparse.ArgumentParser) -> None:
+    from cluster.certs import CertsIssue, run_issue
 
-    certs = sub.add_parser("certs", help="a CA for the fleet and certificates for its Macs (TLS, mutual TLS)")
-    csub = certs.add_subparsers(dest="certs_command", required=True)
-    _command(csub.add_parser("init", help="create the fleet CA in DIR"), run_init, CertsInit)
-    _command(csub.add_parser("issue", help="a key and certificate for a router or worker Mac"), run_issue, CertsIssue)
+    _configs(parser, run_issue, CertsIssue)
 
 
-def add_ray_parser(sub) -> None:
-    """`orchard ray up|down|status`: router and workers as Ray actors (cluster/ray_launcher.py)."""
-    ray = sub.add_parser("ray", help="run Orchard as Ray actors on an existing Ray cluster")
-    rsub = ray.add_subparsers(dest="ray_command", required=True)
-    up = rsub.add_parser("up", help="start the router (this node) and workers (nodes with --resource)")
-    _command(up, ray_launcher.run_up, RaySpec, RayAddress)
-    _command(rsub.add_parser("down", help="kill the orchard actors"), ray_launcher.run_down, RayAddress)
-    _command(rsub.add_parser("status", help="list the orchard actors and their addresses"), ray_launcher.run_status,
-             RayAddress)
+def _ray_up(parser: argparse.ArgumentParser) -> None:
+    from cluster.ray_launcher import RayAddress, RaySpec, run_up
+
+    _configs(parser, run_up, RaySpec, RayAddress)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _ray_down(parser: argparse.ArgumentParser) -> None:
+    from cluster.ray_launcher import RayAddress, run_down
+
+    _configs(parser, run_down, RayAddress)
+
+
+def _ray_status(parser: argparse.ArgumentParser) -> None:
+    from cluster.ray_launcher import RayAddress, run_status
+
+    _configs(parser, run_status, RayAddress)
+
+
+# -- the tree ----------------------------------------------------------------------------------
+def _chosen(argv: list[str]) -> tuple[str, ...]:
+    """The command words `argv` names (the only top-level flag, -v, takes no value)."""
+    words = [a for a in argv if not a.startswith("-")]
+    for command, _, _ in COMMANDS:
+        if tuple(words[: len(command)]) == command:
+            return command
+    return ()
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; with `argv`, only the command it names gets its flags (and imports its
+    module); with None, every command does."""
+    chosen = None if argv is None else _chosen(argv)
     parser = argparse.ArgumentParser(prog="orchard", description="Serve LLMs from a fleet of Macs.")
     parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
-    create = model.add_parser("create", help="write a random-weight mlx-lm model directory (offline)")
-    _command(create, _cmd_model_create, ModelSpec)
-    _command(model.add_parser("import", help="write a GGUF file (llama.cpp's, Ollama's) as an mlx-lm model directory"),
-             run_import, ModelImport)
-
-    _command(sub.add_parser("run", help="generate offline with the engine (no server)"), run_offline, RunConfig)
-    add_router_parsers(sub)
-    add_worker_parsers(sub)
-    add_bench_parser(sub)
-    add_deploy_parser(sub)
-    add_certs_parser(sub)
-    add_ray_parser(sub)
+    top = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for command, help_text, adder in COMMANDS:
+        sub = top
+        if len(command) == 2:
+            if command[0] not in groups:
+                group = top.add_parser(command[0], help=GROUPS[command[0]])
+                groups[command[0]] = group.add_subparsers(dest=f"{command[0]}_command", required=True)
+            sub = groups[command[0]]
+        p = sub.add_parser(command[-1], help=help_text, description=help_text)
+        if chosen is None or chosen == command:
+            module, _, function = adder.partition(":")
+            getattr(importlib.import_module(module), function)(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

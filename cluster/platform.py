@@ -21,33 +21,54 @@ import ctypes
 import glob
 import logging
 import os
+import subprocess
 import sys
 
 log = logging.getLogger(__name__)
 
-OPENBLAS_CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/openblas-openmp/libopenblas.so.0",
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-    "/usr/lib64/libopenblas.so.0",
-    "/usr/lib/libopenblas.so.0",
+# Where distributions put OpenBLAS. Searched one directory level each, never recursively:
+# a walk of /usr/lib took over 10 minutes on one machine (issue 26). The OpenMP builds
+# come first (see above).
+OPENBLAS_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+    "/opt/OpenBLAS/lib",
 )
+LDCONFIG_TIMEOUT_S = 5.0
 
-_blas_state: dict = {"tried": False, "path": None}
+_blas_state: dict = {"tried": False, "path": None, "looked": ""}
 
 
 def find_openblas() -> str | None:
+    """OpenBLAS's shared library, in bounded time: $ORCHARD_OPENBLAS if set (and nothing
+    else), else `libopenblas*.so*` in OPENBLAS_DIRS and their `openblas*/` subdirectories,
+    else the loader's cache (`ldconfig -p`). The OpenMP build first. None if none of them has it."""
     env = os.environ.get("ORCHARD_OPENBLAS")
     if env:
+        _blas_state["looked"] = f"ORCHARD_OPENBLAS={env} (no such file)"
         return env if os.path.exists(env) else None
-    for path in OPENBLAS_CANDIDATES:
-        if os.path.exists(path):
-            return path
-    found = sorted(glob.glob("/usr/lib*/**/libopenblas*.so*", recursive=True))
-    return found[0] if found else None
+    found = []
+    for d in OPENBLAS_DIRS:
+        found += glob.glob(os.path.join(d, "openblas*", "libopenblas*.so*")) + glob.glob(
+            os.path.join(d, "libopenblas*.so*"))
+    found = found or _ldconfig_openblas()
+    _blas_state["looked"] = f"{', '.join(OPENBLAS_DIRS)} and the loader's cache (ldconfig -p)"
+    return min(found, key=lambda p: ("openmp" not in p, ".so.0" not in p, p)) if found else None
+
+
+def _ldconfig_openblas() -> list[str]:
+    """The loader cache's OpenBLAS libraries (as `ctypes.util.find_library` reads it, with a timeout)."""
+    for ldconfig in ("/sbin/ldconfig", "/usr/sbin/ldconfig", "ldconfig"):
+        try:
+            out = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=LDCONFIG_TIMEOUT_S).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        return [line.rsplit("=>", 1)[1].strip() for line in out.splitlines()
+                if "libopenblas" in line and "=>" in line]
+    return []
 
 
 def preload_blas() -> str | None:
@@ -79,10 +100,10 @@ def blas_path() -> str | None:
 def warn_if_slow_blas() -> None:
     """The worker calls this at start-up: on Linux without OpenBLAS, say how to fix it."""
     if sys.platform.startswith("linux") and _blas_state["path"] is None:
+        looked = _blas_state["looked"] or "nowhere (ORCHARD_NO_OPENBLAS is set)"
         log.warning(
-            "OpenBLAS is not loaded: MLX's CPU matmuls will be ~25x slower. "
-            "Install it with `apt-get install libopenblas0-openmp` (or set ORCHARD_OPENBLAS=/path/libopenblas.so.0)."
-        )
+            "OpenBLAS is not loaded (looked in %s): MLX's CPU matmuls will be ~25x slower. Install it with "
+            "`apt-get install libopenblas0-openmp` (or set ORCHARD_OPENBLAS=/path/libopenblas.so.0).", looked)
 
 
 def has_metal() -> bool:

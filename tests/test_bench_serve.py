@@ -159,6 +159,32 @@ def test_server_summary_from_samples():
     assert summary.prefix_cache_queries == 200 and summary.prefix_cache_hit_rate == pytest.approx(0.3)
 
 
+def test_the_kv_peak_counts_every_step_not_the_samples():
+    """A load that comes and goes between two scrapes still has its KV peak: each step's
+    usage is counted into the worker's histogram, and the peak is read from it."""
+    from cluster.bench.server_metrics import ServerSample
+    from cluster.worker.engine import EngineStats
+    from cluster.worker.metrics import WorkerMetrics
+
+    stats = EngineStats(num_blocks_total=100)
+    metrics = WorkerMetrics("m", "w0", lambda: stats)
+    for used in (3, 7):  # before the run: a warm-up
+        stats.observe_kv_usage(used / 100)
+    s = ServerMetricsSampler(["127.0.0.1:1"])
+    url = s.urls[0]
+    s._before[url] = before = parse(metrics.render().decode())
+    for used in (12, 38, 44, 9):  # the run, with the gauge back at 0 whenever it is scraped
+        stats.observe_kv_usage(used / 100)
+    after = parse(metrics.render().decode())
+    s.samples = [ServerSample(0.0, url, before), ServerSample(1.0, url, after)]
+    summary = s.summarize({url: after})
+    assert summary.kv_series["w0"] == [(0.0, 0.0), (1.0, 0.0)]  # every sample missed it
+    assert summary.kv_usage_peak == 0.5 and summary.kv_usage_peak_by_worker == {"w0": 0.5}  # 0.44 in (0.4, 0.5]
+    stats.observe_kv_usage(1.0)  # a full pool lands in the last finite bucket
+    again = parse(metrics.render().decode())
+    assert s.summarize({url: again}).kv_usage_peak == 1.0
+
+
 # -- real runs --------------------------------------------------------------------------------
 def _args(*argv: str):
     return build_parser().parse_args(["--disable-tqdm", *argv])
@@ -221,7 +247,7 @@ def test_thin_wrapper_and_cli_share_the_arguments(tiny_worker, tiny_model_dir, t
     from cluster.cli import build_parser as orchard_parser
 
     args = orchard_parser().parse_args(["bench", "--target", "h:1", "--num-prompts", "3", "--burstiness", "0.5"])
-    assert args.func.__name__ == "_cmd_bench" and args.num_prompts == 3 and args.burstiness == 0.5
+    assert args.func is main and args.num_prompts == 3 and args.burstiness == 0.5  # `orchard bench` runs bench's main
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt": "Once upon a time", "output_tokens": 4}) + "\n")
     proc = subprocess.run(

@@ -26,7 +26,7 @@ WORKER_METRICS = {
     "orchard_kv_cache_blocks_total", "orchard_num_requests_running", "orchard_num_requests_waiting",
     "orchard_prompt_tokens_total", "orchard_generation_tokens_total", "orchard_num_preemptions_total",
     "orchard_prefix_cache_queries_total", "orchard_prefix_cache_hits_total", "orchard_request_success_total",
-    "orchard_engine_stalls_total",
+    "orchard_engine_stalls_total", "orchard_step_kv_cache_usage_ratio",
     "orchard_state_slots_used", "orchard_state_slots_total",  # a hybrid model's recurrent-state slots
 }
 ROUTER_METRICS = {

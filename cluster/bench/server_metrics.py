@@ -1,7 +1,11 @@
 """The target's side of a run, from its Prometheus `/metrics`.
 
 Counters are scraped before and after the run and subtracted; gauges (KV usage, running,
-waiting) are sampled every `interval` seconds during the run and their peaks kept. Give
+waiting) are sampled every `interval` seconds during the run for the plots and the peaks
+of running and waiting. The KV-usage peak comes from every step instead: a worker counts
+each step's usage into a histogram (`orchard_step_kv_cache_usage_ratio`), and the peak is
+the upper edge of the highest bucket the run's steps reached, whenever a scrape happened
+to look (samples only where a worker exports no such histogram). Give
 the metrics endpoints of the workers (KV, preemptions, prefix cache) and of the router
 (request outcomes, retries): a router's own `/metrics` has no KV numbers.
 """
@@ -25,6 +29,7 @@ COUNTERS = (
     "orchard_router_requests_total",
     "orchard_router_retries_total",
 )
+STEP_KV_HISTOGRAM = "orchard_step_kv_cache_usage_ratio"
 GAUGES = ("orchard_kv_cache_usage_ratio", "orchard_num_requests_running", "orchard_num_requests_waiting")
 
 
@@ -59,7 +64,7 @@ class ServerSample:
 
 @dataclass
 class ServerSummary:
-    kv_usage_peak: float | None = None  # max over workers and samples (0..1)
+    kv_usage_peak: float | None = None  # max over workers (0..1): see the module's docstring
     kv_usage_peak_by_worker: dict[str, float] = field(default_factory=dict)
     running_peak: int | None = None  # the cluster's total at its highest sample
     waiting_peak: int | None = None
@@ -146,6 +151,26 @@ class ServerMetricsSampler:
             self._session = None
         return self.summarize(after)
 
+    def _step_peaks(self, after: dict[str, dict[Key, float]]) -> dict[str, float]:
+        """Per worker, the upper edge of the highest per-step KV-usage bucket that the run's
+        steps reached (from the histogram's bucket counts after - before)."""
+        name = STEP_KV_HISTOGRAM + "_bucket"
+        grown: dict[str, dict[float, float]] = defaultdict(dict)  # worker -> le -> steps in the run
+        for url, values in after.items():
+            before = self._before.get(url)
+            if before is None:
+                continue
+            for (n, labels), v in values.items():
+                lv = dict(labels)
+                if n == name and lv.get("le") != "+Inf":
+                    grown[lv.get("worker", url)][float(lv["le"])] = v - before.get((n, labels), 0.0)
+        peaks = {}
+        for worker, by_edge in grown.items():
+            steps = max(by_edge.values(), default=0.0)  # cumulative: the last edge holds every step
+            if steps > 0:
+                peaks[worker] = min(edge for edge, n in by_edge.items() if n == steps)
+        return peaks
+
     def summarize(self, after: dict[str, dict[Key, float]]) -> ServerSummary:
         s = ServerSummary(errors=list(self.errors))
         # gauges: peaks over the samples, per worker label
@@ -164,6 +189,8 @@ class ServerMetricsSampler:
         if kv:
             s.kv_series = dict(kv)
             s.kv_usage_peak_by_worker = {w: max(v for _, v in pts) for w, pts in kv.items()}
+        s.kv_usage_peak_by_worker.update(self._step_peaks(after))
+        if s.kv_usage_peak_by_worker:
             s.kv_usage_peak = max(s.kv_usage_peak_by_worker.values())
         if seen_worker_gauges:
             s.running_peak = int(max(d["orchard_num_requests_running"] for d in by_time.values()))

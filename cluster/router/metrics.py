@@ -9,10 +9,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from cluster.api.buckets import REQUEST_LATENCY_BUCKETS as E2E_BUCKETS  # the worker's (vLLM's) edges
+from cluster.api.buckets import TTFT_BUCKETS
 from cluster.router.breaker import CLOSED
 from cluster.router.registry import STATE_NAMES, Registry
-from cluster.worker.metrics import REQUEST_LATENCY_BUCKETS as E2E_BUCKETS  # the worker's (vLLM's) edges
-from cluster.worker.metrics import TTFT_BUCKETS
 
 # outcome label values of orchard_router_requests_total (one count per attempt on a worker)
 SUCCESS = "success"  # the stream finished on this worker

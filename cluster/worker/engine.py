@@ -6,6 +6,7 @@ benchmark) calls `step()` while `has_unfinished()`. Nothing here knows about gRP
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -14,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from cluster import platform
+from cluster.api.buckets import KV_USAGE_BUCKETS
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
 from cluster.worker.detokenizer import IncrementalDetokenizer
@@ -73,6 +75,14 @@ class EngineStats:
     forward_seconds: float = 0.0
     step_seconds: float = 0.0
     finished: dict = field(default_factory=dict)
+    # Each step's KV usage (blocks held once the step is scheduled / total), counted into
+    # KV_USAGE_BUCKETS: a load's peak from every step, not from when a scraper looked.
+    kv_usage_step_counts: list = field(default_factory=lambda: [0] * len(KV_USAGE_BUCKETS))
+    kv_usage_step_sum: float = 0.0
+
+    def observe_kv_usage(self, usage: float) -> None:
+        self.kv_usage_step_counts[bisect.bisect_left(KV_USAGE_BUCKETS, usage)] += 1
+        self.kv_usage_step_sum += usage
 
 
 class Engine:
@@ -274,6 +284,7 @@ class Engine:
         plan = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if not plan.is_empty:
+            self.stats.observe_kv_usage(self.block_manager.usage)
             batch = self.runner.prepare(plan)
             t1 = time.perf_counter()
             logits = self.runner.forward(batch)

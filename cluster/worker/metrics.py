@@ -11,16 +11,11 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-# vLLM's bucket edges.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+from cluster.api.buckets import ITL_BUCKETS, KV_USAGE_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+
 FINISHED_REASONS = ("stop", "length", "abort")
 
 LABELS = ("model", "worker")
@@ -88,6 +83,15 @@ class _EngineStatsCollector:
         total = s.num_blocks_total or 1
         yield gauge("orchard_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", s.num_blocks_used / total)
         yield gauge("orchard_kv_cache_blocks_total", "KV blocks in the pool.", s.num_blocks_total)
+        h = HistogramMetricFamily("orchard_step_kv_cache_usage_ratio",
+                                  "KV-cache usage (0..1) at each engine step, once the step is scheduled.", labels=LABELS)
+        counts, cumulative, buckets = list(s.kv_usage_step_counts), 0, []
+        for edge, n in zip(KV_USAGE_BUCKETS, counts):
+            cumulative += n
+            buckets.append((repr(edge) if edge != 1.0 else "1.0", cumulative))
+        buckets.append(("+Inf", cumulative))
+        h.add_metric(lv, buckets, s.kv_usage_step_sum)
+        yield h
         if s.state_slots_total:  # a hybrid model: its recurrent layers' per-request state
             yield gauge("orchard_state_slots_used", "Recurrent-state slots held by running requests.",
                         s.state_slots_used)
