@@ -6,6 +6,7 @@ the real Q4_1 / Q8_0 blocks dequantized to llama.cpp's values."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
@@ -33,9 +34,26 @@ def oai(smollm2_worker):
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_dir):
-    """mlx-lm on the imported directory (its quantized layers as they are)."""
+def reader(smollm2_gguf):
+    return gguf.GGUFReader(str(smollm2_gguf))  # (slow to open: a field per vocabulary entry)
+
+
+@pytest.fixture(scope="module")
+def quantized_reference(smollm2_dir):
+    """mlx-lm on the imported directory, its quantized layers as they are (MLX's quantized
+    matmuls are slow on a CPU: the slow tests)."""
     return load(str(smollm2_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir):
+    """mlx-lm's model code on the imported directory with its quantized layers' weights
+    dequantized to float32 (llama.cpp's values, `test_real_blocks_...`): fast on a CPU."""
+    from cluster.worker.dequantize import maybe_dequantize
+
+    model, tokenizer = load(str(smollm2_dir))
+    assert maybe_dequantize(model, "yes") == 211
+    return model, tokenizer
 
 
 def chat(oai, question: str, max_tokens: int = 40) -> str:
@@ -49,13 +67,13 @@ def test_it_answers_questions_through_the_chat_api(oai):
     assert "4" in chat(oai, "What is 2+2?")
 
 
-def test_the_chat_template_renders_as_the_models_own(smollm2_gguf, smollm2_dir, oai):
+def test_the_chat_template_renders_as_the_models_own(reader, smollm2_dir, oai):
     """The template in the GGUF metadata, rendered by jinja, equals what the imported
     tokenizer renders; the worker's prompt is exactly its tokens."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from transformers import AutoTokenizer
 
-    md = og.read_metadata(gguf.GGUFReader(str(smollm2_gguf)))
+    md = og.read_metadata(reader)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a fruit."}]
     tokens = md["tokenizer.ggml.tokens"]
@@ -70,7 +88,7 @@ def test_the_chat_template_renders_as_the_models_own(smollm2_gguf, smollm2_dir, 
     assert r.usage.prompt_tokens == len(tok.encode(want, add_special_tokens=False))
 
 
-def test_prompt_perplexity_matches_mlx_lm_and_is_far_below_chance(oai, reference):
+def perplexity_against_mlx_lm(oai, reference) -> float:
     model, tokenizer = reference
     ids = tokenizer.encode(PARAGRAPH)
     r = oai.completions.create(model="", prompt=PARAGRAPH, max_tokens=0, echo=True, logprobs=1, temperature=0)
@@ -79,9 +97,18 @@ def test_prompt_perplexity_matches_mlx_lm_and_is_far_below_chance(oai, reference
     dense = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     want = dense[np.arange(len(ids) - 1), ids[1:]]
     np.testing.assert_allclose(got, want, atol=1e-4)
-    ppl = math.exp(-got.mean())
     assert len(ids) > 50
+    return math.exp(-got.mean())
+
+
+def test_prompt_perplexity_matches_mlx_lm_and_is_far_below_chance(oai, reference):
+    ppl = perplexity_against_mlx_lm(oai, reference)
     assert ppl < 30, ppl  # a random model scores about the vocabulary's size (49,152)
+
+
+@pytest.mark.slow
+def test_prompt_perplexity_matches_mlx_lm_on_the_quantized_layers(oai, quantized_reference):
+    assert perplexity_against_mlx_lm(oai, quantized_reference) < 30
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a little",
@@ -103,18 +130,17 @@ def greedy_against_mlx_lm(worker, reference, prompts: list[str], max_tokens: int
 
 def test_greedy_tokens_equal_mlx_lm_on_the_imported_directory(smollm2_worker, reference):
     """Orchard serving the GGUF file (dequantized to float32 on the CPU) gives mlx-lm's
-    greedy tokens on the imported directory (its quantized layers as they are)."""
-    greedy_against_mlx_lm(smollm2_worker, reference, PROMPTS[:1], 16)
+    greedy tokens on the imported directory (and on its quantized layers as they are: slow)."""
+    greedy_against_mlx_lm(smollm2_worker, reference, PROMPTS[::3], 16)
 
 
 @pytest.mark.slow
-def test_greedy_tokens_equal_mlx_lm_on_more_prompts(smollm2_worker, reference):
-    greedy_against_mlx_lm(smollm2_worker, reference, PROMPTS, 32)
+def test_greedy_tokens_equal_mlx_lm_on_the_quantized_layers(smollm2_worker, quantized_reference):
+    greedy_against_mlx_lm(smollm2_worker, quantized_reference, PROMPTS, 32)
 
 
-def test_real_blocks_dequantize_to_llama_cpps_values(smollm2_gguf, smollm2_dir):
+def test_real_blocks_dequantize_to_llama_cpps_values(reader, smollm2_dir):
     weights = mx.load(str(smollm2_dir / "model.safetensors"))
-    reader = gguf.GGUFReader(str(smollm2_gguf))
     picked = {"token_embd.weight", "blk.0.attn_q.weight", "blk.7.attn_k.weight", "blk.29.ffn_down.weight"}
     seen = set()
     for t in reader.tensors:
@@ -131,3 +157,12 @@ def test_real_blocks_dequantize_to_llama_cpps_values(smollm2_gguf, smollm2_dir):
         np.testing.assert_array_equal(np.array(got), want, err_msg=t.name)
         seen.add(t.tensor_type.name)
     assert seen == {"Q8_0", "Q4_1"}
+
+
+def test_orchard_model_create_real(smollm2_gguf, tmp_path, capsys):
+    from cluster.cli import main
+
+    assert main(["model", "create", str(tmp_path / "smol"), "--real", "smollm2-135m-instruct"]) == 0
+    assert str(tmp_path / "smol") in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "smol" / "config.json").read_text())
+    assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["vocab_size"]) == ("llama", 30, 49152)
