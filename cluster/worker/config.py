@@ -51,6 +51,13 @@ class EngineConfig:
     cpu_dequantize: str = setting(
         "auto", "on the CPU, dequantize a quantized model's weights to float32 at load: much faster there "
                 "(auto: when they fit in half the free memory)", choices=("auto", "yes", "no"))
+    # What the model serves (cluster/worker/pooling.py): auto reads its directory.
+    task: str = setting(
+        "auto", "what the model serves: auto (from its directory: sentence-transformers modules -> embed, a "
+                "reranker -> score, else generate), generate, embed or score", choices=("auto", "generate", "embed",
+                                                                                        "score"))
+    embeddings: bool = setting(False, "a generation model also serves embeddings (its last token's final hidden "
+                                      "state, normalized), as llama.cpp's --embeddings")
     seed: int = 0
 
     def validate(self) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from cluster import platform
 from cluster.api.buckets import KV_USAGE_BUCKETS
@@ -21,6 +22,7 @@ from cluster.worker.config import EngineConfig
 from cluster.worker.detokenizer import IncrementalDetokenizer
 from cluster.worker.model_runner import (ModelRunner, default_kv_budget, has_recurrent_layers, kv_bytes_per_block,
                                          load_model, text_args, weight_dtype)
+from cluster.worker.pooling import Pooler, PoolingParams, PoolState, sigmoid
 from cluster.worker.sampler import Sampler
 from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.scheduler import Scheduler
@@ -54,6 +56,9 @@ class RequestOutput:
     # with the first token, when asked: for each prompt token after the first, (its id,
     # its logprob given the tokens before it, the top alternatives [(id, logprob)])
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # a pooling request's result, with its finish: the embedding (float32 [dimensions]) or
+    # the score ([1]); no tokens
+    pooled: np.ndarray | None = None
 
 
 @dataclass
@@ -86,10 +91,14 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), model_name: str = "model"):
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), model_name: str = "model",
+                 pooler: Pooler | None = None):
+        """`pooler`: the model's pooling and tasks (`Pooler.for_model`; None: a generation model,
+        whose embeddings, when asked, pool its last token)."""
         config.validate()
         self.model_name = model_name
         self.tokenizer = tokenizer
+        self.pooler = pooler or Pooler(hidden_size=int(text_args(model).hidden_size))
         kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
@@ -134,7 +143,9 @@ class Engine:
     def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
         platform.warn_if_slow_blas()
         model, tokenizer = load_model(path, config.cpu_dequantize)
-        return cls(model, tokenizer, config, model_name=Path(path).name)
+        pooler = Pooler.for_model(path, int(text_args(model).hidden_size), tokenizer, config.task, config.embeddings)
+        log.info("%s serves: %s", Path(path).name, pooler.describe())
+        return cls(model, tokenizer, config, model_name=Path(path).name, pooler=pooler)
 
     # -- requests -------------------------------------------------------------------------
     def add_request(
@@ -169,8 +180,13 @@ class Engine:
             raise ValueError("a request with n > 1 cannot be resumed")
         if params.n > 1 and any(rid.startswith(request_id + "#") for rid in self.seqs):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.pooling is not None:
+            self._check_pooling(params, resume_token_ids)
         prompt = [int(t) for t in prompt_token_ids]
         seq = Sequence(request_id, prompt + [int(t) for t in resume_token_ids], params, num_prompt_tokens=len(prompt))
+        if params.pooling is not None:
+            seq.pool_state = PoolState()
+            seq.skip_prefix_cache = self.pooler.needs_every_position(params.pooling)
         if params.structured is not None:
             seq.matcher = self.grammars.matcher_for(params.structured, resume_token_ids)
         if arrival_time is not None:
@@ -180,6 +196,18 @@ class Engine:
             self.groups[request_id] = [request_id]
             self.forks[request_id] = params.n - 1
         self.stats.prompt_tokens += len(prompt)
+
+    def _check_pooling(self, params: SamplingParams, resume_token_ids) -> None:
+        """ValueError for a pooling request this engine cannot serve."""
+        self.pooler.check(params.pooling)
+        if not self.runner.can_pool:
+            raise ValueError(f"model {self.model_name!r} cannot serve embeddings or scores: its final hidden states "
+                             "are not reachable apart from its logits (an mlx-lm family of the form head(model(x)) "
+                             "is needed: llama, qwen2, qwen3, mistral, ...)")
+        if params.pooling.task == "score" and self.pooler.score_kind == "yes_no" and self.pooler.yes_no_ids is None:
+            raise ValueError("the reranker's yes / no tokens are unknown")
+        if params.n != 1 or resume_token_ids or params.prompt_logprobs is not None or params.structured is not None:
+            raise ValueError("a pooling request takes no n, resumed tokens, prompt logprobs or structured output")
 
     def _add_seq(self, seq: Sequence, resume_token_ids=(), front: bool = False) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], seq.sampling_params.stop)
@@ -286,9 +314,12 @@ class Engine:
         if not plan.is_empty:
             self.stats.observe_kv_usage(self.block_manager.usage)
             batch = self.runner.prepare(plan)
+            pooling = self._pooling_rows(plan, batch)
             t1 = time.perf_counter()
             logits = self.runner.forward(batch)
-            sampling = [e for e in plan.scheduled if e.sample]
+            if pooling:
+                self._pool(plan, pooling)
+            sampling = [e for e in plan.scheduled if e.sample and e.seq.sampling_params.pooling is None]
             if batch.prompt_rows:
                 self._prompt_logprobs(plan, batch, logits)
                 logits = logits[mx.array(batch.sample_index, dtype=mx.int32)] if sampling else None
@@ -312,10 +343,77 @@ class Engine:
                     self._fork(e.seq)
             for i, e in enumerate(produced):
                 outputs.append(self._on_token(e.seq, result, i))
+            if pooling:
+                outputs += self._finish_pooled([e for e in plan.scheduled
+                                                if e.sample and e.seq.sampling_params.pooling is not None])
         self.stats.num_steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
         self._refresh_stats()
         return outputs
+
+    # -- pooling requests (pooling.py) -----------------------------------------------------------
+    def _pooling_rows(self, plan, batch) -> list[tuple[int, int, int]]:
+        """Put the rows the step's pooling requests read into `batch.hidden_rows`; returns
+        (entry index, first of its rows there, how many) for each such entry."""
+        rows: list[int] = []
+        found: list[tuple[int, int, int]] = []
+        first = 0  # the entry's first row in the packed step
+        for i, e in enumerate(plan.scheduled):
+            pooling = e.seq.sampling_params.pooling
+            if pooling is not None:
+                r = self.pooler.hidden_rows(pooling, e.start, e.num_new_tokens, e.sample)
+                found.append((i, len(rows), len(r)))
+                rows += [first + k for k in r]
+            first += e.num_new_tokens
+        if found:
+            batch.hidden_rows = mx.array(rows, dtype=mx.int32)
+        return found
+
+    def _pool(self, plan, found: list[tuple[int, int, int]]) -> None:
+        """Fold this step's final hidden states into each pooling request's state."""
+        hidden = np.array(self.runner.hidden, dtype=np.float32) if self.runner.hidden is not None else None
+        for i, first, n in found:
+            e = plan.scheduled[i]
+            rows = hidden[first : first + n] if n else np.zeros((0, 0), np.float32)
+            self.pooler.accumulate(e.seq.pool_state, e.seq.sampling_params.pooling, e.start, rows)
+
+    def _finish_pooled(self, entries) -> list[RequestOutput]:
+        """Pooling requests whose last chunk ran this step: their vector or score, and done."""
+        results: dict[int, np.ndarray] = {}
+        scored = []
+        for e in entries:
+            params = e.seq.sampling_params.pooling
+            pooled = self.pooler.pooled(e.seq.pool_state, params)
+            if params.task == "embed":
+                results[id(e.seq)] = self.pooler.embedding(pooled, params)
+            else:
+                scored.append((e.seq, pooled))
+        if scored:
+            for (seq, _), score in zip(scored, self._scores(np.stack([p for _, p in scored]))):
+                results[id(seq)] = np.array([score], dtype=np.float32)
+        outputs = []
+        for e in entries:
+            seq = e.seq
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            self._count_finished(seq)
+            self.seqs.pop(seq.request_id, None)
+            self.detoks.pop(seq.request_id, None)
+            outputs.append(RequestOutput(
+                request_id=seq.group_id, new_token_ids=[], new_text="", finished=True, finish_reason="stop",
+                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                pooled=results[id(seq)]))
+        return outputs
+
+    def _scores(self, pooled: np.ndarray) -> list[float]:
+        """A reranker's scores from last-token hidden states [N, hidden] (pooling.py)."""
+        h = mx.array(pooled).astype(self.runner.dtype)
+        if self.pooler.score_kind == "classifier":
+            logits = np.array(self.runner.model.score(h).astype(mx.float32))
+            return [sigmoid(float(x)) for x in logits[:, 0]]
+        yes, no = self.pooler.yes_no_ids
+        logits = self.runner.head_logits(h)[:, mx.array([yes, no])].astype(mx.float32)
+        logits = np.array(logits)
+        return [sigmoid(float(y - n)) for y, n in logits]
 
     def _prompt_logprobs(self, plan, batch, logits: mx.array) -> None:
         """Log-softmax the prompt rows of this step (float32, the raw model distribution,

@@ -261,4 +261,9 @@ class HostForward:
             self.lib.orch_swiglu_f32(gate.ctypes.data, up.ctypes.data, act.ctypes.data, gate.size)
             residual = self._linear(act, L.down)
         final = self._add_norm(h, residual, self.norm)
+        if batch.hidden_rows is not None:  # pooling requests: final hidden states, before the head
+            mx.eval(batch.hidden_rows)
+            r.hidden = mx.array(final[host_view(batch.hidden_rows, np.int32)])
+        if not rows.size:  # a step of pooling requests alone
+            return mx.zeros((0, self.head.w.shape[0]), mx.float32)
         return mx.array(self._linear(np.ascontiguousarray(final[rows]), self.head))

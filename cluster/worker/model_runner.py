@@ -57,6 +57,9 @@ class StepBatch:
     plan: AttentionPlan | None  # host-side grouping, for the backends that use one
     num_tokens: int
     recurrent: recurrent.RecurrentPlan | None = None  # a hybrid model's recurrent layers' grouping
+    # rows whose final hidden states (after the last norm) `forward` leaves in `runner.hidden`,
+    # for pooling requests (pooling.py); None: none
+    hidden_rows: mx.array | None = None
 
 
 def attach(model: nn.Module) -> None:
@@ -181,6 +184,7 @@ class ModelRunner:
         mx.eval(self.pool_arrays())
         self.head_only = getattr(model, "model_type", None) in _HEAD_ONLY_ARCHS and hasattr(model, "model")
         self.batch: StepBatch | None = None
+        self.hidden: mx.array | None = None  # [len(batch.hidden_rows), hidden] float32, after a forward that asked
         self.attention_backend = kernels.check_backend()
         log.info("attention backend: %s", self.attention_backend)
         # the C kernels copy each step's K/V rows into the pools in place (PagedKVCache)
@@ -216,7 +220,7 @@ class ModelRunner:
                 if len(positions_):
                     prompt_rows.append((i, len(logit_rows), positions_))
                     logit_rows += [cu[-2] + p - e.start for p in positions_]
-            if e.sample:
+            if e.sample and seq.sampling_params.pooling is None:  # a pooling request's rows: `hidden_rows`
                 sample_index.append(len(logit_rows))
                 logit_rows.append(cu[-1] - 1)
         width = max(len(t) for t in tables)
@@ -239,23 +243,42 @@ class ModelRunner:
 
     def forward(self, batch: StepBatch) -> mx.array:
         """Logits [M, vocab] (float32) for `batch.logit_rows` (the sampled rows, and the
-        prompt rows of requests with prompt logprobs). K/V land in the pool."""
+        prompt rows of requests with prompt logprobs). K/V land in the pool. With
+        `batch.hidden_rows`, those rows' final hidden states go to `self.hidden`."""
         self.batch = batch
+        self.hidden = None
+        if batch.hidden_rows is not None and not self.can_pool:
+            raise ValueError(f"{getattr(self.model, 'model_type', 'this model')}'s hidden states are not reachable "
+                             "apart from its logits: it cannot serve embeddings or scores")
         if self.host is not None:
             return self.host.forward(batch)
         inputs = batch.input_ids[:, None]
         model = self.model
         if self.head_only:
-            h = model.model(inputs, cache=self.caches)[batch.logit_rows, 0]
-            if getattr(model, "lm_head", None) is not None:
-                logits = model.lm_head(h)
-            else:
-                logits = model.model.embed_tokens.as_linear(h)
+            hidden = model.model(inputs, cache=self.caches)
+            if batch.hidden_rows is not None:
+                self.hidden = hidden[batch.hidden_rows, 0].astype(mx.float32)
+            logits = self.head_logits(hidden[batch.logit_rows, 0]) if batch.logit_rows.size else None
+            if logits is None:  # a step of pooling requests alone
+                logits = mx.zeros((0, int(text_args(model).vocab_size)), mx.float32)
         else:
             logits = model(inputs, cache=self.caches)[batch.logit_rows, 0]
         for c in self.kv_caches:  # a layer that wrote K/V but did not attend (none should): into the pool now
             c.write_pending()
         return logits.astype(mx.float32)
+
+    @property
+    def can_pool(self) -> bool:
+        """Whether the final hidden states are reachable (pooling requests): the model is
+        exactly `head(model.model(x))` (head_only), on either path."""
+        return self.head_only
+
+    def head_logits(self, h: mx.array) -> mx.array:
+        """The model's LM head on final hidden states [N, hidden] (a head-only model)."""
+        model = self.model
+        if getattr(model, "lm_head", None) is not None:
+            return model.lm_head(h)
+        return model.model.embed_tokens.as_linear(h)
 
     def pool_arrays(self) -> list[mx.array]:
         """Every pool array once (an MLA layer's K and V pool are one array), recurrent

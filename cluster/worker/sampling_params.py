@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from cluster.api.constraints import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY, MAX_REPETITION_PENALTY
+from cluster.worker.pooling import PoolingParams
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -56,6 +57,8 @@ class SamplingParams:
     # none) plus the top k alternatives, computed in the prefill's forward.
     prompt_logprobs: int | None = None
     n: int = 1  # samples of the prompt; the engine forks them after its prefill
+    # set: a pooling request (an embedding or a score): prefill only, nothing sampled (pooling.py)
+    pooling: PoolingParams | None = None
 
     def __post_init__(self):
         # Accept lists from callers; store tuples so the object stays hashable and frozen.

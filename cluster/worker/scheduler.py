@@ -265,7 +265,8 @@ class Scheduler:
                and (slots is None or slots.can_allocate())):
             seq = self.waiting[0]
             # prompt logprobs need every prompt row forwarded: no prefix-cache hit (vLLM's rule)
-            computed = [] if seq.wants_prompt_logprobs else bm.get_computed_blocks(seq)
+            # (and pooling that reads every position: pooling.py)
+            computed = [] if seq.wants_prompt_logprobs or seq.skip_prefix_cache else bm.get_computed_blocks(seq)
             remaining = seq.num_uncomputed_tokens - len(computed) * bm.block_size
             if remaining <= budget and (not seq.wants_prompt_logprobs or remaining <= self._prompt_rows_left):
                 n = remaining  # the whole prefill runs now: no partial slot needed
@@ -333,7 +334,7 @@ class Scheduler:
             seq.num_computed_tokens = entry.end
             seq.num_forwarded_tokens += entry.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
-            if entry.sample:
+            if entry.sample and seq.sampling_params.pooling is None:  # a pooling request samples nothing
                 seq.token_ids.append(sampled[id(seq)])
                 produced.append(entry)
         return produced

@@ -53,6 +53,10 @@ class Sequence:
     # filled as prefill chunks are forwarded, handed out with the first output token
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     prompt_logprobs_sent: bool = False
+    # a pooling request (sampling_params.pooling): what its chunks pooled so far, and whether
+    # it must compute every position (no prefix-cache hit: pooling.py says why)
+    pool_state: object | None = None
+    skip_prefix_cache: bool = False
 
     def __post_init__(self):
         self.token_ids = list(self.token_ids)
