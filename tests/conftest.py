@@ -25,6 +25,22 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return create_model(tmp_path_factory.mktemp("tiny-qwen3") / "tiny-qwen3", "qwen3", "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def embedding_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3-Embedding-style model (sentence-transformers last-token pooling, normalized)."""
+    from cluster.modelgen import create_model
+
+    return create_model(tmp_path_factory.mktemp("tiny-emb") / "tiny-emb", "qwen3", "tiny", seed=3, kind="embedding")
+
+
+@pytest.fixture(scope="session")
+def reranker_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3-Reranker-style model (scored by its yes / no logits)."""
+    from cluster.modelgen import create_model
+
+    return create_model(tmp_path_factory.mktemp("tiny-rr") / "tiny-rr", "qwen3", "tiny", seed=4, kind="reranker")
+
+
 class WorkerProcess:
     """`orchard worker serve` in a subprocess on free ports (port 0), until `stop()`.
 

@@ -43,8 +43,8 @@ def _is_openai_error(body: dict, status: int) -> bool:
 
 
 def test_unknown_routes_and_methods_answer_in_openai_shape(server):
-    status, body = call(server.url + "/v1/embeddings", {"input": "x"})
-    assert status == 404 and _is_openai_error(body, 404) and "/v1/embeddings" in body["error"]["message"]
+    status, body = call(server.url + "/v1/audio/speech", {"input": "x"})
+    assert status == 404 and _is_openai_error(body, 404) and "/v1/audio/speech" in body["error"]["message"]
     status, body = call(server.url + "/v1/chat/completions", method="GET")
     assert status == 405 and _is_openai_error(body, 405)
     status, body = call(server.url + "/nope")

@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
-from cluster.modelgen import create_model, set_pooling
+from cluster.modelgen import set_pooling
 from cluster.worker import kernels
 from cluster.worker.config import EngineConfig
 from cluster.worker.engine import Engine
@@ -27,10 +27,10 @@ from cluster.worker.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, embedding_model_dir, reranker_model_dir):
     root = tmp_path_factory.mktemp("pooling")
-    emb = create_model(root / "emb", "qwen3", "tiny", seed=3, kind="embedding")
-    out = {"last": emb, "reranker": create_model(root / "rr", "qwen3", "tiny", seed=4, kind="reranker")}
+    emb = embedding_model_dir
+    out = {"last": emb, "reranker": reranker_model_dir}
     for mode, name in (("mean_tokens", "mean"), ("cls_token", "cls"), ("max_tokens", "max")):
         out[name] = root / f"emb-{name}"
         shutil.copytree(emb, out[name])

@@ -290,9 +290,13 @@ async def _models(request: web.Request) -> web.Response:
         models = await request.app[BACKEND].list_models()
     except OrchardError as e:
         return error_response(e.http_status, e.message)
-    return web.json_response({"object": "list", "data": [
-        {"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by or "orchard",
-         "max_model_len": m.max_model_len} for m in models.models]})
+    return web.json_response({"object": "list", "data": [_model_json(m) for m in models.models]})
+
+
+def _model_json(m: pb.ModelInfo) -> dict:
+    """A model as /v1/models lists it; `tasks` says what it serves (generate, embed, score)."""
+    return {"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by or "orchard",
+            "max_model_len": m.max_model_len, "tasks": list(m.tasks) or ["generate"]}
 
 
 async def _model(request: web.Request) -> web.Response:
@@ -303,8 +307,7 @@ async def _model(request: web.Request) -> web.Response:
         return error_response(e.http_status, e.message)
     for m in models.models:
         if m.id == model_id:
-            return web.json_response({"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by or "orchard",
-                                      "max_model_len": m.max_model_len})
+            return web.json_response(_model_json(m))
     return error_response(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
 
 

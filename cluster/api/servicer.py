@@ -27,12 +27,20 @@ class Backend(Protocol):
     that ends without one is an error to its client, never a short answer). It raises
     `cluster.api.errors` exceptions (before or during the stream); closing it early (the
     client left) cancels the request wherever it runs. `timeout` is the seconds left of
-    the caller's deadline, or None. `list_models()` names what it serves."""
+    the caller's deadline, or None. `list_models()` names what it serves. `embed(request,
+    timeout)` and `score(request, timeout)` answer an `EmbedRequest` / `ScoreRequest` whole
+    (cluster/api/pooling.py), raising the same errors; cancelling them cancels the request."""
 
     def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         ...
 
     async def list_models(self) -> pb.ListModelsResponse:
+        ...
+
+    async def embed(self, request: pb.EmbedRequest, timeout: float | None = None) -> pb.EmbedResponse:
+        ...
+
+    async def score(self, request: pb.ScoreRequest, timeout: float | None = None) -> pb.ScoreResponse:
         ...
 
 
@@ -64,6 +72,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                                     num_choices(request))) as chunks:
                 async for chunk in chunks:
                     yield chunk
+        except OrchardError as e:
+            await context.abort(e.code, e.message)
+
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        try:
+            return await self.backend.embed(request, timeout=context.time_remaining())
+        except OrchardError as e:
+            await context.abort(e.code, e.message)
+
+    async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
+        try:
+            return await self.backend.score(request, timeout=context.time_remaining())
         except OrchardError as e:
             await context.abort(e.code, e.message)
 

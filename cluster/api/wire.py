@@ -177,6 +177,7 @@ class RequestLimits:
     max_stop_string_length: int = setting(256, "characters per stop string at most")
     max_stop_token_ids: int = setting(64, "stop token ids per request at most")
     max_n: int = setting(16, "samples per request (n) at most")
+    max_pooling_inputs: int = setting(256, "inputs of one embedding request (documents of one rerank) at most")
 
 
 def validate_request(request: pb.GenerateRequest, limits: RequestLimits = RequestLimits()) -> None:

@@ -32,6 +32,7 @@ from typing import AsyncIterator
 import grpc
 
 from cluster.api import errors
+from cluster.api.pooling import EMBED, GENERATE, SCORE, validate_embed_request, validate_score_request
 from cluster.api.wire import RequestLimits, num_choices, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router import metrics as m
@@ -247,6 +248,101 @@ class RouterBackend:
             f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}"
         )
 
+    async def embed(self, request: pb.EmbedRequest, timeout: float | None = None) -> pb.EmbedResponse:
+        """An embedding request, placed by load on a worker whose model serves embeddings;
+        another worker if that one fails before it answers."""
+        return await self._unary(EMBED, request, validate_embed_request, lambda w: w.generation.Embed, timeout)
+
+    async def score(self, request: pb.ScoreRequest, timeout: float | None = None) -> pb.ScoreResponse:
+        """A rerank / score request, placed as `embed` is, on a reranker's worker."""
+        return await self._unary(SCORE, request, validate_score_request, lambda w: w.generation.Score, timeout)
+
+    async def _unary(self, task: str, request, validate, method, timeout: float | None):
+        """Place a one-answer request (`method(worker)` is the worker's RPC) with the same
+        failover as a stream before its first token: a worker that fails (unreachable,
+        INTERNAL, queue full, stalled) is excluded and the request placed again, within
+        `max_attempts`, the retry budget and the deadline."""
+        try:
+            validate(request, self.config.limits)
+        except errors.InvalidRequest:
+            self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
+            raise
+        t0 = time.perf_counter()
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        upstream = type(request)()
+        upstream.CopyFrom(request)
+        upstream.request_id = rid
+        excluded: set[str] = set()
+        failure: _WorkerFailed | None = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait_until = time.monotonic() + self.config.worker_wait
+        if deadline is not None:
+            wait_until = min(wait_until, deadline)
+        internal = 0
+        self.budget.on_request()
+        for attempt in range(self.config.max_attempts):
+            if attempt:
+                await self._before_retry(attempt, failure, deadline)
+            pool, no_worker = await self._pool(rid, request.model, excluded, wait_until, task)
+            if not pool:
+                self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.metrics.deadline_exceeded.inc()
+                    raise errors.DeadlineExceeded(f"the deadline passed while waiting for a worker ({no_worker})")
+                if failure is None:
+                    raise errors.from_status(no_worker.code, str(no_worker))
+                raise errors.Unavailable(f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}")
+            worker = self.policy.choose(pool, [])
+            worker.breaker.on_start()
+            if attempt:
+                self.metrics.retries.labels(kind="retry").inc()
+                log.info("request %s: retrying on %s", rid, worker.worker_id)
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            worker.inflight += 1
+            call = method(worker)(upstream, timeout=remaining)
+            pending = _Attempt(call)
+            worker.attempts.add(pending)
+            outcome = m.CANCELLED
+            try:
+                response = await call
+                outcome = m.SUCCESS
+                self.metrics.e2e.observe(time.perf_counter() - t0)
+                return response
+            except asyncio.CancelledError:
+                if pending.abandoned is None or _cancelling():
+                    raise
+                failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, pending.abandoned), m.FAILED
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if pending.abandoned is not None:
+                    failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, pending.abandoned), m.FAILED
+                elif code not in RETRYABLE:
+                    outcome = m.ERROR
+                    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                        self.metrics.deadline_exceeded.inc()
+                    raise errors.from_rpc_error(e) from None
+                else:
+                    failure, outcome = _WorkerFailed(code, e.details() or code.name), m.FAILED
+                    if code in UNREACHABLE:
+                        self.registry.mark_failed(worker.worker_id, f"{code.name}: {e.details()}")
+                    if code is grpc.StatusCode.INTERNAL:
+                        internal += 1
+                        if internal >= 2:
+                            self.metrics.poison.inc()
+                            raise errors.InternalError(
+                                f"the request failed on {internal} workers ({e.details()}): not tried again") from None
+            finally:
+                worker.inflight -= 1
+                worker.attempts.discard(pending)
+                call.cancel()
+                self._judge(worker, outcome)
+                self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
+            excluded.add(worker.worker_id)
+            log.warning("request %s: worker %s failed (%s: %s)", rid, worker.worker_id, failure.code.name, failure.details)
+        self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
+        raise errors.Unavailable(
+            f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}")
+
     async def _before_retry(self, attempt: int, failure: "_WorkerFailed", deadline: float | None) -> None:
         """Spend the retry budget (or fail fast when it is spent) and back off."""
         if not self.budget.try_retry():
@@ -290,19 +386,19 @@ class RouterBackend:
             started = True
             yield chunk
 
-    async def _pool(self, rid: str, model: str, excluded: set[str], wait_until: float):
-        """(healthy workers for `model` not yet tried, the error to give if there are none).
+    async def _pool(self, rid: str, model: str, excluded: set[str], wait_until: float, task: str = GENERATE):
+        """(healthy workers for `model` and `task` not yet tried, the error to give if there are none).
         With none, waits until `wait_until` for a worker that may come back (unhealthy, not
         draining, not tried) to report in, re-checking at every change of the workers."""
         waited = False
         while True:
             try:
-                pool = [w for w in self.registry.candidates(model) if w.worker_id not in excluded]
+                pool = [w for w in self.registry.candidates(model, task) if w.worker_id not in excluded]
             except RegistryError as e:
                 pool, no_worker = [], e
             else:
                 no_worker = RegistryError(grpc.StatusCode.UNAVAILABLE, "no other healthy worker")
-            hope = [w.worker_id for w in self.registry.may_come_back(model, excluded)] if not pool else []
+            hope = [w.worker_id for w in self.registry.may_come_back(model, excluded, task)] if not pool else []
             left = wait_until - time.monotonic()
             if not hope or left <= 0:
                 if waited:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.api.pooling import GENERATE, refuse_task, tasks_of
 from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
@@ -156,14 +157,22 @@ class Registry:
     def snapshot(self) -> list[WorkerRecord]:
         return list(self.workers.values())
 
-    def serving(self, model: str) -> list[WorkerRecord]:
-        """Every worker serving `model` (any model when empty), whatever its state."""
-        return [w for w in self.workers.values() if not model or w.model == model]
+    def serving(self, model: str, task: str | None = None) -> list[WorkerRecord]:
+        """Every worker serving `model` (any model when empty), whatever its state; with
+        `task`, only those whose model serves it ("generate", "embed", "score")."""
+        return [w for w in self.workers.values()
+                if (not model or w.model == model) and (task is None or task in tasks_of(w.report.tasks))]
 
-    def candidates(self, model: str) -> list[WorkerRecord]:
-        """Healthy, not draining, serving `model` (any model when empty). Raises
-        NOT_FOUND when no worker serves the model, UNAVAILABLE when none is healthy."""
-        serving = self.serving(model)
+    def candidates(self, model: str, task: str = GENERATE) -> list[WorkerRecord]:
+        """Healthy, not draining, serving `model` (any model when empty) for `task`. Raises
+        NOT_FOUND when no worker serves the model, INVALID_ARGUMENT when its workers serve
+        other tasks (an embedding model asked to generate), UNAVAILABLE when none is healthy."""
+        serving = self.serving(model, task)
+        others = self.serving(model) if not serving else []
+        if others:
+            raise RegistryError(grpc.StatusCode.INVALID_ARGUMENT, refuse_task(
+                model or ", ".join(sorted({w.model for w in others})), task,
+                sorted({t for w in others for t in tasks_of(w.report.tasks)})).message)
         if not serving:
             known = sorted({w.model for w in self.workers.values() if w.model})
             what = f"model {model!r}" if model else "any model"
@@ -193,6 +202,7 @@ class Registry:
             if w.model and w.healthy:
                 info = seen.setdefault(w.model, pb.ModelInfo(id=w.model, owned_by="orchard"))
                 info.max_model_len = max(info.max_model_len, w.report.max_model_len)
+                info.tasks.extend(t for t in tasks_of(w.report.tasks) if t not in info.tasks)
         return sorted(seen.values(), key=lambda m: m.id)
 
     # -- registration -----------------------------------------------------------------------------
@@ -262,10 +272,10 @@ class Registry:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def may_come_back(self, model: str, excluded: set[str]) -> list[WorkerRecord]:
-        """Workers for `model`, not in `excluded`, that are unhealthy but not draining: a
-        heartbeat or poll may make them candidates again."""
-        return [w for w in self.serving(model)
+    def may_come_back(self, model: str, excluded: set[str], task: str = GENERATE) -> list[WorkerRecord]:
+        """Workers for `model` and `task`, not in `excluded`, that are unhealthy but not
+        draining: a heartbeat or poll may make them candidates again."""
+        return [w for w in self.serving(model, task)
                 if w.worker_id not in excluded and not w.healthy and not (w.drained or w.report.draining)]
 
     async def wait_changed(self, timeout: float) -> bool:

@@ -13,11 +13,11 @@ from cluster.api.errors import (
     Unavailable,
 )
 from cluster.api.wire import build_request
-from cluster.sdk.types import Chunk, Completion, TokenLogprob, ToolCall, Usage
+from cluster.sdk.types import Chunk, Completion, Embeddings, Ranked, TokenLogprob, ToolCall, Usage
 
 __all__ = [
     "DEFAULT_TARGET", "AsyncClient", "Client", "GrpcBackend",
     "OrchardError", "InvalidRequest", "NotFound", "AlreadyExists", "Overloaded", "Unavailable",
     "DeadlineExceeded", "Cancelled", "InternalError",
-    "Chunk", "Completion", "TokenLogprob", "ToolCall", "Usage", "build_request",
+    "Chunk", "Completion", "Embeddings", "Ranked", "TokenLogprob", "ToolCall", "Usage", "build_request",
 ]

@@ -5,6 +5,8 @@
         print(c.generate("Once upon a time", max_tokens=32, temperature=0).text)
         for chunk in c.stream("Hello", max_tokens=16):
             print(chunk.text, end="", flush=True)
+        vectors = c.embed(["a text", "another"], dimensions=256)      # an embedding model
+        best = c.rerank("a query", ["doc one", "doc two"], top_n=1)   # a reranker
 
 `stream` yields `Chunk`s; closing the iterator (or leaving the loop early) cancels the
 request, which frees its place on the worker at once. Failed calls raise the typed
@@ -24,12 +26,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.api.errors import OrchardError, Unavailable, from_rpc_error
+from cluster.api.pooling import build_embed_request, build_score_request
 from cluster.api.servicer import STREAM_ENDED_SHORT, finished
 from cluster.api.wire import Message, build_request, num_choices
 from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
-from cluster.sdk.types import Chunk, Completion
+from cluster.sdk.types import Chunk, Completion, Embeddings, Ranked, ranked
 from cluster.security import ClientSecurity
 from cluster.security import channel as open_channel
 
@@ -126,6 +129,18 @@ class GrpcBackend:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
+    async def embed(self, request: pb.EmbedRequest, timeout=_UNSET) -> pb.EmbedResponse:
+        try:
+            return await self._stub.Embed(request, timeout=self.timeout if timeout is _UNSET else timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def score(self, request: pb.ScoreRequest, timeout=_UNSET) -> pb.ScoreResponse:
+        try:
+            return await self._stub.Score(request, timeout=self.timeout if timeout is _UNSET else timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
 
 class _Targets:
     """A client's targets and one channel to each, opened on first use (`_open` is the
@@ -217,6 +232,25 @@ class AsyncClient(_Targets):
 
     async def list_models(self, *, timeout=_UNSET) -> list[pb.ModelInfo]:
         return list((await self._unary(lambda: self.backend._stub.ListModels, pb.ListModelsRequest(), timeout)).models)
+
+    async def embed(self, inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *, model: str = "",
+                    dimensions: int | None = None, normalize: bool | None = None, timeout=_UNSET) -> Embeddings:
+        """Embeddings of a text, a list of texts, a list of token ids or a list of those
+        (an embedding model; `dimensions`: Matryoshka truncation where the model allows it)."""
+        request = build_embed_request(inputs, model=model, dimensions=dimensions, normalize=normalize)
+        return Embeddings.from_proto(await self._unary(lambda: self.backend._stub.Embed, request, timeout))
+
+    async def score(self, queries: str | Sequence[str], documents: str | Sequence[str], *, model: str = "",
+                    instruction: str = "", timeout=_UNSET) -> list[float]:
+        """A reranker's relevance scores (0..1): one query against each document, or in pairs."""
+        request = build_score_request(queries, documents, model=model, instruction=instruction)
+        return list((await self._unary(lambda: self.backend._stub.Score, request, timeout)).scores)
+
+    async def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None, model: str = "",
+                     instruction: str = "", timeout=_UNSET) -> list[Ranked]:
+        """The documents best first by a reranker's score (the first `top_n`)."""
+        scores = await self.score(query, documents, model=model, instruction=instruction, timeout=timeout)
+        return ranked(list(documents), scores, top_n)
 
     async def _unary(self, method, request, timeout):
         """`method()` (re-read after a failover) called on the current target; the next
@@ -324,6 +358,24 @@ class Client(_Targets):
 
     def list_models(self, *, timeout=_UNSET) -> list[pb.ModelInfo]:
         return list(self._unary(lambda: self._stub.ListModels, pb.ListModelsRequest(), timeout).models)
+
+    def embed(self, inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *, model: str = "",
+              dimensions: int | None = None, normalize: bool | None = None, timeout=_UNSET) -> Embeddings:
+        """See `AsyncClient.embed`."""
+        request = build_embed_request(inputs, model=model, dimensions=dimensions, normalize=normalize)
+        return Embeddings.from_proto(self._unary(lambda: self._stub.Embed, request, timeout))
+
+    def score(self, queries: str | Sequence[str], documents: str | Sequence[str], *, model: str = "",
+              instruction: str = "", timeout=_UNSET) -> list[float]:
+        """See `AsyncClient.score`."""
+        request = build_score_request(queries, documents, model=model, instruction=instruction)
+        return list(self._unary(lambda: self._stub.Score, request, timeout).scores)
+
+    def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None, model: str = "",
+               instruction: str = "", timeout=_UNSET) -> list[Ranked]:
+        """See `AsyncClient.rerank`."""
+        return ranked(list(documents), self.score(query, documents, model=model, instruction=instruction,
+                                                  timeout=timeout), top_n)
 
     def get_load(self, *, timeout=_UNSET) -> pb.LoadReport:
         return self._unary(lambda: self._admin.GetLoad, pb.GetLoadRequest(), timeout)

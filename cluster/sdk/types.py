@@ -138,3 +138,38 @@ class Completion:
             self.stop_reason = chunk.stop_reason
         if chunk.usage is not None:
             self.usage = chunk.usage
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """`client.embed(...)`: one float32 vector (as Python floats) per input, in input order."""
+
+    vectors: tuple[tuple[float, ...], ...]
+    model: str = ""
+    usage: Usage = field(default_factory=Usage)
+
+    def __len__(self) -> int:
+        return len(self.vectors)
+
+    def __getitem__(self, i: int) -> tuple[float, ...]:
+        return self.vectors[i]
+
+    @classmethod
+    def from_proto(cls, r: pb.EmbedResponse) -> "Embeddings":
+        by_index = sorted(r.data, key=lambda e: e.index)
+        return cls(tuple(tuple(e.values) for e in by_index), r.model, Usage.from_proto(r.usage))
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One document of `client.rerank(...)`: its index in the documents given, its score, its text."""
+
+    index: int
+    score: float
+    document: str
+
+
+def ranked(documents, scores, top_n: int | None = None) -> list[Ranked]:
+    """Documents best first (ties keep their order), the first `top_n` of them."""
+    order = sorted(range(len(documents)), key=lambda i: -scores[i])
+    return [Ranked(i, float(scores[i]), documents[i]) for i in order[: top_n or None]]

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from cluster.api.errors import AlreadyExists, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
+from cluster.api.pooling import (EMBED, GENERATE, SCORE, refuse_task, score_pairs, validate_embed_request,
+                                 validate_score_request)
 from cluster.api.tools import ToolCallStream, parse_tools, split_chunk, template_messages, tool_choice_mode
 from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, RequestLimits, check_fits, max_tokens,
                               prompt_chars, validate_request)
@@ -33,6 +35,7 @@ from cluster.worker.engine import Engine, EngineStats, QueueFullError, RequestOu
 from cluster.worker.engine_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
 from cluster.worker.faults import FaultInjection
 from cluster.worker.metrics import WorkerMetrics
+from cluster.worker.pooling import PoolingParams, yes_no_prompt
 from cluster.worker.sampling_params import SamplingParams, StructuredOutput
 from cluster.worker.structured import InvalidGrammar, tool_call_constraint
 
@@ -122,6 +125,8 @@ class WorkerService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchard-tokenize")
         self._markers_checked: dict[tuple[str, ...], bool] = {}
+        self.pooler = None  # the model's pooling (set by start)
+        self.tasks: tuple[str, ...] = (GENERATE,)
 
     async def start(self, timeout: float | None = None) -> None:
         """Load the engine (on its thread) and route its events into the running loop."""
@@ -137,6 +142,9 @@ class WorkerService:
         self._token_texts: dict[int, str] = {}
         # thread-safe: specs are compiled here, before queueing (None: an engine without them)
         self.grammars = getattr(engine, "grammars", None)
+        # what the model serves, and how it pools (pooling.py; an engine without one generates)
+        self.pooler = getattr(engine, "pooler", None)
+        self.tasks = self.pooler.tasks if self.pooler is not None else (GENERATE,)
         self.stats = engine.stats
         if self._with_metrics:
             self.metrics = WorkerMetrics(engine.model_name, self.worker_id, lambda: engine.stats)
@@ -164,7 +172,8 @@ class WorkerService:
     # -- Generation backend -------------------------------------------------------------
     async def list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(
-            models=[pb.ModelInfo(id=self.model_name, max_model_len=self.config.max_model_len, owned_by="orchard")]
+            models=[pb.ModelInfo(id=self.model_name, max_model_len=self.config.max_model_len, owned_by="orchard",
+                                 tasks=self.tasks)]
         )
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None
@@ -182,6 +191,8 @@ class WorkerService:
         if request.model and request.model != self.model_name:
             raise NotFound(f"model {request.model!r} is not served here; this worker serves {self.model_name!r}")
         validate_request(request, self.limits)
+        if GENERATE not in self.tasks:
+            raise refuse_task(self.model_name, GENERATE, self.tasks)
         self._check_cost(request)  # before any work
         tool_stream = self._tool_stream(request)
         self._force_tool_call(request)
@@ -265,6 +276,125 @@ class WorkerService:
             if not finished or left > 0:  # the client left, or one sample aborted and ended the stream
                 self.engine_loop.submit(AbortRequest(engine_id))
 
+    # -- embeddings and scores (pooling requests: cluster/worker/pooling.py) ---------------
+    async def embed(self, request: pb.EmbedRequest, timeout: float | None = None) -> pb.EmbedResponse:
+        """See `Backend`: each input is a prefill-only request in the engine; the embeddings
+        come back in input order."""
+        arrival = time.monotonic()
+        self._check_pooling_request(request.model, EMBED)
+        validate_embed_request(request, self.limits)
+        params = PoolingParams(EMBED, request.dimensions if request.HasField("dimensions") else None,
+                               request.normalize if request.HasField("normalize") else None)
+        try:
+            self.pooler.check(params)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        prompts = []
+        for i, x in enumerate(request.inputs):
+            which = x.WhichOneof("input")
+            if which == "text":
+                ids = await self._pooling_tokens(x.text, f"input {i}")
+            else:
+                ids = list(x.token_ids.ids)
+                bad = [t for t in ids if t >= self.vocab_size]
+                if bad:
+                    raise InvalidRequest(f"input {i}: token id {bad[0]} is outside the vocabulary "
+                                         f"(0 .. {self.vocab_size - 1})")
+            self._check_pooling_length(len(ids), f"input {i}")
+            prompts.append(ids)
+        outs = await self._run_pooled(request.request_id, prompts, SamplingParams(max_tokens=1, pooling=params),
+                                      arrival)
+        response = pb.EmbedResponse(model=self.model_name, worker_id=self.worker_id, usage=self._pooled_usage(outs))
+        for i, out in enumerate(outs):
+            response.data.add(index=i, values=out.pooled.tolist())
+        return response
+
+    async def score(self, request: pb.ScoreRequest, timeout: float | None = None) -> pb.ScoreResponse:
+        """See `Backend`: each (query, document) pair is a prefill-only request scored by
+        the reranker (pooling.py); the scores come back in document order."""
+        arrival = time.monotonic()
+        self._check_pooling_request(request.model, SCORE)
+        validate_score_request(request, self.limits)
+        prompts = []
+        for i, (query, document) in enumerate(score_pairs(request)):
+            text = yes_no_prompt(query, document, request.instruction or None)
+            ids = await self._pooling_tokens(text, f"document {i} with its query")
+            self._check_pooling_length(len(ids), f"document {i} with its query")
+            prompts.append(ids)
+        outs = await self._run_pooled(request.request_id, prompts,
+                                      SamplingParams(max_tokens=1, pooling=PoolingParams(SCORE)), arrival)
+        return pb.ScoreResponse(model=self.model_name, worker_id=self.worker_id, usage=self._pooled_usage(outs),
+                                scores=[float(out.pooled[0]) for out in outs])
+
+    def _check_pooling_request(self, model: str, task: str) -> None:
+        if self.draining:
+            raise Unavailable(f"worker {self.worker_id} is draining: it takes no new requests; send this one elsewhere")
+        if not self.engine_loop.alive or self._loop is None:
+            raise Unavailable(f"worker {self.worker_id} is not serving (starting or stopping)")
+        if self.stalled:
+            raise Unavailable(f"worker {self.worker_id}'s engine has made no progress for {self.stall_timeout:g} s "
+                              "(stalled): send this request elsewhere")
+        if model and model != self.model_name:
+            raise NotFound(f"model {model!r} is not served here; this worker serves {self.model_name!r}")
+        if task not in self.tasks:
+            raise refuse_task(self.model_name, task, self.tasks)
+
+    async def _pooling_tokens(self, text: str, what: str) -> list[int]:
+        bound = CHARS_PER_TOKEN_BOUND * self.config.max_model_len
+        if len(text) > bound:
+            raise InvalidRequest(f"{what} has {len(text)} characters, more than max_model_len="
+                                 f"{self.config.max_model_len} tokens can hold (at most {bound} characters are read): "
+                                 "shorten it")
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return list(self.tokenizer.encode(text))
+        return list(await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.encode, text))
+
+    def _check_pooling_length(self, n: int, what: str) -> None:
+        if n > self.config.max_model_len:
+            raise InvalidRequest(f"{what} has {n} tokens, more than max_model_len={self.config.max_model_len}: "
+                                 "shorten it")
+
+    @staticmethod
+    def _pooled_usage(outs: list[RequestOutput]) -> pb.Usage:
+        return pb.Usage(prompt_tokens=sum(o.num_prompt_tokens for o in outs),
+                        cached_tokens=sum(o.num_cached_tokens for o in outs))
+
+    async def _run_pooled(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                          arrival: float) -> list[RequestOutput]:
+        """Queue one pooling request per prompt (packed by the engine like any prompts) and
+        wait for them all; their outputs in order. Leaving early (cancel, deadline) aborts
+        the ones still running."""
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        if rid in self._running:
+            raise AlreadyExists(f"request id {rid!r} is already running on this worker: use a unique id")
+        stream = _Stream(arrival)
+        base = f"{rid}@{next(self._next_id)}"
+        ids = [f"{base}/{i}" for i in range(len(prompts))]
+        for engine_id in ids:
+            self._streams[engine_id] = stream
+        self._running.add(rid)
+        done: dict[str, RequestOutput] = {}
+        try:
+            for engine_id, prompt in zip(ids, prompts):
+                self.engine_loop.submit(AddRequest(engine_id, prompt, params, arrival))
+            while len(done) < len(ids):
+                ev = await stream.queue.get()
+                if isinstance(ev, Rejected):
+                    raise (Overloaded if isinstance(ev.error, QueueFullError) else InvalidRequest)(str(ev.error))
+                if isinstance(ev, Failed):
+                    raise InternalError(ev.message)
+                if isinstance(ev, RequestOutput) and ev.finished:
+                    if ev.pooled is None:  # aborted (the worker is stopping)
+                        raise Unavailable(f"worker {self.worker_id} stopped before the request finished: retry it")
+                    done[ev.request_id] = ev
+        finally:
+            for engine_id in ids:
+                self._streams.pop(engine_id, None)
+                if engine_id not in done:
+                    self.engine_loop.submit(AbortRequest(engine_id))
+            self._running.discard(rid)
+        return [done[i] for i in ids]
+
     # -- admin ------------------------------------------------------------------------
     def load_report(self) -> pb.LoadReport:
         s, c = self.stats, self.config
@@ -272,7 +402,7 @@ class WorkerService:
             worker_id=self.worker_id, model=self.model_name, num_running=s.num_running, num_waiting=s.num_waiting,
             kv_blocks_used=s.num_blocks_used, kv_blocks_total=s.num_blocks_total, max_num_seqs=c.max_num_seqs,
             block_size=c.block_size, max_model_len=c.max_model_len, draining=self.draining, stalled=self.stalled,
-            state_slots_used=s.state_slots_used, state_slots_total=s.state_slots_total,
+            state_slots_used=s.state_slots_used, state_slots_total=s.state_slots_total, tasks=self.tasks,
         )
 
     def set_draining(self, draining: bool) -> pb.DrainResponse:
@@ -446,7 +576,7 @@ class WorkerService:
                 if m is not None:
                     m.queue_time.observe(ev.queue_time)
                 continue
-            if m is not None and isinstance(ev, RequestOutput):
+            if m is not None and isinstance(ev, RequestOutput) and ev.pooled is None:  # (generation latencies)
                 if ev.new_token_ids:
                     last = stream.last_token_time
                     if last is None:

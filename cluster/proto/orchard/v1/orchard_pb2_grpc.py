@@ -47,6 +47,16 @@ class GenerationStub:
                 request_serializer=orchard_dot_v1_dot_orchard__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=orchard_dot_v1_dot_orchard__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/orchard.v1.Generation/Embed',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/orchard.v1.Generation/Score',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -69,6 +79,21 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of each input (an embedding model, or a generation model served with
+        --embeddings): each input is a prefill-only request packed into the engine's steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """Relevance scores of (query, document) pairs (a reranker model): /v1/rerank and /v1/score.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +106,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=orchard_dot_v1_dot_orchard__pb2.ListModelsRequest.FromString,
                     response_serializer=orchard_dot_v1_dot_orchard__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.EmbedRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.ScoreRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -140,6 +175,60 @@ class Generation:
             '/orchard.v1.Generation/ListModels',
             orchard_dot_v1_dot_orchard__pb2.ListModelsRequest.SerializeToString,
             orchard_dot_v1_dot_orchard__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Generation/Embed',
+            orchard_dot_v1_dot_orchard__pb2.EmbedRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Generation/Score',
+            orchard_dot_v1_dot_orchard__pb2.ScoreRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
