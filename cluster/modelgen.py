@@ -54,6 +54,9 @@ class ModelSpec:
                                     "Qwen3-Reranker-style yes/no scorer (qwen3 only)", choices=KINDS)
     real: str | None = setting(None, "instead: a real trained model from PyPI, imported from its GGUF file "
                                      "(cluster/models_cache.py)", choices=tuple(REAL_MODELS))
+    layers: int = setting(0, "layers (0: the size's own)")
+    files: int = setting(1, "weight files: more than 1 splits the layers over that many, with an index "
+                            "(as large real models are stored)")
 
 
 # each family's chat format (cluster/chat_formats.py): ChatML unless the family has its own
@@ -210,12 +213,14 @@ _HEAD_DIM_FROM_HEADS = {"qwen2", "cohere2", "phi3", "starcoder2", "internlm3", "
 _MOE = {"qwen3_moe", "qwen2_moe", "qwen3_next", "nemotron_h", "olmoe", "mixtral", "granitemoehybrid"}
 
 
-def model_config(arch: str, size: str, token_ids: dict[str, int], chat: ChatFormat = CHATML) -> dict:
+def model_config(arch: str, size: str, token_ids: dict[str, int], chat: ChatFormat = CHATML, layers: int = 0) -> dict:
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}: choose one of {', '.join(ARCHS)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}: choose one of {', '.join(SIZES)}")
     geo = dict(_GEOMETRY[size])
+    if layers:
+        geo["num_hidden_layers"] = layers
     tiny = size == "tiny"
     hidden, layers = geo["hidden_size"], geo["num_hidden_layers"]
     if arch in _HEAD_DIM_FROM_HEADS:
@@ -366,7 +371,8 @@ def _init_weights(model, config: dict, seed: int):
 
 
 def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = ModelSpec.size,
-                 seed: int = ModelSpec.seed, kind: str = "generate") -> Path:
+                 seed: int = ModelSpec.seed, kind: str = "generate", layers: int = ModelSpec.layers,
+                 files: int = ModelSpec.files) -> Path:
     import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -386,7 +392,9 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
     chat = CHAT_FORMAT.get(arch, CHATML)
     tok = train_tokenizer(geo_vocab, seed, chat, words=("yes", "no") if kind == "reranker" else ())
     ids = {t: tok.token_to_id(t) for t in chat.control + chat.markers}
-    config = model_config(arch, size, ids, chat)
+    if layers < 0 or files < 1:
+        raise ValueError(f"layers must be >= 0 and files >= 1, not {layers} and {files}")
+    config = model_config(arch, size, ids, chat, layers)
     if kind == "embedding":
         config["is_matryoshka"] = True  # vLLM's key: `dimensions` may truncate
     elif kind == "reranker":
@@ -399,7 +407,7 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
 
     path.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _save_weights(path, weights, files)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
@@ -459,7 +467,34 @@ def set_pooling(path: str | Path, pooling: str) -> None:
     _sentence_transformers_files(Path(path), config["hidden_size"], config["max_position_embeddings"], pooling)
 
 
+def _save_weights(path: Path, weights: dict, files: int) -> None:
+    """One model.safetensors, or `files` shards split by layer (the embedding in the first,
+    the norm and head in the last) with the index mlx-lm reads (as real models ship)."""
+    import re
+
+    import mlx.core as mx
+
+    if files == 1:
+        mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+        return
+    layer_of = {k: int(m.group(1)) if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", k)) else None for k in weights}
+    layers = sorted({v for v in layer_of.values() if v is not None})
+    if files > len(layers):
+        raise ValueError(f"{files} files for {len(layers)} layers")
+    per = -(-len(layers) // files)
+    shard_of = {k: (0 if "embed" in k else files - 1) if v is None else min(files - 1, v // per)
+                for k, v in layer_of.items()}
+    names = [f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)]
+    for i, name in enumerate(names):
+        mx.save_safetensors(str(path / name), {k: v for k, v in weights.items() if shard_of[k] == i},
+                            metadata={"format": "mlx"})
+    index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+             "weight_map": {k: names[shard_of[k]] for k in sorted(weights)}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
 def num_parameters(path: str | Path) -> int:
     import mlx.core as mx
 
-    return sum(int(v.size) for v in mx.load(str(Path(path) / "model.safetensors")).values())
+    return sum(int(v.size) for f in sorted(Path(path).glob("model*.safetensors"))
+               for v in mx.load(str(f)).values())

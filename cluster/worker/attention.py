@@ -126,10 +126,14 @@ def layer_modules(model: nn.Module) -> list[list[nn.Module]]:
     """The modules behind each of the model's caches, in order: the one of each layer whose
     `__call__` calls `cache.update_and_fetch` (self_attn, attention, attn, ... whatever the
     family names it), and in a hybrid family the recurrent one that calls `cache.advance`
-    (one or the other, or both side by side; a hybrid's layer with neither has no cache)."""
+    (one or the other, or both side by side; a hybrid's layer with neither has no cache).
+    A layer another pipeline stage computes (`group/stage.py`) has none here."""
     found = []
     hybrid = model_type(model) in HYBRID_FAMILIES
     for i, layer in enumerate(model.layers):
+        if getattr(layer, "_orchard_absent", False):  # another pipeline stage's layer: a pass-through here
+            found.append([])
+            continue
         mods = [m for _, m in layer.named_modules() if calls(type(m), "update_and_fetch")]
         mixers = [m for _, m in layer.named_modules() if is_recurrent(m)] if hybrid else []
         if hybrid and not mods and not mixers:

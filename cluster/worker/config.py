@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from cluster.api.wire import RequestLimits
 from cluster.config import setting
 from cluster.security import SecurityConfig
+from cluster.worker.group.config import GroupOptions
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -133,3 +134,4 @@ class WorkerOptions:
         metavar="SECONDS")
     limits: RequestLimits = setting(default_factory=RequestLimits, group="request limits")
     security: SecurityConfig = setting(default_factory=SecurityConfig, group="security")
+    group: GroupOptions = setting(default_factory=GroupOptions, group="worker group (one model over several Macs)")

@@ -92,9 +92,12 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), model_name: str = "model",
-                 pooler: Pooler | None = None):
+                 pooler: Pooler | None = None, runner_factory=None):
         """`pooler`: the model's pooling and tasks (`Pooler.for_model`; None: a generation model,
-        whose embeddings, when asked, pool its last token)."""
+        whose embeddings, when asked, pool its last token). `runner_factory(model, num_blocks,
+        block_size, kv_dtype, num_state_slots=...)` builds the model runner (default:
+        `ModelRunner`; a worker group's rank 0 gives its own, which sends each step to the
+        other ranks: `cluster/worker/group/`)."""
         config.validate()
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -117,8 +120,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching)
         self.state_slots = StateSlots(self.config.max_num_seqs) if hybrid else None
         self.scheduler = Scheduler(self.config, self.block_manager, self.state_slots)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype,
-                                  num_state_slots=self.config.max_num_seqs if hybrid else 0)
+        self.runner = (runner_factory or ModelRunner)(model, num_blocks, config.block_size, kv_dtype,
+                                                      num_state_slots=self.config.max_num_seqs if hybrid else 0)
         if hybrid:
             log.info("recurrent state: %d slots of %.1f KiB (%.1f MiB)", self.config.max_num_seqs,
                      self.runner.state_bytes_per_slot / 1024,

@@ -105,13 +105,17 @@ def _why_not(model: nn.Module, runner) -> str | None:
         return f"compute {runner.dtype} / KV pool {runner.kv_dtype} (needs float32 / float32 or float16)"
     code = importlib.import_module(type(model).__module__)
     inner = model.model
+    stage = runner.stage
     head = getattr(model, "lm_head", None) if not model.args.tie_word_embeddings else inner.embed_tokens
-    if not isinstance(inner.embed_tokens, cpu_layers.CEmbedding) or (
-            head is not inner.embed_tokens and not isinstance(head, cpu_layers.CLinear)):
-        return "the embedding or LM head is not a float32 C layer"
-    if type(inner.norm) is not nn.RMSNorm:
+    if stage.embeds and not isinstance(inner.embed_tokens, cpu_layers.CEmbedding):
+        return "the embedding is not a float32 C layer"
+    if stage.heads and not isinstance(head, (cpu_layers.CEmbedding, cpu_layers.CLinear)):
+        return "the LM head is not a float32 C layer"
+    if stage.heads and type(inner.norm) is not nn.RMSNorm:
         return "the final norm is not a plain RMSNorm"
     for block, spec in zip(inner.layers, runner.specs):
+        if spec.layer not in stage.layers:
+            continue
         a, m = block.self_attn, block.mlp
         if not (isinstance(block, code.TransformerBlock) and isinstance(a, code.Attention) and isinstance(m, code.MLP)):
             return f"layer {spec.layer} is not mlx-lm's {family} block"
@@ -146,10 +150,14 @@ class HostForward:
         self.in_c = cpu_layers.c_rows  # which row counts a projection runs in C (the MLX path's rule)
         inner = model.model
         qk_norm = type(model).__module__.endswith("qwen3")
-        self.layers = [_Layer(b, s, qk_norm) for b, s in zip(inner.layers, runner.specs)]
-        self.embed = _host(inner.embed_tokens.weight)
-        self.head = _Weights.of(inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head)
-        self.norm = (_host(inner.norm.weight), float(inner.norm.eps))
+        stage = runner.stage  # a pipeline stage holds some layers, the embedding or the head
+        self.layers = [_Layer(b, s, qk_norm) for b, s in zip(inner.layers, runner.specs) if s.layer in stage.layers]
+        self.vocab_size = int(model.args.vocab_size)
+        self.embed = _host(inner.embed_tokens.weight) if stage.embeds else None
+        self.head = self.norm = None
+        if stage.heads:
+            self.head = _Weights.of(inner.embed_tokens if model.args.tie_word_embeddings else model.lm_head)
+            self.norm = (_host(inner.norm.weight), float(inner.norm.eps))
 
     @classmethod
     def build(cls, model: nn.Module, runner) -> "HostForward | None":
@@ -207,16 +215,19 @@ class HostForward:
                 and tables.shape[0] == lens.shape[0]):
             raise ValueError(f"a step batch that does not add up: {T} rows, cu_seqlens_q {cu.tolist()}, "
                              f"seq_lens {lens.tolist()}, block tables {tables.shape}")
-        if T and (ids.min() < 0 or ids.max() >= self.embed.shape[0] or slots.min() < 0
+        if T and (ids.min() < 0 or ids.max() >= self.vocab_size or slots.min() < 0
                   or slots.max() >= r.num_blocks * r.block_size):
             raise ValueError("a step batch with token ids outside the vocabulary or slots outside the pool")
         if tables.size and (tables.min() < 0 or tables.max() >= r.num_blocks
                             or lens.max() > tables.shape[1] * r.block_size):
             raise ValueError("a step batch whose block tables leave the pool or do not cover its contexts")
 
-    def forward(self, batch) -> mx.array:
+    def forward(self, batch, hidden: mx.array | None = None) -> mx.array:
         """Logits [M, vocab] float32 for `batch.logit_rows`; K/V land in the pools, as
-        `ModelRunner.forward` does through MLX."""
+        `ModelRunner.forward` does through MLX. A pipeline stage without the embedding
+        starts from `hidden` [T, hidden size], the previous stage's; one without the head
+        returns its own hidden state (its last residual added: the add the next layer's
+        fused norm would have made)."""
         r = self.runner
         T = batch.num_tokens
         arrays = (batch.input_ids, batch.positions, batch.slot_mapping, batch.cu_seqlens_q, batch.seq_lens,
@@ -226,7 +237,11 @@ class HostForward:
         S = lens.shape[0]
         self._check(T, ids, slots, cu, lens, tables)
         half = r.kv_dtype == mx.float16
-        h = np.ascontiguousarray(self.embed[ids])  # [T, hidden]
+        if self.embed is not None:
+            h = np.ascontiguousarray(self.embed[ids])  # [T, hidden]
+        else:
+            mx.eval(hidden)
+            h = np.array(host_view(hidden, np.float32))  # a copy: the residual stream is updated in place
         residual = None
         for L in self.layers:
             x = self._add_norm(h, residual, L.in_norm)
@@ -260,6 +275,10 @@ class HostForward:
             act = np.empty_like(gate)
             self.lib.orch_swiglu_f32(gate.ctypes.data, up.ctypes.data, act.ctypes.data, gate.size)
             residual = self._linear(act, L.down)
+        if self.head is None:
+            if residual is not None:
+                h += residual
+            return mx.array(h)
         final = self._add_norm(h, residual, self.norm)
         if batch.hidden_rows is not None:  # pooling requests: final hidden states, before the head
             mx.eval(batch.hidden_rows)

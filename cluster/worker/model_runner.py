@@ -143,16 +143,34 @@ def has_recurrent_layers(model: nn.Module) -> bool:
     return any(s.recurrent for s in attention.layer_specs(model))
 
 
+@dataclass(frozen=True)
+class Stage:
+    """The part of the model a runner computes: all of it in one process; in a pipeline
+    group (`cluster/worker/group/`) a run of layers, the embedding only on the first stage
+    and the LM head only on the last."""
+
+    layers: range  # the layers (their specs' indices) whose pools and weights are here
+    embeds: bool = True  # takes token ids (else the previous stage's hidden state)
+    heads: bool = True  # computes logits (else hands its hidden state on)
+
+    @classmethod
+    def whole(cls, num_layers: int) -> "Stage":
+        return cls(range(num_layers))
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, kv_dtype=None, num_state_slots: int = 0):
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, kv_dtype=None, num_state_slots: int = 0,
+                 stage: Stage | None = None):
         """`num_state_slots`: rows of each recurrent layer's state pools (a hybrid model:
-        the engine's max_num_seqs)."""
+        the engine's max_num_seqs). `stage`: the layers computed here (default: all)."""
         self.model = model
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = weight_dtype(model)  # what the model computes in
         self.kv_dtype = kv_dtype or self.dtype  # what the pools hold
         self.specs = attention.layer_specs(model)
+        self.stage = stage or Stage.whole(len(self.specs))
+        held = self.stage.layers
         attach(model)
         slots = num_blocks * block_size
         # one pool per layer that owns K/V, shaped by that layer (Gemma 4's global layers
@@ -160,7 +178,7 @@ class ModelRunner:
         self.k_pool: list[mx.array | None] = [None] * len(self.specs)
         self.v_pool: list[mx.array | None] = [None] * len(self.specs)
         for s in self.specs:
-            if s.owns_kv:
+            if s.owns_kv and s.layer in held:
                 self.k_pool[s.layer] = mx.zeros((slots, s.num_kv_heads, s.head_dim), self.kv_dtype)
                 self.v_pool[s.layer] = self.k_pool[s.layer] if s.latent else mx.zeros_like(self.k_pool[s.layer])
         mx.eval(self.pool_arrays())
@@ -173,11 +191,14 @@ class ModelRunner:
         self.kv_caches: list[PagedKVCache] = []
         self.caches = []
         for s in self.specs:
+            # a layer held elsewhere (a pipeline stage's) still gets a cache object, with no
+            # pool: its module is a pass-through, but model code may read a cache by index
             kv = PagedKVCache(self, s) if s.attention else None
-            state = recurrent.RecurrentCache(self, s, states[s.layer], num_state_slots) if s.recurrent else None
-            if state is not None:
+            state = (recurrent.RecurrentCache(self, s, states[s.layer], num_state_slots if s.layer in held else 0)
+                     if s.recurrent else None)
+            if state is not None and s.layer in held:
                 self.state_caches.append(state)
-            if kv is not None:
+            if kv is not None and s.layer in held:
                 self.kv_caches.append(kv)
             self.caches.append(attention.layer_cache(s, kv, state))
         self.state_bytes_per_slot = sum(c.bytes_per_slot for c in self.state_caches)
@@ -185,6 +206,7 @@ class ModelRunner:
         self.head_only = getattr(model, "model_type", None) in _HEAD_ONLY_ARCHS and hasattr(model, "model")
         self.batch: StepBatch | None = None
         self.hidden: mx.array | None = None  # [len(batch.hidden_rows), hidden] float32, after a forward that asked
+        self.stage_input: mx.array | None = None  # a later pipeline stage's input (forward)
         self.attention_backend = kernels.check_backend()
         log.info("attention backend: %s", self.attention_backend)
         # the C kernels copy each step's K/V rows into the pools in place (PagedKVCache)
@@ -241,17 +263,20 @@ class ModelRunner:
             recurrent=recurrent.plan_step(plan.scheduled) if self.has_recurrent else None,
         )
 
-    def forward(self, batch: StepBatch) -> mx.array:
+    def forward(self, batch: StepBatch, hidden: mx.array | None = None) -> mx.array:
         """Logits [M, vocab] (float32) for `batch.logit_rows` (the sampled rows, and the
         prompt rows of requests with prompt logprobs). K/V land in the pool. With
-        `batch.hidden_rows`, those rows' final hidden states go to `self.hidden`."""
+        `batch.hidden_rows`, those rows' final hidden states go to `self.hidden`. `hidden`: a
+        later pipeline stage's input, the previous stage's hidden state [T, hidden size]
+        (`cluster/worker/group/stage.py`)."""
         self.batch = batch
         self.hidden = None
         if batch.hidden_rows is not None and not self.can_pool:
             raise ValueError(f"{getattr(self.model, 'model_type', 'this model')}'s hidden states are not reachable "
                              "apart from its logits: it cannot serve embeddings or scores")
         if self.host is not None:
-            return self.host.forward(batch)
+            return self.host.forward(batch, hidden)
+        self.stage_input = hidden
         inputs = batch.input_ids[:, None]
         model = self.model
         if self.head_only:

@@ -142,10 +142,15 @@ class RecurrentCache:
 
 def measure_states(model: nn.Module, specs: list[LayerSpec]) -> dict[int, list]:
     """For each recurrent layer, the (shape without the batch axis, dtype) of each entry of
-    its mlx-lm cache after one token (None for an entry it leaves empty)."""
-    parts = probe_forward(model, specs)
-    return {s.layer: [None if a is None else (tuple(a.shape[1:]), a.dtype) for a in state.cache]
-            for s, (_, state) in zip(specs, parts) if s.recurrent}
+    its mlx-lm cache after one token (None for an entry it leaves empty). Measured once per
+    model object (a pipeline stage measures before it drops the other stages' layers)."""
+    cached = model.__dict__.get("_orchard_states")
+    if cached is None:
+        parts = probe_forward(model, specs)
+        cached = {s.layer: [None if a is None else (tuple(a.shape[1:]), a.dtype) for a in state.cache]
+                  for s, (_, state) in zip(specs, parts) if s.recurrent}
+        object.__setattr__(model, "_orchard_states", cached)  # a plain attribute, not a module child
+    return dict(cached)
 
 
 # -- wrapping the recurrent modules ----------------------------------------------------------

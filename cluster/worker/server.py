@@ -104,7 +104,12 @@ class WorkerServer:
         worker_id = opts.worker_id or default_worker_id(opts, port)
 
         def load_engine() -> Engine:  # runs on the engine thread
-            engine = Engine.from_pretrained(opts.model_path, opts.engine_config)
+            if opts.group.enabled:  # rank 0 of a worker group: the members join, then it serves for all
+                from cluster.worker.group.leader import load_group_engine
+
+                engine = load_group_engine(opts.model_path, opts.engine_config, opts.group, opts.join_token)
+            else:
+                engine = Engine.from_pretrained(opts.model_path, opts.engine_config)
             log.info("engine warmed up in %.2f s", engine.warm_up())
             return engine
 
@@ -184,6 +189,9 @@ class WorkerServer:
         await self.endpoints.stop(self.options.grace_seconds)
         if self.service is not None:
             await self.service.stop()
+            group = getattr(self.service.engine_loop.engine, "group", None)
+            if group is not None:  # the members stop with rank 0
+                group.close()
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
@@ -220,6 +228,21 @@ def serve(options: WorkerOptions) -> int:
         print(f"orchard worker serve: {e}", file=sys.stderr)
         return 2
     options = replace(options, model_path=str(resolve_model(options.model_path, options.gguf_file)))
+    if options.group.enabled:
+        from cluster.worker.group.config import topology
+
+        try:
+            options.group.validate()
+            rank = topology(options.group).rank
+        except ValueError as e:
+            print(f"orchard worker serve: {e}", file=sys.stderr)
+            return 2
+        if rank != 0:  # a member: no servers, it runs the steps rank 0 plans
+            from cluster.worker.group.member import run_member
+
+            code = run_member(options.model_path, options.group, options.join_token)
+            logging.shutdown()
+            os._exit(code)
     code = 0
     try:
         asyncio.run(run_until_signalled(options))

@@ -1,0 +1,27 @@
+"""A worker group: one model served by N processes (one a Mac), seen by the router as one worker.
+
+Contract:
+- Rank 0 is the worker of a single process (gRPC, HTTP, metrics, scheduler, block
+  manager, prefix cache, sampler). Its engine's step is unchanged, schedule -> prepare ->
+  forward -> sample -> postprocess; its model runner (`leader.GroupRunner`) also sends each
+  step's plan to the members, and takes the previous stage's hidden state before its own
+  layers. The members (`member.py`) run exactly the steps rank 0 plans: no scheduler is
+  replicated, nothing is kept in step by determinism.
+- A plan is token ids, per-sequence positions, state slots and block-table changes, and
+  the handles of sequences gone (`wire.py`: a struct header and int32 arrays, no pickle).
+  Every rank uses the same block ids; the pool has the fewest blocks any rank can hold.
+- Pipeline parallel (`stage.py`): contiguous runs of layers per rank, in proportion to
+  each rank's usable memory (or `--group-shares`); rank N-1 embeds, rank 0 holds the last
+  layers and the head; hidden states go rank r -> r-1 through MLX's send / recv on the
+  CPU stream. Each rank reads only its layers' weight files and evaluates only its part.
+  Tensor parallel: mlx-lm's `shard()`, MLX's sharded linears' all-reduces.
+- Tensors move only through `mx.distributed` (the ring backend, MLX_HOSTFILE / MLX_RANK,
+  as mlx.launch sets them). Beside it a TCP side channel (`channel.py`) carries plans,
+  notices and heartbeats, authenticated with the join token.
+- Exact: a group's tokens and logprobs are the single process's, bit for bit, under
+  pipeline parallelism (tests/test_group.py); tensor parallelism sums in another order.
+- Faults: nothing waits for ever. A member that dies, stops or wedges is noticed within
+  `--group-timeout` (a closed connection at once; silence or an unfinished step by
+  deadline); then every process of the group exits (75), the router resumes the streams
+  elsewhere, and whatever started the group (`orchard up`, launchd, Ray) starts it again.
+"""

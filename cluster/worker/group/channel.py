@@ -1,0 +1,408 @@
+"""The side channel of a group: TCP between rank 0 and each member, authenticated with
+the join token (`wire.py`'s handshake), beside MLX's collectives.
+
+It carries what is not a tensor: the start-up agreement (which layers each rank holds,
+how many KV blocks), each step's plan, the "my hidden state is on its way" notices that
+let a rank post its MLX receive only when the data is coming (a posted ring receive spins
+a core while it waits), the mirrored-state checksums in debug runs, heartbeats, and
+shutdown. A notice between two members goes through rank 0 (a star: one listening port,
+one place that checks tokens).
+
+Nothing here waits for ever: every wait has a deadline, a closed connection is noticed
+at once, and a silent peer (stopped, wedged, cut off) within `timeout` seconds, through
+heartbeats. What to do then is the caller's `on_lost` (the group's processes exit, so
+that whatever started them starts the group again: a blocked MLX collective cannot be
+cancelled).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from typing import Callable
+
+from cluster.worker.group import wire
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0  # a ping from rank 0 every second; members answer at once
+
+
+class _Conn:
+    """One authenticated connection: sends under a lock (several threads send)."""
+
+    def __init__(self, sock: socket.socket, rank: int, info: dict):
+        self.sock = sock
+        self.rank = rank
+        self.info = info
+        self.lock = threading.Lock()
+        self.last_heard = time.monotonic()
+
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        data = wire.frame(kind, payload)
+        with self.lock:
+            self.sock.sendall(data)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _exit_lost(reason: str) -> None:
+    log.error("worker group lost: %s; exiting so that the whole group is started again", reason)
+    logging.shutdown()
+    os._exit(EXIT_GROUP_LOST)
+
+
+# sysexits.h EX_TEMPFAIL: the group lost a member; start the whole group again
+EXIT_GROUP_LOST = 75
+
+
+class Leader:
+    """Rank 0's end: listens, admits `size - 1` members, then serves them."""
+
+    def __init__(self, address: tuple[str, int], size: int, token: str, timeout: float,
+                 on_lost: Callable[[str], None] = _exit_lost):
+        self.size = size
+        self.token = token
+        self.timeout = timeout
+        self.on_lost = on_lost
+        self.members: dict[int, _Conn] = {}
+        self.ready: queue.Queue = queue.Queue()  # READY notices addressed to rank 0: (step, from)
+        self.acks: dict[int, queue.Queue] = {}  # per member: ACK (step, checksum)
+        self.bytes_sent = 0
+        self._lost = threading.Event()
+        self._closing = False
+        self._listener = socket.create_server(address, reuse_port=False)
+        self.address = self._listener.getsockname()[:2]
+
+    # -- start-up (one thread) ---------------------------------------------------------------
+    def admit(self, deadline: float) -> None:
+        """Accept and authenticate until every rank 1..size-1 has joined once; a peer that
+        fails the handshake is dropped (and logged), the wait goes on."""
+        while len(self.members) < self.size - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(1, self.size)) - set(self.members))
+                raise TimeoutError(f"group members {missing} did not join {self.address[0]}:{self.address[1]} in time")
+            self._listener.settimeout(min(left, 1.0))
+            try:
+                sock, peer = self._listener.accept()
+            except socket.timeout:
+                continue
+            try:
+                conn = self._handshake(sock)
+            except (OSError, wire.ProtocolError) as e:
+                log.warning("group: refused a connection from %s: %s", peer[0], e)
+                sock.close()
+                continue
+            self.members[conn.rank] = conn
+            log.info("group: rank %d joined from %s (%s)", conn.rank, peer[0], conn.info.get("host", "?"))
+        self._listener.close()
+
+    def _handshake(self, sock: socket.socket) -> _Conn:
+        sock.settimeout(10.0)  # an unauthenticated peer gets little time and little memory
+        hello = wire.loads(wire.expect(sock, wire.HELLO, wire.MAX_HANDSHAKE))
+        rank, nonce = hello.get("rank"), hello.get("nonce")
+        if not isinstance(rank, int) or not isinstance(nonce, str) or len(nonce) < 16:
+            raise wire.ProtocolError("a HELLO without a rank and nonce")
+        mine = secrets.token_hex(16)
+        sock.sendall(wire.frame(wire.CHALLENGE, wire.dumps(
+            {"nonce": mine, "proof": wire.leader_proof(self.token, nonce, mine)})))
+        auth = wire.loads(wire.expect(sock, wire.AUTH, wire.MAX_HANDSHAKE))
+        if not wire.proofs_match(auth.get("proof"), wire.member_proof(self.token, rank, mine, nonce)):
+            sock.sendall(wire.frame(wire.ERROR, b"the join token does not match"))
+            raise wire.ProtocolError(f"rank {rank} presented a wrong join token")
+        if hello.get("size") != self.size or not 1 <= rank < self.size:
+            msg = f"rank {rank} of a group of {hello.get('size')}: this group has {self.size} ranks"
+            sock.sendall(wire.frame(wire.ERROR, msg.encode()))
+            raise wire.ProtocolError(msg)
+        if rank in self.members:
+            sock.sendall(wire.frame(wire.ERROR, f"rank {rank} has already joined".encode()))
+            raise wire.ProtocolError(f"rank {rank} joined twice")
+        sock.sendall(wire.frame(wire.WELCOME))
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return _Conn(sock, rank, hello)
+
+    def broadcast(self, kind: int, payload: bytes = b"") -> None:
+        for conn in self.members.values():
+            self._send(conn, kind, payload)
+
+    def gather(self, kind: int, deadline: float) -> dict[int, dict]:
+        """One start-up message of `kind` from every member (JSON), before the readers run."""
+        out = {}
+        for rank, conn in sorted(self.members.items()):
+            conn.sock.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                out[rank] = wire.loads(wire.expect(conn.sock, kind))
+            except socket.timeout:
+                raise TimeoutError(f"group rank {rank} did not answer {wire.KIND_NAMES[kind]} in time") from None
+            finally:
+                conn.sock.settimeout(None)
+        return out
+
+    # -- serving -------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Start a reader thread per member and the heartbeat."""
+        for conn in self.members.values():
+            self.acks[conn.rank] = queue.Queue()
+            conn.last_heard = time.monotonic()
+            threading.Thread(target=self._read, args=(conn,), name=f"orchard-group-r{conn.rank}", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="orchard-group-heartbeat", daemon=True).start()
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            while True:
+                kind, payload = wire.read_message(conn.sock)
+                conn.last_heard = time.monotonic()
+                if kind == wire.READY:
+                    step, src, dst = wire.READY_MSG.unpack(payload)
+                    if dst == 0:
+                        self.ready.put((step, src))
+                    else:  # a notice between two members: passed on
+                        self._send(self.members[dst], wire.READY, payload)
+                elif kind == wire.ACK:
+                    self.acks[conn.rank].put(wire.ACK_MSG.unpack(payload))
+                elif kind == wire.PONG:
+                    pass
+                elif kind == wire.ERROR:
+                    raise wire.ProtocolError(f"rank {conn.rank} failed: {payload.decode(errors='replace')}")
+                else:
+                    raise wire.ProtocolError(f"rank {conn.rank} sent {wire.KIND_NAMES[kind]} while serving")
+        except (OSError, wire.ProtocolError, KeyError, ValueError) as e:
+            self.lose(f"rank {conn.rank}: {e}")
+
+    def _heartbeat(self) -> None:
+        n = 0
+        while not self._lost.is_set() and not self._closing:
+            n += 1
+            self.broadcast(wire.PING, wire.PING_MSG.pack(n))
+            now = time.monotonic()
+            for conn in list(self.members.values()):
+                if now - conn.last_heard > self.timeout:
+                    self.lose(f"rank {conn.rank} has been silent for {now - conn.last_heard:.0f} s "
+                              "(stopped, wedged or cut off)")
+                    return
+            self._lost.wait(HEARTBEAT_S)
+
+    def _send(self, conn: _Conn, kind: int, payload: bytes = b"") -> None:
+        try:
+            conn.send(kind, payload)
+            self.bytes_sent += wire.FRAME.size + len(payload)
+        except OSError as e:
+            self.lose(f"rank {conn.rank}: {e}")
+
+    def wait_ready(self, step: int, src: int, timeout: float) -> None:
+        """Block until rank `src` says step `step`'s hidden state is on its way."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if self._lost.is_set():
+                raise ConnectionError("the group is lost")
+            try:
+                got = self.ready.get(timeout=max(0.0, min(left, 0.5)))
+            except queue.Empty:
+                if left <= 0:
+                    self.lose(f"rank {src} did not finish step {step} within {timeout:.0f} s")
+                    raise ConnectionError("the group is lost") from None
+                continue
+            if got != (step, src):
+                self.lose(f"out of order: waited for step {step} from rank {src}, got {got}")
+                raise ConnectionError("the group is lost")
+            return
+
+    def wait_ack(self, rank: int, step: int, timeout: float) -> int:
+        """Rank `rank`'s checksum of step `step` (debug runs)."""
+        try:
+            got_step, crc = self.acks[rank].get(timeout=timeout)
+        except queue.Empty:
+            self.lose(f"rank {rank} did not acknowledge step {step} within {timeout:.0f} s")
+            raise ConnectionError("the group is lost") from None
+        if got_step != step:
+            self.lose(f"rank {rank} acknowledged step {got_step} where {step} was due")
+            raise ConnectionError("the group is lost")
+        return crc
+
+    def lose(self, reason: str) -> None:
+        if self._closing or self._lost.is_set():
+            return
+        self._lost.set()
+        for conn in self.members.values():  # best effort: members exit on the closed connection anyway
+            conn.close()
+        self.on_lost(reason)
+
+    @property
+    def lost(self) -> bool:
+        return self._lost.is_set()
+
+    def close(self) -> None:
+        """An orderly end: members are told to stop, then the connections close."""
+        if self._lost.is_set():
+            return
+        self._closing = True
+        for conn in self.members.values():
+            try:
+                conn.send(wire.SHUTDOWN)
+            except OSError:
+                pass
+        for conn in self.members.values():
+            conn.close()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+
+class Member:
+    """A member's end: joins rank 0, then reads plans on a thread of its own."""
+
+    def __init__(self, address: tuple[str, int], rank: int, size: int, token: str, timeout: float,
+                 info: dict | None = None, on_lost: Callable[[str], None] = _exit_lost):
+        self.address = address
+        self.rank = rank
+        self.size = size
+        self.token = token
+        self.timeout = timeout
+        self.info = info or {}
+        self.on_lost = on_lost
+        self.plans: queue.Queue = queue.Queue()  # (kind, payload): STEP or SHUTDOWN
+        self.ready: queue.Queue = queue.Queue()  # READY notices for this rank: (step, from)
+        self.last_heard = time.monotonic()
+        self.sock: socket.socket | None = None
+        self.lock = threading.Lock()
+        self._done = False
+
+    def join(self, deadline: float) -> None:
+        """Connect (rank 0 may not listen yet: retry until `deadline`) and authenticate."""
+        while True:
+            try:
+                sock = socket.create_connection(self.address, timeout=5.0)
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"could not reach group rank 0 at {self.address[0]}:{self.address[1]}: {e}") \
+                        from None
+                time.sleep(0.5)
+        sock.settimeout(30.0)
+        nonce = secrets.token_hex(16)
+        sock.sendall(wire.frame(wire.HELLO, wire.dumps({**self.info, "rank": self.rank, "size": self.size,
+                                                        "nonce": nonce})))
+        challenge = wire.loads(wire.expect(sock, wire.CHALLENGE, wire.MAX_HANDSHAKE))
+        if not wire.proofs_match(challenge.get("proof"), wire.leader_proof(self.token, nonce, challenge.get("nonce", ""))):
+            sock.close()
+            raise wire.ProtocolError("rank 0 does not hold this group's join token")
+        sock.sendall(wire.frame(wire.AUTH, wire.dumps(
+            {"proof": wire.member_proof(self.token, self.rank, challenge["nonce"], nonce)})))
+        wire.expect(sock, wire.WELCOME, wire.MAX_HANDSHAKE)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        data = wire.frame(kind, payload)
+        with self.lock:
+            self.sock.sendall(data)
+
+    def receive(self, kind: int, deadline: float) -> dict:
+        """One start-up message (JSON), before `serve`."""
+        self.sock.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            return wire.loads(wire.expect(self.sock, kind))
+        except socket.timeout:
+            raise TimeoutError(f"rank 0 sent no {wire.KIND_NAMES[kind]} in time") from None
+        finally:
+            self.sock.settimeout(None)
+
+    def serve(self) -> None:
+        self.last_heard = time.monotonic()
+        threading.Thread(target=self._read, name="orchard-group-reader", daemon=True).start()
+        threading.Thread(target=self._watch, name="orchard-group-watch", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, payload = wire.read_message(self.sock)
+                self.last_heard = time.monotonic()
+                if kind == wire.PING:
+                    self.send(wire.PONG, payload)
+                elif kind == wire.READY:
+                    step, src, _ = wire.READY_MSG.unpack(payload)
+                    self.ready.put((step, src))
+                elif kind in (wire.STEP, wire.SHUTDOWN):
+                    self.plans.put((kind, payload))
+                    if kind == wire.SHUTDOWN:
+                        self._done = True
+                        return
+                else:
+                    raise wire.ProtocolError(f"rank 0 sent {wire.KIND_NAMES[kind]} while serving")
+        except (OSError, wire.ProtocolError, ValueError) as e:
+            if not self._done:
+                self.on_lost(f"rank 0: {e}")
+
+    def _watch(self) -> None:
+        while not self._done:
+            silent = time.monotonic() - self.last_heard
+            if silent > self.timeout:
+                self.on_lost(f"rank 0 has been silent for {silent:.0f} s (stopped, wedged or cut off)")
+                return
+            time.sleep(0.5)
+
+    def wait_ready(self, step: int, src: int, timeout: float) -> None:
+        try:
+            got = self.ready.get(timeout=timeout)
+        except queue.Empty:
+            self.on_lost(f"rank {src} did not finish step {step} within {timeout:.0f} s")
+            raise ConnectionError("the group is lost") from None
+        if got != (step, src):
+            self.on_lost(f"out of order: waited for step {step} from rank {src}, got {got}")
+            raise ConnectionError("the group is lost")
+
+    def notify_ready(self, step: int, dst: int) -> None:
+        self.send(wire.READY, wire.READY_MSG.pack(step, self.rank, dst))
+
+    def close(self) -> None:
+        self._done = True
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+
+class Watchdog:
+    """A deadline on whatever the group is doing (joining, loading, a step): past it,
+    `on_lost` (a blocked collective cannot be cancelled, so the process ends)."""
+
+    def __init__(self, on_lost: Callable[[str], None] = _exit_lost):
+        self.on_lost = on_lost
+        self._deadline: float | None = None
+        self._what = ""
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="orchard-group-watchdog", daemon=True).start()
+
+    def arm(self, seconds: float, what: str) -> None:
+        self._what = what
+        self._deadline = time.monotonic() + seconds
+
+    def disarm(self) -> None:
+        self._deadline = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                self._stop.set()
+                self.on_lost(f"{self._what} did not finish in time")
+                return

@@ -1,0 +1,137 @@
+"""`orchard worker serve --group-size N ...`: the settings of a worker group, and where its
+members are (`Topology`: from the flags, a hostfile in mlx.launch's format, or the
+`MLX_RANK` / `MLX_HOSTFILE` that mlx.launch sets). No MLX here."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.config import setting
+from cluster.net import parse_address
+
+PARALLEL_MODES = ("pipeline", "tensor")
+MLX_LAUNCH_STARTING_PORT = 32323  # mlx.launch's --starting-port default: rank r's ring port is this + r
+CONTROL_PORT_OFFSET = 1000  # rank 0's side channel listens on its ring port + this, unless --group-port
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    size: int = setting(1, "processes (one a Mac) that serve this model together as one worker; 1: a plain worker",
+                        flag="--group-size", metavar="N")
+    parallel: str = setting("pipeline", "how the group splits the model: pipeline (layers per rank, any link) or "
+                                        "tensor (heads per rank, all-reduces every layer: for RDMA links)",
+                            choices=PARALLEL_MODES)
+    rank: int | None = setting(None, "this process's rank (0 serves the router and schedules; default: $MLX_RANK, "
+                                     "else 0)", flag="--group-rank")
+    hosts: str | None = setting(None, "each rank's ring address for MLX's collectives, in rank order "
+                                      "(default: $MLX_HOSTFILE's)", flag="--group-hosts",
+                                metavar="HOST:PORT,HOST:PORT...")
+    hostfile: str | None = setting(None, "the ranks' addresses from a hostfile in mlx.launch's format "
+                                         "(ring ports from 32323 up, as mlx.launch gives them)",
+                                   flag="--group-hostfile", metavar="FILE")
+    port: int = setting(0, "rank 0's side-channel port (plans, heartbeats; authenticated with the join token; "
+                           "0: its ring port + 1000)", flag="--group-port")
+    shares: str | None = setting(None, "pipeline: each rank's relative share of the layers, e.g. 1,2 (default: "
+                                       "in proportion to each rank's usable memory)", flag="--group-shares",
+                                 metavar="W,W...")
+    timeout: float = setting(20.0, "a member silent or a step unfinished this long means the group is lost: its "
+                                   "processes exit so that the group is started again", flag="--group-timeout",
+                             metavar="SECONDS")
+    join_timeout: float = setting(600.0, "how long rank 0 waits for the members to join and load",
+                                  flag="--group-join-timeout", metavar="SECONDS")
+    check: bool = setting(False, "debug: every rank checksums its block tables and slot mapping each step and rank "
+                                 "0 compares them", flag="--group-check")
+    inflight: int = setting(0, "pipeline: batches in flight at once (0: one per stage, so every rank computes)",
+                            flag="--group-inflight", metavar="N")
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def validate(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"--group-size must be >= 1, not {self.size}")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, not {self.parallel!r}")
+        if not 1 <= self.timeout <= 3600:
+            raise ValueError(f"--group-timeout must be in [1, 3600] seconds, not {self.timeout}")
+        if self.inflight < 0:
+            raise ValueError(f"--group-inflight must be >= 0, not {self.inflight}")
+        if self.shares is not None:
+            parse_shares(self.shares, self.size)
+
+
+def parse_shares(text: str, size: int) -> list[float]:
+    try:
+        shares = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--group-shares {text!r} is not a list of numbers") from None
+    if len(shares) != size or any(not s > 0 for s in shares):
+        raise ValueError(f"--group-shares needs {size} positive numbers (one per rank), got {text!r}")
+    return shares
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where each rank is: its ring address (MLX's collectives) and rank 0's side channel."""
+
+    rank: int
+    ring: tuple[tuple[str, int], ...]  # per rank, in rank order
+    control: tuple[str, int]  # rank 0's side-channel address
+
+    @property
+    def size(self) -> int:
+        return len(self.ring)
+
+    def ring_hostfile(self) -> str:
+        """The JSON MLX's ring backend reads from $MLX_HOSTFILE: one list of addresses a rank."""
+        return json.dumps([[f"{h}:{p}"] for h, p in self.ring])
+
+
+def topology(options: GroupOptions, environ=os.environ) -> Topology:
+    """This process's place in the group, from the flags or mlx.launch's environment."""
+    rank = options.rank
+    if rank is None:
+        rank = int(environ["MLX_RANK"]) if environ.get("MLX_RANK", "").isdigit() else 0
+    if options.hosts:
+        ring = [parse_address(a.strip()) for a in options.hosts.split(",") if a.strip()]
+    elif options.hostfile:
+        ring = read_hostfile(options.hostfile)
+    elif environ.get("MLX_HOSTFILE"):
+        ring = read_hostfile(environ["MLX_HOSTFILE"])
+    else:
+        raise ValueError("a group needs its ranks' addresses: --group-hosts, --group-hostfile, or mlx.launch "
+                         "(which sets MLX_HOSTFILE and MLX_RANK)")
+    if len(ring) != options.size:
+        raise ValueError(f"--group-size {options.size} but {len(ring)} ring addresses")
+    if not 0 <= rank < len(ring):
+        raise ValueError(f"rank {rank} is outside a group of {len(ring)}")
+    host0, port0 = ring[0]
+    control = (host0, options.port or port0 + CONTROL_PORT_OFFSET)
+    return Topology(rank, tuple(ring), control)
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """The ring addresses in a hostfile: MLX's ring hostfile (a list per rank of "ip:port",
+    the first is used), or mlx.launch's (`{"hosts": [{"ssh": ..., "ips": [...]}, ...]}` or
+    the bare list of hosts; rank r's port is 32323 + r, as mlx.launch assigns them)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the hostfile {path}: {e}") from None
+    hosts = data.get("hosts") if isinstance(data, dict) else data
+    if not isinstance(hosts, list) or not hosts:
+        raise ValueError(f"the hostfile {path} lists no hosts")
+    out = []
+    for r, h in enumerate(hosts):
+        if isinstance(h, list) and h and isinstance(h[0], str):
+            out.append(parse_address(h[0]))
+        elif isinstance(h, dict) and h.get("ips"):
+            out.append((str(h["ips"][0]), MLX_LAUNCH_STARTING_PORT + r))
+        else:
+            raise ValueError(f"the hostfile {path}: rank {r}'s entry {h!r} has no ring address (ring backend: "
+                             "give each host its \"ips\")")
+    return out

@@ -1,0 +1,265 @@
+"""Rank 0 of a group: the worker the router sees, whose engine steps the whole group.
+
+`load_group_engine` admits the members (authenticated with the join token), splits the
+model, starts MLX's ring, loads rank 0's part, agrees on the KV pool (the fewest blocks
+any rank holds) and builds an ordinary `Engine` whose runner is a `GroupRunner`: its
+`prepare` also sends the step's plan to every member, its `forward` receives the
+previous stage's hidden state (pipeline) before running rank 0's layers and the head.
+The engine's step is unchanged: schedule -> prepare -> forward -> sample -> postprocess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from cluster.worker.config import EngineConfig
+from cluster.worker.group import wire
+from cluster.worker.group.channel import Leader, Watchdog
+from cluster.worker.group.config import GroupOptions, Topology, parse_shares, topology
+from cluster.worker.group.stage import (Assignment, StageRunner, kv_bytes_per_block, load_part, part_bytes,
+                                        split_layers, stage_of_rank, usable_memory)
+from cluster.worker.kernels.cpu import host_view
+from cluster.worker.model_runner import default_kv_budget, text_args, weight_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GroupStats:
+    """What the group costs, for metrics, load reports and `load/bench_group.py` (plain
+    numbers, read from any thread)."""
+
+    size: int = 1
+    parallel: str = "pipeline"
+    members: list[dict] = field(default_factory=list)  # per rank: host, memory, weights, layers
+    steps: int = 0
+    plan_bytes: int = 0  # side channel: plans sent, over all members
+    hidden_bytes: int = 0  # MLX: hidden states received by rank 0
+    plan_seconds: float = 0.0  # host time building and sending plans
+    wait_seconds: float = 0.0  # waiting for the previous stage's notice (its compute)
+    collective_seconds: float = 0.0  # inside MLX receives on rank 0
+    mismatches: int = 0  # mirrored-state check failures (debug runs)
+    checked_steps: int = 0
+
+
+def config_digest(path: str | Path) -> str:
+    """Every rank must serve the same model: the hash of its config.json."""
+    return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()
+
+
+def init_ring(topo: Topology):
+    """MLX's ring group over the ranks' addresses (the variables mlx.launch would set)."""
+    if os.environ.get("MLX_HOSTFILE") is None or os.environ.get("MLX_RANK") != str(topo.rank):
+        fd, path = tempfile.mkstemp(prefix="orchard-ring-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(topo.ring_hostfile())
+        os.environ["MLX_HOSTFILE"] = path
+        os.environ["MLX_RANK"] = str(topo.rank)
+    group = mx.distributed.init(backend="ring", strict=True)
+    if group.size() != topo.size or group.rank() != topo.rank:
+        raise RuntimeError(f"MLX's ring is rank {group.rank()} of {group.size()}, expected {topo.rank} of {topo.size}")
+    return group
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def check_token(token: str, topo: Topology) -> None:
+    if not token and not is_loopback(topo.control[0]):
+        raise ValueError("a worker group beyond this machine needs a join token ($ORCHARD_JOIN_TOKEN) to "
+                         "authenticate its members")
+
+
+class GroupState:
+    """Rank 0's view of the running group: its channel, ring, plan encoder and stats."""
+
+    def __init__(self, leader: Leader, ring, topo: Topology, assignment: Assignment, options: GroupOptions,
+                 hidden_size: int, stats: GroupStats):
+        self.leader = leader
+        self.ring = ring
+        self.topo = topo
+        self.assignment = assignment
+        self.options = options
+        self.hidden_size = hidden_size
+        self.stats = stats
+        self.writer = wire.PlanWriter()
+        self.watchdog = Watchdog(leader.on_lost)
+        self.step = 0
+        self._checks: list[int] = []
+
+    @property
+    def pipeline(self) -> bool:
+        return self.assignment.parallel == "pipeline"
+
+    def send_plan(self, scheduled, batch, block_size: int) -> None:
+        t0 = time.perf_counter()
+        self.step += 1
+        self.watchdog.arm(self.options.timeout, f"group step {self.step}")
+        check = None
+        if self.options.check:
+            mx.eval(batch.block_tables, batch.slot_mapping)
+            check = wire.checksum(host_view(batch.block_tables, np.int32), host_view(batch.slot_mapping, np.int32))
+        payload = self.writer.encode(self.step, scheduled, block_size, check)
+        self.leader.broadcast(wire.STEP, payload)
+        if check is not None:
+            self._checks.append(check)
+        self.stats.plan_bytes += len(payload) * len(self.leader.members)
+        self.stats.plan_seconds += time.perf_counter() - t0
+
+    def receive_hidden(self, num_tokens: int, dtype) -> mx.array:
+        """The previous stage's (rank 1's) hidden state of this step, once it says it is coming."""
+        t0 = time.perf_counter()
+        self.leader.wait_ready(self.step, 1, self.options.timeout)
+        t1 = time.perf_counter()
+        h = mx.distributed.recv((num_tokens, self.hidden_size), dtype, 1, group=self.ring, stream=mx.cpu)
+        mx.eval(h)
+        self.stats.wait_seconds += t1 - t0
+        self.stats.collective_seconds += time.perf_counter() - t1
+        self.stats.hidden_bytes += h.nbytes
+        return h
+
+    def finish_step(self) -> None:
+        if self._checks:
+            crc = self._checks.pop()
+            for rank in self.leader.members:
+                theirs = self.leader.wait_ack(rank, self.step, self.options.timeout)
+                self.stats.checked_steps += 1
+                if theirs != crc:
+                    self.stats.mismatches += 1
+                    self.leader.lose(f"step {self.step}: rank {rank}'s block tables and slot mapping differ from "
+                                     "rank 0's (mirrored state diverged)")
+        self.stats.steps += 1
+        self.watchdog.disarm()
+
+    def close(self) -> None:
+        self.watchdog.stop()
+        self.leader.close()
+
+
+class GroupRunner(StageRunner):
+    """Rank 0's model runner: each step's plan goes to the members; under pipeline
+    parallelism rank 0 starts from rank 1's hidden state."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype, num_state_slots: int = 0, *,
+                 stage, group: GroupState):
+        self.group = group
+        super().__init__(model, num_blocks, block_size, kv_dtype, num_state_slots, stage)
+
+    def prepare(self, plan):
+        batch = super().prepare(plan)
+        self.group.send_plan(plan.scheduled, batch, self.block_size)
+        return batch
+
+    def forward(self, batch, hidden=None):
+        g = self.group
+        if g.pipeline and g.topo.size > 1:
+            try:
+                hidden = g.receive_hidden(batch.num_tokens, self.dtype)
+            except BaseException as e:  # the ranks' collectives are out of step: the group cannot go on
+                g.leader.lose(f"receiving step {g.step}'s hidden state failed: {e}")
+                raise
+        out = super().forward(batch, hidden)
+        g.finish_step()
+        return out
+
+
+def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptions, join_token: str,
+                      model_name: str | None = None):
+    """Rank 0's engine for a group (see the module docstring). Blocks until every member
+    has joined and loaded its part (or `options.join_timeout` passes)."""
+    from mlx_lm.utils import load_config, load_model, load_tokenizer
+
+    from cluster.worker.engine import Engine
+
+    options.validate()
+    topo = topology(options)
+    if topo.rank != 0:
+        raise ValueError(f"rank {topo.rank} is a member: it runs `cluster.worker.group.member`")
+    check_token(join_token, topo)
+    t0 = time.monotonic()
+    deadline = t0 + options.join_timeout
+    leader = Leader(topo.control, topo.size, join_token, options.timeout)
+    watchdog = Watchdog(leader.on_lost)
+    watchdog.arm(options.join_timeout + 60, "the group's start")
+    log.info("group: rank 0 of %d (%s parallel), waiting for the members on %s:%d", topo.size, options.parallel,
+             *leader.address)
+    leader.admit(deadline)
+    # the split: from a lazily built model (nothing read but the files' headers)
+    lazy, _ = load_model(Path(model_path), lazy=True, strict=False)
+    num_layers = len(lazy.layers)
+    memory = {0: usable_memory(), **{r: int(c.info.get("memory", 0)) for r, c in leader.members.items()}}
+    if options.parallel == "pipeline":
+        shares = parse_shares(options.shares, topo.size) if options.shares else [memory[r] or 1 for r in
+                                                                                 range(topo.size)]
+        layer_bytes, embed_bytes, head_bytes = part_bytes(lazy)
+        by_stage = split_layers(layer_bytes, [shares[topo.size - 1 - s] for s in range(topo.size)], embed_bytes,
+                                head_bytes)
+        stages = tuple((by_stage[stage_of_rank(r, topo.size)].start, by_stage[stage_of_rank(r, topo.size)].stop)
+                       for r in range(topo.size))
+    else:
+        stages = ()
+    del lazy
+    assignment = Assignment(options.parallel, topo.size, stages, num_layers)
+    engine_settings = {"block_size": config.block_size, "kv_cache_dtype": config.kv_cache_dtype,
+                       "cpu_dequantize": config.cpu_dequantize, "max_num_seqs": config.max_num_seqs}
+    leader.broadcast(wire.ASSIGN, wire.dumps({"assignment": assignment.to_json(), "config": config_digest(model_path),
+                                              "engine": engine_settings, "check": options.check}))
+    leader.broadcast(wire.RING, wire.dumps({}))
+    ring = init_ring(topo)
+    log.info("group: MLX ring of %d up (%s)", topo.size, ", ".join(f"{h}:{p}" for h, p in topo.ring))
+    stage = assignment.stage(0)
+    model = load_part(model_path, options.parallel, stage, ring, config.cpu_dequantize, num_layers)
+    tokenizer = load_tokenizer(Path(model_path), None,
+                               eos_token_ids=load_config(Path(model_path)).get("eos_token_id", None))
+    kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
+    loaded = leader.gather(wire.LOADED, deadline)
+    mine = capacity(model, stage, config, kv_dtype)
+    capacities = [mine["blocks"]] + [int(loaded[r]["blocks"]) for r in sorted(loaded)]
+    num_blocks = config.num_kv_blocks or max(1, min(capacities))
+    leader.broadcast(wire.START, wire.dumps({"num_blocks": num_blocks, "kv_dtype": str(kv_dtype).split(".")[-1]}))
+    members = [{"rank": 0, "host": socket.gethostname(), "memory": memory[0], "weights": mine["weights"],
+                "layers": list(stages[0]) if stages else [0, num_layers]}]
+    for r in sorted(loaded):
+        info = leader.members[r].info
+        members.append({"rank": r, "host": str(info.get("host", "")), "memory": memory[r],
+                        "weights": int(loaded[r]["weights"]), "layers": list(stages[r]) if stages else [0, num_layers]})
+    stats = GroupStats(size=topo.size, parallel=options.parallel, members=members)
+    leader.serve()
+    watchdog.stop()
+    group = GroupState(leader, ring, topo, assignment, options, int(text_args(model).hidden_size), stats)
+    log.info("group of %d up in %.1f s: %s; %d KV blocks (the fewest any rank holds)", topo.size,
+             time.monotonic() - t0, "; ".join(f"rank {m['rank']} layers {m['layers'][0]}-{m['layers'][1] - 1}, "
+                                              f"{m['weights'] / 2**20:.0f} MiB" for m in members), num_blocks)
+
+    def runner_factory(model, num_blocks, block_size, kv_dtype, num_state_slots=0):
+        return GroupRunner(model, num_blocks, block_size, kv_dtype, num_state_slots, stage=stage, group=group)
+
+    engine = Engine(model, tokenizer, replace(config, num_kv_blocks=num_blocks),
+                    model_name=model_name or Path(model_path).name, runner_factory=runner_factory)
+    engine.group = group
+    return engine
+
+
+def capacity(model, stage, config: EngineConfig, kv_dtype) -> dict:
+    """How many KV blocks this rank's layers fit in its budget, and its weights' bytes."""
+    from mlx.utils import tree_flatten
+
+    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    per_block = kv_bytes_per_block(model, stage, config.block_size, kv_dtype)
+    budget = config.kv_cache_memory_bytes or default_kv_budget(model)
+    return {"blocks": budget // per_block if per_block else 1 << 30, "weights": weights}

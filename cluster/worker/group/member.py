@@ -1,0 +1,125 @@
+"""A group member (rank >= 1): joins rank 0, loads its part, then runs exactly the steps
+rank 0 plans, until rank 0 says stop (exit 0) or the group is lost (exit 75, so that
+whatever started the group starts it again). No scheduler, sampler or server here.
+
+Each step: decode the plan against the mirrored block tables (`wire.PlanReader`), build
+the batch, and under pipeline parallelism wait for the previous stage's notice, receive
+its hidden state, run the held layers, tell the next stage and send it on (the first
+stage starts from the token ids); under tensor parallelism run the whole sharded model,
+whose all-reduces meet the other ranks'.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import mlx.core as mx
+
+from cluster.worker.config import EngineConfig
+from cluster.worker.group import wire
+from cluster.worker.group.channel import EXIT_GROUP_LOST, Member, Watchdog
+from cluster.worker.group.config import GroupOptions, topology
+from cluster.worker.group.leader import capacity, check_token, config_digest, init_ring
+from cluster.worker.group.stage import Assignment, StageRunner, load_part, member_batch, usable_memory
+from cluster.worker.model_runner import has_recurrent_layers, text_args, weight_dtype
+
+log = logging.getLogger(__name__)
+
+
+def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
+    """The member's whole life; returns the process's exit code."""
+    options.validate()
+    topo = topology(options)
+    if topo.rank == 0:
+        raise ValueError("rank 0 serves the group: `orchard worker serve` without a member rank")
+    check_token(join_token, topo)
+    deadline = time.monotonic() + options.join_timeout
+    member = Member(topo.control, topo.rank, topo.size, join_token, options.timeout,
+                    info={"host": socket.gethostname(), "pid": os.getpid(), "memory": usable_memory()})
+    watchdog = Watchdog(member.on_lost)
+    watchdog.arm(options.join_timeout + 60, "joining the group")
+    try:
+        member.join(deadline)
+        log.info("group: rank %d joined rank 0 at %s:%d", topo.rank, *topo.control)
+        assign = member.receive(wire.ASSIGN, deadline)
+        if assign["config"] != config_digest(model_path):
+            raise ValueError(f"the model at {model_path} is not rank 0's (its config.json differs)")
+        assignment = Assignment.from_json(assign["assignment"])
+        engine = assign["engine"]
+        member.receive(wire.RING, deadline)
+        ring = init_ring(topo)
+        stage = assignment.stage(topo.rank)
+        model = load_part(model_path, assignment.parallel, stage, ring, engine["cpu_dequantize"],
+                          assignment.num_layers)
+        config = EngineConfig(block_size=int(engine["block_size"]), kv_cache_dtype=engine["kv_cache_dtype"])
+        kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
+        mine = capacity(model, stage, config, kv_dtype)
+        member.send(wire.LOADED, wire.dumps(mine))
+        start = member.receive(wire.START, deadline)
+        kv_dtype = getattr(mx, start["kv_dtype"])
+        slots = int(engine["max_num_seqs"]) if has_recurrent_layers(model) else 0
+        runner = StageRunner(model, int(start["num_blocks"]), config.block_size, kv_dtype, slots, stage)
+    except (OSError, TimeoutError, ValueError, wire.ProtocolError) as e:
+        log.error("group rank %d could not start: %s", topo.rank, e)
+        try:
+            if member.sock is not None:
+                member.send(wire.ERROR, str(e).encode()[:4000])
+        except OSError:
+            pass
+        return 78 if isinstance(e, ValueError) else EXIT_GROUP_LOST
+    watchdog.disarm()
+    member.serve()
+    log.info("group rank %d serving layers %d-%d (%s parallel), %d KV blocks", topo.rank, stage.layers.start,
+             stage.layers.stop - 1, assignment.parallel, runner.num_blocks)
+    return _serve(member, runner, ring, assignment, topo.rank, options, watchdog,
+                  int(text_args(model).hidden_size))
+
+
+def _serve(member: Member, runner: StageRunner, ring, assignment: Assignment, rank: int, options: GroupOptions,
+           watchdog: Watchdog, hidden_size: int) -> int:
+    reader = wire.PlanReader(runner.block_size, runner.num_blocks)
+    pipeline = assignment.parallel == "pipeline"
+    first = runner.stage.embeds
+    while True:
+        kind, payload = member.plans.get()
+        if kind == wire.SHUTDOWN:
+            log.info("group rank %d: rank 0 stopped the group", rank)
+            member.close()
+            watchdog.stop()
+            return 0
+        try:
+            plan = reader.decode(payload)
+            watchdog.arm(options.timeout, f"group step {plan.step}")
+            batch = member_batch(plan, runner)
+            if plan.check is not None:
+                mine = plan.checksum()
+                member.send(wire.ACK, wire.ACK_MSG.pack(plan.step, mine))
+                if mine != plan.check:
+                    log.error("group rank %d: step %d's block tables and slot mapping differ from rank 0's", rank,
+                              plan.step)
+            if not pipeline:
+                out = runner.forward(batch)
+                mx.eval(out, *runner.pool_arrays())
+            else:
+                hidden = None
+                if not first:
+                    member.wait_ready(plan.step, rank + 1, options.timeout)
+                    hidden = mx.distributed.recv((plan.num_tokens, hidden_size), runner.dtype, rank + 1, group=ring,
+                                                 stream=mx.cpu)
+                    mx.eval(hidden)
+                out = runner.forward(batch, hidden).astype(runner.dtype)
+                mx.eval(out, *runner.pool_arrays())
+                member.notify_ready(plan.step, rank - 1)
+                mx.eval(mx.distributed.send(out, rank - 1, group=ring, stream=mx.cpu))
+            watchdog.disarm()
+        except Exception as e:  # this rank cannot follow rank 0 any more: the group is lost
+            log.exception("group rank %d: step failed", rank)
+            try:
+                member.send(wire.ERROR, f"rank {rank}: {type(e).__name__}: {e}".encode()[:4000])
+            except OSError:
+                pass
+            member.on_lost(f"step failed: {e}")
+            return EXIT_GROUP_LOST

@@ -1,0 +1,288 @@
+"""The group's side channel, byte for byte: message framing, the join handshake, and each
+step's plan. Pure Python and numpy (no MLX, no pickle): what a member decodes is a fixed
+header and int32 arrays, or for the start-up messages a small JSON object.
+
+Framing: every message is `FRAME` (magic, version, kind, payload length) and its payload.
+A payload is at most `MAX_PAYLOAD` bytes (`MAX_HANDSHAKE` before a peer is authenticated).
+
+The join handshake (both sides prove they hold the join token, neither sends it):
+
+    member -> leader  HELLO      {"rank", "size", "nonce", "host", "pid", "memory", ...}
+    leader -> member  CHALLENGE  {"nonce", "proof": HMAC(token, "leader" | member nonce | leader nonce)}
+    member -> leader  AUTH       {"proof": HMAC(token, "member" | rank | leader nonce | member nonce)}
+
+A step's plan (`PlanWriter` on rank 0, `PlanReader` on each member): the step's token ids,
+and per scheduled sequence its handle (a small int naming it on every rank while it
+runs), first position, number of new tokens and recurrent-state slot; the block-table
+changes since the members last heard of each sequence (`[handle, offset, n, ids...]`: the
+member's table becomes `table[:offset] + ids`); the handles dropped (finished, aborted,
+preempted). Members rebuild positions, `cu_seqlens_q`, sequence lengths, block tables and
+slot mapping from that and their mirrored tables, exactly as `ModelRunner.prepare` builds
+them on rank 0; `checksum` (crc32 of the block tables and slot mapping) lets a debug run
+compare the two each step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = b"OGRP"
+VERSION = 1
+FRAME = struct.Struct("<4sBBHI")  # magic, version, kind, flags (unused), payload length
+MAX_PAYLOAD = 1 << 30
+MAX_HANDSHAKE = 1 << 16
+
+# message kinds
+HELLO, CHALLENGE, AUTH, WELCOME, ASSIGN, LOADED, START, STEP, READY, ACK, PING, PONG, SHUTDOWN, ERROR, RING = range(1, 16)
+KIND_NAMES = {v: k for k, v in dict(HELLO=HELLO, CHALLENGE=CHALLENGE, AUTH=AUTH, WELCOME=WELCOME, ASSIGN=ASSIGN,
+                                    LOADED=LOADED, START=START, STEP=STEP, READY=READY, ACK=ACK, PING=PING, PONG=PONG,
+                                    SHUTDOWN=SHUTDOWN, ERROR=ERROR, RING=RING).items()}
+
+STEP_HEAD = struct.Struct("<QIiiiiI")  # step id, flags, T, S, D (delta ints), R (drops), checksum
+STEP_CHECK = 1  # flag: the plan carries rank 0's checksum; the member answers ACK with its own
+READY_MSG = struct.Struct("<Qii")  # step id, from rank, to rank
+ACK_MSG = struct.Struct("<QI")  # step id, the member's checksum
+PING_MSG = struct.Struct("<Q")
+
+
+class ProtocolError(ConnectionError):
+    """The peer sent something that is not the group's protocol (or closed the connection)."""
+
+
+# -- framing ------------------------------------------------------------------------------------
+
+def frame(kind: int, payload: bytes = b"") -> bytes:
+    return FRAME.pack(MAGIC, VERSION, kind, 0, len(payload)) + payload
+
+
+def read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ProtocolError("the connection closed")
+        got += k
+    return bytes(buf)
+
+
+def read_message(sock: socket.socket, limit: int = MAX_PAYLOAD) -> tuple[int, bytes]:
+    magic, version, kind, _, length = FRAME.unpack(read_exact(sock, FRAME.size))
+    if magic != MAGIC:
+        raise ProtocolError("not an Orchard group peer (bad magic)")
+    if version != VERSION:
+        raise ProtocolError(f"group protocol version {version}, this process speaks {VERSION}")
+    if kind not in KIND_NAMES:
+        raise ProtocolError(f"unknown message kind {kind}")
+    if length > limit:
+        raise ProtocolError(f"a {KIND_NAMES[kind]} message of {length} bytes (at most {limit} here)")
+    return kind, read_exact(sock, length)
+
+
+def expect(sock: socket.socket, kind: int, limit: int = MAX_PAYLOAD) -> bytes:
+    got, payload = read_message(sock, limit)
+    if got == ERROR:
+        raise ProtocolError(f"the peer failed: {payload.decode(errors='replace')}")
+    if got != kind:
+        raise ProtocolError(f"expected {KIND_NAMES[kind]}, got {KIND_NAMES[got]}")
+    return payload
+
+
+def dumps(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def loads(payload: bytes) -> dict:
+    try:
+        obj = json.loads(payload.decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"a start-up message that is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("a start-up message that is not a JSON object")
+    return obj
+
+
+# -- the join handshake ---------------------------------------------------------------------------
+
+def leader_proof(token: str, member_nonce: str, leader_nonce: str) -> str:
+    return _mac(token, b"leader", member_nonce.encode(), leader_nonce.encode())
+
+
+def member_proof(token: str, rank: int, leader_nonce: str, member_nonce: str) -> str:
+    return _mac(token, b"member", str(rank).encode(), leader_nonce.encode(), member_nonce.encode())
+
+
+def _mac(token: str, *parts: bytes) -> str:
+    return hmac.new(token.encode(), b"|".join(parts), hashlib.sha256).hexdigest()
+
+
+def proofs_match(a: str, b: str) -> bool:
+    return isinstance(a, str) and hmac.compare_digest(a.encode(), b.encode())
+
+
+# -- a step's plan ----------------------------------------------------------------------------------
+
+def checksum(block_tables: np.ndarray, slot_mapping: np.ndarray) -> int:
+    """crc32 of a step's block tables and slot mapping (int32): what the mirrored-state
+    check compares across ranks."""
+    crc = zlib.crc32(np.ascontiguousarray(block_tables, dtype=np.int32).tobytes())
+    return zlib.crc32(np.ascontiguousarray(slot_mapping, dtype=np.int32).tobytes(), crc)
+
+
+class PlanWriter:
+    """Rank 0's side: encodes each step and remembers what the members' tables hold."""
+
+    def __init__(self):
+        self.tables: dict[int, list[int]] = {}  # handle -> the block table the members hold
+        self.handles: dict[int, tuple[int, object]] = {}  # id(seq) -> (handle, seq): the seq kept, so its id stays its
+        self._next = 0
+
+    def encode(self, step: int, scheduled, block_size: int, check: int | None = None) -> bytes:
+        """The STEP payload for `scheduled` (the scheduler's entries: `.seq` with
+        `token_ids`, `block_table`, `state_slot`, `status`; `.start`, `.num_new_tokens`).
+        `check`: rank 0's checksum, for members to compare theirs with."""
+        S = len(scheduled)
+        handles = np.empty(S, np.int32)
+        starts = np.empty(S, np.int32)
+        counts = np.empty(S, np.int32)
+        slots = np.empty(S, np.int32)
+        ids: list[int] = []
+        deltas: list[int] = []
+        here = set()
+        for i, e in enumerate(scheduled):
+            seq = e.seq
+            key = id(seq)
+            here.add(key)
+            known = self.handles.get(key)
+            if known is None:
+                handle = self._next
+                self._next = (self._next + 1) & 0x7FFFFFFF
+                self.handles[key] = (handle, seq)
+                mirror = self.tables[handle] = []
+            else:
+                handle = known[0]
+                mirror = self.tables[handle]
+            end = e.start + e.num_new_tokens
+            want = seq.block_table[: -(-end // block_size)]
+            if mirror != want[: len(mirror)] or len(mirror) > len(want):
+                first = next((j for j, (a, b) in enumerate(zip(mirror, want)) if a != b), min(len(mirror), len(want)))
+                deltas += [handle, first, len(want) - first, *want[first:]]
+                self.tables[handle] = list(want)
+            elif len(mirror) < len(want):
+                deltas += [handle, len(mirror), len(want) - len(mirror), *want[len(mirror):]]
+                mirror += want[len(mirror):]
+            handles[i], starts[i], counts[i], slots[i] = handle, e.start, e.num_new_tokens, seq.state_slot
+            ids += seq.token_ids[e.start:end]
+        drops = self._drops(here)
+        head = STEP_HEAD.pack(step, 0 if check is None else STEP_CHECK, len(ids), S, len(deltas), len(drops),
+                              0 if check is None else check)
+        body = np.concatenate([np.asarray(ids, np.int32), handles, starts, counts, slots,
+                               np.asarray(deltas, np.int32), np.asarray(drops, np.int32)])
+        return head + body.tobytes()
+
+    def _drops(self, here: set[int]) -> list[int]:
+        """Handles of sequences no longer running (finished, aborted, preempted) that this
+        step does not schedule: the members forget their tables."""
+        gone = []
+        for key, (handle, seq) in list(self.handles.items()):
+            if key not in here and getattr(getattr(seq, "status", None), "value", None) != "running":
+                gone.append(handle)
+                del self.handles[key]
+                del self.tables[handle]
+        return gone
+
+
+@dataclass
+class StepPlan:
+    """A decoded step, as the member's runner takes it (numpy int32 arrays)."""
+
+    step: int
+    check: int | None  # rank 0's checksum, when it asked for the comparison
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    cu_seqlens_q: np.ndarray  # [S + 1]
+    seq_lens: np.ndarray  # [S]
+    block_tables: np.ndarray  # [S, width]
+    starts: np.ndarray  # [S]
+    counts: np.ndarray  # [S]
+    state_slots: np.ndarray  # [S]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def checksum(self) -> int:
+        return checksum(self.block_tables, self.slot_mapping)
+
+
+class PlanReader:
+    """A member's side: applies each step's table changes to its mirrored tables and
+    rebuilds the step's arrays."""
+
+    def __init__(self, block_size: int, num_blocks: int):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.tables: dict[int, list[int]] = {}
+
+    def decode(self, payload: bytes) -> StepPlan:
+        if len(payload) < STEP_HEAD.size:
+            raise ProtocolError("a STEP message shorter than its header")
+        step, flags, T, S, D, R, check = STEP_HEAD.unpack_from(payload)
+        if min(T, S, D, R) < 0 or len(payload) != STEP_HEAD.size + 4 * (T + 4 * S + D + R):
+            raise ProtocolError(f"a STEP message of {len(payload)} bytes for T={T} S={S} D={D} R={R}")
+        body = np.frombuffer(payload, np.int32, offset=STEP_HEAD.size)
+        ids, body = body[:T], body[T:]
+        handles, starts, counts, slots, body = body[:S], body[S:2 * S], body[2 * S:3 * S], body[3 * S:4 * S], body[4 * S:]
+        deltas, drops = body[:D], body[D:]
+        self._apply(deltas.tolist(), drops.tolist())
+        bs = self.block_size
+        if (counts < 0).any() or (starts < 0).any() or int(counts.sum()) != T:
+            raise ProtocolError("a STEP message whose sequences do not add up to its tokens")
+        cu = np.zeros(S + 1, np.int32)
+        np.cumsum(counts, out=cu[1:])
+        lens = (starts + counts).astype(np.int32)
+        need = -(-lens // bs)
+        width = int(need.max()) if S else 0
+        tables = np.zeros((S, width), np.int32)
+        for i, (h, n) in enumerate(zip(handles.tolist(), need.tolist())):
+            table = self.tables.get(h)
+            if table is None or len(table) < n:
+                raise ProtocolError(f"step {step}: sequence handle {h} needs {n} blocks, the mirror has "
+                                    f"{None if table is None else len(table)}")
+            tables[i, :n] = table[:n]
+        positions = np.arange(T, dtype=np.int32) - np.repeat(cu[:-1] - starts, counts).astype(np.int32)
+        rows = np.repeat(np.arange(S), counts)
+        slot_mapping = (tables[rows, positions // bs] * bs + positions % bs).astype(np.int32) if T else \
+            np.zeros(0, np.int32)
+        return StepPlan(step, check if flags & STEP_CHECK else None, ids, positions, slot_mapping, cu, lens, tables,
+                        starts, counts, slots)
+
+    def _apply(self, deltas: list[int], drops: list[int]) -> None:
+        i = 0
+        while i < len(deltas):
+            if i + 3 > len(deltas):
+                raise ProtocolError("a truncated block-table change")
+            handle, offset, n = deltas[i:i + 3]
+            ids = deltas[i + 3:i + 3 + n]
+            if n < 0 or len(ids) != n or offset < 0:
+                raise ProtocolError("a malformed block-table change")
+            if any(not 0 <= b < self.num_blocks for b in ids):
+                raise ProtocolError(f"a block-table change outside the pool of {self.num_blocks} blocks")
+            table = self.tables.setdefault(handle, [])
+            if offset > len(table):
+                raise ProtocolError(f"a block-table change at {offset} past the end of handle {handle}'s "
+                                    f"{len(table)} blocks")
+            self.tables[handle] = table[:offset] + ids
+            i += 3 + n
+        for h in drops:
+            self.tables.pop(h, None)

@@ -1,0 +1,129 @@
+"""A worker group's rank 0 outside a server, for tests: `python tests/group_driver.py ARGS`
+loads the group engine (the members are other processes), runs `run_workload` on it and
+prints the results as one JSON line. The tests run the same workload on a single-process
+engine and compare.
+
+The workload (staggered arrivals) has long prompts under a small step budget (chunked
+prefill, two partial prefills at once), a pool small enough to preempt, a prompt that
+reuses a finished one's prefix (a prefix-cache hit), a request aborted mid-output, n = 3
+seeded samples, and a structured (regex) output; every request asks for logprobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+from cluster.worker.config import EngineConfig
+from cluster.worker.sampling_params import SamplingParams, StructuredOutput
+
+CONFIG = dict(num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=8, max_num_partial_prefills=2)
+
+
+def requests(seed: int, vocab: int = 500):
+    """(request id, prompt, params, arrival (a step, or the id of a request whose first
+    token it follows), abort step or None)."""
+    rng = random.Random(seed)
+    lengths = (1, 3, 16, 17, 40, 64, 100, 150, 200, 33)
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+    out = []
+    for i, p in enumerate(prompts):
+        out.append((f"r{i}", p, SamplingParams(max_tokens=24 if i == 6 else 4 + (i * 7) % 13, temperature=0,
+                                               ignore_eos=True, logprobs=2), i // 2, None))
+    # a prefix hit: the 100-token prompt's first 64 tokens again, once its prefill is done
+    out.append(("prefix", prompts[6][:64] + [7, 8, 9], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                                       logprobs=0), "r6", None))
+    # aborted mid-output
+    out.append(("aborted", [rng.randrange(3, vocab) for _ in range(20)],
+                SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0), 1, 12))
+    # n = 3 seeded samples
+    out.append(("n3", [rng.randrange(3, vocab) for _ in range(30)],
+                SamplingParams(max_tokens=8, temperature=1.0, seed=1234, n=3, ignore_eos=True, logprobs=1), 3, None))
+    # a structured output, sampled
+    out.append(("regex", [rng.randrange(3, vocab) for _ in range(12)],
+                SamplingParams(max_tokens=16, temperature=0.9, seed=7, logprobs=0,
+                               structured=StructuredOutput("regex", "[a-z]{2,6}( [a-z]{2,6}){1,3}")), 5, None))
+    return out
+
+
+def run_workload(engine, seed: int = 0, steps_limit: int = 5000) -> dict:
+    """Every request's (and sample's) tokens, logprobs and finish reason; the engine's
+    preemption and prefix-hit counts."""
+    pending = list(requests(seed, min(500, engine.vocab_size)))
+    results: dict[str, dict] = {}
+    aborts = {}
+    step = 0
+    while pending or engine.has_unfinished():
+        for r in list(pending):
+            rid, prompt, params, arrival, abort_at = r
+            due = arrival <= step if isinstance(arrival, int) else (
+                bool(results.get(f"{arrival}/0", {}).get("tokens")))
+            if due:
+                pending.remove(r)
+                engine.add_request(rid, prompt, params)
+                if abort_at is not None:
+                    aborts[rid] = abort_at
+        for rid, at in list(aborts.items()):
+            if step >= at:
+                if engine.abort(rid):
+                    results.setdefault(f"{rid}/0", {"tokens": [], "logprobs": [], "top": [], "finish": None})[
+                        "finish"] = "abort"
+                del aborts[rid]
+        for out in engine.step():
+            r = results.setdefault(f"{out.request_id}/{out.index}", {"tokens": [], "logprobs": [], "top": [],
+                                                                      "finish": None})
+            r["tokens"] += out.new_token_ids
+            r["logprobs"] += out.logprobs or []
+            r["top"] += [[list(t) for t in tl] for tl in (out.top_logprobs or [])]
+            if out.finished:
+                r["finish"] = out.finish_reason
+        engine.check_integrity()
+        step += 1
+        if step > steps_limit:
+            raise RuntimeError("the workload did not finish")
+    s = engine.stats
+    return {"results": results, "preemptions": s.num_preemptions, "prefix_hits": s.prefix_hits, "steps": step}
+
+
+def main() -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s rank0 %(name)s: %(message)s")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--hosts", required=True)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--parallel", default="pipeline")
+    ap.add_argument("--shares", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--random-steps", type=int, default=0, help="run the randomized mirrored-state load instead")
+    args = ap.parse_args()
+    from cluster.worker.group.config import GroupOptions
+    from cluster.worker.group.leader import load_group_engine
+
+    size = len(args.hosts.split(","))
+    options = GroupOptions(size=size, rank=0, hosts=args.hosts, port=args.port, parallel=args.parallel,
+                           shares=args.shares, check=args.check, timeout=60, join_timeout=120)
+    engine = load_group_engine(args.model, EngineConfig(**CONFIG), options, "test-token")
+    engine.warm_up()
+    if args.random_steps:
+        from group_random import run_random
+
+        out = run_random(engine, args.random_steps, args.seed)
+    else:
+        out = run_workload(engine, args.seed)
+    stats = engine.group.stats
+    out["group"] = {"members": stats.members, "steps": stats.steps, "mismatches": stats.mismatches,
+                    "checked_steps": stats.checked_steps, "plan_bytes": stats.plan_bytes,
+                    "hidden_bytes": stats.hidden_bytes}
+    engine.group.close()
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""Worker groups (cluster/worker/group/): N local processes over MLX's ring on loopback
+serve one model; every request's tokens and logprobs must be the single-process engine's,
+bit for bit, and greedy tokens mlx-lm's. Plus the pieces alone: the plan's wire format and
+mirrored tables, the layer split, the side channel's authentication and fault detection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+from cluster.worker.group import wire
+from cluster.worker.group.channel import Leader, Member
+from cluster.worker.group.config import GroupOptions, read_hostfile, topology
+from cluster.worker.group.stage import split_layers
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "test-token"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+# -- the plan on the wire ------------------------------------------------------------------------
+
+class _Seq:
+    def __init__(self, table, tokens, slot=-1, status="running"):
+        self.block_table = table
+        self.token_ids = tokens
+        self.state_slot = slot
+        self.status = SimpleNamespace(value=status)
+
+
+def _entry(seq, start, n):
+    return SimpleNamespace(seq=seq, start=start, num_new_tokens=n)
+
+
+def _prepare_like(entries, bs):
+    """What ModelRunner.prepare builds from the same entries (positions, slots, tables)."""
+    positions, slots, tables = [], [], []
+    for e in entries:
+        bt = e.seq.block_table
+        positions += range(e.start, e.start + e.num_new_tokens)
+        slots += [bt[p // bs] * bs + p % bs for p in range(e.start, e.start + e.num_new_tokens)]
+        tables.append(bt[: -(-(e.start + e.num_new_tokens) // bs)])
+    width = max(len(t) for t in tables)
+    return positions, slots, [t + [0] * (width - len(t)) for t in tables]
+
+
+def test_plan_round_trip_mirrors_tables_through_growth_preemption_and_drops():
+    bs = 4
+    writer, reader = wire.PlanWriter(), wire.PlanReader(bs, 100)
+    a, b = _Seq([1, 2, 3], list(range(10, 30)), slot=3), _Seq([7], list(range(50, 60)))
+    steps = [
+        [_entry(a, 0, 6), _entry(b, 0, 3)],  # prefill chunks
+        [_entry(a, 6, 2), _entry(b, 3, 1)],  # b crosses into... its second block is allocated below
+    ]
+    b.block_table = [7, 9]
+    for i, entries in enumerate(steps):
+        payload = writer.encode(i + 1, entries, bs, check=1234)
+        plan = reader.decode(payload)
+        positions, slots, tables = _prepare_like(entries, bs)
+        assert plan.positions.tolist() == positions
+        assert plan.slot_mapping.tolist() == slots
+        assert plan.block_tables.tolist() == tables
+        assert plan.input_ids.tolist() == [t for e in entries for t in e.seq.token_ids[e.start:e.start + e.num_new_tokens]]
+        assert plan.check == 1234 and plan.state_slots.tolist() == [e.seq.state_slot for e in entries]
+    # a preempted sequence loses its blocks; readmitted it gets others: the members follow
+    b.status.value = "waiting"
+    b.block_table = []
+    plan = reader.decode(writer.encode(3, [_entry(a, 8, 1)], bs))
+    assert set(reader.tables) == set(writer.tables) and len(reader.tables) == 1, "b's table was dropped"
+    b.status.value, b.block_table = "running", [11, 12]
+    entries = [_entry(a, 9, 1), _entry(b, 0, 6)]
+    plan = reader.decode(writer.encode(4, entries, bs))
+    assert plan.block_tables.tolist() == _prepare_like(entries, bs)[2]
+    # a table rewritten in the middle (not only grown) is sent from the first change
+    a.block_table = [1, 5, 6]
+    entries = [_entry(a, 10, 1)]
+    plan = reader.decode(writer.encode(5, entries, bs))
+    assert plan.slot_mapping.tolist() == _prepare_like(entries, bs)[1]
+    assert reader.tables == writer.tables
+
+
+def test_plan_decoding_refuses_malformed_messages():
+    reader = wire.PlanReader(16, 8)
+    with pytest.raises(wire.ProtocolError):
+        reader.decode(b"short")
+    head = wire.STEP_HEAD.pack(1, 0, 2, 1, 0, 0, 0)
+    with pytest.raises(wire.ProtocolError):  # sizes that do not add up
+        reader.decode(head + b"\0" * 4)
+    # a block id outside the pool
+    import numpy as np
+
+    body = np.array([5, 6, 0, 0, 2, -1, 0, 0, 1, 99], np.int32)
+    with pytest.raises(wire.ProtocolError, match="outside the pool"):
+        reader.decode(wire.STEP_HEAD.pack(1, 0, 2, 1, 4, 0, 0) + body.tobytes())
+
+
+# -- the split and the topology --------------------------------------------------------------------
+
+def test_split_follows_shares_and_keeps_every_stage_a_layer():
+    assert split_layers([10] * 8, [1, 1]) == [range(0, 4), range(4, 8)]
+    assert split_layers([10] * 8, [1, 3]) == [range(0, 2), range(2, 8)]
+    assert split_layers([10] * 3, [1, 1, 1]) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert split_layers([10] * 3, [100, 1, 1]) == [range(0, 1), range(1, 2), range(2, 3)]
+    # the embedding on the first stage and the head on the last count against their shares
+    assert split_layers([10] * 8, [1, 1], embed_bytes=40) == [range(0, 2), range(2, 8)]
+    with pytest.raises(ValueError):
+        split_layers([10] * 2, [1, 1, 1])
+
+
+def test_topology_from_flags_hostfiles_and_mlx_launch(tmp_path):
+    opts = GroupOptions(size=2, hosts="10.0.0.1:5000,10.0.0.2:5001")
+    t = topology(opts, environ={"MLX_RANK": "1"})
+    assert t.rank == 1 and t.control == ("10.0.0.1", 6000) and t.ring[1] == ("10.0.0.2", 5001)
+    launch = tmp_path / "hosts.json"
+    launch.write_text(json.dumps([{"ssh": "m1", "ips": ["10.0.0.1"]}, {"ssh": "m2", "ips": ["10.0.0.2"]}]))
+    assert read_hostfile(str(launch)) == [("10.0.0.1", 32323), ("10.0.0.2", 32324)]
+    ring = tmp_path / "ring.json"
+    ring.write_text(json.dumps([["127.0.0.1:7000"], ["127.0.0.1:7001"]]))
+    t = topology(GroupOptions(size=2, port=9999), environ={"MLX_RANK": "0", "MLX_HOSTFILE": str(ring)})
+    assert t.rank == 0 and t.ring == (("127.0.0.1", 7000), ("127.0.0.1", 7001)) and t.control == ("127.0.0.1", 9999)
+    with pytest.raises(ValueError, match="--group-size 3"):
+        topology(GroupOptions(size=3, hosts="a:1,b:2"))
+    with pytest.raises(ValueError, match="addresses"):
+        topology(GroupOptions(size=2), environ={})
+
+
+# -- the side channel ------------------------------------------------------------------------------
+
+def _leader(size=2, timeout=5.0):
+    lost = []
+    leader = Leader(("127.0.0.1", 0), size, TOKEN, timeout, on_lost=lost.append)
+    return leader, lost
+
+
+def test_side_channel_admits_only_members_with_the_token():
+    leader, _ = _leader()
+    addr = leader.address
+    errors = []
+
+    def join(token, rank):
+        m = Member(addr, rank, 2, token, 5.0, on_lost=errors.append)
+        try:
+            m.join(time.monotonic() + 10)
+            return m
+        except (wire.ProtocolError, OSError) as e:
+            errors.append(str(e))
+
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (leader.admit(time.monotonic() + 20), done.set()), daemon=True)
+    t.start()
+    assert join("wrong", 1) is None  # refused; the leader keeps waiting
+    assert join(TOKEN, 5) is None  # not a rank of this group
+    good = join(TOKEN, 1)
+    assert done.wait(10) and good is not None
+    assert set(leader.members) == {1}
+    assert any("join token" in e for e in errors) and any("group of" in e or "ranks" in e for e in errors)
+    leader.close()
+    good.close()
+
+
+def test_side_channel_notices_a_silent_or_closed_member():
+    leader, lost = _leader(timeout=2.0)
+    m = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lambda r: None)
+    t = threading.Thread(target=leader.admit, args=(time.monotonic() + 10,), daemon=True)
+    t.start()
+    m.join(time.monotonic() + 10)
+    t.join(10)
+    leader.serve()
+    # the member never reads (no serve()): it answers no ping, and is lost by the timeout
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert lost and "silent" in lost[0]
+    m.close()
+
+    leader, lost = _leader(timeout=30.0)
+    m = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lambda r: None)
+    t = threading.Thread(target=leader.admit, args=(time.monotonic() + 10,), daemon=True)
+    t.start()
+    m.join(time.monotonic() + 10)
+    t.join(10)
+    leader.serve()
+    m.close()  # a member that dies: its connection closes
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost and "rank 1" in lost[0]
+
+
+# -- whole groups against the single process -----------------------------------------------------------
+
+def _env():
+    return dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", PYTHONUNBUFFERED="1",
+                ORCHARD_JOIN_TOKEN=TOKEN, PYTHONFAULTHANDLER="1")
+
+
+def start_members(model: Path, size: int, hosts: str, port: int, parallel: str = "pipeline", extra=()):
+    return [subprocess.Popen([sys.executable, "-m", "cluster.cli", "worker", "serve", "--model", str(model),
+                              "--group-size", str(size), "--group-rank", str(r), "--group-hosts", hosts,
+                              "--group-port", str(port), "--parallel", parallel, "--group-timeout", "60", *extra],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=_env())
+            for r in range(1, size)]
+
+
+def run_group(model: Path, size: int, parallel: str = "pipeline", timeout: float = 600, **driver) -> dict:
+    """Rank 0 (tests/group_driver.py) and size - 1 members as processes; rank 0's result."""
+    *ring, port = free_ports(size + 1)
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ring)
+    members = start_members(model, size, hosts, port, parallel)
+    args = [sys.executable, str(ROOT / "tests" / "group_driver.py"), "--model", str(model), "--hosts", hosts,
+            "--port", str(port), "--parallel", parallel]
+    for k, v in driver.items():
+        args += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=_env())
+        logs = [m.communicate(timeout=60)[0] for m in members]
+    finally:
+        for m in members:
+            if m.poll() is None:
+                m.kill()
+                m.wait()
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, f"rank 0 failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n" + "\n".join(
+        x[-2000:] for x in logs)
+    assert [m.returncode for m in members] == [0] * (size - 1), "members exit 0 when rank 0 stops:\n" + "\n".join(
+        x[-2000:] for x in logs)
+    return json.loads(line[len("RESULT "):])
+
+
+_single: dict = {}
+
+
+def single_run(model: Path, seed: int = 0) -> dict:
+    """The same workload on the single-process engine (the reference)."""
+    key = (str(model), seed)
+    if key not in _single:
+        from group_driver import CONFIG, run_workload
+
+        from cluster.worker.config import EngineConfig
+        from cluster.worker.engine import Engine
+
+        engine = Engine.from_pretrained(model, EngineConfig(**CONFIG))
+        engine.warm_up()
+        _single[key] = run_workload(engine, seed)
+    return _single[key]
+
+
+def assert_same(group: dict, single: dict, prefix_caching: bool = True) -> None:
+    assert group["results"].keys() == single["results"].keys()
+    for rid, want in single["results"].items():
+        got = group["results"][rid]
+        assert got["tokens"] == want["tokens"], rid
+        assert got["logprobs"] == want["logprobs"], f"{rid}: logprobs differ (bit for bit)"
+        assert got["top"] == want["top"], rid
+        assert got["finish"] == want["finish"], rid
+    # the workload did exercise what it is for
+    assert single["preemptions"] > 0 and (single["prefix_hits"] > 0) == prefix_caching
+    assert group["preemptions"] == single["preemptions"] and group["prefix_hits"] == single["prefix_hits"]
+    assert single["results"]["aborted/0"]["finish"] == "abort"
+    assert {f"n3/{i}" for i in range(3)} <= single["results"].keys()
+
+
+def assert_greedy_matches_mlx_lm(model: Path, single: dict, seed: int = 0) -> None:
+    import mlx.core as mx
+    from group_driver import requests
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load
+
+    m, _ = load(str(model))
+    for rid, prompt, params, _, abort_at in requests(seed, 500):
+        if params.temperature != 0 or abort_at is not None or params.n > 1:
+            continue
+        want = [int(t) for (t, _), _ in zip(generate_step(mx.array(prompt), m, max_tokens=params.max_tokens),
+                                           range(params.max_tokens))]
+        assert single["results"][f"{rid}/0"]["tokens"] == want, rid
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from cluster.modelgen import create_model
+
+    root = tmp_path_factory.mktemp("group-models")
+    made = {}
+
+    def get(arch: str, layers: int = 4, files: int = 1) -> Path:
+        key = (arch, layers, files)
+        if key not in made:
+            made[key] = create_model(root / f"{arch}-{layers}-{files}", arch, "tiny", seed=3, layers=layers,
+                                     files=files)
+        return made[key]
+
+    return get
+
+
+def test_two_rank_pipeline_is_the_single_process_bit_for_bit(models):
+    """qwen3 over 2 processes, weights in 2 files (each rank reads its own), with the
+    mirrored-state check on: tokens, logprobs and top logprobs equal the single process's."""
+    model = models("qwen3", layers=4, files=2)
+    group = run_group(model, 2, check=True)
+    single = single_run(model)
+    assert_same(group, single)
+    assert group["group"]["mismatches"] == 0 and group["group"]["checked_steps"] == group["group"]["steps"]
+    layers = sorted(tuple(m["layers"]) for m in group["group"]["members"])
+    assert layers == [(0, 2), (2, 4)]
+    assert_greedy_matches_mlx_lm(model, single)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "gemma3_text", "deepseek_v3", "qwen3_5"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_pipeline_families_are_the_single_process_bit_for_bit(models, arch, size):
+    model = models(arch, layers=4, files=2 if size == 2 else 1)
+    group = run_group(model, size, **({"shares": "1,2,1"} if size == 3 else {}))
+    single = single_run(model)
+    assert_same(group, single, prefix_caching=arch != "qwen3_5")  # a hybrid's prefix is recomputed
+    assert_greedy_matches_mlx_lm(model, single)
+    spans = sorted(tuple(m["layers"]) for m in group["group"]["members"])
+    assert spans[0][0] == 0 and spans[-1][1] == 4 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
