@@ -62,11 +62,11 @@ def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
         kv_dtype = getattr(mx, start["kv_dtype"])
         slots = int(engine["max_num_seqs"]) if has_recurrent_layers(model) else 0
         runner = StageRunner(model, int(start["num_blocks"]), config.block_size, kv_dtype, slots, stage)
-    except (OSError, TimeoutError, ValueError, wire.ProtocolError) as e:
-        log.error("group rank %d could not start: %s", topo.rank, e)
+    except Exception as e:  # told to rank 0, which stops the group's start
+        log.exception("group rank %d could not start", topo.rank)
         try:
             if member.sock is not None:
-                member.send(wire.ERROR, str(e).encode()[:4000])
+                member.send(wire.ERROR, f"rank {topo.rank}: {type(e).__name__}: {e}".encode()[:4000])
         except OSError:
             pass
         return 78 if isinstance(e, ValueError) else EXIT_GROUP_LOST

@@ -274,8 +274,8 @@ def _check_complete(model: nn.Module, path: Path, files: list[str]) -> None:
     weights = {}
     for f in files:
         weights.update(mx.load(str(path / f)))
-    if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
+    if hasattr(model, "sanitize"):  # on a fresh instance: some families' sanitize changes the model
+        weights = type(model)(model.args).sanitize(weights)
     missing = [name for name, _ in tree_flatten(model.parameters()) if name not in weights]
     if missing:
         raise ValueError(f"weights of this rank's layers are not in its files {files}: {', '.join(missing[:5])}"
