@@ -263,11 +263,11 @@ class ModelRunner:
             recurrent=recurrent.plan_step(plan.scheduled) if self.has_recurrent else None,
         )
 
-    def forward(self, batch: StepBatch, hidden: mx.array | None = None) -> mx.array:
+    def forward(self, batch: StepBatch, stage_input: mx.array | None = None) -> mx.array:
         """Logits [M, vocab] (float32) for `batch.logit_rows` (the sampled rows, and the
         prompt rows of requests with prompt logprobs). K/V land in the pool. With
-        `batch.hidden_rows`, those rows' final hidden states go to `self.hidden`. `hidden`: a
-        later pipeline stage's input, the previous stage's hidden state [T, hidden size]
+        `batch.hidden_rows`, those rows' final hidden states go to `self.hidden`. `stage_input`:
+        a later pipeline stage's input, the previous stage's hidden state [T, hidden size]
         (`cluster/worker/group/stage.py`)."""
         self.batch = batch
         self.hidden = None
@@ -275,8 +275,8 @@ class ModelRunner:
             raise ValueError(f"{getattr(self.model, 'model_type', 'this model')}'s hidden states are not reachable "
                              "apart from its logits: it cannot serve embeddings or scores")
         if self.host is not None:
-            return self.host.forward(batch, hidden)
-        self.stage_input = hidden
+            return self.host.forward(batch) if stage_input is None else self.host.forward(batch, stage_input)
+        self.stage_input = stage_input
         inputs = batch.input_ids[:, None]
         model = self.model
         if self.head_only:

@@ -346,10 +346,10 @@ class StageRunner(ModelRunner):
                 if gives:
                     _wrap_boundary(held[-1], self, False, True)
 
-    def forward(self, batch: StepBatch, hidden: mx.array | None = None) -> mx.array:
+    def forward(self, batch: StepBatch, stage_input: mx.array | None = None) -> mx.array:
         self.stage_active = True
         try:
-            return super().forward(batch, hidden)
+            return super().forward(batch, stage_input)
         except StageOutput as out:
             for c in self.kv_caches:
                 c.write_pending()
