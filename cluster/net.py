@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from cluster.api.limits import GRPC_MAX_MESSAGE_BYTES
+
 # Keepalive: a peer that stops answering HTTP/2 pings (a Mac asleep, a process stopped,
 # a cable pulled) is found within KEEPALIVE_TIME + KEEPALIVE_TIMEOUT, even mid-stream and
 # while the TCP connection looks open, and its calls fail UNAVAILABLE instead of hanging.
@@ -19,6 +21,10 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # the servers' message limit both ways (gRPC's client default is 4 MB to receive): what a
+    # server sends, its client takes
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
 ]
 # gRPC servers: accept the clients' keepalive pings (by default a server answers pings
 # more often than every 5 minutes with GOAWAY "too_many_pings"), and ping idle clients.

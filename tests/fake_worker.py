@@ -36,6 +36,7 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
         self.end_after_tokens: int | None = None  # total tokens streamed before ending streams without a finish
         self.stalled = False  # what its load reports say of its engine (a wedged engine's watchdog)
         self.fail_with: grpc.StatusCode | None = None  # fail every request at once with this status
+        self.padding = 0  # characters added to each chunk's text (messages past gRPC's size limits)
         self.dead = False
         self.requests: list[pb.GenerateRequest] = []
         self.running = 0
@@ -111,7 +112,8 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
                 tok = fake_token(request, i)
                 last = i == max_tokens - 1
                 yield pb.GenerateResponse(
-                    request_id=request.request_id, token_ids=[tok], text=f"<{tok}>", worker_id=self.worker_id,
+                    request_id=request.request_id, token_ids=[tok], text=f"<{tok}>" + "x" * self.padding,
+                    worker_id=self.worker_id,
                     finish_reason=pb.FINISH_REASON_LENGTH if last else pb.FINISH_REASON_UNSPECIFIED,
                     usage=pb.Usage(prompt_tokens=3, completion_tokens=max_tokens) if last else None,
                 )

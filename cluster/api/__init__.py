@@ -1,6 +1,7 @@
 """What the router, the worker and the SDK share: the API layer.
 
     errors.py    typed errors, one per gRPC status (and its HTTP code)
+    limits.py    what a request may ask for and how large / slow it may be: one place for every server
     wire.py      finish-reason names, defaults; build_request / validate_request (once)
     servicer.py  the `Backend` protocol and the one `Generation` servicer over it
     openai.py    OpenAI-compatible HTTP over any `Backend` (+ /v1/models/{id}, errors in OpenAI's shape)

@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from cluster.api.errors import OrchardError
-from cluster.api.http import (BACKEND, ERROR_TYPES, BadField, body_field, error_response, read_body,
-                              request_timeout, served_model, sse, within)
-from cluster.api.openai import Exchange, make_request, sampling_kwargs
+from cluster.api.http import (BACKEND, ERROR_TYPES, LIMITS, BadField, body_field, error_response, int_field,
+                              read_body, request_timeout, served_model, sse, within)
+from cluster.api.limits import MAX_LOGPROBS, RequestLimits
+from cluster.api.openai import Exchange, make_request, n_field, sampling_kwargs
 from cluster.api.servicer import finished
-from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices
+from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 MAX_PROMPTS = 64  # prompts in one request at most
-MAX_LOGPROBS = 20
 
 
 def add_routes(app: web.Application) -> None:
@@ -73,33 +73,30 @@ class _Params:
         return max(asked) if asked else None
 
 
-def _params(body: dict) -> _Params:
+def _params(body: dict, limits: RequestLimits) -> _Params:
+    """This API's fields, each checked (`n` against the server's max_n before anything is
+    built for its samples)."""
     if body.get("best_of") not in (None, 1):
         raise BadField("best_of", "best_of is not supported: use n and pick among the choices")
     if body.get("suffix"):
         raise BadField("suffix", "suffix (insertion) is not supported")
-    n = body_field(body, "n", int, 1)
-    if n < 1:
-        raise BadField("n", f"n must be >= 1, got {n}")
+    n = n_field(body, limits)
     echo = body_field(body, "echo", bool, False)
-    logprobs = body_field(body, "logprobs", int)
-    prompt_logprobs = body_field(body, "prompt_logprobs", int)
-    for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if k is not None and not 0 <= k <= MAX_LOGPROBS:
-            raise BadField(name, f"'{name}' must be between 0 and {MAX_LOGPROBS}, got {k}")
-    max_tokens = body_field(body, "max_tokens", int)
+    logprobs = int_field(body, "logprobs", low=0, high=MAX_LOGPROBS)
+    prompt_logprobs = int_field(body, "prompt_logprobs", low=0, high=MAX_LOGPROBS)
+    max_tokens = int_field(body, "max_tokens", low=0, high=2**32 - 1)
     if max_tokens == 0 and not echo:
         raise BadField("max_tokens", "max_tokens=0 generates nothing: it is allowed only with echo=true")
     return _Params(n, echo, logprobs, prompt_logprobs, 16 if max_tokens is None else max_tokens)
 
 
-def _requests(body: dict, p: _Params, request_id: str) -> list[pb.GenerateRequest]:
+def _requests(body: dict, p: _Params, request_id: str, limits: RequestLimits) -> list[pb.GenerateRequest]:
     rest = {k: v for k, v in body.items() if k not in ("n", "echo", "best_of", "suffix", "prompt_logprobs")}
     if p.max_tokens == 0:
         rest["max_tokens"] = 1  # the prompt's forward needs one sampled token: dropped here
     prompts = _prompts(body)
-    first = make_request({**rest, "prompt": prompts[0]}, False, request_id)  # every plain field checked once
-    kwargs = sampling_kwargs(rest, chat=False)
+    first = make_request({**rest, "prompt": prompts[0]}, False, request_id, limits)  # every plain field checked once
+    kwargs = sampling_kwargs(rest, False, limits)
     out = [first]
     for i, prompt in enumerate(prompts[1:], 1):
         out.append(build_request(prompt, model=first.model, request_id=f"{request_id}-{i}", **kwargs))
@@ -108,6 +105,7 @@ def _requests(body: dict, p: _Params, request_id: str) -> list[pb.GenerateReques
         r.sampling.echo = p.echo
         if p.engine_prompt_logprobs is not None:
             r.sampling.prompt_logprobs = p.engine_prompt_logprobs
+        validate_request(r, limits, {"messages": "prompt"})
     return out
 
 
@@ -216,9 +214,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = await read_body(request)
         stream = body_field(body, "stream", bool, False)
         include_usage = bool(body_field(body, "stream_options", dict, {}).get("include_usage")) and stream
-        p = _params(body)
+        p = _params(body, request.app[LIMITS])
         ex = Exchange(False, "", False)
-        protos = _requests(body, p, ex.id)
+        protos = _requests(body, p, ex.id, request.app[LIMITS])
         ex.model = await served_model(request.app, protos[0].model)
         timeout = request_timeout(request)
     except OrchardError as e:

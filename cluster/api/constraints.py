@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from cluster.api.errors import InvalidRequest
+from cluster.api.errors import BadField, InvalidRequest
+from cluster.api.limits import MAX_INT32, shown
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 # OpenAI's ranges (the engine's SamplingParams keeps the same ones as its invariants).
@@ -33,14 +34,6 @@ MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2]
 MAX_REPETITION_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0  # values in [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300
-
-
-class BadField(InvalidRequest):
-    """An InvalidRequest that names the request field at fault (OpenAI's `param`)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 def structured_proto(value: Any) -> pb.StructuredOutput:
@@ -64,44 +57,50 @@ def structured_proto(value: Any) -> pb.StructuredOutput:
     return out
 
 
-def check_sampling(s: pb.SamplingParams) -> None:
-    """OpenAI's ranges, and a structured output that is well-formed before compiling."""
+def check_sampling(s: pb.SamplingParams, named: Callable[[str], str] = str) -> None:
+    """OpenAI's ranges, and a structured output that is well-formed before compiling.
+    `named(field)`: the name the client knows a wire field by (itself by default)."""
     if s.HasField("temperature") and not 0.0 <= s.temperature <= MAX_TEMPERATURE:
-        raise BadField("temperature", f"temperature must be between 0 and 2, got {s.temperature:g}")
+        raise BadField(named("temperature"), f"{named('temperature')} must be between 0 and 2, got {s.temperature:g}")
     if s.HasField("top_p") and not 0.0 < s.top_p <= 1.0:
-        raise BadField("top_p", f"top_p must be in (0, 1], got {s.top_p:g}")
+        raise BadField(named("top_p"), f"{named('top_p')} must be in (0, 1], got {s.top_p:g}")
+    if s.HasField("top_k") and s.top_k < 0:
+        raise BadField(named("top_k"), f"{named('top_k')} must be >= 0 (0 disables it), got {s.top_k}")
+    if s.HasField("min_p") and not 0.0 <= s.min_p <= 1.0:
+        raise BadField(named("min_p"), f"{named('min_p')} must be in [0, 1], got {s.min_p:g}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(s, name)
         if not -MAX_PENALTY <= value <= MAX_PENALTY:
-            raise BadField(name, f"{name} must be between -2 and 2, got {value:g}")
+            raise BadField(named(name), f"{named(name)} must be between -2 and 2, got {value:g}")
     if s.HasField("repetition_penalty") and not 0.0 < s.repetition_penalty <= MAX_REPETITION_PENALTY:
-        raise BadField("repetition_penalty", f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] "
-                                             f"(1 = off), got {s.repetition_penalty:g}")
+        raise BadField(named("repetition_penalty"), f"{named('repetition_penalty')} must be in "
+                                                    f"(0, {MAX_REPETITION_PENALTY:g}] (1 = off), got "
+                                                    f"{s.repetition_penalty:g}")
+    bias = named("logit_bias")
     if len(s.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise BadField("logit_bias", f"logit_bias has {len(s.logit_bias)} entries: at most "
-                                     f"{MAX_LOGIT_BIAS_ENTRIES} are allowed")
-    for token, bias in s.logit_bias.items():
+        raise BadField(bias, f"{bias} has {len(s.logit_bias)} entries: at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    for token, value in s.logit_bias.items():
         if token < 0:
-            raise BadField("logit_bias", f"logit_bias token id {token} must be >= 0")
-        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
-            raise BadField("logit_bias", f"logit_bias values must be between -100 and 100, got {bias:g} for "
-                                         f"token {token}")
+            raise BadField(bias, f"{bias} token id {token} must be >= 0")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN too
+            raise BadField(bias, f"{bias} values must be between -100 and 100, got {value:g} for token {token}")
     if s.HasField("structured"):
+        field = named("response_format")
         kind = s.structured.WhichOneof("kind")
         if kind is None:
-            raise BadField("response_format", "the structured output names no kind: set one of json_schema, "
-                                              "json_object, regex, choice, grammar")
+            raise BadField(field, "the structured output names no kind: set one of json_schema, json_object, regex, "
+                                  "choice, grammar")
         if kind == "json_schema":
             try:
                 schema = json.loads(s.structured.json_schema)
             except ValueError as e:
-                raise BadField("response_format", f"the JSON schema is not valid JSON: {e}") from None
+                raise BadField(field, f"the JSON schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
-                raise BadField("response_format", "the JSON schema must be a JSON object")
+                raise BadField(field, "the JSON schema must be a JSON object")
         elif kind == "choice" and (not s.structured.choice.choices or not all(s.structured.choice.choices)):
-            raise BadField("response_format", "a choice list needs at least one choice, none of them empty")
+            raise BadField(field, "a choice list needs at least one choice, none of them empty")
         elif kind in ("regex", "grammar") and not getattr(s.structured, kind).strip():
-            raise BadField("response_format", f"the {kind} is empty")
+            raise BadField(field, f"the {kind} is empty")
 
 
 # -- OpenAI HTTP --------------------------------------------------------------------------
@@ -110,7 +109,7 @@ def _number(body: Mapping, name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise BadField(name, f"'{name}' must be a number, got {json.dumps(value)}")
+        raise BadField(name, f"'{name}' must be a finite number, got {shown(value)}")
     return float(value)
 
 
@@ -125,11 +124,12 @@ def _logit_bias(body: Mapping) -> dict[int, float] | None:
         try:
             token = int(key)
         except (TypeError, ValueError):
-            raise BadField("logit_bias", f"logit_bias key {key!r} is not a token id") from None
+            raise BadField("logit_bias", f"logit_bias key {shown(key)} is not a token id") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise BadField("logit_bias", f"logit_bias[{key!r}] must be a number, got {json.dumps(value)}")
-        if not 0 <= token < 2**31:
-            raise BadField("logit_bias", f"logit_bias token id {token} must be >= 0")
+            raise BadField("logit_bias", f"logit_bias[{shown(key)}] must be a number, got {shown(value)}")
+        if not 0 <= token <= MAX_INT32:
+            raise BadField("logit_bias", f"logit_bias token id {token} is out of range: token ids are 0 .. "
+                                         f"{MAX_INT32}")
         out[token] = float(value)
     return out
 
@@ -158,7 +158,7 @@ def _response_format(rf: Any) -> dict | None:
             raise BadField("response_format", "response_format.json_schema must be an object with a 'schema' "
                                               "(and a 'name', and optionally 'strict')")
         return {"json_schema": _schema_text(js["schema"], "response_format")}
-    raise BadField("response_format", f"response_format type {kind!r} is not supported: use 'text', "
+    raise BadField("response_format", f"response_format type {shown(kind)} is not supported: use 'text', "
                                       "'json_object' or 'json_schema'")
 
 
@@ -192,7 +192,7 @@ def _constraint(body: Mapping) -> tuple[str, dict] | None:
             raise BadField("structured_outputs", "'structured_outputs' must be an object")
         for key, value in so.items():
             if key not in _STRUCTURED_OUTPUTS:
-                raise BadField("structured_outputs", f"structured_outputs.{key} is not supported: use one of "
+                raise BadField("structured_outputs", f"structured_outputs.{shown(key)} is not supported: use one of "
                                                      f"{', '.join(_STRUCTURED_OUTPUTS)}")
             if value is None or value is False:
                 continue

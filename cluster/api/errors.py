@@ -28,10 +28,22 @@ class OrchardError(Exception):
 
 
 class InvalidRequest(OrchardError, ValueError):
-    """Bad input (INVALID_ARGUMENT): the message says what to fix."""
+    """Bad input (INVALID_ARGUMENT): the message says what to fix; `param`, when known,
+    names the request field at fault (OpenAI's error `param`)."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
     http_status = 400
+
+    def __init__(self, message: str = "", code: grpc.StatusCode | None = None, param: str | None = None):
+        super().__init__(message, code)
+        self.param = param
+
+
+class BadField(InvalidRequest):
+    """An InvalidRequest about one request field, which `param` names."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message, param=param)
 
 
 class NotFound(OrchardError):

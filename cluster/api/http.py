@@ -12,17 +12,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import math
+import re
 import time
+from http import HTTPStatus
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from cluster.api.errors import DeadlineExceeded, InvalidRequest
+from cluster.api.errors import BadField, DeadlineExceeded, InvalidRequest
+from cluster.api.limits import HTTP_MAX_BODY_BYTES, MAX_TIMEOUT_SECONDS, RequestLimits, quoted, shown
 from cluster.api.servicer import Backend
 from cluster.security import Keys, host_allowed
 
+log = logging.getLogger(__name__)
+
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
-               404: "not_found_error", 409: "conflict_error", 429: "rate_limit_error", 503: "service_unavailable",
-               504: "timeout_error"}
+               404: "not_found_error", 408: "timeout_error", 409: "conflict_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error",
+               503: "service_unavailable", 504: "timeout_error"}
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                          503: "overloaded_error", 504: "timeout_error"}
@@ -30,6 +40,7 @@ BACKEND = web.AppKey("backend", object)  # the app's `Backend`
 TIMEOUT = web.AppKey("request_timeout", object)
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds, per request (at most the server's --request-timeout)
 MODEL_CACHE = web.AppKey("model_cache", list)
+LIMITS = web.AppKey("limits", RequestLimits)  # the backend's (`limits_of`): the same on HTTP and gRPC
 
 # Sent by real clients and changing no output: every API accepts them. Any other
 # parameter an endpoint does not read is refused by name (400), never silently ignored.
@@ -43,13 +54,21 @@ def new_app(backend: Backend, request_timeout: float | None = None, *, keys: Key
     `Authorization: Bearer KEY` (401 otherwise); with `allowed_hosts`, a request whose Host
     is not one of them is 403 (DNS rebinding); with `cors_origins` ("*" for any), browser
     pages of those origins may call it (CORS)."""
-    app = web.Application(client_max_size=32 << 20, middlewares=[_guard(keys or Keys(), allowed_hosts)])
+    app = web.Application(client_max_size=HTTP_MAX_BODY_BYTES, middlewares=[_guard(keys or Keys(), allowed_hosts)])
     if cors_origins:
         _cors(app, cors_origins)
     app[BACKEND] = backend
+    app[LIMITS] = limits_of(backend)
     app[TIMEOUT] = request_timeout
     app[MODEL_CACHE] = [float("-inf"), ""]
     return app
+
+
+def limits_of(backend) -> RequestLimits:
+    """What `backend` lets one request ask for (the worker's and the router's limits;
+    the defaults for a backend that has none of its own)."""
+    limits = getattr(backend, "limits", None)
+    return limits if isinstance(limits, RequestLimits) else RequestLimits()
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None) -> web.Response:
@@ -64,16 +83,13 @@ def anthropic_error(status: int, message: str) -> web.Response:
                                                          "message": message}}, status=status)
 
 
-class BadField(InvalidRequest):
-    """A 400 about one request field, which the error's `param` names."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+_KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",
+               list: "an array"}
 
 
-def body_field(body: dict, name: str, kind: type | tuple, default=None):
-    """`body[name]` if it is of `kind` (None: `default`), else BadField."""
+def body_field(body: dict, name: str, kind: type | tuple, default=None, *, param: str | None = None):
+    """`body[name]` if it is of `kind` (None: `default`), else BadField naming the field
+    (`param`, when the client knows it by another name), the kind and the value."""
     value = body.get(name, default)
     if value is None:
         return default
@@ -83,29 +99,112 @@ def body_field(body: dict, name: str, kind: type | tuple, default=None):
     else:
         ok = isinstance(value, kinds) or (float in kinds and isinstance(value, int))
     if not ok:
-        names = " or ".join("number" if k is float else k.__name__ for k in kinds)
-        raise BadField(name, f"'{name}' must be a {names}, got {json.dumps(value)}")
+        field = param or name
+        raise BadField(field, f"'{field}' must be {' or '.join(_KIND_NAMES.get(k, k.__name__) for k in kinds)}, "
+                              f"got {shown(value)}")
+    return value
+
+
+def int_field(body: dict, name: str, default: int | None = None, *, low: int | None = None, high: int | None = None,
+              param: str | None = None) -> int | None:
+    """An integer field within [low, high] (either end open when None), else BadField
+    that names the field, the range and the value."""
+    value = body_field(body, name, int, default, param=param)
+    if value is not None and ((low is not None and value < low) or (high is not None and value > high)):
+        field = param or name
+        what = (f"between {low} and {high}" if low is not None and high is not None else
+                f">= {low}" if low is not None else f"<= {high}")
+        raise BadField(field, f"'{field}' must be {what}, got {shown(value)}")
     return value
 
 
 def check_params(body: dict, known: frozenset[str]) -> None:
     unknown = sorted(k for k in body if k not in known)
     if unknown:
-        raise BadField(unknown[0], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
-                                    f"{', '.join(map(repr, unknown))}: not supported by this server")
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise BadField(unknown[0][:80], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
+                                          f"{', '.join(map(quoted, unknown[:5]))}{more}: not supported by this server")
+
+
+# A JSON escape of half a surrogate pair: not Unicode text; a string holding one cannot be
+# encoded again (into a proto, a response), so the body is refused where it is read.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON (a number must be finite)")
+
+
+def check_metadata(body: dict) -> None:
+    """OpenAI's bounds on `metadata` (where a response echoes it back and keeps it): at most
+    16 pairs, keys of at most 64 characters, string values of at most 512."""
+    metadata = body.get("metadata")
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise BadField("metadata", f"'metadata' must be an object of strings, got {shown(metadata)}")
+    if len(metadata) > 16:
+        raise BadField("metadata", f"'metadata' has {len(metadata)} keys: at most 16 are allowed")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise BadField("metadata", f"metadata[{shown(key)}]: keys are at most 64 characters and values strings "
+                                       f"of at most 512, got {shown(value)}")
+
+
+def renamed(message: str, names: dict[str, str]) -> str:
+    """A backend's message with the wire's field names written as this API's client knows
+    them (`names`: wire -> client). Only names with an underscore are rewritten: they
+    cannot be mistaken for a word of the message's prose."""
+    for wire, client in names.items():
+        if "_" in wire:
+            message = re.sub(rf"\b{re.escape(wire)}\b", client, message)
+    return message
 
 
 async def read_body(request: web.Request) -> dict:
-    """The request's JSON object, or InvalidRequest (400) saying what is wrong with it."""
+    """The request's JSON object (strict JSON: no NaN or Infinity, no lone surrogates), or
+    InvalidRequest (400) saying what is wrong with it. A body that does not arrive within
+    the server's `http_body_timeout` is a 408."""
+    limit = request.app[LIMITS].http_body_timeout
     try:
-        body = await request.json(loads=json.loads)
+        raw = await asyncio.wait_for(request.read(), limit)
+    except asyncio.TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {limit:g} s (http_body_timeout)") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise TooLarge(f"the request body is larger than {HTTP_MAX_BODY_BYTES} bytes, the most this server "
+                       "reads") from None
+    except (RequestPayloadError, HttpProcessingError) as e:  # a body its Content-Encoding does not decode, ...
+        encoding = request.headers.get("Content-Encoding")
+        what = f" as its Content-Encoding ({encoding!r}) says" if encoding else ""
+        reason = " ".join(str(e).split()).removeprefix("400, message: ")
+        raise InvalidRequest(f"the request body could not be read{what}: {reason}") from None
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
         raise InvalidRequest("the request body is nested too deeply to parse") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise InvalidRequest("the request body holds a lone UTF-16 surrogate escape (such as \\udc80), which "
+                                 "is not Unicode text") from None
     return body
+
+
+class RequestTimeout(InvalidRequest):
+    """The client took too long to send its request (HTTP 408)."""
+
+    http_status = 408
+
+
+class TooLarge(InvalidRequest):
+    """HTTP 413."""
+
+    http_status = 413
 
 
 async def served_model(app: web.Application, asked: str) -> str:
@@ -121,17 +220,20 @@ async def served_model(app: web.Application, asked: str) -> str:
 
 
 def request_timeout(request: web.Request) -> float | None:
-    """The request's time limit: the server's, or the client's header if shorter."""
+    """The request's time limit: the server's, or the client's header if shorter (a
+    finite number of seconds > 0; beyond MAX_TIMEOUT_SECONDS it sets no limit)."""
     limit = request.app[TIMEOUT]
     header = request.headers.get(TIMEOUT_HEADER)
     if header is not None:
         try:
             asked = float(header)
         except ValueError:
-            asked = -1.0
-        if not asked > 0:
-            raise InvalidRequest(f"{TIMEOUT_HEADER} must be a number of seconds > 0, got {header!r}")
-        limit = asked if limit is None else min(limit, asked)
+            asked = math.nan
+        if not (asked > 0 and math.isfinite(asked)):
+            raise BadField(TIMEOUT_HEADER, f"{TIMEOUT_HEADER} must be a finite number of seconds > 0, "
+                                           f"got {shown(header)}")
+        if asked < MAX_TIMEOUT_SECONDS:
+            limit = asked if limit is None else min(limit, asked)
     return limit
 
 
@@ -178,15 +280,50 @@ def _guard(keys: Keys, allowed: tuple[str, ...] | None):
                 response.headers["WWW-Authenticate"] = "Bearer"
                 return response
         try:
-            return await handler(request)
+            response = await handler(request)
+            if response.status in (408, 413):  # the rest of its body is not read: the connection is done
+                response.force_close()
+            return response
         except web.HTTPException as e:  # no such route or method: in the API's error shape, not plain text
             if e.status < 400:
                 raise
-            message = (f"no route {request.method} {request.path}" if e.status == 404 else
-                       f"{request.method} is not allowed on {request.path}" if e.status == 405 else e.reason)
+            message = (f"no route {request.method} {shown(request.path)}" if e.status == 404 else
+                       f"{request.method} is not allowed on {shown(request.path)}" if e.status == 405 else e.reason)
             return anthropic_error(e.status, message) if anthropic else error_response(e.status, message)
+        except (ConnectionError, asyncio.CancelledError):  # the client went away
+            raise
+        except Exception as e:  # a bug: still an answer in the API's shape, and the server goes on
+            log.exception("%s %s failed", request.method, shown(request.path))
+            message = f"internal error ({type(e).__name__}): the server could not handle this request"
+            return anthropic_error(500, message) if anthropic else error_response(500, message)
 
     return guard
+
+
+class JsonErrorsServer(web.Server):
+    """aiohttp's low-level server whose connections answer aiohttp's own refusals (a
+    malformed request line or header, headers past their size limits) in the OpenAI error
+    shape, as JSON, instead of plain text. `serving` makes an app's server one of these."""
+
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorsProtocol(self, loop=self._loop, **self._kwargs)
+
+
+class _JsonErrorsProtocol(RequestHandler):
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:
+            super().handle_error(request, status, exc, message)  # logs the bug; raises once a response is under way
+            text = "internal error: the server could not handle this request"
+        else:  # a client's malformed request: one short line in the log, not a traceback
+            if request.writer.output_size > 0:
+                raise ConnectionError("a response is under way: no error response can follow it")
+            text = " ".join((message or "").split())[:200] or HTTPStatus(status).phrase
+            log.debug("refused a malformed HTTP request (%d): %s", status, text)
+            text = f"the HTTP request could not be read: {text}"
+        response = error_response(status, text)
+        response.force_close()
+        return response
 
 
 def _cors(app: web.Application, origins: tuple[str, ...]) -> None:

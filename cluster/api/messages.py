@@ -19,11 +19,12 @@ from typing import Any
 
 from aiohttp import web
 
-from cluster.api.errors import InvalidRequest, OrchardError
-from cluster.api.http import (ANTHROPIC_ERROR_TYPES, BACKEND, anthropic_error, read_body, request_timeout,
-                              served_model, within)
+from cluster.api.errors import BadField, OrchardError
+from cluster.api.http import (ANTHROPIC_ERROR_TYPES, BACKEND, LIMITS, anthropic_error, read_body, renamed,
+                              request_timeout, served_model, within)
+from cluster.api.limits import MAX_INT32, RequestLimits, quoted, shown
 from cluster.api.servicer import finished
-from cluster.api.wire import FINISH_REASON_NAMES, build_request
+from cluster.api.wire import FINISH_REASON_NAMES, build_request, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 PARAMS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k",
@@ -35,16 +36,21 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/messages", _create)
 
 
+_KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",
+               list: "an array"}
+
+
 def _get(body: dict, name: str, kind: type | tuple, required: bool = False):
     value = body.get(name)
     if value is None:
         if required:
-            raise InvalidRequest(f"{name}: Field required")
+            raise BadField(name, f"{name}: Field required")
         return None
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if (isinstance(value, bool) and bool not in kinds) or not (
             isinstance(value, kinds) or (float in kinds and isinstance(value, int))):
-        raise InvalidRequest(f"{name}: wrong type, got {json.dumps(value)}")
+        raise BadField(name, f"{name}: Input should be {' or '.join(_KIND_NAMES[k] for k in kinds)}, got "
+                             f"{shown(value)}")
     return value
 
 
@@ -52,48 +58,57 @@ def _blocks_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
-        return "".join(str(b.get("text", "")) for b in content)
-    raise InvalidRequest(f"{where}: only text content is supported here")
+        if all(isinstance(b.get("text", ""), str) for b in content):
+            return "".join(b.get("text", "") for b in content)
+    raise BadField(where.split(".")[0], f"{where}: only text content is supported here")
 
 
 def chat_messages(body: dict) -> list[dict]:
     """Anthropic's system and messages as chat messages (OpenAI's chat shape)."""
     messages = _get(body, "messages", list, required=True)
     if not messages:
-        raise InvalidRequest("messages: at least one message is required")
+        raise BadField("messages", "messages: at least one message is required")
     out: list[dict] = []
     system = body.get("system")
     if system:
         out.append({"role": "system", "content": _blocks_text(system, "system")})
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise InvalidRequest(f"messages.{i}.role: must be 'user' or 'assistant'")
+            raise BadField("messages", f"messages.{i}.role: Input should be 'user' or 'assistant'")
         content = m.get("content")
         if isinstance(content, str):
             out.append({"role": m["role"], "content": content})
             continue
         if not isinstance(content, list):
-            raise InvalidRequest(f"messages.{i}.content: must be a string or a list of content blocks")
+            raise BadField("messages", f"messages.{i}.content: Input should be a string or a list of content blocks")
         text, calls = [], []
         for j, b in enumerate(content):
             kind = b.get("type") if isinstance(b, dict) else None
             where = f"messages.{i}.content.{j}"
             if kind == "text":
-                text.append(str(b.get("text", "")))
+                if not isinstance(b.get("text", ""), str):
+                    raise BadField("messages", f"{where}.text: Input should be a string")
+                text.append(b.get("text", ""))
             elif kind == "tool_use" and m["role"] == "assistant":
                 if not isinstance(b.get("name"), str):
-                    raise InvalidRequest(f"{where}.name: Field required")
+                    raise BadField("messages", f"{where}.name: Field required")
+                if not isinstance(b.get("id", ""), (str, type(None))):
+                    raise BadField("messages", f"{where}.id: Input should be a string")
+                if not isinstance(b.get("input", {}), (dict, type(None))):
+                    raise BadField("messages", f"{where}.input: Input should be an object")
                 calls.append({"id": b.get("id") or "", "type": "function",
                               "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
             elif kind == "tool_result" and m["role"] == "user":
+                if not isinstance(b.get("tool_use_id", ""), (str, type(None))):
+                    raise BadField("messages", f"{where}.tool_use_id: Input should be a string")
                 result = b.get("content", "")
                 result = _blocks_text(result, where) if result is not None else ""
                 if b.get("is_error"):
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": b.get("tool_use_id") or "", "content": result})
             else:
-                raise InvalidRequest(f"{where}: content blocks of type {kind!r} are not supported in a {m['role']} "
-                                     "message")
+                raise BadField("messages", f"{where}: content blocks of type {shown(kind)} are not supported in a "
+                                           f"{m['role']} message")
         if text or calls:
             msg = {"role": m["role"], "content": "".join(text)}
             if calls:
@@ -109,9 +124,15 @@ def _tools(body: dict) -> tuple[list[dict] | None, Any, bool | None]:
         converted = []
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("type") not in (None, "custom"):
-                raise InvalidRequest(f"tools.{i}: only custom tools ({{name, description, input_schema}}) are "
-                                     f"supported, got type {t.get('type') if isinstance(t, dict) else None!r}")
-            fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
+                raise BadField("tools", f"tools.{i}: only custom tools ({{name, description, input_schema}}) are "
+                                        f"supported, got type {shown(t.get('type') if isinstance(t, dict) else None)}")
+            schema = t.get("input_schema") or {"type": "object", "properties": {}}
+            if not isinstance(schema, dict):
+                raise BadField("tools", f"tools.{i}.input_schema: Input should be a JSON Schema object, got "
+                                        f"{shown(schema)}")
+            if not isinstance(t.get("description", ""), (str, type(None))):
+                raise BadField("tools", f"tools.{i}.description: Input should be a string")
+            fn = {"name": t["name"], "parameters": schema}
             if t.get("description"):
                 fn["description"] = t["description"]
             converted.append({"type": "function", "function": fn})
@@ -119,34 +140,47 @@ def _tools(body: dict) -> tuple[list[dict] | None, Any, bool | None]:
     if choice is None:
         return converted, None, None
     kind = choice.get("type")
-    mapped = {"auto": "auto", "none": "none", "any": "required"}.get(kind)
+    mapped = {"auto": "auto", "none": "none", "any": "required"}.get(kind) if isinstance(kind, str) else None
     if kind == "tool":
-        mapped = {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):
+            raise BadField("tool_choice", "tool_choice.name: Field required (a string) for type 'tool'")
+        mapped = {"type": "function", "function": {"name": choice["name"]}}
     if mapped is None:
-        raise InvalidRequest("tool_choice.type: must be auto, any, tool or none")
+        raise BadField("tool_choice", f"tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none', got "
+                                      f"{shown(kind)}")
     parallel = False if choice.get("disable_parallel_tool_use") else None
     return converted, mapped, parallel
 
 
-def _request(body: dict) -> pb.GenerateRequest:
+# The wire's fields by the names Anthropic's API gives them (in errors).
+NAMES = {"stop": "stop_sequences", "prompt": "messages"}
+
+
+def _request(body: dict, limits: RequestLimits) -> pb.GenerateRequest:
     unknown = sorted(k for k in body if k not in PARAMS)
     if unknown:
-        raise InvalidRequest(f"{unknown[0]}: Extra inputs are not permitted (not supported by this server)")
+        raise BadField(unknown[0][:80], f"{quoted(unknown[0])}: Extra inputs are not permitted (not supported by this "
+                                        "server)")
     thinking = body.get("thinking")
     if thinking not in (None, {"type": "disabled"}):
-        raise InvalidRequest("thinking: extended thinking is not supported by this server")
+        raise BadField("thinking", "thinking: extended thinking is not supported by this server")
     max_tokens = _get(body, "max_tokens", int, required=True)
-    if max_tokens < 1:
-        raise InvalidRequest("max_tokens: must be at least 1")
+    if not 1 <= max_tokens < 2**32:
+        raise BadField("max_tokens", f"max_tokens: Input should be greater than or equal to 1, got {shown(max_tokens)}")
     stop = _get(body, "stop_sequences", list) or []
     if not all(isinstance(s, str) for s in stop):
-        raise InvalidRequest("stop_sequences: must be a list of strings")
+        raise BadField("stop_sequences", "stop_sequences: Input should be a list of strings")
+    top_k = _get(body, "top_k", int)
+    if top_k is not None and not 0 <= top_k <= MAX_INT32:
+        raise BadField("top_k", f"top_k: Input should be between 0 and {MAX_INT32}, got {top_k}")
     tools, choice, parallel = _tools(body)
-    return build_request(
+    request = build_request(
         messages=chat_messages(body), model=_get(body, "model", str, required=True), max_tokens=max_tokens,
-        temperature=_get(body, "temperature", float), top_p=_get(body, "top_p", float), top_k=_get(body, "top_k", int),
+        temperature=_get(body, "temperature", float), top_p=_get(body, "top_p", float), top_k=top_k,
         stop=stop, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
         request_id=f"msg_{uuid.uuid4().hex}")
+    validate_request(request, limits, NAMES)
+    return request
 
 
 def _stop_reason(r: pb.GenerateResponse, stop: list[str]) -> tuple[str, str | None]:
@@ -176,13 +210,13 @@ def sse(event: str, data: dict) -> bytes:
 async def _create(request: web.Request) -> web.StreamResponse:
     try:
         body = await read_body(request)
-        proto = _request(body)
+        proto = _request(body, request.app[LIMITS])
         stream = bool(_get(body, "stream", bool))
         model = await served_model(request.app, proto.model)
         timeout = request_timeout(request)
         chunks = finished(within(request.app[BACKEND].generate(proto, timeout=timeout), timeout))
     except OrchardError as e:
-        return anthropic_error(e.http_status, e.message)
+        return anthropic_error(e.http_status, renamed(e.message, NAMES))
     stop = list(proto.sampling.stop)
     message = {"id": proto.request_id, "type": "message", "role": "assistant", "model": model, "content": [],
                "stop_reason": None, "stop_sequence": None, "usage": _usage(pb.Usage())}
@@ -190,7 +224,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
         try:
             first = await anext(chunks, None)
         except OrchardError as e:
-            return anthropic_error(e.http_status, e.message)
+            return anthropic_error(e.http_status, renamed(e.message, NAMES))
         if not stream:
             try:
                 blocks, r = [], first  # in the model's order: text, tool_use, text...
@@ -206,7 +240,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
                         message["usage"] = _usage(r.usage)
                     r = await anext(chunks, None)
             except OrchardError as e:
-                return anthropic_error(e.http_status, e.message)
+                return anthropic_error(e.http_status, renamed(e.message, NAMES))
             message["content"] = blocks or [{"type": "text", "text": ""}]
             return web.json_response(message)
         return await _stream(request, message, first, chunks, stop)
@@ -250,6 +284,6 @@ async def _stream(request: web.Request, message: dict, first, chunks, stop: list
         await send("message_stop")
     except OrchardError as e:
         await send("error", error={"type": ANTHROPIC_ERROR_TYPES.get(e.http_status, "api_error"),
-                                   "message": e.message})
+                                   "message": renamed(e.message, NAMES)})
     await response.write_eof()
     return response

@@ -33,10 +33,11 @@ from aiohttp import web
 
 from cluster.api.constraints import openai_extras
 from cluster.api.errors import OrchardError
-from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, ERROR_TYPES, BadField, body_field, check_params,
-                              error_response, read_body, request_timeout, served_model, sse, within)
+from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, ERROR_TYPES, LIMITS, BadField, body_field, check_params,
+                              error_response, int_field, read_body, request_timeout, served_model, sse, within)
+from cluster.api.limits import MAX_INT32, MAX_LOGPROBS, RequestLimits, quoted, shown
 from cluster.api.servicer import finished
-from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices
+from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -60,40 +61,52 @@ def _stop(body: dict) -> list[str]:
         return [stop]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return stop
-    raise BadField("stop", "'stop' must be a string or a list of strings")
+    raise BadField("stop", f"'stop' must be a string or an array of strings, got {shown(stop)}")
 
 
-def sampling_kwargs(body: dict, chat: bool) -> dict[str, Any]:
+def n_field(body: dict, limits: RequestLimits) -> int:
+    """`n`, checked against the server's max_n before anything is built for its samples."""
     n = body_field(body, "n", int, 1)
     if n < 1:
         raise BadField("n", f"n must be >= 1, got {n}")
+    if n > limits.max_n:
+        raise BadField("n", f"n={shown(n)}: at most {limits.max_n} samples per request are allowed (max_n)")
+    return n
+
+
+def sampling_kwargs(body: dict, chat: bool, limits: RequestLimits = RequestLimits()) -> dict[str, Any]:
+    """`build_request` keyword arguments for the sampling fields, each checked by the name
+    the client sent."""
+    n = n_field(body, limits)
     if n != 1 and not chat:  # completions.py takes n off the body and sets it per prompt
         raise BadField("n", "n is set per prompt by the completions endpoint")
     if body_field(body, "best_of", int, 1) != 1:
         raise BadField("best_of", "best_of is not supported")
     if body.get("echo"):
         raise BadField("echo", "echo is not supported")
-    max_tokens = body_field(body, "max_completion_tokens", int) if chat else None
+    max_tokens = int_field(body, "max_completion_tokens", low=1, high=2**32 - 1) if chat else None
     if max_tokens is None:
-        max_tokens = body_field(body, "max_tokens", int)
+        max_tokens = int_field(body, "max_tokens", low=1, high=2**32 - 1)
     if max_tokens is None and not chat:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    seed = body_field(body, "seed", int)
+    seed = int_field(body, "seed", low=-2**63, high=2**64 - 1)
     if seed is not None and seed < 0:
         seed &= 0xFFFF_FFFF_FFFF_FFFF  # OpenAI accepts negative seeds: keep them distinct
     if chat:
-        logprobs = body_field(body, "top_logprobs", int, 0) if body_field(body, "logprobs", bool, False) else None
+        want = body_field(body, "logprobs", bool, False)
+        top = int_field(body, "top_logprobs", 0, low=0, high=MAX_LOGPROBS)
+        logprobs = top if want else None
     else:
-        logprobs = body_field(body, "logprobs", int)
+        logprobs = int_field(body, "logprobs", low=0, high=MAX_LOGPROBS)
     stop_token_ids = body_field(body, "stop_token_ids", list, [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
-        raise BadField("stop_token_ids", "'stop_token_ids' must be a list of integers")
+        raise BadField("stop_token_ids", "'stop_token_ids' must be an array of integers")
     extra = {"n": n} if n != 1 else {}
     return dict(
         max_tokens=max_tokens,
         temperature=body_field(body, "temperature", float),
         top_p=body_field(body, "top_p", float),
-        top_k=body_field(body, "top_k", int),
+        top_k=int_field(body, "top_k", low=0, high=MAX_INT32),
         min_p=body_field(body, "min_p", float),
         seed=seed,
         stop=_stop(body),
@@ -132,10 +145,11 @@ def _chat_messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadField("messages", f"messages[{i}] must be an object with a string 'role'")
         if m["role"] not in _ROLES:
-            raise BadField("messages", f"messages[{i}].role {m['role']!r} is not one of {', '.join(_ROLES)}")
+            raise BadField("messages", f"messages[{i}].role {shown(m['role'])} is not one of {', '.join(_ROLES)}")
         extra = sorted(k for k in m if k not in _MESSAGE_KEYS or (k == "refusal" and m[k] is not None))
         if extra:
-            raise BadField("messages", f"messages[{i}]: {', '.join(map(repr, extra))} not supported by this server")
+            raise BadField("messages", f"messages[{i}]: {', '.join(map(quoted, extra[:5]))} not supported by this "
+                                        "server")
         content = m.get("content") or ""
         if isinstance(content, list):  # content parts: keep the text ones
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
@@ -148,7 +162,8 @@ def _chat_messages(body: dict) -> list[dict]:
         if calls is not None:
             if not isinstance(calls, list) or not all(
                     isinstance(c, dict) and isinstance(c.get("function"), dict)
-                    and isinstance(c["function"].get("name"), str) for c in calls):
+                    and isinstance(c["function"].get("name"), str) and isinstance(c.get("id", ""), (str, type(None)))
+                    and isinstance(c["function"].get("arguments", ""), (str, dict, type(None))) for c in calls):
                 raise BadField("messages", f"messages[{i}].tool_calls must be a list of "
                                             "{id, type: function, function: {name, arguments}}")
             msg["tool_calls"] = calls
@@ -182,14 +197,24 @@ CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix", "prompt_logprobs"}
 
 
-def make_request(body: dict, chat: bool, request_id: str) -> pb.GenerateRequest:
+def make_request(body: dict, chat: bool, request_id: str, limits: RequestLimits = RequestLimits()
+                 ) -> pb.GenerateRequest:
+    """The request of a chat or completions body, checked as every backend will check it,
+    with the errors naming the body's fields."""
     check_params(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
     model = body_field(body, "model", str, "")
-    kwargs = sampling_kwargs(body, chat) | openai_extras(body)  # penalties, logit_bias, structured outputs
+    kwargs = sampling_kwargs(body, chat, limits) | openai_extras(body)  # penalties, logit_bias, structured outputs
     if chat:
-        return build_request(messages=_chat_messages(body), model=model, request_id=request_id, **kwargs,
-                             **_tool_kwargs(body))
-    return build_request(_completion_prompt(body), model=model, request_id=request_id, **kwargs)
+        request = build_request(messages=_chat_messages(body), model=model, request_id=request_id, **kwargs,
+                                **_tool_kwargs(body))
+        names = {"logprobs": "top_logprobs", "prompt": "messages",
+                 "max_tokens": "max_completion_tokens" if body.get("max_completion_tokens") is not None else
+                 "max_tokens"}
+    else:
+        request = build_request(_completion_prompt(body), model=model, request_id=request_id, **kwargs)
+        names = {"messages": "prompt"}
+    validate_request(request, limits, names)
+    return request
 
 
 # -- response building --------------------------------------------------------------------
@@ -308,7 +333,7 @@ async def _model(request: web.Request) -> web.Response:
     for m in models.models:
         if m.id == model_id:
             return web.json_response(_model_json(m))
-    return error_response(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+    return error_response(404, f"The model {shown(model_id)} does not exist", param="model", code="model_not_found")
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -339,7 +364,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         stream_options = body_field(body, "stream_options", dict, {})
         include_usage = bool(stream_options.get("include_usage")) and stream
         ex = Exchange(True, "", bool(body.get("logprobs")))
-        proto = make_request(body, True, ex.id)
+        proto = make_request(body, True, ex.id, request.app[LIMITS])
         ex.model = await served_model(request.app, proto.model)
         timeout = request_timeout(request)
         chunks = finished(within(backend.generate(proto, timeout=timeout), timeout), num_choices(proto))

@@ -23,15 +23,19 @@ from typing import Any
 from aiohttp import web
 
 from cluster.api.errors import NotFound, OrchardError
-from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, ERROR_TYPES, BadField, body_field, error_response,
-                              read_body, request_timeout, served_model, within)
+from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, ERROR_TYPES, LIMITS, BadField, body_field,
+                              check_metadata, error_response, int_field, read_body, renamed, request_timeout,
+                              served_model, within)
+from cluster.api.limits import quoted, shown
 from cluster.api.servicer import finished
-from cluster.api.wire import FINISH_REASON_NAMES, build_request
+from cluster.api.wire import FINISH_REASON_NAMES, build_request, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 STORE_SIZE = 1024  # responses kept for previous_response_id, the oldest forgotten first
 _STORE = web.AppKey("responses_store", collections.OrderedDict)
 
+# The wire's fields by the names this API gives them (in errors).
+NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
 PARAMS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                     "tools", "tool_choice", "parallel_tool_calls", "previous_response_id", "store", "text",
                     "truncation", "reasoning", "include", "stream_options", "seed"}) | ACCEPTED_NO_EFFECT
@@ -69,10 +73,14 @@ def input_messages(items: Any) -> list[dict]:
         if not isinstance(item, dict):
             raise BadField("input", f"input[{i}] must be an object")
         kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise BadField("input", f"input[{i}].type must be a string, got {shown(kind)}")
         extra = set(item) - _ITEM_KEYS.get(kind, set(item))
         if extra:
             raise BadField("input", f"input[{i}]: unknown field{'s' if len(extra) > 1 else ''} "
-                                     f"{', '.join(map(repr, sorted(extra)))} in a {kind!r} item")
+                                     f"{', '.join(map(quoted, sorted(extra)[:5]))} in a {shown(kind)} item")
+        if not isinstance(item.get("call_id", ""), (str, type(None))):
+            raise BadField("input", f"input[{i}].call_id must be a string, got {shown(item['call_id'])}")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -94,7 +102,7 @@ def input_messages(items: Any) -> list[dict]:
                 output = _text(output, f"input[{i}].output") if isinstance(output, list) else json.dumps(output)
             out.append({"role": "tool", "tool_call_id": item.get("call_id") or "", "content": output})
         else:
-            raise BadField("input", f"input[{i}]: items of type {kind!r} are not supported")
+            raise BadField("input", f"input[{i}]: items of type {shown(kind)} are not supported")
     return out
 
 
@@ -106,7 +114,7 @@ def _tools(body: dict) -> list[dict] | None:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
             kind = t.get("type") if isinstance(t, dict) else None
-            raise BadField("tools", f"tools[{i}]: tools of type {kind!r} are not supported; only function tools "
+            raise BadField("tools", f"tools[{i}]: tools of type {shown(kind)} are not supported; only function tools "
                                      "({type: function, name, parameters})")
         fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
         if t.get("description"):
@@ -144,6 +152,7 @@ def _check(body: dict) -> None:
         raise BadField("truncation", "only truncation 'disabled' is supported")
     if body.get("include"):
         raise BadField("include", "'include' is not supported by this server")
+    check_metadata(body)  # echoed back and stored
 
 
 # -- response -----------------------------------------------------------------------------------
@@ -245,10 +254,16 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
 
 
+def _error(e: OrchardError) -> web.Response:
+    """An error in this API's words (the backend's field names as this API's)."""
+    param = getattr(e, "param", None)
+    return error_response(e.http_status, renamed(e.message, NAMES), NAMES.get(param, param))
+
+
 async def _get(request: web.Request) -> web.Response:
     entry = request.app[_STORE].get(request.match_info["response_id"])
     if entry is None:
-        return error_response(404, f"Response with id {request.match_info['response_id']!r} not found.",
+        return error_response(404, f"Response with id {shown(request.match_info['response_id'])} not found.",
                               param="response_id")
     return web.json_response(entry[1])
 
@@ -264,7 +279,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
         if prev:
             entry = request.app[_STORE].get(prev)
             if entry is None:
-                raise NotFound(f"Previous response with id {prev!r} not found (responses are kept in this server's "
+                raise NotFound(f"Previous response with id {shown(prev)} not found (responses are kept in this server's "
                                f"memory, the last {STORE_SIZE}, and only with store: true)")
             history = list(entry[0])
         history += input_messages(body["input"])
@@ -273,21 +288,23 @@ async def _create(request: web.Request) -> web.StreamResponse:
         stream = body_field(body, "stream", bool, False)
         body_field(body, "store", bool)
         proto = build_request(
-            messages=messages, model=body_field(body, "model", str, ""), max_tokens=body_field(body, "max_output_tokens", int),
+            messages=messages, model=body_field(body, "model", str, ""),
+            max_tokens=int_field(body, "max_output_tokens", low=1, high=2**32 - 1),
             temperature=body_field(body, "temperature", float), top_p=body_field(body, "top_p", float),
-            seed=body_field(body, "seed", int), tools=_tools(body), tool_choice=_tool_choice(body),
+            seed=int_field(body, "seed", low=0, high=2**64 - 1), tools=_tools(body), tool_choice=_tool_choice(body),
             parallel_tool_calls=body_field(body, "parallel_tool_calls", bool))
+        validate_request(proto, request.app[LIMITS], NAMES)
         turn = _Turn(body, await served_model(request.app, proto.model), history)
         proto.request_id = turn.id
         timeout = request_timeout(request)
         chunks = finished(within(request.app[BACKEND].generate(proto, timeout=timeout), timeout))
     except OrchardError as e:
-        return error_response(e.http_status, e.message, getattr(e, "param", None))
+        return _error(e)
     async with contextlib.aclosing(chunks):
         try:
             first = await anext(chunks, None)
         except OrchardError as e:
-            return error_response(e.http_status, e.message, getattr(e, "param", None))
+            return _error(e)
         if not stream:
             try:
                 r = first
@@ -295,7 +312,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
                     _take(turn, r)
                     r = await anext(chunks, None)
             except OrchardError as e:
-                return error_response(e.http_status, e.message, getattr(e, "param", None))
+                return _error(e)
             _remember(request.app, turn)
             return web.json_response(turn.obj(turn.status))
         return await _stream(request, turn, first, chunks)
@@ -378,7 +395,8 @@ async def _stream(request: web.Request, turn: _Turn, first, chunks) -> web.Strea
         await send("response.completed" if status == "completed" else "response.incomplete",
                    response=turn.obj(status))
     except OrchardError as e:
-        await send("error", code=ERROR_TYPES.get(e.http_status, "server_error"), message=e.message, param=None)
+        await send("error", code=ERROR_TYPES.get(e.http_status, "server_error"), message=renamed(e.message, NAMES),
+                   param=None)
     await response.write_eof()
     return response
 

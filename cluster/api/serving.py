@@ -7,6 +7,7 @@ port sharing), the same binding rules and the same `/metrics` + `/health` endpoi
 
 from __future__ import annotations
 
+import inspect
 import logging
 import socket
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.api.http import JsonErrorsServer, limits_of
+from cluster.api.limits import GRPC_MAX_MESSAGE_BYTES, RequestLimits
 from cluster.api.servicer import Backend
 from cluster.net import SERVER_KEEPALIVE_OPTIONS, parse_address
 from cluster.security import AuthInterceptor, SecurityConfig, allowed_hosts, http_ssl_context, server_credentials
@@ -26,10 +29,11 @@ log = logging.getLogger(__name__)
 GENERATION_SERVICE = "orchard.v1.Generation"
 GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),  # the router's channels and the SDK's agree
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
     *SERVER_KEEPALIVE_OPTIONS,
 ]
+LINGER_SECONDS = 2.0  # after an answer that left a request's body unread (aiohttp's default: 10)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -87,13 +91,60 @@ def metrics_app(metrics: MetricsEndpoint, security: SecurityConfig = SecurityCon
     return app
 
 
-async def _start_http(app: web.Application, address: str, what: str, default_host: str,
-                      ssl_context=None) -> tuple[web.AppRunner, str]:
+async def _start_http(app: web.Application, address: str, what: str, default_host: str, ssl_context=None,
+                      limits: RequestLimits = RequestLimits()) -> tuple[web.AppRunner, str]:
+    """Serve `app` on `address`. A connection that has not sent a whole request's headers
+    within `limits.http_header_timeout` (from its start, or from its last response) is
+    closed: aiohttp's keep-alive timer, which also runs while headers are read, is that
+    limit (aiohttp has no other header timeout). After an answer that left a body unread
+    (413, 408), what else the client sends is read for LINGER_SECONDS at most. aiohttp's
+    own refusals are JSON."""
     sock = bind(address, what, default_host)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=limits.http_header_timeout, lingering_time=LINGER_SECONDS)
     await runner.setup()
+    runner.server.__class__ = JsonErrorsServer  # the same server; its connections answer refusals in JSON
     await web.SockSite(runner, sock, ssl_context=ssl_context).start()
     return runner, _host_port(sock)
+
+
+class DecodeInterceptor(grpc.aio.ServerInterceptor):
+    """A request whose bytes are not the protobuf message its method takes is refused
+    INVALID_ARGUMENT, as the client's error (gRPC's own answer is UNKNOWN "Unexpected
+    DecodeError"): each method with a single request parses it itself."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, details.method
+
+        async def decoded(data: bytes, context):
+            try:
+                return parse(data)
+            except Exception as e:  # protobuf's DecodeError, or whatever a deserializer raises
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the request to {method} is not a valid protobuf message of its type ({e})")
+
+        if handler.unary_stream:
+            inner = handler.unary_stream
+
+            async def stream(data, context):
+                result = inner(await decoded(data, context), context)
+                if hasattr(result, "__aiter__"):
+                    async for item in result:
+                        yield item
+                elif inspect.isawaitable(result):  # a method that writes with context.write
+                    await result
+
+            return grpc.unary_stream_rpc_method_handler(stream, response_serializer=handler.response_serializer)
+        inner = handler.unary_unary
+
+        async def unary(data, context):
+            result = inner(await decoded(data, context), context)
+            return await result if inspect.isawaitable(result) else result
+
+        return grpc.unary_unary_rpc_method_handler(unary, response_serializer=handler.response_serializer)
 
 
 class _NamingServer:
@@ -131,7 +182,8 @@ class Endpoints:
 
     def bind_grpc(self, address: str) -> int:
         """Create the gRPC server and bind its port (not started yet); the bound port."""
-        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[AuthInterceptor(self.security.keys())])
+        server = grpc.aio.server(options=GRPC_OPTIONS,
+                                 interceptors=[AuthInterceptor(self.security.keys()), DecodeInterceptor()])
         host, _ = parse_address(address, self.default_host)
         creds = server_credentials(self.security)
         try:
@@ -182,7 +234,8 @@ class Endpoints:
                              allowed_hosts=allowed_hosts(self.security, host),
                              cors_origins=tuple(o.strip() for o in (self.security.cors_origins or "").split(",")
                                                 if o.strip()))
-            runner, self.addresses["http"] = await _start_http(app, http_address, "HTTP", self.default_host, ssl_context)
+            runner, self.addresses["http"] = await _start_http(app, http_address, "HTTP", self.default_host, ssl_context,
+                                                               limits_of(backend))
             self._runners.append(runner)
 
     async def set_serving(self, serving: bool) -> None:

@@ -16,7 +16,8 @@ import json
 import uuid
 from typing import Any, Callable, Iterable, Mapping
 
-from cluster.api.errors import InvalidRequest
+from cluster.api.errors import BadField, InvalidRequest
+from cluster.api.limits import MAX_ID_CHARS, MAX_NAME_CHARS, shown
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 ToolParser = Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools): a call dict or a list of them
@@ -34,20 +35,23 @@ def parse_tools(tools_json: str) -> list[dict]:
     try:
         tools = json.loads(tools_json)
     except ValueError as e:
-        raise InvalidRequest(f"tools is not valid JSON: {e}") from None
+        raise BadField("tools", f"tools is not valid JSON: {e}") from None
     if not isinstance(tools, list):
-        raise InvalidRequest("tools must be a list of tool definitions")
+        raise BadField("tools", "tools must be a list of tool definitions")
     names = set()
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise InvalidRequest(f"tools[{i}]: only tools of type 'function' are supported")
+            raise BadField("tools", f"tools[{i}]: only tools of type 'function' are supported")
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise InvalidRequest(f"tools[{i}].function.name is required")
+            raise BadField("tools", f"tools[{i}].function.name is required")
+        if len(fn["name"]) > MAX_NAME_CHARS:
+            raise BadField("tools", f"tools[{i}].function.name has {len(fn['name'])} characters: at most "
+                                    f"{MAX_NAME_CHARS} are allowed")
         if "parameters" in fn and not isinstance(fn["parameters"], dict):
-            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON Schema object")
+            raise BadField("tools", f"tools[{i}].function.parameters must be a JSON Schema object")
         if fn["name"] in names:
-            raise InvalidRequest(f"tools[{i}]: a second function named {fn['name']!r}")
+            raise BadField("tools", f"tools[{i}]: a second function named {fn['name']!r}")
         names.add(fn["name"])
     return tools
 
@@ -61,27 +65,46 @@ def tool_choice_mode(request: pb.GenerateRequest) -> str:
         return "function"
     mode = request.tool_choice.mode
     if mode not in ("none", "auto", "required"):
-        raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or a function, got {mode!r}")
+        raise BadField("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a function, got "
+                                      f"{shown(mode)}")
     return mode
 
 
-def validate_tools(request: pb.GenerateRequest) -> None:
-    """The tool fields of a request, checked the same way by every backend."""
-    tools = parse_tools(request.tools)
+def validate_tools(request: pb.GenerateRequest, named: Callable[[str], str] = str) -> None:
+    """The tool fields of a request, checked the same way by every backend (`named`: the
+    name the client knows a wire field by)."""
+    try:
+        tools = parse_tools(request.tools)
+    except BadField as e:
+        raise BadField(named(e.param), e.message) from None
     if (request.tools or request.HasField("tool_choice") or request.HasField("parallel_tool_calls")) \
             and request.WhichOneof("prompt") != "chat":
-        raise InvalidRequest("tools, tool_choice and parallel_tool_calls need a chat prompt (messages)")
-    mode = tool_choice_mode(request)
+        raise BadField(named("tools"), "tools, tool_choice and parallel_tool_calls need a chat prompt (messages)")
+    choice = named("tool_choice")
+    try:
+        mode = tool_choice_mode(request)
+    except BadField as e:
+        raise BadField(choice, e.message) from None
     if mode in ("required", "function"):
         if not tools:
-            raise InvalidRequest(f"tool_choice {mode!r} needs tools")
+            raise BadField(choice, f"{choice} {mode!r} needs tools")
         names = {t["function"]["name"] for t in tools}
         if mode == "function" and request.tool_choice.function not in names:
-            raise InvalidRequest(f"tool_choice names function {request.tool_choice.function!r}, which is not in tools")
-    for m in request.chat.messages:
+            raise BadField(choice, f"{choice} names function {shown(request.tool_choice.function)}, which is not in "
+                                   "tools")
+    for i, m in enumerate(request.chat.messages):
+        if len(m.role) > MAX_NAME_CHARS or len(m.name) > MAX_NAME_CHARS or len(m.tool_call_id) > MAX_ID_CHARS:
+            what = ("role", m.role, MAX_NAME_CHARS) if len(m.role) > MAX_NAME_CHARS else \
+                ("name", m.name, MAX_NAME_CHARS) if len(m.name) > MAX_NAME_CHARS else \
+                ("tool_call_id", m.tool_call_id, MAX_ID_CHARS)
+            raise BadField(named("messages"), f"{named('messages')}[{i}].{what[0]} has {len(what[1])} characters: at "
+                                              f"most {what[2]} are allowed")
         for call in m.tool_calls:
             if not call.name:
-                raise InvalidRequest("a tool call in the chat history has no function name")
+                raise BadField(named("messages"), "a tool call in the chat history has no function name")
+            if len(call.name) > MAX_NAME_CHARS or len(call.id) > MAX_ID_CHARS:
+                raise BadField(named("messages"), f"{named('messages')}[{i}]: a tool call's name is at most "
+                                                  f"{MAX_NAME_CHARS} characters and its id at most {MAX_ID_CHARS}")
             _arguments(call.arguments)
 
 

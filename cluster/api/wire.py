@@ -12,14 +12,14 @@ engine keeps only the checks that protect its own invariants.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from cluster.api.constraints import check_sampling, structured_proto
-from cluster.api.errors import InvalidRequest
+from cluster.api.errors import BadField, InvalidRequest
+from cluster.api.limits import MAX_ID_CHARS, MAX_INT32, MAX_LOGPROBS, MAX_NAME_CHARS, RequestLimits, shown
 from cluster.api.tools import validate_tools
-from cluster.config import setting
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
+
 
 # What an unset `sampling.max_tokens` means for a text or token prompt (a chat runs to the
 # end of the context; the .proto says so too).
@@ -34,7 +34,10 @@ FINISH_REASON_TO_PROTO = {
 }
 FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASON_TO_PROTO.items()} | {pb.FINISH_REASON_UNSPECIFIED: None}
 
-_MAX_TOKENS_MESSAGE = "max_tokens must be an integer >= 1, got {}"
+_MAX_TOKENS_MESSAGE = "{} must be an integer >= 1, got {}"
+# The range of each integer field of SamplingParams on the wire.
+_INT_RANGES = {"max_tokens": (0, 2**32 - 1), "top_k": (-2**31, MAX_INT32), "seed": (0, 2**64 - 1),
+               "logprobs": (0, 2**32 - 1), "prompt_logprobs": (0, 2**32 - 1), "n": (0, 2**32 - 1)}
 
 Message = Mapping[str, str] | tuple[str, str]
 
@@ -92,7 +95,7 @@ def build_request(
         elif isinstance(prompt, str):
             req.text = prompt
         else:
-            req.token_ids.ids.extend(int(t) for t in prompt)
+            req.token_ids.ids.extend(_token_ids("prompt", prompt))
             req.token_ids.SetInParent()
         s = req.sampling
         for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
@@ -103,32 +106,53 @@ def build_request(
             if value is None:
                 continue
             if name == "max_tokens" and isinstance(value, int) and value < 0:
-                raise InvalidRequest(_MAX_TOKENS_MESSAGE.format(value))
+                raise BadField(name, _MAX_TOKENS_MESSAGE.format(name, value))
+            low, high = _INT_RANGES.get(name, (None, None))
+            if low is not None and isinstance(value, int) and not low <= value <= high:
+                raise BadField(name, f"{name} must be an integer between {low} and {high}, got {value}")
             try:
                 setattr(s, name, value)
-            except (ValueError, TypeError) as e:
-                raise InvalidRequest(f"{name}={value!r} cannot be sent: {e}") from None
+            except (ValueError, TypeError):
+                raise BadField(name, f"{name} must be a number, got {shown(value)}") from None
         if stop:
             s.stop.extend([stop] if isinstance(stop, str) else list(stop))
         if stop_token_ids:
-            s.stop_token_ids.extend(int(t) for t in stop_token_ids)
+            s.stop_token_ids.extend(_token_ids("stop_token_ids", stop_token_ids))
         s.ignore_eos = bool(ignore_eos)
         for token, bias in (logit_bias or {}).items():
-            s.logit_bias[int(token)] = float(bias)
+            s.logit_bias[_token_ids("logit_bias", [token])[0]] = float(bias)
         if structured is not None:
             s.structured.CopyFrom(structured_proto(structured))
         s.echo = bool(echo)
         if resume_token_ids:
-            req.resume_token_ids.extend(int(t) for t in resume_token_ids)
+            req.resume_token_ids.extend(_token_ids("resume_token_ids", resume_token_ids))
         if tools:
             req.tools = tools if isinstance(tools, str) else json.dumps(list(tools), ensure_ascii=False)
         if tool_choice is not None:
             _set_tool_choice(req.tool_choice, tool_choice)
         if parallel_tool_calls is not None:
             req.parallel_tool_calls = bool(parallel_tool_calls)
+    except InvalidRequest:
+        raise
     except (ValueError, TypeError) as e:  # out of the wire types' range
         raise InvalidRequest(f"invalid request: {e}") from None
     return req
+
+
+def _token_ids(name: str, ids: Iterable) -> list[int]:
+    """Token ids as the wire's int32s, or BadField naming `name`, the range and the value
+    (ids past int32 cannot be sent; the server refuses a negative one, or one past its
+    vocabulary, in its own words)."""
+    out = []
+    for t in ids:
+        try:
+            t = int(t)
+        except (TypeError, ValueError):
+            raise BadField(name, f"{name} token ids are integers, got {shown(t)}") from None
+        if not -MAX_INT32 - 1 <= t <= MAX_INT32:  # the wire's int32 (a negative one is refused by its check)
+            raise BadField(name, f"{name} token id {t} is out of range: token ids are 0 .. {MAX_INT32}")
+        out.append(t)
+    return out
 
 
 def _add_message(messages, m: Mapping) -> None:
@@ -168,53 +192,57 @@ def _set_tool_choice(choice: pb.ToolChoice, value: str | Mapping) -> None:
 CHARS_PER_TOKEN_BOUND = 32
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one request may ask for, so that no request costs the server without bound
-    (stop strings are matched at every token on the engine thread)."""
-
-    max_stop_strings: int = setting(16, "stop strings per request at most")
-    max_stop_string_length: int = setting(256, "characters per stop string at most")
-    max_stop_token_ids: int = setting(64, "stop token ids per request at most")
-    max_n: int = setting(16, "samples per request (n) at most")
-    max_pooling_inputs: int = setting(256, "inputs of one embedding request (documents of one rerank) at most")
-
-
-def validate_request(request: pb.GenerateRequest, limits: RequestLimits = RequestLimits()) -> None:
-    """Raise InvalidRequest, with what to fix, for a request no server can serve."""
+def validate_request(request: pb.GenerateRequest, limits: RequestLimits = RequestLimits(),
+                     names: Mapping[str, str] | None = None) -> None:
+    """Raise InvalidRequest, with what to fix, for a request no server can serve: the
+    message names the field, the limit and the value, and `param` the field. `names` maps
+    a wire field to the name the client knows it by (an HTTP front's: "stop" is
+    "stop_sequences" in Anthropic's API), for the fronts that check a request before they
+    send it."""
+    named = (lambda field: names.get(field, field)) if names else (lambda field: field)
+    if len(request.request_id) > MAX_ID_CHARS:
+        raise BadField("request_id", f"request_id has {len(request.request_id)} characters: at most {MAX_ID_CHARS} "
+                                     "are allowed")
+    if len(request.model) > MAX_NAME_CHARS:
+        raise BadField(named("model"), f"{named('model')} has {len(request.model)} characters: no model's name is "
+                                       f"longer than {MAX_NAME_CHARS}")
     which = request.WhichOneof("prompt")
     if which is None:
         raise InvalidRequest("the request has no prompt: set one of text, token_ids or chat")
     if which == "text" and not request.text:
-        raise InvalidRequest("the prompt is empty: send some text")
+        raise BadField(named("prompt"), "the prompt is empty: send some text")
     if which == "token_ids" and not request.token_ids.ids:
-        raise InvalidRequest("the prompt is empty: send at least one token")
+        raise BadField(named("prompt"), "the prompt is empty: send at least one token")
     if which == "chat" and not request.chat.messages:
-        raise InvalidRequest("the chat has no messages: send at least one")
+        raise BadField(named("messages"), "the chat has no messages: send at least one")
     s = request.sampling
     if s.HasField("max_tokens") and s.max_tokens < 1:
-        raise InvalidRequest(_MAX_TOKENS_MESSAGE.format(s.max_tokens))
+        raise BadField(named("max_tokens"), _MAX_TOKENS_MESSAGE.format(named("max_tokens"), s.max_tokens))
+    stop = named("stop")
     if len(s.stop) > limits.max_stop_strings:
-        raise InvalidRequest(f"{len(s.stop)} stop strings: at most {limits.max_stop_strings} are allowed")
+        raise BadField(stop, f"{len(s.stop)} stop strings: at most {limits.max_stop_strings} are allowed in '{stop}'")
     longest = max((len(x) for x in s.stop), default=0)
     if longest > limits.max_stop_string_length:
-        raise InvalidRequest(f"a stop string of {longest} characters: at most {limits.max_stop_string_length} "
-                             "are allowed")
+        raise BadField(stop, f"a stop string of {longest} characters: at most {limits.max_stop_string_length} are "
+                             f"allowed in '{stop}'")
     if any(not x for x in s.stop):
-        raise InvalidRequest("an empty stop string would stop at once: remove it")
+        raise BadField(stop, f"an empty stop string in '{stop}' would stop at once: remove it")
+    ids = named("stop_token_ids")
     if len(s.stop_token_ids) > limits.max_stop_token_ids:
-        raise InvalidRequest(f"{len(s.stop_token_ids)} stop token ids: at most {limits.max_stop_token_ids} are "
-                             "allowed")
+        raise BadField(ids, f"{len(s.stop_token_ids)} stop token ids: at most {limits.max_stop_token_ids} are "
+                            f"allowed in '{ids}'")
     if any(t < 0 for t in s.stop_token_ids):
-        raise InvalidRequest("stop token ids must be >= 0")
-    check_sampling(s)
+        raise BadField(ids, f"'{ids}': stop token ids must be >= 0, got {min(s.stop_token_ids)}")
+    check_sampling(s, named)
     if num_choices(request) > limits.max_n:
-        raise InvalidRequest(f"n={s.n}: at most {limits.max_n} samples per request are allowed")
+        raise BadField(named("n"), f"{named('n')}={s.n}: at most {limits.max_n} samples per request are allowed "
+                                   "(max_n)")
     if s.n > 1 and request.resume_token_ids:
-        raise InvalidRequest("a request with n > 1 cannot be resumed (resume_token_ids)")
-    if s.HasField("prompt_logprobs") and s.prompt_logprobs > 20:
-        raise InvalidRequest(f"prompt_logprobs must be between 0 and 20, got {s.prompt_logprobs}")
-    validate_tools(request)
+        raise BadField("resume_token_ids", "a request with n > 1 cannot be resumed (resume_token_ids)")
+    for name in ("logprobs", "prompt_logprobs"):
+        if s.HasField(name) and getattr(s, name) > MAX_LOGPROBS:
+            raise BadField(named(name), f"{named(name)} must be between 0 and {MAX_LOGPROBS}, got {getattr(s, name)}")
+    validate_tools(request, named)
 
 
 def num_choices(request: pb.GenerateRequest) -> int:

@@ -8,6 +8,7 @@ import grpc
 
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.router.breaker import CLOSED
 from cluster.router.registry import STATE_NAMES
 from cluster.security import NO_SECURITY, ClientSecurity, channel, client_from_args
 
@@ -18,13 +19,16 @@ def _call(router: str, method: str, request, security: ClientSecurity = NO_SECUR
 
 
 def format_workers(workers: list[pb.WorkerInfo]) -> str:
-    """One row per worker: id, address, model, state, running, waiting, KV %, in-flight."""
+    """One row per worker: id, address, model, state (and its circuit breaker when not
+    closed), running, waiting, KV %, in-flight."""
     header = ("ID", "ADDRESS", "MODEL", "STATE", "RUNNING", "WAITING", "KV %", "INFLIGHT")
     rows = [header]
     for w in workers:
         total = w.load.kv_blocks_total
         kv = f"{100.0 * w.load.kv_blocks_used / total:.1f}" if total else "-"
         state = STATE_NAMES.get(w.state, "unknown") + (" (static)" if w.static else "")
+        if w.circuit and w.circuit != CLOSED:  # placed on by no request until it closes
+            state += f", circuit {w.circuit.replace('_', '-')}"
         rows.append((w.worker_id, w.address, w.model or "-", state, str(w.load.num_running),
                      str(w.load.num_waiting), kv, str(w.inflight)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

@@ -32,8 +32,9 @@ from typing import AsyncIterator
 import grpc
 
 from cluster.api import errors
+from cluster.api.limits import GRPC_MAX_MESSAGE_BYTES, MAX_TIMEOUT_SECONDS, RequestLimits
 from cluster.api.pooling import EMBED, GENERATE, SCORE, validate_embed_request, validate_score_request
-from cluster.api.wire import RequestLimits, num_choices, validate_request
+from cluster.api.wire import num_choices, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router import metrics as m
 from cluster.router.breaker import RetryBudget, backoff
@@ -89,6 +90,26 @@ def _cancelling() -> bool:
     return task is not None and getattr(task, "cancelling", lambda: 0)() > 0
 
 
+def _too_large(e: grpc.aio.AioRpcError) -> bool:
+    """gRPC refused a message of the call over its size limit (RESOURCE_EXHAUSTED, as a
+    full queue is): the request's size is at fault, not the worker."""
+    return e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or "")
+
+
+def _client_error(e: grpc.aio.AioRpcError) -> errors.OrchardError:
+    """The client's error for a worker's answer that is not the worker failing."""
+    if _too_large(e):
+        return errors.InvalidRequest(f"a message of this request is larger than gRPC's {GRPC_MAX_MESSAGE_BYTES} "
+                                     f"byte limit: {e.details()}")
+    return errors.from_rpc_error(e)
+
+
+def _deadline_held(timeout: float | None) -> float | None:
+    """A deadline gRPC can hold: one past MAX_TIMEOUT_SECONDS (inf, 1e308) is none; gRPC's
+    own arithmetic overflows and fails the call at once."""
+    return None if timeout is None or not timeout < MAX_TIMEOUT_SECONDS else timeout
+
+
 class _WorkerFailed(Exception):
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
@@ -108,6 +129,11 @@ class RouterBackend:
         self.budget = RetryBudget()
 
     @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask for here (the HTTP front checks the same)."""
+        return self.config.limits
+
+    @property
     def serving(self) -> bool:
         """Some worker can take a request (the HTTP /health and gRPC health say so)."""
         return self.registry.can_serve
@@ -121,6 +147,7 @@ class RouterBackend:
         except errors.InvalidRequest:
             self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
             raise
+        timeout = _deadline_held(timeout)
         t0 = time.perf_counter()
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         keys = prompt_keys(request) if isinstance(self.policy, PrefixAware) else []
@@ -214,11 +241,11 @@ class RouterBackend:
                 code = e.code()
                 if stream.abandoned is not None:  # we cancelled it: the worker stalled
                     failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, stream.abandoned), m.FAILED
-                elif code not in RETRYABLE:
+                elif code not in RETRYABLE or _too_large(e):  # the request's own error: the worker answered
                     outcome = m.ERROR
                     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                         self.metrics.deadline_exceeded.inc()
-                    raise errors.from_rpc_error(e) from None
+                    raise _client_error(e) from None
                 else:
                     failure = _WorkerFailed(code, e.details() or code.name)
                     outcome = m.FAILED
@@ -267,6 +294,7 @@ class RouterBackend:
         except errors.InvalidRequest:
             self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
             raise
+        timeout = _deadline_held(timeout)
         t0 = time.perf_counter()
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         upstream = type(request)()
@@ -316,11 +344,11 @@ class RouterBackend:
                 code = e.code()
                 if pending.abandoned is not None:
                     failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, pending.abandoned), m.FAILED
-                elif code not in RETRYABLE:
+                elif code not in RETRYABLE or _too_large(e):  # the request's own error
                     outcome = m.ERROR
                     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
                         self.metrics.deadline_exceeded.inc()
-                    raise errors.from_rpc_error(e) from None
+                    raise _client_error(e) from None
                 else:
                     failure, outcome = _WorkerFailed(code, e.details() or code.name), m.FAILED
                     if code in UNREACHABLE:

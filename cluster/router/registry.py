@@ -125,6 +125,7 @@ class WorkerRecord:
             load=self.report,
             inflight=self.inflight,
             static=self.static,
+            circuit=self.breaker.state,
         )
 
 

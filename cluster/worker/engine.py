@@ -28,7 +28,7 @@ from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.scheduler import Scheduler
 from cluster.worker.sequence import Sequence, SequenceStatus
 from cluster.worker.state_slots import StateSlots
-from cluster.worker.structured import GrammarCompiler, fill_bitmasks
+from cluster.worker.structured import GrammarCompiler, fill_bitmasks, grammar_error
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,9 @@ class RequestOutput:
     # a pooling request's result, with its finish: the embedding (float32 [dimensions]) or
     # the score ([1]); no tokens
     pooled: np.ndarray | None = None
+    # set when the request ended ("abort") for what it asked: its structured output could not
+    # go on (the grammar ran past the constrained decoder's limits). The client's error.
+    error: str | None = None
 
 
 @dataclass
@@ -479,11 +482,14 @@ class Engine:
         params = seq.sampling_params
         self.stats.generation_tokens += 1
         detok = self.detoks[seq.request_id]
-        status = None
+        status = error = None
         stop_string = detok.add(token)
-        if seq.matcher is not None and not seq.matcher.consume_token(token):
-            # cannot happen (the mask allowed only what the grammar accepts): end it, never emit past it
-            log.error("engine: %s: token %d broke its grammar: %s", seq.request_id, token, seq.matcher.get_error())
+        if seq.matcher is not None and (not seq.matcher.consume_token(token) or seq.matcher.is_error()):
+            # The matcher gave up (its mask then allows only EOS): the grammar ran past llguidance's
+            # limits. The request's fault: it ends with the reason, never as an empty "stop".
+            error = grammar_error(params.structured, seq.matcher, seq.num_output_tokens - 1)
+            log.warning("engine: %s: %s", seq.request_id, error)
+            self.grammars.forget(params.structured)  # its shared lexer may be spent: compiled afresh next time
             status = SequenceStatus.FINISHED_ABORTED
         elif stop_string is not None:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_string
@@ -514,6 +520,7 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            error=error,
         )
         if params.logprobs is not None:
             out.logprobs = [result.logprobs[row]]

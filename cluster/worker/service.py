@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from cluster.api.errors import AlreadyExists, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
+from cluster.api.errors import AlreadyExists, BadField, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
 from cluster.api.pooling import (EMBED, GENERATE, SCORE, refuse_task, score_pairs, validate_embed_request,
                                  validate_score_request)
 from cluster.api.tools import ToolCallStream, parse_tools, split_chunk, template_messages, tool_choice_mode
@@ -124,6 +124,10 @@ class WorkerService:
         self._next_id = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchard-tokenize")
+        # Grammars compile (and are walked a first step) on their own thread: a costly one
+        # (up to seconds for a hostile regex) delays other constrained requests, never a
+        # chat template or a tokenization.
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-grammar")
         self._markers_checked: dict[tuple[str, ...], bool] = {}
         self.pooler = None  # the model's pooling (set by start)
         self.tasks: tuple[str, ...] = (GENERATE,)
@@ -153,6 +157,7 @@ class WorkerService:
         """Stop the engine thread (live requests end as aborted) and the tokenizer pool."""
         await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     def on_engine_events(self, now: float, events: list) -> None:
         """Called on the engine thread: hop onto the event loop once per step."""
@@ -195,11 +200,11 @@ class WorkerService:
             raise refuse_task(self.model_name, GENERATE, self.tasks)
         self._check_cost(request)  # before any work
         tool_stream = self._tool_stream(request)
-        self._force_tool_call(request)
+        forced = self._force_tool_call(request)
         resume = list(request.resume_token_ids)
         early = sampling_params_from_proto(request, len(resume))  # the engine's ranges, before tokenizing
         if early is not None and early.structured is not None:
-            await self._compile(early.structured)
+            await self._compile(early.structured, forced)
         prompt = await self._prompt_token_ids(request)
         self._check_length(len(prompt), len(resume))
         params = sampling_params_from_proto(request, len(resume), check_fits(request, len(prompt),
@@ -233,6 +238,7 @@ class WorkerService:
                 while not stream.queue.empty():  # a slow reader gets the backlog as one chunk
                     events.append(stream.queue.get_nowait())
                 chunks: dict[int, pb.GenerateResponse] = {}  # by sample index, in the order they come
+                gave_up = None  # the client's error a sample ended with: raised after what came before it
                 for ev in events:
                     if isinstance(ev, Rejected):
                         finished = True
@@ -240,6 +246,9 @@ class WorkerService:
                     if isinstance(ev, Failed):
                         finished = True
                         raise InternalError(ev.message)
+                    if ev.error is not None:  # ended for what it asked: the client's error, not the worker's
+                        gave_up, left = InvalidRequest(ev.error), left - 1
+                        break
                     chunk = chunks.get(ev.index)
                     if chunk is None:
                         chunk = chunks[ev.index] = pb.GenerateResponse(request_id=rid, worker_id=self.worker_id,
@@ -270,6 +279,9 @@ class WorkerService:
                         if (part.token_ids or part.text or part.tool_calls or part.finish_reason
                                 or part.HasField("usage")):
                             yield part
+                if gave_up is not None:
+                    finished = True
+                    raise gave_up
         finally:
             self._streams.pop(engine_id, None)
             self._running.discard(rid)
@@ -438,15 +450,19 @@ class WorkerService:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
-    async def _compile(self, spec: StructuredOutput) -> None:
+    async def _compile(self, spec: StructuredOutput, forced: str | None = None) -> None:
         """Compile (and cache) a structured output's grammar before any engine work, off
-        the event loop: a schema that cannot be compiled is the request's fault."""
+        the event loop: a schema that cannot be compiled, or that no output can follow, is
+        the request's fault. `forced`: the tool_choice whose call the grammar forces."""
         if self.grammars is None:
             raise InvalidRequest("structured outputs are not supported by this worker's engine")
         try:
-            await asyncio.get_running_loop().run_in_executor(self._pool, self.grammars.compile, spec)
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.grammars.compile, spec)
         except InvalidGrammar as e:
-            raise InvalidRequest(str(e)) from None
+            if forced is not None:
+                raise BadField("tools", f"tool_choice {forced} forces a call that the tools' parameters schemas "
+                                        f"make impossible: {str(e).replace('the grammar', 'the call')}") from None
+            raise BadField("response_format", str(e)) from None
 
     def _tool_stream(self, request: pb.GenerateRequest) -> ToolCallStream | None:
         """The parser of this model's tool calls for a request that offers tools (None
@@ -465,15 +481,16 @@ class WorkerService:
         parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
         return ToolCallStream(start, end, tok.tool_parser, parse_tools(request.tools), parallel)
 
-    def _force_tool_call(self, request: pb.GenerateRequest) -> None:
+    def _force_tool_call(self, request: pb.GenerateRequest) -> str | None:
         """tool_choice "required" or a named function: the request's output is constrained
         (a grammar in its `structured` field) to one call in the family's own format,
         {"name", "arguments"} JSON between its markers, the arguments following the
         function's parameters schema. Only for families whose calls are that JSON (mlx-lm's
-        json_tools parser: Hermes, Qwen, ...); others are refused by name."""
+        json_tools parser: Hermes, Qwen, ...); others are refused by name. Returns the
+        choice (for messages), None when nothing is forced."""
         mode = tool_choice_mode(request)
         if mode not in ("required", "function"):
-            return
+            return None
         what = "'required'" if mode == "required" else f"function {request.tool_choice.function!r}"
         if request.sampling.HasField("structured"):
             raise InvalidRequest(f"tool_choice {what} and a structured output (response_format) cannot be combined: "
@@ -491,6 +508,7 @@ class WorkerService:
         except InvalidGrammar as e:
             raise InvalidRequest(str(e)) from None
         request.sampling.structured.grammar = spec.spec
+        return what
 
     def _markers_survive(self, *markers: str) -> bool:
         """The tool-call markers come through the engine's detokenizer (which skips special tokens)."""

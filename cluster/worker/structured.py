@@ -39,6 +39,7 @@ import numpy as np
 from cluster.worker.sampling_params import StructuredOutput
 
 _CACHE_SIZE = 256
+_PROBE_TOKENS = 256  # forced tokens a new grammar's first walk follows at most
 # OpenAI's layout, {"a": 1, "b": [2, 3]}, and no other whitespace: a model (a random one
 # above all) given free whitespace can spend its whole budget on it.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -82,14 +83,20 @@ def grammar_text(spec: StructuredOutput) -> str:
 
 class GrammarCompiler:
     """Compiles specs against one tokenizer; thread-safe (the worker's asyncio side checks
-    a request's spec before queueing it, the engine thread takes matchers)."""
+    a request's spec before queueing it, the engine thread takes matchers).
+
+    A spec is compiled, then walked a first step on a copy (`_first_steps`): a grammar no
+    output can match (a schema that only refers to itself, a regex of no string), one that
+    matches only the empty string, and one past llguidance's limits on its first tokens
+    (a{1000000}) are refused here, as the request's fault, before any engine work. Refusals
+    are cached too, so a client repeating one pays nothing again."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Iterable[int] = ()):
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the HF one
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._lltok = None
-        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()  # a matcher, or the InvalidGrammar
         self._lock = threading.Lock()
         self.compiles = 0  # cache misses, for tests
 
@@ -109,23 +116,68 @@ class GrammarCompiler:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
-                return hit
+        if isinstance(hit, InvalidGrammar):
+            raise InvalidGrammar(str(hit))
+        if hit is not None:
+            return hit
+        try:
+            matcher = self._compile(spec)
+        except InvalidGrammar as e:
+            self._remember(spec, e)
+            raise
+        self._remember(spec, matcher)
+        return matcher
+
+    def forget(self, spec: StructuredOutput) -> None:
+        """Drop `spec`'s matcher: a sequence found it past llguidance's limits (their budget,
+        the lexer's, is shared by every copy), so the next request compiles it afresh."""
+        with self._lock:
+            self._cache.pop(spec, None)
+
+    def _remember(self, spec: StructuredOutput, entry) -> None:
+        with self._lock:
+            self.compiles += 1
+            self._cache[spec] = entry
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+
+    def _compile(self, spec: StructuredOutput):
         import llguidance
 
         tok = self.lltokenizer
         grammar = grammar_text(spec)
-        error = llguidance.LLMatcher.validate_grammar(grammar, tok)
+        what = spec.kind.replace("_", " ")
+        error = llguidance.LLMatcher.validate_grammar(grammar, tok, limits=_limits())
         if error:
-            raise InvalidGrammar(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {error.strip()}")
-        matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+            raise InvalidGrammar(f"the {what} cannot be compiled: {_first_line(error)}")
+        matcher = llguidance.LLMatcher(tok, grammar, log_level=0, limits=_limits())
         if matcher.is_error():
-            raise InvalidGrammar(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {matcher.get_error()}")
-        with self._lock:
-            self.compiles += 1
-            self._cache[spec] = matcher
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+            raise InvalidGrammar(f"the {what} cannot be compiled: {_first_line(matcher.get_error())}")
+        self._first_steps(matcher, what)
         return matcher
+
+    def _first_steps(self, matcher, what: str) -> None:
+        """Walk a copy of `matcher` through its first mask, the text it forces (a tool call's
+        opening, at most _PROBE_TOKENS tokens) or else one allowed token, and the next mask;
+        InvalidGrammar when that shows no output can follow it (see the class)."""
+        probe = matcher.deep_copy()
+        mask = allocate_bitmask(1, self.vocab_size)
+        probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if probe.is_error():
+            raise InvalidGrammar(f"the {what} matches no output: {_first_line(probe.get_error())}")
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:self.vocab_size])
+        text = [int(t) for t in allowed if int(t) not in self._eos]
+        if not text:
+            raise InvalidGrammar(f"the {what} matches only the empty string: there is nothing to generate")
+        forced = probe.compute_ff_tokens()[:_PROBE_TOKENS]
+        if probe.is_error() or not probe.consume_tokens(forced or text[:1]) or probe.is_error():
+            raise InvalidGrammar(f"the {what} cannot be followed past its first tokens: "
+                                 f"{_first_line(probe.get_error())}")
+        if not probe.is_stopped():
+            probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            if probe.is_error():
+                raise InvalidGrammar(f"the {what} matches no output past its first tokens: "
+                                     f"{_first_line(probe.get_error())}")
 
     def matcher_for(self, spec: StructuredOutput, tokens: Sequence[int] = ()):
         """A fresh matcher for one sequence, advanced over `tokens` (already generated);
@@ -133,8 +185,36 @@ class GrammarCompiler:
         matcher = self.compile(spec).deep_copy()
         if tokens and not matcher.consume_tokens([int(t) for t in tokens]):
             raise InvalidGrammar(f"the tokens already generated do not fit the {spec.kind.replace('_', ' ')}: "
-                                 f"{matcher.get_error()}")
+                                 f"{_first_line(matcher.get_error())}")
         return matcher
+
+
+def grammar_error(spec: StructuredOutput, matcher, num_tokens: int) -> str:
+    """What to tell a client whose sequence's matcher gave up after `num_tokens` tokens."""
+    return (f"the structured output's {spec.kind.replace('_', ' ')} could not be followed after {num_tokens} "
+            f"tokens (it runs past the constrained decoder's limits: simplify it): "
+            f"{_first_line(matcher.get_error())}")
+
+
+def _first_line(error: str) -> str:
+    """An llguidance error on one line, without the parser state it may append."""
+    text = " ".join((error or "").split("<state>", 1)[0].replace("<non-verbose/>", "").split())
+    if text == "NoExtensionBias":  # llguidance's word for a grammar with no string in it
+        text = "no finite text satisfies it (NoExtensionBias)"
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+_LIMITS = None
+
+
+def _limits():
+    """llguidance's default limits, with short errors (no parser state in messages or logs)."""
+    global _LIMITS
+    if _LIMITS is None:
+        import llguidance
+
+        _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+    return _LIMITS
 
 
 def _byte_level_alphabet() -> dict[int, str]:
@@ -205,7 +285,7 @@ def closed_objects(schema):
     if not isinstance(schema, dict):
         return schema
     out = {k: closed_objects(v) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
+    for key in _SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             out[key] = {name: closed_objects(sub) for name, sub in schema[key].items()}
     if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
@@ -214,14 +294,47 @@ def closed_objects(schema):
 
 
 _SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "allOf", "oneOf", "not", "if", "then", "else",
-                             "additionalProperties", "contains"})
+                             "additionalProperties", "contains", "propertyNames", "unevaluatedItems",
+                             "unevaluatedProperties"})
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def rebased(schema, root: str):
+    """`schema` with each local `$ref` ("#", "#/$defs/Loc", ...) pointing at the same place
+    once the schema itself sits at `root` ("#/$defs/args_0") inside a larger one; None when
+    it has no local reference (it can be embedded as it is)."""
+    found = False
+
+    def walk(node):
+        nonlocal found
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                found = True
+                out[key] = root + value[1:]
+            elif key in _SUBSCHEMA_KEYS:
+                out[key] = walk(value)
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                out[key] = {name: walk(sub) for name, sub in value.items()}
+            else:
+                out[key] = value
+        return out
+
+    out = walk(schema)
+    return out if found else None
 
 
 def tool_call_constraint(tools: Sequence[dict], tool_choice: str | dict = "required",
                          family_format: tuple[str, str] | None = None) -> StructuredOutput:
     """A constraint that forces one tool call as JSON, {"name": ..., "arguments": {...}},
     the arguments following the function's `parameters` schema (its objects closed to
-    undeclared keys: `closed_objects`): any of `tools` for
+    undeclared keys: `closed_objects`; a schema with local references, such as pydantic's
+    `$defs` and "#/$defs/Loc", moved under the wrapper's `$defs` with them rebased): any of
+    `tools` for
     `tool_choice="required"`, or the named one (`"name"`, or OpenAI's
     {"type": "function", "function": {"name": ...}}). `tools` are in OpenAI's shape
     ({"type": "function", "function": {"name", "parameters"}}) or bare functions.
@@ -241,14 +354,22 @@ def tool_call_constraint(tools: Sequence[dict], tool_choice: str | dict = "requi
         chosen = [f for f in functions if f["name"] == tool_choice]
         if not chosen:
             raise InvalidGrammar(f"tool_choice names {tool_choice!r}, which is not among the tools")
-    variants = [{
-        "type": "object",
-        "properties": {"name": {"const": f["name"]},
-                       "arguments": closed_objects(f.get("parameters") or {"type": "object", "properties": {}})},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    } for f in chosen]
+    variants, defs = [], {}
+    for i, f in enumerate(chosen):
+        arguments = closed_objects(f.get("parameters") or {"type": "object", "properties": {}})
+        moved = rebased(arguments, f"#/$defs/arguments_{i}")
+        if moved is not None:  # its references ("#/$defs/Loc", "#") are to its own root: keep it one
+            defs[f"arguments_{i}"] = moved
+            arguments = {"$ref": f"#/$defs/arguments_{i}"}
+        variants.append({
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": arguments},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    if defs:
+        schema["$defs"] = defs
     if family_format is None:
         return StructuredOutput("json_schema", json.dumps(schema))
     schema["x-guidance"] = JSON_OPTIONS  # a Lark %json block takes its options from the schema

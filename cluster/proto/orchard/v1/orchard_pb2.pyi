@@ -433,7 +433,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model", "state", "load", "inflight", "static")
+    __slots__ = ("worker_id", "address", "model", "state", "load", "inflight", "static", "circuit")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -441,6 +441,7 @@ class WorkerInfo(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     STATIC_FIELD_NUMBER: _ClassVar[int]
+    CIRCUIT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model: str
@@ -448,7 +449,8 @@ class WorkerInfo(_message.Message):
     load: LoadReport
     inflight: int
     static: bool
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., inflight: _Optional[int] = ..., static: _Optional[bool] = ...) -> None: ...
+    circuit: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., inflight: _Optional[int] = ..., static: _Optional[bool] = ..., circuit: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

@@ -1,0 +1,63 @@
+"""What one request may ask for, and how long and how large a client may be in sending
+it: one place, read by the HTTP fronts, the gRPC servers and channels, the router and the
+worker, so a request is refused (INVALID_ARGUMENT / HTTP 4xx, the message naming the field,
+the limit and the value) the same way wherever it comes in, before any work that grows
+with what it asks for.
+
+`RequestLimits` holds what an operator may change (flags of `orchard worker serve` and
+`orchard router serve`, the "request limits" group); the constants below are the wire's
+own bounds, the same for every server and client.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.config import setting
+
+# gRPC messages, both ways, on every server (worker, router), every channel the router opens
+# to a worker, and the SDK's channels: a message one side accepts, the other can carry.
+GRPC_MAX_MESSAGE_BYTES = 64 << 20
+HTTP_MAX_BODY_BYTES = 32 << 20  # an HTTP request body (413 beyond)
+MAX_ID_CHARS = 256  # request_id, a tool call's id: copied into every chunk and every log line
+MAX_NAME_CHARS = 256  # a model's, a function's or a message author's name
+MAX_LOGPROBS = 20  # alternatives per token (logprobs, top_logprobs, prompt_logprobs), as OpenAI's
+MAX_INT32 = 2**31 - 1  # token ids, top_k: the wire's int32 fields
+# A deadline longer than this is no deadline (gRPC's own arithmetic overflows near 1e11 s).
+MAX_TIMEOUT_SECONDS = 30 * 86400.0
+MAX_SHOWN_CHARS = 80  # of a value quoted back in an error message
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for, so that no request costs the server without bound
+    (stop strings are matched at every token on the engine thread; n samples each hold a
+    sequence), and how long a client may take to send one (a slow client holds a
+    connection, never the server)."""
+
+    max_stop_strings: int = setting(16, "stop strings per request at most")
+    max_stop_string_length: int = setting(256, "characters per stop string at most")
+    max_stop_token_ids: int = setting(64, "stop token ids per request at most")
+    max_n: int = setting(16, "samples per request (n) at most")
+    max_pooling_inputs: int = setting(256, "inputs of one embedding request (documents of one rerank) at most")
+    http_header_timeout: float = setting(
+        15.0, "seconds an HTTP client may take to send a request's headers (and an idle keep-alive connection "
+              "stays open): a slower one is disconnected")
+    http_body_timeout: float = setting(60.0, "seconds an HTTP client may take to send a request's body (408 after)")
+
+
+def shown(value: Any) -> str:
+    """`value` as JSON for an error message, cut to MAX_SHOWN_CHARS (an error never echoes
+    a client's megabytes back)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS]}... ({len(text)} characters)"
+
+
+def quoted(name: str) -> str:
+    """A field name or key a client sent, quoted for a message and cut to MAX_SHOWN_CHARS."""
+    return repr(name if len(name) <= MAX_SHOWN_CHARS else name[:MAX_SHOWN_CHARS] + "...")
