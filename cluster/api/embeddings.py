@@ -26,6 +26,7 @@ import numpy as np
 from aiohttp import web
 
 from cluster.api.errors import DeadlineExceeded, NotFound, OrchardError
+from cluster.api.limits import shown
 from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, BadField, body_field, check_params, error_response,
                               read_body, request_timeout, served_model)
 from cluster.api.pooling import build_embed_request, build_score_request
@@ -84,7 +85,7 @@ async def embeddings(request: web.Request) -> web.Response:
         check_params(body, EMBEDDING_PARAMS)
         fmt = body_field(body, "encoding_format", str, "float")
         if fmt not in ("float", "base64"):
-            raise BadField("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
+            raise BadField("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {shown(fmt)}")
         dimensions = body_field(body, "dimensions", int)
         if dimensions is not None and dimensions < 1:
             raise BadField("dimensions", f"'dimensions' must be >= 1, got {dimensions}")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from cluster.api.errors import InvalidRequest
-from cluster.api.wire import RequestLimits
+from cluster.api.errors import BadField, InvalidRequest
+from cluster.api.limits import quoted
+from cluster.api.wire import RequestLimits, check_id_and_model, checked_token_ids
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 # what a model serves, as ModelInfo.tasks / LoadReport.tasks name it
@@ -30,7 +31,7 @@ def refuse_task(model: str, task: str, served: Sequence[str]) -> InvalidRequest:
     served = tasks_of(served)
     kind = ("an embedding model" if EMBED in served and GENERATE not in served else
             "a reranker" if SCORE in served else "a generation model")
-    return InvalidRequest(f"model {model!r} is {kind}: it serves {' and '.join(TASK_WORDS[t] for t in served)}, "
+    return InvalidRequest(f"model {quoted(model)} is {kind}: it serves {' and '.join(TASK_WORDS[t] for t in served)}, "
                           f"not {TASK_WORDS[task].split(' (')[0]}")
 
 
@@ -50,11 +51,13 @@ def build_embed_request(inputs: str | Sequence[str] | Sequence[int] | Sequence[S
                 req.inputs.add(text=x)
             elif isinstance(x, Sequence) and all(_is_token(t) for t in x):
                 item = req.inputs.add()
-                item.token_ids.ids.extend(int(t) for t in x)
+                item.token_ids.ids.extend(checked_token_ids("input", x))
                 item.token_ids.SetInParent()
             else:
                 raise InvalidRequest("each input must be a string or a list of token ids")
         if dimensions is not None:
+            if not 0 <= dimensions < 2**32:
+                raise BadField("dimensions", f"dimensions must be between 1 and {2**32 - 1}, got {dimensions}")
             req.dimensions = dimensions
         if normalize is not None:
             req.normalize = bool(normalize)
@@ -77,6 +80,7 @@ def build_score_request(queries: str | Sequence[str], documents: str | Sequence[
 
 
 def validate_embed_request(request: pb.EmbedRequest, limits: RequestLimits = RequestLimits()) -> None:
+    check_id_and_model(request)
     n = len(request.inputs)
     if n == 0:
         raise InvalidRequest("the input is empty: send at least one text or list of token ids")
@@ -94,6 +98,7 @@ def validate_embed_request(request: pb.EmbedRequest, limits: RequestLimits = Req
 
 
 def validate_score_request(request: pb.ScoreRequest, limits: RequestLimits = RequestLimits()) -> None:
+    check_id_and_model(request)
     q, d = len(request.queries), len(request.documents)
     if q == 0 or d == 0:
         raise InvalidRequest("send a query and at least one document")

@@ -17,7 +17,7 @@ import uuid
 from typing import Any, Callable, Iterable, Mapping
 
 from cluster.api.errors import BadField, InvalidRequest
-from cluster.api.limits import MAX_ID_CHARS, MAX_NAME_CHARS, shown
+from cluster.api.limits import MAX_ID_CHARS, MAX_NAME_CHARS, quoted, shown
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 ToolParser = Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools): a call dict or a list of them
@@ -51,7 +51,7 @@ def parse_tools(tools_json: str) -> list[dict]:
         if "parameters" in fn and not isinstance(fn["parameters"], dict):
             raise BadField("tools", f"tools[{i}].function.parameters must be a JSON Schema object")
         if fn["name"] in names:
-            raise BadField("tools", f"tools[{i}]: a second function named {fn['name']!r}")
+            raise BadField("tools", f"tools[{i}]: a second function named {quoted(fn['name'])}")
         names.add(fn["name"])
     return tools
 

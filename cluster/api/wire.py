@@ -95,7 +95,7 @@ def build_request(
         elif isinstance(prompt, str):
             req.text = prompt
         else:
-            req.token_ids.ids.extend(_token_ids("prompt", prompt))
+            req.token_ids.ids.extend(checked_token_ids("prompt", prompt))
             req.token_ids.SetInParent()
         s = req.sampling
         for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
@@ -117,15 +117,15 @@ def build_request(
         if stop:
             s.stop.extend([stop] if isinstance(stop, str) else list(stop))
         if stop_token_ids:
-            s.stop_token_ids.extend(_token_ids("stop_token_ids", stop_token_ids))
+            s.stop_token_ids.extend(checked_token_ids("stop_token_ids", stop_token_ids))
         s.ignore_eos = bool(ignore_eos)
         for token, bias in (logit_bias or {}).items():
-            s.logit_bias[_token_ids("logit_bias", [token])[0]] = float(bias)
+            s.logit_bias[checked_token_ids("logit_bias", [token])[0]] = float(bias)
         if structured is not None:
             s.structured.CopyFrom(structured_proto(structured))
         s.echo = bool(echo)
         if resume_token_ids:
-            req.resume_token_ids.extend(_token_ids("resume_token_ids", resume_token_ids))
+            req.resume_token_ids.extend(checked_token_ids("resume_token_ids", resume_token_ids))
         if tools:
             req.tools = tools if isinstance(tools, str) else json.dumps(list(tools), ensure_ascii=False)
         if tool_choice is not None:
@@ -139,7 +139,7 @@ def build_request(
     return req
 
 
-def _token_ids(name: str, ids: Iterable) -> list[int]:
+def checked_token_ids(name: str, ids: Iterable) -> list[int]:
     """Token ids as the wire's int32s, or BadField naming `name`, the range and the value
     (ids past int32 cannot be sent; the server refuses a negative one, or one past its
     vocabulary, in its own words)."""
@@ -161,7 +161,7 @@ def _add_message(messages, m: Mapping) -> None:
     if content is None:
         content = ""
     if not isinstance(content, str):
-        raise InvalidRequest(f"a {m.get('role')!r} message's content must be text")
+        raise InvalidRequest(f"a {shown(m.get('role'))} message's content must be text")
     msg = messages.add(role=m["role"], content=content, tool_call_id=m.get("tool_call_id") or "",
                        name=m.get("name") or "")
     for call in m.get("tool_calls") or ():
@@ -192,6 +192,17 @@ def _set_tool_choice(choice: pb.ToolChoice, value: str | Mapping) -> None:
 CHARS_PER_TOKEN_BOUND = 32
 
 
+def check_id_and_model(request, model_field: str = "model") -> None:
+    """A request's id and model name within their bounds (any request type that has them):
+    the id is copied into every chunk and log line, the name into messages."""
+    if len(request.request_id) > MAX_ID_CHARS:
+        raise BadField("request_id", f"request_id has {len(request.request_id)} characters: at most {MAX_ID_CHARS} "
+                                     "are allowed")
+    if len(request.model) > MAX_NAME_CHARS:
+        raise BadField(model_field, f"{model_field} has {len(request.model)} characters: no model's name is longer "
+                                    f"than {MAX_NAME_CHARS}")
+
+
 def validate_request(request: pb.GenerateRequest, limits: RequestLimits = RequestLimits(),
                      names: Mapping[str, str] | None = None) -> None:
     """Raise InvalidRequest, with what to fix, for a request no server can serve: the
@@ -200,12 +211,7 @@ def validate_request(request: pb.GenerateRequest, limits: RequestLimits = Reques
     "stop_sequences" in Anthropic's API), for the fronts that check a request before they
     send it."""
     named = (lambda field: names.get(field, field)) if names else (lambda field: field)
-    if len(request.request_id) > MAX_ID_CHARS:
-        raise BadField("request_id", f"request_id has {len(request.request_id)} characters: at most {MAX_ID_CHARS} "
-                                     "are allowed")
-    if len(request.model) > MAX_NAME_CHARS:
-        raise BadField(named("model"), f"{named('model')} has {len(request.model)} characters: no model's name is "
-                                       f"longer than {MAX_NAME_CHARS}")
+    check_id_and_model(request, named("model"))
     which = request.WhichOneof("prompt")
     if which is None:
         raise InvalidRequest("the request has no prompt: set one of text, token_ids or chat")

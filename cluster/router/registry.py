@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.api.limits import quoted
 from cluster.api.pooling import GENERATE, refuse_task, tasks_of
 from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -176,7 +177,7 @@ class Registry:
                 sorted({t for w in others for t in tasks_of(w.report.tasks)})).message)
         if not serving:
             known = sorted({w.model for w in self.workers.values() if w.model})
-            what = f"model {model!r}" if model else "any model"
+            what = f"model {quoted(model)}" if model else "any model"
             raise RegistryError(
                 grpc.StatusCode.NOT_FOUND if model else grpc.StatusCode.UNAVAILABLE,
                 f"no worker serves {what}" + (f" (served: {', '.join(known)})" if known else " (no workers registered)"),

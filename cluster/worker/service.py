@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from cluster.api.errors import AlreadyExists, BadField, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
+from cluster.api.limits import quoted
 from cluster.api.pooling import (EMBED, GENERATE, SCORE, refuse_task, score_pairs, validate_embed_request,
                                  validate_score_request)
 from cluster.api.tools import ToolCallStream, parse_tools, split_chunk, template_messages, tool_choice_mode
@@ -194,7 +195,7 @@ class WorkerService:
             raise Unavailable(f"worker {self.worker_id}'s engine has made no progress for {self.stall_timeout:g} s "
                               "(stalled): send this request elsewhere")
         if request.model and request.model != self.model_name:
-            raise NotFound(f"model {request.model!r} is not served here; this worker serves {self.model_name!r}")
+            raise NotFound(f"model {quoted(request.model)} is not served here; this worker serves {self.model_name!r}")
         validate_request(request, self.limits)
         if GENERATE not in self.tasks:
             raise refuse_task(self.model_name, GENERATE, self.tasks)
@@ -211,7 +212,7 @@ class WorkerService:
                                                                              self.config.max_model_len))
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._running:
-            raise AlreadyExists(f"request id {rid!r} is already running on this worker: use a unique id")
+            raise AlreadyExists(f"request id {quoted(rid)} is already running on this worker: use a unique id")
         if params is None:  # everything was generated elsewhere already
             yield pb.GenerateResponse(
                 request_id=rid, finish_reason=pb.FINISH_REASON_LENGTH, worker_id=self.worker_id,
@@ -347,7 +348,7 @@ class WorkerService:
             raise Unavailable(f"worker {self.worker_id}'s engine has made no progress for {self.stall_timeout:g} s "
                               "(stalled): send this request elsewhere")
         if model and model != self.model_name:
-            raise NotFound(f"model {model!r} is not served here; this worker serves {self.model_name!r}")
+            raise NotFound(f"model {quoted(model)} is not served here; this worker serves {self.model_name!r}")
         if task not in self.tasks:
             raise refuse_task(self.model_name, task, self.tasks)
 
@@ -378,7 +379,7 @@ class WorkerService:
         the ones still running."""
         rid = request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._running:
-            raise AlreadyExists(f"request id {rid!r} is already running on this worker: use a unique id")
+            raise AlreadyExists(f"request id {quoted(rid)} is already running on this worker: use a unique id")
         stream = _Stream(arrival)
         base = f"{rid}@{next(self._next_id)}"
         ids = [f"{base}/{i}" for i in range(len(prompts))]
@@ -491,7 +492,7 @@ class WorkerService:
         mode = tool_choice_mode(request)
         if mode not in ("required", "function"):
             return None
-        what = "'required'" if mode == "required" else f"function {request.tool_choice.function!r}"
+        what = "'required'" if mode == "required" else f"function {quoted(request.tool_choice.function)}"
         if request.sampling.HasField("structured"):
             raise InvalidRequest(f"tool_choice {what} and a structured output (response_format) cannot be combined: "
                                  "send one of them")
