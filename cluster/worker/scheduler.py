@@ -78,6 +78,10 @@ _LOOKAHEAD = 32
 MAX_PROMPT_LOGPROB_ROWS = 512
 
 
+def _unstarted_pooling(seq: Sequence) -> bool:
+    return seq.sampling_params.pooling is not None and not seq.num_preemptions
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, state_slots: StateSlots | None = None):
         """`state_slots`: a hybrid model's recurrent-state slots, taken at admission beside
@@ -110,11 +114,19 @@ class Scheduler:
             )
 
     def add(self, seq: Sequence, front: bool = False) -> None:
-        """Queue `seq` (`front`: first in line, as a sample forked from a running request)."""
+        """Queue `seq` (`front`: first in line, as a sample forked from a running request).
+        With `generation_first`, a generation request goes ahead of the pooling requests
+        (embeddings, scores) that have not started: a batch of embeddings is throughput
+        work, a chat's first token is waited for."""
         self.check_fits(seq.num_tokens)
         seq.status = SequenceStatus.WAITING
         if front:
             self.waiting.appendleft(seq)
+        elif self.config.generation_first and seq.sampling_params.pooling is None and self.waiting:
+            at = len(self.waiting)
+            while at and _unstarted_pooling(self.waiting[at - 1]):
+                at -= 1
+            self.waiting.insert(at, seq)
         else:
             self.waiting.append(seq)
 

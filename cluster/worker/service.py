@@ -330,8 +330,12 @@ class WorkerService:
         validate_score_request(request, self.limits)
         prompts = []
         for i, (query, document) in enumerate(score_pairs(request)):
-            text = yes_no_prompt(query, document, request.instruction or None)
-            ids = await self._pooling_tokens(text, f"document {i} with its query")
+            if self.pooler.score_format == "pair":  # a cross-encoder: the tokenizer's own pair encoding
+                ids = await self._pooling_tokens(query + document, f"document {i} with its query",
+                                                 lambda _: self.tokenizer.encode(query, text_pair=document))
+            else:
+                text = yes_no_prompt(query, document, request.instruction or None)
+                ids = await self._pooling_tokens(text, f"document {i} with its query")
             self._check_pooling_length(len(ids), f"document {i} with its query")
             prompts.append(ids)
         outs = await self._run_pooled(request.request_id, prompts,
@@ -352,15 +356,17 @@ class WorkerService:
         if task not in self.tasks:
             raise refuse_task(self.model_name, task, self.tasks)
 
-    async def _pooling_tokens(self, text: str, what: str) -> list[int]:
+    async def _pooling_tokens(self, text: str, what: str, encode=None) -> list[int]:
+        """`text`'s token ids (`encode(text)`, default the tokenizer's), its length checked first."""
         bound = CHARS_PER_TOKEN_BOUND * self.config.max_model_len
         if len(text) > bound:
             raise InvalidRequest(f"{what} has {len(text)} characters, more than max_model_len="
                                  f"{self.config.max_model_len} tokens can hold (at most {bound} characters are read): "
                                  "shorten it")
+        encode = encode or self.tokenizer.encode
         if len(text) <= INLINE_TOKENIZE_CHARS:
-            return list(self.tokenizer.encode(text))
-        return list(await asyncio.get_running_loop().run_in_executor(self._pool, self.tokenizer.encode, text))
+            return list(encode(text))
+        return list(await asyncio.get_running_loop().run_in_executor(self._pool, encode, text))
 
     def _check_pooling_length(self, n: int, what: str) -> None:
         if n > self.config.max_model_len:
