@@ -12,7 +12,7 @@ all on one app over the shared base (`cluster.api.http`). Sampling fields:
 max_tokens (max_completion_tokens; a chat without it runs to the end of the context),
 temperature, top_p, n, seed, stop, stream_options.include_usage, logprobs (top_logprobs
 for chat), presence_penalty, frequency_penalty, logit_bias, response_format, tools,
-tool_choice, parallel_tool_calls (chat), and the extensions ignore_eos, top_k, min_p,
+tool_choice, parallel_tool_calls (chat), and the extensions ignore_eos, top_k, min_p, speculative,
 stop_token_ids, repetition_penalty, vLLM's guided_* and structured_outputs
 (`cluster.api.constraints`). Any other parameter is a 400 that names it, except
 ACCEPTED_NO_EFFECT (user, metadata, store, ...), which real clients send and which change
@@ -113,6 +113,7 @@ def sampling_kwargs(body: dict, chat: bool, limits: RequestLimits = RequestLimit
         stop_token_ids=stop_token_ids,
         ignore_eos=body_field(body, "ignore_eos", bool, False),
         logprobs=logprobs,
+        speculative=body_field(body, "speculative", bool),
         **extra,
     )
 
@@ -188,7 +189,7 @@ def _tool_kwargs(body: dict) -> dict[str, Any]:
 # What the chat and completions endpoints read (everything else is refused by name).
 _COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "seed", "stop",
                      "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-                     "top_k", "min_p", "stop_token_ids", "ignore_eos", "repetition_penalty", "response_format",
+                     "top_k", "min_p", "stop_token_ids", "ignore_eos", "repetition_penalty", "response_format", "speculative",
                      "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
                     ) | ACCEPTED_NO_EFFECT
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",

@@ -70,6 +70,7 @@ def build_request(
     tools: Sequence[Mapping] | str | None = None,
     tool_choice: str | Mapping | None = None,
     parallel_tool_calls: bool | None = None,
+    speculative: bool | None = None,
 ) -> pb.GenerateRequest:
     """A `GenerateRequest` from keyword arguments: exactly one of a text prompt, a list of
     token ids, or chat `messages` ({"role", "content"} dicts or (role, content) pairs; a
@@ -78,6 +79,7 @@ def build_request(
     {"type": "function", "function": {"name": ...}}. `n` samples share the prompt (chunks
     carry their `index`); `prompt_logprobs` asks for each prompt token's logprob (+ that
     many alternatives) in the first chunk; `echo` for the prompt's ids and text there.
+    `speculative` False opts out of the worker's speculative decoding (True asks for it).
     Values the wire types cannot hold (a negative max_tokens, a seed past 64 bits) are
     InvalidRequest; everything else is the server's to judge (`validate_request`)."""
     if (prompt is None) == (messages is None):
@@ -124,6 +126,8 @@ def build_request(
         if structured is not None:
             s.structured.CopyFrom(structured_proto(structured))
         s.echo = bool(echo)
+        if speculative is not None:
+            s.speculative = bool(speculative)
         if resume_token_ids:
             req.resume_token_ids.extend(checked_token_ids("resume_token_ids", resume_token_ids))
         if tools:

@@ -335,6 +335,12 @@ def format_report(r: dict, args) -> str:
         row("Prefix-cache hit rate (%):", None if rate is None else 100 * rate)
         row("Prompt tokens (server):", s["prompt_tokens"], "{:<10}")
         row("Generated tokens (server):", s["generation_tokens"], "{:<10}")
+        if s.get("spec_draft_tokens"):
+            row("Spec-decode acceptance rate (%):", 100 * s["spec_acceptance_rate"])
+            row("Spec-decode draft tokens:", s["spec_draft_tokens"], "{:<10}")
+            row("Spec-decode accepted tokens:", s["spec_accepted_tokens"], "{:<10}")
+            by_pos = ", ".join(f"{100 * v:.0f}" for v in s["spec_acceptance_by_position"])
+            lines.append(f"{'Acceptance by draft position (%):':<40}{by_pos}")
         for outcome, n in sorted(s["router_requests_by_outcome"].items()):
             row(f"Router attempts, {outcome}:", n, "{:<10}")
         kinds = {"retry": "Router retries (before 1st token):", "resume": "Router resumes (mid-stream):"}

@@ -28,6 +28,10 @@ COUNTERS = (
     "orchard_request_success_total",
     "orchard_router_requests_total",
     "orchard_router_retries_total",
+    "orchard_spec_decode_num_drafts_total",
+    "orchard_spec_decode_num_draft_tokens_total",
+    "orchard_spec_decode_num_accepted_tokens_total",
+    "orchard_spec_decode_num_accepted_tokens_per_pos_total",
 )
 STEP_KV_HISTOGRAM = "orchard_step_kv_cache_usage_ratio"
 GAUGES = ("orchard_kv_cache_usage_ratio", "orchard_num_requests_running", "orchard_num_requests_waiting")
@@ -74,6 +78,11 @@ class ServerSummary:
     prefix_cache_hit_rate: float | None = None
     prompt_tokens: int | None = None
     generation_tokens: int | None = None
+    # speculative decoding (workers with --speculative-config): draft tokens scored and accepted
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
+    spec_acceptance_rate: float | None = None  # accepted / draft tokens
+    spec_acceptance_by_position: list[float] = field(default_factory=list)  # accepted at j / verify rounds
     router_requests_by_outcome: dict[str, int] = field(default_factory=dict)
     router_retries_by_kind: dict[str, int] = field(default_factory=dict)
     kv_series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # worker -> [(t, usage)]
@@ -214,6 +223,16 @@ class ServerMetricsSampler:
             s.prefix_cache_hit_rate = (s.prefix_cache_hits or 0) / s.prefix_cache_queries
         s.prompt_tokens = as_int(delta("orchard_prompt_tokens_total"))
         s.generation_tokens = as_int(delta("orchard_generation_tokens_total"))
+        s.spec_draft_tokens = as_int(delta("orchard_spec_decode_num_draft_tokens_total"))
+        s.spec_accepted_tokens = as_int(delta("orchard_spec_decode_num_accepted_tokens_total"))
+        if s.spec_draft_tokens:
+            s.spec_acceptance_rate = (s.spec_accepted_tokens or 0) / s.spec_draft_tokens
+            rounds = delta("orchard_spec_decode_num_drafts_total") or 0
+            positions = sorted({int(dict(lv)["position"]) for u in after for n, lv in after[u]
+                                if n == "orchard_spec_decode_num_accepted_tokens_per_pos_total"})
+            for j in positions:
+                d = delta("orchard_spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) or 0
+                s.spec_acceptance_by_position.append(d / rounds if rounds else 0.0)
         for label, name, target in (("outcome", "orchard_router_requests_total", s.router_requests_by_outcome),
                                     ("kind", "orchard_router_retries_total", s.router_retries_by_kind)):
             values = set()

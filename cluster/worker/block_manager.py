@@ -189,6 +189,23 @@ class BlockManager:
                     self.free_queue[bid] = None  # cached: most recently used, evicted last
         seq.block_table = []
 
+    def trim(self, seq: _Seq, num_tokens: int) -> None:
+        """Release `seq`'s blocks past its first `num_tokens` tokens (the rejected drafts'
+        positions after a speculative step: nothing there is read again). Such a block is
+        never cached (only computed full blocks are), so it goes to the front of the free
+        queue, to be reused first."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            bid = seq.block_table.pop()
+            block = self.blocks[bid]
+            if block.ref_count <= 0:
+                raise AssertionError(f"double free of block {bid}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[bid] = None
+                if block.hash is None:
+                    self.free_queue.move_to_end(bid, last=False)
+
     def cache_full_blocks(self, seq: _Seq) -> None:
         """Register `seq`'s computed full blocks in the prefix cache (after a forward)."""
         if not self.enable_prefix_caching:

@@ -9,6 +9,7 @@ from cluster.api.wire import RequestLimits
 from cluster.config import setting
 from cluster.security import SecurityConfig
 from cluster.worker.group.config import GroupOptions
+from cluster.worker.spec_decode.config import SpeculativeConfig
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -63,6 +64,11 @@ class EngineConfig:
         True, "serve embedding and score requests first come first served beside generation (default: a "
               "generation request goes ahead of the embedding and score requests not yet started)",
         flag="--no-generation-first", negate=True)
+    # vLLM's --speculative-config (cluster/worker/spec_decode/config.py); None: no speculation
+    speculative_config: str | None = setting(
+        None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, '
+              '"num_speculative_tokens": 4} (requests may opt out with speculative: false)', metavar="JSON")
     seed: int = 0
 
     def validate(self) -> None:
@@ -81,6 +87,10 @@ class EngineConfig:
             problems.append("finish_wait_ms must be in [0, 1000]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             problems.append("num_kv_blocks must be >= 1")
+        try:
+            SpeculativeConfig.parse(self.speculative_config)
+        except ValueError as e:
+            problems.append(str(e))
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
 

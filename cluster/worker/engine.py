@@ -27,6 +27,8 @@ from cluster.worker.sampler import Sampler
 from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.scheduler import Scheduler
 from cluster.worker.sequence import Sequence, SequenceStatus
+from cluster.worker.spec_decode import build_speculator
+from cluster.worker.spec_decode.verify import accept_drafts
 from cluster.worker.state_slots import StateSlots
 from cluster.worker.structured import GrammarCompiler, fill_bitmasks, grammar_error
 
@@ -87,6 +89,7 @@ class EngineStats:
     # KV_USAGE_BUCKETS: a load's peak from every step, not from when a scraper looked.
     kv_usage_step_counts: list = field(default_factory=lambda: [0] * len(KV_USAGE_BUCKETS))
     kv_usage_step_sum: float = 0.0
+    spec_decode: object | None = None  # spec_decode.SpecStats when speculating (vLLM's counters)
 
     def observe_kv_usage(self, usage: float) -> None:
         self.kv_usage_step_counts[bisect.bisect_left(KV_USAGE_BUCKETS, usage)] += 1
@@ -144,6 +147,10 @@ class Engine:
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         self.stats = EngineStats(num_blocks_total=num_blocks,
                                  state_slots_total=self.state_slots.num_slots if hybrid else 0)
+        # speculative decoding (--speculative-config; None: off): spec_decode/
+        self.speculator = build_speculator(self.config, model, model_name, hybrid)
+        if self.speculator is not None:
+            self.stats.spec_decode = self.speculator.stats
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
@@ -184,6 +191,9 @@ class Engine:
             raise QueueFullError(f"the waiting queue is full ({cap} requests): retry later")
         if params.n > 1 and resume_token_ids:
             raise ValueError("a request with n > 1 cannot be resumed")
+        if params.speculative and self.speculator is None:
+            raise ValueError("speculative: true, but speculative decoding is off on this worker: start it with "
+                             "--speculative-config (or leave speculative unset)")
         if params.n > 1 and any(rid.startswith(request_id + "#") for rid in self.seqs):
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.pooling is not None:
@@ -315,6 +325,8 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self._rows_estimate())
         plan = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if not plan.is_empty:
@@ -329,26 +341,28 @@ class Engine:
             if batch.prompt_rows:
                 self._prompt_logprobs(plan, batch, logits)
                 logits = logits[mx.array(batch.sample_index, dtype=mx.int32)] if sampling else None
-            result = None
-            if sampling:
-                masked = [i for i, e in enumerate(sampling) if e.seq.matcher is not None]
-                bitmask = None
-                if masked:  # the grammar masks, on this thread, while MLX runs the forward
-                    mx.async_eval(logits)
-                    bitmask = fill_bitmasks([sampling[i].seq.matcher for i in masked], logits.shape[1])
-                result = self.sampler(
-                    logits, [e.seq.sampling_params for e in sampling], [e.seq.num_output_tokens for e in sampling],
-                    [(e.seq.token_ids, e.seq.num_prompt_tokens) for e in sampling], bitmask, masked,
-                )
+            result = self._sample(sampling, logits) if sampling else None
             mx.eval(self.runner.pool_arrays())
-            self.stats.forward_seconds += time.perf_counter() - t1
-            sampled = {id(e.seq): tok for e, tok in zip(sampling, result.token_ids)} if result else {}
-            produced = self.scheduler.postprocess(plan, sampled)
+            elapsed = time.perf_counter() - t1
+            self.stats.forward_seconds += elapsed
+            kept: dict[int, list[int]] = {}
+            first_row: dict[int, int] = {}  # id(seq) -> its first sampled row in `result`
+            row = 0
+            for e in sampling:
+                first_row[id(e.seq)] = row
+                drawn = result.token_ids[row : row + 1 + len(e.spec_token_ids)]
+                kept[id(e.seq)] = accept_drafts(e.spec_token_ids, drawn)
+                row += len(drawn)
+                if self.speculator is not None:
+                    self.speculator.record(e.spec_token_ids, kept[id(e.seq)], e.seq)
+            if self.speculator is not None:
+                self.speculator.observe_step(elapsed, batch.num_tokens)
+            produced = self.scheduler.postprocess(plan, kept)
             for e in produced:  # before any finishes (and frees its blocks)
                 if e.seq.request_id in self.forks:
                     self._fork(e.seq)
-            for i, e in enumerate(produced):
-                outputs.append(self._on_token(e.seq, result, i))
+            for e in produced:
+                outputs.append(self._on_tokens(e.seq, kept[id(e.seq)], result, first_row[id(e.seq)]))
             if pooling:
                 outputs += self._finish_pooled([e for e in plan.scheduled
                                                 if e.sample and e.seq.sampling_params.pooling is not None])
@@ -356,6 +370,40 @@ class Engine:
         self.stats.step_seconds += time.perf_counter() - t0
         self._refresh_stats()
         return outputs
+
+    def _rows_estimate(self) -> int:
+        """The next step's rows before drafts: its decodes, and the prefill tokens that
+        will run beside them as far as the budget allows."""
+        s = self.scheduler
+        decodes = sum(1 for q in s.running if not q.is_prefilling)
+        pending = sum(q.num_uncomputed_tokens for q in s.running if q.is_prefilling)
+        if len(s.running) < self.config.max_num_seqs:
+            pending += sum(q.num_uncomputed_tokens for q in list(s.waiting)[:8])
+        return decodes + min(pending, max(0, self.config.max_num_batched_tokens - decodes))
+
+    def _sample(self, sampling, logits: mx.array):
+        """Sample every sampled row: one per entry, or 1 + k for an entry with drafts, row j
+        as a plain decode would sample it after the entry's first j drafts (its penalties'
+        history, its grammar's state, its seed's noise for that output index)."""
+        rows = [(e, j) for e in sampling for j in range(1 + len(e.spec_token_ids))]
+        constrained = [e for e in sampling if e.seq.matcher is not None]
+        masked = [i for i, (e, _) in enumerate(rows) if e.seq.matcher is not None]
+        bitmask = None
+        if masked:  # the grammar masks, on this thread, while MLX runs the forward
+            mx.async_eval(logits)
+            bitmask = fill_bitmasks([e.seq.matcher for e in constrained], logits.shape[1],
+                                    [e.spec_token_ids for e in constrained])
+
+        def history(e, j):
+            seq = e.seq
+            if j and seq.sampling_params.processes_logits:
+                return seq.token_ids + e.spec_token_ids[:j], seq.num_prompt_tokens
+            return seq.token_ids, seq.num_prompt_tokens
+
+        return self.sampler(
+            logits, [e.seq.sampling_params for e, _ in rows], [e.seq.num_output_tokens + j for e, j in rows],
+            [history(e, j) for e, j in rows], bitmask, masked,
+        )
 
     # -- pooling requests (pooling.py) -----------------------------------------------------------
     def _pooling_rows(self, plan, batch) -> list[tuple[int, int, int]]:
@@ -477,28 +525,40 @@ class Engine:
             seq.token_ids.append(0)
         return time.perf_counter() - t0
 
-    def _on_token(self, seq: Sequence, result, row: int) -> RequestOutput:
-        token = seq.token_ids[-1]
+    def _on_tokens(self, seq: Sequence, tokens: list[int], result, row: int) -> RequestOutput:
+        """Stop checks for the tokens a step appended to `seq` (several with drafts kept),
+        one at a time, as if each came from its own step: the first that finishes the
+        request ends it, and the tokens after it are dropped. `row`: the first token's
+        row in `result`."""
         params = seq.sampling_params
-        self.stats.generation_tokens += 1
         detok = self.detoks[seq.request_id]
         status = error = None
-        stop_string = detok.add(token)
-        if seq.matcher is not None and (not seq.matcher.consume_token(token) or seq.matcher.is_error()):
-            # The matcher gave up (its mask then allows only EOS): the grammar ran past llguidance's
-            # limits. The request's fault: it ends with the reason, never as an empty "stop".
-            error = grammar_error(params.structured, seq.matcher, seq.num_output_tokens - 1)
-            log.warning("engine: %s: %s", seq.request_id, error)
-            self.grammars.forget(params.structured)  # its shared lexer may be spent: compiled afresh next time
-            status = SequenceStatus.FINISHED_ABORTED
-        elif stop_string is not None:
-            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_string
-        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif seq.matcher is not None and seq.matcher.is_stopped():  # the structured output is complete
-            status = SequenceStatus.FINISHED_STOPPED
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            status = SequenceStatus.FINISHED_LENGTH
+        kept = len(tokens)
+        past = seq.num_tokens - len(tokens)  # tokens before this step's
+        for i, token in enumerate(tokens):
+            num_tokens = past + i + 1
+            stop_string = detok.add(token)
+            if seq.matcher is not None and (not seq.matcher.consume_token(token) or seq.matcher.is_error()):
+                # The matcher gave up (its mask then allows only EOS): the grammar ran past llguidance's
+                # limits. The request's fault: it ends with the reason, never as an empty "stop".
+                error = grammar_error(params.structured, seq.matcher, num_tokens - seq.num_prompt_tokens - 1)
+                log.warning("engine: %s: %s", seq.request_id, error)
+                self.grammars.forget(params.structured)  # its shared lexer may be spent: compiled afresh next time
+                status = SequenceStatus.FINISHED_ABORTED
+            elif stop_string is not None:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_string
+            elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+            elif seq.matcher is not None and seq.matcher.is_stopped():  # the structured output is complete
+                status = SequenceStatus.FINISHED_STOPPED
+            elif num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
+                status = SequenceStatus.FINISHED_LENGTH
+            if status is not None:
+                kept = i + 1
+                break
+        if kept < len(tokens):
+            del seq.token_ids[past + kept :]
+        self.stats.generation_tokens += kept
         if status is not None:
             self.scheduler.finish(seq, status)
             self._count_finished(seq)
@@ -512,7 +572,7 @@ class Engine:
         out = RequestOutput(
             request_id=seq.group_id,
             index=seq.index,
-            new_token_ids=[token],
+            new_token_ids=list(tokens[:kept]),
             new_text=detok.take_delta(final=status is not None),
             finished=status is not None,
             finish_reason=seq.finish_reason,
@@ -523,8 +583,8 @@ class Engine:
             error=error,
         )
         if params.logprobs is not None:
-            out.logprobs = [result.logprobs[row]]
-            out.top_logprobs = [result.top_logprobs[row] or []]
+            out.logprobs = result.logprobs[row : row + kept]
+            out.top_logprobs = [t or [] for t in result.top_logprobs[row : row + kept]]
         if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
             out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return out

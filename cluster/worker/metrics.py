@@ -104,6 +104,18 @@ class _EngineStatsCollector:
         yield counter("orchard_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_queries)
         yield counter("orchard_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", s.prefix_hits)
+        spec = getattr(s, "spec_decode", None)
+        if spec is not None:  # speculative decoding: vLLM's counters (acceptance rate = accepted / draft tokens)
+            yield counter("orchard_spec_decode_num_drafts", "Verify rounds: requests that scored draft tokens in a step.",
+                          spec.num_drafts)
+            yield counter("orchard_spec_decode_num_draft_tokens", "Draft tokens scored.", spec.num_draft_tokens)
+            yield counter("orchard_spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)
+            c = CounterMetricFamily("orchard_spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted at each draft position (0: the first draft).",
+                                    labels=(*LABELS, "position"))
+            for j, n in enumerate(list(spec.accepted_per_pos)):
+                c.add_metric([*lv, str(j)], n)
+            yield c
         finished = dict(s.finished)
         c = CounterMetricFamily("orchard_request_success_total", "Finished requests by reason.",
                                 labels=(*LABELS, "finished_reason"))

@@ -51,7 +51,7 @@ class StepBatch:
     seq_lens: mx.array  # [S] int32: context length after this step
     block_tables: mx.array  # [S, max_blocks] int32, padded with 0
     logit_rows: mx.array  # [M] int32: rows that reach the LM head
-    sample_index: list[int]  # [N]: which of the M logit rows are sampled, in plan order
+    sample_index: list[int]  # [N]: which of the M logit rows are sampled, in plan order (1 + k per entry with drafts)
     # per scheduled entry with prompt logprobs: (entry index, first logit row, positions)
     prompt_rows: list[tuple[int, int, range]]
     plan: AttentionPlan | None  # host-side grouping, for the backends that use one
@@ -231,7 +231,7 @@ class ModelRunner:
         for i, e in enumerate(plan.scheduled):
             seq = e.seq
             bt = seq.block_table
-            input_ids += seq.token_ids[e.start : e.end]
+            input_ids += e.input_token_ids
             positions += range(e.start, e.end)
             slot_mapping += [bt[p // bs] * bs + p % bs for p in range(e.start, e.end)]
             cu.append(cu[-1] + e.num_new_tokens)
@@ -246,8 +246,10 @@ class ModelRunner:
                     prompt_rows.append((i, len(logit_rows), positions_))
                     logit_rows += [cu[-2] + p - e.start for p in positions_]
             if e.sample and seq.sampling_params.pooling is None:  # a pooling request's rows: `hidden_rows`
-                sample_index.append(len(logit_rows))
-                logit_rows.append(cu[-1] - 1)
+                # the last row, or with drafts the last 1 + k (each one verified)
+                for row in range(cu[-1] - 1 - len(e.spec_token_ids), cu[-1]):
+                    sample_index.append(len(logit_rows))
+                    logit_rows.append(row)
         width = max(len(t) for t in tables)
         tables = [t + [0] * (width - len(t)) for t in tables]
         block_tables = mx.array(tables, dtype=mx.int32)

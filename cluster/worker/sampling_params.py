@@ -59,6 +59,9 @@ class SamplingParams:
     n: int = 1  # samples of the prompt; the engine forks them after its prefill
     # set: a pooling request (an embedding or a score): prefill only, nothing sampled (pooling.py)
     pooling: PoolingParams | None = None
+    # speculative decoding for this request: None follows the worker (on when it has a
+    # --speculative-config), False turns it off, True asks for it (an error where it is off)
+    speculative: bool | None = None
 
     def __post_init__(self):
         # Accept lists from callers; store tuples so the object stays hashable and frozen.

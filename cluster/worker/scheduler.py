@@ -46,7 +46,10 @@ log = logging.getLogger(__name__)
 class ScheduledSeq:
     seq: Sequence
     start: int  # first position forwarded this step (= num_computed_tokens before it)
-    num_new_tokens: int
+    num_new_tokens: int  # drafts included
+    # speculative decoding: draft tokens forwarded after the sequence's last token (a
+    # decode of 1 + len(spec_token_ids) rows, each of them sampled: spec_decode/)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -54,8 +57,16 @@ class ScheduledSeq:
 
     @property
     def sample(self) -> bool:
-        """The chunk reaches the end of the sequence, so its last row is sampled."""
-        return self.end == self.seq.num_tokens
+        """The chunk reaches the end of the sequence, so its last row is sampled (its last
+        1 + len(spec_token_ids) rows, with drafts)."""
+        return self.end == self.seq.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """The step's input tokens: positions [start, end) of the sequence, drafts last."""
+        if self.spec_token_ids:
+            return self.seq.token_ids[self.start :] + self.spec_token_ids
+        return self.seq.token_ids[self.start : self.end]
 
 
 @dataclass
@@ -184,6 +195,7 @@ class Scheduler:
             self.block_manager.free(victim)
             self._free_state(victim)
             victim.num_computed_tokens = 0
+            victim.spec_token_ids = []
             victim.status = SequenceStatus.WAITING
             victim.num_preemptions += 1
             self.num_preemptions += 1
@@ -199,11 +211,16 @@ class Scheduler:
             scheduled[id(seq)] = ScheduledSeq(seq, seq.num_computed_tokens, n)
             budget -= n
 
-        # 1. decodes
+        # 1. decodes (with their draft tokens, speculating, while budget and blocks allow:
+        #    drafts never preempt anyone)
         for seq in [s for s in self.running if not s.is_prefilling]:
-            if budget <= 0:
-                break
-            if seq.status is SequenceStatus.RUNNING:
+            drafts, seq.spec_token_ids = seq.spec_token_ids[: max(0, budget - 1)], []
+            if budget <= 0 or seq.status is not SequenceStatus.RUNNING:
+                continue
+            if drafts and self.block_manager.allocate_slots(seq, 1 + len(drafts)):
+                scheduled[id(seq)] = ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(drafts), drafts)
+                budget -= 1 + len(drafts)
+            else:
                 schedule_running(seq, 1)
 
         # 2. running partial prefills: short ones finish, long ones share what the short
@@ -337,16 +354,27 @@ class Scheduler:
         return n
 
     # -- after the forward ------------------------------------------------------------------
-    def postprocess(self, plan: SchedulerOutput, sampled: dict[int, int]) -> list[ScheduledSeq]:
-        """Advance counters; append sampled tokens (`sampled[id(seq)]`). Returns the
-        entries that produced a token. Stop checks are the engine's (it has the tokenizer)."""
+    def postprocess(self, plan: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[ScheduledSeq]:
+        """Advance counters; append sampled tokens (`sampled[id(seq)]`: a token, or with
+        drafts the kept ones: the accepted drafts and one more). K/V of rejected drafts is
+        dropped: `num_computed_tokens` covers the kept tokens only, the prefix cache sees
+        only them, and blocks past them are freed. Returns the entries that produced
+        tokens. Stop checks are the engine's (it has the tokenizer)."""
         produced = []
         for entry in plan.scheduled:
             seq = entry.seq
-            seq.num_computed_tokens = entry.end
             seq.num_forwarded_tokens += entry.num_new_tokens
+            if not entry.sample or seq.sampling_params.pooling is not None:  # a pooling request samples nothing
+                seq.num_computed_tokens = entry.end
+                self.block_manager.cache_full_blocks(seq)
+                continue
+            kept = sampled[id(seq)]
+            kept = [kept] if isinstance(kept, int) else list(kept)
+            rejected = len(entry.spec_token_ids) - (len(kept) - 1)
+            seq.num_computed_tokens = entry.end - rejected
+            seq.token_ids += kept
             self.block_manager.cache_full_blocks(seq)
-            if entry.sample and seq.sampling_params.pooling is None:  # a pooling request samples nothing
-                seq.token_ids.append(sampled[id(seq)])
-                produced.append(entry)
+            if entry.spec_token_ids:
+                self.block_manager.trim(seq, seq.num_tokens)
+            produced.append(entry)
         return produced

@@ -64,7 +64,7 @@ def sampling_params_from_proto(request: pb.GenerateRequest, num_resumed: int = 0
     limit = max_tokens(request) if limit is None else limit
     kwargs = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "repetition_penalty",
-                 "prompt_logprobs"):
+                 "prompt_logprobs", "speculative"):
         if s.HasField(name):
             kwargs[name] = getattr(s, name)
     if s.HasField("structured"):
@@ -606,8 +606,10 @@ class WorkerService:
                     last = stream.last_token_time
                     if last is None:
                         m.ttft.observe(now - stream.arrival)
-                    else:
-                        m.itl.observe(now - last)
+                    else:  # a step that kept draft tokens brought several: the interval spread over them
+                        n = len(ev.new_token_ids)
+                        for _ in range(n):
+                            m.itl.observe((now - last) / n)
                     stream.last_token_time = now
                 if ev.finished:
                     m.e2e.observe(now - stream.arrival)

@@ -256,10 +256,26 @@ _PARALLEL_ROWS = 8  # from this many constrained rows, llguidance's thread pool 
 _executor = None
 
 
-def fill_bitmasks(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
+def fill_bitmasks(matchers: Sequence[Any], vocab_size: int, drafts: Sequence[Sequence[int]] | None = None) -> np.ndarray:
     """One allowed-token bitmask row per matcher (llguidance writes straight into it, with
-    the GIL released, so this can run while MLX computes the forward)."""
+    the GIL released, so this can run while MLX computes the forward). With `drafts`
+    (speculative decoding), matcher i gets 1 + len(drafts[i]) rows: row j is its mask
+    after its first j drafts (consumed, then rolled back: the matcher is left as it was;
+    the drafts are a prefix the grammar accepts, `validate_tokens`)."""
     global _executor
+    if drafts is not None and any(drafts):
+        mask = allocate_bitmask(sum(1 + len(d) for d in drafts), vocab_size)
+        width = mask.shape[1] * 4
+        row = 0
+        for m, d in zip(matchers, drafts):
+            for j in range(len(d) + 1):
+                m.unsafe_compute_mask_ptr(mask[row].ctypes.data, width)
+                row += 1
+                if j < len(d) and not m.consume_token(d[j]):
+                    raise RuntimeError(f"a draft token the grammar accepted ({d[j]}) was refused: {m.get_error()}")
+            if d:
+                m.rollback(len(d))
+        return mask
     mask = allocate_bitmask(len(matchers), vocab_size)
     width = mask.shape[1] * 4
     if len(matchers) >= _PARALLEL_ROWS:

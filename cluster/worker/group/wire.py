@@ -182,6 +182,7 @@ class PlanWriter:
                 mirror += want[len(mirror):]
             handles[i], starts[i], counts[i], slots[i] = handle, e.start, e.num_new_tokens, seq.state_slot
             ids += seq.token_ids[e.start:end]
+            ids += getattr(e, "spec_token_ids", ())  # draft tokens after the last one (speculative decoding)
         drops = self._drops(here)
         head = STEP_HEAD.pack(step, 0 if check is None else STEP_CHECK, len(ids), S, len(deltas), len(drops),
                               0 if check is None else check)

@@ -1,0 +1,41 @@
+"""Speculative decoding inside continuous batching.
+
+Each step, every running decode that speculates gets up to k draft tokens from a
+proposer (`ngram.py`: prompt lookup; `draft.py`: a small model of the same tokenizer
+with its own paged KV pool); its entry in the step is then 1 + k rows, scored in the
+same packed forward as the other requests' decode rows and prefill chunks. Verification
+(`verify.py`) keeps exactly what plain decoding would have produced: greedy rows their
+argmax, sampled rows the target distribution (point-mass drafts by sampling each row
+and keeping the matching prefix, drafts sampled from a draft distribution by rejection
+sampling). K/V written for rejected positions is dropped (`num_computed_tokens` rolls
+back, the blocks past the kept tokens are freed), so prefix caching, preemption, n > 1,
+stop conditions, logprobs, penalties and structured outputs see only kept tokens.
+`policy.py` decides, from measured step times and each request's acceptance, how many
+drafts pay at the current batch size. `config.py` parses `--speculative-config`.
+
+The engine's hooks: `Speculator.propose` before the scheduler plans a step, the
+scheduler's drafts-aware decode entries and rollback (`ScheduledSeq.spec_token_ids`,
+`BlockManager.trim`), the runner's extra sampled rows, and `Speculator.record` after.
+"""
+
+from cluster.worker.spec_decode.config import SpeculativeConfig  # noqa: F401
+
+
+def build_speculator(config, model, model_name: str, hybrid: bool):
+    """The engine's Speculator for a resolved EngineConfig (None: speculation off).
+    ValueError, naming the model, where the engine cannot speculate exactly."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec is None:
+        return None
+    if hybrid:
+        raise ValueError(f"speculative decoding cannot serve {model_name}: its recurrent layers' state (a hybrid "
+                         "model) would take in the rejected draft tokens and cannot be rolled back; start it without "
+                         "--speculative-config")
+    from cluster.worker.spec_decode.speculator import Speculator
+
+    proposer = None
+    if spec.method == "draft_model":
+        from cluster.worker.spec_decode.draft import DraftModelProposer
+
+        proposer = DraftModelProposer.load(spec, config, model)
+    return Speculator(spec, config.max_model_len, proposer)

@@ -1,0 +1,452 @@
+"""Speculative decoding: the output is what the engine produces without it.
+
+Greedy requests must come out token for token the same (and equal to mlx-lm's own
+generation), seeded sampling too (drafts are verified by sampling each row with the
+request's own noise), and sampling from a draft distribution must keep the target
+distribution (a chi-square test that a planted bug fails). Every test checks that drafts
+were proposed, accepted and rejected, so none of them passes by never speculating.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from cluster.modelgen import create_model
+from cluster.worker.block_manager import BlockManager
+from cluster.worker.config import EngineConfig
+from cluster.worker import kernels
+from cluster.worker.engine import Engine
+from cluster.worker.sampling_params import SamplingParams, StructuredOutput
+from cluster.worker.spec_decode import verify
+from cluster.worker.spec_decode.config import SpeculativeConfig
+from cluster.worker.spec_decode.ngram import NgramProposer, find_match
+from cluster.worker.spec_decode.policy import SpecPolicy, StepTimes
+from cluster.worker.sequence import Sequence
+from test_engine import oracle
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    # llama: steps on the host path (host_forward), or through mlx-lm's modules with the
+    # reference attention; gemma3_text (sliding windows): through mlx-lm's modules. Seed 0
+    # gives outputs that loop at times and wander at others: drafts kept and rejected.
+    return {arch: create_model(root / arch, arch, "tiny", seed=0) for arch in ("llama", "gemma3_text")}
+
+
+@pytest.fixture
+def every_draft(monkeypatch):
+    """The policy keeps every draft (its own tests are below): each test speculates at
+    every step it can, whatever this machine's step times say."""
+    monkeypatch.setattr(SpecPolicy, "limits", lambda self, decodes, proposed, rows: list(proposed))
+
+
+def repetitive_prompts(n: int, seed: int, vocab: int = 512) -> list[list[int]]:
+    """Prompts made of a repeated random phrase and noise: n-gram lookup finds matches
+    in them and in what a random model makes of them (it often loops)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        phrase = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 9))]
+        noise = [rng.randrange(3, vocab) for _ in range(rng.randrange(0, 20))]
+        out.append((noise + phrase * rng.randrange(2, 12) + noise[:5])[: 20 + 37 * (i % 6)])
+    return out
+
+
+def run(path, prompts, params_for, spec: str | None = NGRAM, stagger: int = 2, **config):
+    """Half the prompts at once, the rest one every `stagger` steps; every step checks the
+    block manager. Returns ({(request, index): [tokens, logprobs, text, finish, stop reason]}, engine)."""
+    engine = Engine.from_pretrained(path, EngineConfig(speculative_config=spec, **config))
+    out: dict = {}
+    pending = list(range(len(prompts)))
+    for i in pending[: len(prompts) // 2]:
+        engine.add_request(f"r{i}", prompts[i], params_for(i))
+    pending = pending[len(prompts) // 2 :]
+    step = 0
+    while engine.has_unfinished() or pending:
+        if pending and step % stagger == 0:
+            i = pending.pop(0)
+            engine.add_request(f"r{i}", prompts[i], params_for(i))
+        for o in engine.step():
+            r = out.setdefault((o.request_id, o.index), [[], [], "", None, None])
+            r[0] += o.new_token_ids
+            r[1] += o.logprobs or []
+            r[2] += o.new_text
+            if o.finished:
+                r[3], r[4] = o.finish_reason, o.stop_reason
+                assert o.num_output_tokens == len(r[0])
+        engine.check_integrity()
+        step += 1
+        assert step < 5000
+    assert engine.block_manager.num_used_blocks == 0
+    return out, engine
+
+
+def speculated(engine: Engine) -> None:
+    """Drafts were proposed, some accepted, some rejected: the run exercised both."""
+    s = engine.speculator.stats
+    assert s.num_draft_tokens > 0 and 0 < s.num_accepted_tokens < s.num_draft_tokens, s
+
+
+def same(a: dict, b: dict, logprob_tol: float = 1e-4) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        ta, la, xa, fa, sa = a[key]
+        tb, lb, xb, fb, sb = b[key]
+        assert ta == tb, key
+        assert (xa, fa, sa) == (xb, fb, sb), key
+        assert len(la) == len(lb) and all(abs(p - q) < logprob_tol for p, q in zip(la, lb)), key
+
+
+# -- greedy: unchanged, token for token --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch, attention", [("llama", "cpu"), ("llama", "reference"), ("gemma3_text", "cpu")])
+def test_greedy_is_unchanged_under_chunking_preemption_and_prefix_caching(models, arch, attention, every_draft,
+                                                                          monkeypatch):
+    """A 48-token budget chunks every longer prompt, 24 blocks preempt, prompts sharing a
+    prefix hit the prefix cache: with drafts the tokens and logprobs are those without,
+    and mlx-lm's, on the host path and through mlx-lm's modules."""
+    monkeypatch.setattr(kernels, "_forced", attention)
+    path = models[arch]
+    prompts = repetitive_prompts(12, seed=7)
+    shared = prompts[1] + prompts[2][:9]
+    prompts += [shared, shared + prompts[3][:7]]  # the last one hits the prefix cache
+    max_tokens = [24 + (i * 7) % 19 for i in range(len(prompts))]
+    params = lambda i: SamplingParams(max_tokens=max_tokens[i], temperature=0, ignore_eos=True, logprobs=0)  # noqa: E731
+    config = dict(num_kv_blocks=24, max_num_batched_tokens=48, max_num_seqs=8, max_num_partial_prefills=2)
+    on, engine = run(path, prompts, params, **config)
+    off, plain = run(path, prompts, params, spec=None, **config)
+    speculated(engine)
+    assert engine.stats.num_preemptions > 0 and engine.block_manager.prefix_hits > 0
+    same(on, off)
+    for i in range(0, len(prompts), 3):
+        assert on[(f"r{i}", 0)][0] == oracle(path, prompts[i], max_tokens[i])[0], i
+
+
+def test_stop_strings_stop_ids_max_tokens_and_eos(models, every_draft):
+    """Whatever ends a request mid-way through a run of kept drafts ends it at the same
+    token, with the same text, as without drafts (the tokens after it are dropped)."""
+    path = models["llama"]
+    prompts = repetitive_prompts(8, seed=11)
+    free, plain = run(path, prompts, lambda i: SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), spec=None)
+    eos = sorted(plain.eos_token_ids)
+    plans = []
+    for i in range(len(prompts)):
+        tokens, text = free[(f"r{i}", 0)][0], free[(f"r{i}", 0)][2]
+        kind = i % 4
+        if kind == 0 and len(text) > 12:  # a stop string from the middle of the text
+            plans.append(dict(stop=[text[len(text) // 2 : len(text) // 2 + 3]]))
+        elif kind == 1:  # a stop token id from the middle of the output
+            plans.append(dict(stop_token_ids=[tokens[len(tokens) // 2]]))
+        elif kind == 2:  # the model's EOS (biased up so that it comes)
+            plans.append(dict(ignore_eos=False))
+        else:
+            plans.append(dict(max_tokens=7 + i))
+
+    def params(i):
+        kw = dict(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1) | plans[i]
+        if i % 4 == 2 and eos:  # bias the EOS token up after some output (the bias applies to every row)
+            kw["logit_bias"] = {eos[0]: 9.0}
+        return SamplingParams(**kw)
+
+    on, engine = run(path, prompts, params)
+    off, _ = run(path, prompts, params, spec=None)
+    speculated(engine)
+    same(on, off)
+    reasons = {v[3] for v in on.values()}
+    assert "stop" in reasons and "length" in reasons
+
+
+def test_penalties_logit_bias_and_logprobs(models, every_draft):
+    """Each verify row takes its penalties over the tokens before it (the context and the
+    drafts ahead of it), so penalised greedy output and its logprobs are unchanged."""
+    path = models["llama"]
+    prompts = repetitive_prompts(8, seed=13)
+    kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7), dict(presence_penalty=1.1),
+             dict(logit_bias={7: 3.0, 11: -5.0}), dict(frequency_penalty=-0.6)]
+    params = lambda i: SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=3 + i % 3,  # noqa: E731
+                                      **kinds[i % len(kinds)])
+    on, engine = run(path, prompts, params)
+    off, _ = run(path, prompts, params, spec=None)
+    speculated(engine)
+    same(on, off)
+
+
+def test_structured_outputs(models, every_draft):
+    """The grammar's mask for each verify row is its state after the drafts before that
+    row, drafts the grammar refuses are never scored, and the matcher ends where it would."""
+    path = models["llama"]
+    prompts = repetitive_prompts(6, seed=17)
+    specs = [StructuredOutput("regex", "(ab|cd|ef)+[0-9]{3}(ab|cd)+"), StructuredOutput("json_object"),
+             StructuredOutput("choice", ("apple pie", "apple tart", "pear")),
+             StructuredOutput("regex", "(the |a |one )+(cat|dog)( and (the |a )+(cat|dog))*\\.")]
+    params = lambda i: SamplingParams(max_tokens=40, temperature=0 if i % 2 else 0.8, seed=i,  # noqa: E731
+                                      structured=specs[i % len(specs)], logprobs=0)
+    on, engine = run(path, prompts, params)
+    off, _ = run(path, prompts, params, spec=None)
+    assert engine.speculator.stats.num_draft_tokens > 0
+    same(on, off)
+
+
+def test_seeded_sampling_n_samples_and_per_request_switch(models, every_draft):
+    """Sampled rows draw with the request's own noise for each output index: a seeded
+    request gets the same tokens with or without drafts, each of n > 1 samples too (the
+    samples share the prompt's blocks); `speculative=False` opts one request out."""
+    path = models["llama"]
+    prompts = repetitive_prompts(6, seed=19)
+
+    def params(i):
+        return SamplingParams(max_tokens=30, temperature=0.7, top_p=0.9, seed=100 + i, ignore_eos=True,
+                              n=3 if i % 3 == 0 else 1, speculative=False if i == 4 else None, logprobs=0)
+
+    on, engine = run(path, prompts, params, num_kv_blocks=64)
+    off, _ = run(path, prompts, params, spec=None, num_kv_blocks=64)
+    speculated(engine)
+    same(on, off)
+    assert (f"r0", 2) in on
+
+
+def test_resume_after_failover(models, every_draft):
+    """A request resumed from the tokens another worker sent continues exactly."""
+    path = models["llama"]
+    prompt = repetitive_prompts(3, seed=23)[2]
+    for params in (SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                   SamplingParams(max_tokens=30, temperature=0.9, seed=5, ignore_eos=True)):
+        full = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64)).generate([prompt], params)[0]
+        engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, speculative_config=NGRAM))
+        engine.add_request("r", prompt, params, resume_token_ids=full[:9])
+        rest = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                rest += out.new_token_ids
+        assert rest == full[9:]
+        assert engine.speculator.stats.num_draft_tokens > 0
+
+
+def test_rollback_frees_the_rejected_positions_blocks(models, every_draft):
+    """After each step a speculating request holds blocks for its kept tokens only, and
+    the prefix cache holds only blocks of kept tokens."""
+    path = models["llama"]
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, block_size=8, speculative_config=
+                                                       json.dumps({"num_speculative_tokens": 12})))
+    engine.add_request("r", repetitive_prompts(1, seed=29)[0], SamplingParams(max_tokens=60, temperature=0,
+                                                                               ignore_eos=True))
+    seq = engine.seqs["r"]
+    rejected_steps = 0
+    while engine.has_unfinished():
+        drafted = engine.speculator.stats.num_draft_tokens
+        accepted = engine.speculator.stats.num_accepted_tokens
+        engine.step()
+        if seq.is_finished:
+            break
+        assert len(seq.block_table) <= -(-seq.num_tokens // 8)  # nothing past the kept tokens
+        assert seq.num_computed_tokens == seq.num_tokens - 1
+        bm = engine.block_manager
+        for i, bid in enumerate(seq.block_table):
+            block = bm.blocks[bid]
+            if block.hash is not None:
+                assert block.token_ids == tuple(seq.token_ids[i * 8 : (i + 1) * 8])
+        new_drafts = engine.speculator.stats.num_draft_tokens - drafted
+        rejected_steps += new_drafts > engine.speculator.stats.num_accepted_tokens - accepted
+    assert rejected_steps > 0
+    engine.check_integrity()
+
+
+def test_refusals(models, tmp_path):
+    with pytest.raises(ValueError, match="mlx-lm drops the multi-token-prediction weights.*deepseek_v3"):
+        SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 1}')
+    with pytest.raises(ValueError, match="unknown key.*draft_tensor_parallel_size"):
+        SpeculativeConfig.parse('{"method": "ngram", "draft_tensor_parallel_size": 1}')
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in \[1, 16\], got 40"):
+        EngineConfig(speculative_config='{"num_speculative_tokens": 40}').validate()
+    with pytest.raises(ValueError, match="prompt_lookup_min \\(5\\) is more than prompt_lookup_max \\(3\\)"):
+        SpeculativeConfig.parse('{"prompt_lookup_min": 5, "prompt_lookup_max": 3}')
+    with pytest.raises(ValueError, match="needs \"model\""):
+        SpeculativeConfig.parse('{"method": "draft_model"}')
+    assert SpeculativeConfig.parse('{"prompt_lookup_max": 6}').prompt_lookup_min == 6  # vLLM's rule
+    assert SpeculativeConfig.parse('{"model": "/m"}').method == "draft_model"
+    assert SpeculativeConfig.parse(None) is None
+    hybrid = create_model(tmp_path / "lfm2", "lfm2", "tiny", seed=0)
+    with pytest.raises(ValueError, match="lfm2.*recurrent layers' state.*cannot be rolled back"):
+        Engine.from_pretrained(hybrid, EngineConfig(num_kv_blocks=16, speculative_config=NGRAM))
+    plain = Engine.from_pretrained(models["llama"], EngineConfig(num_kv_blocks=16))
+    with pytest.raises(ValueError, match="speculative decoding is off on this worker.*--speculative-config"):
+        plain.add_request("x", [1, 2, 3], SamplingParams(speculative=True))
+
+
+# -- the pieces ----------------------------------------------------------------------------------------
+
+
+def test_ngram_lookup():
+    ctx = np.array([1, 2, 3, 4, 2, 3, 9, 9, 2, 3], np.int32)
+    # longest suffix first: [9, 2, 3] does not occur before; [2, 3] does, latest at 4
+    assert find_match(ctx, 2, 3) == 6
+    assert find_match(ctx, 3, 3) == -1
+    assert find_match(np.array([5, 6, 7, 5, 6], np.int32), 2, 4) == 2
+    proposer = NgramProposer(SpeculativeConfig(prompt_lookup_min=2, prompt_lookup_max=3))
+    seq = Sequence("s", [10, 11, 12, 13, 14, 15, 50, 11, 12], SamplingParams())
+    assert proposer.propose(seq, 3) == [13, 14, 15]
+    seq.token_ids += [13, 14]  # two drafts kept, then 14 (not 15): the source continues no more...
+    assert proposer.propose(seq, 2) == [15, 50]  # ...but [13, 14] matches at the same place
+    seq.token_ids += [15, 50, 11]
+    # the remembered source continues: after [50, 11] comes 12 at index 8 (the latest would be the same)
+    assert proposer.propose(seq, 4) == [12, 13, 14, 15]
+    seq.token_ids += [77, 78]
+    assert proposer.propose(seq, 4) == []
+
+
+def test_block_manager_trim():
+    bm = BlockManager(8, 4)
+    seq = Sequence("s", list(range(6)), SamplingParams())
+    assert bm.allocate_slots(seq, 6 + 9)  # 15 positions: 4 blocks
+    seq.num_computed_tokens = 7
+    bm.cache_full_blocks(seq)
+    bm.trim(seq, 8)
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 6
+    bm.check_integrity([seq])
+
+
+def test_step_times_and_policy():
+    t = StepTimes()
+    assert t(5) is None
+    t.observe(1, 0.050)
+    t.observe(9, 0.090)
+    assert t(5) == pytest.approx(0.070) and t(18) == pytest.approx(0.180) and t(1) == 0.050
+    seqs = [Sequence(f"s{i}", [1, 2, 3], SamplingParams()) for i in range(32)]
+    # memory-bound (a step costs the same at 1 to 200 rows): every draft pays
+    flat = SpecPolicy(4)
+    for rows in (1, 8, 32, 64, 200):
+        flat.times.observe(rows, 0.05)
+    assert flat.limits(seqs[:1], [4], 1) == [4]
+    assert flat.limits(seqs, [4] * 32, 32) == [4] * 32
+    # compute-bound (time proportional to rows): a draft accepted 60% of the time does not
+    # pay for its row; one accepted 99% of the time does, as far as it is likely
+    linear = SpecPolicy(4)
+    for rows in (1, 8, 32, 64, 200):
+        linear.times.observe(rows, 0.01 * rows)
+    assert linear.limits(seqs, [4] * 32, 32) == [0] * 32
+    sure = seqs[0]
+    for _ in range(30):
+        linear.record(sure, 4, 4)
+    assert linear.limits([sure], [4], 32)[0] == 4
+    assert linear.limits(seqs[1:], [4] * 31, 31) == [0] * 31
+
+
+def test_accept_drafts():
+    assert verify.accept_drafts([], [5]) == [5]
+    assert verify.accept_drafts([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]
+    assert verify.accept_drafts([1, 2, 3], [1, 7, 3, 4]) == [1, 7]
+    assert verify.accept_drafts([1, 2, 3], [9, 2, 3, 4]) == [9]
+
+
+# -- sampling: unchanged in distribution ------------------------------------------------------------------
+
+
+def _first_tokens(p, q, draws: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Draws of rejection sampling's first and second output tokens, the drafts sampled
+    from q: `draws` independent requests of one shape."""
+    rng = np.random.default_rng(seed)
+    R, (k, V) = draws, q.shape
+    drafts = np.stack([rng.choice(V, size=R, p=q[j]) for j in range(k)], axis=1)
+    tokens, n = verify.rejection_sample(np.broadcast_to(p, (R, k + 1, V)), np.broadcast_to(q, (R, k, V)), drafts, rng)
+    assert (n >= 1).all() and (n <= k + 1).all()
+    second = np.where(n >= 2, tokens[:, 1], -1)
+    return tokens[:, 0], second
+
+
+def _chi2_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    if counts[~keep].sum():
+        return 0.0  # drew a token the target gives no probability: the distribution is wrong for sure
+    return scipy_stats.chisquare(counts[keep], expected[keep]).pvalue
+
+
+P = np.array([[0.45, 0.25, 0.15, 0.1, 0.05, 0.0],  # the target at verify rows 0, 1, 2
+              [0.1, 0.4, 0.2, 0.2, 0.05, 0.05],
+              [0.3, 0.3, 0.2, 0.1, 0.05, 0.05]])
+Q = np.array([[0.1, 0.2, 0.3, 0.2, 0.1, 0.1],  # the draft's, far from the target
+              [0.5, 0.1, 0.1, 0.1, 0.1, 0.1]])
+
+
+def _check_distribution(draws: int = 200_000, seed: int = 0) -> float:
+    """The p-value of a chi-square test of the first output token's draws against P[0]."""
+    first, _ = _first_tokens(P, Q, draws, seed)
+    return _chi2_p(np.bincount(first, minlength=6), P[0])
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """200,000 draws of the first token, drafts sampled from a distribution far from the
+    target's: a chi-square test does not reject the target distribution (the planted bugs
+    below it rejects at p < 0.001). The second token given the first draft was kept, and
+    point-mass drafts (n-gram's q), too."""
+    assert _check_distribution() > 0.001
+    rng = np.random.default_rng(1)
+    R = 200_000
+    drafts = np.stack([rng.choice(6, size=R, p=Q[0]), rng.choice(6, size=R, p=Q[1])], axis=1)
+    tokens, n = verify.rejection_sample(np.broadcast_to(P, (R, 3, 6)), np.broadcast_to(Q, (R, 2, 6)), drafts, rng)
+    kept_first = (n >= 2) & (tokens[:, 0] == 1)  # first token 1, accepted as a draft
+    assert _chi2_p(np.bincount(tokens[kept_first, 1], minlength=6), P[1]) > 0.001
+    onehot = np.zeros((2, 6))
+    onehot[0, 3] = onehot[1, 1] = 1.0
+    first, _ = _first_tokens(P, onehot, R, 2)
+    assert _chi2_p(np.bincount(first, minlength=6), P[0]) > 0.001
+
+
+PLANTED = {
+    "unnormalised residual": ("normalise", lambda w: w),
+    "drawn from the target after a rejection, not the residual": ("residual", lambda p, q: p),
+    "accepted with probability p(d), q ignored": ("acceptance", lambda pd, qd: pd),
+    "residual max(0, q - p)": ("residual", lambda p, q: np.maximum(q - p, 0.0)),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_rejection_sampling_chi_square_catches_planted_bugs(monkeypatch, bug):
+    name, wrong = PLANTED[bug]
+    monkeypatch.setattr(verify, name, wrong)
+    assert _check_distribution() < 0.001, bug
+
+
+# -- the API, the metrics, a worker ------------------------------------------------------------------
+
+
+def test_the_api_carries_the_per_request_switch():
+    from cluster.api.openai import make_request
+    from cluster.api.errors import InvalidRequest
+    from cluster.sdk import build_request
+    from cluster.worker.service import sampling_params_from_proto
+
+    r = make_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "speculative": False}, True, "x")
+    assert r.sampling.HasField("speculative") and r.sampling.speculative is False
+    assert sampling_params_from_proto(r).speculative is False
+    r = make_request({"model": "m", "prompt": "hi"}, False, "y")
+    assert not r.sampling.HasField("speculative") and sampling_params_from_proto(r).speculative is None
+    assert sampling_params_from_proto(build_request("hi", speculative=True)).speculative is True
+    with pytest.raises(InvalidRequest, match="'speculative' must be a bool"):
+        make_request({"model": "m", "prompt": "hi", "speculative": "yes"}, False, "z")
+
+
+def test_metrics_have_vllms_spec_decode_counters():
+    from cluster.bench.server_metrics import parse, total
+    from cluster.worker.engine import EngineStats
+    from cluster.worker.metrics import WorkerMetrics
+    from cluster.worker.spec_decode.speculator import SpecStats
+
+    stats = EngineStats(spec_decode=SpecStats(7, 20, 12, [6, 4, 2, 0]))
+    values = parse(WorkerMetrics("m", "w", lambda: stats).render().decode())
+    assert total(values, "orchard_spec_decode_num_drafts_total") == 7
+    assert total(values, "orchard_spec_decode_num_draft_tokens_total") == 20
+    assert total(values, "orchard_spec_decode_num_accepted_tokens_total") == 12
+    assert total(values, "orchard_spec_decode_num_accepted_tokens_per_pos_total", position="1") == 4
+    plain = parse(WorkerMetrics("m", "w", lambda: EngineStats()).render().decode())
+    assert not any(n.startswith("orchard_spec_decode") for n, _ in plain)
