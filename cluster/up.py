@@ -50,6 +50,9 @@ class UpConfig:
     timeout: float = setting(300.0, "seconds to wait for the workers")
     secure: bool = setting(False, "API keys, an admin key, TLS and mutual TLS: a CA and keys made for this run "
                                   "(under LOG_DIR/secrets)")
+    group_size: int = setting(1, "processes per worker: each worker is a group of N over MLX's ring on loopback "
+                                 "(one model split across them); a group that loses a process is started again")
+    parallel: str = setting("pipeline", "how a group splits the model", choices=("pipeline", "tensor"))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -91,6 +94,8 @@ class LocalCluster:
         worker_env: dict[str, str] | None = None,  # extra environment of the workers
         routers: int = 1,  # more than one: the others on free ports, no HTTP; every worker registers with all
         secure: bool = False,  # keys, TLS and mutual TLS (`Secrets`)
+        group_size: int | list[int] = 1,  # processes per worker (a list: per worker); > 1: a worker group
+        parallel: str = "pipeline",
     ):
         self.model = str(model)
         self.num_workers = workers
@@ -110,9 +115,14 @@ class LocalCluster:
         self.router: Child | None = None  # the first router
         self.extra_routers: list[Child | None] = [None] * (routers - 1)
         self.extra_router_addresses: list[str] = []
-        self.workers: list[Child] = []
+        self.workers: list[Child] = []  # worker i (rank 0 of a group)
         self.worker_addresses: list[str] = []
         self.worker_metrics: list[str] = []
+        self.group_sizes = group_size if isinstance(group_size, list) else [group_size] * workers
+        self.parallel = parallel
+        self.members: dict[int, list[Child]] = {}  # worker i's other ranks, when it is a group
+        self.group_hosts: dict[int, tuple[str, int]] = {}  # worker i's ring addresses and side-channel port
+        self.group_restarts = 0
 
     # -- processes ----------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], cpus: list[int] | None = None, env: dict | None = None) -> Child:
@@ -165,12 +175,53 @@ class LocalCluster:
         args = ["worker", "serve", "--model", self.model, "--grpc", self.worker_addresses[i],
                 "--metrics", self.worker_metrics[i], "--router", ",".join(self.router_addresses),
                 "--worker-id", f"worker-{i}", *self.worker_args]
+        size = self.group_sizes[i % len(self.group_sizes)]
+        members = []
+        if size > 1:  # a worker group: rank 0 here, ranks 1.. beside it, over MLX's ring on loopback
+            if i not in self.group_hosts:
+                *ring, port = (free_port(host) for _ in range(size + 1))
+                self.group_hosts[i] = (",".join(f"{host}:{p}" for p in ring), port)
+            hosts, port = self.group_hosts[i]
+            group = ["--group-size", str(size), "--group-hosts", hosts, "--group-port", str(port),
+                     "--parallel", self.parallel]
+            args += [*group, "--group-rank", "0"]
+            for r in range(1, size):
+                members.append(self._spawn(
+                    f"worker-{i}-rank-{r}", ["worker", "serve", "--model", self.model, *group, "--group-rank", str(r),
+                                             *self.worker_args],
+                    self.cpus[(i + r) % len(self.cpus)] if self.cpus else None, self.worker_env))
         child = self._spawn(f"worker-{i}", args, self.cpus[i % len(self.cpus)] if self.cpus else None, self.worker_env)
+        if members:
+            self.members[i] = members
         if i < len(self.workers):
             self.workers[i] = child
         else:
             self.workers.append(child)
         return child
+
+    def group_processes(self, i: int) -> list[Child]:
+        """Worker i's processes: rank 0 and, for a group, the other ranks."""
+        return [self.workers[i], *self.members.get(i, [])]
+
+    def supervise(self, restart: bool = True) -> list[int]:
+        """One look at the worker groups: a group with a process gone is stopped whole (a
+        member left stopped or wedged is killed: the group cannot go on without it) and,
+        with `restart`, started again. Returns the groups restarted (or stopped)."""
+        acted = []
+        for i in list(self.members):
+            procs = self.group_processes(i)
+            if not any(c.proc.poll() is not None for c in procs):
+                continue
+            for c in procs:
+                if c.proc.poll() is None:
+                    c.proc.kill()
+            for c in procs:
+                c.proc.wait()
+            acted.append(i)
+            if restart:
+                self.group_restarts += 1
+                self.start_worker(i)
+        return acted
 
     @property
     def router_address(self) -> str:
@@ -222,11 +273,13 @@ class LocalCluster:
         return [c for c in self.children() if c.proc.poll() is not None]
 
     def children(self) -> list[Child]:
-        return [c for c in [*self.workers, self.router, *self.extra_routers] if c is not None]
+        members = [c for group in self.members.values() for c in group]
+        return [c for c in [*self.workers, *members, self.router, *self.extra_routers] if c is not None]
 
     def stop(self, grace: float = 10.0) -> None:
         """Workers first (they finish nothing new), then the router: SIGTERM, then SIGKILL."""
-        for group in (self.workers, [c for c in (self.router, *self.extra_routers) if c is not None]):
+        members = [c for group in self.members.values() for c in group]
+        for group in (self.workers + members, [c for c in (self.router, *self.extra_routers) if c is not None]):
             for c in group:
                 if c.proc.poll() is None:
                     c.proc.send_signal(signal.SIGTERM)
@@ -305,7 +358,7 @@ def run_up(config: UpConfig) -> int:
         model, workers=config.workers, grpc_address=config.grpc_address, http_address=config.http_address,
         metrics_address=config.metrics_address, worker_port_base=config.worker_port_base,
         worker_metrics_port_base=config.worker_metrics_port_base, policy=config.policy, log_dir=config.log_dir,
-        secure=config.secure,
+        secure=config.secure, group_size=config.group_size, parallel=config.parallel,
     )
     stop = {"now": False}
 
@@ -324,7 +377,9 @@ def run_up(config: UpConfig) -> int:
         http = f"{scheme}://{cluster.http_address}/v1" if cluster.http_address else "off"
         metrics = f"{scheme}://{cluster.metrics_address}/metrics" if cluster.metrics_address else "off"
         print(
-            f"\nOrchard is up: {config.workers} worker(s) serving {Path(model).name}\n"
+            f"\nOrchard is up: {config.workers} worker(s) serving {Path(model).name}"
+            + (f", each a group of {config.group_size} ({config.parallel} parallel)" if config.group_size > 1 else "")
+            + "\n"
             f"  gRPC     {cluster.router_address}          (orchard router workers --router {cluster.router_address})\n"
             f"  HTTP     {http}    (OpenAI-compatible)\n"
             f"  metrics  {metrics}\n"
@@ -336,6 +391,9 @@ def run_up(config: UpConfig) -> int:
         )
         reported: set[str] = set()
         while not stop["now"]:
+            for i in cluster.supervise():
+                print(f"worker-{i}'s group lost a process: started the whole group again", file=sys.stderr, flush=True)
+                reported -= {c.name for c in cluster.group_processes(i)}
             for c in cluster.dead_children():
                 if c.name not in reported:
                     reported.add(c.name)

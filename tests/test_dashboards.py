@@ -28,6 +28,10 @@ WORKER_METRICS = {
     "orchard_prefix_cache_queries_total", "orchard_prefix_cache_hits_total", "orchard_request_success_total",
     "orchard_engine_stalls_total", "orchard_step_kv_cache_usage_ratio",
     "orchard_state_slots_used", "orchard_state_slots_total",  # a hybrid model's recurrent-state slots
+    # a worker group's (rank 0 reports them)
+    "orchard_group_size", "orchard_group_steps_total", "orchard_group_collective_seconds_total",
+    "orchard_group_wait_seconds_total", "orchard_group_plan_seconds_total", "orchard_group_bytes_total",
+    "orchard_group_member_weight_bytes", "orchard_group_member_memory_bytes",
 }
 ROUTER_METRICS = {
     "orchard_router_requests_total", "orchard_router_time_to_first_token_seconds", "orchard_router_workers",

@@ -337,3 +337,120 @@ def test_pipeline_families_are_the_single_process_bit_for_bit(models, arch, size
     assert_greedy_matches_mlx_lm(model, single)
     spans = sorted(tuple(m["layers"]) for m in group["group"]["members"])
     assert spans[0][0] == 0 and spans[-1][1] == 4 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+# -- faults, with real processes through the router ------------------------------------------------
+
+def _streams(router: str, texts: list[str], max_tokens: int, on_progress=None) -> list[list[int]]:
+    """Greedy streams through the router, all at once; each one's tokens. `on_progress(n)`
+    is called with the tokens received so far (from the streams' threads)."""
+    from cluster.sdk import Client
+
+    out: list[list[int]] = [[] for _ in texts]
+    errors: list[str] = []
+    lock = threading.Lock()
+    total = [0]
+
+    def one(i: int) -> None:
+        try:
+            with Client(router, timeout=300) as client:
+                for chunk in client.stream(texts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                    out[i] += chunk.token_ids
+                    with lock:
+                        total[0] += len(chunk.token_ids)
+                        n = total[0]
+                    if on_progress is not None:
+                        on_progress(n)
+        except Exception as e:  # noqa: BLE001  (reported by the assertion below)
+            errors.append(f"stream {i}: {e}")
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.slow
+def test_a_group_that_loses_a_member_is_resumed_elsewhere_and_started_again(models, tmp_path):
+    """16 greedy streams through the router on a 2-rank group beside a single worker: kill -9
+    of the group's member mid-stream, then SIGSTOP of it. Each time every stream completes
+    with the tokens of the run without a fault (the router resumes the group's streams on
+    the single worker), no process of the lost group is left after 60 s, and the launcher
+    starts the whole group again."""
+    import signal
+
+    from cluster.up import LocalCluster, free_port
+
+    model = models("qwen3", layers=4)
+    texts = [f"stream {i}: " + " ".join(["orchard", "pear", "apple", "branch"][(i + j) % 4] for j in range(i + 3))
+             for i in range(16)]
+    max_tokens = 160
+    cluster = LocalCluster(model, workers=2, group_size=[2, 1], grpc_address=f"127.0.0.1:{free_port()}",
+                           http_address=None, metrics_address=None, worker_port_base=0, worker_metrics_port_base=0,
+                           log_dir=tmp_path / "logs", worker_args=["--group-timeout", "10"])
+    with cluster:
+        baseline = _streams(cluster.router_address, texts, max_tokens)
+        assert all(len(t) == max_tokens for t in baseline)
+        workers = {w.worker_id: w for w in cluster.healthy_workers()}
+        group = workers["worker-0"].load.group
+        assert group.size == 2 and group.parallel == "pipeline" and [m.rank for m in group.members] == [0, 1]
+        assert not workers["worker-1"].load.HasField("group")
+        for sig in (signal.SIGKILL, signal.SIGSTOP):
+            old = cluster.group_processes(0)
+            member = old[1].proc.pid
+            fired = threading.Event()
+
+            def fault(n: int) -> None:
+                if n >= len(texts) * max_tokens // 4 and not fired.is_set():
+                    fired.set()
+                    os.kill(member, sig)
+
+            got = _streams(cluster.router_address, texts, max_tokens, on_progress=fault)
+            assert fired.is_set()
+            assert got == baseline, f"streams changed by {signal.Signals(sig).name} of the group's member"
+            deadline = time.monotonic() + 60
+            while any(c.proc.poll() is None for c in old) and time.monotonic() < deadline:
+                cluster.supervise()  # what `orchard up` does every half second
+                time.sleep(0.5)
+            assert all(c.proc.poll() is not None for c in old), "a process of the lost group is still there"
+            assert old[0].proc.returncode == 75, "rank 0 exits 75 when its group is lost"
+            cluster.supervise()
+            cluster.wait_ready(timeout=300)  # the group was started again and registered
+        assert cluster.group_restarts == 2
+
+
+# -- what operators see ------------------------------------------------------------------------------
+
+def test_a_group_is_one_row_with_its_members_and_its_metrics():
+    from cluster.proto.orchard.v1 import orchard_pb2 as pb
+    from cluster.router.admin import format_workers
+    from cluster.worker.group.leader import GroupStats
+    from cluster.worker.metrics import WorkerMetrics
+
+    group = pb.GroupInfo(size=2, parallel="pipeline", members=[
+        pb.GroupMember(rank=0, host="studio-1", memory_bytes=96 << 30, weight_bytes=40 << 30, first_layer=30,
+                       last_layer=61),
+        pb.GroupMember(rank=1, host="studio-2", memory_bytes=64 << 30, weight_bytes=38 << 30, first_layer=0,
+                       last_layer=30)])
+    rows = format_workers([
+        pb.WorkerInfo(worker_id="g", address="a:1", model="m", state=pb.WORKER_STATE_HEALTHY,
+                      load=pb.LoadReport(kv_blocks_total=10, group=group)),
+        pb.WorkerInfo(worker_id="w", address="b:1", model="m", state=pb.WORKER_STATE_HEALTHY,
+                      load=pb.LoadReport(kv_blocks_total=10))]).splitlines()
+    assert rows[1].startswith("g ") and rows[3].startswith("w ") and len(rows) == 4
+    assert "group of 2, pipeline parallel" in rows[2]
+    assert "rank 0 studio-1 layers 30-60, weights 40.0 GiB, memory 96.0 GiB" in rows[2]
+    assert "rank 1 studio-2 layers 0-29" in rows[2]
+
+    stats = GroupStats(size=2, members=[{"rank": 0, "host": "h", "memory": 5, "weights": 7, "layers": [2, 4]},
+                                        {"rank": 1, "host": "h", "memory": 6, "weights": 8, "layers": [0, 2]}],
+                       steps=10, plan_bytes=1000, hidden_bytes=4096, collective_seconds=0.5)
+    text = WorkerMetrics("m", "w", lambda: None, group=lambda: stats).render().decode()
+    assert 'orchard_group_steps_total{model="m",worker="w"} 10.0' in text
+    assert 'orchard_group_bytes_total{channel="hidden",model="m",worker="w"} 4096.0' in text
+    assert 'orchard_group_collective_seconds_total{model="m",worker="w"} 0.5' in text
+    assert 'orchard_group_member_weight_bytes{model="m",rank="1",worker="w"} 8.0' in text
+    assert "orchard_group" not in WorkerMetrics("m", "w", lambda: None).render().decode()

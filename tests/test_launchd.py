@@ -15,7 +15,8 @@ LAUNCHD = Path(__file__).resolve().parents[1] / "deploy" / "launchd"
 PLISTS = sorted(LAUNCHD.glob("*.plist"))
 FILLED = {"__ORCHARD__": "/Users/me/orchard/.venv/bin/orchard", "__HOME__": "/Users/me",
           "__MODEL__": "/Users/me/models/m",
-          "__ROUTER__": "router-mac.local:50051", "__ADVERTISE__": "mac-2.local", "__JOIN_TOKEN__": "s3cret"}
+          "__ROUTER__": "router-mac.local:50051", "__ADVERTISE__": "mac-2.local", "__JOIN_TOKEN__": "s3cret",
+          "__GROUP_SIZE__": "3", "__RANK__": "2", "__GROUP_HOSTS__": "10.0.0.1:32323,10.0.0.2:32323,10.0.0.3:32323"}
 
 
 def _fill(path: Path) -> dict:
@@ -27,7 +28,8 @@ def _fill(path: Path) -> dict:
 
 
 def test_router_and_worker_templates_exist():
-    assert {p.name for p in PLISTS} == {"ai.orchard.router.plist", "ai.orchard.worker.plist"}
+    assert {p.name for p in PLISTS} == {"ai.orchard.router.plist", "ai.orchard.worker.plist",
+                                        "ai.orchard.group-member.plist"}
 
 
 @pytest.mark.parametrize("path", PLISTS, ids=lambda p: p.name)
@@ -57,6 +59,16 @@ def test_command_line_is_one_orchard_accepts(path):
     if "router" in path.name:
         assert args.command == "router" and args.router_command == "serve"
         assert args.grpc.endswith(":50051") and args.metrics.endswith(":9100")
+    elif "group-member" in path.name:
+        from cluster.config import from_args
+        from cluster.worker.config import WorkerOptions
+        from cluster.worker.group.config import topology
+
+        assert args.command == "worker" and args.worker_command == "serve"
+        options = from_args(WorkerOptions, args)
+        t = topology(options.group, environ={})
+        assert options.group.size == 3 and t.rank == 2 and t.control == ("10.0.0.1", 33323)
+        assert not options.router, "a member serves nothing itself: rank 0 registers for the group"
     else:
         assert args.command == "worker" and args.worker_command == "serve"
         assert args.router == "router-mac.local:50051" and args.advertise == "mac-2.local:50061"

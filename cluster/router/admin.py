@@ -35,7 +35,19 @@ def format_workers(workers: list[pb.WorkerInfo]) -> str:
     right = {4, 5, 6, 7}
     lines = ["  ".join(c.rjust(wd) if i in right else c.ljust(wd) for i, (c, wd) in enumerate(zip(r, widths))).rstrip()
              for r in rows]
-    return "\n".join(lines)
+    out = []
+    for line, w in zip(lines[1:], workers):
+        out.append(line)
+        if w.load.HasField("group"):  # a worker group: one row, its members beneath
+            g = w.load.group
+            out.append(f"  group of {g.size}, {g.parallel} parallel: " + "; ".join(
+                f"rank {m.rank} {m.host or '?'} layers {m.first_layer}-{m.last_layer - 1}, "
+                f"weights {_gib(m.weight_bytes)}, memory {_gib(m.memory_bytes)}" for m in g.members))
+    return "\n".join([lines[0], *out])
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def list_workers(router: str, security: ClientSecurity = NO_SECURITY, timeout: float = 10.0) -> list[pb.WorkerInfo]:

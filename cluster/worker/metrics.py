@@ -22,8 +22,10 @@ LABELS = ("model", "worker")
 
 
 class WorkerMetrics:
-    def __init__(self, model: str, worker_id: str, stats: Callable[[], object]):
-        """`stats()` returns the engine's EngineStats (or None before the engine is up)."""
+    def __init__(self, model: str, worker_id: str, stats: Callable[[], object],
+                 group: Callable[[], object] | None = None):
+        """`stats()` returns the engine's EngineStats (or None before the engine is up);
+        `group()` a worker group's GroupStats (None: a single process)."""
         self.registry = CollectorRegistry(auto_describe=True)
         labels = (model, worker_id)
 
@@ -47,6 +49,8 @@ class WorkerMetrics:
             LABELS, registry=self.registry,
         ).labels(*labels)
         self.registry.register(_EngineStatsCollector(labels, stats))
+        if group is not None:
+            self.registry.register(_GroupStatsCollector(labels, group))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -122,3 +126,51 @@ class _EngineStatsCollector:
         for reason in sorted(set(FINISHED_REASONS) | set(finished)):
             c.add_metric([*lv, str(reason)], finished.get(reason, 0))
         yield c
+
+
+class _GroupStatsCollector:
+    """A worker group's costs (rank 0 reports them): its steps, the time rank 0 spends in
+    MLX's collectives and waiting for the other stages, and the bytes it moves."""
+
+    def __init__(self, labels: tuple[str, str], stats: Callable[[], object]):
+        self.labels = list(labels)
+        self.stats = stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        g = self.stats()
+        if g is None:
+            return
+        lv = self.labels
+        size = GaugeMetricFamily("orchard_group_size", "Processes in this worker group.", labels=LABELS)
+        size.add_metric(lv, g.size)
+        yield size
+        for name, doc, value in (
+                ("orchard_group_steps_total", "Steps the group ran.", g.steps),
+                ("orchard_group_collective_seconds_total",
+                 "Time rank 0 spent inside MLX collectives (receiving the previous stage's hidden states).",
+                 g.collective_seconds),
+                ("orchard_group_wait_seconds_total", "Time rank 0 waited for the previous stage to finish a step.",
+                 g.wait_seconds),
+                ("orchard_group_plan_seconds_total", "Host time rank 0 spent encoding and sending step plans.",
+                 g.plan_seconds)):
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(lv, value)
+            yield c
+        sent = CounterMetricFamily("orchard_group_bytes_total",
+                                   "Bytes the group moved through rank 0: step plans sent on the side channel, "
+                                   "hidden states received through MLX.", labels=(*LABELS, "channel"))
+        sent.add_metric([*lv, "plan"], g.plan_bytes)
+        sent.add_metric([*lv, "hidden"], g.hidden_bytes)
+        yield sent
+        weights = GaugeMetricFamily("orchard_group_member_weight_bytes", "Weights each rank holds.",
+                                    labels=(*LABELS, "rank"))
+        memory = GaugeMetricFamily("orchard_group_member_memory_bytes",
+                                   "The memory each rank's machine can give a model.", labels=(*LABELS, "rank"))
+        for m in g.members:
+            weights.add_metric([*lv, str(m["rank"])], m["weights"])
+            memory.add_metric([*lv, str(m["rank"])], m["memory"])
+        yield weights
+        yield memory

@@ -131,6 +131,7 @@ class WorkerService:
         self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-grammar")
         self._markers_checked: dict[tuple[str, ...], bool] = {}
         self.pooler = None  # the model's pooling (set by start)
+        self.group_stats = None  # a worker group's (set by start)
         self.tasks: tuple[str, ...] = (GENERATE,)
 
     async def start(self, timeout: float | None = None) -> None:
@@ -151,8 +152,11 @@ class WorkerService:
         self.pooler = getattr(engine, "pooler", None)
         self.tasks = self.pooler.tasks if self.pooler is not None else (GENERATE,)
         self.stats = engine.stats
+        group = getattr(engine, "group", None)  # rank 0 of a worker group (cluster/worker/group/)
+        self.group_stats = group.stats if group is not None else None
         if self._with_metrics:
-            self.metrics = WorkerMetrics(engine.model_name, self.worker_id, lambda: engine.stats)
+            self.metrics = WorkerMetrics(engine.model_name, self.worker_id, lambda: engine.stats,
+                                         group=lambda: self.group_stats)
 
     async def stop(self) -> None:
         """Stop the engine thread (live requests end as aborted) and the tokenizer pool."""
@@ -422,7 +426,16 @@ class WorkerService:
             kv_blocks_used=s.num_blocks_used, kv_blocks_total=s.num_blocks_total, max_num_seqs=c.max_num_seqs,
             block_size=c.block_size, max_model_len=c.max_model_len, draining=self.draining, stalled=self.stalled,
             state_slots_used=s.state_slots_used, state_slots_total=s.state_slots_total, tasks=self.tasks,
+            group=self._group_info(),
         )
+
+    def _group_info(self) -> pb.GroupInfo | None:
+        g = self.group_stats
+        if g is None:
+            return None
+        return pb.GroupInfo(size=g.size, parallel=g.parallel, members=[
+            pb.GroupMember(rank=m["rank"], host=m["host"], memory_bytes=m["memory"], weight_bytes=m["weights"],
+                           first_layer=m["layers"][0], last_layer=m["layers"][1]) for m in g.members])
 
     def set_draining(self, draining: bool) -> pb.DrainResponse:
         if draining != self.draining:

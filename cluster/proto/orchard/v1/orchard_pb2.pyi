@@ -325,7 +325,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "model", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs", "block_size", "max_model_len", "draining", "stalled", "state_slots_used", "state_slots_total", "tasks")
+    __slots__ = ("worker_id", "model", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs", "block_size", "max_model_len", "draining", "stalled", "state_slots_used", "state_slots_total", "tasks", "group")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +340,7 @@ class LoadReport(_message.Message):
     STATE_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     num_running: int
@@ -354,7 +355,34 @@ class LoadReport(_message.Message):
     state_slots_used: int
     state_slots_total: int
     tasks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., stalled: _Optional[bool] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ...) -> None: ...
+    group: GroupInfo
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., stalled: _Optional[bool] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., group: _Optional[_Union[GroupInfo, _Mapping]] = ...) -> None: ...
+
+class GroupInfo(_message.Message):
+    __slots__ = ("size", "parallel", "members")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    parallel: str
+    members: _containers.RepeatedCompositeFieldContainer[GroupMember]
+    def __init__(self, size: _Optional[int] = ..., parallel: _Optional[str] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ...) -> None: ...
+
+class GroupMember(_message.Message):
+    __slots__ = ("rank", "host", "memory_bytes", "weight_bytes", "first_layer", "last_layer")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    host: str
+    memory_bytes: int
+    weight_bytes: int
+    first_layer: int
+    last_layer: int
+    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("drain",)
