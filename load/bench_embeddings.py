@@ -14,7 +14,8 @@ embedding load does to the TTFT of generation requests on the same worker.
      requests of `--batch` inputs, `--concurrency` requests in flight.
    For short texts (~16 tokens) and long ones (~400 tokens): inputs/s, tokens/s, and
    Orchard's ratio to the baseline. Every Orchard embedding is checked against the
-   baseline's (cosine > 0.9999) before any figure is printed.
+   baseline's (cosine > 0.9999) before any figure is printed. The measured inputs are
+   distinct and new to the worker (no prefix-cache hit).
 2. TTFT beside an embedding load: a `small` generation model served with --embeddings;
    `--streams` concurrent generation streams (prompt ~64 tokens, 32 new tokens, one
    after another per stream) measured alone, then again while a client keeps requests of
@@ -74,8 +75,11 @@ def baseline(path: Path, inputs: list[list[int]]) -> tuple[float, list[np.ndarra
     return time.perf_counter() - t0, out
 
 
-async def orchard(http: str, inputs: list[list[int]], batch: int, concurrency: int) -> tuple[float, list[np.ndarray]]:
-    """The inputs as /v1/embeddings requests of `batch` token-id lists, `concurrency` at a time."""
+async def orchard(http: str, inputs: list[list[int]], batch: int, concurrency: int,
+                  warm_up: list[list[int]]) -> tuple[float, list[np.ndarray]]:
+    """The inputs as /v1/embeddings requests of `batch` token-id lists, `concurrency` at a
+    time, after one request of other inputs (`warm_up`: the measured ones must not be in
+    the prefix cache, which last-token pooling uses)."""
     chunks = [inputs[i : i + batch] for i in range(0, len(inputs), batch)]
     out: list = [None] * len(chunks)
     sem = asyncio.Semaphore(concurrency)
@@ -87,7 +91,8 @@ async def orchard(http: str, inputs: list[list[int]], batch: int, concurrency: i
                 assert r.status == 200, body
                 out[i] = [np.array(d["embedding"], np.float32) for d in body["data"]]
 
-        await send(0)  # warm up
+        async with session.post(f"http://{http}/v1/embeddings", json={"input": warm_up}) as r:
+            assert r.status == 200, await r.text()
         t0 = time.perf_counter()
         await asyncio.gather(*(send(i) for i in range(len(chunks))))
         return time.perf_counter() - t0, [v for c in out for v in c]
@@ -108,7 +113,8 @@ def throughput(args, tmp: Path) -> None:
         for name, inputs in cases:
             n_tok = sum(map(len, inputs))
             base_s, want = baseline(path, inputs)
-            ours_s, got = asyncio.run(orchard(w.http, inputs, args.batch, args.concurrency))
+            warm_up = texts(tokenizer, 4, len(inputs[0]), 99)
+            ours_s, got = asyncio.run(orchard(w.http, inputs, args.batch, args.concurrency, warm_up))
             worst = min(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) for a, b in zip(got, want))
             assert worst > 0.9999, f"an embedding differs from mlx-lm's (cosine {worst})"
             print(f"{name:>6} {len(inputs):>6} {n_tok:>7} | {len(inputs) / base_s:>18.1f} {n_tok / base_s:>8.0f} | "
@@ -138,25 +144,25 @@ async def ttft_load(http: str, prompts: list[list[int]], streams: int, per_strea
     return ttfts
 
 
-async def embed_load(http: str, inputs: list[list[int]], stop: asyncio.Event, counter: list[int]) -> None:
+async def embed_load(http: str, tokenizer, seed: int, stop: asyncio.Event, counter: list[int]) -> None:
+    """Requests of 16 new long texts (never a prefix-cache hit), one after another."""
     async with aiohttp.ClientSession() as session:
-        i = 0
         while not stop.is_set():
-            batch = inputs[i % len(inputs) : i % len(inputs) + 16] or inputs[:16]
-            i += 16
+            seed += 1000
+            batch = texts(tokenizer, 16, 400, seed)
             async with session.post(f"http://{http}/v1/embeddings", json={"input": batch}) as r:
                 assert r.status == 200, await r.text()
                 await r.read()
             counter[0] += len(batch)
 
 
-async def ttft_pair(http: str, prompts, long_inputs, args) -> tuple[list[float], list[float], float]:
-    alone = await ttft_load(http, prompts, args.streams, args.per_stream)
+async def ttft_pair(http: str, prompts, tokenizer, args) -> tuple[list[float], list[float], float]:
+    alone = await ttft_load(http, prompts[: len(prompts) // 2], args.streams, args.per_stream)
     stop, counter = asyncio.Event(), [0]
     t0 = time.perf_counter()
-    loaders = [asyncio.create_task(embed_load(http, long_inputs, stop, counter)) for _ in range(2)]
+    loaders = [asyncio.create_task(embed_load(http, tokenizer, 10 + k, stop, counter)) for k in range(2)]
     await asyncio.sleep(1.0)  # the embedding load is running
-    beside = await ttft_load(http, prompts, args.streams, args.per_stream)
+    beside = await ttft_load(http, prompts[len(prompts) // 2:], args.streams, args.per_stream)
     stop.set()
     await asyncio.gather(*loaders)
     return alone, beside, counter[0] / (time.perf_counter() - t0)
@@ -167,11 +173,10 @@ def ttft(args) -> None:
     from mlx_lm.utils import load
 
     tokenizer = load(str(path))[1]
-    prompts = texts(tokenizer, 64, 64, 3)
-    long_inputs = texts(tokenizer, 64, 400, 4)
+    prompts = texts(tokenizer, 2 * args.streams * args.per_stream, 64, 3)
     w = WorkerProcess(path, "--embeddings", "--max-model-len", "2048", http=True)
     try:
-        alone, beside, rate = asyncio.run(ttft_pair(w.http, prompts, long_inputs, args))
+        alone, beside, rate = asyncio.run(ttft_pair(w.http, prompts, tokenizer, args))
     finally:
         w.stop()
 

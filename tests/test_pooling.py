@@ -295,3 +295,22 @@ def test_a_cross_encoder_classifier_scores_with_its_score_head(tmp_path):
         h = np.array(backbone.model(mx.array([x]))[0, -1].astype(mx.float32))
         want = 1 / (1 + np.exp(-float(h @ w[0])))
         assert abs(float(pooled[f"s{i}"].pooled[0]) - want) < 1e-5
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_official_style_bare_backbone_checkpoint_loads(models, tmp_path, tied):
+    """Qwen ships Qwen3-Embedding as the bare backbone (keys without "model."; the 8B says
+    untied and has no LM head): served as the same model, the same embeddings."""
+    src = models["last"]
+    path = tmp_path / "bare"
+    shutil.copytree(src, path)
+    weights = mx.load(str(path / "model.safetensors"))
+    mx.save_safetensors(str(path / "model.safetensors"), {k.removeprefix("model."): v for k, v in weights.items()})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": tied}))
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=32))
+    assert engine.runner.host is not None
+    ids = prompts(2, seed=31, lengths=(25, 70))
+    pooled, _, _ = run(engine, {f"e{i}": (x, embed()) for i, x in enumerate(ids)})
+    for i, x in enumerate(ids):
+        assert cosine(pooled[f"e{i}"].pooled, reference_embedding(src, x, "last")) > 0.9999

@@ -82,8 +82,8 @@ def load_model(path: str | Path, cpu_dequantize: str = "auto"):
 
     from cluster.worker import pooling
 
-    # a cross-encoder reranker: mlx-lm's model with the checkpoint's `score` head (pooling.py)
-    model, tokenizer = pooling.load_classifier(path) if pooling.is_classifier(path) else load(str(path))
+    # a cross-encoder reranker (a `score` head), an embedding model saved as its bare backbone (pooling.py)
+    model, tokenizer = pooling.load_pooling_model(path) if pooling.needs_own_loader(path) else load(str(path))
     check_served(model)  # before anything costly
     maybe_dequantize(model, cpu_dequantize)
     dtype = weight_dtype(model)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -102,7 +102,6 @@ class Pooler:
     yes_no_ids: tuple[int, int] | None = None  # (yes, no) token ids, for "yes_no"
     score_format: str = "qwen3"  # a score's input: "qwen3" (Qwen3-Reranker's prompt) | "pair" (the tokenizer's pair)
     source: str = "default"  # where the pooling came from, for the log and errors
-    prompts: dict = field(default_factory=dict, compare=False)  # sentence-transformers' named prompts
 
     def __post_init__(self):
         if self.pooling not in POOLING_TYPES:
@@ -150,8 +149,7 @@ class Pooler:
                 tokens = config.get("classifier_from_token") or ["no", "yes"]
                 ids = _yes_no_ids(tokenizer, tokens) if tokenizer is not None else None
         return cls(hidden_size=hidden_size, pooling=pooling, normalize=normalize, matryoshka=matryoshka,
-                   tasks=tasks, score_kind=score_kind, yes_no_ids=ids, score_format=score_format, source=source,
-                   prompts=_read_json(path / "config_sentence_transformers.json", {}).get("prompts") or {})
+                   tasks=tasks, score_kind=score_kind, yes_no_ids=ids, score_format=score_format, source=source)
 
     def describe(self) -> str:
         what = ", ".join(self.tasks)
@@ -239,21 +237,65 @@ def is_classifier(path: str | Path) -> bool:
     return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])
 
 
-def load_classifier(path: str | Path):
-    """(model, tokenizer) of a sequence classifier whose backbone mlx-lm loads (Qwen3,
-    Qwen2, Llama, Mistral, ... as `transformers` names them `*ForSequenceClassification`):
-    mlx-lm's own model class with a `score` Linear (hidden -> num_labels, no bias) beside
-    its layers, loaded strictly from the checkpoint. One label (a relevance logit) only.
-    A family mlx-lm cannot load (BERT, XLM-RoBERTa cross-encoders) fails with mlx-lm's error."""
+_BACKBONE = ("embed_tokens.", "layers.", "norm.")  # a transformers *Model's own keys (no "model." prefix)
+
+
+def needs_own_loader(path: str | Path) -> bool:
+    """Whether mlx-lm's `load` cannot take this pooling model as it is: a sequence
+    classifier (a `score` head), or an embedding checkpoint saved as the bare backbone
+    (official Qwen3-Embedding and e5-mistral: keys without "model.", and no LM head)."""
+    path = Path(path)
+    if is_classifier(path):
+        return True
+    if not (path / "modules.json").exists():
+        return False
+    keys = checkpoint_keys(path)
+    config = _read_json(path / "config.json") or {}
+    return any(k.startswith(_BACKBONE) for k in keys) or (
+        not config.get("tie_word_embeddings", True) and "lm_head.weight" not in keys)
+
+
+def checkpoint_keys(path: Path) -> set[str]:
+    """The tensor names of a model directory's safetensors (from the index, or each file's
+    header: nothing is loaded)."""
+    index = _read_json(path / "model.safetensors.index.json")
+    if index is not None:
+        return set(index.get("weight_map", {}))
+    keys: set[str] = set()
+    for f in sorted(path.glob("model*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            keys |= {k for k in json.loads(fh.read(n)) if k != "__metadata__"}
+    return keys
+
+
+def load_pooling_model(path: str | Path):
+    """(model, tokenizer) for what `needs_own_loader` says mlx-lm's `load` cannot take:
+    mlx-lm's own model class of the family, with
+    - a bare backbone's keys put under "model." (as mlx-lm names them), and its LM head
+      tied to the embeddings when the checkpoint has none (Qwen3-Embedding-8B says untied
+      and ships no head: an embedding model never uses it);
+    - for a sequence classifier (`*ForSequenceClassification` of a family mlx-lm loads:
+      Qwen3, Qwen2, Llama, Mistral, ...) a `score` Linear (hidden -> 1, no bias) beside its
+      layers. One label (a relevance logit) only. A family mlx-lm cannot load (BERT,
+      XLM-RoBERTa cross-encoders) fails with mlx-lm's error.
+    Weights load strictly: every tensor must find its place."""
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes, load_model, load_tokenizer
 
     path = Path(path)
     config = _read_json(path / "config.json") or {}
-    labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 1)
-    if labels != 1:
-        raise UnsupportedPooling(f"{path.name}: a classifier of {labels} labels; only a one-label relevance score "
-                                 "is served")
+    keys = checkpoint_keys(path)
+    labels = 0
+    if is_classifier(path):
+        labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 1)
+        if labels != 1:
+            raise UnsupportedPooling(f"{path.name}: a classifier of {labels} labels; only a one-label relevance "
+                                     "score is served")
+    overrides = {}
+    if not config.get("tie_word_embeddings", True) and "lm_head.weight" not in keys:
+        log.info("%s has no LM head: its embeddings stand in for it (never used for embeddings)", path.name)
+        overrides["tie_word_embeddings"] = True
 
     def classes(config: dict):
         model_class, args_class = _get_classes(config)
@@ -261,13 +303,18 @@ def load_classifier(path: str | Path):
         class Model(model_class):
             def __init__(self, args):
                 super().__init__(args)
-                self.score = nn.Linear(args.hidden_size, labels, bias=False)
+                if labels:
+                    self.score = nn.Linear(args.hidden_size, labels, bias=False)
+
+            def sanitize(self, weights):
+                weights = {("model." + k if k.startswith(_BACKBONE) else k): v for k, v in weights.items()}
+                return super().sanitize(weights) if hasattr(super(), "sanitize") else weights
 
         # it is mlx-lm's family model otherwise (host_forward admits those by their module)
         Model.__module__, Model.__qualname__ = model_class.__module__, model_class.__qualname__
         return Model, args_class
 
-    model, config = load_model(path, get_model_classes=classes)
+    model, config = load_model(path, get_model_classes=classes, model_config=overrides)
     return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
 
 
