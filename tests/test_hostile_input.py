@@ -128,6 +128,14 @@ def test_a_body_its_content_encoding_does_not_decode_is_a_400(served):
         status, out = post(served.http, "/v1/chat/completions", CHAT, headers={"Content-Encoding": encoding})
         assert status == 400, (encoding, out)
         assert "content-encoding" in message(out).lower() and encoding in message(out), out
+    # and the connection, whose body was not read whole, is closed: a keep-alive client never
+    # writes its next request onto it (that was a reset)
+    body = json.dumps(CHAT).encode()
+    _, out = raw_http(served.http, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                   b"Content-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    head = out.partition(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 400") and b"connection: close" in head, out[:300]
 
 
 @pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',

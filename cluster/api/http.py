@@ -40,6 +40,7 @@ BACKEND = web.AppKey("backend", object)  # the app's `Backend`
 TIMEOUT = web.AppKey("request_timeout", object)
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds, per request (at most the server's --request-timeout)
 MODEL_CACHE = web.AppKey("model_cache", list)
+CLOSE = "orchard.close_connection"  # set on a request whose body could not be read: its answer closes
 LIMITS = web.AppKey("limits", RequestLimits)  # the backend's (`limits_of`): the same on HTTP and gRPC
 
 # Sent by real clients and changing no output: every API accepts them. Any other
@@ -169,13 +170,16 @@ async def read_body(request: web.Request) -> dict:
     try:
         raw = await asyncio.wait_for(request.read(), limit)
     except asyncio.TimeoutError:
+        request[CLOSE] = True
         raise RequestTimeout(f"the request body did not arrive within {limit:g} s (http_body_timeout)") from None
     except web.HTTPRequestEntityTooLarge:
+        request[CLOSE] = True
         raise TooLarge(f"the request body is larger than {HTTP_MAX_BODY_BYTES} bytes, the most this server "
                        "reads") from None
     except (RequestPayloadError, HttpProcessingError) as e:  # a body its Content-Encoding does not decode, ...
+        request[CLOSE] = True
         encoding = request.headers.get("Content-Encoding")
-        what = f" as its Content-Encoding ({encoding!r}) says" if encoding else ""
+        what = f" as its Content-Encoding ({quoted(encoding)}) says" if encoding else ""
         reason = " ".join(str(e).split()).removeprefix("400, message: ")
         raise InvalidRequest(f"the request body could not be read{what}: {reason}") from None
     try:
@@ -281,7 +285,7 @@ def _guard(keys: Keys, allowed: tuple[str, ...] | None):
                 return response
         try:
             response = await handler(request)
-            if response.status in (408, 413):  # the rest of its body is not read: the connection is done
+            if request.get(CLOSE):  # its body was not read whole: the connection cannot carry another request
                 response.force_close()
             return response
         except web.HTTPException as e:  # no such route or method: in the API's error shape, not plain text

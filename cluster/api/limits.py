@@ -42,8 +42,10 @@ class RequestLimits:
     max_stop_token_ids: int = setting(64, "stop token ids per request at most")
     max_n: int = setting(16, "samples per request (n) at most")
     max_pooling_inputs: int = setting(256, "inputs of one embedding request (documents of one rerank) at most")
+    # longer than clients keep an idle connection for reuse (httpx 5 s, aiohttp's client 15 s):
+    # a client never writes a request on a connection the server is closing
     http_header_timeout: float = setting(
-        15.0, "seconds an HTTP client may take to send a request's headers (and an idle keep-alive connection "
+        30.0, "seconds an HTTP client may take to send a request's headers (and an idle keep-alive connection "
               "stays open): a slower one is disconnected")
     http_body_timeout: float = setting(60.0, "seconds an HTTP client may take to send a request's body (408 after)")
 
