@@ -314,3 +314,25 @@ def test_an_official_style_bare_backbone_checkpoint_loads(models, tmp_path, tied
     pooled, _, _ = run(engine, {f"e{i}": (x, embed()) for i, x in enumerate(ids)})
     for i, x in enumerate(ids):
         assert cosine(pooled[f"e{i}"].pooled, reference_embedding(src, x, "last")) > 0.9999
+
+
+def test_pooling_beside_speculative_decoding(models):
+    """Drafted decode rows (n-gram speculation) and pooling rows in the same packed steps:
+    each keeps its own rows, the embeddings stay mlx-lm's and the tokens greedy mlx-lm's."""
+    path = models["mean"]
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=96, max_num_batched_tokens=64, max_num_seqs=8,
+                                                       task="generate", embeddings=True, speculative_config=spec))
+    repetitive = [[7, 8, 9, 10] * 10, [11, 12] * 20]  # prompts n-grams find drafts in
+    gen = {f"g{i}": (ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+           for i, ids in enumerate(repetitive)}
+    inputs = prompts(6, seed=41, lengths=(30, 90, 5))
+    pooled, tokens, mixed = run(engine, {**gen, **{f"e{i}": (x, embed()) for i, x in enumerate(inputs)}},
+                                stagger=True)
+    assert mixed > 0 and engine.stats.spec_decode.num_draft_tokens > 0
+    for i, x in enumerate(inputs):
+        assert cosine(pooled[f"e{i}"].pooled, reference_embedding(path, x, "mean")) > 0.9999
+    oracle = _refs.setdefault(path, load(str(path))[0])
+    for rid, (ids, _) in gen.items():
+        want = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), oracle, max_tokens=12), range(12))]
+        assert tokens[rid] == want
