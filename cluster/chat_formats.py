@@ -10,13 +10,17 @@ survive decoding and a tool-call parser sees them, as in the real tokenizers. Ev
 them is a single token of the trained tokenizer. `eos` ends an assistant turn; `stop` are
 the family's other end tokens (generation_config.json lists all of them).
 
-The templates are written here for random-weight test models; they render what a real
-model of the family would be prompted with, not necessarily byte for byte.
+The formats above are written here for random-weight test models: they render what a real
+model of the family would be prompted with, not necessarily byte for byte. `REAL_FORMATS`
+are the real ones of the reasoning and tool-calling families (their chat templates as
+their tokenizer_config.json carries them, in cluster/chat_templates/, and their tokens
+special where the family has them special): `orchard model create --chat NAME`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -394,3 +398,98 @@ GENERATION_PROMPT = {
     "TULU": "<|assistant|>\n", "ERNIE": "Assistant: ", "STARCODER2": "### Response\n",
 }
 FORMATS = {name: globals()[name] for name in GENERATION_PROMPT}
+
+
+# -- the real formats of the reasoning and tool-calling families ------------------------------
+# `orchard model create --chat NAME`: each family's own chat template (cluster/chat_templates/,
+# as the model's tokenizer_config.json carries it) and the tokens it names, special where the
+# family's tokenizer has them special (Mistral's [TOOL_CALLS], harmony's channels, Llama 3's
+# <|python_tag|>, Kimi's and DeepSeek's call sections), ordinary added tokens where it has
+# them so (Qwen's <think> and <tool_call>).
+
+
+def template_text(name: str) -> str:
+    """A family's chat template, as its tokenizer_config.json carries it."""
+    return (Path(__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+
+
+_QWEN = dict(control=_CHATML_CONTROL, eos="<|im_end|>", stop=("<|endoftext|>",), pad="<|endoftext|>", tools=True,
+             call_marker="<tool_call>")
+_THINK = ("<think>", "</think>")
+_DS_CALLS = tuple(_DS[k] for k in ("calls", "calls_end", "call", "call_end", "sep", "outputs", "outputs_end",
+                                   "output", "output_end"))
+_DEEPSEEK = dict(control=(_DS["bos"], _DS["eos"], _DS["user"], _DS["assistant"]) + _DS_CALLS, markers=_THINK,
+                 eos=_DS["eos"], bos=_DS["bos"], pad=_DS["eos"], tools=True, call_marker=_DS["calls"])
+_KIMI = ("[BOS]", "[EOS]", "[PAD]", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>",
+         "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+         "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|media_start|>", "<|media_content|>", "<|media_pad|>",
+         "<|media_end|>")
+_TEKKEN = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+           "[/TOOL_RESULTS]", "[TOOL_CALLS]")
+_TEKKEN_V11 = _TEKKEN + ("[IMG]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]", "[CALL_ID]", "[TOOL_CONTENT]")
+_MISTRAL = dict(eos="</s>", bos="<s>", pad="<unk>", tools=True, call_marker="[TOOL_CALLS]")
+
+REAL_FORMATS = {
+    # Qwen3: the model opens <think> itself (enable_thinking=False closes an empty one in the prompt)
+    "qwen3": ChatFormat(markers=_HERMES_MARKERS + _THINK, template=template_text("qwen3"), **_QWEN),
+    # QwQ: the template opens <think> in the prompt
+    "qwq": ChatFormat(markers=_HERMES_MARKERS + _THINK, template=template_text("qwq"), **_QWEN),
+    # Qwen3-Coder: XML calls, <tool_call><function=NAME><parameter=KEY>value</parameter>...
+    "qwen3-coder": ChatFormat(markers=_HERMES_MARKERS, template=template_text("qwen3-coder"), **_QWEN),
+    # DeepSeek-R1 (the distills' template): <think> opened in the prompt
+    "deepseek-r1": ChatFormat(template=template_text("deepseek-r1"), **_DEEPSEEK),
+    # DeepSeek-V3.1: `thinking` opens <think> in the prompt (else </think> closes it); calls
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>...
+    "deepseek-v3.1": ChatFormat(template=template_text("deepseek-v3.1"), **_DEEPSEEK),
+    # gpt-oss: harmony channels (analysis = thinking, final = answer, commentary to=functions.NAME = a call)
+    "gpt-oss": ChatFormat(
+        control=("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                 "<|constrain|>", "<|return|>", "<|call|>"),
+        eos="<|return|>", stop=("<|call|>", "<|endoftext|>"), pad="<|endoftext|>", tools=True,
+        call_marker="to=functions.", template=template_text("gpt-oss")),
+    # Kimi K2 (Instruct and Thinking): call sections of special tokens; Thinking's <think> too
+    "kimi-k2": ChatFormat(control=_KIMI, eos="<|im_end|>", stop=("[EOS]",), bos="[BOS]", pad="[PAD]", tools=True,
+                          call_marker="<|tool_calls_section_begin|>", template=template_text("kimi-k2")),
+    "kimi-k2-thinking": ChatFormat(control=_KIMI + _THINK, eos="<|im_end|>", stop=("[EOS]",), bos="[BOS]",
+                                   pad="[PAD]", tools=True, call_marker="<|tool_calls_section_begin|>",
+                                   template=template_text("kimi-k2-thinking")),
+    # GLM-4.5 / 4.6: <think> the model opens, XML key/value calls
+    "glm-4.5": ChatFormat(
+        control=("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+                 "<|assistant|>", "<|observation|>"),
+        markers=_THINK + ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<arg_key>",
+                          "</arg_key>", "<arg_value>", "</arg_value>", "/nothink"),
+        eos="<|endoftext|>", stop=("<|user|>", "<|observation|>"), pad="<|endoftext|>", tools=True,
+        call_marker="<tool_call>", template=template_text("glm-4.5")),
+    # Magistral (2509) / Ministral 3 Reasoning: [THINK]...[/THINK], calls NAME[ARGS]{...}
+    "magistral": ChatFormat(control=_TEKKEN_V11 + ("[THINK]", "[/THINK]"), template=template_text("magistral"),
+                            **_MISTRAL),
+    # Mistral v3 tool calls (Mistral Nemo): [TOOL_CALLS][{"name": ..., "arguments": ...}]
+    "mistral-nemo": ChatFormat(control=_TEKKEN, template=template_text("mistral-nemo"), **_MISTRAL),
+    # Mistral v11 (Mistral Small 3.2, Devstral): [TOOL_CALLS]NAME[ARGS]{...}
+    "mistral-small-3.2": ChatFormat(control=_TEKKEN_V11, template=template_text("mistral-small-3.2"), **_MISTRAL),
+    # Llama 3.1: JSON calls {"name": ..., "parameters": ...}, or after <|python_tag|>
+    "llama-3.1": ChatFormat(control=LLAMA3.control + ("<|python_tag|>",), eos="<|eot_id|>", stop=("<|eom_id|>", "<|end_of_text|>"),
+                            bos="<|begin_of_text|>", pad="<|finetune_right_pad_id|>", tools=True,
+                            call_marker='{"name": "', template=template_text("llama-3.1")),
+    # Granite 3.3: `thinking` asks for <think>...</think><response>...</response> (plain text);
+    # calls after <|tool_call|>
+    "granite-3.3": ChatFormat(control=("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>",
+                                       "<|start_of_cite|>", "<|end_of_cite|>"),
+                              eos="<|end_of_text|>", pad="<|end_of_text|>", tools=True, call_marker="<|tool_call|>",
+                              template=template_text("granite-3.3")),
+    # NVIDIA Nemotron Nano 2: /think and /no_think; <think> opened in the prompt; <TOOLCALL>[...]</TOOLCALL>
+    "nemotron-nano-2": ChatFormat(control=("<unk>", "<s>", "</s>", "<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>")
+                                  + _THINK + ("<TOOLCALL>", "</TOOLCALL>"),
+                                  markers=("<AVAILABLE_TOOLS>", "</AVAILABLE_TOOLS>", "<TOOL_RESPONSE>",
+                                           "</TOOL_RESPONSE>"),
+                                  eos="<SPECIAL_12>", stop=("</s>",), bos="<s>", pad="<unk>", tools=True,
+                                  call_marker="<TOOLCALL>", template=template_text("nemotron-nano-2")),
+}
+# the mlx-lm architecture each family's models have (what `orchard model create --chat` pairs it with)
+REAL_FORMAT_ARCH = {
+    "qwen3": "qwen3", "qwq": "qwen2", "qwen3-coder": "qwen3_moe", "deepseek-r1": "qwen2", "deepseek-v3.1": "deepseek_v3",
+    "gpt-oss": "gpt_oss", "kimi-k2": "deepseek_v3", "kimi-k2-thinking": "deepseek_v3", "glm-4.5": "glm4",
+    "magistral": "mistral", "mistral-nemo": "mistral", "mistral-small-3.2": "mistral", "llama-3.1": "llama",
+    "granite-3.3": "granite", "nemotron-nano-2": "nemotron_h",
+}

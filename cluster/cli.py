@@ -69,7 +69,7 @@ def _model_create(parser: argparse.ArgumentParser) -> None:
             print(f"wrote {spec.real} to {import_gguf(real_gguf(spec.real), spec.path)}")
             return 0
         path = create_model(spec.path, arch=spec.arch, size=spec.size, seed=spec.seed, kind=spec.kind,
-                            layers=spec.layers, files=spec.files)
+                            layers=spec.layers, files=spec.files, chat=spec.chat)
         print(f"wrote {spec.arch} {spec.size} model ({num_parameters(path):,} parameters) to {path}")
         return 0
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.chat_formats import (CHATML, COHERE, DEEPSEEK, ERNIE, EXAONE, GEMMA, GEMMA4, GLM4, GRANITE,
-                                  HARMONY, LFM2, LLAMA3, MISTRAL, NEMOTRON, PHI3, STARCODER2, TULU, ChatFormat)
+                                  HARMONY, LFM2, LLAMA3, MISTRAL, NEMOTRON, PHI3, REAL_FORMAT_ARCH, REAL_FORMATS,
+                                  STARCODER2, TULU, ChatFormat)
 from cluster.config import setting
 
 ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3", "gemma2", "gpt_oss", "olmo3", "cohere2",
@@ -60,6 +61,10 @@ class ModelSpec:
     layers: int = setting(0, "layers (0: the size's own)")
     files: int = setting(1, "weight files: more than 1 splits the layers over that many, with an index "
                             "(as large real models are stored)")
+    chat: str = setting("", "a reasoning / tool-calling family's real chat template and special tokens (empty: "
+                            "the architecture's own format); each family's usual architecture: "
+                            + ", ".join(f"{k} ({v})" for k, v in REAL_FORMAT_ARCH.items()),
+                        choices=("",) + tuple(REAL_FORMATS))
 
 
 # each family's chat format (cluster/chat_formats.py): ChatML unless the family has its own
@@ -375,7 +380,9 @@ def _init_weights(model, config: dict, seed: int):
 
 def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = ModelSpec.size,
                  seed: int = ModelSpec.seed, kind: str = "generate", layers: int = ModelSpec.layers,
-                 files: int = ModelSpec.files) -> Path:
+                 files: int = ModelSpec.files, chat: str = ModelSpec.chat) -> Path:
+    """Write the model; `chat` names one of `REAL_FORMATS` to carry that family's real chat
+    template and special tokens instead of the architecture's own format."""
     import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -392,7 +399,9 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
     if kind != "generate" and arch != "qwen3":
         raise ValueError(f"a{'n' if kind[0] == 'e' else ''} {kind} model is made of qwen3 (as Qwen3-Embedding and "
                          f"Qwen3-Reranker are), not {arch}")
-    chat = CHAT_FORMAT.get(arch, CHATML)
+    if chat and chat not in REAL_FORMATS:
+        raise ValueError(f"unknown chat format {chat!r}: choose one of {', '.join(REAL_FORMATS)}")
+    chat = REAL_FORMATS[chat] if chat else CHAT_FORMAT.get(arch, CHATML)
     tok = train_tokenizer(geo_vocab, seed, chat, words=("yes", "no") if kind == "reranker" else ())
     ids = {t: tok.token_to_id(t) for t in chat.control + chat.markers}
     if layers < 0 or files < 1:

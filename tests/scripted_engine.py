@@ -19,6 +19,7 @@ from typing import Callable
 
 from aiohttp import web
 
+from cluster.api.reasoning import ThinkingTracker
 from cluster.worker.detokenizer import IncrementalDetokenizer
 from cluster.worker.engine import EngineStats, RequestOutput
 
@@ -43,9 +44,19 @@ class ScriptedEngine:
         self.params.append(params)
         reply = self.reply(text) if callable(self.reply) else self.reply
         resumed = list(resume_token_ids)  # the script continues after them, as a resumed request does
+        thinking = None
+        if params.thinking is not None:  # the engine's count of the thinking's tokens
+            thinking = ThinkingTracker(params.thinking, lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
+            for t in resumed:
+                thinking.add(t)
         self.seqs[rid] = dict(out=self.tokenizer.encode(reply, add_special_tokens=False), i=len(resumed),
-                              prompt=list(prompt), params=params,
-                              detok=IncrementalDetokenizer(self.tokenizer, list(prompt) + resumed, params.stop))
+                              prompt=list(prompt), params=params, thinking=thinking,
+                              detok=IncrementalDetokenizer(self.tokenizer, list(prompt) + resumed, params.stop,
+                                                           kept_special=params.kept_special_ids))
+
+    @staticmethod
+    def _reasoning(s) -> int:
+        return s["thinking"].reasoning_tokens if s["thinking"] is not None else 0
 
     def abort(self, rid):
         return self.seqs.pop(rid, None) is not None
@@ -76,16 +87,19 @@ class ScriptedEngine:
             if s["i"] >= len(s["out"]):  # the script is done: the model's end of turn
                 text = s["detok"].take_delta(final=True)
                 outs.append(RequestOutput(rid, [], text, True, "stop", num_prompt_tokens=len(s["prompt"]),
-                                          num_output_tokens=s["i"]))
+                                          num_output_tokens=s["i"], num_reasoning_tokens=self._reasoning(s)))
                 del self.seqs[rid]
                 continue
             tok = s["out"][s["i"]]
             s["i"] += 1
             stop = s["detok"].add(tok)
+            if s["thinking"] is not None:
+                s["thinking"].add(tok)
             done = stop is not None or s["i"] >= s["params"].max_tokens
             text = s["detok"].take_delta(final=done)
             outs.append(RequestOutput(rid, [tok], text, done, ("stop" if stop else "length") if done else None,
-                                      stop_reason=stop, num_prompt_tokens=len(s["prompt"]), num_output_tokens=s["i"]))
+                                      stop_reason=stop, num_prompt_tokens=len(s["prompt"]), num_output_tokens=s["i"],
+                                      num_reasoning_tokens=self._reasoning(s) if done else 0))
             if done:
                 del self.seqs[rid]
         self.stats.num_steps += 1
@@ -96,8 +110,11 @@ class ScriptedServer:
     """The worker service over a `ScriptedEngine`, its HTTP app (`url`) and gRPC
     `Generation` (`grpc_address`), on 127.0.0.1 and free ports, in a thread of its own (so that sync clients can call it) until `stop()`."""
 
-    def __init__(self, engine: ScriptedEngine, *, router: bool = False, **app_kwargs):
-        self.engine = engine
+    def __init__(self, engine: ScriptedEngine | Callable[[], object], *, router: bool = False, **app_kwargs):
+        # an engine, or a function that makes one (a real Engine is built on its own thread:
+        # MLX's streams belong to the thread that made them)
+        self.engine = engine if not callable(engine) else None
+        self._factory = engine if callable(engine) else None
         self.with_router = router  # also a router in front of it (`router_url`), with it as a static worker
         self._app_kwargs = app_kwargs
         self._ready = threading.Event()
@@ -124,7 +141,12 @@ class ScriptedServer:
 
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        svc = WorkerService("scripted", lambda: self.engine, metrics=False)
+        def factory():
+            if self.engine is None:
+                self.engine = self._factory()
+            return self.engine
+
+        svc = WorkerService("scripted", factory, metrics=False)
         try:
             await svc.start(timeout=30)
             runner = web.AppRunner(create_app(svc, **self._app_kwargs))

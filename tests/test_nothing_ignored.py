@@ -62,8 +62,8 @@ def test_model_by_id(server):
 
 
 @pytest.mark.parametrize("path, body, name", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"},
-     "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "prediction": {"type": "content", "content": "x"}}, "prediction"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 5},
      "presence_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}},

@@ -211,7 +211,7 @@ def test_a_model_without_tool_calling_refuses_tools(tmp_path):
 
     from cluster.modelgen import create_model
 
-    model = create_model(tmp_path / "tiny-llama", "llama", "tiny", seed=0)
+    model = create_model(tmp_path / "tiny-gemma", "gemma3_text", "tiny", seed=0)  # Gemma 3's format has no tools
     srv = ScriptedServer(ScriptedEngine(model, reply="hi"))
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
@@ -326,22 +326,28 @@ def test_other_families_through_the_openai_client(tmp_path, arch, call):
         srv.stop()
 
 
-def test_special_token_markers_are_refused_not_leaked():
-    """A tokenizer whose call markers are special tokens (dropped by the detokenizer):
-    tools are refused with the reason, never served with the call text as content."""
-    from types import SimpleNamespace
+def test_special_token_markers_are_parsed_not_leaked(tmp_path):
+    """Mistral's [TOOL_CALLS] and [ARGS] are special tokens (a detokenizer drops them): the
+    worker decodes its output with them kept, so the call is parsed and neither marker
+    reaches the content (tools used to be refused for such models)."""
+    import openai
 
-    from cluster.api.errors import InvalidRequest
-    from cluster.api.wire import build_request
-    from cluster.worker.service import WorkerService
+    from cluster.modelgen import create_model
 
-    svc = WorkerService.__new__(WorkerService)
-    svc.model_name, svc._markers_checked = "m", {}
-    svc.tokenizer = SimpleNamespace(has_tool_calling=True, tool_call_start="<tc>", tool_call_end="</tc>",
-                                    tool_parser=None, encode=lambda text, add_special_tokens=False: [1],
-                                    decode=lambda ids, skip_special_tokens=True: "")
-    with pytest.raises(InvalidRequest, match="special tokens"):
-        svc._tool_stream(build_request(messages=[{"role": "user", "content": "x"}], tools=[WEATHER]))
+    model = create_model(tmp_path / "magistral", "mistral", "tiny", seed=0, chat="mistral-small-3.2")
+    srv = ScriptedServer(ScriptedEngine(model, reply='Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'))
+    try:
+        tok = srv.engine.tokenizer
+        assert tok.decode(tok.encode("[TOOL_CALLS]", add_special_tokens=False), skip_special_tokens=True) == ""
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        r = c.chat.completions.create(model="", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER])
+        (tc,) = r.choices[0].message.tool_calls
+        assert (tc.function.name, json.loads(tc.function.arguments)) == ("get_weather", {"city": "Oslo"})
+        assert r.choices[0].message.content == "Checking." and len(tc.id) == 9 and tc.id.isalnum()
+        plain = c.chat.completions.create(model="", messages=[{"role": "user", "content": "Weather?"}])
+        assert plain.choices[0].message.content == 'Checking.get_weather{"city": "Oslo"}'  # no tools: markers dropped
+    finally:
+        srv.stop()
 
 
 def test_split_chunk_keeps_the_models_order():

@@ -4,7 +4,12 @@ the OpenAI fronts, for the agent tools that speak it to local servers.
 `system`, messages with text, `tool_use` and `tool_result` content blocks, `max_tokens`
 (required, as Anthropic's API has it), `stop_sequences`, temperature / top_p / top_k,
 tools (`input_schema`) and `tool_choice`; the model's calls come back as `tool_use`
-blocks with `stop_reason: "tool_use"`. Streaming sends Anthropic's events (message_start,
+blocks with `stop_reason: "tool_use"`. A thinking model's thinking comes first as a
+`thinking` block (streamed as thinking_delta events; its signature is empty: nothing signs
+it), and `thinking` blocks in an assistant message go back to its template;
+`thinking: {"type": "enabled", "budget_tokens": N}` turns the template's thinking on and
+ends the thinking after N tokens, `{"type": "disabled"}` turns it off (`enable_thinking` /
+`thinking` for the template). Streaming sends Anthropic's events (message_start,
 content_block_start / delta / stop, message_delta, message_stop). Errors are in
 Anthropic's shape; `x-api-key` is accepted as the API key (the app's guard). Any other
 field is a 400 that names it.
@@ -81,7 +86,7 @@ def chat_messages(body: dict) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise BadField("messages", f"messages.{i}.content: Input should be a string or a list of content blocks")
-        text, calls = [], []
+        text, calls, thinking = [], [], []
         for j, b in enumerate(content):
             kind = b.get("type") if isinstance(b, dict) else None
             where = f"messages.{i}.content.{j}"
@@ -89,6 +94,12 @@ def chat_messages(body: dict) -> list[dict]:
                 if not isinstance(b.get("text", ""), str):
                     raise BadField("messages", f"{where}.text: Input should be a string")
                 text.append(b.get("text", ""))
+            elif kind == "thinking" and m["role"] == "assistant":
+                if not isinstance(b.get("thinking"), str):
+                    raise BadField("messages", f"{where}.thinking: Field required (a string)")
+                thinking.append(b["thinking"])
+            elif kind == "redacted_thinking" and m["role"] == "assistant":
+                pass  # another server's encrypted thinking: nothing a template here can read
             elif kind == "tool_use" and m["role"] == "assistant":
                 if not isinstance(b.get("name"), str):
                     raise BadField("messages", f"{where}.name: Field required")
@@ -109,10 +120,12 @@ def chat_messages(body: dict) -> list[dict]:
             else:
                 raise BadField("messages", f"{where}: content blocks of type {shown(kind)} are not supported in a "
                                            f"{m['role']} message")
-        if text or calls:
+        if text or calls or thinking:
             msg = {"role": m["role"], "content": "".join(text)}
             if calls:
                 msg["tool_calls"] = calls
+            if thinking:
+                msg["reasoning_content"] = "".join(thinking)
             out.append(msg)
     return out
 
@@ -161,9 +174,7 @@ def _request(body: dict, limits: RequestLimits) -> pb.GenerateRequest:
     if unknown:
         raise BadField(unknown[0][:80], f"{quoted(unknown[0])}: Extra inputs are not permitted (not supported by this "
                                         "server)")
-    thinking = body.get("thinking")
-    if thinking not in (None, {"type": "disabled"}):
-        raise BadField("thinking", "thinking: extended thinking is not supported by this server")
+    template, budget = _thinking(body.get("thinking"))
     max_tokens = _get(body, "max_tokens", int, required=True)
     if not 1 <= max_tokens < 2**32:
         raise BadField("max_tokens", f"max_tokens: Input should be greater than or equal to 1, got {shown(max_tokens)}")
@@ -178,9 +189,27 @@ def _request(body: dict, limits: RequestLimits) -> pb.GenerateRequest:
         messages=chat_messages(body), model=_get(body, "model", str, required=True), max_tokens=max_tokens,
         temperature=_get(body, "temperature", float), top_p=_get(body, "top_p", float), top_k=top_k,
         stop=stop, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
-        request_id=f"msg_{uuid.uuid4().hex}")
+        request_id=f"msg_{uuid.uuid4().hex}", chat_template_kwargs=template, thinking_token_budget=budget)
     validate_request(request, limits, NAMES)
     return request
+
+
+def _thinking(value: Any) -> tuple[dict | None, int | None]:
+    """The `thinking` field as template variables and a thinking budget."""
+    if value is None:
+        return None, None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "disabled":
+        return {"enable_thinking": False, "thinking": False}, None
+    if kind == "adaptive":
+        return {"enable_thinking": True, "thinking": True}, None
+    if kind != "enabled":
+        raise BadField("thinking", f"thinking.type: Input should be 'enabled', 'adaptive' or 'disabled', got "
+                                   f"{shown(kind)}")
+    budget = value.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget < 2**32:
+        raise BadField("thinking", f"thinking.budget_tokens: Input should be an integer >= 0, got {shown(budget)}")
+    return {"enable_thinking": True, "thinking": True}, budget
 
 
 def _stop_reason(r: pb.GenerateResponse, stop: list[str]) -> tuple[str, str | None]:
@@ -227,8 +256,13 @@ async def _create(request: web.Request) -> web.StreamResponse:
             return anthropic_error(e.http_status, renamed(e.message, NAMES))
         if not stream:
             try:
-                blocks, r = [], first  # in the model's order: text, tool_use, text...
+                blocks, r = [], first  # in the model's order: thinking, text, tool_use, text...
                 while r is not None:
+                    if r.reasoning:
+                        if blocks and blocks[-1]["type"] == "thinking":
+                            blocks[-1]["thinking"] += r.reasoning
+                        else:
+                            blocks.append({"type": "thinking", "thinking": r.reasoning, "signature": ""})
                     if r.text:
                         if blocks and blocks[-1]["type"] == "text":
                             blocks[-1]["text"] += r.text
@@ -254,31 +288,48 @@ async def _stream(request: web.Request, message: dict, first, chunks, stop: list
         await response.write(sse(event, {"type": event, **data}))
 
     await send("message_start", message=message)
-    index, text_open = 0, False
+    index, open_block = 0, None  # the block being streamed: "thinking", "text" or None
+
+    async def close():
+        nonlocal open_block, index
+        if open_block == "thinking":
+            await send("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""})
+        if open_block is not None:
+            await send("content_block_stop", index=index)
+            open_block, index = None, index + 1
+
+    async def block(kind: str, text: str):
+        nonlocal open_block
+        if open_block != kind:
+            await close()
+            open_block = kind
+            start = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                                                                          "signature": ""}
+            await send("content_block_start", index=index, content_block=start)
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta",
+                                                                              "thinking": text}
+        await send("content_block_delta", index=index, delta=delta)
+
     try:
         r = first
         while r is not None:
+            if r.reasoning:
+                await block("thinking", r.reasoning)
             if r.text:
-                if not text_open:
-                    text_open = True
-                    await send("content_block_start", index=index, content_block={"type": "text", "text": ""})
-                await send("content_block_delta", index=index, delta={"type": "text_delta", "text": r.text})
+                await block("text", r.text)
             for c in r.tool_calls:
-                if text_open:
-                    await send("content_block_stop", index=index)
-                    text_open, index = False, index + 1
-                block = _tool_use(c)
-                await send("content_block_start", index=index, content_block={**block, "input": {}})
+                await close()
+                use = _tool_use(c)
+                await send("content_block_start", index=index, content_block={**use, "input": {}})
                 await send("content_block_delta", index=index,
-                           delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                           delta={"type": "input_json_delta", "partial_json": json.dumps(use["input"])})
                 await send("content_block_stop", index=index)
                 index += 1
             if r.finish_reason:
                 message["stop_reason"], message["stop_sequence"] = _stop_reason(r, stop)
                 message["usage"] = _usage(r.usage)
             r = await anext(chunks, None)
-        if text_open:
-            await send("content_block_stop", index=index)
+        await close()
         await send("message_delta", delta={"stop_reason": message["stop_reason"],
                                            "stop_sequence": message["stop_sequence"]}, usage=message["usage"])
         await send("message_stop")

@@ -12,9 +12,13 @@ all on one app over the shared base (`cluster.api.http`). Sampling fields:
 max_tokens (max_completion_tokens; a chat without it runs to the end of the context),
 temperature, top_p, n, seed, stop, stream_options.include_usage, logprobs (top_logprobs
 for chat), presence_penalty, frequency_penalty, logit_bias, response_format, tools,
-tool_choice, parallel_tool_calls (chat), and the extensions ignore_eos, top_k, min_p, speculative,
-stop_token_ids, repetition_penalty, vLLM's guided_* and structured_outputs
-(`cluster.api.constraints`). Any other parameter is a 400 that names it, except
+tool_choice, parallel_tool_calls (chat), reasoning_effort (chat), and the extensions
+ignore_eos, top_k, min_p, speculative, stop_token_ids, repetition_penalty, vLLM's guided_*
+and structured_outputs (`cluster.api.constraints`), and for chat vLLM's
+chat_template_kwargs, thinking_token_budget and include_reasoning. A thinking model's
+thinking comes back apart from its answer, as vLLM returns it: `message.reasoning_content`
+(and `reasoning`, which newer clients read), streamed as deltas of the same names, counted
+in usage.completion_tokens_details.reasoning_tokens. Any other parameter is a 400 that names it, except
 ACCEPTED_NO_EFFECT (user, metadata, store, ...), which real clients send and which change
 no output. Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`
 with 400 (bad input), 404 (unknown model or route), 405, 429 (queue full), 503 (draining
@@ -132,7 +136,8 @@ def _completion_prompt(body: dict) -> str | list[int]:
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})  # refusal: null only
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal",  # refusal: null only
+                           "reasoning_content", "reasoning"})  # an assistant's thinking, for templates that keep it
 
 
 def _chat_messages(body: dict) -> list[dict]:
@@ -168,13 +173,22 @@ def _chat_messages(body: dict) -> list[dict]:
                 raise BadField("messages", f"messages[{i}].tool_calls must be a list of "
                                             "{id, type: function, function: {name, arguments}}")
             msg["tool_calls"] = calls
-        for key in ("tool_call_id", "name"):
+        for key in ("tool_call_id", "name", "reasoning_content", "reasoning"):
             if m.get(key) is not None:
                 if not isinstance(m[key], str):
                     raise BadField("messages", f"messages[{i}].{key} must be a string")
                 msg[key] = m[key]
         out.append(msg)
     return out
+
+
+def _reasoning_kwargs(body: dict) -> dict[str, Any]:
+    """chat_template_kwargs (vLLM's), reasoning_effort and thinking_token_budget."""
+    budget = body_field(body, "thinking_token_budget", int)
+    if budget is not None and budget < 0:
+        raise BadField("thinking_token_budget", f"thinking_token_budget must be >= 0, got {budget}")
+    return dict(chat_template_kwargs=body_field(body, "chat_template_kwargs", dict),
+                reasoning_effort=body_field(body, "reasoning_effort", str), thinking_token_budget=budget)
 
 
 def _tool_kwargs(body: dict) -> dict[str, Any]:
@@ -193,7 +207,8 @@ _COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "tempera
                      "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
                     ) | ACCEPTED_NO_EFFECT
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                         "parallel_tool_calls"}
+                         "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "thinking_token_budget",
+                         "include_reasoning"}
 # best_of and suffix are read to be refused by name (completions.py)
 COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix", "prompt_logprobs"}
 
@@ -207,7 +222,7 @@ def make_request(body: dict, chat: bool, request_id: str, limits: RequestLimits 
     kwargs = sampling_kwargs(body, chat, limits) | openai_extras(body)  # penalties, logit_bias, structured outputs
     if chat:
         request = build_request(messages=_chat_messages(body), model=model, request_id=request_id, **kwargs,
-                                **_tool_kwargs(body))
+                                **_tool_kwargs(body), **_reasoning_kwargs(body))
         names = {"logprobs": "top_logprobs", "prompt": "messages",
                  "max_tokens": "max_completion_tokens" if body.get("max_completion_tokens") is not None else
                  "max_tokens"}
@@ -225,6 +240,7 @@ def _usage(u: pb.Usage) -> dict:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
     }
 
 
@@ -252,8 +268,9 @@ def _chat_logprobs(lps) -> dict:
 class Exchange:
     """One HTTP request: its ids, and how its chunks become OpenAI JSON."""
 
-    def __init__(self, chat: bool, model: str, want_logprobs: bool):
+    def __init__(self, chat: bool, model: str, want_logprobs: bool, include_reasoning: bool = True):
         self.chat = chat
+        self.include_reasoning = include_reasoning  # vLLM's include_reasoning: false drops the thinking
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
@@ -275,6 +292,8 @@ class Exchange:
         first = i not in self.started
         self.started.add(i)
         delta = {"role": "assistant", "content": r.text} if first else ({"content": r.text} if r.text else {})
+        if r.reasoning and self.include_reasoning:  # vLLM's name, and the newer one
+            delta["reasoning_content"] = delta["reasoning"] = r.reasoning
         if r.tool_calls:  # a call is sent whole, when its end marker has arrived
             done = self.num_tool_calls.get(i, 0)
             delta["tool_calls"] = [{"index": done + k, **tool_call_json(c)} for k, c in enumerate(r.tool_calls)]
@@ -302,6 +321,9 @@ class Exchange:
         logprobs = _chat_logprobs([lp for c in chunks for lp in c.logprobs]) if self.want_logprobs else None
         calls = [tool_call_json(c) for ch in chunks for c in ch.tool_calls]
         message = {"role": "assistant", "content": text if text or not calls else None}
+        reasoning = "".join(c.reasoning for c in chunks)
+        if reasoning and self.include_reasoning:  # vLLM's name, and the newer one
+            message["reasoning_content"] = message["reasoning"] = reasoning
         if calls:
             message["tool_calls"] = calls
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
@@ -364,7 +386,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         stream = body_field(body, "stream", bool, False)
         stream_options = body_field(body, "stream_options", dict, {})
         include_usage = bool(stream_options.get("include_usage")) and stream
-        ex = Exchange(True, "", bool(body.get("logprobs")))
+        ex = Exchange(True, "", bool(body.get("logprobs")), body_field(body, "include_reasoning", bool, True))
         proto = make_request(body, True, ex.id, request.app[LIMITS])
         ex.model = await served_model(request.app, proto.model)
         timeout = request_timeout(request)

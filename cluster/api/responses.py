@@ -4,11 +4,16 @@
 `input` is a string or a list of items (messages with text content, `function_call` and
 `function_call_output` items); `instructions` is a system message for this turn only;
 function tools become the request's tools and the model's calls `function_call` output
-items. `previous_response_id` continues a conversation this process stored (a bounded
-in-memory store: the oldest are forgotten first; `store: false` keeps a response out of
-it). Streaming sends the typed events the `openai` package reads (response.created,
-output_item / content_part / output_text / function_call_arguments events,
-response.completed). Any other field is a 400 that names it.
+items. A thinking model's thinking comes first as a `reasoning` output item (its text in
+`content`, as reasoning_text; streamed as response.reasoning_text.delta events), and a
+reasoning item in `input` goes back to the model with the assistant turn that follows it
+(templates that keep the thinking read it); `reasoning.effort` reaches the chat template
+(gpt-oss's system message). `previous_response_id` continues a conversation this process
+stored (a bounded in-memory store: the oldest are forgotten first; `store: false` keeps a
+response out of it). Streaming sends the typed events the `openai` package reads
+(response.created, output_item / content_part / output_text / reasoning_text /
+function_call_arguments events, response.completed). Any other field is a 400 that names
+it.
 """
 
 from __future__ import annotations
@@ -59,7 +64,21 @@ def _text(content: Any, where: str) -> str:
 
 _ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
               "function_call": {"type", "id", "call_id", "name", "arguments", "status"},
-              "function_call_output": {"type", "id", "call_id", "output", "status"}}
+              "function_call_output": {"type", "id", "call_id", "output", "status"},
+              "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"}}
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's thinking: its reasoning_text content, else its summary's text."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text", ""), str)
+                                                  for p in parts):
+            raise BadField("input", f"{where}.{key} must be a list of {{type: {kind}, text}} parts")
+        text = "".join(p.get("text", "") for p in parts)
+        if text:
+            return text
+    return ""
 
 
 def input_messages(items: Any) -> list[dict]:
@@ -69,6 +88,7 @@ def input_messages(items: Any) -> list[dict]:
     if not isinstance(items, list):
         raise BadField("input", "'input' must be a string or a list of items")
     out: list[dict] = []
+    thinking = ""  # a reasoning item's, for the assistant turn that follows it
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise BadField("input", f"input[{i}] must be an object")
@@ -87,15 +107,23 @@ def input_messages(items: Any) -> list[dict]:
                 raise BadField("input", f"input[{i}].role must be user, system, developer or assistant")
             out.append({"role": "system" if role == "developer" else role,
                         "content": _text(item.get("content", ""), f"input[{i}]")})
+            if role == "assistant" and thinking:
+                out[-1]["reasoning_content"], thinking = thinking, ""
+        elif kind == "reasoning":
+            thinking += _reasoning_text(item, f"input[{i}]")
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
                 raise BadField("input", f"input[{i}]: a function_call needs a name and arguments (a JSON string)")
             call = {"id": item.get("call_id") or "", "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
-            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1] and not thinking:
                 out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            elif out and out[-1]["role"] == "assistant" and "tool_calls" not in out[-1] and not thinking:
+                out[-1]["tool_calls"] = [call]  # a message, then its calls: one assistant turn
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if thinking:
+                    out[-1]["reasoning_content"], thinking = thinking, ""
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(output, str):
@@ -146,8 +174,15 @@ def _check(body: dict) -> None:
                                     "server yet")
         if text.get("verbosity") is not None:
             raise BadField("text", "'text.verbosity' is not supported by this server")
-    if body.get("reasoning") not in (None, {}):
-        raise BadField("reasoning", "'reasoning' is not supported by this server")
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
+            raise BadField("reasoning", "'reasoning' must be an object with 'effort' (and 'summary')")
+        if reasoning.get("effort") is not None and not isinstance(reasoning["effort"], str):
+            raise BadField("reasoning", "'reasoning.effort' must be a string")
+        if reasoning.get("summary") not in (None, "auto") or reasoning.get("generate_summary") not in (None, "auto"):
+            raise BadField("reasoning", "reasoning summaries are not made by this server: the reasoning items carry "
+                                        "the whole thinking as reasoning_text; send 'summary' null or 'auto'")
     if body.get("truncation") not in (None, "disabled"):
         raise BadField("truncation", "only truncation 'disabled' is supported")
     if body.get("include"):
@@ -158,13 +193,13 @@ def _check(body: dict) -> None:
 # -- response -----------------------------------------------------------------------------------
 def _usage(u: pb.Usage) -> dict:
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
 class _Turn:
     """One response: its ids, its settings as echoed back, its output items in order
-    (messages and function calls, as the model produced them)."""
+    (reasoning, messages and function calls, as the model produced them)."""
 
     def __init__(self, body: dict, model: str, history: list[dict]):
         self.id = f"resp_{uuid.uuid4().hex}"
@@ -172,23 +207,29 @@ class _Turn:
         self.body = body
         self.model = model
         self.history = history  # the conversation before this turn's output (without instructions)
-        self.items: list[dict | pb.ToolCall] = []  # {"id", "text"} for a message, or a call
+        # {"type": "message" | "reasoning", "id", "text"}, or a call
+        self.items: list[dict | pb.ToolCall] = []
         self.usage: pb.Usage | None = None
         self.finish: str | None = None
 
+    def _joined(self, kind: str) -> str:
+        return "".join(i["text"] for i in self.items if isinstance(i, dict) and i["type"] == kind)
+
     @property
     def text(self) -> str:
-        return "".join(i["text"] for i in self.items if isinstance(i, dict))
+        return self._joined("message")
 
     @property
     def calls(self) -> list[pb.ToolCall]:
         return [i for i in self.items if isinstance(i, pb.ToolCall)]
 
-    def add_text(self, text: str) -> tuple[int, bool]:
-        """Append text to the last message, or open a new one after a call: (its index, opened)."""
-        opened = not self.items or not isinstance(self.items[-1], dict)
+    def add_text(self, text: str, kind: str = "message") -> tuple[int, bool]:
+        """Append text to the last item of its kind ("message" or "reasoning"), or open a
+        new one after anything else: (its index, opened)."""
+        opened = not self.items or not isinstance(self.items[-1], dict) or self.items[-1]["type"] != kind
         if opened:
-            self.items.append({"id": f"msg_{uuid.uuid4().hex}", "text": ""})
+            prefix = "msg" if kind == "message" else "rs"
+            self.items.append({"type": kind, "id": f"{prefix}_{uuid.uuid4().hex}", "text": ""})
         self.items[-1]["text"] += text
         return len(self.items) - 1, opened
 
@@ -202,15 +243,25 @@ class _Turn:
                 "content": [{"type": "output_text", "text": m["text"], "annotations": [], "logprobs": []}]}
 
     @staticmethod
+    def reasoning_item(m: dict, status: str) -> dict:
+        return {"type": "reasoning", "id": m["id"], "status": status, "summary": [],
+                "content": [{"type": "reasoning_text", "text": m["text"]}]}
+
+    @staticmethod
     def call_item(c: pb.ToolCall, status: str = "completed") -> dict:
         return {"type": "function_call", "id": f"fc_{c.id.removeprefix('call_')}", "call_id": c.id, "name": c.name,
                 "arguments": c.arguments, "status": status}
 
+    def item(self, i: dict | pb.ToolCall, status: str) -> dict:
+        if not isinstance(i, dict):
+            return self.call_item(i)
+        return (self.message_item if i["type"] == "message" else self.reasoning_item)(i, status)
+
     def output(self) -> list[dict]:
-        if not self.items:  # an empty answer is still one (empty) message
-            self.add_text("")
+        if not any(isinstance(i, pb.ToolCall) or i["type"] == "message" for i in self.items):
+            self.add_text("")  # an answer with no message and no call still has one (empty) message
         done = "incomplete" if self.finish == "length" else "completed"
-        return [self.message_item(i, done) if isinstance(i, dict) else self.call_item(i) for i in self.items]
+        return [self.item(i, done) for i in self.items]
 
     def obj(self, status: str) -> dict:
         b = self.body
@@ -225,6 +276,7 @@ class _Turn:
             "parallel_tool_calls": b.get("parallel_tool_calls", True),
             "previous_response_id": b.get("previous_response_id"), "store": b.get("store", True),
             "metadata": b.get("metadata") or {}, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "reasoning": b.get("reasoning"),
             "usage": _usage(self.usage) if done and self.usage is not None else None,
         }
 
@@ -235,6 +287,8 @@ class _Turn:
     def conversation(self) -> list[dict]:
         """The history plus this turn's output, as the next turn continues it."""
         turn = {"role": "assistant", "content": self.text}
+        if self._joined("reasoning"):
+            turn["reasoning_content"] = self._joined("reasoning")
         if self.calls:
             turn["tool_calls"] = [{"id": c.id, "type": "function",
                                    "function": {"name": c.name, "arguments": c.arguments}} for c in self.calls]
@@ -292,7 +346,8 @@ async def _create(request: web.Request) -> web.StreamResponse:
             max_tokens=int_field(body, "max_output_tokens", low=1, high=2**32 - 1),
             temperature=body_field(body, "temperature", float), top_p=body_field(body, "top_p", float),
             seed=int_field(body, "seed", low=0, high=2**64 - 1), tools=_tools(body), tool_choice=_tool_choice(body),
-            parallel_tool_calls=body_field(body, "parallel_tool_calls", bool))
+            parallel_tool_calls=body_field(body, "parallel_tool_calls", bool),
+            reasoning_effort=(body.get("reasoning") or {}).get("effort"))
         validate_request(proto, request.app[LIMITS], NAMES)
         turn = _Turn(body, await served_model(request.app, proto.model), history)
         proto.request_id = turn.id
@@ -319,6 +374,8 @@ async def _create(request: web.Request) -> web.StreamResponse:
 
 
 def _take(turn: _Turn, r: pb.GenerateResponse) -> None:
+    if r.reasoning:
+        turn.add_text(r.reasoning, "reasoning")
     if r.text:
         turn.add_text(r.text)
     for c in r.tool_calls:
@@ -340,41 +397,50 @@ async def _stream(request: web.Request, turn: _Turn, first, chunks) -> web.Strea
 
     await send("response.created", response=turn.obj("in_progress"))
     await send("response.in_progress", response=turn.obj("in_progress"))
-    text_part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-    open_index: int | None = None  # the message item being streamed
+    parts = {"message": ({"type": "output_text", "text": "", "annotations": [], "logprobs": []}, "output_text"),
+             "reasoning": ({"type": "reasoning_text", "text": ""}, "reasoning_text")}
+    open_index: int | None = None  # the message or reasoning item being streamed
 
-    async def open_message(index: int):
+    async def open_item(index: int):
         nonlocal open_index
         open_index = index
         m = turn.items[index]
-        await send("response.output_item.added", output_index=index,
-                   item={**turn.message_item(m, "in_progress"), "content": []})
+        await send("response.output_item.added", output_index=index, item={**turn.item(m, "in_progress"), "content": []})
         await send("response.content_part.added", item_id=m["id"], output_index=index, content_index=0,
-                   part=text_part)
+                   part=parts[m["type"]][0])
 
-    async def close_message():
+    async def close_item():
         nonlocal open_index
         if open_index is None:
             return
         index, open_index = open_index, None
         m = turn.items[index]
-        await send("response.output_text.done", item_id=m["id"], output_index=index, content_index=0,
-                   text=m["text"], logprobs=[])
+        part, name = parts[m["type"]]
+        extra = {"logprobs": []} if m["type"] == "message" else {}
+        await send(f"response.{name}.done", item_id=m["id"], output_index=index, content_index=0, text=m["text"],
+                   **extra)
         await send("response.content_part.done", item_id=m["id"], output_index=index, content_index=0,
-                   part=dict(text_part, text=m["text"]))
-        await send("response.output_item.done", output_index=index, item=turn.message_item(m, "completed"))
+                   part=dict(part, text=m["text"]))
+        await send("response.output_item.done", output_index=index, item=turn.item(m, "completed"))
+
+    async def add(text: str, kind: str):
+        index, opened = turn.add_text(text, kind)
+        if opened:
+            await close_item()
+            await open_item(index)
+        extra = {"logprobs": []} if kind == "message" else {}
+        await send(f"response.{parts[kind][1]}.delta", item_id=turn.items[index]["id"], output_index=index,
+                   content_index=0, delta=text, **extra)
 
     try:
         r = first
         while r is not None:
+            if r.reasoning:
+                await add(r.reasoning, "reasoning")
             if r.text:
-                index, opened = turn.add_text(r.text)
-                if opened:
-                    await open_message(index)
-                await send("response.output_text.delta", item_id=turn.items[index]["id"], output_index=index,
-                           content_index=0, delta=r.text, logprobs=[])
+                await add(r.text, "message")
             for c in r.tool_calls:
-                await close_message()
+                await close_item()
                 index, item = turn.add_call(c), turn.call_item(c)
                 await send("response.output_item.added", output_index=index,
                            item={**item, "arguments": "", "status": "in_progress"})
@@ -387,9 +453,10 @@ async def _stream(request: web.Request, turn: _Turn, first, chunks) -> web.Strea
                 turn.finish = FINISH_REASON_NAMES.get(r.finish_reason)
                 turn.usage = r.usage
             r = await anext(chunks, None)
-        if not turn.items:  # an empty answer is still one (empty) message
-            await open_message(turn.add_text("")[0])
-        await close_message()
+        if not any(isinstance(i, pb.ToolCall) or i["type"] == "message" for i in turn.items):
+            await close_item()  # an answer with no message and no call still has one (empty) message
+            await open_item(turn.add_text("")[0])
+        await close_item()
         _remember(request.app, turn)
         status = turn.status
         await send("response.completed" if status == "completed" else "response.incomplete",

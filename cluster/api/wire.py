@@ -71,6 +71,9 @@ def build_request(
     tool_choice: str | Mapping | None = None,
     parallel_tool_calls: bool | None = None,
     speculative: bool | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    reasoning_effort: str | None = None,
+    thinking_token_budget: int | None = None,
 ) -> pb.GenerateRequest:
     """A `GenerateRequest` from keyword arguments: exactly one of a text prompt, a list of
     token ids, or chat `messages` ({"role", "content"} dicts or (role, content) pairs; a
@@ -80,6 +83,10 @@ def build_request(
     carry their `index`); `prompt_logprobs` asks for each prompt token's logprob (+ that
     many alternatives) in the first chunk; `echo` for the prompt's ids and text there.
     `speculative` False opts out of the worker's speculative decoding (True asks for it).
+    A chat's `chat_template_kwargs` reach its chat template (Qwen3: {"enable_thinking":
+    False}), as does `reasoning_effort` (gpt-oss's system message); a thinking model's
+    thinking ends after `thinking_token_budget` tokens. An assistant message dict may hold
+    its thinking as `reasoning_content` (or `reasoning`).
     Values the wire types cannot hold (a negative max_tokens, a seed past 64 bits) are
     InvalidRequest; everything else is the server's to judge (`validate_request`)."""
     if (prompt is None) == (messages is None):
@@ -136,6 +143,19 @@ def build_request(
             _set_tool_choice(req.tool_choice, tool_choice)
         if parallel_tool_calls is not None:
             req.parallel_tool_calls = bool(parallel_tool_calls)
+        if chat_template_kwargs:
+            if not isinstance(chat_template_kwargs, Mapping):
+                raise BadField("chat_template_kwargs", "chat_template_kwargs must be an object of template variables, "
+                                                       f"got {shown(chat_template_kwargs)}")
+            req.chat_template_kwargs = json.dumps(dict(chat_template_kwargs), ensure_ascii=False)
+        if reasoning_effort is not None:
+            req.reasoning_effort = reasoning_effort
+        if thinking_token_budget is not None:
+            if isinstance(thinking_token_budget, bool) or not isinstance(thinking_token_budget, int) \
+                    or not 0 <= thinking_token_budget <= 2**32 - 1:
+                raise BadField("thinking_token_budget", "thinking_token_budget must be an integer >= 0, got "
+                                                        f"{shown(thinking_token_budget)}")
+            req.thinking_token_budget = thinking_token_budget
     except InvalidRequest:
         raise
     except (ValueError, TypeError) as e:  # out of the wire types' range
@@ -166,8 +186,11 @@ def _add_message(messages, m: Mapping) -> None:
         content = ""
     if not isinstance(content, str):
         raise InvalidRequest(f"a {shown(m.get('role'))} message's content must be text")
+    reasoning = m.get("reasoning_content") or m.get("reasoning") or ""
+    if not isinstance(reasoning, str):
+        raise InvalidRequest(f"a {shown(m.get('role'))} message's reasoning_content must be text")
     msg = messages.add(role=m["role"], content=content, tool_call_id=m.get("tool_call_id") or "",
-                       name=m.get("name") or "")
+                       name=m.get("name") or "", reasoning=reasoning)
     for call in m.get("tool_calls") or ():
         fn = call.get("function", call)
         args = fn.get("arguments", "")
@@ -253,6 +276,48 @@ def validate_request(request: pb.GenerateRequest, limits: RequestLimits = Reques
         if s.HasField(name) and getattr(s, name) > MAX_LOGPROBS:
             raise BadField(named(name), f"{named(name)} must be between 0 and {MAX_LOGPROBS}, got {getattr(s, name)}")
     validate_tools(request, named)
+    validate_reasoning(request, named)
+
+
+# What reasoning_effort may say (OpenAI's values; a template reads it, gpt-oss's into its
+# system message).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# chat_template_kwargs cannot set what the server itself passes to the template.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                      "continue_final_message", "tokenize", "return_dict", "chat_template"})
+
+
+def template_kwargs(request: pb.GenerateRequest) -> dict[str, Any]:
+    """A chat's extra chat-template variables: its chat_template_kwargs and reasoning_effort."""
+    out = json.loads(request.chat_template_kwargs) if request.chat_template_kwargs else {}
+    if request.reasoning_effort:
+        out["reasoning_effort"] = request.reasoning_effort
+    return out
+
+
+def validate_reasoning(request: pb.GenerateRequest, named=lambda field: field) -> None:
+    """chat_template_kwargs, reasoning_effort and thinking_token_budget: a chat's, well formed."""
+    used = [name for name, on in (("chat_template_kwargs", bool(request.chat_template_kwargs)),
+                                  ("reasoning_effort", bool(request.reasoning_effort)),
+                                  ("thinking_token_budget", request.HasField("thinking_token_budget"))) if on]
+    if used and request.WhichOneof("prompt") != "chat":
+        raise BadField(named(used[0]), f"{', '.join(map(named, used))} need a chat prompt (messages)")
+    if request.chat_template_kwargs:
+        field = named("chat_template_kwargs")
+        try:
+            kwargs = json.loads(request.chat_template_kwargs)
+        except ValueError as e:
+            raise BadField(field, f"{field} is not valid JSON: {e}") from None
+        if not isinstance(kwargs, dict):
+            raise BadField(field, f"{field} must be a JSON object of template variables")
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise BadField(field, f"{field} cannot set {', '.join(map(repr, reserved))}: the server sets it from "
+                                  "the request")
+    if request.reasoning_effort and request.reasoning_effort not in REASONING_EFFORTS:
+        field = named("reasoning_effort")
+        raise BadField(field, f"{field} must be one of {', '.join(REASONING_EFFORTS)}, got "
+                              f"{shown(request.reasoning_effort)}")
 
 
 def num_choices(request: pb.GenerateRequest) -> int:
@@ -267,9 +332,9 @@ def prompt_chars(request: pb.GenerateRequest) -> int:
     if which == "text":
         return len(request.text)
     if which == "chat":
-        return len(request.tools) + sum(len(m.content) + len(m.role) + sum(len(c.name) + len(c.arguments)
-                                                                           for c in m.tool_calls)
-                                        for m in request.chat.messages)
+        return len(request.tools) + len(request.chat_template_kwargs) + sum(
+            len(m.content) + len(m.role) + len(m.reasoning) + sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
+            for m in request.chat.messages)
     return 0
 
 

@@ -209,7 +209,7 @@ class RouterBackend:
                     if chunk.finish_reason:
                         if chunk.finish_reason == pb.FINISH_REASON_ABORT:
                             # The worker gave up on it (stopping): continue elsewhere.
-                            if chunk.token_ids or chunk.text:
+                            if chunk.token_ids or chunk.text or chunk.reasoning or chunk.tool_calls:
                                 chunk.finish_reason = pb.FINISH_REASON_UNSPECIFIED
                                 chunk.ClearField("usage")
                                 yield chunk

@@ -14,6 +14,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, a thinking model's thinking
 
     @property
     def total_tokens(self) -> int:
@@ -21,7 +22,7 @@ class Usage:
 
     @classmethod
     def from_proto(cls, u: pb.Usage) -> "Usage":
-        return cls(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+        return cls(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.reasoning_tokens)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Chunk:
     prompt_token_ids: list[int] | None = None  # first chunk, with echo=True
     prompt_text: str = ""  # first chunk, with echo=True
     tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed in this chunk
+    reasoning: str = ""  # a thinking model's thinking in this chunk (text holds the answer)
 
     @property
     def finished(self) -> bool:
@@ -88,6 +90,7 @@ class Chunk:
             prompt_token_ids=list(r.prompt_token_ids) or None,
             prompt_text=r.prompt_text,
             tool_calls=[ToolCall.from_proto(c) for c in r.tool_calls],
+            reasoning=r.reasoning,
         )
 
 
@@ -105,6 +108,7 @@ class Completion:
     worker_id: str = ""
     logprobs: list[TokenLogprob] | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""  # a thinking model's thinking, apart from its answer (`text`)
     index: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_token_ids: list[int] | None = None
@@ -128,6 +132,7 @@ class Completion:
             return
         self.request_id = chunk.request_id or self.request_id
         self.text += chunk.text
+        self.reasoning += chunk.reasoning
         self.token_ids += chunk.token_ids
         self.worker_id = chunk.worker_id or self.worker_id
         self.tool_calls += chunk.tool_calls

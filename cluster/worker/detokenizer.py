@@ -18,8 +18,29 @@ from __future__ import annotations
 _CONTEXT = 5
 
 
+def decode_keeping(tokenizer, ids: list[int], kept: frozenset[int] = frozenset(),
+                   skip_special_tokens: bool = True) -> str:
+    """`ids` as text, special tokens skipped except those in `kept` (a family's thinking
+    and tool-call markers, which its parsers read), spelled as their text."""
+    if not kept or kept.isdisjoint(ids):
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    parts, run = [], []
+    for t in ids:
+        if t in kept:
+            if run:
+                parts.append(tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
+                run = []
+            parts.append(tokenizer.decode([t], skip_special_tokens=False))
+        else:
+            run.append(t)
+    if run:
+        parts.append(tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
+    return "".join(parts)
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 kept_special: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
         self.ids = list(prompt_token_ids[-_CONTEXT:])
         self.prefix_offset = 0
@@ -27,12 +48,13 @@ class IncrementalDetokenizer:
         self.stop = tuple(stop)
         self._longest = max((len(x) for x in self.stop), default=0)
         self.skip_special_tokens = skip_special_tokens
+        self.kept_special = kept_special  # special tokens whose text is kept (a family's markers)
         self.unsent = ""  # output text not handed out yet (truncated at a stop string)
         self.tail = ""  # the last characters of all output text: where a stop string may begin
         self.stopped_on: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return decode_keeping(self.tokenizer, ids, self.kept_special, self.skip_special_tokens)
 
     def add(self, token_id: int) -> str | None:
         """Feed one token. Returns the stop string if the text now contains one."""

@@ -17,6 +17,7 @@ import numpy as np
 
 from cluster import platform
 from cluster.api.buckets import KV_USAGE_BUCKETS
+from cluster.api.reasoning import ThinkingTracker
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
 from cluster.worker.detokenizer import IncrementalDetokenizer
@@ -30,7 +31,7 @@ from cluster.worker.sequence import Sequence, SequenceStatus
 from cluster.worker.spec_decode import build_speculator
 from cluster.worker.spec_decode.verify import accept_drafts
 from cluster.worker.state_slots import StateSlots
-from cluster.worker.structured import GrammarCompiler, fill_bitmasks, grammar_error
+from cluster.worker.structured import GrammarCompiler, allocate_bitmask, fill_bitmasks, grammar_error
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class RequestOutput:
     # set when the request ended ("abort") for what it asked: its structured output could not
     # go on (the grammar ran past the constrained decoder's limits). The client's error.
     error: str | None = None
+    num_reasoning_tokens: int = 0  # of a thinking model's chat (with the last output)
 
 
 @dataclass
@@ -151,6 +153,7 @@ class Engine:
         self.speculator = build_speculator(self.config, model, model_name, hybrid)
         if self.speculator is not None:
             self.stats.spec_decode = self.speculator.stats
+        self._piece_texts: dict[int, str] = {}  # token id -> its text, special tokens spelled (thinking markers)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
@@ -205,6 +208,11 @@ class Engine:
             seq.skip_prefix_cache = self.pooler.needs_every_position(params.pooling)
         if params.structured is not None:
             seq.matcher = self.grammars.matcher_for(params.structured, resume_token_ids)
+        if params.thinking is not None:
+            seq.thinking = self._tracker(params)
+            for t in resume_token_ids:
+                self._follow_thinking(seq, int(t))
+            self._end_thinking_if_spent(seq)  # a budget of 0 in a thinking the prompt opened
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self._add_seq(seq, resume_token_ids)
@@ -225,8 +233,31 @@ class Engine:
         if params.n != 1 or resume_token_ids or params.prompt_logprobs is not None or params.structured is not None:
             raise ValueError("a pooling request takes no n, resumed tokens, prompt logprobs or structured output")
 
+    def _tracker(self, params: SamplingParams) -> ThinkingTracker:
+        return ThinkingTracker(params.thinking, self._piece_text)
+
+    def _piece_text(self, token_id: int) -> str:
+        text = self._piece_texts.get(token_id)
+        if text is None:
+            text = self._piece_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _follow_thinking(self, seq: Sequence, token: int) -> None:
+        """The thinking after `token`: once its budget is spent, the end marker's tokens are
+        forced, one a step (the answer then follows)."""
+        if seq.forced and seq.forced[0] == token:
+            seq.forced.pop(0)
+        seq.thinking.add(token)
+        self._end_thinking_if_spent(seq)
+
+    @staticmethod
+    def _end_thinking_if_spent(seq: Sequence) -> None:
+        if seq.thinking.must_end and not seq.forced:
+            seq.forced = list(seq.sampling_params.thinking.end_ids)
+
     def _add_seq(self, seq: Sequence, resume_token_ids=(), front: bool = False) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], seq.sampling_params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens], seq.sampling_params.stop,
+                                       kept_special=seq.sampling_params.kept_special_ids)
         for t in resume_token_ids:
             detok.add(int(t))
         # Mark sent exactly what the first worker sent: it held back a split UTF-8 character
@@ -256,6 +287,9 @@ class Engine:
             child.num_cached_tokens = parent.num_cached_tokens
             if params.structured is not None:  # each sample walks its own grammar
                 child.matcher = self.grammars.matcher_for(params.structured, ())
+            if params.thinking is not None:
+                child.thinking = self._tracker(params)
+                self._end_thinking_if_spent(child)
             self.block_manager.share_blocks(parent, child, shared)
             self._add_seq(child, front=True)
             self.groups[rid].append(child.request_id)
@@ -386,13 +420,11 @@ class Engine:
         as a plain decode would sample it after the entry's first j drafts (its penalties'
         history, its grammar's state, its seed's noise for that output index)."""
         rows = [(e, j) for e in sampling for j in range(1 + len(e.spec_token_ids))]
-        constrained = [e for e in sampling if e.seq.matcher is not None]
-        masked = [i for i, (e, _) in enumerate(rows) if e.seq.matcher is not None]
+        masked = [i for i, (e, _) in enumerate(rows) if e.seq.matcher is not None or e.seq.forced]
         bitmask = None
         if masked:  # the grammar masks, on this thread, while MLX runs the forward
             mx.async_eval(logits)
-            bitmask = fill_bitmasks([e.seq.matcher for e in constrained], logits.shape[1],
-                                    [e.spec_token_ids for e in constrained])
+            bitmask = self._masks([e for e in sampling if e.seq.matcher is not None or e.seq.forced], logits.shape[1])
 
         def history(e, j):
             seq = e.seq
@@ -469,6 +501,34 @@ class Engine:
         logits = np.array(logits)
         return [sigmoid(float(y - n)) for y, n in logits]
 
+    @staticmethod
+    def _masks(entries, vocab_size: int) -> np.ndarray:
+        """The allowed-token bitmask rows of `entries` (scheduled, in order): a grammar's
+        (1 + drafts rows), or one row with only the token the entry is forced to (a spent
+        thinking budget's end marker; such an entry has no drafts). A grammar that cannot
+        take the forced token yet (the thinking's last token left a character's bytes
+        unfinished) has its way until it can: at most three more tokens."""
+        forced = [bool(e.seq.forced) and not e.spec_token_ids and
+                  (e.seq.matcher is None or e.seq.matcher.validate_tokens([e.seq.forced[0]]) == 1) for e in entries]
+        grammar = [e for e, f in zip(entries, forced) if not f]
+        rows = fill_bitmasks([e.seq.matcher for e in grammar], vocab_size,
+                             [e.spec_token_ids for e in grammar]) if grammar else None
+        if not any(forced):
+            return rows
+        blocks, k = [], 0
+        for e, f in zip(entries, forced):
+            if f:
+                row = allocate_bitmask(1, vocab_size)
+                row[:] = 0
+                t = e.seq.forced[0]
+                row.view(np.uint32)[0, t // 32] = np.uint32(1 << (t % 32))
+                blocks.append(row)
+            else:
+                n = 1 + len(e.spec_token_ids)
+                blocks.append(rows[k:k + n])
+                k += n
+        return np.concatenate(blocks)
+
     def _prompt_logprobs(self, plan, batch, logits: mx.array) -> None:
         """Log-softmax the prompt rows of this step (float32, the raw model distribution,
         as the sampler's logprobs) and append each one's target token, logprob and top k
@@ -538,6 +598,8 @@ class Engine:
         for i, token in enumerate(tokens):
             num_tokens = past + i + 1
             stop_string = detok.add(token)
+            if seq.thinking is not None:
+                self._follow_thinking(seq, token)
             if seq.matcher is not None and (not seq.matcher.consume_token(token) or seq.matcher.is_error()):
                 # The matcher gave up (its mask then allows only EOS): the grammar ran past llguidance's
                 # limits. The request's fault: it ends with the reason, never as an empty "stop".
@@ -582,6 +644,8 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             error=error,
         )
+        if status is not None and seq.thinking is not None:
+            out.num_reasoning_tokens = seq.thinking.reasoning_tokens
         if params.logprobs is not None:
             out.logprobs = result.logprobs[row : row + kept]
             out.top_logprobs = [t or [] for t in result.top_logprobs[row : row + kept]]

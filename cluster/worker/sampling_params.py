@@ -6,9 +6,12 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from cluster.api.constraints import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY, MAX_REPETITION_PENALTY
+from cluster.api.reasoning import ThinkingSpec
 from cluster.worker.pooling import PoolingParams
 
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# "llguidance": a grammar already in llguidance's JSON form (the worker composes one: a
+# thinking block, then the answer's grammar); never on the wire
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "llguidance")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,12 @@ class SamplingParams:
     # speculative decoding for this request: None follows the worker (on when it has a
     # --speculative-config), False turns it off, True asks for it (an error where it is off)
     speculative: bool | None = None
+    # special tokens the output text keeps (a family's thinking and tool-call markers, which
+    # the worker's parsers read); every other special token is skipped when decoding
+    kept_special_ids: frozenset[int] = frozenset()
+    # a thinking model's thinking: followed for usage's reasoning_tokens, ended by force when
+    # it has a budget
+    thinking: ThinkingSpec | None = None
 
     def __post_init__(self):
         # Accept lists from callers; store tuples so the object stays hashable and frozen.
@@ -71,6 +80,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        object.__setattr__(self, "kept_special_ids", frozenset(int(t) for t in self.kept_special_ids))
         self.validate()
 
     def validate(self) -> None:
@@ -109,6 +119,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be between -100 and 100, got {bias} for token {token}")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise ValueError("logit_bias names a token id twice")
+        t = self.thinking
+        if t is not None and t.budget is not None and (t.budget < 0 or not t.end_ids):
+            raise ValueError("a thinking budget must be >= 0 and name the end marker's tokens")
 
     @property
     def greedy(self) -> bool:

@@ -45,6 +45,8 @@ class Sequence:
     num_forwarded_tokens: int = 0  # all tokens ever forwarded (recompute included)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     matcher: object | None = None  # llguidance's LLMatcher over the output, for a structured output
+    thinking: object | None = None  # cluster.api.reasoning.ThinkingTracker, for a thinking model's chat
+    forced: list[int] = field(default_factory=list)  # tokens the next steps must produce (a spent thinking budget)
     # n > 1: the request this sample belongs to and its index there (`request_id` is then
     # unique per sample: the request's own id for index 0)
     group_id: str = ""

@@ -16,29 +16,32 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 from cluster.api.errors import AlreadyExists, BadField, InternalError, InvalidRequest, NotFound, Overloaded, Unavailable
 from cluster.api.limits import quoted
 from cluster.api.pooling import (EMBED, GENERATE, SCORE, refuse_task, score_pairs, validate_embed_request,
                                  validate_score_request)
-from cluster.api.tools import ToolCallStream, parse_tools, split_chunk, template_messages, tool_choice_mode
+from cluster.api.reasoning import (OutputSplitter, ReasoningFormat, ThinkingGrammar, ThinkingSpec, make_splitter,
+                                   prompt_state, reasoning_format)
+from cluster.api.tools import CallFormat, call_format, parse_tools, split_chunk, template_messages, tool_choice_mode
 from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, RequestLimits, check_fits, max_tokens,
-                              prompt_chars, validate_request)
+                              prompt_chars, template_kwargs, validate_request)
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
-from cluster.worker.detokenizer import token_bytes
+from cluster.worker.detokenizer import decode_keeping, token_bytes
 from cluster.worker.engine import Engine, EngineStats, QueueFullError, RequestOutput
 from cluster.worker.engine_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
 from cluster.worker.faults import FaultInjection
 from cluster.worker.metrics import WorkerMetrics
 from cluster.worker.pooling import PoolingParams, yes_no_prompt
 from cluster.worker.sampling_params import SamplingParams, StructuredOutput
-from cluster.worker.structured import InvalidGrammar, tool_call_constraint
+from cluster.worker.structured import InvalidGrammar, call_constraint, with_thinking
 
 log = logging.getLogger(__name__)
 # Prompts shorter than this are tokenized inline: a thread-pool hop would cost more.
@@ -95,10 +98,27 @@ class _Usage:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
     def proto(self) -> pb.Usage:
         return pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                        cached_tokens=self.cached_tokens)
+                        cached_tokens=self.cached_tokens, reasoning_tokens=self.reasoning_tokens)
+
+
+@dataclass(frozen=True)
+class _Chat:
+    """How a chat request's output is read: the model's thinking format and where the
+    prompt left it, the call format when tools are on, the special tokens kept."""
+
+    reasoning: ReasoningFormat | None
+    state: str
+    calls: CallFormat | None
+    tools: list
+    parallel: bool
+    kept: frozenset
+
+    def splitter(self) -> OutputSplitter | None:
+        return make_splitter(self.reasoning, self.state, self.calls, self.tools, self.parallel)
 
 
 class WorkerService:
@@ -129,7 +149,6 @@ class WorkerService:
         # (up to seconds for a hostile regex) delays other constrained requests, never a
         # chat template or a tokenization.
         self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-grammar")
-        self._markers_checked: dict[tuple[str, ...], bool] = {}
         self.pooler = None  # the model's pooling (set by start)
         self.group_stats = None  # a worker group's (set by start)
         self.tasks: tuple[str, ...] = (GENERATE,)
@@ -154,6 +173,7 @@ class WorkerService:
         self.stats = engine.stats
         group = getattr(engine, "group", None)  # rank 0 of a worker group (cluster/worker/group/)
         self.group_stats = group.stats if group is not None else None
+        self._read_formats(self.tokenizer)
         if self._with_metrics:
             self.metrics = WorkerMetrics(engine.model_name, self.worker_id, lambda: engine.stats,
                                          group=lambda: self.group_stats)
@@ -204,8 +224,9 @@ class WorkerService:
         if GENERATE not in self.tasks:
             raise refuse_task(self.model_name, GENERATE, self.tasks)
         self._check_cost(request)  # before any work
-        tool_stream = self._tool_stream(request)
-        forced = self._force_tool_call(request)
+        chat = request.WhichOneof("prompt") == "chat"
+        calls = self._call_format(request)
+        forced = self._force_tool_call(request, calls)
         resume = list(request.resume_token_ids)
         early = sampling_params_from_proto(request, len(resume))  # the engine's ranges, before tokenizing
         if early is not None and early.structured is not None:
@@ -214,6 +235,9 @@ class WorkerService:
         self._check_length(len(prompt), len(resume))
         params = sampling_params_from_proto(request, len(resume), check_fits(request, len(prompt),
                                                                              self.config.max_model_len))
+        reading = self._chat(request, prompt, calls) if chat else None
+        if params is not None and reading is not None:
+            params = await self._chat_params(request, params, reading, forced)
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._running:
             raise AlreadyExists(f"request id {quoted(rid)} is already running on this worker: use a unique id")
@@ -223,8 +247,11 @@ class WorkerService:
                 usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=len(resume)),
             )
             return
-        if tool_stream is not None and resume:  # resumed after failover: where the calls were, not sent again
-            tool_stream.feed(self.tokenizer.decode(resume))
+        splitters: dict[int, OutputSplitter] | None = None
+        if reading is not None and reading.splitter() is not None:
+            splitters = {0: reading.splitter()}
+            if resume:  # resumed after failover: where the thinking and calls were, not sent again
+                splitters[0].segments(decode_keeping(self.tokenizer, resume, reading.kept))
         stream = _Stream(arrival)
         engine_id = f"{rid}@{next(self._next_id)}"
         self._streams[engine_id] = stream
@@ -236,7 +263,6 @@ class WorkerService:
         left = params.n  # samples still running
         usage = _Usage(len(prompt))
         first = True
-        tool_streams = None if tool_stream is None else {0: tool_stream}
         try:
             while not finished:
                 events = [await stream.queue.get()]
@@ -276,12 +302,12 @@ class WorkerService:
                     if finished and chunk is list(chunks.values())[-1]:
                         chunk.usage.CopyFrom(usage.proto())
                     parts = [chunk]
-                    if tool_streams is not None:  # each sample's calls are its own
-                        if index not in tool_streams:
-                            tool_streams[index] = self._tool_stream(request)
-                        parts = split_chunk(tool_streams[index], chunk)
+                    if splitters is not None:  # each sample's thinking and calls are its own
+                        if index not in splitters:
+                            splitters[index] = reading.splitter()
+                        parts = split_chunk(splitters[index], chunk)
                     for part in parts:
-                        if (part.token_ids or part.text or part.tool_calls or part.finish_reason
+                        if (part.token_ids or part.text or part.reasoning or part.tool_calls or part.finish_reason
                                 or part.HasField("usage")):
                             yield part
                 if gave_up is not None:
@@ -455,15 +481,23 @@ class WorkerService:
                 return list(self.tokenizer.encode(request.text))
             loop = asyncio.get_running_loop()
             return list(await loop.run_in_executor(self._pool, self.tokenizer.encode, request.text))
-        messages = template_messages(request.chat.messages)
         tools = parse_tools(request.tools) if tool_choice_mode(request) != "none" else None
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._apply_chat_template, messages,
-                                                                tools)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._apply_chat_template, request.chat.messages, tools, template_kwargs(request))
 
-    def _apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def _apply_chat_template(self, messages, tools: list[dict] | None = None, kwargs: dict | None = None) -> list[int]:
+        """The chat's prompt tokens. A template that takes a call's arguments only as text
+        (DeepSeek's concatenate them) gets them so on a second try."""
+        extra = dict(kwargs or {}, **({"tools": tools} if tools else {}))
         try:
-            extra = {"tools": tools} if tools else {}
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+            try:
+                ids = self.tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True,
+                                                         tokenize=True, **extra)
+            except TypeError:
+                if not any(m.tool_calls for m in messages):
+                    raise
+                ids = self.tokenizer.apply_chat_template(template_messages(messages, arguments_as_text=True),
+                                                         add_generation_prompt=True, tokenize=True, **extra)
         except Exception as e:
             raise InvalidRequest(f"the chat template could not be applied to these messages: {e}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers may return an encoding
@@ -484,30 +518,42 @@ class WorkerService:
                                         f"make impossible: {str(e).replace('the grammar', 'the call')}") from None
             raise BadField("response_format", str(e)) from None
 
-    def _tool_stream(self, request: pb.GenerateRequest) -> ToolCallStream | None:
-        """The parser of this model's tool calls for a request that offers tools (None
-        without); a model whose tokenizer has no tool calling refuses tools."""
+    def _read_formats(self, tok) -> None:
+        """The model's thinking and call formats, from its chat template and vocabulary, and
+        its special tokens (a marker that is one is named <[id]> in a grammar)."""
+        template = getattr(tok, "chat_template", None)
+        vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}  # (a test's bare tokenizer has none)
+        self._vocab = vocab
+        self.reasoning = reasoning_format(template, vocab)
+        mlx = None
+        if getattr(tok, "has_tool_calling", False):
+            mlx = (tok.tool_call_start, tok.tool_call_end or "", tok.tool_parser,
+                   getattr(tok.tool_parser, "__module__", "") or "")
+        self.calls = call_format(template, vocab, mlx)
+        added = getattr(tok, "added_tokens_decoder", None) or {}
+        self._special = {t.content: i for i, t in added.items() if getattr(t, "special", False)}
+
+    def _call_format(self, request: pb.GenerateRequest) -> CallFormat | None:
+        """The model's call format for a request that offers tools (None without); a model
+        with no tool calling refuses tools."""
         if tool_choice_mode(request) == "none":
             return None
-        tok = self.tokenizer
-        if not getattr(tok, "has_tool_calling", False):
+        if self.calls is None:
             raise InvalidRequest(f"model {self.model_name!r} has no tool calling (its chat template and tokenizer "
-                                 "have no tool-call format mlx-lm knows): send the request without tools")
-        start, end = tok.tool_call_start, tok.tool_call_end or ""
-        if not self._markers_survive(start, end):
-            raise InvalidRequest(f"model {self.model_name!r} marks its tool calls with special tokens ({start!r}) that "
-                                 "the detokenizer drops, so its calls cannot be found in the output: tools are not "
-                                 "supported for it yet")
-        parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
-        return ToolCallStream(start, end, tok.tool_parser, parse_tools(request.tools), parallel)
+                                 "have no tool-call format Orchard or mlx-lm knows): send the request without tools")
+        return self.calls
 
-    def _force_tool_call(self, request: pb.GenerateRequest) -> str | None:
+    def _atom(self, text: str) -> str:
+        """A marker as a grammar names it: <[id]> for a special token, else its quoted text."""
+        i = self._special.get(text)
+        return f"<[{i}]>" if i is not None else json.dumps(text)
+
+    def _force_tool_call(self, request: pb.GenerateRequest, calls: CallFormat | None) -> str | None:
         """tool_choice "required" or a named function: the request's output is constrained
-        (a grammar in its `structured` field) to one call in the family's own format,
-        {"name", "arguments"} JSON between its markers, the arguments following the
-        function's parameters schema. Only for families whose calls are that JSON (mlx-lm's
-        json_tools parser: Hermes, Qwen, ...); others are refused by name. Returns the
-        choice (for messages), None when nothing is forced."""
+        (a grammar in its `structured` field) to one call in the family's own format, the
+        arguments following the function's parameters schema; a format that allows no
+        grammar (XML calls, pythonic ones) is refused by name. Returns the choice (for
+        messages), None when nothing is forced."""
         mode = tool_choice_mode(request)
         if mode not in ("required", "function"):
             return None
@@ -515,28 +561,56 @@ class WorkerService:
         if request.sampling.HasField("structured"):
             raise InvalidRequest(f"tool_choice {what} and a structured output (response_format) cannot be combined: "
                                  "send one of them")
-        tok = self.tokenizer
-        parser = getattr(getattr(tok, "tool_parser", None), "__module__", "") or ""
-        if not parser.endswith("json_tools"):
-            raise InvalidRequest(f"tool_choice {what} is enforced for models whose tool calls are JSON between markers "
-                                 f"(mlx-lm's json_tools parser); model {self.model_name!r} uses "
-                                 f"{parser.rsplit('.', 1)[-1] or 'another format'}: use tool_choice 'auto'")
+        if calls.grammar is None:
+            raise InvalidRequest(f"tool_choice {what} is enforced by constrained decoding, which the call format of "
+                                 f"model {self.model_name!r} ({calls.name}) does not allow: use tool_choice 'auto'")
         choice = "required" if mode == "required" else request.tool_choice.function
-        start, end = tok.tool_call_start, tok.tool_call_end or ""
         try:
-            spec = tool_call_constraint(parse_tools(request.tools), choice, (start + "\n", "\n" + end if end else ""))
+            spec = call_constraint(calls.grammar, parse_tools(request.tools), choice, self._atom, calls.start, calls.end)
         except InvalidGrammar as e:
             raise InvalidRequest(str(e)) from None
         request.sampling.structured.grammar = spec.spec
         return what
 
-    def _markers_survive(self, *markers: str) -> bool:
-        """The tool-call markers come through the engine's detokenizer (which skips special tokens)."""
-        if markers not in self._markers_checked:
-            tok = self.tokenizer
-            self._markers_checked[markers] = all(
-                tok.decode(tok.encode(m, add_special_tokens=False), skip_special_tokens=True) == m for m in markers if m)
-        return self._markers_checked[markers]
+    def _chat(self, request: pb.GenerateRequest, prompt: list[int], calls: CallFormat | None) -> _Chat:
+        fmt = self.reasoning
+        state = prompt_state(fmt, self.tokenizer.decode(prompt[-32:], skip_special_tokens=False)) if fmt else "free"
+        markers = (fmt.markers if fmt else ()) + (calls.markers if calls else ())
+        kept = frozenset(self._special[m] for m in markers if m in self._special)
+        parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+        return _Chat(fmt, state, calls, parse_tools(request.tools) if calls else [], parallel, kept)
+
+    async def _chat_params(self, request: pb.GenerateRequest, params: SamplingParams, reading: _Chat,
+                           forced: str | None) -> SamplingParams:
+        """A chat's params: the family's markers kept in its text; for a thinking model the
+        thinking followed (and ended at its budget), and a structured output or forced call
+        applied to the answer after it."""
+        fmt, changes = reading.reasoning, {"kept_special_ids": reading.kept}
+        if fmt is not None:
+            budget = request.thinking_token_budget if request.HasField("thinking_token_budget") else None
+            end_ids = tuple(self.tokenizer.encode(fmt.end, add_special_tokens=False))
+            changes["thinking"] = ThinkingSpec(fmt.start, fmt.end, reading.state == "open", budget, end_ids)
+            if params.structured is not None:
+                thinking = None
+                if reading.state != "closed":
+                    if fmt.harmony:
+                        start = " ".join((self._atom("<|channel|>"), '"analysis"', self._atom("<|message|>")))
+                        end = " ".join((self._atom("<|end|>"), self._atom("<|start|>"), '"assistant"'))
+                    else:
+                        start, end = self._atom(fmt.start), self._atom(fmt.end)
+                    # a model that opens its thinking itself may skip it, unless a budget asks for it
+                    thinking = ThinkingGrammar(start, end, open=reading.state == "open",
+                                               optional=reading.state == "free" and budget is None,
+                                               space=not fmt.harmony)
+                prefix = ""
+                if fmt.harmony and forced is None:  # a structured answer is the final channel's message
+                    prefix = " ".join((self._atom("<|channel|>"), '"final"', self._atom("<|message|>")))
+                try:
+                    changes["structured"] = with_thinking(params.structured, thinking, prefix)
+                except InvalidGrammar as e:
+                    raise InvalidRequest(str(e)) from None
+                await self._compile(changes["structured"], forced)
+        return replace(params, **changes)
 
     def _check_cost(self, request: pb.GenerateRequest) -> None:
         """What only the worker knows: the vocabulary, and how long a text can possibly fit."""
@@ -583,6 +657,7 @@ class WorkerService:
         if out.stop_reason is not None:
             chunk.stop_reason = str(out.stop_reason)
         usage.completion_tokens += out.num_output_tokens  # the resumed tokens included
+        usage.reasoning_tokens += out.num_reasoning_tokens
         if out.index == 0 or out.finish_reason == "abort":
             usage.cached_tokens = min(out.num_cached_tokens, usage.prompt_tokens)
         return True

@@ -32,10 +32,11 @@ import copy
 import json
 import threading
 from collections import OrderedDict
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from cluster.api.reasoning import ThinkingGrammar
 from cluster.worker.sampling_params import StructuredOutput
 
 _CACHE_SIZE = 256
@@ -72,6 +73,8 @@ def grammar_text(spec: StructuredOutput) -> str:
             raise InvalidGrammar(f"the JSON schema cannot be compiled: {e}") from None
     if spec.kind == "json_object":
         return M.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if spec.kind == "llguidance":
+        return spec.spec
     if spec.kind == "regex":
         return M.grammar_from_regex(spec.spec)
     if spec.kind == "choice":
@@ -358,37 +361,132 @@ def tool_call_constraint(tools: Sequence[dict], tool_choice: str | dict = "requi
     ("<tool_call>\\n", "\\n</tool_call>")); None: the JSON alone (a json_schema spec).
     Markers are matched as text: right for the families whose markers are ordinary added
     tokens (Hermes/Qwen, see `_plain_added_tokens`); a marker that is a special token
-    would need llguidance's `<|name|>` token syntax instead."""
-    functions = [t.get("function", t) for t in tools]
-    if not functions or any(not isinstance(f.get("name"), str) for f in functions):
-        raise InvalidGrammar("tools must be a non-empty list of functions with a name")
-    if isinstance(tool_choice, dict):
-        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-    if tool_choice == "required":
-        chosen = functions
-    else:
-        chosen = [f for f in functions if f["name"] == tool_choice]
-        if not chosen:
-            raise InvalidGrammar(f"tool_choice names {tool_choice!r}, which is not among the tools")
-    variants, defs = [], {}
-    for i, f in enumerate(chosen):
-        arguments = closed_objects(f.get("parameters") or {"type": "object", "properties": {}})
-        moved = rebased(arguments, f"#/$defs/arguments_{i}")
-        if moved is not None:  # its references ("#/$defs/Loc", "#") are to its own root: keep it one
-            defs[f"arguments_{i}"] = moved
-            arguments = {"$ref": f"#/$defs/arguments_{i}"}
-        variants.append({
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": arguments},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    if defs:
-        schema["$defs"] = defs
+    would need llguidance's token syntax instead (`call_constraint` writes it so)."""
+    chosen = _chosen(tools, tool_choice)
+    schema = _call_schema(chosen)
     if family_format is None:
         return StructuredOutput("json_schema", json.dumps(schema))
     schema["x-guidance"] = JSON_OPTIONS  # a Lark %json block takes its options from the schema
     parts = [json.dumps(text) for text in (family_format[0], "") if text] + ["call"]
     parts += [json.dumps(family_format[1])] if family_format[1] else []
     return StructuredOutput("grammar", f"start: {' '.join(parts)}\ncall: %json {json.dumps(schema)}\n")
+
+
+# DeepSeek's call markers (full-width bars, U+2581 for spaces)
+_DEEPSEEK = {k: "<\uff5c" + v.replace(" ", "\u2581") + "\uff5c>" for k, v in dict(
+    calls="tool calls begin", calls_end="tool calls end", call="tool call begin", call_end="tool call end",
+    sep="tool sep").items()}
+
+
+def _chosen(tools: Sequence[dict], tool_choice: str | dict) -> list[dict]:
+    functions = [t.get("function", t) for t in tools]
+    if not functions or any(not isinstance(f.get("name"), str) for f in functions):
+        raise InvalidGrammar("tools must be a non-empty list of functions with a name")
+    if isinstance(tool_choice, dict):
+        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    if tool_choice == "required":
+        return functions
+    chosen = [f for f in functions if f["name"] == tool_choice]
+    if not chosen:
+        raise InvalidGrammar(f"tool_choice names {tool_choice!r}, which is not among the tools")
+    return chosen
+
+
+def _call_schema(chosen: list[dict], args_key: str = "arguments") -> dict:
+    """{"name": ..., args_key: {...}} for any of the `chosen` functions, each one's arguments
+    following its parameters schema (closed to undeclared keys; one with local references,
+    such as pydantic's `$defs` and "#/$defs/Loc", moved under the wrapper's `$defs` with
+    them rebased)."""
+    variants, defs = [], {}
+    for i, f in enumerate(chosen):
+        arguments = _arguments(f)
+        moved = rebased(arguments, f"#/$defs/arguments_{i}")
+        if moved is not None:  # its references ("#/$defs/Loc", "#") are to its own root: keep it one
+            defs[f"arguments_{i}"] = moved
+            arguments = {"$ref": f"#/$defs/arguments_{i}"}
+        variants.append({"type": "object", "properties": {"name": {"const": f["name"]}, args_key: arguments},
+                         "required": ["name", args_key], "additionalProperties": False})
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _json(schema: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+
+def _arguments(f: dict) -> dict:
+    return closed_objects(f.get("parameters") or {"type": "object", "properties": {}})
+
+
+def call_constraint(kind: str, tools: Sequence[dict], tool_choice: str | dict, atom: Callable[[str], str],
+                    start: str = "", end: str = "") -> StructuredOutput:
+    """One tool call in a family's own format (`CallFormat.grammar`: "json_markers" between
+    `start` and `end`, "mistral_v11", "mistral_v3", "llama3", "harmony", "kimi", "deepseek",
+    "granite", "nemotron"), to any of `tools` (tool_choice "required") or the named one, its
+    arguments following the function's schema (closed to undeclared keys). `atom(text)`
+    is how the grammar names a marker: <[id]> for a special token, the quoted text for one
+    that decodes as text."""
+    chosen = _chosen(tools, tool_choice)
+
+    def named(args_key: str) -> str:
+        return _json(_call_schema(chosen, args_key))
+
+    def each(rule: Callable[[int, dict], str]) -> str:
+        return "fn: " + " | ".join(f"f{i}" for i in range(len(chosen))) + "\n" + "".join(
+            f"f{i}: {rule(i, f)}\n" for i, f in enumerate(chosen))
+
+    q = json.dumps
+    if kind == "json_markers":
+        lark = f'start: {atom(start)} "\\n" call "\\n" {atom(end)}\ncall: {named("arguments")}\n'
+    elif kind in ("granite", "mistral_v3"):
+        lark = f'start: {atom(start)} "[" call "]"\ncall: {named("arguments")}\n'
+    elif kind == "nemotron":
+        lark = f'start: {atom(start)} "[" call "]" {atom(end)}\ncall: {named("arguments")}\n'
+    elif kind == "llama3":
+        lark = f'start: call\ncall: {named("parameters")}\n'
+    elif kind == "mistral_v11":
+        lark = f'start: {atom("[TOOL_CALLS]")} fn\n' + each(
+            lambda i, f: f'{q(f["name"])} {atom("[ARGS]")} {_json(_arguments(f))}')
+    elif kind == "harmony":
+        lark = "start: fn\n" + each(lambda i, f: f'{atom("<|channel|>")} {q("commentary to=functions." + f["name"] + " ")} '
+                                                 f'{atom("<|constrain|>")} "json" {atom("<|message|>")} '
+                                                 f'{_json(_arguments(f))}')
+    elif kind == "kimi":
+        lark = f'start: {atom("<|tool_calls_section_begin|>")} fn {atom("<|tool_calls_section_end|>")}\n' + each(
+            lambda i, f: f'{atom("<|tool_call_begin|>")} {q("functions." + f["name"] + ":0")} '
+                         f'{atom("<|tool_call_argument_begin|>")} {_json(_arguments(f))} {atom("<|tool_call_end|>")}')
+    elif kind == "deepseek":
+        calls, calls_end, call, sep, call_end = (_DEEPSEEK[k] for k in ("calls", "calls_end", "call", "sep", "call_end"))
+        lark = f"start: {atom(calls)} fn {atom(calls_end)}\n" + each(
+            lambda i, f: f"{atom(call)} {q(f['name'])} {atom(sep)} {_json(_arguments(f))} {atom(call_end)}")
+    else:
+        raise InvalidGrammar(f"no grammar for tool calls of the {kind!r} format")
+    return StructuredOutput("grammar", lark)
+
+
+def with_thinking(spec: StructuredOutput, thinking: ThinkingGrammar | None, answer_prefix: str = "") -> StructuredOutput:
+    """`spec` applied to the answer after a thinking block (free text up to the end marker:
+    the thinking itself is never constrained), as one llguidance grammar: the block comes
+    first when the prompt left it open, may come first when `thinking.optional`.
+    `answer_prefix`: grammar atoms the answer starts with (harmony's final channel)."""
+    text = grammar_text(spec)
+    if text.lstrip().startswith("{"):
+        grammars = json.loads(text)["grammars"]
+    else:
+        grammars = [{"name": "answer", "lark_grammar": text}]
+    grammars = [dict(grammars[0], name="answer")] + grammars[1:]
+    top = f"start: {'' if thinking is None else 'think? ' if thinking.optional else 'think '}answer\n"
+    top += f"answer: {answer_prefix} @answer\n"
+    if thinking is not None:
+        opening = "" if thinking.open else thinking.start
+        space = " WS" if thinking.space else ""
+        if thinking.end.startswith("<["):  # a special token: text lexemes never match it
+            top += f"think: {opening} TEXT {thinking.end}{space}\n"
+        else:
+            top += f"think: {opening} body{space}\nbody[lazy]: TEXT {thinking.end}\n"
+        top += "TEXT: /(.|\\n)*/\n"
+        if thinking.space:
+            top += "WS: /[ \\t\\r\\n]{0,4}/\n"  # the "\\n\\n" after </think>, bounded
+    return StructuredOutput("llguidance", json.dumps({"grammars": [{"name": "main", "lark_grammar": top}] + grammars}))

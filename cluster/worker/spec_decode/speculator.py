@@ -50,9 +50,11 @@ class Speculator:
 
     @staticmethod
     def speculates(seq: Sequence) -> bool:
-        """Per request: `speculative` False turns it off; None (unset) or True: on."""
+        """Per request: `speculative` False turns it off; None (unset) or True: on. Not for a
+        thinking with a budget: the engine forces its end marker a token a step."""
         params = seq.sampling_params
-        return params.speculative is not False and params.pooling is None
+        budget = params.thinking is not None and params.thinking.budget is not None
+        return params.speculative is not False and params.pooling is None and not budget
 
     def room(self, seq: Sequence) -> int:
         """Drafts `seq` may score now: k, less what would pass its max_tokens (the one more
