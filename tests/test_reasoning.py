@@ -471,6 +471,41 @@ def test_a_thinking_budget_ends_the_thinking(engines, budget):
     assert len(tok.encode(thinking, add_special_tokens=False)) <= budget + 1
 
 
+def test_thinking_is_followed_the_same_with_speculative_decoding(family_model):
+    """n-gram drafts kept several tokens a step: the thinking's count is the same as one
+    token a step; a thinking with a budget does not speculate (its end is forced a token a
+    step), so it ends where it does without drafts."""
+    import cluster.worker  # noqa: F401
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.engine import Engine
+    from cluster.worker.sampling_params import SamplingParams
+
+    path = family_model("qwq")
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    plain, spec = (Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, speculative_config=c))
+                   for c in (None, ngram))
+    tok = plain.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    end = tuple(tok.encode("</think>", add_special_tokens=False))
+    bias = _bias(tok, ("</think>",), tok.eos_token_ids)
+    runs = {}
+    for budget in (None, 5):
+        params = SamplingParams(max_tokens=40, temperature=0, logit_bias=bias,
+                                thinking=ThinkingSpec("<think>", "</think>", open=True, budget=budget, end_ids=end))
+        for name, engine in (("plain", plain), ("spec", spec)):
+            engine.add_request(f"{name}-{budget}", list(prompt), params)
+            ids, reasoning = [], None
+            while engine.has_unfinished():
+                for out in engine.step():
+                    ids += out.new_token_ids
+                    if out.finished:
+                        reasoning = out.num_reasoning_tokens
+            runs[name, budget] = (ids, reasoning)
+    assert runs["plain", None] == runs["spec", None] and runs["plain", None][1] == 40  # never closed
+    assert runs["plain", 5] == runs["spec", 5] and runs["plain", 5][1] == 6  # 5, then </think>
+    assert spec.stats.spec_decode.num_accepted_tokens > 0  # the drafts were kept somewhere
+
+
 # -- client packages ------------------------------------------------------------------------------------------
 THINK_CALL = '<think>\nI need the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' \
              '\n</tool_call>'
