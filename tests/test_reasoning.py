@@ -469,6 +469,11 @@ def test_a_thinking_budget_ends_the_thinking(engines, budget):
     assert len(r.choices[0].message.content or "") > 0 and "</think>" not in r.choices[0].message.content
     thinking = getattr(r.choices[0].message, "reasoning_content", None) or ""
     assert len(tok.encode(thinking, add_special_tokens=False)) <= budget + 1
+    # n samples: each thinks within the budget and answers, split on its own
+    r = client.chat.completions.create(**dict(request, temperature=1.0, seed=7), n=2,
+                                       extra_body={"thinking_token_budget": budget})
+    assert r.usage.completion_tokens_details.reasoning_tokens == 2 * (budget + 1)
+    assert all(c.message.content and "</think>" not in c.message.content for c in r.choices)
 
 
 def test_thinking_is_followed_the_same_with_speculative_decoding(family_model):
@@ -555,6 +560,34 @@ def test_openai_agents_sdk_runs_a_tool_loop_with_a_thinking_model(qwen3_scripted
         assert "".join(deltas) == "I need the weather." + "The tool said sunny."  # both turns' thinking
 
     asyncio.run(run())
+
+
+def test_resumed_mid_thinking_samples_and_include_reasoning(qwen3_scripted):
+    """A stream resumed after failover inside the thinking (resume_token_ids: the router's
+    resume) goes on as thinking and does not send again what was sent; include_reasoning
+    false drops the thinking (vLLM's flag)."""
+    import openai
+
+    from cluster.sdk import Client, build_request
+
+    srv = qwen3_scripted
+    srv.engine.reply = THINK_CALL
+    tok = srv.engine.tokenizer
+    ids = tok.encode(THINK_CALL, add_special_tokens=False)
+    cut = next(i for i in range(len(ids)) if "need" in tok.decode(ids[:i]))  # inside the thinking
+    with Client(srv.grpc_address) as c:
+        req = build_request(messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
+                            resume_token_ids=ids[:cut])
+        done = c.generate(req)
+        sent = tok.decode(ids[:cut]).removeprefix("<think>\n")
+        assert sent + done.reasoning == "I need the weather." and done.text == ""
+        assert [json.loads(t.arguments) for t in done.tool_calls] == [OSLO] and done.finish_reason == "tool_calls"
+        assert done.usage.reasoning_tokens == len(tok.encode("\nI need the weather.\n</think>",
+                                                             add_special_tokens=False))
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.create(model="", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
+                                       extra_body={"include_reasoning": False})
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None and r.choices[0].message.tool_calls
 
 
 def test_anthropic_client_gets_thinking_and_tool_use_blocks(qwen3_scripted):
