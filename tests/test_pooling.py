@@ -254,7 +254,7 @@ def test_a_generation_request_goes_ahead_of_an_embedding_backlog(models, generat
     inputs: a long one is passed over by the partial-prefill limits in any case.)"""
     path = models["last"]
     engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=4,
-                                                       task="generate", embeddings=True,
+                                                       task="generate", embeddings=True, pooling_share=1.0,
                                                        generation_first=generation_first))
     backlog = prompts(12, seed=21, lengths=(40,))
     for i, ids in enumerate(backlog):
@@ -336,3 +336,36 @@ def test_pooling_beside_speculative_decoding(models):
     for rid, (ids, _) in gen.items():
         want = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), oracle, max_tokens=12), range(12))]
         assert tokens[rid] == want
+
+
+def test_pooling_takes_its_share_of_a_step_beside_generation(models):
+    """While a generation request runs, pooling requests take at most pooling_share of each
+    step's budget (its steps stay short); alone they take all of it. Results unchanged."""
+    path = models["last"]
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=8,
+                                                       task="generate", embeddings=True, pooling_share=0.25))
+    inputs = prompts(4, seed=51, lengths=(150,))
+    for i, x in enumerate(inputs):
+        engine.add_request(f"e{i}", x, embed())
+    engine.add_request("g", prompts(1, seed=52, lengths=(8,))[0],
+                       SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    pooled, shares = {}, []
+    real = engine.scheduler.schedule
+
+    def spy():
+        plan = real()
+        gen = any(e.seq.sampling_params.pooling is None for e in plan.scheduled)
+        shares.append((gen, sum(e.num_new_tokens for e in plan.scheduled if e.seq.sampling_params.pooling)))
+        return plan
+
+    engine.scheduler.schedule = spy
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.pooled is not None:
+                pooled[out.request_id] = out.pooled
+    beside = [n for gen, n in shares if gen]
+    alone = [n for gen, n in shares if not gen]
+    assert beside and max(beside) <= 16, beside
+    assert alone and max(alone) > 16, alone  # once the chat is done, the embeddings take the whole step
+    for i, x in enumerate(inputs):
+        assert cosine(pooled[f"e{i}"], reference_embedding(path, x, "last")) > 0.9999

@@ -64,6 +64,9 @@ class EngineConfig:
         True, "serve embedding and score requests first come first served beside generation (default: a "
               "generation request goes ahead of the embedding and score requests not yet started)",
         flag="--no-generation-first", negate=True)
+    pooling_share: float = setting(
+        0.25, "while generation requests run or wait, embedding and score requests take at most this share of "
+              "a step's tokens (1: no limit): a chat's steps stay short beside an embedding load")
     # vLLM's --speculative-config (cluster/worker/spec_decode/config.py); None: no speculation
     speculative_config: str | None = setting(
         None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
@@ -85,6 +88,8 @@ class EngineConfig:
             problems.append("max_long_partial_prefills must be in [1, max_num_partial_prefills]")
         if not 0 <= self.finish_wait_ms <= 1000:
             problems.append("finish_wait_ms must be in [0, 1000]")
+        if not 0.0 < self.pooling_share <= 1.0:
+            problems.append("pooling_share must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             problems.append("num_kv_blocks must be >= 1")
         try:

@@ -23,6 +23,11 @@ A request with prompt logprobs sends every prompt row to the LM head, not just i
 at most `MAX_PROMPT_LOGPROB_ROWS` such rows a step (its chunks shrink to fit), so a step's
 logits stay bounded ([rows, vocab] float32: 512 rows of a 150k vocabulary are 300 MB).
 
+Pooling requests (embeddings, scores: prefill only) take at most `pooling_share` of a
+step's budget while generation requests run or wait, and a generation request queues ahead
+of the pooling requests not yet started (`generation_first`): an embedding batch is
+throughput work, a chat's first token and its next ones are waited for.
+
 When a running request cannot get a block, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the queue with all its tokens, to
 be recomputed later (its output is unchanged). Waiting requests never preempt.
@@ -30,6 +35,7 @@ be recomputed later (its output is unchanged). Waiting requests never preempt.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -105,6 +111,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._prompt_rows_left = 0  # this step's, while it is planned
+        self._pooling_left = 0  # tokens pooling requests may still take this step, while it is planned
 
     # -- requests in and out ------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int) -> None:
@@ -185,6 +192,7 @@ class Scheduler:
         scheduled: dict[int, ScheduledSeq] = {}  # id(seq) -> entry, in scheduling order
         budget = cfg.max_num_batched_tokens
         self._prompt_rows_left = MAX_PROMPT_LOGPROB_ROWS
+        self._pooling_left = self._pooling_share(budget)
 
         def preempt_newest(current: Sequence) -> Sequence:
             nonlocal budget
@@ -235,7 +243,9 @@ class Scheduler:
             n = seq.num_uncomputed_tokens
             if self.is_long(seq):
                 n = min(n, max(1, (budget - reserve) // (len(prefilling) - i)))
-            schedule_running(seq, self._cap_prompt_rows(seq, min(n, budget)))
+            n = self._cap_pooling(seq, min(n, budget))
+            if n > 0:  # (a pooling request past its share waits a step)
+                schedule_running(seq, self._cap_prompt_rows(seq, n))
 
         # 3. admit waiting requests
         budget = self._admit(budget, scheduled)
@@ -252,6 +262,7 @@ class Scheduler:
             if seq.wants_prompt_logprobs:
                 extra = min(extra, self._prompt_rows_left)
                 self._prompt_rows_left -= max(0, extra)
+            extra = self._cap_pooling(seq, extra)
             if extra > 0 and self.block_manager.allocate_slots(seq, entry.num_new_tokens + extra):
                 entry.num_new_tokens += extra
                 budget -= extra
@@ -297,7 +308,11 @@ class Scheduler:
             # (and pooling that reads every position: pooling.py)
             computed = [] if seq.wants_prompt_logprobs or seq.skip_prefix_cache else bm.get_computed_blocks(seq)
             remaining = seq.num_uncomputed_tokens - len(computed) * bm.block_size
-            if remaining <= budget and (not seq.wants_prompt_logprobs or remaining <= self._prompt_rows_left):
+            room = self._cap_pooling(seq, budget, take=False)  # a pooling request: its share of it
+            if room <= 0:
+                skipped.append(self.waiting.popleft())  # a pooling request past its share: the rest may start
+                continue
+            if remaining <= room and (not seq.wants_prompt_logprobs or remaining <= self._prompt_rows_left):
                 n = remaining  # the whole prefill runs now: no partial slot needed
             else:
                 long = self.is_long(seq)
@@ -305,9 +320,9 @@ class Scheduler:
                         or (seq.wants_prompt_logprobs and not self._prompt_rows_left)):
                     skipped.append(self.waiting.popleft())  # let a prompt behind it start
                     continue
-                n = budget
+                n = room
                 if long:  # leave room for the short prompts behind it
-                    n = max(1, budget - self._short_waiting_reserve(budget // 2, start=1))
+                    n = max(1, room - self._short_waiting_reserve(room // 2, start=1))
                 n = self._cap_prompt_rows(seq, n, take=False)
                 num_partial += 1
                 num_long += long
@@ -316,6 +331,7 @@ class Scheduler:
                     break
                 continue  # the same head again, with the blocks given back
             self._cap_prompt_rows(seq, n)
+            self._cap_pooling(seq, n)
             self.waiting.popleft()
             if slots is not None:
                 slots.allocate(seq)
@@ -342,6 +358,29 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 freed = True
         return freed
+
+    def _pooling_share(self, budget: int) -> int:
+        """Tokens the pooling requests (embeddings, scores) may take this step: all of the
+        budget when nothing else runs or waits; beside generation requests at most
+        `pooling_share` of it, so that an embedding load does not make every step of the
+        chats beside it a full-budget prefill step."""
+        share = self.config.pooling_share
+        if share >= 1.0:
+            return budget
+        head = itertools.islice(self.waiting, _LOOKAHEAD)
+        if any(s.sampling_params.pooling is None for s in itertools.chain(self.running, head)):
+            return max(1, int(budget * share))
+        return budget
+
+    def _cap_pooling(self, seq: Sequence, n: int, take: bool = True) -> int:
+        """`n` cut to this step's pooling tokens left when `seq` is a pooling request (0:
+        none left); `take`: count them as taken."""
+        if seq.sampling_params.pooling is None:
+            return n
+        n = min(n, self._pooling_left)
+        if take:
+            self._pooling_left -= max(0, n)
+        return n
 
     def _cap_prompt_rows(self, seq: Sequence, n: int, take: bool = True) -> int:
         """`n` cut to this step's prompt-logprob rows left when `seq` asks for them (at
