@@ -620,10 +620,24 @@ def _plan(reader, md: dict, arch: Arch, cfg: dict) -> list[_Tensor]:
             tt.how = "float"
         elif tt.type_name in EXACT and len(shape) == 2 and shape[1] % GROUP == 0 and t.name.endswith(".weight"):
             tt.how = "quantized"
-        else:
+        elif _can_dequantize(tt.type_name):
             tt.how = "dequantized"
+        else:
+            raise GGUFError(f"tensor {t.name}: type {tt.type_name} is one the gguf package cannot dequantize, "
+                            "and MLX has no layout for it")
         out.append(tt)
     return out
+
+
+def _can_dequantize(type_name: str) -> bool:
+    """Whether the gguf package dequantizes this type (tried on one zero block)."""
+    gguf = _gguf()
+    qtype = gguf.GGMLQuantizationType[type_name]
+    try:
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except (NotImplementedError, KeyError, ValueError):
+        return False
+    return True
 
 
 def _outputs(t: _Tensor) -> list[_Planned]:

