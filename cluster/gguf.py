@@ -309,25 +309,23 @@ def write_safetensors(path: Path, planned: list[_Planned], produce) -> None:
 
 # -- config ----------------------------------------------------------------------------------
 
-def _rope_llama3(factors: np.ndarray, base: float, dim: int) -> dict:
-    """The llama3 rope_scaling whose per-frequency factors are llama.cpp's rope_freqs tensor."""
+def llama3_rope_scaling(factors: np.ndarray, base: float, dim: int) -> dict:
+    """mlx-lm's llama3 rope_scaling whose per-frequency factors are llama.cpp's rope_freqs
+    tensor (its converter writes the factors, not the parameters): Llama 3.x's low and high
+    frequency factors (1, 4), the rest solved from the factors and checked against them."""
     freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     wavelen = 2 * np.pi / freqs
-    factor = float(factors.max())
+    factor, low, high = float(factors.max()), 1.0, 4.0
     mid = (factors > 1.0 + 1e-6) & (factors < factor - 1e-6)
-    for low, high in ((1.0, 4.0),):
-        if mid.any():
-            # 1/f = (1 - s)/factor + s with s = (old/wavelen - low)/(high - low): solve for old
-            s = (1.0 / factors[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)
-            old = float(np.median((s * (high - low) + low) * wavelen[mid]))
-        else:
-            old = float(wavelen[factors >= factor - 1e-6].min() * low) if (factors > 1).any() else 8192.0
-        old = float(round(old))
-        cfg = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-               "original_max_position_embeddings": int(old)}
-        if np.allclose(_llama3_factors(cfg, freqs), factors, rtol=1e-5, atol=1e-6):
-            return cfg
-    raise GGUFError("rope_freqs: per-frequency RoPE factors that are not Llama 3's scheme")
+    old = 8192.0
+    if mid.any():  # 1/f = (1 - s)/factor + s with s = (old/wavelen - low)/(high - low)
+        s = (1.0 / factors[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        old = float(np.median((s * (high - low) + low) * wavelen[mid]))
+    cfg = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+           "original_max_position_embeddings": int(round(old))}
+    if not np.allclose(_llama3_factors(cfg, freqs), factors, rtol=1e-5, atol=1e-6):
+        raise GGUFError("rope_freqs: per-frequency RoPE factors that are not Llama 3's scheme")
+    return cfg
 
 
 def _llama3_factors(cfg: dict, freqs: np.ndarray) -> np.ndarray:
@@ -695,7 +693,7 @@ def import_gguf(src: str | Path, dst: str | Path) -> Path:
         factors = dequantize(tensors["rope_freqs.weight"][1], np.asarray(
             next(t.data for t in reader.tensors if t.name == "rope_freqs.weight")), (-1,))
         if not np.all(factors == 1.0):
-            cfg["rope_scaling"] = _rope_llama3(factors.astype(np.float64), cfg["rope_theta"],
+            cfg["rope_scaling"] = llama3_rope_scaling(factors.astype(np.float64), cfg["rope_theta"],
                                                cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     if "rope_factors_long.weight" in tensors:  # Phi-3's LongRoPE
         data = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1).tolist() for t in reader.tensors

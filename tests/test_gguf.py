@@ -5,6 +5,7 @@ weights and logits, tokenizers against their originals, Ollama's blob layout, re
 from __future__ import annotations
 
 import io
+import math
 import json
 import random
 
@@ -296,3 +297,25 @@ def test_orchard_model_import(tiny_models, tmp_path, capsys):
     assert main(["model", "import", str(path), str(tmp_path / "out")]) == 0
     assert "gemma2" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gemma2"
+
+
+@pytest.mark.parametrize("factor,dim,old", [(8.0, 128, 8192), (32.0, 64, 8192), (16.0, 128, 4096)])
+def test_llama3_rope_parameters_are_recovered_from_llama_cpps_factors(factor, dim, old):
+    """llama.cpp's converter writes Llama 3.x's RoPE scaling as per-frequency factors
+    (convert_hf_to_gguf.py's rope_freqs): the parameters come back from them."""
+    base, low, high = 500000.0, 1.0, 4.0
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    got = og.llama3_rope_scaling(np.array(factors, np.float32).astype(np.float64), base, dim)
+    assert got == {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                   "original_max_position_embeddings": old}
+    with pytest.raises(og.GGUFError, match="rope_freqs"):
+        og.llama3_rope_scaling(np.linspace(1, factor, dim // 2), base, dim)
