@@ -675,8 +675,10 @@ def _convert(t: _Tensor, arch: Arch, cfg: dict):
         yield p.name, w.astype(np.float32)
 
 
-def import_gguf(src: str | Path, dst: str | Path) -> Path:
-    """Write the GGUF file `src` as an mlx-lm model directory `dst` (see the module's contract)."""
+def import_gguf(src: str | Path, dst: str | Path, replace: bool = True) -> Path:
+    """Write the GGUF file `src` as an mlx-lm model directory `dst` (see the module's contract),
+    through a temporary directory renamed into place; an existing `dst` is replaced, or with
+    `replace=False` kept (another process imported the same file first)."""
     gguf = _gguf()
     src, dst = Path(src), Path(dst)
     try:
@@ -730,11 +732,16 @@ def import_gguf(src: str | Path, dst: str | Path) -> Path:
         cfg.update(eos_token_id=eos, bos_token_id=vocab.bos, pad_token_id=vocab.pad)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (tmp / "gguf_import.json").write_text(json.dumps({
-            "source": str(src), "size": src.stat().st_size, "architecture": md["general.architecture"],
+            "source": str(src.resolve()), "size": src.stat().st_size, "architecture": md["general.architecture"],
             "name": md.get("general.name"), "importer_version": IMPORTER_VERSION, "types": summary}, indent=2) + "\n")
-        if dst.exists():
+        if dst.exists() and replace:
             shutil.rmtree(dst)
-        tmp.rename(dst)
+        try:
+            tmp.rename(dst)
+        except OSError:
+            if replace or not (dst / "config.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -842,8 +849,4 @@ def cached_import(path: Path, cache: Path) -> Path:
     if (dst / "config.json").exists():
         return dst
     log.info("importing %s into %s (once)", path, dst)
-    try:
-        import_gguf(path, dst)
-    except FileExistsError:  # pragma: no cover - another process finished the same import
-        pass
-    return dst
+    return import_gguf(path, dst, replace=False)
