@@ -606,7 +606,8 @@ class _Tensor:
     shift: bool = False  # a Gemma norm stored as 1 + w: written as float32 w
 
 
-def _plan(reader, md: dict, arch: Arch, cfg: dict) -> list[_Tensor]:
+def _plan(reader, arch: Arch) -> list[_Tensor]:
+    """What becomes of each tensor (GGUFError, before any work, for one Orchard cannot take)."""
     out = []
     for t in reader.tensors:
         if t.name in _CONSUMED:
@@ -702,7 +703,7 @@ def import_gguf(src: str | Path, dst: str | Path, replace: bool = True) -> Path:
                 if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
         cfg["rope_scaling"] = {"type": "longrope", "long_factor": data["rope_factors_long.weight"],
                                "short_factor": data.get("rope_factors_short.weight", data["rope_factors_long.weight"])}
-    plan = _plan(reader, md, arch, cfg)
+    plan = _plan(reader, arch)
     quantized = {t.name[: -len(".weight")]: {"group_size": GROUP, "bits": EXACT[t.type_name].bits,
                                               **({"mode": "mxfp4"} if EXACT[t.type_name].mode == "mxfp4" else {})}
                  for t in plan if t.how == "quantized"}
@@ -714,10 +715,12 @@ def import_gguf(src: str | Path, dst: str | Path, replace: bool = True) -> Path:
     summary: dict[str, dict] = {}
     for t in plan:
         s = summary.setdefault(t.type_name, {"tensors": 0, "parameters": 0, "as": t.how})
+        if t.how not in s["as"].split(" and "):  # (a vector of an exact type is dequantized)
+            s["as"] += " and " + t.how
         s["tensors"] += 1
         s["parameters"] += int(np.prod(t.shape))
     for type_name, s in summary.items():
-        if s["as"] == "dequantized":
+        if "dequantized" in s["as"]:
             log.warning("%s: %d %s tensors (%d parameters) dequantized to float32: MLX holds no %s layout exactly",
                         src.name, s["tensors"], type_name, s["parameters"], type_name)
     tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")

@@ -159,6 +159,7 @@ def test_real_blocks_dequantize_to_llama_cpps_values(reader, smollm2_dir):
     assert seen == {"Q8_0", "Q4_1"}
 
 
+@pytest.mark.slow
 def test_orchard_model_create_real(smollm2_gguf, tmp_path, capsys):
     from cluster.cli import main
 
