@@ -21,6 +21,11 @@ from cluster.worker.config import EngineConfig
 from cluster.worker.sampling_params import SamplingParams, StructuredOutput
 
 CONFIG = dict(num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=8, max_num_partial_prefills=2)
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
+def config(speculative: bool = False) -> dict:
+    return dict(CONFIG, speculative_config=SPECULATIVE) if speculative else dict(CONFIG)
 
 
 def requests(seed: int, vocab: int = 500):
@@ -101,6 +106,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--random-steps", type=int, default=0, help="run the randomized mirrored-state load instead")
+    ap.add_argument("--speculative", action="store_true", help="n-gram speculative decoding on")
     args = ap.parse_args()
     from cluster.worker.group.config import GroupOptions
     from cluster.worker.group.leader import load_group_engine
@@ -108,7 +114,7 @@ def main() -> int:
     size = len(args.hosts.split(","))
     options = GroupOptions(size=size, rank=0, hosts=args.hosts, port=args.port, parallel=args.parallel,
                            shares=args.shares, check=args.check, timeout=60, join_timeout=120)
-    engine = load_group_engine(args.model, EngineConfig(**CONFIG), options, "test-token")
+    engine = load_group_engine(args.model, EngineConfig(**config(args.speculative)), options, "test-token")
     engine.warm_up()
     if args.random_steps:
         from group_random import run_random
