@@ -107,14 +107,17 @@ def main() -> int:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--random-steps", type=int, default=0, help="run the randomized mirrored-state load instead")
     ap.add_argument("--speculative", action="store_true", help="n-gram speculative decoding on")
+    ap.add_argument("--inflight", type=int, default=1, help="batches in flight (1: the single process's batches)")
     args = ap.parse_args()
     from cluster.worker.group.config import GroupOptions
     from cluster.worker.group.leader import load_group_engine
 
     size = len(args.hosts.split(","))
     options = GroupOptions(size=size, rank=0, hosts=args.hosts, port=args.port, parallel=args.parallel,
-                           shares=args.shares, check=args.check, timeout=60, join_timeout=120)
-    engine = load_group_engine(args.model, EngineConfig(**config(args.speculative)), options, "test-token")
+                           shares=args.shares, check=args.check, timeout=60, join_timeout=120, inflight=args.inflight)
+    cfg = config(args.speculative)
+    cfg["num_kv_blocks"] *= args.inflight  # each batch in flight (virtual engine) gets the single process's pool
+    engine = load_group_engine(args.model, EngineConfig(**cfg), options, "test-token")
     engine.warm_up()
     if args.random_steps:
         from group_random import run_random

@@ -98,6 +98,16 @@ class EngineStats:
         self.kv_usage_step_sum += usage
 
 
+@dataclass
+class PendingStep:
+    """A step between `Engine.begin_step` and `Engine.finish_step`."""
+
+    t0: float
+    plan: object  # SchedulerOutput
+    batch: object | None = None  # StepBatch, for a plan that is not empty
+    pooling: list = field(default_factory=list)
+
+
 class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), model_name: str = "model",
                  pooler: Pooler | None = None, runner_factory=None):
@@ -358,15 +368,27 @@ class Engine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        return self.finish_step(self.begin_step())
+
+    def begin_step(self) -> "PendingStep":
+        """The first half of a step: schedule and prepare (a worker group's rank 0 also
+        sends the plan to the other ranks here). `finish_step` does the rest; a pipelined
+        group begins the next batch of another set of requests in between."""
         t0 = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._rows_estimate())
         plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return PendingStep(t0, plan)
+        self.stats.observe_kv_usage(self.block_manager.usage)
+        batch = self.runner.prepare(plan)
+        return PendingStep(t0, plan, batch, self._pooling_rows(plan, batch))
+
+    def finish_step(self, pending: "PendingStep") -> list[RequestOutput]:
+        """The second half: forward, sample, postprocess."""
+        t0, plan, batch, pooling = pending.t0, pending.plan, pending.batch, pending.pooling
         outputs: list[RequestOutput] = []
         if not plan.is_empty:
-            self.stats.observe_kv_usage(self.block_manager.usage)
-            batch = self.runner.prepare(plan)
-            pooling = self._pooling_rows(plan, batch)
             t1 = time.perf_counter()
             logits = self.runner.forward(batch)
             if pooling:

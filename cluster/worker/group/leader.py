@@ -17,6 +17,7 @@ import os
 import socket
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -27,10 +28,11 @@ from cluster.worker.config import EngineConfig
 from cluster.worker.group import wire
 from cluster.worker.group.channel import Leader, Watchdog
 from cluster.worker.group.config import GroupOptions, Topology, parse_shares, topology
+from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
 from cluster.worker.group.stage import (Assignment, StageRunner, kv_bytes_per_block, load_part, part_bytes,
                                         split_layers, stage_of_rank, usable_memory)
 from cluster.worker.kernels.cpu import host_view
-from cluster.worker.model_runner import default_kv_budget, text_args, weight_dtype
+from cluster.worker.model_runner import default_kv_budget, has_recurrent_layers, text_args, weight_dtype
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,9 @@ def check_token(token: str, topo: Topology) -> None:
 
 
 class GroupState:
-    """Rank 0's view of the running group: its channel, ring, plan encoder and stats."""
+    """Rank 0's view of the running group: its channel, ring, plan encoder and stats. Steps
+    are numbered as their plans are sent; with batches in flight (`pipelined.py`) they
+    finish in the order they were sent, as the hidden states come back in that order."""
 
     def __init__(self, leader: Leader, ring, topo: Topology, assignment: Assignment, options: GroupOptions,
                  hidden_size: int, stats: GroupStats):
@@ -99,8 +103,8 @@ class GroupState:
         self.stats = stats
         self.writer = wire.PlanWriter()
         self.watchdog = Watchdog(leader.on_lost)
-        self.step = 0
-        self._checks: list[int] = []
+        self.step = 0  # the last step sent
+        self.in_flight: deque[tuple[int, int | None]] = deque()  # (step, rank 0's checksum) sent, not finished
 
     @property
     def pipeline(self) -> bool:
@@ -109,22 +113,22 @@ class GroupState:
     def send_plan(self, scheduled, batch, block_size: int) -> None:
         t0 = time.perf_counter()
         self.step += 1
-        self.watchdog.arm(self.options.timeout, f"group step {self.step}")
+        self.watchdog.arm(self.options.timeout, f"group step {self.in_flight[0][0] if self.in_flight else self.step}")
         check = None
         if self.options.check:
             mx.eval(batch.block_tables, batch.slot_mapping)
             check = wire.checksum(host_view(batch.block_tables, np.int32), host_view(batch.slot_mapping, np.int32))
         payload = self.writer.encode(self.step, scheduled, block_size, check)
         self.leader.broadcast(wire.STEP, payload)
-        if check is not None:
-            self._checks.append(check)
+        self.in_flight.append((self.step, check))
         self.stats.plan_bytes += len(payload) * len(self.leader.members)
         self.stats.plan_seconds += time.perf_counter() - t0
 
     def receive_hidden(self, num_tokens: int, dtype) -> mx.array:
-        """The previous stage's (rank 1's) hidden state of this step, once it says it is coming."""
+        """The previous stage's (rank 1's) hidden state of the oldest step in flight, once
+        it says it is coming."""
         t0 = time.perf_counter()
-        self.leader.wait_ready(self.step, 1, self.options.timeout)
+        self.leader.wait_ready(self.in_flight[0][0], 1, self.options.timeout)
         t1 = time.perf_counter()
         h = mx.distributed.recv((num_tokens, self.hidden_size), dtype, 1, group=self.ring, stream=mx.cpu)
         mx.eval(h)
@@ -134,17 +138,20 @@ class GroupState:
         return h
 
     def finish_step(self) -> None:
-        if self._checks:
-            crc = self._checks.pop()
+        step, crc = self.in_flight.popleft()
+        if crc is not None:
             for rank in self.leader.members:
-                theirs = self.leader.wait_ack(rank, self.step, self.options.timeout)
+                theirs = self.leader.wait_ack(rank, step, self.options.timeout)
                 self.stats.checked_steps += 1
                 if theirs != crc:
                     self.stats.mismatches += 1
-                    self.leader.lose(f"step {self.step}: rank {rank}'s block tables and slot mapping differ from "
+                    self.leader.lose(f"step {step}: rank {rank}'s block tables and slot mapping differ from "
                                      "rank 0's (mirrored state diverged)")
         self.stats.steps += 1
-        self.watchdog.disarm()
+        if self.in_flight:
+            self.watchdog.arm(self.options.timeout, f"group step {self.in_flight[0][0]}")
+        else:
+            self.watchdog.disarm()
 
     def close(self) -> None:
         self.watchdog.stop()
@@ -230,8 +237,17 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     loaded = leader.gather(wire.LOADED, deadline)
     mine = capacity(model, stage, config, kv_dtype)
     capacities = [mine["blocks"]] + [int(loaded[r]["blocks"]) for r in sorted(loaded)]
+    # pipelined batches: the requests split over `virtual` engines, each with its share of
+    # the pool and its own state slots (pipelined.py)
+    virtual = (options.inflight or topo.size) if options.parallel == "pipeline" else 1
     num_blocks = config.num_kv_blocks or max(1, min(capacities))
-    leader.broadcast(wire.START, wire.dumps({"num_blocks": num_blocks, "kv_dtype": str(kv_dtype).split(".")[-1]}))
+    num_blocks -= num_blocks % virtual
+    if num_blocks < virtual:
+        raise ValueError(f"{num_blocks} KV blocks cannot be shared by {virtual} batches in flight")
+    hybrid = has_recurrent_layers(model)
+    num_state_slots = virtual * config.max_num_seqs if hybrid else 0
+    leader.broadcast(wire.START, wire.dumps({"num_blocks": num_blocks, "kv_dtype": str(kv_dtype).split(".")[-1],
+                                             "num_state_slots": num_state_slots}))
     members = [{"rank": 0, "host": socket.gethostname(), "memory": memory[0], "weights": mine["weights"],
                 "layers": list(stages[0]) if stages else [0, num_layers]}]
     for r in sorted(loaded):
@@ -246,13 +262,26 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
              time.monotonic() - t0, "; ".join(f"rank {m['rank']} layers {m['layers'][0]}-{m['layers'][1] - 1}, "
                                               f"{m['weights'] / 2**20:.0f} MiB" for m in members), num_blocks)
 
-    def runner_factory(model, num_blocks, block_size, kv_dtype, num_state_slots=0):
-        return GroupRunner(model, num_blocks, block_size, kv_dtype, num_state_slots, stage=stage, group=group)
+    name = model_name or Path(model_path).name
+    if virtual == 1:
+        def runner_factory(model, num_blocks, block_size, kv_dtype, num_state_slots=0):
+            return GroupRunner(model, num_blocks, block_size, kv_dtype, num_state_slots, stage=stage, group=group)
 
-    engine = Engine(model, tokenizer, replace(config, num_kv_blocks=num_blocks),
-                    model_name=model_name or Path(model_path).name, runner_factory=runner_factory)
-    engine.group = group
-    return engine
+        engine = Engine(model, tokenizer, replace(config, num_kv_blocks=num_blocks), model_name=name,
+                        runner_factory=runner_factory)
+        engine.group = group
+        return engine
+    shared = GroupRunner(model, num_blocks, config.block_size, kv_dtype, num_state_slots, stage=stage, group=group)
+    share = num_blocks // virtual
+    engines = []
+    for v in range(virtual):
+        def runner_factory(model, num_blocks, block_size, kv_dtype, num_state_slots=0, v=v):
+            return VirtualRunner(shared, v * share, v * config.max_num_seqs)
+
+        engines.append(Engine(model, tokenizer, replace(config, num_kv_blocks=share), model_name=name,
+                              runner_factory=runner_factory))
+    log.info("group: %d batches in flight, each over %d of the %d KV blocks", virtual, share, num_blocks)
+    return PipelinedEngine(engines, group)
 
 
 def capacity(model, stage, config: EngineConfig, kv_dtype) -> dict:

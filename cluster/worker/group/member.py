@@ -24,7 +24,7 @@ from cluster.worker.group.channel import EXIT_GROUP_LOST, Member, Watchdog
 from cluster.worker.group.config import GroupOptions, topology
 from cluster.worker.group.leader import capacity, check_token, config_digest, init_ring
 from cluster.worker.group.stage import Assignment, StageRunner, load_part, member_batch, usable_memory
-from cluster.worker.model_runner import has_recurrent_layers, text_args, weight_dtype
+from cluster.worker.model_runner import text_args, weight_dtype
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
         member.send(wire.LOADED, wire.dumps(mine))
         start = member.receive(wire.START, deadline)
         kv_dtype = getattr(mx, start["kv_dtype"])
-        slots = int(engine["max_num_seqs"]) if has_recurrent_layers(model) else 0
+        slots = int(start["num_state_slots"])
         runner = StageRunner(model, int(start["num_blocks"]), config.block_size, kv_dtype, slots, stage)
     except Exception as e:  # told to rank 0, which stops the group's start
         log.exception("group rank %d could not start", topo.rank)

@@ -1,0 +1,225 @@
+"""Pipelined batches: a P-stage pipeline group keeps up to P batches in flight, so that no
+stage waits while another computes (vLLM's virtual engines).
+
+The requests are split among P ordinary `Engine`s (virtual engines), each with its own
+scheduler, block manager and state slots over its own share of the pool (its block ids
+and state slots offset into the one pool every rank holds: `VirtualRunner`), and all of
+them stepping one model runner. A request lives in one virtual engine, so it is in at
+most one batch in flight, and a virtual engine has at most one batch in flight: its next
+batch is planned only once the last one is done, exactly as a single engine plans it.
+
+`PipelinedEngine.step()` begins a batch for every idle virtual engine with work (its plan
+goes to the members at once, so the first stage starts on it while the last is still on
+an earlier batch), then finishes the oldest batch in flight: batches finish in the order
+their plans were sent, the order the hidden states come back in. An abort of a request
+whose batch is in flight waits until that batch is done (its blocks are being written).
+
+It offers the engine's interface that the worker's engine loop and service use.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from dataclasses import fields, replace
+
+from cluster.worker.engine import Engine, EngineStats, RequestOutput
+from cluster.worker.scheduler import SchedulerOutput
+
+
+class _Shifted:
+    """A sequence as the shared runner sees it: block ids and state slot offset into the
+    virtual engine's share of the pool; everything else is the sequence's own."""
+
+    __slots__ = ("_seq", "_blocks", "_slots", "__weakref__")
+
+    def __init__(self, seq, block_offset: int, slot_offset: int):
+        self._seq = seq
+        self._blocks = block_offset
+        self._slots = slot_offset
+
+    @property
+    def block_table(self) -> list[int]:
+        off = self._blocks
+        return [b + off for b in self._seq.block_table] if off else self._seq.block_table
+
+    @property
+    def state_slot(self) -> int:
+        slot = self._seq.state_slot
+        return slot + self._slots if slot >= 0 else slot
+
+    def __getattr__(self, name):
+        return getattr(self._seq, name)
+
+
+class VirtualRunner:
+    """One virtual engine's view of the shared runner."""
+
+    def __init__(self, shared, block_offset: int, slot_offset: int):
+        self.shared = shared
+        self.block_offset = block_offset
+        self.slot_offset = slot_offset
+        self._proxies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> _Shifted (stable ids)
+
+    def _proxy(self, seq):
+        p = self._proxies.get(seq)
+        if p is None:
+            p = self._proxies[seq] = _Shifted(seq, self.block_offset, self.slot_offset)
+        return p
+
+    def prepare(self, plan: SchedulerOutput):
+        shifted = SchedulerOutput([replace(e, seq=self._proxy(e.seq)) for e in plan.scheduled], plan.preempted)
+        return self.shared.prepare(shifted)
+
+    def __getattr__(self, name):
+        return getattr(self.shared, name)
+
+
+class PipelinedEngine:
+    """P virtual engines over one group runner (see the module docstring)."""
+
+    def __init__(self, engines: list[Engine], group):
+        self.engines = engines
+        self.group = group
+        first = engines[0]
+        for e in engines[1:]:
+            e.grammars = first.grammars  # one compiler: the service checks specs against it
+        self.model_name = first.model_name
+        self.tokenizer = first.tokenizer
+        self.vocab_size = first.vocab_size
+        self.grammars = first.grammars
+        self.pooler = getattr(first, "pooler", None)
+        self.runner = first.runner
+        self.config = replace(first.config, max_num_seqs=sum(e.config.max_num_seqs for e in engines),
+                              num_kv_blocks=sum(e.config.num_kv_blocks for e in engines))
+        self.in_flight: deque = deque()  # (virtual engine index, PendingStep), oldest first
+        self.deferred: dict[int, list[str]] = {}  # aborts waiting for a batch in flight
+        self.stats = EngineStats()
+        self._refresh_stats()
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids, sampling_params=None, arrival_time=None,
+                    resume_token_ids=()) -> None:
+        if self._owner(request_id) is not None:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        # the virtual engine with the least work takes it
+        v = min(range(len(self.engines)), key=lambda i: (len(self.engines[i].scheduler.running)
+                                                        + len(self.engines[i].scheduler.waiting), i))
+        self.engines[v].add_request(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time,
+                                    resume_token_ids=resume_token_ids)
+        self._refresh_stats()
+
+    def _owner(self, request_id: str) -> int | None:
+        for i, e in enumerate(self.engines):
+            if request_id in e.seqs or request_id in e.groups:
+                return i
+        return None
+
+    def _busy(self, v: int) -> bool:
+        return any(i == v for i, _ in self.in_flight)
+
+    def abort(self, request_id: str) -> bool:
+        v = self._owner(request_id)
+        if v is None:
+            return False
+        if self._busy(v):  # its blocks are being written: after that batch
+            self.deferred.setdefault(v, []).append(request_id)
+            return True
+        done = self.engines[v].abort(request_id)
+        self._refresh_stats()
+        return done
+
+    def abort_all(self) -> list[str]:
+        while self.in_flight:  # the members are in these steps: see them through first
+            v, pending = self.in_flight.popleft()
+            self.engines[v].finish_step(pending)
+        self.deferred.clear()
+        ids = [rid for e in self.engines for rid in e.abort_all()]
+        self._refresh_stats()
+        return ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self.in_flight) or any(e.has_unfinished() for e in self.engines)
+
+    def live_request_ids(self) -> list[str]:
+        return [rid for e in self.engines for rid in e.live_request_ids()]
+
+    def request_state(self, request_id: str):
+        v = self._owner(request_id)
+        if v is None:
+            raise KeyError(request_id)
+        return self.engines[v].request_state(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(e.num_waiting for e in self.engines)
+
+    def is_waiting(self, request_id: str) -> bool:
+        v = self._owner(request_id)
+        return v is not None and self.engines[v].is_waiting(request_id)
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Begin a batch on every idle virtual engine with work, finish the oldest in
+        flight; its outputs."""
+        self._begin_idle()
+        outputs: list[RequestOutput] = []
+        if self.in_flight:
+            v, pending = self.in_flight.popleft()
+            outputs = self.engines[v].finish_step(pending)
+            for rid in self.deferred.pop(v, []):
+                self.engines[v].abort(rid)
+            self._begin_idle()  # its next batch goes out before rank 0 waits on the next one
+        self._refresh_stats()
+        return outputs
+
+    def _begin_idle(self) -> None:
+        limit = self.group.options.inflight or self.group.topo.size
+        for v, e in enumerate(self.engines):
+            if len(self.in_flight) >= limit:
+                return
+            if self._busy(v) or not e.has_unfinished():
+                continue
+            pending = e.begin_step()
+            if pending.batch is None:  # nothing could be scheduled: no plan went out
+                e.finish_step(pending)
+            else:
+                self.in_flight.append((v, pending))
+
+    def warm_up(self) -> float:
+        return self.engines[0].warm_up()
+
+    def check_integrity(self) -> None:
+        for e in self.engines:
+            e.check_integrity()
+
+    def generate(self, prompts, sampling_params=None) -> list[list[int]]:
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, sampling_params)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id] += out.new_token_ids
+        return [results[rid] for rid in ids]
+
+    def _refresh_stats(self) -> None:
+        """The virtual engines' counters, summed (what metrics and load reports read)."""
+        total = self.stats
+        for f in fields(EngineStats):
+            values = [getattr(e.stats, f.name) for e in self.engines]
+            first = values[0]
+            if isinstance(first, (int, float)) and not isinstance(first, bool):
+                setattr(total, f.name, sum(values))
+            elif isinstance(first, dict):
+                merged: dict = {}
+                for d in values:
+                    for k, n in d.items():
+                        merged[k] = merged.get(k, 0) + n
+                setattr(total, f.name, merged)
+            elif isinstance(first, list):
+                setattr(total, f.name, [sum(x) for x in zip(*values)])
+            else:
+                setattr(total, f.name, first)
