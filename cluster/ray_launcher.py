@@ -12,6 +12,12 @@ Ray cluster.
 - Actors are named (`orchard-router`, `orchard-worker-<node>-<i>`) in the `orchard`
   namespace and detached by default, so they outlive `orchard ray up`; `orchard ray down`
   kills them.
+- `--group-size N`: each worker is a worker group (one model over N Macs,
+  `cluster/worker/group/`): a placement group of N bundles, one per node (STRICT_SPREAD),
+  rank 0 a worker actor in the first bundle (`orchard-worker-g<i>`), the other ranks
+  member actors in the others (`orchard-worker-g<i>-rank<r>`), over MLX's ring on the
+  nodes' Ray IPs. When one of them dies the others exit (the group is lost) and Ray
+  restarts each actor; they find each other again.
 
 Each actor runs the same server objects as the CLI (`RouterServer`, `WorkerServer`) on
 its own asyncio loop in a thread; the model directory must exist at the same path on every
@@ -25,7 +31,7 @@ import logging
 import math
 import os
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from cluster.config import default_of, port_of, setting
 from cluster.router.config import RouterConfig, policy_names
@@ -61,6 +67,12 @@ class RaySpec:
     max_restarts: int = setting(-1, "Ray restarts of a dead actor (-1: for ever)")
     timeout: float = setting(600.0, "seconds to wait for the workers")
     insecure: bool = setting(False, "allow an empty join token: anyone on the network may then register a worker")
+    group_size: int = setting(1, "nodes per worker group (one model over several Macs; 1: a worker per node)")
+    parallel: str = setting("pipeline", "how a group splits the model", choices=("pipeline", "tensor"))
+    group_port: int = setting(32323, "a group's ring ports: rank r of group g on this + g x group-size + r")
+    group_strategy: str = setting("STRICT_SPREAD", "how a group's bundles are placed: one a node (STRICT_SPREAD), "
+                                                   "or PACK / SPREAD (several on one node: for testing)",
+                                  choices=("STRICT_SPREAD", "SPREAD", "PACK"))
     detached: bool = True
     engine: EngineConfig = setting(default_factory=lambda: default_of(WorkerOptions, "engine_config"), group="engine")
     # keys and TLS for the router and every worker (certificate files at the same paths on
@@ -133,8 +145,10 @@ class WorkerActor:
     """`orchard worker serve --router ...` inside a Ray actor; serving starts in the
     constructor, so a restart by Ray (which re-runs it) brings the worker back."""
 
-    def __init__(self, spec: RaySpec, router: str, index: int, worker_id: str):
+    def __init__(self, spec: RaySpec, router: str, index: int, worker_id: str, group=None):
+        """`group`: rank 0's GroupOptions of a worker group."""
         import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+        from cluster.worker.group.config import GroupOptions
         from cluster.worker.server import WorkerOptions, WorkerServer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -145,7 +159,7 @@ class WorkerActor:
         options = WorkerOptions(
             model_path=spec.model, engine_config=spec.engine, grpc_address=f"{host}:{port}",
             metrics_address=_addr(host, mport), worker_id=worker_id, router=router, join_token=spec.join_token,
-            security=spec.security,
+            security=spec.security, group=group or GroupOptions(),
         )
         self._loop = _LoopThread("orchard-worker")
         self.server = WorkerServer(options)
@@ -153,6 +167,27 @@ class WorkerActor:
 
     def addresses(self) -> dict:
         return dict(self.server.addresses)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class GroupMemberActor:
+    """A worker group's member (rank >= 1) inside a Ray actor: joins rank 0 and runs the
+    steps it plans. When the group is lost the process exits and Ray starts it again."""
+
+    def __init__(self, spec: RaySpec, group):
+        import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+        from cluster.worker.group.member import run_member
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.rank = group.rank
+        self.thread = threading.Thread(target=run_member, args=(spec.model, group, spec.join_token),
+                                       name="orchard-group-member", daemon=True)
+        self.thread.start()
+
+    def addresses(self) -> dict:
+        return {"rank": self.rank, "serving": self.thread.is_alive()}
 
     def pid(self) -> int:
         return os.getpid()
@@ -177,7 +212,8 @@ class RayDeployment:
     spec: RaySpec
     router: object  # actor handle
     router_addresses: dict
-    workers: dict[str, object]  # actor name -> handle
+    workers: dict[str, object]  # actor name -> handle (a group's rank 0)
+    members: dict[str, object] = field(default_factory=dict)  # worker groups' other ranks
 
     def wait_ready(self, timeout: float | None = None, n: int | None = None) -> None:
         """Until the router reports `n` (default: all) healthy workers."""
@@ -208,7 +244,7 @@ class RayDeployment:
     def shutdown(self) -> None:
         import ray
 
-        for handle in [*self.workers.values(), self.router]:
+        for handle in [*self.members.values(), *self.workers.values(), self.router]:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception as e:  # noqa: BLE001  (already gone)
@@ -236,6 +272,8 @@ def launch(spec: RaySpec, worker_timeout: float | None = None) -> RayDeployment:
         name=ROUTER_NAME, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False), **common,
     ).remote(spec)
     router_addresses = ray.get(router.addresses.remote(), timeout=120)
+    if spec.group_size > 1:
+        return _launch_groups(spec, nodes, router, router_addresses, common, worker_timeout)
     workers = {}
     for node in nodes:
         node_id = node["NodeID"]
@@ -248,6 +286,62 @@ def launch(spec: RaySpec, worker_timeout: float | None = None) -> RayDeployment:
             ).remote(spec, router_addresses["grpc"], i, name.removeprefix("orchard-"))
     ray.get([w.addresses.remote() for w in workers.values()], timeout=worker_timeout)
     return RayDeployment(spec, router, router_addresses, workers)
+
+
+GROUP_PREFIX = "orchard-group-"  # placement groups of worker groups
+
+
+def _launch_groups(spec: RaySpec, nodes: list[dict], router, router_addresses: dict, common: dict,
+                   worker_timeout: float) -> RayDeployment:
+    """Worker groups: a placement group of `group_size` bundles each (one per node under
+    STRICT_SPREAD), rank 0 a WorkerActor in bundle 0, the members in the others."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from cluster.worker.group.config import GroupOptions
+
+    size = spec.group_size
+    slots = len(nodes) if spec.group_strategy == "STRICT_SPREAD" else int(
+        sum(n["Resources"][spec.resource] for n in nodes))
+    if slots < size:
+        raise RuntimeError(f"a group of {size} needs {size} nodes with the resource {spec.resource!r} "
+                           f"({spec.group_strategy}); there are {slots}")
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    workers, members = {}, {}
+    for g in range(slots // size):
+        pg = placement_group([{spec.resource: 1}] * size, strategy=spec.group_strategy, name=f"{GROUP_PREFIX}{g}",
+                             lifetime="detached" if spec.detached else None)
+        ray.get(pg.ready(), timeout=120)
+        where = placement_group_table(pg)["bundles_to_node_id"]
+        hosts = ",".join(f"{spec.host or ips[where[r]]}:{spec.group_port + g * size + r}" for r in range(size))
+        for r in range(size):
+            options = GroupOptions(size=size, parallel=spec.parallel, rank=r, hosts=hosts)
+            placed = dict(common, resources={spec.resource: 1},
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
+            if r == 0:
+                name = f"{WORKER_PREFIX}g{g}"
+                workers[name] = ray.remote(WorkerActor).options(name=name, **placed).remote(
+                    spec, router_addresses["grpc"], g, name.removeprefix("orchard-"), options)
+            else:
+                name = f"{WORKER_PREFIX}g{g}-rank{r}"
+                members[name] = ray.remote(GroupMemberActor).options(name=name, **placed).remote(spec, options)
+    ray.get([w.addresses.remote() for w in [*members.values(), *workers.values()]], timeout=worker_timeout)
+    return RayDeployment(spec, router, router_addresses, workers, members)
+
+
+def _remove_placement_groups() -> list[str]:
+    """The worker groups' placement groups (they hold their nodes' resources until removed)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    gone = []
+    for info in placement_group_table().values():
+        name = info.get("name", "")
+        if name.startswith(GROUP_PREFIX) and info.get("state") != "REMOVED":
+            ray.util.remove_placement_group(ray.util.get_placement_group(name))
+            gone.append(name)
+    return gone
 
 
 def existing_actors() -> list[str]:
@@ -294,6 +388,7 @@ def run_up(spec: RaySpec, ray_address: RayAddress) -> int:
     print(f"Orchard is up on Ray: {len(dep.workers)} worker(s) serving {os.path.basename(spec.model)}\n"
           f"  router gRPC  {a['grpc']}\n  HTTP         {a['http'] or 'off'}\n  metrics      {a['metrics'] or 'off'}\n"
           + "".join(f"  {name}\n" for name in dep.workers)
+          + "".join(f"  {name} (a group member)\n" for name in dep.members)
           + "Actors are detached: `orchard ray down` stops them.", flush=True)
     return 0
 
@@ -304,6 +399,8 @@ def run_down(ray_address: RayAddress) -> int:
     for name in names:
         ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         print(f"killed {name}")
+    for name in _remove_placement_groups():
+        print(f"removed placement group {name}")
     if not names:
         print("no orchard actors on this Ray cluster")
     return 0
@@ -325,5 +422,5 @@ def run_status(ray_address: RayAddress) -> int:
     return 0
 
 
-__all__ = ["RaySpec", "RayAddress", "RayDeployment", "RouterActor", "WorkerActor", "launch", "worker_nodes",
-           "existing_actors"]
+__all__ = ["RaySpec", "RayAddress", "RayDeployment", "RouterActor", "WorkerActor", "GroupMemberActor", "launch",
+           "worker_nodes", "existing_actors"]

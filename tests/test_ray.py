@@ -133,3 +133,95 @@ def test_router_and_workers_as_ray_actors_survive_a_killed_worker(tiny_model_dir
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _free_run(n: int) -> int:
+    """A port p with p .. p+n-1 and p+1000 free (a group's ring ports and rank 0's side channel)."""
+    import socket
+
+    for _ in range(100):
+        p = free_port()
+        if p + 1000 > 65535:
+            continue
+        socks = []
+        try:
+            for q in [*range(p, p + n), p + 1000]:
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free run of ports")
+
+
+@pytest.mark.slow
+def test_a_worker_group_as_ray_actors_is_restarted_when_a_member_dies(tiny_model_dir, monkeypatch):
+    """`orchard ray up --group-size 2`: a placement group of 2 bundles (PACK here: one node),
+    rank 0 a worker actor, rank 1 a member actor; the router sees one worker with its
+    group. Killing the member loses the group: Ray restarts both actors, the group forms
+    again and serves; `orchard ray down` removes the actors and the placement group."""
+    import shutil
+    import tempfile
+
+    from ray.util.placement_group import placement_group_table
+
+    monkeypatch.setenv("ORCHARD_JOIN_TOKEN", "ray-group-token")
+    temp_dir = tempfile.mkdtemp(prefix="orayg", dir="/tmp")
+    ray.init(num_cpus=2, resources={"orchard_worker": 2}, include_dashboard=False, _node_ip_address="127.0.0.1",
+             namespace=f"orchard-test-{free_port()}", logging_level="WARNING", _temp_dir=temp_dir)
+    try:
+        assert main(["ray", "up", "--model", str(tiny_model_dir), "--group-size", "2", "--group-strategy", "PACK",
+                     "--group-port", str(_free_run(2)), "--host", "127.0.0.1", "--router-port", str(free_port()),
+                     "--router-http-port", "-1", "--router-metrics-port", "0", "--worker-port", "0",
+                     "--worker-metrics-port", "0", "--max-restarts", "3", "--num-kv-blocks", "128",
+                     "--max-model-len", "512", "--timeout", "240"]) == 0
+        names = existing_actors()
+        assert sorted(names) == [ROUTER_NAME, "orchard-worker-g0", "orchard-worker-g0-rank1"]
+        router = ray.get(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE).addresses.remote(), timeout=30)["grpc"]
+        import grpc
+
+        from cluster.proto.orchard.v1 import orchard_pb2 as pb
+        from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
+        def listed():
+            with grpc.insecure_channel(router) as ch:
+                return pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers
+
+        (w,) = listed()
+        assert w.worker_id == "worker-g0" and w.load.group.size == 2
+        with Client(router, timeout=60) as c:
+            first = c.generate("The orchard", max_tokens=8, temperature=0, ignore_eos=True).token_ids
+        member = ray.get_actor("orchard-worker-g0-rank1", namespace=NAMESPACE)
+        rank0 = ray.get_actor("orchard-worker-g0", namespace=NAMESPACE)
+        pids = (ray.get(member.pid.remote(), timeout=30), ray.get(rank0.pid.remote(), timeout=30))
+        ray.kill(member, no_restart=False)  # the member's process dies: the group is lost
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                now = (ray.get(member.pid.remote(), timeout=10), ray.get(rank0.pid.remote(), timeout=10))
+                ws = listed()
+                if now[0] != pids[0] and now[1] != pids[1] and ws and ws[0].state == pb.WORKER_STATE_HEALTHY \
+                        and ws[0].address != w.address:
+                    break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, grpc.RpcError):
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("the group did not come back after its member died")
+        with Client(router, timeout=60) as c:
+            again = c.generate("The orchard", max_tokens=8, temperature=0, ignore_eos=True).token_ids
+        assert again == first
+        assert main(["ray", "down"]) == 0
+        deadline = time.monotonic() + 30
+        while existing_actors() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert existing_actors() == []
+        assert all(i["state"] == "REMOVED" for i in placement_group_table().values()
+                   if i.get("name", "").startswith("orchard-group-"))
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)

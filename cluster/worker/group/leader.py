@@ -30,7 +30,7 @@ from cluster.worker.group.channel import Leader, Watchdog
 from cluster.worker.group.config import GroupOptions, Topology, parse_shares, topology
 from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
 from cluster.worker.group.stage import (Assignment, StageRunner, kv_bytes_per_block, load_part, part_bytes,
-                                        split_layers, stage_of_rank, usable_memory)
+                                        resident_bytes, split_layers, stage_of_rank, usable_memory)
 from cluster.worker.kernels.cpu import host_view
 from cluster.worker.model_runner import default_kv_budget, has_recurrent_layers, text_args, weight_dtype
 
@@ -48,7 +48,8 @@ class GroupStats:
     steps: int = 0
     plan_bytes: int = 0  # side channel: plans sent, over all members
     hidden_bytes: int = 0  # MLX: hidden states received by rank 0
-    plan_seconds: float = 0.0  # host time building and sending plans
+    plan_seconds: float = 0.0  # host time building and sending plans (wall clock)
+    plan_cpu_seconds: float = 0.0  # the same in CPU time of the engine thread (what a loaded machine does not inflate)
     wait_seconds: float = 0.0  # waiting for the previous stage's notice (its compute)
     collective_seconds: float = 0.0  # inside MLX receives on rank 0
     mismatches: int = 0  # mirrored-state check failures (debug runs)
@@ -111,7 +112,7 @@ class GroupState:
         return self.assignment.parallel == "pipeline"
 
     def send_plan(self, scheduled, batch, block_size: int) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.step += 1
         self.watchdog.arm(self.options.timeout, f"group step {self.in_flight[0][0] if self.in_flight else self.step}")
         check = None
@@ -123,6 +124,7 @@ class GroupState:
         self.in_flight.append((self.step, check))
         self.stats.plan_bytes += len(payload) * len(self.leader.members)
         self.stats.plan_seconds += time.perf_counter() - t0
+        self.stats.plan_cpu_seconds += time.thread_time() - c0
 
     def receive_hidden(self, num_tokens: int, dtype) -> mx.array:
         """The previous stage's (rank 1's) hidden state of the oldest step in flight, once
@@ -249,11 +251,12 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     leader.broadcast(wire.START, wire.dumps({"num_blocks": num_blocks, "kv_dtype": str(kv_dtype).split(".")[-1],
                                              "num_state_slots": num_state_slots}))
     members = [{"rank": 0, "host": socket.gethostname(), "memory": memory[0], "weights": mine["weights"],
-                "layers": list(stages[0]) if stages else [0, num_layers]}]
+                "layers": list(stages[0]) if stages else [0, num_layers], "rss": resident_bytes()}]
     for r in sorted(loaded):
         info = leader.members[r].info
         members.append({"rank": r, "host": str(info.get("host", "")), "memory": memory[r],
-                        "weights": int(loaded[r]["weights"]), "layers": list(stages[r]) if stages else [0, num_layers]})
+                        "weights": int(loaded[r]["weights"]), "layers": list(stages[r]) if stages else [0, num_layers],
+                        "rss": int(loaded[r].get("rss", 0))})
     stats = GroupStats(size=topo.size, parallel=options.parallel, members=members)
     leader.serve()
     watchdog.stop()

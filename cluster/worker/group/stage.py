@@ -112,6 +112,17 @@ def usable_memory() -> int:
         return 8 << 30
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (0 where /proc is not there)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 # -- finding the parts of a model ------------------------------------------------------------------
 
 def _parts(model: nn.Module):

@@ -1,0 +1,241 @@
+"""Worker groups against one process, on the same model and load, in one run.
+
+    python load/bench_group.py [--model DIR] [--requests 64] [--prompt-len 32] [--max-tokens 64]
+                               [--modes one,pipeline1,pipeline2,tensor]
+
+Modes (each a fresh set of processes; a group's ranks over MLX's ring on loopback):
+  one        one process with 2 threads (OpenBLAS and OpenMP), the same total as a group of 2
+  pipeline1  2-rank pipeline, 1 batch in flight: the stages take turns
+  pipeline2  2-rank pipeline, 2 batches in flight (two virtual engines): both stages compute
+  tensor     2-rank tensor parallel (mlx-lm's shard(): an all-reduce after each layer's
+             attention and MLP)
+Each rank of a group runs 1 thread pinned to its own core (2 cores: rank 0 on one, rank 1 on
+the other). The load: `--requests` (128) greedy requests at once (EOS ignored), 64 running in a batch
+(each engine's max_num_seqs; the pipelined group's two virtual engines run 64 each): a
+saturating load. The machine's load average is printed: figures from a busy machine are
+noise.
+
+Printed per mode: output tokens/s and its ratio to `one`, the mean step time, and for a
+group the plan's host time per step on rank 0 (encoding and sending it, in the engine
+thread's CPU time, which a loaded machine does not inflate; target <= 1 ms at 64 running
+sequences), rank 0's time in MLX collectives and waiting for the other stage per
+step, the bytes per step against the theory (pipeline: hidden x 4 bytes per token at the one
+stage boundary; tensor: 2 all-reduces of hidden x 4 bytes per layer per token), and each
+rank's weights against its share of the split (target: within 10%) and its resident memory.
+Targets printed at the end: pipeline2 >= 1.6x pipeline1 output tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = ("one", "pipeline1", "pipeline2", "tensor")
+TOKEN = "bench-group-token"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def rss(pid: int | str = "self") -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def env(threads: int) -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                ORCHARD_JOIN_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
+
+
+def pin(cpu: int | None):
+    if cpu is None or not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
+        return None
+    return lambda: os.sched_setaffinity(0, {cpu})
+
+
+# -- one run (rank 0, or the single process) -------------------------------------------------------
+
+def run(args) -> dict:
+    import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.engine import Engine
+    from cluster.worker.sampling_params import SamplingParams
+
+    # 64 running per engine: a pipelined group's 2 virtual engines run 64 each
+    config = EngineConfig(max_num_seqs=64, num_kv_blocks=args.blocks)
+    if args.mode == "one":
+        engine = Engine.from_pretrained(args.model, config)
+    else:
+        from cluster.worker.group.config import GroupOptions
+        from cluster.worker.group.leader import load_group_engine
+
+        options = GroupOptions(size=2, rank=0, hosts=args.hosts, port=args.port,
+                               parallel="tensor" if args.mode == "tensor" else "pipeline",
+                               inflight=2 if args.mode == "pipeline2" else 1, timeout=120)
+        engine = load_group_engine(args.model, config, options, TOKEN)
+    engine.warm_up()
+    rng = random.Random(0)
+    vocab = engine.vocab_size
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    for i in range(args.requests):
+        engine.add_request(f"b{i}", [rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)], params)
+    group = getattr(engine, "group", None)
+    before = None if group is None else dict(vars(group.stats))
+    steps = tokens = forwarded = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        outs = engine.step()
+        tokens += sum(len(o.new_token_ids) for o in outs)
+        steps += 1
+    wall = time.perf_counter() - t0
+    forwarded = args.requests * (args.prompt_len + args.max_tokens - 1)
+    out = {"mode": args.mode, "tok_s": tokens / wall, "tokens": tokens, "wall": wall, "steps": steps,
+           "forwarded": forwarded, "rss0": rss()}
+    if group is not None:
+        s = group.stats
+        n = s.steps - before["steps"]
+        out.update(group_steps=n, plan_ms=1e3 * (s.plan_cpu_seconds - before["plan_cpu_seconds"]) / n,
+                   plan_wall_ms=1e3 * (s.plan_seconds - before["plan_seconds"]) / n,
+                   collective_ms=1e3 * (s.collective_seconds - before["collective_seconds"]) / n,
+                   wait_ms=1e3 * (s.wait_seconds - before["wait_seconds"]) / n,
+                   hidden_bytes=(s.hidden_bytes - before["hidden_bytes"]) / n,
+                   plan_bytes=(s.plan_bytes - before["plan_bytes"]) / n, members=s.members,
+                   hidden=group.hidden_size, layers=group.assignment.num_layers)
+        group.close()
+    return out
+
+
+# -- the driver -------------------------------------------------------------------------------------
+
+def run_mode(mode: str, args) -> dict:
+    common = ["--model", str(args.model), "--requests", str(args.requests), "--prompt-len", str(args.prompt_len),
+              "--max-tokens", str(args.max_tokens), "--blocks", str(args.blocks)]
+    members = []
+    if mode == "one":
+        cmd = [sys.executable, __file__, "--role", "run", "--mode", mode, *common]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env(2), timeout=1800)
+    else:
+        *ring, port = free_ports(3)
+        hosts = ",".join(f"127.0.0.1:{p}" for p in ring)
+        parallel = "tensor" if mode == "tensor" else "pipeline"
+        members.append(subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", "worker", "serve", "--model", str(args.model), "--group-size", "2",
+             "--group-rank", "1", "--group-hosts", hosts, "--group-port", str(port), "--parallel", parallel,
+             "--group-timeout", "120"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(1), preexec_fn=pin(1)))
+        cmd = [sys.executable, __file__, "--role", "run", "--mode", mode, "--hosts", hosts, "--port", str(port),
+               *common]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env(1), timeout=1800, preexec_fn=pin(0))
+    for m in members:
+        try:
+            m.wait(60)
+        except subprocess.TimeoutExpired:
+            m.kill()
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def report(results: dict[str, dict], requests: int) -> None:
+    base = results.get("one")
+    print(f"\n{'mode':<10} {'tok/s':>8} {'vs one':>7} {'step ms':>8} {'plan ms':>8} {'coll ms':>8} {'wait ms':>8} "
+          f"{'bytes/step':>11} {'theory':>11}")
+    for mode, r in results.items():
+        step_ms = 1e3 * r["wall"] / r["steps"]
+        ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
+        if "plan_ms" in r:
+            per_step_tokens = r["forwarded"] / r["group_steps"]
+            if mode == "tensor":
+                measured = "(in MLX)"
+                theory = 2 * r["layers"] * r["hidden"] * 4 * per_step_tokens
+            else:
+                measured = f"{r['hidden_bytes']:.0f}"
+                theory = r["hidden"] * 4 * per_step_tokens
+            print(f"{mode:<10} {r['tok_s']:>8.1f} {ratio:>7} {step_ms:>8.1f} {r['plan_ms']:>8.3f} "
+                  f"{r['collective_ms']:>8.2f} {r['wait_ms']:>8.2f} {measured:>11} {theory:>11.0f}")
+        else:
+            print(f"{mode:<10} {r['tok_s']:>8.1f} {ratio:>7} {step_ms:>8.1f} {'-':>8} {'-':>8} {'-':>8} {'-':>11} "
+                  f"{'-':>11}")
+    for mode, r in results.items():
+        if "members" not in r:
+            continue
+        total = sum(m["weights"] for m in r["members"])
+        share = 1 / len(r["members"])  # equal usable memory on one machine: equal shares
+        parts = []
+        for m in r["members"]:
+            frac = m["weights"] / total
+            parts.append(f"rank {m['rank']} layers {m['layers'][0]}-{m['layers'][1] - 1}: {m['weights'] / 2**20:.1f} "
+                         f"MiB = {100 * frac:.0f}% of the weights (share {100 * share:.0f}%, "
+                         f"{'within' if abs(frac - share) <= 0.1 * share else 'OUTSIDE'} 10%), "
+                         f"resident {m.get('rss', 0) / 2**20:.0f} MiB")
+        print(f"{mode}: " + "; ".join(parts))
+    if "pipeline1" in results and "pipeline2" in results:
+        ratio = results["pipeline2"]["tok_s"] / results["pipeline1"]["tok_s"]
+        print(f"\npipeline, 2 batches in flight vs 1: {ratio:.2f}x output tok/s (target >= 1.6x)")
+    plans = [r["plan_ms"] for r in results.values() if "plan_ms" in r]
+    if plans:
+        walls = [r["plan_wall_ms"] for r in results.values() if "plan_wall_ms" in r]
+        print(f"plan host time per step (64 running a batch): {max(plans):.3f} ms of CPU at most, {max(walls):.3f} "
+              "ms wall clock (target <= 1 ms)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="mlx-lm model directory (default: the built-in small model)")
+    ap.add_argument("--requests", type=int, default=128, help="at once: 64 run in each batch in flight")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=1024, help="KV blocks (per batch in flight: half each)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--role", default="driver", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="one", help=argparse.SUPPRESS)
+    ap.add_argument("--hosts", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "run":
+        print("RESULT " + json.dumps(run(args)), flush=True)
+        return 0
+    from cluster.models_cache import resolve_model
+
+    args.model = resolve_model(args.model)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        ap.error(f"unknown modes {sorted(unknown)}: choose from {', '.join(MODES)}")
+    print(f"model {args.model}; {args.requests} requests x {args.prompt_len} prompt tokens, {args.max_tokens} new "
+          f"tokens each (greedy, EOS ignored); {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    results = {}
+    for mode in modes:
+        t = time.perf_counter()
+        results[mode] = run_mode(mode, args)
+        print(f"  {mode}: {results[mode]['tok_s']:.1f} tok/s ({time.perf_counter() - t:.0f} s with start-up)",
+              flush=True)
+    report(results, args.requests)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
