@@ -344,7 +344,7 @@ def test_pooling_takes_its_share_of_a_step_beside_generation(models):
     path = models["last"]
     engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=64, max_num_seqs=8,
                                                        task="generate", embeddings=True, pooling_share=0.25))
-    inputs = prompts(4, seed=51, lengths=(150,))
+    inputs = prompts(4, seed=51, lengths=(200,))
     for i, x in enumerate(inputs):
         engine.add_request(f"e{i}", x, embed())
     engine.add_request("g", prompts(1, seed=52, lengths=(8,))[0],
@@ -366,6 +366,7 @@ def test_pooling_takes_its_share_of_a_step_beside_generation(models):
     beside = [n for gen, n in shares if gen]
     alone = [n for gen, n in shares if not gen]
     assert beside and max(beside) <= 16, beside
-    assert alone and max(alone) > 16, alone  # once the chat is done, the embeddings take the whole step
+    assert alone[:4] and max(alone[:4]) <= 16, alone  # for a few steps after the chat, the share still holds
+    assert max(alone) > 16, alone  # then the embeddings take the whole step
     for i, x in enumerate(inputs):
         assert cosine(pooled[f"e{i}"], reference_embedding(path, x, "last")) > 0.9999

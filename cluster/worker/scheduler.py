@@ -93,6 +93,8 @@ class SchedulerOutput:
 _LOOKAHEAD = 32
 # Prompt rows with logprobs (all reach the LM head) per step at most.
 MAX_PROMPT_LOGPROB_ROWS = 512
+# Steps after the last generation request during which pooling keeps to its share.
+POOLING_LINGER_STEPS = 4
 
 
 def _unstarted_pooling(seq: Sequence) -> bool:
@@ -112,6 +114,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._prompt_rows_left = 0  # this step's, while it is planned
         self._pooling_left = 0  # tokens pooling requests may still take this step, while it is planned
+        self._steps_without_generation = POOLING_LINGER_STEPS + 1
 
     # -- requests in and out ------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int) -> None:
@@ -360,15 +363,21 @@ class Scheduler:
         return freed
 
     def _pooling_share(self, budget: int) -> int:
-        """Tokens the pooling requests (embeddings, scores) may take this step: all of the
-        budget when nothing else runs or waits; beside generation requests at most
-        `pooling_share` of it, so that an embedding load does not make every step of the
-        chats beside it a full-budget prefill step."""
+        """Tokens the pooling requests (embeddings, scores) may take this step: beside
+        generation requests, and for POOLING_LINGER_STEPS steps after the last one (a
+        chat client's next request comes a moment after its last answer: it should not
+        find a full-budget step in flight), at most `pooling_share` of the budget, so that
+        an embedding load does not make every step of the chats beside it a full-budget
+        prefill step; otherwise all of it. Called once a step."""
         share = self.config.pooling_share
         if share >= 1.0:
             return budget
         head = itertools.islice(self.waiting, _LOOKAHEAD)
         if any(s.sampling_params.pooling is None for s in itertools.chain(self.running, head)):
+            self._steps_without_generation = 0
+        else:
+            self._steps_without_generation += 1
+        if self._steps_without_generation <= POOLING_LINGER_STEPS:
             return max(1, int(budget * share))
         return budget
 
