@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import struct
 import time
 import uuid
 
-import numpy as np
 from aiohttp import web
 
 from cluster.api.errors import DeadlineExceeded, NotFound, OrchardError
@@ -99,7 +99,7 @@ async def embeddings(request: web.Request) -> web.Response:
     data = []
     for e in result.data:
         if fmt == "base64":
-            vector = base64.b64encode(np.asarray(e.values, dtype="<f4").tobytes()).decode()
+            vector = base64.b64encode(struct.pack(f"<{len(e.values)}f", *e.values)).decode()
         else:
             vector = list(e.values)
         data.append({"object": "embedding", "index": e.index, "embedding": vector})
