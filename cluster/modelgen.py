@@ -54,8 +54,8 @@ class ModelSpec:
     seed: int = setting(0, "seed of the weights and the tokenizer's corpus")
     kind: str = setting("generate", "generate: a causal LM; embedding: a Qwen3-Embedding-style model "
                                     "(sentence-transformers pooling config, qwen3 only); reranker: a "
-                                    "Qwen3-Reranker-style yes/no scorer; classifier: a cross-encoder with a "
-                                    "one-label score head (qwen3 only)", choices=KINDS)
+                                    "Qwen3-Reranker-style yes/no scorer (qwen3 only); classifier: a cross-encoder "
+                                    "with a one-label score head (qwen3, qwen2, llama, mistral)", choices=KINDS)
     real: str | None = setting(None, "instead: a real trained model from PyPI, imported from its GGUF file "
                                      "(cluster/models_cache.py)", choices=tuple(REAL_MODELS))
     layers: int = setting(0, "layers (0: the size's own)")
@@ -396,9 +396,11 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
         raise ValueError(f"unknown arch {arch!r}: choose one of {', '.join(ARCHS)}")
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}: choose one of {', '.join(KINDS)}")
-    if kind != "generate" and arch != "qwen3":
+    if kind in ("embedding", "reranker") and arch != "qwen3":
         raise ValueError(f"a{'n' if kind[0] == 'e' else ''} {kind} model is made of qwen3 (as Qwen3-Embedding and "
                          f"Qwen3-Reranker are), not {arch}")
+    if kind == "classifier" and arch not in ("qwen3", "qwen2", "llama", "mistral"):
+        raise ValueError(f"a classifier is made of qwen3, qwen2, llama or mistral, not {arch}")
     if chat and chat not in REAL_FORMATS:
         raise ValueError(f"unknown chat format {chat!r}: choose one of {', '.join(REAL_FORMATS)}")
     chat = REAL_FORMATS[chat] if chat else CHAT_FORMAT.get(arch, CHATML)
@@ -413,7 +415,8 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
         # vLLM's hf_overrides for Qwen3-Reranker: score by the [no, yes] tokens' logits
         config.update(classifier_from_token=["no", "yes"], is_original_qwen3_reranker=True)
     elif kind == "classifier":
-        config.update(architectures=["Qwen3ForSequenceClassification"], num_labels=1)
+        config.update(architectures=[config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")],
+                      num_labels=1)
 
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))

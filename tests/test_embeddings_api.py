@@ -34,8 +34,11 @@ TEXTS = ["The orchard is quiet in the morning.", "Workers pick apples from every
 
 
 @pytest.fixture(scope="module")
-def dirs(embedding_model_dir, reranker_model_dir):
-    return {"emb": embedding_model_dir, "rr": reranker_model_dir}
+def dirs(embedding_model_dir, reranker_model_dir, tmp_path_factory):
+    from cluster.modelgen import create_model
+
+    cls = create_model(tmp_path_factory.mktemp("cls") / "tiny-llama-cls", "llama", "tiny", seed=7, kind="classifier")
+    return {"emb": embedding_model_dir, "rr": reranker_model_dir, "cls": cls}
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +57,16 @@ def router():
 def workers(dirs, router, worker_process, tiny_model_dir):
     common = ("--num-kv-blocks", "256", "--max-model-len", "512", "--max-pooling-inputs", "8", "--router",
               router["grpc"], "--heartbeat-interval", "0.2")
-    with ThreadPoolExecutor(3) as pool:  # started side by side
+    with ThreadPoolExecutor(4) as pool:  # started side by side
         futures = {"emb": pool.submit(worker_process, dirs["emb"], *common),
                    "rr": pool.submit(worker_process, dirs["rr"], *common),
+                   "cls": pool.submit(worker_process, dirs["cls"], *common),
                    "gen": pool.submit(worker_process, tiny_model_dir, *common, "--embeddings")}
         out = {k: f.result() for k, f in futures.items()}
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # all three registered with the router
+    while time.monotonic() < deadline:  # all four registered with the router
         try:
-            if len(get(router["http"], "/v1/models")["data"]) == 3:
+            if len(get(router["http"], "/v1/models")["data"]) == 4:
                 break
         except (urllib.error.URLError, ConnectionError):
             pass
@@ -168,14 +172,15 @@ def test_rerank_and_score_order_and_top_n(dirs, workers, router, where):
     for r in body["results"]:
         assert abs(r["relevance_score"] - want[r["index"]]) < 1e-5 and r["document"]["text"] == docs[r["index"]]
     assert body["usage"]["total_tokens"] == sum(len(tokens(dirs["rr"], yes_no_prompt(query, d))) for d in docs)
-    status, body = post(address, "/v1/rerank", {"query": query, "documents": [{"text": d} for d in docs],
+    model = dirs["rr"].name  # (the router has two rerankers: the model says which)
+    status, body = post(address, "/v1/rerank", {"model": model, "query": query, "documents": [{"text": d} for d in docs],
                                                 "return_documents": False})
     assert [r["index"] for r in body["results"]] == sorted(range(4), key=lambda i: -want[i])
     assert all("document" not in r for r in body["results"])
-    status, body = post(address, "/v1/score", {"text_1": query, "text_2": docs})
+    status, body = post(address, "/v1/score", {"model": model, "text_1": query, "text_2": docs})
     assert status == 200 and [d["index"] for d in body["data"]] == [0, 1, 2, 3]
     assert np.allclose([d["score"] for d in body["data"]], want, atol=1e-5)
-    status, body = post(address, "/v1/score", {"text_1": [query, "x"], "text_2": docs[:2]})
+    status, body = post(address, "/v1/score", {"model": model, "text_1": [query, "x"], "text_2": docs[:2]})
     assert np.allclose([d["score"] for d in body["data"]],
                        [want[0], reference_score(dirs["rr"], "x", docs[1])], atol=1e-5)
 
@@ -248,5 +253,25 @@ def test_models_are_listed_with_what_they_serve(dirs, workers, router, tiny_mode
     assert get(workers["emb"].http, "/v1/models")["data"][0]["tasks"] == ["embed"]
     assert get(workers["rr"].http, "/v1/models")["data"][0]["tasks"] == ["score"]
     listed = {m["id"]: m["tasks"] for m in get(router["http"], "/v1/models")["data"]}
-    assert listed == {dirs["emb"].name: ["embed"], dirs["rr"].name: ["score"],
+    assert listed == {dirs["emb"].name: ["embed"], dirs["rr"].name: ["score"], dirs["cls"].name: ["score"],
                       tiny_model_dir.name: ["generate", "embed"]}
+
+
+def test_a_cross_encoder_reranks_its_tokenizers_pairs(dirs, workers, router):
+    """A llama *ForSequenceClassification cross-encoder: (query, document) as its tokenizer
+    pairs them, scored by sigmoid of its head on mlx-lm's last hidden state."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    path = dirs["cls"]
+    backbone, _ = load_model(path, strict=False)
+    tok = load_tokenizer(path)
+    head = np.array(mx.load(str(path / "model.safetensors"))["score.weight"])[0]
+    query, docs = "where do apples grow?", ["on trees in the orchard", "in the sea", "42 baskets"]
+    want = []
+    for d in docs:
+        h = np.array(backbone.model(mx.array([tok.encode(query, text_pair=d)]))[0, -1].astype(mx.float32))
+        want.append(float(1 / (1 + np.exp(-float(h @ head)))))
+    status, body = post(router["http"], "/v1/rerank", {"model": path.name, "query": query, "documents": docs})
+    assert status == 200, body
+    assert [r["index"] for r in body["results"]] == sorted(range(3), key=lambda i: -want[i])
+    assert all(abs(r["relevance_score"] - want[r["index"]]) < 1e-5 for r in body["results"])

@@ -277,15 +277,18 @@ def test_a_generation_request_goes_ahead_of_an_embedding_backlog(models, generat
         assert cosine(pooled[f"e{i}"], reference_embedding(path, ids, "last")) > 0.9999
 
 
-def test_a_cross_encoder_classifier_scores_with_its_score_head(tmp_path):
-    """A Qwen3ForSequenceClassification checkpoint: mlx-lm's qwen3 with the checkpoint's
-    `score` Linear; the score is sigmoid(score(h_last)), h_last from mlx-lm's own forward."""
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_cross_encoder_classifier_scores_with_its_score_head(tmp_path, arch):
+    """A *ForSequenceClassification checkpoint: mlx-lm's model with the checkpoint's
+    `score` Linear; the score is sigmoid(score(h_last)), h_last from mlx-lm's own forward.
+    A qwen3 one reads Qwen3-Reranker's prompt, another its tokenizer's (query, document) pair."""
     from mlx_lm.utils import load_model
 
-    path = create_model(tmp_path / "cls", "qwen3", "tiny", seed=6, kind="classifier")
+    path = create_model(tmp_path / "cls", arch, "tiny", seed=6, kind="classifier")
     engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64))
     assert engine.pooler.tasks == ("score",) and engine.pooler.score_kind == "classifier"
-    assert engine.runner.host is not None  # still mlx-lm's qwen3 family: the host path takes it
+    assert engine.pooler.score_format == ("qwen3" if arch == "qwen3" else "pair")
+    assert engine.runner.host is not None  # still mlx-lm's family: the host path takes it
     ids = [engine.tokenizer.encode(yes_no_prompt("a query", d)) for d in ("one document", "another " * 30)]
     pooled, _, _ = run(engine, {f"s{i}": (x, SamplingParams(max_tokens=1, pooling=PoolingParams(task="score")))
                                 for i, x in enumerate(ids)})
