@@ -558,3 +558,14 @@ def test_tensor_parallel_refuses_a_family_without_shard(models):
                 m.kill()
     assert proc.returncode != 0 and "RESULT" not in proc.stdout
     assert "'gemma3_text' cannot be served tensor parallel: its mlx-lm class has no shard()" in proc.stderr
+
+
+def test_jaccl_needs_what_mlx_launch_sets(monkeypatch):
+    from cluster.worker.group.config import Topology
+    from cluster.worker.group.leader import init_ring
+
+    monkeypatch.delenv("MLX_IBV_DEVICES", raising=False)
+    monkeypatch.delenv("MLX_JACCL_COORDINATOR", raising=False)
+    topo = Topology(0, (("10.0.0.1", 1), ("10.0.0.2", 1)), ("10.0.0.1", 1001))
+    with pytest.raises(ValueError, match="MLX_IBV_DEVICES and MLX_JACCL_COORDINATOR"):
+        init_ring(topo, "jaccl")

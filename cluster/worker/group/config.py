@@ -24,6 +24,9 @@ class GroupOptions:
     parallel: str = setting("pipeline", "how the group splits the model: pipeline (layers per rank, any link) or "
                                         "tensor (heads per rank, all-reduces every layer: for RDMA links)",
                             choices=PARALLEL_MODES)
+    backend: str = setting("ring", "MLX's collectives: ring (TCP, any link) or jaccl (RDMA over Thunderbolt 5, "
+                                   "macOS 26.2+; its devices from mlx.launch's MLX_IBV_DEVICES and "
+                                   "MLX_JACCL_COORDINATOR)", flag="--group-backend", choices=("ring", "jaccl"))
     rank: int | None = setting(None, "this process's rank (0 serves the router and schedules; default: $MLX_RANK, "
                                      "else 0)", flag="--group-rank")
     hosts: str | None = setting(None, "each rank's ring address for MLX's collectives, in rank order "

@@ -61,15 +61,22 @@ def config_digest(path: str | Path) -> str:
     return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()
 
 
-def init_ring(topo: Topology):
-    """MLX's ring group over the ranks' addresses (the variables mlx.launch would set)."""
-    if os.environ.get("MLX_HOSTFILE") is None or os.environ.get("MLX_RANK") != str(topo.rank):
+def init_ring(topo: Topology, backend: str = "ring"):
+    """MLX's group over the ranks (the variables mlx.launch would set): the ring backend
+    over the ranks' addresses, or jaccl over the RDMA devices mlx.launch names."""
+    if backend == "jaccl":
+        missing = [v for v in ("MLX_IBV_DEVICES", "MLX_JACCL_COORDINATOR") if not os.environ.get(v)]
+        if missing:
+            raise ValueError(f"--group-backend jaccl needs {' and '.join(missing)} (run the group with "
+                             "mlx.launch --backend jaccl, which sets them)")
+        os.environ["MLX_RANK"] = str(topo.rank)
+    elif os.environ.get("MLX_HOSTFILE") is None or os.environ.get("MLX_RANK") != str(topo.rank):
         fd, path = tempfile.mkstemp(prefix="orchard-ring-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             f.write(topo.ring_hostfile())
         os.environ["MLX_HOSTFILE"] = path
         os.environ["MLX_RANK"] = str(topo.rank)
-    group = mx.distributed.init(backend="ring", strict=True)
+    group = mx.distributed.init(backend=backend, strict=True)
     if group.size() != topo.size or group.rank() != topo.rank:
         raise RuntimeError(f"MLX's ring is rank {group.rank()} of {group.size()}, expected {topo.rank} of {topo.size}")
     return group
@@ -229,8 +236,9 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     leader.broadcast(wire.ASSIGN, wire.dumps({"assignment": assignment.to_json(), "config": config_digest(model_path),
                                               "engine": engine_settings, "check": options.check}))
     leader.broadcast(wire.RING, wire.dumps({}))
-    ring = init_ring(topo)
-    log.info("group: MLX ring of %d up (%s)", topo.size, ", ".join(f"{h}:{p}" for h, p in topo.ring))
+    ring = init_ring(topo, options.backend)
+    log.info("group: MLX %s group of %d up (%s)", options.backend, topo.size,
+             ", ".join(f"{h}:{p}" for h, p in topo.ring))
     stage = assignment.stage(0)
     model = load_part(model_path, options.parallel, stage, ring, config.cpu_dequantize, num_layers)
     tokenizer = load_tokenizer(Path(model_path), None,

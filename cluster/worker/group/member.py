@@ -51,7 +51,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
         assignment = Assignment.from_json(assign["assignment"])
         engine = assign["engine"]
         member.receive(wire.RING, deadline)
-        ring = init_ring(topo)
+        ring = init_ring(topo, options.backend)
         stage = assignment.stage(topo.rank)
         model = load_part(model_path, assignment.parallel, stage, ring, engine["cpu_dequantize"],
                           assignment.num_layers)
