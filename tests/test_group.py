@@ -569,3 +569,21 @@ def test_jaccl_needs_what_mlx_launch_sets(monkeypatch):
     topo = Topology(0, (("10.0.0.1", 1), ("10.0.0.2", 1)), ("10.0.0.1", 1001))
     with pytest.raises(ValueError, match="MLX_IBV_DEVICES and MLX_JACCL_COORDINATOR"):
         init_ring(topo, "jaccl")
+
+
+def test_a_step_that_does_not_finish_by_its_deadline_loses_the_group():
+    """A wedged member still answers heartbeats; its step never finishes: the watchdog's
+    deadline is what ends it (a blocked collective cannot be cancelled)."""
+    from cluster.worker.group.channel import Watchdog
+
+    lost = []
+    dog = Watchdog(on_lost=lost.append)
+    dog.arm(0.5, "group step 7")
+    dog.disarm()
+    time.sleep(1.0)
+    assert lost == [], "a step that finished in time is not a loss"
+    dog.arm(0.5, "group step 8")
+    deadline = time.monotonic() + 5
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost == ["group step 8 did not finish in time"]

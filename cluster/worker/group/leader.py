@@ -112,6 +112,7 @@ class GroupState:
         self.writer = wire.PlanWriter()
         self.watchdog = Watchdog(leader.on_lost)
         self.step = 0  # the last step sent
+        self.max_in_flight = 1  # batches that may be in flight at once (pipelined.py raises it)
         self.in_flight: deque[tuple[int, int | None]] = deque()  # (step, rank 0's checksum) sent, not finished
 
     @property
@@ -177,19 +178,24 @@ class GroupRunner(StageRunner):
         super().__init__(model, num_blocks, block_size, kv_dtype, num_state_slots, stage)
 
     def prepare(self, plan):
+        g = self.group
+        if len(g.in_flight) >= g.max_in_flight:  # a step was planned and never run (an error between the two)
+            g.leader.lose(f"step {g.in_flight[0][0]} was sent to the members and never finished here")
+            raise ConnectionError("the group is lost")
         batch = super().prepare(plan)
-        self.group.send_plan(plan.scheduled, batch, self.block_size)
+        g.send_plan(plan.scheduled, batch, self.block_size)
         return batch
 
     def forward(self, batch, hidden=None):
         g = self.group
-        if g.pipeline and g.topo.size > 1:
-            try:
+        try:
+            if g.pipeline and g.topo.size > 1:
                 hidden = g.receive_hidden(batch.num_tokens, self.dtype)
-            except BaseException as e:  # the ranks' collectives are out of step: the group cannot go on
-                g.leader.lose(f"receiving step {g.step}'s hidden state failed: {e}")
-                raise
-        out = super().forward(batch, hidden)
+            out = super().forward(batch, hidden)
+        except BaseException as e:  # the ranks are out of step now: the group cannot go on
+            g.leader.lose(f"step {g.in_flight[0][0] if g.in_flight else g.step} failed on rank 0: "
+                          f"{type(e).__name__}: {e}")
+            raise
         g.finish_step()
         return out
 
@@ -282,6 +288,7 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
                         runner_factory=runner_factory)
         engine.group = group
         return engine
+    group.max_in_flight = virtual
     shared = GroupRunner(model, num_blocks, config.block_size, kv_dtype, num_state_slots, stage=stage, group=group)
     share = num_blocks // virtual
     engines = []
