@@ -17,11 +17,12 @@ top two logprobs. llama.cpp multiplies Q4_1 weights by activations quantized to 
 (Orchard computes in float32 on the dequantized weights), so a divergence at a near-tie
 is expected; one at a margin above 0.1 would be a bug.
 
---float32-twin separates llama.cpp's arithmetic from the import: the file's weights are
-dequantized (Orchard's import, then mx.dequantize: llama.cpp's values) and written back as
-a float32 GGUF (the layout llama.cpp's converter writes: tests/gguf_export.py), which
-llama-server then serves with a float32 KV cache and no flash attention: no activation is
-quantized on either side, so the tokens should agree to the end but for float32 ties.
+--float32-twin separates llama.cpp's arithmetic from the import: llama.cpp dequantizes the
+file itself (`llama-quantize --allow-requantize FILE TWIN F32`), every tensor of that twin
+is checked equal to the weights Orchard's import serves (mx.dequantize of its MLX layers),
+and llama-server serves the twin with a float32 KV cache and no flash attention: no
+activation is quantized on either side, so the tokens should agree to the end but for
+float32 ties.
 
 --quantize: an `orchard model create` model (llama, small) written as a float32 GGUF
 (the same layout llama.cpp's converter writes: tests/gguf_export.py), then `llama-quantize
@@ -121,36 +122,48 @@ def compare(gguf: Path, prompts: int, max_tokens: int, binary: Path, llama_args:
     return rows
 
 
-def float32_twin(gguf: Path) -> Path:
-    """The file's weights as Orchard imports them, dequantized, written as a float32 GGUF."""
-    import shutil
-
+def float32_twin(gguf: Path, binary: Path) -> Path:
+    """llama.cpp's own dequantization of the file (`llama-quantize --allow-requantize ... F32`),
+    checked tensor by tensor against the weights Orchard's import serves: exactly equal."""
+    import gguf as gg
     import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import load
+    import numpy as np
 
+    from cluster import gguf as og
     from cluster.models_cache import resolve_model
-    from cluster.worker.dequantize import maybe_dequantize
-    from gguf_export import export
-    from gguf import GGUFReader
 
+    out = CACHE / "gguf" / f"{gguf.stem}-llama.cpp-F32.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(binary.parent / "llama-quantize"), "--allow-requantize", str(gguf), str(out), "F32"],
+                       check=True, capture_output=True)
     src = resolve_model(str(gguf))
-    out = CACHE / "gguf" / f"{gguf.stem}-float32-twin.gguf"
-    if out.exists():
-        return out
-    tmp = out.with_suffix(".mlx")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model, _ = load(str(src))
-    maybe_dequantize(model, "yes")
-    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
     cfg = json.loads((src / "config.json").read_text())
-    cfg.pop("quantization", None), cfg.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(cfg))
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        shutil.copy(src / f, tmp / f)
-    pre = GGUFReader(str(gguf)).fields["tokenizer.ggml.pre"].contents()
-    return export(tmp, out, pre=pre)
+    arch = og.ARCHS[gg.GGUFReader(str(gguf)).fields["general.architecture"].contents()]
+    weights = mx.load(str(src / "model.safetensors"))
+    n = bad = 0
+    for t in gg.GGUFReader(str(out)).tensors:
+        if t.name in ("rope_freqs.weight",):
+            continue
+        name = og.hf_name(t.name, arch)
+        theirs = np.asarray(t.data, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        if arch.permuted_qk and (".attn_q." in t.name or ".attn_k." in t.name):
+            theirs = og.unpermute(theirs, cfg["num_attention_heads" if ".attn_q." in t.name else "num_key_value_heads"])
+        base = name[: -len(".weight")]
+        if base + ".scales" in weights:
+            q = json.loads((src / "config.json").read_text())["quantization"][base]
+            ours = mx.dequantize(weights[name], weights[base + ".scales"], weights.get(base + ".biases"),
+                                 group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"))
+        else:
+            ours = weights[name]
+        ours = np.array(ours.astype(mx.float32))
+        if arch.norm_plus_one and t.name.endswith("norm.weight"):
+            ours = ours + np.float32(1.0)
+        n += 1
+        bad += not np.array_equal(ours, theirs)
+    print(f"\n{out.name}: llama.cpp's own float32 of all {n} tensors against Orchard's import: "
+          f"{'all equal' if not bad else f'{bad} DIFFER'}", flush=True)
+    return out
 
 
 def quantize(binary: Path, tokens: int) -> int:
@@ -224,7 +237,7 @@ def main() -> int:
         gguf = args.gguf or real_gguf("smollm2-135m-instruct")
         compare(gguf, args.prompts, args.max_tokens, binary)
         if args.float32_twin:
-            compare(float32_twin(gguf), args.prompts, args.max_tokens, binary,
+            compare(float32_twin(gguf, binary), args.prompts, args.max_tokens, binary,
                     ["--cache-type-k", "f32", "--cache-type-v", "f32", "-fa", "off"])
         code = 0
     print(f"({time.monotonic() - t0:.0f} s; llama.cpp from llama-cpp-python {args.llama_cpp_python}, "
