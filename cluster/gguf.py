@@ -25,7 +25,8 @@ Contract:
   handling and the end-of-generation tokens as llama.cpp has them.
 - `resolve(spec, gguf_file)` turns what a user names (a .gguf path, a directory holding
   one, `ollama:NAME[:TAG]`, a hub repo) into an imported directory, cached under the models
-  cache (keyed by the file's path, size and modification time and this importer's version).
+  cache (keyed by the file's path, size and modification time and this importer's version;
+  the directory is named as the worker serves the model: the file's name, or Ollama's NAME:TAG).
 
 Imports no MLX: the conversion is numpy, and the router-side `orchard up` may resolve.
 """
@@ -845,10 +846,11 @@ def cache_key(path: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def cached_import(path: Path, cache: Path) -> Path:
-    """`path` imported once into `cache` (a directory per file identity)."""
-    stem = re.sub(r"[^\w.-]", "_", path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name)[:60]
-    dst = cache / f"{stem}-{cache_key(path)}"
+def cached_import(path: Path, cache: Path, name: str | None = None) -> Path:
+    """`path` imported once into `cache`/KEY/NAME (KEY: the file's identity; NAME, which the
+    worker serves the model as: `name`, else the file's name less .gguf)."""
+    name = name or (path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name)
+    dst = cache / cache_key(path) / (re.sub(r"[^\w.:+-]", "_", name)[:80] or "model")
     if (dst / "config.json").exists():
         return dst
     log.info("importing %s into %s (once)", path, dst)

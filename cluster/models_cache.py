@@ -52,7 +52,8 @@ def resolve_model(model: str | None, gguf_file: str | None = None) -> Path:
     try:
         found = gguf.find_gguf(model, gguf_file)
         if found is not None:
-            return gguf.cached_import(found, cache_dir() / "gguf")
+            name = model[len("ollama:"):].replace("/", "_") if model.startswith("ollama:") else None
+            return gguf.cached_import(found, cache_dir() / "gguf", name)
     except gguf.GGUFError as e:
         raise SystemExit(f"{model}: {e}") from e
     path = Path(model)

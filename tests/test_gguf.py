@@ -263,7 +263,8 @@ def test_resolve_finds_files_directories_and_ollama_blobs(tiny_models, tmp_path,
     monkeypatch.setenv("ORCHARD_HOME", str(tmp_path / "home"))
     path = export(tiny_models["qwen3"], tmp_path / "q.gguf")
     imported = resolve_model(str(path))
-    assert (imported / "config.json").exists() and imported.parent.parent == tmp_path / "home" / "models"
+    assert (imported / "config.json").exists() and imported.parents[2] == tmp_path / "home" / "models"
+    assert imported.name == "q"  # the name the worker serves it as
     assert resolve_model(str(path)) == imported  # cached: the same directory, not imported again
     # a directory holding one GGUF file; two need --gguf-file
     d = tmp_path / "dir"
@@ -285,7 +286,8 @@ def test_resolve_finds_files_directories_and_ollama_blobs(tiny_models, tmp_path,
         {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "cd" * 32},
         {"mediaType": "application/vnd.ollama.image.model", "digest": digest}]}))
     monkeypatch.setenv("OLLAMA_MODELS", str(models))
-    assert (resolve_model("ollama:tiny:q4") / "config.json").exists()
+    from_ollama = resolve_model("ollama:tiny:q4")
+    assert (from_ollama / "config.json").exists() and from_ollama.name == "tiny:q4"
     with pytest.raises(SystemExit, match="ollama pull tiny:latest"):
         resolve_model("ollama:tiny")
 
