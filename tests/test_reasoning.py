@@ -432,6 +432,46 @@ def test_enable_thinking_false_renders_qwen3_without_thinking(engines):
     assert off.reasoning == "" and off.usage.reasoning_tokens == 0
 
 
+@pytest.mark.parametrize("kwargs", [{"truncation": True, "max_length": 4}, {"padding": "max_length", "max_length": 3000},
+                                    {"return_tensors": "np"}, {"tokenizer_kwargs": {"truncation": True}},
+                                    {"tools": []}])
+def test_chat_template_kwargs_cannot_set_how_the_template_is_applied(qwen3_scripted, kwargs):
+    """Only template variables get through: apply_chat_template's own parameters would cut
+    the prompt (truncation), fill it with pad tokens (padding) or fail in the worker
+    (return_tensors). Each is a 400 naming the field and the key, over HTTP and gRPC, and
+    no prompt is rendered."""
+    import openai
+
+    from cluster.api.errors import InvalidRequest
+    from cluster.sdk import Client
+
+    srv = qwen3_scripted
+    rendered = len(srv.engine.prompts)
+    key = sorted(kwargs)[-1] if "max_length" in kwargs else next(iter(kwargs))
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="", messages=[{"role": "user", "content": "Hi there"}], max_tokens=2,
+                                       extra_body={"chat_template_kwargs": kwargs})
+    assert e.value.body["param"] == "chat_template_kwargs" and repr(key) in e.value.body["message"]
+    with Client(srv.grpc_address) as c, pytest.raises(InvalidRequest, match="chat_template_kwargs cannot set"):
+        c.chat([{"role": "user", "content": "Hi there"}], max_tokens=2, chat_template_kwargs=kwargs)
+    assert len(srv.engine.prompts) == rendered
+
+
+def test_every_parameter_of_apply_chat_template_is_reserved():
+    """transformers' apply_chat_template parameters are not template variables: a new one
+    in a transformers release must be added to the reserved names."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    from cluster.api.wire import RESERVED_TEMPLATE_KWARGS
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    named = {p.name for p in params if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    assert named and named <= RESERVED_TEMPLATE_KWARGS, named - RESERVED_TEMPLATE_KWARGS
+
+
 def test_reasoning_effort_changes_gpt_oss_system_message(engines):
     import openai
 

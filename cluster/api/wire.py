@@ -282,9 +282,14 @@ def validate_request(request: pb.GenerateRequest, limits: RequestLimits = Reques
 # What reasoning_effort may say (OpenAI's values; a template reads it, gpt-oss's into its
 # system message).
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-# chat_template_kwargs cannot set what the server itself passes to the template.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
-                                      "continue_final_message", "tokenize", "return_dict", "chat_template"})
+# chat_template_kwargs cannot set what the server itself passes to the template, nor the
+# parameters of apply_chat_template itself (transformers'): the worker tokenizes in the same
+# call, so truncation / max_length would cut the prompt, padding would fill it with pad
+# tokens, return_tensors would change what comes back. Only template variables get through.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "return_dict", "padding", "truncation", "max_length", "return_tensors",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
 
 
 def template_kwargs(request: pb.GenerateRequest) -> dict[str, Any]:
@@ -312,8 +317,8 @@ def validate_reasoning(request: pb.GenerateRequest, named=lambda field: field) -
             raise BadField(field, f"{field} must be a JSON object of template variables")
         reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
-            raise BadField(field, f"{field} cannot set {', '.join(map(repr, reserved))}: the server sets it from "
-                                  "the request")
+            raise BadField(field, f"{field} cannot set {', '.join(map(repr, reserved))}: these are not template "
+                                  "variables (the server sets them from the request and its own settings)")
     if request.reasoning_effort and request.reasoning_effort not in REASONING_EFFORTS:
         field = named("reasoning_effort")
         raise BadField(field, f"{field} must be one of {', '.join(REASONING_EFFORTS)}, got "
