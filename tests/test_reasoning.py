@@ -112,6 +112,30 @@ def test_each_familys_output_splits_the_same_at_any_chunking(family):
         assert not any(m in got[0] or m in got[1] for m in markers), step
 
 
+@pytest.mark.parametrize("family", ["qwen3", "deepseek-v3.1", "gpt-oss", "magistral", "mistral-small-3.2",
+                                    "llama-3.1", "granite-3.3", "nemotron-nano-2"])
+def test_a_stream_aborted_and_resumed_elsewhere_sends_each_part_once(family):
+    """A worker that stops mid-request ends its stream with finish_reason abort, and the
+    router resumes the request on another worker from the tokens already sent (whose
+    splitter reads them first and sends nothing). Wherever the cut falls (inside a marker,
+    a call's arguments, the thinking's trailing whitespace), the client gets the
+    uninterrupted split: what the first worker held back is the second one's to send."""
+    from cluster.api.tools import split_chunk
+    from cluster.proto.orchard.v1 import orchard_pb2 as pb
+
+    fmt, state, calls, text, thinking, content, want = SAMPLES[family]
+    for cut in range(1, len(text)):
+        first = make_splitter(fmt, state, calls, [WEATHER])
+        parts = split_chunk(first, pb.GenerateResponse(text=text[:cut]))
+        parts += split_chunk(first, pb.GenerateResponse(finish_reason=pb.FINISH_REASON_ABORT))
+        second = make_splitter(fmt, state, calls, [WEATHER])
+        second.segments(text[:cut])
+        parts += split_chunk(second, pb.GenerateResponse(text=text[cut:], finish_reason=pb.FINISH_REASON_STOP))
+        got = ("".join(p.reasoning for p in parts), "".join(p.text for p in parts),
+               [json.loads(c.arguments) for p in parts for c in p.tool_calls])
+        assert got == (thinking, content, want), (cut, text[:cut])
+
+
 def test_calls_in_the_thinking_are_not_calls_and_parallel_false_keeps_one():
     text = '<think>maybe <tool_call>\n{"name": "get_weather", "arguments": {"city": "X"}}\n</tool_call></think>' \
            + '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' * 2

@@ -473,9 +473,13 @@ def split_chunk(stream, chunk: pb.GenerateResponse) -> list[pb.GenerateResponse]
     in `text`. A chunk is its reasoning, then its text, then its calls: a segment that
     would break that order goes in a chunk of its own after it, so the chunks keep the
     model's order. The token ids and logprobs stay on the first; the last one finishes,
-    with "tool_calls" when calls were made and the model stopped."""
+    with "tool_calls" when calls were made and the model stopped. An aborted chunk (the
+    worker stopping: the router resumes the request elsewhere from the tokens sent) sends
+    nothing `stream` holds back: the resumed worker's splitter reads those tokens again and
+    sends it then (flushed here, a marker's first characters or a call cut short would
+    reach the client as text, and the call again whole)."""
     segments = stream.segments(chunk.text)
-    if chunk.finish_reason:
+    if chunk.finish_reason and chunk.finish_reason != pb.FINISH_REASON_ABORT:
         segments += stream.rest()
         if stream.num_calls and chunk.finish_reason == pb.FINISH_REASON_STOP:
             chunk.finish_reason = pb.FINISH_REASON_TOOL_CALLS
