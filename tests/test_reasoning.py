@@ -74,6 +74,8 @@ SAMPLES = {
                              'Sure.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}', "", "Sure.",
                              [OSLO]),
     "llama-3.1-text": (None, "free", LLAMA3_CALLS, 'It is {"a": 1}', "", 'It is {"a": 1}', []),
+    "llama-3.1-json-answer": (None, "free", LLAMA3_CALLS, '{"name": "Bob", "age": 3}', "", '{"name": "Bob", "age": 3}',
+                              []),
     "granite-3.3": (GRANITE, "free", GRANITE_CALLS,
                     '<think>hm</think><response>Sure.</response><|tool_call|>[{"name": "get_weather", "arguments": '
                     '{"city": "Oslo"}}]', "hm", "Sure.", [OSLO]),

@@ -315,8 +315,13 @@ def parse_json_calls(text: str, tools: Any = None) -> list[dict]:
 
 
 def parse_llama3(text: str, tools: Any = None) -> list[dict]:
-    """Llama 3.x: {"name": ..., "parameters": {...}}, several separated by ';'."""
-    return [_named(v, "parameters") for v in _json_values(text.strip())]
+    """Llama 3.x: {"name": ..., "parameters": {...}}, several separated by ';'. A call
+    names its arguments ("parameters", or "arguments"): a call may open the output with no
+    marker at all, so an answer that is a JSON object with a "name" is not one."""
+    values = _json_values(text.strip())
+    if not all(isinstance(v, Mapping) and ("parameters" in v or "arguments" in v) for v in values):
+        raise ValueError("not a Llama 3 call: no parameters")
+    return [_named(v, "parameters") for v in values]
 
 
 _MISTRAL_HEADER = re.compile(r"\s*([\w.-]+)\s*(?:\[CALL_ID\]\s*([A-Za-z0-9]+)\s*)?\[ARGS\]\s*")
