@@ -163,6 +163,23 @@ def test_the_tracker_counts_the_thinking_and_spends_the_budget():
     assert not t.thinking and t.reasoning_tokens == 4
 
 
+def test_a_template_naming_its_call_markers_wins_over_llama3s_vocabulary():
+    """A Llama 3 fine-tune with Hermes' template (<|python_tag|> in its vocabulary, the tools
+    rendered as {"name", "parameters"} JSON): its calls are Hermes' <tool_call> JSON, as
+    mlx-lm finds from the template, not Llama 3's."""
+    template = ("{%- for tool in tools %}{{- '{\"name\": \"' + tool.function.name + '\", \"parameters\": ' + "
+                "(tool.function.parameters | tojson) + '}' }}{%- endfor %}{%- for message in messages %}"
+                "{%- for tool_call in message.tool_calls or [] %}{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + "
+                "'\"}\\n</tool_call>' }}{%- endfor %}{%- endfor %}")
+    vocab = {"<|python_tag|>": 128010, "<tool_call>": 128011, "</tool_call>": 128012}
+    hermes = call_format(template, vocab, ("<tool_call>", "</tool_call>", parse_json_object,
+                                           "mlx_lm.tool_parsers.json_tools"))
+    assert hermes.name == "json_tools" and hermes.start == "<tool_call>"
+    text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert _split(make_splitter(None, "free", hermes, [WEATHER]), text, 3)[1:3] == ("Sure.", [OSLO])
+    assert call_format(template, vocab, None) is LLAMA3_CALLS  # no format named: Llama 3's, from the vocabulary
+
+
 @pytest.mark.parametrize("tail, state", [("<|im_start|>assistant\n<think>\n", "open"),
                                          ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "closed"),
                                          ("<|im_start|>assistant\n", "free")])

@@ -462,13 +462,13 @@ def call_format(chat_template: str | None, vocab: Mapping[str, int],
         return NEMOTRON_CALLS
     if "<|tool_call|>" in t and "<|start_of_role|>" in t:
         return GRANITE_CALLS
-    if "<|python_tag|>" in vocab and '"parameters"' in t:
-        return LLAMA3_CALLS
-    if mlx_lm is not None:
+    if mlx_lm is not None:  # the markers its template names (Hermes' <tool_call> on a Llama 3 vocabulary too)
         start, end, parser, module = mlx_lm
         kind = module.rsplit(".", 1)[-1]
         return CallFormat(kind, start, end or "", parser, (start, end or ""),
                           grammar="json_markers" if kind == "json_tools" else None)
+    if "<|python_tag|>" in vocab and '"parameters"' in t:  # Llama 3's: only a guess from its vocabulary
+        return LLAMA3_CALLS
     return None
 
 
