@@ -501,6 +501,25 @@ def test_chat_template_kwargs_cannot_set_how_the_template_is_applied(qwen3_scrip
     assert len(srv.engine.prompts) == rendered
 
 
+def test_reasoning_controls_out_of_range_name_the_clients_field_and_limit(qwen3_scripted):
+    import anthropic
+    import openai
+
+    url = qwen3_scripted.url
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:  # the Responses API's name for it, not the wire's
+        client.responses.create(model="", input="Hi", reasoning={"effort": "max"})
+    assert e.value.body["param"] == "reasoning.effort" and "reasoning.effort must be one of" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="", messages=[{"role": "user", "content": "Hi"}],
+                                       extra_body={"thinking_token_budget": 2**40})
+    assert e.value.body["param"] == "thinking_token_budget" and "4294967295" in e.value.body["message"]
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens.*4294967295"):
+        anthropic.Anthropic(base_url=url, api_key="none", max_retries=0).messages.create(
+            model="", max_tokens=8, messages=[{"role": "user", "content": "Hi"}],
+            thinking={"type": "enabled", "budget_tokens": 2**40})
+
+
 def test_every_parameter_of_apply_chat_template_is_reserved():
     """transformers' apply_chat_template parameters are not template variables: a new one
     in a transformers release must be added to the reserved names."""

@@ -208,7 +208,8 @@ def _thinking(value: Any) -> tuple[dict | None, int | None]:
                                    f"{shown(kind)}")
     budget = value.get("budget_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget < 2**32:
-        raise BadField("thinking", f"thinking.budget_tokens: Input should be an integer >= 0, got {shown(budget)}")
+        raise BadField("thinking", f"thinking.budget_tokens: Input should be an integer between 0 and {2**32 - 1}, got "
+                                   f"{shown(budget)}")
     return {"enable_thinking": True, "thinking": True}, budget
 
 

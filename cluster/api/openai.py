@@ -184,11 +184,9 @@ def _chat_messages(body: dict) -> list[dict]:
 
 def _reasoning_kwargs(body: dict) -> dict[str, Any]:
     """chat_template_kwargs (vLLM's), reasoning_effort and thinking_token_budget."""
-    budget = body_field(body, "thinking_token_budget", int)
-    if budget is not None and budget < 0:
-        raise BadField("thinking_token_budget", f"thinking_token_budget must be >= 0, got {budget}")
     return dict(chat_template_kwargs=body_field(body, "chat_template_kwargs", dict),
-                reasoning_effort=body_field(body, "reasoning_effort", str), thinking_token_budget=budget)
+                reasoning_effort=body_field(body, "reasoning_effort", str),
+                thinking_token_budget=body_field(body, "thinking_token_budget", int))  # its range: build_request's
 
 
 def _tool_kwargs(body: dict) -> dict[str, Any]:

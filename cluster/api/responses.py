@@ -40,7 +40,8 @@ STORE_SIZE = 1024  # responses kept for previous_response_id, the oldest forgott
 _STORE = web.AppKey("responses_store", collections.OrderedDict)
 
 # The wire's fields by the names this API gives them (in errors).
-NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
+NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input",
+         "reasoning_effort": "reasoning.effort"}
 PARAMS = frozenset({"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                     "tools", "tool_choice", "parallel_tool_calls", "previous_response_id", "store", "text",
                     "truncation", "reasoning", "include", "stream_options", "seed"}) | ACCEPTED_NO_EFFECT

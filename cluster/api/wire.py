@@ -153,8 +153,8 @@ def build_request(
         if thinking_token_budget is not None:
             if isinstance(thinking_token_budget, bool) or not isinstance(thinking_token_budget, int) \
                     or not 0 <= thinking_token_budget <= 2**32 - 1:
-                raise BadField("thinking_token_budget", "thinking_token_budget must be an integer >= 0, got "
-                                                        f"{shown(thinking_token_budget)}")
+                raise BadField("thinking_token_budget", f"thinking_token_budget must be an integer between 0 and "
+                                                        f"{2**32 - 1}, got {shown(thinking_token_budget)}")
             req.thinking_token_budget = thinking_token_budget
     except InvalidRequest:
         raise
