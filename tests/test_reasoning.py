@@ -718,6 +718,14 @@ def test_anthropic_client_gets_thinking_and_tool_use_blocks(qwen3_scripted):
         {"role": "user", "content": "Thanks"}])
     assert "Earlier thought." not in srv.engine.prompts[-1]  # Qwen3 drops the thinking of past turns
     assert "Sunny." in srv.engine.prompts[-1]
+    # ... and the template renders it where it keeps it: a turn after the last user query (a tool loop)
+    claude.messages.create(model="qwen3", max_tokens=64, tools=request["tools"], messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Earlier thought.", "signature": ""},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": OSLO}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}])
+    assert "<think>\nEarlier thought.\n</think>" in srv.engine.prompts[-1]
 
 
 @pytest.mark.parametrize("family, reply", [
