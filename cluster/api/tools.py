@@ -353,9 +353,11 @@ def parse_mistral(text: str, tools: Any = None) -> list[dict]:
     return calls
 
 
-_DS = {k: "<\uff5c" + v.replace(" ", "\u2581") + "\uff5c>" for k, v in dict(
+# DeepSeek's call markers (full-width bars, U+2581 for spaces)
+DEEPSEEK_MARKERS = {k: "<\uff5c" + v.replace(" ", "\u2581") + "\uff5c>" for k, v in dict(
     calls="tool calls begin", calls_end="tool calls end", call="tool call begin", call_end="tool call end",
     sep="tool sep").items()}
+_DS = DEEPSEEK_MARKERS
 _DS_CALL = re.compile(re.escape(_DS["call"]) + "(.*?)" + re.escape(_DS["call_end"]), re.DOTALL)
 _FENCED = re.compile(r"^\s*([\w.-]+)\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
 

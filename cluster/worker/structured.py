@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from cluster.api.reasoning import ThinkingGrammar
+from cluster.api.tools import DEEPSEEK_MARKERS
 from cluster.worker.sampling_params import StructuredOutput
 
 _CACHE_SIZE = 256
@@ -372,12 +373,6 @@ def tool_call_constraint(tools: Sequence[dict], tool_choice: str | dict = "requi
     return StructuredOutput("grammar", f"start: {' '.join(parts)}\ncall: %json {json.dumps(schema)}\n")
 
 
-# DeepSeek's call markers (full-width bars, U+2581 for spaces)
-_DEEPSEEK = {k: "<\uff5c" + v.replace(" ", "\u2581") + "\uff5c>" for k, v in dict(
-    calls="tool calls begin", calls_end="tool calls end", call="tool call begin", call_end="tool call end",
-    sep="tool sep").items()}
-
-
 def _chosen(tools: Sequence[dict], tool_choice: str | dict) -> list[dict]:
     functions = [t.get("function", t) for t in tools]
     if not functions or any(not isinstance(f.get("name"), str) for f in functions):
@@ -458,7 +453,8 @@ def call_constraint(kind: str, tools: Sequence[dict], tool_choice: str | dict, a
             lambda i, f: f'{atom("<|tool_call_begin|>")} {q("functions." + f["name"] + ":0")} '
                          f'{atom("<|tool_call_argument_begin|>")} {_json(_arguments(f))} {atom("<|tool_call_end|>")}')
     elif kind == "deepseek":
-        calls, calls_end, call, sep, call_end = (_DEEPSEEK[k] for k in ("calls", "calls_end", "call", "sep", "call_end"))
+        calls, calls_end, call, sep, call_end = (DEEPSEEK_MARKERS[k]
+                                                 for k in ("calls", "calls_end", "call", "sep", "call_end"))
         lark = f"start: {atom(calls)} fn {atom(calls_end)}\n" + each(
             lambda i, f: f"{atom(call)} {q(f['name'])} {atom(sep)} {_json(_arguments(f))} {atom(call_end)}")
     else:
