@@ -19,7 +19,6 @@ from typing import Callable
 
 from aiohttp import web
 
-from cluster.api.reasoning import ThinkingTracker
 from cluster.worker.detokenizer import IncrementalDetokenizer
 from cluster.worker.engine import EngineStats, RequestOutput
 
@@ -44,19 +43,10 @@ class ScriptedEngine:
         self.params.append(params)
         reply = self.reply(text) if callable(self.reply) else self.reply
         resumed = list(resume_token_ids)  # the script continues after them, as a resumed request does
-        thinking = None
-        if params.thinking is not None:  # the engine's count of the thinking's tokens
-            thinking = ThinkingTracker(params.thinking, lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
-            for t in resumed:
-                thinking.add(t)
         self.seqs[rid] = dict(out=self.tokenizer.encode(reply, add_special_tokens=False), i=len(resumed),
-                              prompt=list(prompt), params=params, thinking=thinking,
+                              prompt=list(prompt), params=params,
                               detok=IncrementalDetokenizer(self.tokenizer, list(prompt) + resumed, params.stop,
                                                            kept_special=params.kept_special_ids))
-
-    @staticmethod
-    def _reasoning(s) -> int:
-        return s["thinking"].reasoning_tokens if s["thinking"] is not None else 0
 
     def abort(self, rid):
         return self.seqs.pop(rid, None) is not None
@@ -87,19 +77,16 @@ class ScriptedEngine:
             if s["i"] >= len(s["out"]):  # the script is done: the model's end of turn
                 text = s["detok"].take_delta(final=True)
                 outs.append(RequestOutput(rid, [], text, True, "stop", num_prompt_tokens=len(s["prompt"]),
-                                          num_output_tokens=s["i"], num_reasoning_tokens=self._reasoning(s)))
+                                          num_output_tokens=s["i"]))
                 del self.seqs[rid]
                 continue
             tok = s["out"][s["i"]]
             s["i"] += 1
             stop = s["detok"].add(tok)
-            if s["thinking"] is not None:
-                s["thinking"].add(tok)
             done = stop is not None or s["i"] >= s["params"].max_tokens
             text = s["detok"].take_delta(final=done)
             outs.append(RequestOutput(rid, [tok], text, done, ("stop" if stop else "length") if done else None,
-                                      stop_reason=stop, num_prompt_tokens=len(s["prompt"]), num_output_tokens=s["i"],
-                                      num_reasoning_tokens=self._reasoning(s) if done else 0))
+                                      stop_reason=stop, num_prompt_tokens=len(s["prompt"]), num_output_tokens=s["i"]))
             if done:
                 del self.seqs[rid]
         self.stats.num_steps += 1

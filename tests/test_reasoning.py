@@ -579,9 +579,9 @@ def test_a_thinking_budget_ends_the_thinking(engines, budget):
 
 
 def test_thinking_is_followed_the_same_with_speculative_decoding(family_model):
-    """n-gram drafts kept several tokens a step: the thinking's count is the same as one
-    token a step; a thinking with a budget does not speculate (its end is forced a token a
-    step), so it ends where it does without drafts."""
+    """n-gram drafts kept several tokens a step: the thinking's tokens (what usage counts)
+    are those of one token a step; a thinking with a budget does not speculate (its end is
+    forced a token a step), so it ends where it does without drafts: after 5 tokens."""
     import cluster.worker  # noqa: F401
     from cluster.worker.config import EngineConfig
     from cluster.worker.engine import Engine
@@ -597,19 +597,22 @@ def test_thinking_is_followed_the_same_with_speculative_decoding(family_model):
     bias = _bias(tok, ("</think>",), tok.eos_token_ids)
     runs = {}
     for budget in (None, 5):
-        params = SamplingParams(max_tokens=40, temperature=0, logit_bias=bias,
-                                thinking=ThinkingSpec("<think>", "</think>", open=True, budget=budget, end_ids=end))
+        thinking = None if budget is None else ThinkingSpec("<think>", "</think>", open=True, budget=budget, end_ids=end)
+        params = SamplingParams(max_tokens=40, temperature=0, logit_bias=bias, thinking=thinking)
         for name, engine in (("plain", plain), ("spec", spec)):
             engine.add_request(f"{name}-{budget}", list(prompt), params)
-            ids, reasoning = [], None
+            ids = []
             while engine.has_unfinished():
                 for out in engine.step():
                     ids += out.new_token_ids
-                    if out.finished:
-                        reasoning = out.num_reasoning_tokens
-            runs[name, budget] = (ids, reasoning)
+            counted = ThinkingTracker(ThinkingSpec("<think>", "</think>", open=True),  # as the worker counts them
+                                      lambda t: tok.decode([t], skip_special_tokens=False))
+            for t in ids:
+                counted.add(t)
+            runs[name, budget] = (ids, counted.reasoning_tokens)
     assert runs["plain", None] == runs["spec", None] and runs["plain", None][1] == 40  # never closed
     assert runs["plain", 5] == runs["spec", 5] and runs["plain", 5][1] == 6  # 5, then </think>
+    assert tuple(runs["plain", 5][0][5:5 + len(end)]) == end
     assert spec.stats.spec_decode.num_accepted_tokens > 0  # the drafts were kept somewhere
 
 
@@ -687,6 +690,7 @@ def test_resumed_mid_thinking_samples_and_include_reasoning(qwen3_scripted):
         assert done.usage.reasoning_tokens == len(tok.encode("\nI need the weather.\n</think>",
                                                              add_special_tokens=False))
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    assert srv.engine.params[-1].thinking is None  # no budget: the engine's step follows nothing
     r = client.chat.completions.create(model="", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
                                        extra_body={"include_reasoning": False})
     assert getattr(r.choices[0].message, "reasoning_content", None) is None and r.choices[0].message.tool_calls

@@ -21,8 +21,9 @@ Contract
   until it is known. `rest()` at the end: a thinking block never closed (max_tokens inside
   the thinking, a model that never closes it) is all thinking; a call cut short is text.
   Whitespace around markers is trimmed (the thinking's ends, the answer's start after it).
-- `ThinkingTracker` follows the same markers over token ids for the engine: how many
-  tokens the thinking took (usage's reasoning_tokens) and when a thinking budget is spent
+- `ThinkingTracker` follows the same markers over token ids: how many tokens the thinking
+  took (usage's reasoning_tokens: the worker's service counts them, off the engine's step)
+  and, in the engine, for a request with a thinking budget only, when the budget is spent
   (then the engine forces the end marker's tokens, and the answer follows).
 - `ThinkingGrammar`: what the worker needs to let a structured output or a forced tool call
   apply to the answer after the thinking, not to the thinking (cluster/worker/structured.py

@@ -65,7 +65,6 @@ class RequestOutput:
     # set when the request ended ("abort") for what it asked: its structured output could not
     # go on (the grammar ran past the constrained decoder's limits). The client's error.
     error: str | None = None
-    num_reasoning_tokens: int = 0  # of a thinking model's chat (with the last output)
 
 
 @dataclass
@@ -666,8 +665,6 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             error=error,
         )
-        if status is not None and seq.thinking is not None:
-            out.num_reasoning_tokens = seq.thinking.reasoning_tokens
         if params.logprobs is not None:
             out.logprobs = result.logprobs[row : row + kept]
             out.top_logprobs = [t or [] for t in result.top_logprobs[row : row + kept]]

@@ -68,8 +68,9 @@ class SamplingParams:
     # special tokens the output text keeps (a family's thinking and tool-call markers, which
     # the worker's parsers read); every other special token is skipped when decoding
     kept_special_ids: frozenset[int] = frozenset()
-    # a thinking model's thinking: followed for usage's reasoning_tokens, ended by force when
-    # it has a budget
+    # a thinking model's thinking with a budget: the engine follows it and forces its end
+    # marker once the budget is spent (None: nothing to follow; the worker's service counts
+    # usage's reasoning_tokens itself)
     thinking: ThinkingSpec | None = None
 
     def __post_init__(self):

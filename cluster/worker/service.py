@@ -28,8 +28,8 @@ from cluster.api.errors import AlreadyExists, BadField, InternalError, InvalidRe
 from cluster.api.limits import quoted
 from cluster.api.pooling import (EMBED, GENERATE, SCORE, refuse_task, score_pairs, validate_embed_request,
                                  validate_score_request)
-from cluster.api.reasoning import (OutputSplitter, ReasoningFormat, ThinkingGrammar, ThinkingSpec, make_splitter,
-                                   prompt_state, reasoning_format)
+from cluster.api.reasoning import (OutputSplitter, ReasoningFormat, ThinkingGrammar, ThinkingSpec, ThinkingTracker,
+                                   make_splitter, prompt_state, reasoning_format)
 from cluster.api.tools import CallFormat, call_format, parse_tools, split_chunk, template_messages, tool_choice_mode
 from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, RequestLimits, check_fits, max_tokens,
                               prompt_chars, template_kwargs, validate_request)
@@ -120,6 +120,12 @@ class _Chat:
     def splitter(self) -> OutputSplitter | None:
         return make_splitter(self.reasoning, self.state, self.calls, self.tools, self.parallel)
 
+    def tracker(self, token_text: Callable[[int], str]) -> ThinkingTracker | None:
+        """One sample's thinking over its token ids: usage's reasoning_tokens."""
+        if self.reasoning is None:
+            return None
+        return ThinkingTracker(ThinkingSpec(self.reasoning.start, self.reasoning.end, self.state == "open"), token_text)
+
 
 class WorkerService:
     """`start()` loads the engine on its own thread (`engine_factory` runs there) and
@@ -165,6 +171,7 @@ class WorkerService:
         # token id -> its logprob text: prompt logprobs with top k decode k + 1 texts per
         # prompt token on the event loop; each text is decoded once (at most the vocabulary)
         self._token_texts: dict[int, str] = {}
+        self._piece_texts: dict[int, str] = {}  # token id -> its text, special tokens spelled (thinking markers)
         # thread-safe: specs are compiled here, before queueing (None: an engine without them)
         self.grammars = getattr(engine, "grammars", None)
         # what the model serves, and how it pools (pooling.py; an engine without one generates)
@@ -252,6 +259,13 @@ class WorkerService:
             splitters = {0: reading.splitter()}
             if resume:  # resumed after failover: where the thinking and calls were, not sent again
                 splitters[0].segments(decode_keeping(self.tokenizer, resume, reading.kept))
+        # each sample's thinking followed over its tokens, here rather than in the engine's step
+        # (which follows only a thinking with a budget)
+        trackers: dict[int, ThinkingTracker] | None = None
+        if reading is not None and reading.reasoning is not None:
+            trackers = {0: reading.tracker(self._piece_text)}
+            for t in resume:  # the resumed tokens count, as completion_tokens counts them
+                trackers[0].add(t)
         stream = _Stream(arrival)
         engine_id = f"{rid}@{next(self._next_id)}"
         self._streams[engine_id] = stream
@@ -284,7 +298,11 @@ class WorkerService:
                     if chunk is None:
                         chunk = chunks[ev.index] = pb.GenerateResponse(request_id=rid, worker_id=self.worker_id,
                                                                        index=ev.index)
-                    if self._add_output(chunk, ev, usage):
+                    thinking = None
+                    if trackers is not None:
+                        thinking = trackers.get(ev.index) or trackers.setdefault(
+                            ev.index, reading.tracker(self._piece_text))
+                    if self._add_output(chunk, ev, usage, thinking):
                         left -= 1
                         finished = left == 0 or ev.finish_reason == "abort"
                 for index, chunk in chunks.items():
@@ -582,14 +600,15 @@ class WorkerService:
 
     async def _chat_params(self, request: pb.GenerateRequest, params: SamplingParams, reading: _Chat,
                            forced: str | None) -> SamplingParams:
-        """A chat's params: the family's markers kept in its text; for a thinking model the
-        thinking followed (and ended at its budget), and a structured output or forced call
-        applied to the answer after it."""
+        """A chat's params: the family's markers kept in its text; for a thinking model with a
+        budget the thinking followed by the engine (and ended at the budget), and a structured
+        output or forced call applied to the answer after the thinking."""
         fmt, changes = reading.reasoning, {"kept_special_ids": reading.kept}
         if fmt is not None:
             budget = request.thinking_token_budget if request.HasField("thinking_token_budget") else None
-            end_ids = tuple(self.tokenizer.encode(fmt.end, add_special_tokens=False))
-            changes["thinking"] = ThinkingSpec(fmt.start, fmt.end, reading.state == "open", budget, end_ids)
+            if budget is not None:  # without one the engine's step does nothing for the thinking
+                end_ids = tuple(self.tokenizer.encode(fmt.end, add_special_tokens=False))
+                changes["thinking"] = ThinkingSpec(fmt.start, fmt.end, reading.state == "open", budget, end_ids)
             if params.structured is not None:
                 thinking = None
                 if reading.state != "closed":
@@ -634,9 +653,14 @@ class WorkerService:
             what = f"{num_prompt} prompt + {num_resumed} resumed tokens" if num_resumed else f"{num_prompt} tokens"
             raise InvalidRequest(f"the prompt has {what}, more than max_model_len={limit}: shorten it")
 
-    def _add_output(self, chunk: pb.GenerateResponse, out: RequestOutput, usage: "_Usage") -> bool:
-        """Append one engine output to `chunk`; True when it finished its sample."""
+    def _add_output(self, chunk: pb.GenerateResponse, out: RequestOutput, usage: "_Usage",
+                    thinking: ThinkingTracker | None = None) -> bool:
+        """Append one engine output to `chunk` (and its tokens to its sample's `thinking`);
+        True when it finished its sample."""
         chunk.token_ids.extend(out.new_token_ids)
+        if thinking is not None:
+            for t in out.new_token_ids:
+                thinking.add(t)
         chunk.text += out.new_text
         if out.prompt_logprobs is not None:
             for token, lp, top in out.prompt_logprobs:
@@ -657,7 +681,8 @@ class WorkerService:
         if out.stop_reason is not None:
             chunk.stop_reason = str(out.stop_reason)
         usage.completion_tokens += out.num_output_tokens  # the resumed tokens included
-        usage.reasoning_tokens += out.num_reasoning_tokens
+        if thinking is not None:
+            usage.reasoning_tokens += thinking.reasoning_tokens
         if out.index == 0 or out.finish_reason == "abort":
             usage.cached_tokens = min(out.num_cached_tokens, usage.prompt_tokens)
         return True
@@ -668,6 +693,12 @@ class WorkerService:
         text = self._token_texts.get(token_id)
         if text is None:
             text = self._token_texts[token_id] = self._spell(token_id)
+        return text
+
+    def _piece_text(self, token_id: int) -> str:
+        text = self._piece_texts.get(token_id)
+        if text is None:
+            text = self._piece_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
     def _spell(self, token_id: int) -> str:
