@@ -326,6 +326,7 @@ def test_two_rank_pipeline_is_the_single_process_bit_for_bit(models):
     assert_greedy_matches_mlx_lm(model, single)
 
 
+@pytest.mark.slow
 def test_two_batches_in_flight_give_the_single_process_tokens(models):
     """A 2-stage pipeline with 2 batches in flight (two virtual engines, each half the pool)
     batches requests differently from the single process, so logits may move in the last
