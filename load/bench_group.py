@@ -1,7 +1,7 @@
 """Worker groups against one process, on the same model and load, in one run.
 
-    python load/bench_group.py [--model DIR] [--requests 64] [--prompt-len 32] [--max-tokens 64]
-                               [--modes one,pipeline1,pipeline2,tensor]
+    python load/bench_group.py [--model DIR] [--requests 128] [--prompt-len 32] [--max-tokens 64]
+                               [--modes one,pipeline1,pipeline2,tensor] [--repeats 3]
 
 Modes (each a fresh set of processes; a group's ranks over MLX's ring on loopback):
   one        one process with 2 threads (OpenBLAS and OpenMP), the same total as a group of 2
@@ -104,15 +104,15 @@ def run(args) -> dict:
     group = getattr(engine, "group", None)
     before = None if group is None else dict(vars(group.stats))
     steps = tokens = forwarded = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         outs = engine.step()
         tokens += sum(len(o.new_token_ids) for o in outs)
         steps += 1
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     forwarded = args.requests * (args.prompt_len + args.max_tokens - 1)
     out = {"mode": args.mode, "tok_s": tokens / wall, "tokens": tokens, "wall": wall, "steps": steps,
-           "forwarded": forwarded, "rss0": rss()}
+           "forwarded": forwarded, "rss0": rss(), "cpu0": cpu}
     if group is not None:
         s = group.stats
         n = s.steps - before["steps"]
@@ -148,15 +148,28 @@ def run_mode(mode: str, args) -> dict:
         cmd = [sys.executable, __file__, "--role", "run", "--mode", mode, "--hosts", hosts, "--port", str(port),
                *common]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env(1), timeout=1800, preexec_fn=pin(0))
+    member_cpu = 0.0
     for m in members:
-        try:
-            m.wait(60)
-        except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # it exits when rank 0 stops the group (wait4: its CPU time too)
+            try:
+                pid, status, usage = os.wait4(m.pid, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid:
+                member_cpu += usage.ru_utime + usage.ru_stime
+                m.returncode = os.waitstatus_to_exitcode(status)
+                break
+            time.sleep(0.05)
+        if m.poll() is None:
             m.kill()
+            m.wait()
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"{mode} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    out = json.loads(line[len("RESULT "):])
+    out["cpu1"] = member_cpu  # the member's whole life (start-up included)
+    return out
 
 
 def report(results: dict[str, dict], requests: int) -> None:
@@ -195,6 +208,11 @@ def report(results: dict[str, dict], requests: int) -> None:
     if "pipeline1" in results and "pipeline2" in results:
         ratio = results["pipeline2"]["tok_s"] / results["pipeline1"]["tok_s"]
         print(f"\npipeline, 2 batches in flight vs 1: {ratio:.2f}x output tok/s (target >= 1.6x)")
+        r = results["pipeline2"]
+        c0, c1 = r["cpu0"] / r["tokens"] * 1e3, r["cpu1"] / r["tokens"] * 1e3
+        print(f"  CPU per output token: rank 0 {c0:.2f} ms (its stage, the head, scheduling, sampling), rank 1 "
+              f"{c1:.2f} ms (its stage; start-up included); with a free core each, 2 in flight can reach "
+              f"{(c0 + c1) / max(c0, c1):.2f}x of taking turns (the slower rank sets the pace)")
     plans = [r["plan_ms"] for r in results.values() if "plan_ms" in r]
     if plans:
         walls = [r["plan_wall_ms"] for r in results.values() if "plan_wall_ms" in r]
@@ -210,6 +228,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=1024, help="KV blocks (per batch in flight: half each)")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each mode, alternating; medians reported")
     ap.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="one", help=argparse.SUPPRESS)
     ap.add_argument("--hosts", default="", help=argparse.SUPPRESS)
@@ -227,12 +246,17 @@ def main() -> int:
         ap.error(f"unknown modes {sorted(unknown)}: choose from {', '.join(MODES)}")
     print(f"model {args.model}; {args.requests} requests x {args.prompt_len} prompt tokens, {args.max_tokens} new "
           f"tokens each (greedy, EOS ignored); {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    results = {}
-    for mode in modes:
-        t = time.perf_counter()
-        results[mode] = run_mode(mode, args)
-        print(f"  {mode}: {results[mode]['tok_s']:.1f} tok/s ({time.perf_counter() - t:.0f} s with start-up)",
-              flush=True)
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for rep in range(args.repeats):  # the modes alternate: a load that comes and goes hits them alike
+        for mode in modes:
+            t = time.perf_counter()
+            runs[mode].append(run_mode(mode, args))
+            print(f"  {mode}: {runs[mode][-1]['tok_s']:.1f} tok/s ({time.perf_counter() - t:.0f} s with start-up, "
+                  f"load average {os.getloadavg()[0]:.1f})", flush=True)
+    # each mode's median run by output tokens/s
+    results = {m: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for m, rs in runs.items()}
+    if args.repeats > 1:
+        print(f"(medians of {args.repeats} alternating runs)")
     report(results, args.requests)
     return 0
 
