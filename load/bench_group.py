@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODES = ("one", "pipeline1", "pipeline2", "tensor")
+PIN = True
 TOKEN = "bench-group-token"
 
 
@@ -70,7 +71,8 @@ def env(threads: int) -> dict:
 
 
 def pin(cpu: int | None):
-    if cpu is None or not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
+    """Each rank on a core of its own (`--no-pin`: where the OS puts it)."""
+    if cpu is None or PIN is False or not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
         return None
     return lambda: os.sched_setaffinity(0, {cpu})
 
@@ -193,6 +195,11 @@ def report(results: dict[str, dict], requests: int) -> None:
             print(f"{mode:<10} {r['tok_s']:>8.1f} {ratio:>7} {step_ms:>8.1f} {'-':>8} {'-':>8} {'-':>8} {'-':>11} "
                   f"{'-':>11}")
     for mode, r in results.items():
+        if "cpu1" in r and r.get("members"):
+            print(f"{mode}: CPU per output token rank 0 {1e3 * r['cpu0'] / r['tokens']:.2f} ms, rank 1 "
+                  f"{1e3 * r['cpu1'] / r['tokens']:.2f} ms (start-up included); busy rank 0 "
+                  f"{100 * r['cpu0'] / r['wall']:.0f}% of the wall time")
+    for mode, r in results.items():
         if "members" not in r:
             continue
         total = sum(m["weights"] for m in r["members"])
@@ -229,11 +236,14 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=1024, help="KV blocks (per batch in flight: half each)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--repeats", type=int, default=1, help="runs of each mode, alternating; medians reported")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin each rank to a core of its own")
     ap.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="one", help=argparse.SUPPRESS)
     ap.add_argument("--hosts", default="", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global PIN
+    PIN = not args.no_pin
     if args.role == "run":
         print("RESULT " + json.dumps(run(args)), flush=True)
         return 0

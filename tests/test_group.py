@@ -117,12 +117,12 @@ def test_plan_decoding_refuses_malformed_messages():
 # -- the split and the topology --------------------------------------------------------------------
 
 def test_split_follows_shares_and_keeps_every_stage_a_layer():
-    assert split_layers([10] * 8, [1, 1]) == [range(0, 4), range(4, 8)]
-    assert split_layers([10] * 8, [1, 3]) == [range(0, 2), range(2, 8)]
-    assert split_layers([10] * 3, [1, 1, 1]) == [range(0, 1), range(1, 2), range(2, 3)]
-    assert split_layers([10] * 3, [100, 1, 1]) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert split_layers([10] * 8, [1, 1]) == [range(4), range(4, 8)]
+    assert split_layers([10] * 8, [1, 3]) == [range(2), range(2, 8)]
+    assert split_layers([10] * 3, [1, 1, 1]) == [range(1), range(1, 2), range(2, 3)]
+    assert split_layers([10] * 3, [100, 1, 1]) == [range(1), range(1, 2), range(2, 3)]
     # the embedding on the first stage and the head on the last count against their shares
-    assert split_layers([10] * 8, [1, 1], embed_bytes=40) == [range(0, 2), range(2, 8)]
+    assert split_layers([10] * 8, [1, 1], embed_bytes=40) == [range(2), range(2, 8)]
     with pytest.raises(ValueError):
         split_layers([10] * 2, [1, 1, 1])
 
@@ -435,7 +435,7 @@ def test_a_group_that_loses_a_member_is_resumed_elsewhere_and_started_again(mode
             member = old[1].proc.pid
             fired = threading.Event()
 
-            def fault(n: int) -> None:
+            def fault(n: int, fired=fired, member=member, sig=sig) -> None:
                 if n >= len(texts) * max_tokens // 4 and not fired.is_set():
                     fired.set()
                     os.kill(member, sig)

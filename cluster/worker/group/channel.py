@@ -24,7 +24,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from cluster.worker.group import wire
 
@@ -96,7 +96,7 @@ class Leader:
             self._listener.settimeout(min(left, 1.0))
             try:
                 sock, peer = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             try:
                 conn = self._handshake(sock)
@@ -144,7 +144,7 @@ class Leader:
             conn.sock.settimeout(max(0.1, deadline - time.monotonic()))
             try:
                 out[rank] = wire.loads(wire.expect(conn.sock, kind))
-            except socket.timeout:
+            except TimeoutError:
                 raise TimeoutError(f"group rank {rank} did not answer {wire.KIND_NAMES[kind]} in time") from None
             finally:
                 conn.sock.settimeout(None)
@@ -317,7 +317,7 @@ class Member:
         self.sock.settimeout(max(0.1, deadline - time.monotonic()))
         try:
             return wire.loads(wire.expect(self.sock, kind))
-        except socket.timeout:
+        except TimeoutError:
             raise TimeoutError(f"rank 0 sent no {wire.KIND_NAMES[kind]} in time") from None
         finally:
             self.sock.settimeout(None)

@@ -29,10 +29,24 @@ from cluster.worker.group import wire
 from cluster.worker.group.channel import Leader, Watchdog
 from cluster.worker.group.config import GroupOptions, Topology, parse_shares, topology
 from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
-from cluster.worker.group.stage import (Assignment, StageRunner, kv_bytes_per_block, load_part, part_bytes,
-                                        resident_bytes, split_layers, stage_of_rank, usable_memory)
+from cluster.worker.group.stage import (
+    Assignment,
+    StageRunner,
+    kv_bytes_per_block,
+    load_part,
+    part_bytes,
+    resident_bytes,
+    split_layers,
+    stage_of_rank,
+    usable_memory,
+)
 from cluster.worker.kernels.cpu import host_view
-from cluster.worker.model_runner import default_kv_budget, has_recurrent_layers, text_args, weight_dtype
+from cluster.worker.model_runner import (
+    default_kv_budget,
+    has_recurrent_layers,
+    text_args,
+    weight_dtype,
+)
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,14 @@ from cluster.worker.group import wire
 from cluster.worker.group.channel import EXIT_GROUP_LOST, Member, Watchdog
 from cluster.worker.group.config import GroupOptions, topology
 from cluster.worker.group.leader import capacity, check_token, config_digest, init_ring
-from cluster.worker.group.stage import (Assignment, StageRunner, load_part, member_batch, resident_bytes,
-                                        usable_memory)
+from cluster.worker.group.stage import (
+    Assignment,
+    StageRunner,
+    load_part,
+    member_batch,
+    resident_bytes,
+    usable_memory,
+)
 from cluster.worker.model_runner import text_args, weight_dtype
 
 log = logging.getLogger(__name__)

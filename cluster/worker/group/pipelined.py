@@ -32,7 +32,7 @@ class _Shifted:
     """A sequence as the shared runner sees it: block ids and state slot offset into the
     virtual engine's share of the pool; everything else is the sequence's own."""
 
-    __slots__ = ("_seq", "_blocks", "_slots", "__weakref__")
+    __slots__ = ("__weakref__", "_blocks", "_seq", "_slots")
 
     def __init__(self, seq, block_offset: int, slot_offset: int):
         self._seq = seq

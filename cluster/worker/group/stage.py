@@ -35,14 +35,21 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+from mlx import nn
 
 from cluster import platform
 from cluster.worker import attention, cpu_layers, recurrent
 from cluster.worker.dequantize import maybe_dequantize
 from cluster.worker.kernels import AttentionPlan, needs_plan
-from cluster.worker.model_runner import ModelRunner, Stage, StepBatch, check_served, text_args, weight_dtype
+from cluster.worker.model_runner import (
+    ModelRunner,
+    Stage,
+    StepBatch,
+    check_served,
+    text_args,
+    weight_dtype,
+)
 from cluster.worker.patching import original_call
 
 log = logging.getLogger(__name__)
@@ -115,9 +122,10 @@ def usable_memory() -> int:
 def resident_bytes() -> int:
     """This process's resident memory (0 where /proc is not there)."""
     try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
@@ -311,7 +319,7 @@ def check_family(model: nn.Module, parallel: str) -> None:
 _WRAPPED: dict[tuple[type, bool, bool], type] = {}
 
 
-def _wrap_boundary(layer: nn.Module, runner: "StageRunner", takes_input: bool, gives_output: bool) -> None:
+def _wrap_boundary(layer: nn.Module, runner: StageRunner, takes_input: bool, gives_output: bool) -> None:
     """A stage's first held layer takes the previous stage's hidden state in place of its
     input; its last ends the forward with its output (only while the runner steps)."""
     base = type(layer)
@@ -431,6 +439,6 @@ class Assignment:
                 "num_layers": self.num_layers}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Assignment":
+    def from_json(cls, d: dict) -> Assignment:
         return cls(str(d["parallel"]), int(d["size"]), tuple((int(a), int(b)) for a, b in d["stages"]),
                    int(d["num_layers"]))
