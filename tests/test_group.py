@@ -370,6 +370,17 @@ def test_pipeline_families_are_the_single_process_bit_for_bit(models, arch, size
     spans = sorted(tuple(m["layers"]) for m in group["group"]["members"])
     assert spans[0][0] == 0 and spans[-1][1] == 4 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "phi3", "olmo2", "qwen2_moe", "mixtral"])
+def test_more_pipeline_families_are_the_single_process_bit_for_bit(models, arch):
+    """The rest of stage.PIPELINE_FAMILIES, at 2 ranks."""
+    model = models(arch, layers=4)
+    group = run_group(model, 2)
+    single = single_run(model)
+    assert_same(group, single)
+    assert_greedy_matches_mlx_lm(model, single)
+
+
 
 # -- faults, with real processes through the router ------------------------------------------------
 
