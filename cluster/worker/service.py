@@ -541,7 +541,6 @@ class WorkerService:
         its special tokens (a marker that is one is named <[id]> in a grammar)."""
         template = getattr(tok, "chat_template", None)
         vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}  # (a test's bare tokenizer has none)
-        self._vocab = vocab
         self.reasoning = reasoning_format(template, vocab)
         mlx = None
         if getattr(tok, "has_tool_calling", False):
