@@ -21,7 +21,8 @@ settled quickly. Then:
      valid messages; to the router and to the worker alike. The probe keeps running;
   3. the verdict, which is the exit status:
        0 responses >= 500 (HTTP status, an SSE error event of 5xx, gRPC UNKNOWN / INTERNAL /
-         UNAVAILABLE / DEADLINE_EXCEEDED / ABORTED / DATA_LOSS / CANCELLED),
+         UNAVAILABLE / DEADLINE_EXCEEDED / ABORTED / DATA_LOSS / CANCELLED; a 504 after the
+         request's own X-Request-Timeout, such as 1e-9 s, is its answer, counted as a refusal),
        0 hangs (no answer within 60 s; a slow client not dropped within its timeout),
        the p99 time to a refusal (4xx, or a gRPC client-error status) under --refusal-p99-ms,
        the probe's median latency during the fuzz within --probe-ratio of its idle median,
@@ -389,6 +390,9 @@ async def send_http(session: aiohttp.ClientSession, base: str, where: str, case)
     took = time.perf_counter() - start
     sse_error = _sse_server_error(text) if status == 200 and "text/event-stream" in resp.headers.get(
         "Content-Type", "") else None
+    if (status == 504 or sse_error and "timeout" in sse_error) and _own_deadline(headers, took):
+        # the client's own X-Request-Timeout passed (1e-9 s, say): its answer, not the server failing
+        return Outcome(kind, label, f"{status} (own deadline)", refused_at, refused=True, detail=text[:200])
     if status >= 500 or sse_error:
         return Outcome(kind, label, str(status), took, server_error=True,
                        detail=f"{(sse_error or text)[:300]}; {_short(case)}")
@@ -398,6 +402,14 @@ async def send_http(session: aiohttp.ClientSession, base: str, where: str, case)
                            detail=f"not a JSON error: {text[:200]}; {_short(case)}")
         return Outcome(kind, label, str(status), refused_at, refused=True, detail=text[:200])
     return Outcome(kind, label, str(status), took)
+
+
+def _own_deadline(headers: dict, took: float) -> bool:
+    """Whether the request's own X-Request-Timeout had passed when it was answered."""
+    try:
+        return float(headers.get("X-Request-Timeout", "inf")) <= took
+    except ValueError:
+        return False
 
 
 def _is_json_error(text: str) -> bool:
@@ -566,7 +578,7 @@ async def send(session, targets, channels, what: str, where: str, case) -> Outco
     return await send_grpc(channels[where], where, case)
 
 
-async def run_all(session, targets, channels, cases: list, concurrency: int, progress: bool = False
+async def run_all(session, targets, channels, cases: list, concurrency: int, progress: dict | None = None
                   ) -> list[Outcome]:
     """Send `cases`, `concurrency` at a time; their outcomes in the order they ended."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -577,9 +589,10 @@ async def run_all(session, targets, channels, cases: list, concurrency: int, pro
     async def worker():
         while not queue.empty():
             outcomes.append(await send(session, targets, channels, *queue.get_nowait()))
-            if progress and len(outcomes) % 1000 == 0:
+            if progress and len(outcomes) % 1000 == 0:  # progress: the pids whose memory to show
+                rss = ", ".join(f"{name} {rss_mb(pid):.0f} MB" for name, pid in progress.items())
                 print(f"  {len(outcomes)} requests, {sum(o.server_error for o in outcomes)} server errors, "
-                      f"{sum(o.hang for o in outcomes)} hangs", flush=True)
+                      f"{sum(o.hang for o in outcomes)} hangs; {rss}", flush=True)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return outcomes
@@ -624,7 +637,8 @@ async def fuzz(args, targets, pids) -> Report:
 
         probe_task = asyncio.create_task(prober())
         started = time.perf_counter()
-        report.outcomes = await run_all(session, targets, channels, cases, args.concurrency, args.progress)
+        report.outcomes = await run_all(session, targets, channels, cases, args.concurrency,
+                                        pids if args.progress else None)
         report.fuzz_seconds = time.perf_counter() - started
         done.set()
         await probe_task
@@ -716,13 +730,15 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probes", type=int, default=10, help="idle probes (the baseline)")
-    parser.add_argument("--warm-up", type=int, default=300,
+    parser.add_argument("--warm-up", type=int, default=1000,
                         help="fuzz requests of another seed sent before memory and the idle probe are measured")
     parser.add_argument("--probe-interval", type=float, default=0.5, help="seconds between probes during the fuzz")
     parser.add_argument("--refusal-p99-ms", type=float, default=100.0)
     parser.add_argument("--probe-ratio", type=float, default=2.0)
     parser.add_argument("--memory-slack", type=float, default=0.10)
     parser.add_argument("--settle", type=float, default=3.0, help="seconds after the fuzz before memory is read")
+    parser.add_argument("--policy", default="prefix_aware",
+                        help="the router's placement policy (prefix_aware keeps a bounded prefix index that grows)")
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--show-slowest", type=int, default=10, help="refusals to print with their requests")
     args = parser.parse_args(argv)
@@ -736,7 +752,7 @@ def main(argv=None) -> int:
     log_dir = tempfile.mkdtemp(prefix="orchard-fuzz-")
     worker_http = f"127.0.0.1:{free_port()}"
     slow = ["--http-header-timeout", str(SLOW_CLIENT_TIMEOUT), "--http-body-timeout", str(SLOW_CLIENT_TIMEOUT)]
-    cluster = LocalCluster(model, workers=1, grpc_address=f"127.0.0.1:{free_port()}",
+    cluster = LocalCluster(model, workers=1, grpc_address=f"127.0.0.1:{free_port()}", policy=args.policy,
                            http_address=f"127.0.0.1:{free_port()}", metrics_address=f"127.0.0.1:{free_port()}",
                            worker_port_base=0, worker_metrics_port_base=0, log_dir=log_dir,
                            router_args=["--heartbeat-interval", "0.5", *slow],

@@ -361,6 +361,22 @@ def test_the_router_serves_a_deadline_too_far_for_grpc():
     run(main())
 
 
+def test_a_request_no_worker_can_serve_is_its_error_even_past_its_deadline():
+    """A rerank on a generation model with a 1 ns deadline was a 504 "the deadline passed
+    while waiting for a worker": waiting could not have helped, the 400 is the answer."""
+    from cluster.api.pooling import build_score_request
+    from test_router_fake import Cluster
+
+    async def main():
+        async with Cluster(n_workers=1) as c:
+            with pytest.raises(InvalidRequest, match="is a generation model"):
+                await c.router.backend.score(build_score_request("q", ["d"]), timeout=1e-9)
+            chunks = [ch async for ch in c.router.backend.generate(build_request("hi", max_tokens=2), 30.0)]
+            assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+    run(main())
+
+
 def test_router_workers_shows_a_circuit_that_is_open():
     """The breaker held a worker off while `orchard router workers` said healthy."""
     from cluster.router.admin import format_workers
@@ -403,6 +419,7 @@ IMPOSSIBLE = {  # what was an empty 200 "stop" (or broke the worker), and the re
                                                      "required": ["a"]}, "cannot be followed"),
     "regex of no string": ("regex", "[^\\x00-\\U0010FFFF]", "matches no output"),
     "regex past the decoder's limits": ("regex", "a{1000000}", "cannot be followed"),
+    "regex past the lexer's fuel": ("regex", "a{200000}", "cannot be followed"),  # compiled: 1 s, 90 MB kept
     "grammar with no finite string": ("grammar", 'start: a\na: "x" a', "cannot be followed"),
     "only the empty string": ("regex", "(a){0}", "only the empty string"),
 }
@@ -422,6 +439,23 @@ def test_a_grammar_no_output_can_follow_is_refused_before_any_engine_work(gramma
     with pytest.raises(InvalidGrammar, match=words):  # a repeat costs nothing: the refusal is cached
         grammars.compile(spec)
     assert grammars.compiles == compiles and time.perf_counter() - start < 0.1
+
+
+def test_grammars_that_were_costly_to_compile_are_few_in_the_cache(grammars, monkeypatch):
+    """Each held its large lexer for as long as it stayed cached (256 of them: gigabytes)."""
+    from cluster.worker import structured
+    from cluster.worker.sampling_params import StructuredOutput
+
+    monkeypatch.setattr(structured, "_COSTLY_SECONDS", 0.0)  # every compile counts as costly here
+    specs = [StructuredOutput("regex", f"[a-z]{{{n}}}costly") for n in range(1, 7)]
+    for spec in specs:
+        grammars.compile(spec)
+    compiles = grammars.compiles
+    for spec in specs[-structured._COSTLY_ENTRIES:]:  # the last few are kept
+        grammars.compile(spec)
+    assert grammars.compiles == compiles
+    grammars.compile(specs[0])  # the first was dropped: compiled again
+    assert grammars.compiles == compiles + 1
 
 
 def test_a_pydantic_tool_schema_keeps_its_defs_under_a_forced_call(grammars):

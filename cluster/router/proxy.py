@@ -104,6 +104,11 @@ def _client_error(e: grpc.aio.AioRpcError) -> errors.OrchardError:
     return errors.from_rpc_error(e)
 
 
+def _waited_out(deadline: float | None, no_worker: RegistryError) -> bool:
+    return (deadline is not None and time.monotonic() >= deadline
+            and no_worker.code is grpc.StatusCode.UNAVAILABLE)
+
+
 def _deadline_held(timeout: float | None) -> float | None:
     """A deadline gRPC can hold: one past MAX_TIMEOUT_SECONDS (inf, 1e308) is none; gRPC's
     own arithmetic overflows and fails the call at once."""
@@ -173,7 +178,8 @@ class RouterBackend:
             pool, no_worker = await self._pool(rid, request.model, excluded, wait_until)
             if not pool:
                 self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
-                if deadline is not None and time.monotonic() >= deadline:
+                # the deadline is the reason only where waiting could have helped (not: no worker serves it)
+                if _waited_out(deadline, no_worker):
                     self.metrics.deadline_exceeded.inc()
                     raise errors.DeadlineExceeded(f"the deadline passed while waiting for a worker ({no_worker})")
                 if failure is None:
@@ -314,7 +320,8 @@ class RouterBackend:
             pool, no_worker = await self._pool(rid, request.model, excluded, wait_until, task)
             if not pool:
                 self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
-                if deadline is not None and time.monotonic() >= deadline:
+                # the deadline is the reason only where waiting could have helped (not: no worker serves it)
+                if _waited_out(deadline, no_worker):
                     self.metrics.deadline_exceeded.inc()
                     raise errors.DeadlineExceeded(f"the deadline passed while waiting for a worker ({no_worker})")
                 if failure is None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Sequence
 
@@ -41,6 +42,13 @@ from cluster.api.tools import DEEPSEEK_MARKERS
 from cluster.worker.sampling_params import StructuredOutput
 
 _CACHE_SIZE = 256
+# A grammar whose compile took this long holds a large lexer (a regex such as a{100000}: about
+# 30 MB); at most _COSTLY_ENTRIES of those stay cached, so the cache's memory is bounded too.
+_COSTLY_SECONDS = 0.1
+_COSTLY_ENTRIES = 4
+# llguidance builds a grammar's regexes within this much "fuel" (its default, 1,000,000, let
+# a{200000} take a second and 90 MB; 400,000 still compiles an enum of 20,000 strings).
+_LEXER_FUEL = 400_000
 _PROBE_TOKENS = 256  # forced tokens a new grammar's first walk follows at most
 # OpenAI's layout, {"a": 1, "b": [2, 3]}, and no other whitespace: a model (a random one
 # above all) given free whitespace can spend its whole budget on it.
@@ -93,14 +101,17 @@ class GrammarCompiler:
     output can match (a schema that only refers to itself, a regex of no string), one that
     matches only the empty string, and one past llguidance's limits on its first tokens
     (a{1000000}) are refused here, as the request's fault, before any engine work. Refusals
-    are cached too, so a client repeating one pays nothing again."""
+    are cached too (their message), so a client repeating one pays nothing again. The
+    cache is bounded in memory as well as in entries: of the grammars that were costly to
+    compile (large lexers), only the last few stay."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Iterable[int] = ()):
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the HF one
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._lltok = None
-        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()  # a matcher, or the InvalidGrammar
+        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()  # a matcher, or a refusal's message
+        self._costly: OrderedDict[StructuredOutput, None] = OrderedDict()  # cached specs that took long
         self._lock = threading.Lock()
         self.compiles = 0  # cache misses, for tests
 
@@ -120,16 +131,17 @@ class GrammarCompiler:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
-        if isinstance(hit, InvalidGrammar):
-            raise InvalidGrammar(str(hit))
+        if isinstance(hit, str):
+            raise InvalidGrammar(hit)
         if hit is not None:
             return hit
+        start = time.perf_counter()
         try:
             matcher = self._compile(spec)
-        except InvalidGrammar as e:
-            self._remember(spec, e)
+        except InvalidGrammar as e:  # its message only: the exception's frames hold the matcher (megabytes)
+            self._remember(spec, str(e))
             raise
-        self._remember(spec, matcher)
+        self._remember(spec, matcher, costly=time.perf_counter() - start >= _COSTLY_SECONDS)
         return matcher
 
     def forget(self, spec: StructuredOutput) -> None:
@@ -137,13 +149,18 @@ class GrammarCompiler:
         the lexer's, is shared by every copy), so the next request compiles it afresh."""
         with self._lock:
             self._cache.pop(spec, None)
+            self._costly.pop(spec, None)
 
-    def _remember(self, spec: StructuredOutput, entry) -> None:
+    def _remember(self, spec: StructuredOutput, entry, costly: bool = False) -> None:
         with self._lock:
             self.compiles += 1
             self._cache[spec] = entry
+            if costly:
+                self._costly[spec] = None
+                while len(self._costly) > _COSTLY_ENTRIES:
+                    self._cache.pop(self._costly.popitem(last=False)[0], None)
             while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+                self._costly.pop(self._cache.popitem(last=False)[0], None)
 
     def _compile(self, spec: StructuredOutput):
         import llguidance
@@ -212,12 +229,13 @@ _LIMITS = None
 
 
 def _limits():
-    """llguidance's default limits, with short errors (no parser state in messages or logs)."""
+    """llguidance's limits: its defaults but the lexer's fuel (_LEXER_FUEL), with short
+    errors (no parser state in messages or logs)."""
     global _LIMITS
     if _LIMITS is None:
         import llguidance
 
-        _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+        _LIMITS = llguidance.LLParserLimits(verbose_errors=False, initial_lexer_fuel=_LEXER_FUEL)
     return _LIMITS
 
 
