@@ -379,6 +379,25 @@ def test_a_message_past_grpcs_limit_is_the_clients_error_not_the_workers():
     run(main())
 
 
+def test_client_errors_are_no_verdict_on_a_worker_either_way():
+    """A request's own error (INVALID_ARGUMENT) counted as a success: bad requests between
+    a worker's failures reset its count, and its circuit never opened."""
+    from test_router_fake import Cluster
+
+    async def main():
+        async with Cluster(n_workers=1, circuit_cooldown=30.0) as c:
+            c.workers[0].fail_with = grpc.StatusCode.INTERNAL  # every request but the fake's "invalid" one
+            for i in range(3):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.generate("invalid")
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await c.generate(f"q{i}")
+            assert c.router.registry.workers["w0"].breaker.state != CLOSED
+
+    run(main())
+
+
 def test_the_router_serves_a_deadline_too_far_for_grpc():
     from test_router_fake import Cluster
 
