@@ -21,7 +21,7 @@ from mlx_lm.utils import load
 from cluster.modelgen import create_model, set_pooling
 from cluster.worker import kernels
 from cluster.worker.config import EngineConfig
-from cluster.worker.engine import Engine
+from cluster.worker.engine import Engine, QueueFullError
 from cluster.worker.pooling import Pooler, PoolingParams, UnsupportedPooling, yes_no_prompt
 from cluster.worker.sampling_params import SamplingParams
 
@@ -275,6 +275,24 @@ def test_a_generation_request_goes_ahead_of_an_embedding_backlog(models, generat
         assert first_token >= 6, first_token  # behind the backlog (about 1.6 inputs a step)
     for i, ids in enumerate(backlog):
         assert cosine(pooled[f"e{i}"], reference_embedding(path, ids, "last")) > 0.9999
+
+
+def test_an_embedding_backlog_at_max_waiting_does_not_get_a_chat_refused(models):
+    """Embedding inputs fill the waiting queue to max_waiting (a few large embedding
+    requests do): another embedding input is refused (429), a chat request is not, since
+    it queues ahead of them (generation_first)."""
+    engine = Engine.from_pretrained(models["last"], EngineConfig(num_kv_blocks=64, max_waiting=8, task="generate",
+                                                                 embeddings=True))
+    for i in range(8):
+        engine.add_request(f"e{i}", [5, 6, 7], embed())
+    with pytest.raises(QueueFullError, match="8 requests"):
+        engine.add_request("e8", [5, 6, 7], embed())
+    engine.add_request("g0", [5, 6, 7], SamplingParams(max_tokens=2))
+    assert [s.request_id for s in engine.scheduler.waiting][0] == "g0"
+    for i in range(1, 8):
+        engine.add_request(f"g{i}", [5, 6, 7], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError):  # eight chats waiting: the cap holds for them too
+        engine.add_request("g8", [5, 6, 7], SamplingParams(max_tokens=2))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

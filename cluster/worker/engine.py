@@ -198,9 +198,8 @@ class Engine:
         if len(resume_token_ids) >= params.max_tokens:
             raise ValueError(f"{len(resume_token_ids)} resumed tokens already reach max_tokens={params.max_tokens}")
         self.scheduler.check_fits(len(prompt_token_ids) + len(resume_token_ids))
-        cap = self.config.max_waiting
-        if cap and len(self.scheduler.waiting) >= cap:
-            raise QueueFullError(f"the waiting queue is full ({cap} requests): retry later")
+        if self.scheduler.queue_full(params.pooling is not None):
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests): retry later")
         if params.n > 1 and resume_token_ids:
             raise ValueError("a request with n > 1 cannot be resumed")
         if params.speculative and self.speculator is None:

@@ -164,6 +164,18 @@ class Scheduler:
         else:
             self.waiting.append(seq)
 
+    def queue_full(self, pooling: bool) -> bool:
+        """Whether the waiting queue is at `max_waiting` for a new request. With
+        generation_first a generation request queues ahead of the pooling requests not yet
+        started, so they do not count against it: an embedding backlog never gets a chat
+        refused (the queue then holds at most twice max_waiting)."""
+        cap = self.config.max_waiting
+        if not cap or len(self.waiting) < cap:
+            return False
+        if pooling or not self.config.generation_first:
+            return True
+        return sum(1 for s in self.waiting if not _unstarted_pooling(s)) >= cap
+
     def abort(self, seq: Sequence) -> None:
         if seq.is_finished:
             return
