@@ -231,6 +231,23 @@ def test_no_error_echoes_a_clients_megabytes(served):
         assert status in (400, 404) and len(json.dumps(out)) < 2000, (path, len(json.dumps(out)))
 
 
+def test_the_responses_store_is_bounded_in_text_as_well_as_in_count():
+    """1,024 responses, each with its whole conversation (up to a context of text): by count
+    alone a 32k-token model's could hold a gigabyte."""
+    from cluster.api.responses import ResponseStore
+
+    store = ResponseStore(max_entries=100, max_chars=50_000)
+    for i in range(30):
+        store.put(f"r{i}", [{"role": "user", "content": "x" * 10_000}], {"id": f"r{i}"})
+    assert store.chars <= 50_000 and len(store) == 4  # the newest that fit
+    assert store.get("r29")[1] == {"id": "r29"} and store.get("r25") is None
+    store.put("big", [{"role": "user", "content": "y" * 80_000}], {})  # one alone past the bound is kept
+    assert len(store) == 1 and store.get("big") is not None
+    for i in range(150):
+        store.put(f"s{i}", [], {})
+    assert len(store) == 100 and store.get("s49") is None and store.get("s50") is not None
+
+
 def raw_http(address: str, data: bytes, wait: float = 30.0) -> tuple[float, bytes]:
     """Send `data` on a fresh connection; (seconds until the server closed it, what came back)."""
     host, port = address.rsplit(":", 1)
