@@ -10,10 +10,10 @@ reasoning item in `input` goes back to the model with the assistant turn that fo
 (templates that keep the thinking read it); `reasoning.effort` reaches the chat template
 (gpt-oss's system message). `previous_response_id` continues a conversation this process
 stored (an in-memory store bounded in count and in text, `ResponseStore`: the oldest are
-forgotten first; `store: false` keeps a response out of it). Streaming sends the typed events the `openai` package reads
-(response.created, output_item / content_part / output_text / reasoning_text /
-function_call_arguments events, response.completed). Any other field is a 400 that names
-it.
+forgotten first; `store: false` keeps a response out of it). Streaming sends the typed
+events the `openai` package reads (response.created, output_item / content_part /
+output_text / reasoning_text / function_call_arguments events, response.completed). Any
+other field is a 400 that names it.
 """
 
 from __future__ import annotations
