@@ -382,6 +382,64 @@ def test_more_pipeline_families_are_the_single_process_bit_for_bit(models, arch)
 
 
 
+# -- rank 0's steps in flight ---------------------------------------------------------------------
+
+class _NoMembers:
+    """A side channel's leader with no member to send to: records what would lose the group."""
+
+    def __init__(self):
+        self.members: dict = {}
+        self.lost: list[str] = []
+        self.on_lost = self.lose
+
+    def lose(self, reason: str) -> None:
+        self.lost.append(reason)
+
+    def broadcast(self, kind: int, payload: bytes = b"") -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_rank_0_finishes_only_the_oldest_step_in_flight(models):
+    """The members run the steps in the order they were sent, and their hidden states come
+    back in that order. A batch finished out of that order (a step that was sent and then
+    never finished here: an error between the two) would be computed from another step's
+    hidden state, silently: the group is lost instead. In order, nothing is lost."""
+    from cluster.worker.group.config import Topology
+    from cluster.worker.group.leader import GroupRunner, GroupState, GroupStats
+    from cluster.worker.group.stage import Assignment
+    from cluster.worker.model_runner import load_model, text_args
+    from cluster.worker.sampling_params import SamplingParams
+    from cluster.worker.scheduler import ScheduledSeq, SchedulerOutput
+    from cluster.worker.sequence import Sequence
+
+    model, _ = load_model(models("llama", layers=2))
+    assignment = Assignment("tensor", 2, (), 2)
+    topo = Topology(0, (("127.0.0.1", 1), ("127.0.0.1", 2)), ("127.0.0.1", 1001))
+    leader = _NoMembers()
+    group = GroupState(leader, None, topo, assignment, GroupOptions(size=2), int(text_args(model).hidden_size),
+                       GroupStats(), max_in_flight=2)
+    runner = GroupRunner(model, 8, 16, None, stage=assignment.stage(0), group=group)
+
+    def batch(blocks: list[int]):
+        seq = Sequence(f"s{blocks[0]}", [5, 6, 7], SamplingParams(max_tokens=1), num_prompt_tokens=3)
+        seq.block_table = blocks
+        return runner.prepare(SchedulerOutput([ScheduledSeq(seq, 0, 3)]))
+
+    try:
+        first, second = batch([0]), batch([1])
+        assert runner.forward(first).shape[0] == 1 and runner.forward(second).shape[0] == 1
+        assert leader.lost == [] and not group.in_flight
+        first, second = batch([2]), batch([3])
+        with pytest.raises(ConnectionError):
+            runner.forward(second)  # step 4 before step 3
+        assert len(leader.lost) == 1 and "not the oldest step in flight" in leader.lost[0]
+    finally:
+        group.close()
+
+
 # -- faults, with real processes through the router ------------------------------------------------
 
 def _streams(router: str, texts: list[str], max_tokens: int, on_progress=None) -> list[list[int]]:
