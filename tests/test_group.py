@@ -178,6 +178,40 @@ def test_side_channel_admits_only_members_with_the_token():
     good.close()
 
 
+def test_a_stranger_that_stalls_its_handshake_delays_no_member():
+    """A peer that connects first and sends a byte now and then (never a whole HELLO) holds
+    no one up: the member that comes after it joins at once, and the stranger is dropped
+    when its handshake's time is up (for the whole exchange, not for each byte)."""
+    lost = []
+    leader = Leader(("127.0.0.1", 0), 2, TOKEN, 30.0, on_lost=lost.append, handshake_timeout=2.0)
+    admitted = threading.Event()
+    threading.Thread(target=lambda: (leader.admit(time.monotonic() + 60), admitted.set()), daemon=True).start()
+    stranger = socket.create_connection(leader.address, timeout=5)
+    dropped = threading.Event()
+
+    def trickle() -> None:
+        try:
+            for b in wire.frame(wire.HELLO, b"{" + b" " * 1000):
+                stranger.sendall(bytes([b]))
+                time.sleep(0.5)
+        except OSError:
+            pass
+        dropped.set()
+
+    threading.Thread(target=trickle, daemon=True).start()
+    time.sleep(0.5)  # the stranger's handshake is under way
+    member = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lost.append)
+    t0 = time.monotonic()
+    member.join(time.monotonic() + 30)
+    assert admitted.wait(30) and time.monotonic() - t0 < 5, "the member waited for the stranger's handshake"
+    assert set(leader.members) == {1}
+    assert dropped.wait(30), "the stranger was never dropped"
+    stranger.close()
+    member.close()
+    leader.close()
+    assert lost == []
+
+
 def test_side_channel_notices_a_silent_or_closed_member():
     leader, lost = _leader(timeout=2.0)
     m = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lambda r: None)
