@@ -55,7 +55,8 @@ def router():
 
 @pytest.fixture(scope="module")
 def workers(dirs, router, worker_process, tiny_model_dir):
-    common = ("--num-kv-blocks", "256", "--max-model-len", "512", "--max-pooling-inputs", "8", "--router",
+    common = ("--num-kv-blocks", "256", "--max-model-len", "512", "--max-pooling-inputs", "8",
+              "--max-pooling-tokens", "3000", "--router",
               router["grpc"], "--heartbeat-interval", "0.2")
     with ThreadPoolExecutor(4) as pool:  # started side by side
         futures = {"emb": pool.submit(worker_process, dirs["emb"], *common),
@@ -223,6 +224,7 @@ def test_bad_input_is_a_400_that_says_why(dirs, workers, router, where):
         (emb, "/v1/embeddings", {"model": model, "input": ["a"] * 9}, "at most 8"),
         (emb, "/v1/embeddings", {"model": model, "input": [[1] * 513]}, "max_model_len=512"),
         (emb, "/v1/embeddings", {"model": model, "input": [[600]]}, "outside the vocabulary"),
+        (emb, "/v1/embeddings", {"model": model, "input": [[5] * 400] * 8}, "max_pooling_tokens=3000"),
         (emb, "/v1/embeddings", {"model": model, "input": "a", "dimensions": 129}, "more than the model's 128"),
         (emb, "/v1/embeddings", {"model": model, "input": "a", "encoding_format": "int8"}, "encoding_format"),
         (emb, "/v1/embeddings", {"model": model, "input": "a", "temperature": 1}, "temperature"),
