@@ -277,6 +277,17 @@ def test_a_generation_request_goes_ahead_of_an_embedding_backlog(models, generat
         assert cosine(pooled[f"e{i}"], reference_embedding(path, ids, "last")) > 0.9999
 
 
+def test_a_generation_model_steps_without_looking_for_pooling_rows(models, monkeypatch):
+    """A model that serves no embeddings or scores pays nothing per step for them: the
+    plan is never walked for pooling requests (there can be none)."""
+    engine = Engine.from_pretrained(models["last"], EngineConfig(num_kv_blocks=32, task="generate"))
+    assert not engine.pooler.pools
+    monkeypatch.setattr(engine, "_pooling_rows", lambda *a: pytest.fail("a generation model looked for pooling rows"))
+    assert len(engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, temperature=0))[1]) == 3
+    with pytest.raises(ValueError, match="does not serve embed"):
+        engine.add_request("e", [5, 6, 7], embed())
+
+
 def test_an_embedding_backlog_at_max_waiting_does_not_get_a_chat_refused(models):
     """Embedding inputs fill the waiting queue to max_waiting (a few large embedding
     requests do): another embedding input is refused (429), a chat request is not, since
