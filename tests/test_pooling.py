@@ -226,6 +226,20 @@ def test_reranker_scores_equal_the_yes_no_logits_of_mlx_lm(models):
         engine.add_request("e", ids[0], embed())
 
 
+def test_the_reranker_prompt_is_qwen3_rerankers_model_card_format():
+    """The oracles above build their input with `yes_no_prompt` as the worker does, so its
+    text is pinned here to Qwen3-Reranker's model card (its prefix, format_instruction and
+    suffix, written out), with the card's default instruction."""
+    card = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the '
+            'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+            '<Instruct>: {i}\n<Query>: {q}\n<Document>: {d}'
+            '<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n')
+    web = "Given a web search query, retrieve relevant passages that answer the query"
+    assert yes_no_prompt("What is MLX?", "An array framework.") == card.format(i=web, q="What is MLX?",
+                                                                               d="An array framework.")
+    assert yes_no_prompt("q", "d", "Find code") == card.format(i="Find code", q="q", d="d")
+
+
 def test_what_a_model_serves_and_refuses(models, tmp_path):
     assert Pooler.for_model(models["last"], 128).tasks == ("embed",)
     gen = Pooler.for_model(tmp_path, 128)  # no config files at all: a generation model
