@@ -218,15 +218,7 @@ class WorkerService:
         """See `Backend`. The gRPC deadline (`timeout`) is enforced by gRPC itself: when it
         passes, the RPC is cancelled, which closes this stream and aborts the request."""
         arrival = time.monotonic()
-        if self.draining:
-            raise Unavailable(f"worker {self.worker_id} is draining: it takes no new requests; send this one elsewhere")
-        if not self.engine_loop.alive or self._loop is None:
-            raise Unavailable(f"worker {self.worker_id} is not serving (starting or stopping)")
-        if self.stalled:
-            raise Unavailable(f"worker {self.worker_id}'s engine has made no progress for {self.stall_timeout:g} s "
-                              "(stalled): send this request elsewhere")
-        if request.model and request.model != self.model_name:
-            raise NotFound(f"model {quoted(request.model)} is not served here; this worker serves {self.model_name!r}")
+        self._check_serving(request.model)
         validate_request(request, self.limits)
         if GENERATE not in self.tasks:
             raise refuse_task(self.model_name, GENERATE, self.tasks)
@@ -392,6 +384,12 @@ class WorkerService:
                                 scores=[float(out.pooled[0]) for out in outs])
 
     def _check_pooling_request(self, model: str, task: str) -> None:
+        self._check_serving(model)
+        if task not in self.tasks:
+            raise refuse_task(self.model_name, task, self.tasks)
+
+    def _check_serving(self, model: str) -> None:
+        """Unavailable / NotFound for a request this worker cannot take now, whatever it asks."""
         if self.draining:
             raise Unavailable(f"worker {self.worker_id} is draining: it takes no new requests; send this one elsewhere")
         if not self.engine_loop.alive or self._loop is None:
@@ -401,8 +399,6 @@ class WorkerService:
                               "(stalled): send this request elsewhere")
         if model and model != self.model_name:
             raise NotFound(f"model {quoted(model)} is not served here; this worker serves {self.model_name!r}")
-        if task not in self.tasks:
-            raise refuse_task(self.model_name, task, self.tasks)
 
     async def _pooling_prompts(self, inputs: list[tuple[str, int | None, Callable | list[int]]]) -> list[list[int]]:
         """The token ids of a pooling request's inputs, in order: (what it is called in a
