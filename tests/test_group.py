@@ -557,6 +557,26 @@ def test_a_group_that_loses_a_member_is_resumed_elsewhere_and_started_again(mode
         assert cluster.group_restarts == 2
 
 
+def test_a_ray_member_that_cannot_join_ends_its_process():
+    """A Ray member actor runs the member on a thread. When the member ends (here: rank 0
+    is not there by its join deadline) the actor's process must end with the member's
+    exit code, as `orchard worker serve` does, so that Ray starts it again: an actor left
+    alive with its member gone would keep its group from ever forming again."""
+    port = free_ports(1)[0]
+    code = ("import time; from cluster.ray_launcher import GroupMemberActor, RaySpec; "
+            "from cluster.worker.group.config import GroupOptions; "
+            f"GroupMemberActor(RaySpec(model='unused'), GroupOptions(size=2, rank=1, port={port}, join_timeout=1, "
+            f"hosts='127.0.0.1:{port + 1},127.0.0.1:{port + 2}')); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env())
+    try:
+        assert proc.wait(timeout=90) == 75, proc.communicate()[0][-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # -- what operators see ------------------------------------------------------------------------------
 
 def test_a_group_is_one_row_with_its_members_and_its_metrics():

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from typing import NoReturn
 
 import mlx.core as mx
 
@@ -34,6 +35,16 @@ from cluster.worker.group.stage import (
 from cluster.worker.model_runner import text_args, weight_dtype
 
 log = logging.getLogger(__name__)
+
+
+def member_process(model_path: str, options: GroupOptions, join_token: str) -> NoReturn:
+    """A member process: `run_member`, then the process ends with its exit code, whatever
+    runs it (`orchard worker serve`, a Ray actor's thread): a member that could not start,
+    or whose group ended, is a process gone, which its launcher starts again (launchd,
+    `orchard up`, Ray), never one left alive doing nothing."""
+    code = run_member(model_path, options, join_token)
+    logging.shutdown()
+    os._exit(code)
 
 
 def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
