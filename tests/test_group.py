@@ -474,6 +474,22 @@ def test_rank_0_finishes_only_the_oldest_step_in_flight(models):
         group.close()
 
 
+def test_pipelined_engine_generates_as_the_engine_does(models):
+    """The pipelined engine's generate is the engine's (it had a copy of its own without
+    the n > 1 refusal, and summed every sample's tokens into one list)."""
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.engine import Engine
+    from cluster.worker.group.pipelined import PipelinedEngine
+    from cluster.worker.model_runner import load_model
+    from cluster.worker.sampling_params import SamplingParams
+
+    model, tokenizer = load_model(models("llama", layers=2))
+    engines = [Engine(model, tokenizer, EngineConfig(num_kv_blocks=16, max_num_seqs=4)) for _ in range(2)]
+    pipelined = PipelinedEngine(engines, group=None)
+    with pytest.raises(ValueError, match="n=1"):
+        pipelined.generate([[5, 6, 7]], SamplingParams(max_tokens=2, n=2, seed=1))
+
+
 # -- faults, with real processes through the router ------------------------------------------------
 
 def _streams(router: str, texts: list[str], max_tokens: int, on_progress=None) -> list[list[int]]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from cluster import platform
 from cluster.worker.config import EngineConfig
 from cluster.worker.group import wire
 from cluster.worker.group.channel import Leader, Watchdog
@@ -32,10 +33,8 @@ from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
 from cluster.worker.group.stage import (
     Assignment,
     StageRunner,
-    kv_bytes_per_block,
     load_part,
     part_bytes,
-    resident_bytes,
     split_layers,
     stage_of_rank,
     usable_memory,
@@ -44,6 +43,7 @@ from cluster.worker.kernels.cpu import host_view
 from cluster.worker.model_runner import (
     default_kv_budget,
     has_recurrent_layers,
+    kv_bytes_per_block,
     text_args,
     weight_dtype,
 )
@@ -293,7 +293,7 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     leader.broadcast(wire.START, wire.dumps({"num_blocks": num_blocks, "kv_dtype": str(kv_dtype).split(".")[-1],
                                              "num_state_slots": num_state_slots}))
     members = [{"rank": 0, "host": socket.gethostname(), "memory": memory[0], "weights": mine["weights"],
-                "layers": list(stages[0]) if stages else [0, num_layers], "rss": resident_bytes()}]
+                "layers": list(stages[0]) if stages else [0, num_layers], "rss": platform.resident_bytes()}]
     for r in sorted(loaded):
         info = leader.members[r].info
         members.append({"rank": r, "host": str(info.get("host", "")), "memory": memory[r],
@@ -335,6 +335,6 @@ def capacity(model, stage, config: EngineConfig, kv_dtype) -> dict:
     from mlx.utils import tree_flatten
 
     weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
-    per_block = kv_bytes_per_block(model, stage, config.block_size, kv_dtype)
+    per_block = kv_bytes_per_block(model, config.block_size, kv_dtype, stage.layers)
     budget = config.kv_cache_memory_bytes or default_kv_budget(model)
     return {"blocks": budget // per_block if per_block else 1 << 30, "weights": weights}

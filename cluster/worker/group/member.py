@@ -19,6 +19,7 @@ from typing import NoReturn
 
 import mlx.core as mx
 
+from cluster import platform
 from cluster.worker.config import EngineConfig
 from cluster.worker.group import wire
 from cluster.worker.group.channel import EXIT_GROUP_LOST, Member, Watchdog
@@ -29,7 +30,6 @@ from cluster.worker.group.stage import (
     StageRunner,
     load_part,
     member_batch,
-    resident_bytes,
     usable_memory,
 )
 from cluster.worker.model_runner import text_args, weight_dtype
@@ -75,7 +75,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
         config = EngineConfig(block_size=int(engine["block_size"]), kv_cache_dtype=engine["kv_cache_dtype"])
         kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
         mine = capacity(model, stage, config, kv_dtype)
-        member.send(wire.LOADED, wire.dumps({**mine, "rss": resident_bytes()}))
+        member.send(wire.LOADED, wire.dumps({**mine, "rss": platform.resident_bytes()}))
         start = member.receive(wire.START, deadline)
         kv_dtype = getattr(mx, start["kv_dtype"])
         slots = int(start["num_state_slots"])
