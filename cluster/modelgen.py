@@ -518,3 +518,40 @@ def num_parameters(path: str | Path) -> int:
 
     return sum(int(v.size) for f in sorted(Path(path).glob("model*.safetensors"))
                for v in mx.load(str(f)).values())
+
+
+def truncated_copy(src: str | Path, dst: str | Path, num_layers: int) -> Path:
+    """A model of `src`'s first `num_layers` decoder layers, with its embedding, final
+    norm and head (its quantization kept): a same-tokenizer draft model for speculative
+    decoding where no smaller sibling exists (tests, benchmarks). Its predictions are the
+    early layers' read through the head: a weak draft, but a real one of the model."""
+    import re
+    import shutil
+
+    import mlx.core as mx
+
+    src, dst = Path(src), Path(dst)
+    config = json.loads((src / "config.json").read_text())
+    total = int(config["num_hidden_layers"])
+    if not 1 <= num_layers <= total:
+        raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}")
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("model") and f.name != "config.json":
+            shutil.copy2(f, dst / f.name)
+    layer = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+    def keep(key: str) -> bool:
+        m = layer.search(key)
+        return m is None or int(m.group(1)) < num_layers
+
+    config["num_hidden_layers"] = num_layers
+    for name in ("quantization", "quantization_config"):
+        if isinstance(config.get(name), dict):
+            config[name] = {k: v for k, v in config[name].items() if keep(k + ".")}
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    weights = {}
+    for f in sorted(src.glob("model*.safetensors")):
+        weights.update({k: v for k, v in mx.load(str(f)).items() if keep(k)})
+    _save_weights(dst, weights, 1)
+    return dst

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from cluster.modelgen import create_model
+from cluster.modelgen import create_model, truncated_copy
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
 from cluster.worker import kernels
@@ -289,17 +290,17 @@ def test_refusals(models, tmp_path):
 def test_ngram_lookup():
     ctx = np.array([1, 2, 3, 4, 2, 3, 9, 9, 2, 3], np.int32)
     # longest suffix first: [9, 2, 3] does not occur before; [2, 3] does, latest at 4
-    assert find_match(ctx, 2, 3) == 6
-    assert find_match(ctx, 3, 3) == -1
-    assert find_match(np.array([5, 6, 7, 5, 6], np.int32), 2, 4) == 2
+    assert find_match(ctx, 2, 3) == (6, 2)
+    assert find_match(ctx, 3, 3) == (-1, 0)
+    assert find_match(np.array([5, 6, 7, 5, 6], np.int32), 2, 4) == (2, 2)
     proposer = NgramProposer(SpeculativeConfig(prompt_lookup_min=2, prompt_lookup_max=3))
     seq = Sequence("s", [10, 11, 12, 13, 14, 15, 50, 11, 12], SamplingParams())
-    assert proposer.propose(seq, 3) == [13, 14, 15]
+    assert proposer.propose(seq, 3) == [13, 14, 15] and seq.spec_state.kind == "ngram-2"
     seq.token_ids += [13, 14]  # two drafts kept, then 14 (not 15): the source continues no more...
     assert proposer.propose(seq, 2) == [15, 50]  # ...but [13, 14] matches at the same place
     seq.token_ids += [15, 50, 11]
     # the remembered source continues: after [50, 11] comes 12 at index 8 (the latest would be the same)
-    assert proposer.propose(seq, 4) == [12, 13, 14, 15]
+    assert proposer.propose(seq, 4) == [12, 13, 14, 15] and seq.spec_state.kind == "ngram-continued"
     seq.token_ids += [77, 78]
     assert proposer.propose(seq, 4) == []
 
@@ -321,6 +322,12 @@ def test_step_times_and_policy():
     t.observe(1, 0.050)
     t.observe(9, 0.090)
     assert t(5) == pytest.approx(0.070) and t(18) == pytest.approx(0.180) and t(1) == 0.050
+    t.observe(9, 0.300)  # a step slowed by other work moves the estimate a little
+    assert 0.090 < t(9) < 0.110
+    t.observe(9, 0.080)  # a fast one a lot
+    assert t(9) < 0.095
+    t.observe(4, 0.200)  # noise saying 4 rows cost more than 9: the table stays non-decreasing
+    assert t(1) <= t(4) <= t(9) and t(4) == t(9)
     seqs = [Sequence(f"s{i}", [1, 2, 3], SamplingParams()) for i in range(32)]
     # memory-bound (a step costs the same at 1 to 200 rows): every draft pays
     flat = SpecPolicy(4)
@@ -450,3 +457,140 @@ def test_metrics_have_vllms_spec_decode_counters():
     assert total(values, "orchard_spec_decode_num_accepted_tokens_per_pos_total", position="1") == 4
     plain = parse(WorkerMetrics("m", "w", lambda: EngineStats()).render().decode())
     assert not any(n.startswith("orchard_spec_decode") for n, _ in plain)
+
+
+# -- a draft model -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft(models, tmp_path_factory):
+    """The target's first layer with its embedding, norm and head: a weak draft of the same
+    tokenizer (the real case: a smaller sibling), so drafts are both kept and rejected."""
+    return truncated_copy(models["llama"], tmp_path_factory.mktemp("draft") / "llama-1-layer", 1)
+
+
+def draft_config(path, k: int = 3) -> str:
+    return json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": k})
+
+
+def test_draft_model_greedy_seeded_and_structured_are_unchanged(models, draft, every_draft):
+    """Chunked prefill (the draft catches up on each prompt in pieces), preemption (its
+    pool's contents are dropped with the blocks), prefix-cache hits and n > 1 samples (it
+    drafts their shared prompt again), structured outputs (greedy drafts, cut to what the
+    grammar accepts): every request's tokens are those without speculation."""
+    path = models["llama"]
+    prompts = repetitive_prompts(10, seed=31)
+    shared = prompts[1] + prompts[2][:9]
+    prompts += [shared, shared + prompts[3][:7]]
+
+    def params(i):
+        if i % 4 == 1:
+            return SamplingParams(max_tokens=24, temperature=0.8, seed=i, n=2, ignore_eos=True, logprobs=0)
+        if i % 4 == 2:
+            return SamplingParams(max_tokens=30, temperature=0, structured=StructuredOutput("json_object"))
+        return SamplingParams(max_tokens=20 + i, temperature=0, ignore_eos=True, logprobs=2)
+
+    config = dict(num_kv_blocks=28, max_num_batched_tokens=48, max_num_seqs=8, max_num_partial_prefills=2)
+    on, engine = run(path, prompts, params, spec=draft_config(draft), **config)
+    off, _ = run(path, prompts, params, spec=None, **config)
+    speculated(engine)
+    assert engine.stats.num_preemptions > 0 and engine.block_manager.prefix_hits > 0
+    same(on, off)
+
+
+def _outcomes(path, spec, params: SamplingParams, prompt: list[int], samples: int) -> dict:
+    """How often each output (a tuple of tokens) comes out of `samples` draws (n samples of
+    one request at a time)."""
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=256, max_num_seqs=64, speculative_config=spec))
+    counts: dict = {}
+    for r in range(0, samples, 64):
+        engine.add_request(f"q{r}", prompt, replace(params, n=min(64, samples - r)))
+        outs: dict = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs.setdefault(o.index, []).extend(o.new_token_ids)
+        for tokens in outs.values():
+            counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    if spec is not None:
+        speculated(engine)
+    return counts
+
+
+def _same_distribution_p(a: dict, b: dict) -> float:
+    """A chi-square test of homogeneity over the outcomes of two samples (rare outcomes pooled)."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
+    table = [[a.get(k, 0), b.get(k, 0)] for k in keys]
+    while len(table) > 2 and sum(table[-1]) < 10:  # pool the rare tail into one cell
+        last = table.pop()
+        table[-1] = [table[-1][0] + last[0], table[-1][1] + last[1]]
+    return scipy_stats.chi2_contingency(np.array(table).T).pvalue
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", [None, "drafts always accepted", "unnormalised residual"])
+def test_sampled_drafts_keep_the_distribution(models, draft, every_draft, monkeypatch, bug):
+    """Unseeded sampled requests draw their drafts from the draft model's q and keep them by
+    rejection sampling: 3,000 three-token outputs with drafts against 3,000 without, a
+    chi-square test of homogeneity. The real code passes; a planted bug fails at p < 0.001."""
+    path = models["llama"]
+    prompt = repetitive_prompts(1, seed=37)[0]
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
+    if bug == "drafts always accepted":
+        monkeypatch.setattr(verify, "acceptance", lambda pd, qd: np.ones_like(pd))
+    elif bug == "unnormalised residual":
+        monkeypatch.setattr(verify, "normalise", lambda w: w)
+    base = _outcomes(path, None, params, prompt, 3000)
+    spec = _outcomes(path, draft_config(draft, 2), params, prompt, 3000)
+    p = _same_distribution_p(base, spec)
+    assert (p > 0.001) if bug is None else (p < 0.001), (bug, p)
+
+
+def test_a_worker_speculates_over_http_and_reports_it(tiny_model_dir, worker_process, tiny_worker):
+    """`orchard worker serve --speculative-config`: chat completions through the openai
+    package come out as they do from a worker without it, a request opts out with
+    `speculative: false`, /metrics counts drafts and acceptances; a worker without it
+    answers `speculative: true` with a 400 that names the flag."""
+    import urllib.request
+
+    import openai
+    from cluster.bench.server_metrics import parse, total
+
+    spec = worker_process(tiny_model_dir, "--num-kv-blocks", "512", "--max-model-len", "512",
+                          "--speculative-config", NGRAM)
+    fast = openai.OpenAI(base_url=f"http://{spec.http}/v1", api_key="none", max_retries=0)
+    plain = openai.OpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="none", max_retries=0)
+    text = "apple pear plum " * 12
+    body = dict(model="", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    for extra in ({}, {"speculative": False}):
+        messages = [{"role": "user", "content": text}]
+        got = fast.chat.completions.create(messages=messages, **(body | {"extra_body": body["extra_body"] | extra}))
+        want = plain.chat.completions.create(messages=messages, **body)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        assert got.usage.completion_tokens == want.usage.completion_tokens == 40
+    values = parse(urllib.request.urlopen(f"http://{spec.metrics}/metrics", timeout=10).read().decode())
+    assert total(values, "orchard_spec_decode_num_draft_tokens_total") > 0
+    assert total(values, "orchard_spec_decode_num_accepted_tokens_total") >= 0
+    with pytest.raises(openai.BadRequestError, match="speculative decoding is off on this worker.*--speculative-config"):
+        plain.chat.completions.create(messages=[{"role": "user", "content": "hi"}],
+                                      **(body | {"extra_body": {"speculative": True}}))
+
+
+def test_orchard_bench_reads_the_acceptance_rate():
+    from cluster.bench.server_metrics import ServerMetricsSampler, ServerSample, parse
+    from cluster.worker.engine import EngineStats
+    from cluster.worker.metrics import WorkerMetrics
+    from cluster.worker.spec_decode.speculator import SpecStats
+
+    spec = SpecStats(2, 8, 5, [2, 2, 1, 0])
+    metrics = WorkerMetrics("m", "w0", lambda: EngineStats(spec_decode=spec))
+    s = ServerMetricsSampler(["127.0.0.1:1"])
+    url = s.urls[0]
+    s._before[url] = before = parse(metrics.render().decode())
+    spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens = 12, 48, 30  # the run: 10 rounds, 40 drafts
+    spec.accepted_per_pos = [10, 9, 6, 0]
+    after = parse(metrics.render().decode())
+    s.samples = [ServerSample(0.0, url, before), ServerSample(1.0, url, after)]
+    summary = s.summarize({url: after})
+    assert summary.spec_draft_tokens == 40 and summary.spec_accepted_tokens == 25
+    assert summary.spec_acceptance_rate == pytest.approx(25 / 40)
+    assert summary.spec_acceptance_by_position == pytest.approx([0.8, 0.7, 0.5, 0.0])

@@ -30,7 +30,7 @@ from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.scheduler import Scheduler
 from cluster.worker.sequence import Sequence, SequenceStatus
 from cluster.worker.spec_decode import build_speculator
-from cluster.worker.spec_decode.verify import accept_drafts
+from cluster.worker.spec_decode.verify import accept_drafts, verify_sampled_drafts
 from cluster.worker.state_slots import StateSlots
 from cluster.worker.structured import GrammarCompiler, allocate_bitmask, fill_bitmasks, grammar_error
 
@@ -108,6 +108,14 @@ class PendingStep:
     pooling: list = field(default_factory=list)
 
 
+def _history(entry, j: int) -> tuple[list[int], int]:
+    """The penalties' history of an entry's sampled row j: its tokens, then its first j drafts."""
+    seq = entry.seq
+    if j and seq.sampling_params.processes_logits:
+        return seq.token_ids + entry.spec_token_ids[:j], seq.num_prompt_tokens
+    return seq.token_ids, seq.num_prompt_tokens
+
+
 class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), model_name: str = "model",
                  pooler: Pooler | None = None, runner_factory=None):
@@ -121,15 +129,23 @@ class Engine:
         self.tokenizer = tokenizer
         self.pooler = pooler or Pooler(hidden_size=int(text_args(model).hidden_size))
         kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
+        hybrid = has_recurrent_layers(model)
+        # speculative decoding (--speculative-config; None: off): spec_decode/. A draft
+        # model's pool shares the KV budget, block for block.
+        self.speculator = build_speculator(config, model, model_name, hybrid, tokenizer,
+                                           int(text_args(model).vocab_size))
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = config.kv_cache_memory_bytes or default_kv_budget(model)
-            num_blocks = max(1, budget // kv_bytes_per_block(model, config.block_size, kv_dtype))
+            per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
+            if self.speculator is not None:
+                per_block += self.speculator.kv_bytes_per_block(
+                    config.block_size, None if config.kv_cache_dtype == "auto" else kv_dtype)
+            num_blocks = max(1, budget // per_block)
         model_max = int(getattr(text_args(model), "max_position_embeddings", 0) or 32768)
         max_len = min(config.max_model_len or model_max, num_blocks * config.block_size)
         self.config = config.resolved(model_max_len=max_len, num_kv_blocks=num_blocks,
                                       default_batched_tokens=platform.default_max_num_batched_tokens())
-        hybrid = has_recurrent_layers(model)
         prefix_caching = config.enable_prefix_caching and not hybrid
         if hybrid and config.enable_prefix_caching:
             # A cached prefix's K/V is not enough: its recurrent state at the block boundary
@@ -159,9 +175,9 @@ class Engine:
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         self.stats = EngineStats(num_blocks_total=num_blocks,
                                  state_slots_total=self.state_slots.num_slots if hybrid else 0)
-        # speculative decoding (--speculative-config; None: off): spec_decode/
-        self.speculator = build_speculator(self.config, model, model_name, hybrid)
         if self.speculator is not None:
+            self.speculator.attach(self.config, self.block_manager,
+                                   None if config.kv_cache_dtype == "auto" else kv_dtype)
             self.stats.spec_decode = self.speculator.stats
         self._piece_texts: dict[int, str] = {}  # token id -> its text, special tokens spelled (thinking markers)
 
@@ -199,8 +215,9 @@ class Engine:
         if len(resume_token_ids) >= params.max_tokens:
             raise ValueError(f"{len(resume_token_ids)} resumed tokens already reach max_tokens={params.max_tokens}")
         self.scheduler.check_fits(len(prompt_token_ids) + len(resume_token_ids))
-        if self.scheduler.queue_full(params.pooling is not None):
-            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests): retry later")
+        cap = self.config.max_waiting
+        if cap and len(self.scheduler.waiting) >= cap:
+            raise QueueFullError(f"the waiting queue is full ({cap} requests): retry later")
         if params.n > 1 and resume_token_ids:
             raise ValueError("a request with n > 1 cannot be resumed")
         if params.speculative and self.speculator is None:
@@ -381,8 +398,7 @@ class Engine:
             return PendingStep(t0, plan)
         self.stats.observe_kv_usage(self.block_manager.usage)
         batch = self.runner.prepare(plan)
-        # (a model that serves no embeddings or scores never looks: its steps cost nothing more)
-        return PendingStep(t0, plan, batch, self._pooling_rows(plan, batch) if self.pooler.pools else [])
+        return PendingStep(t0, plan, batch, self._pooling_rows(plan, batch))
 
     def finish_step(self, pending: "PendingStep") -> list[RequestOutput]:
         """The second half: forward, sample, postprocess."""
@@ -393,8 +409,7 @@ class Engine:
             logits = self.runner.forward(batch)
             if pooling:
                 self._pool(plan, pooling)
-            sampling = ([e for e in plan.scheduled if e.sample and e.seq.sampling_params.pooling is None] if pooling
-                        else [e for e in plan.scheduled if e.sample])  # (no pooling request in this step)
+            sampling = [e for e in plan.scheduled if e.sample and e.seq.sampling_params.pooling is None]
             if batch.prompt_rows:
                 self._prompt_logprobs(plan, batch, logits)
                 logits = logits[mx.array(batch.sample_index, dtype=mx.int32)] if sampling else None
@@ -403,15 +418,23 @@ class Engine:
             elapsed = time.perf_counter() - t1
             self.stats.forward_seconds += elapsed
             kept: dict[int, list[int]] = {}
-            first_row: dict[int, int] = {}  # id(seq) -> its first sampled row in `result`
+            logprobs: dict[int, tuple[list | None, list | None]] = {}  # id(seq) -> kept tokens' (logprobs, tops)
             row = 0
             for e in sampling:
-                first_row[id(e.seq)] = row
-                drawn = result.token_ids[row : row + 1 + len(e.spec_token_ids)]
-                kept[id(e.seq)] = accept_drafts(e.spec_token_ids, drawn)
-                row += len(drawn)
+                n = 1 + len(e.spec_token_ids)
+                q = getattr(getattr(e.seq.spec_state, "proposer", None), "probs", None)
+                if q is not None and e.spec_token_ids:  # drafts drawn from the draft model's q
+                    tokens, lps = verify_sampled_drafts(logits[row : row + n], e.seq.sampling_params,
+                                                        [_history(e, j) for j in range(n)], e.spec_token_ids,
+                                                        q[: n - 1])
+                else:
+                    tokens = accept_drafts(e.spec_token_ids, result.token_ids[row : row + n])
+                    lps = result.logprobs[row : row + len(tokens)] if result.logprobs is not None else None
+                kept[id(e.seq)] = tokens
+                logprobs[id(e.seq)] = (lps, result.top_logprobs[row : row + len(tokens)])
+                row += n
                 if self.speculator is not None:
-                    self.speculator.record(e.spec_token_ids, kept[id(e.seq)], e.seq)
+                    self.speculator.record(e.spec_token_ids, tokens, e.seq)
             if self.speculator is not None:
                 self.speculator.observe_step(elapsed, batch.num_tokens)
             produced = self.scheduler.postprocess(plan, kept)
@@ -419,7 +442,7 @@ class Engine:
                 if e.seq.request_id in self.forks:
                     self._fork(e.seq)
             for e in produced:
-                outputs.append(self._on_tokens(e.seq, kept[id(e.seq)], result, first_row[id(e.seq)]))
+                outputs.append(self._on_tokens(e.seq, kept[id(e.seq)], *logprobs[id(e.seq)]))
             if pooling:
                 outputs += self._finish_pooled([e for e in plan.scheduled
                                                 if e.sample and e.seq.sampling_params.pooling is not None])
@@ -435,7 +458,7 @@ class Engine:
         decodes = sum(1 for q in s.running if not q.is_prefilling)
         pending = sum(q.num_uncomputed_tokens for q in s.running if q.is_prefilling)
         if len(s.running) < self.config.max_num_seqs:
-            pending += sum(q.num_uncomputed_tokens for q in list(s.waiting)[:8])
+            pending += sum(q.num_uncomputed_tokens for q in itertools.islice(s.waiting, 8))
         return decodes + min(pending, max(0, self.config.max_num_batched_tokens - decodes))
 
     def _sample(self, sampling, logits: mx.array):
@@ -449,34 +472,27 @@ class Engine:
             mx.async_eval(logits)
             bitmask = self._masks([e for e in sampling if e.seq.matcher is not None or e.seq.forced], logits.shape[1])
 
-        def history(e, j):
-            seq = e.seq
-            if j and seq.sampling_params.processes_logits:
-                return seq.token_ids + e.spec_token_ids[:j], seq.num_prompt_tokens
-            return seq.token_ids, seq.num_prompt_tokens
-
         return self.sampler(
             logits, [e.seq.sampling_params for e, _ in rows], [e.seq.num_output_tokens + j for e, j in rows],
-            [history(e, j) for e, j in rows], bitmask, masked,
+            [_history(e, j) for e, j in rows], bitmask, masked,
         )
 
     # -- pooling requests (pooling.py) -----------------------------------------------------------
     def _pooling_rows(self, plan, batch) -> list[tuple[int, int, int]]:
         """Put the rows the step's pooling requests read into `batch.hidden_rows`; returns
         (entry index, first of its rows there, how many) for each such entry."""
-        scheduled = plan.scheduled
-        pooled = [i for i, e in enumerate(scheduled) if e.seq.sampling_params.pooling is not None]
-        if not pooled:
-            return []
-        firsts = [0, *itertools.accumulate(e.num_new_tokens for e in scheduled)]  # each entry's first row
         rows: list[int] = []
         found: list[tuple[int, int, int]] = []
-        for i in pooled:
-            e = scheduled[i]
-            r = self.pooler.hidden_rows(e.seq.sampling_params.pooling, e.start, e.num_new_tokens, e.sample)
-            found.append((i, len(rows), len(r)))
-            rows += [firsts[i] + k for k in r]
-        batch.hidden_rows = mx.array(rows, dtype=mx.int32)
+        first = 0  # the entry's first row in the packed step
+        for i, e in enumerate(plan.scheduled):
+            pooling = e.seq.sampling_params.pooling
+            if pooling is not None:
+                r = self.pooler.hidden_rows(pooling, e.start, e.num_new_tokens, e.sample)
+                found.append((i, len(rows), len(r)))
+                rows += [first + k for k in r]
+            first += e.num_new_tokens
+        if found:
+            batch.hidden_rows = mx.array(rows, dtype=mx.int32)
         return found
 
     def _pool(self, plan, found: list[tuple[int, int, int]]) -> None:
@@ -607,13 +623,28 @@ class Engine:
             self.sampler(logits, [seq.sampling_params], [start])
             mx.eval(self.runner.pool_arrays())
             seq.token_ids.append(0)
+        if self.speculator is not None:  # its policy's step times, by rows, before any request
+            ctx = n + 1
+            room = min(self.block_manager.num_blocks * bs, self.config.max_model_len) - ctx
+
+            def timed(rows: int) -> float:
+                seq.token_ids = [0] * (ctx + rows)
+                seq.block_table = list(range(-(-(ctx + rows) // bs)))
+                plan = SchedulerOutput([ScheduledSeq(seq, ctx, rows)])
+                t = time.perf_counter()
+                logits = self.runner.forward(self.runner.prepare(plan))
+                mx.eval(logits, *self.runner.pool_arrays())
+                return time.perf_counter() - t
+
+            self.speculator.calibrate(timed, min(room, self.config.max_num_batched_tokens))
         return time.perf_counter() - t0
 
-    def _on_tokens(self, seq: Sequence, tokens: list[int], result, row: int) -> RequestOutput:
+    def _on_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[float] | None,
+                   top_logprobs: list | None) -> RequestOutput:
         """Stop checks for the tokens a step appended to `seq` (several with drafts kept),
         one at a time, as if each came from its own step: the first that finishes the
-        request ends it, and the tokens after it are dropped. `row`: the first token's
-        row in `result`."""
+        request ends it, and the tokens after it are dropped. `logprobs`, `top_logprobs`:
+        the tokens', when the request asks."""
         params = seq.sampling_params
         detok = self.detoks[seq.request_id]
         status = error = None
@@ -669,8 +700,8 @@ class Engine:
             error=error,
         )
         if params.logprobs is not None:
-            out.logprobs = result.logprobs[row : row + kept]
-            out.top_logprobs = [t or [] for t in result.top_logprobs[row : row + kept]]
+            out.logprobs = list(logprobs[:kept])
+            out.top_logprobs = [t or [] for t in top_logprobs[:kept]]
         if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
             out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return out

@@ -134,25 +134,7 @@ class Sampler:
 
     def _sample(self, logits, params, steps, greedy) -> mx.array:
         N, V = logits.shape
-        temps = mx.array([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=mx.float32)
-        x = logits / temps[:, None]
-        neg_inf = mx.array(-float("inf"), dtype=x.dtype)
-        if any(p.top_k > 0 for p in params):
-            ks = mx.array([p.top_k if 0 < p.top_k < V else V for p in params], dtype=mx.int32)
-            sorted_desc = -mx.sort(-x, axis=-1)
-            kth = mx.take_along_axis(sorted_desc, (ks - 1)[:, None], axis=-1)
-            x = mx.where(x < kth, neg_inf, x)
-        if any(p.top_p < 1.0 for p in params) or any(p.min_p > 0 for p in params):
-            probs = mx.softmax(x, axis=-1)
-            order = mx.argsort(-probs, axis=-1)
-            sorted_probs = mx.take_along_axis(probs, order, axis=-1)
-            top_p = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
-            min_p = mx.array([p.min_p for p in params], dtype=mx.float32)[:, None]
-            # keep a token if the mass before it is < top_p (the top token always stays)
-            mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
-            keep_sorted = (mass_before < top_p) & (sorted_probs >= min_p * sorted_probs[:, :1])
-            keep = mx.put_along_axis(mx.zeros((N, V), dtype=mx.bool_), order, keep_sorted, axis=-1)
-            x = mx.where(keep, x, neg_inf)
+        x = filtered(logits, params)
         noise = []
         shared = None
         for p, step, g in zip(params, steps, greedy):
@@ -165,3 +147,34 @@ class Sampler:
                     shared = mx.random.gumbel(shape=(N, V), key=self._next_key())
                 noise.append(shared[len(noise)])
         return mx.argmax(x + mx.stack(noise), axis=-1)
+
+
+def filtered(logits: mx.array, params: list[SamplingParams]) -> mx.array:
+    """What a sampled row draws from, as logits: divided by the temperature, with the
+    tokens top-k, top-p and min-p leave out at -inf (each row by its own parameters)."""
+    N, V = logits.shape
+    temps = mx.array([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=mx.float32)
+    x = logits / temps[:, None]
+    neg_inf = mx.array(-float("inf"), dtype=x.dtype)
+    if any(p.top_k > 0 for p in params):
+        ks = mx.array([p.top_k if 0 < p.top_k < V else V for p in params], dtype=mx.int32)
+        sorted_desc = -mx.sort(-x, axis=-1)
+        kth = mx.take_along_axis(sorted_desc, (ks - 1)[:, None], axis=-1)
+        x = mx.where(x < kth, neg_inf, x)
+    if any(p.top_p < 1.0 for p in params) or any(p.min_p > 0 for p in params):
+        probs = mx.softmax(x, axis=-1)
+        order = mx.argsort(-probs, axis=-1)
+        sorted_probs = mx.take_along_axis(probs, order, axis=-1)
+        top_p = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
+        min_p = mx.array([p.min_p for p in params], dtype=mx.float32)[:, None]
+        # keep a token if the mass before it is < top_p (the top token always stays)
+        mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = (mass_before < top_p) & (sorted_probs >= min_p * sorted_probs[:, :1])
+        keep = mx.put_along_axis(mx.zeros((N, V), dtype=mx.bool_), order, keep_sorted, axis=-1)
+        x = mx.where(keep, x, neg_inf)
+    return x
+
+
+def filtered_probs(logits: mx.array, params: list[SamplingParams]) -> mx.array:
+    """The distribution a sampled row draws from (`filtered`, softmaxed): float32 [N, V]."""
+    return mx.softmax(filtered(logits, params), axis=-1)

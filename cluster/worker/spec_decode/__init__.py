@@ -21,9 +21,11 @@ scheduler's drafts-aware decode entries and rollback (`ScheduledSeq.spec_token_i
 from cluster.worker.spec_decode.config import SpeculativeConfig  # noqa: F401
 
 
-def build_speculator(config, model, model_name: str, hybrid: bool):
-    """The engine's Speculator for a resolved EngineConfig (None: speculation off).
-    ValueError, naming the model, where the engine cannot speculate exactly."""
+def build_speculator(config, model, model_name: str, hybrid: bool, tokenizer=None, vocab_size: int = 0):
+    """The engine's Speculator for its EngineConfig (None: speculation off), before the
+    KV pool is sized (a draft model's pool takes its share: `kv_bytes_per_block`); the
+    engine then calls `attach`. ValueError, naming the model, where the engine cannot
+    speculate exactly."""
     spec = SpeculativeConfig.parse(config.speculative_config)
     if spec is None:
         return None
@@ -37,5 +39,5 @@ def build_speculator(config, model, model_name: str, hybrid: bool):
     if spec.method == "draft_model":
         from cluster.worker.spec_decode.draft import DraftModelProposer
 
-        proposer = DraftModelProposer.load(spec, config, model)
-    return Speculator(spec, config.max_model_len, proposer)
+        proposer = DraftModelProposer.load(spec, config, tokenizer, vocab_size, model_name)
+    return Speculator(spec, proposer)

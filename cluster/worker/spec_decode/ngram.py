@@ -68,9 +68,12 @@ class NgramProposer:
             state = spec.proposer = _Context()
         ctx = state.sync(seq.token_ids)
         L = ctx.shape[0]
-        start = self._continued(state, ctx)
-        if start < 0:
-            start = find_match(ctx, self.min_n, self.max_n)
+        start, n = self._continued(state, ctx), 0
+        if start >= 0:
+            spec.kind = "ngram-continued"
+        else:
+            start, n = find_match(ctx, self.min_n, self.max_n)
+            spec.kind = f"ngram-{n}"
         state.source, state.proposed_at = start, L
         if start < 0:
             return []
@@ -91,9 +94,9 @@ class NgramProposer:
         return c
 
 
-def find_match(ctx: np.ndarray, min_n: int, max_n: int) -> int:
-    """Index of the token that followed the latest earlier occurrence of the context's
-    longest suffix of min_n..max_n tokens (-1: none occurs)."""
+def find_match(ctx: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]:
+    """(index of the token that followed the latest earlier occurrence of the context's
+    longest suffix of min_n..max_n tokens, that length n), or (-1, 0): none occurs."""
     L = ctx.shape[0]
     for n in range(min(max_n, L - 1), min_n - 1, -1):
         # candidates i < L - n: ctx[i : i + n] == ctx[L - n :], with a token after it
@@ -104,5 +107,5 @@ def find_match(ctx: np.ndarray, min_n: int, max_n: int) -> int:
             hits &= ctx[j : L - n + j] == ctx[L - n + j]
         found = np.flatnonzero(hits)
         if found.size:
-            return int(found[-1]) + n
-    return -1
+            return int(found[-1]) + n, n
+    return -1, 0

@@ -11,8 +11,9 @@ they bring. So, each step:
   per row count, interpolated between the counts measured; the worker measures a grid
   of decode steps at start-up, and every real step updates it).
 - Each request's acceptance rate `a` (the chance a draft is accepted given the ones
-  before it were) is a moving average of its own verify rounds, starting from the
-  engine-wide rate. Draft j of a request is then worth a^j expected tokens.
+  before it were) is a moving average of its own verify rounds, pulled toward the
+  engine-wide rate of its proposal's kind (n-gram: continuing a copy, or a fresh match of
+  n tokens). Draft j of a request is then worth a^j expected tokens.
 - Drafts are taken in order of worth, and the count m kept is the one that maximises
   expected tokens per second, (decodes + sum of worths) / T(rows + m) (plus the draft
   model's own time for a draft model). A small batch on a memory-bound machine keeps
@@ -29,14 +30,22 @@ from cluster.worker.spec_decode.state import state_of
 # to 16, then coarser.
 GRID = sorted(set(list(range(1, 17)) + list(range(18, 33, 2)) + list(range(36, 65, 4)) + list(range(72, 129, 8))
                   + [int(128 * 1.25 ** i) for i in range(1, 20)]))
-_EMA = 0.2  # weight of a new step-time sample
+_DOWN, _UP = 0.3, 0.05  # weight of a new step-time sample below / above the estimate
 
 
 class StepTimes:
-    """Seconds a step takes by its number of rows."""
+    """Seconds a step takes by its number of rows.
+
+    Each row count keeps a moving estimate that follows a fast sample quickly and a slow
+    one slowly (a low quantile, not the mean): on a machine shared with other work a
+    step only ever takes longer than its own cost, never shorter. Read back, the table is
+    made non-decreasing in rows (pool-adjacent-violators, weighted by samples), so noise
+    never says that more rows cost less."""
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
+        self.samples: dict[int, int] = {}
+        self._smooth: tuple[list[int], list[float]] | None = None
 
     @staticmethod
     def snap(rows: int) -> int:
@@ -52,7 +61,30 @@ class StepTimes:
             return
         key = self.snap(rows)
         old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+        if old is None:
+            self.seconds[key] = seconds
+        else:
+            self.seconds[key] = old + (_DOWN if seconds < old else _UP) * (seconds - old)
+        self.samples[key] = self.samples.get(key, 0) + 1
+        self._smooth = None
+
+    def _table(self) -> tuple[list[int], list[float]]:
+        if self._smooth is None:
+            blocks: list[list[float]] = []  # [value, weight, first key index, last]
+            keys = sorted(self.seconds)
+            for i, k in enumerate(keys):
+                blocks.append([self.seconds[k], float(min(self.samples[k], 20)), i, i])
+                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                    b = blocks.pop()
+                    a = blocks[-1]
+                    w = a[1] + b[1]
+                    a[0], a[1], a[3] = (a[0] * a[1] + b[0] * b[1]) / w, w, b[3]
+            values = [0.0] * len(keys)
+            for v, _, lo, hi in blocks:
+                for i in range(lo, hi + 1):
+                    values[i] = v
+            self._smooth = (keys, values)
+        return self._smooth
 
     def __call__(self, rows: int) -> float | None:
         """The expected time of a step of `rows` rows (None before any was measured):
@@ -60,29 +92,32 @@ class StepTimes:
         bound by compute); below the smallest, the smallest's."""
         if not self.seconds:
             return None
-        keys = sorted(self.seconds)
+        keys, values = self._table()
         i = bisect.bisect_left(keys, rows)
         if i < len(keys) and keys[i] == rows:
-            return self.seconds[rows]
+            return values[i]
         if i == 0:
-            return self.seconds[keys[0]]
+            return values[0]
         if i == len(keys):
-            last = keys[-1]
-            return self.seconds[last] * rows / last
+            return values[-1] * rows / keys[-1]
         lo, hi = keys[i - 1], keys[i]
         w = (rows - lo) / (hi - lo)
-        return (1 - w) * self.seconds[lo] + w * self.seconds[hi]
+        return (1 - w) * values[i - 1] + w * values[i]
 
 
 class SpecPolicy:
     def __init__(self, k: int, initial_rate: float = 0.6):
         self.k = k
         self.times = StepTimes()
-        self.rate = initial_rate  # engine-wide acceptance (moving average over verify rounds)
+        self.initial_rate = initial_rate
+        # engine-wide acceptance by proposal kind (n-gram: a continued copy, or a fresh match of
+        # n tokens), moving averages over verify rounds
+        self.rates: dict[str, float] = {}
         self.draft_seconds_per_row = 0.0  # a draft model's time per drafted row (0: n-gram)
 
     def acceptance(self, seq) -> float:
-        return state_of(seq, self.rate).rate
+        state = state_of(seq)
+        return state.rate(self.rates.get(state.kind, self.initial_rate))
 
     def limits(self, decodes: list, proposed: list[int], num_rows: int) -> list[int]:
         """How many of its `proposed[i]` drafts each of `decodes` scores, in a step that
@@ -117,9 +152,11 @@ class SpecPolicy:
     def record(self, seq, drafted: int, accepted: int) -> None:
         """A verify round of `seq`: `accepted` of its `drafted` drafts kept."""
         scored = accepted + (1 if accepted < drafted else 0)  # drafts whose acceptance was decided
-        state_of(seq, self.rate).record(accepted, scored)
+        state = state_of(seq)
+        state.record(accepted, scored)
         if scored:
-            self.rate = 0.95 * self.rate + 0.05 * accepted / scored
+            old = self.rates.get(state.kind, self.initial_rate)
+            self.rates[state.kind] = 0.95 * old + 0.05 * accepted / scored
 
     def observe_step(self, seconds: float, num_rows: int) -> None:
         self.times.observe(num_rows, seconds)

@@ -23,6 +23,8 @@ from cluster.worker.spec_decode.ngram import NgramProposer
 from cluster.worker.spec_decode.policy import SpecPolicy
 
 log = logging.getLogger(__name__)
+# The step sizes the worker measures at start (warm-up): the policy interpolates between them.
+CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 @dataclass
@@ -40,13 +42,25 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer=None, policy: SpecPolicy | None = None):
+    def __init__(self, config: SpeculativeConfig, proposer=None, policy: SpecPolicy | None = None):
         self.config = config
         self.k = config.num_speculative_tokens
-        self.max_model_len = max_model_len
+        self.max_model_len = 0  # attach()
         self.proposer = proposer if proposer is not None else NgramProposer(config)
         self.policy = policy if policy is not None else SpecPolicy(self.k)
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
+
+    def kv_bytes_per_block(self, block_size: int, kv_dtype) -> int:
+        """What the proposer adds to each KV block (a draft model's own pool)."""
+        per_block = getattr(self.proposer, "kv_bytes_per_block", None)
+        return per_block(block_size, kv_dtype) if per_block is not None else 0
+
+    def attach(self, config, block_manager, kv_dtype=None) -> None:
+        """Once the engine has its resolved config and block manager."""
+        self.max_model_len = config.max_model_len
+        if hasattr(self.proposer, "attach"):
+            self.proposer.max_batched_tokens = config.max_num_batched_tokens
+            self.proposer.attach(block_manager, kv_dtype)
 
     @staticmethod
     def speculates(seq: Sequence) -> bool:
@@ -81,8 +95,9 @@ class Speculator:
             for seq, d, k in zip(decodes, drafts, limits):
                 seq.spec_token_ids = d[:k]
         else:  # a draft model's drafts cost its forwards: decide how many first
-            limits = self.policy.limits(decodes, rooms, num_rows)
-            for seq, d in zip(decodes, self.proposer.propose_batch(decodes, limits)):
+            self.policy.draft_seconds_per_row = self.proposer.seconds_per_row()
+            limits = [min(a, b) for a, b in zip(self.policy.limits(decodes, rooms, num_rows), rooms)]
+            for seq, d in zip(decodes, self.proposer.propose_batch(decodes, limits, len(running))):
                 seq.spec_token_ids = self._grammar_prefix(seq, d)
 
     def _drafts(self, seq: Sequence, k: int) -> list[int]:
@@ -107,6 +122,13 @@ class Speculator:
         for j in range(accepted):
             s.accepted_per_pos[j] += 1
         self.policy.record(seq, len(drafts), accepted)
+
+    def calibrate(self, time_rows, max_rows: int) -> None:
+        """Measure steps of 1 .. `max_rows` rows (`time_rows(rows)` -> seconds; the best of
+        three each) for the policy's table, before the first request."""
+        for rows in CALIBRATION_ROWS:
+            if rows <= max_rows:
+                self.policy.times.observe(rows, min(time_rows(rows) for _ in range(3)))
 
     def observe_step(self, seconds: float, num_rows: int) -> None:
         self.policy.observe_step(seconds, num_rows)

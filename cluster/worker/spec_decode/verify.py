@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# rejection sampling's uniforms and residual draws (requests whose drafts are sampled are
+# unseeded: their draws come from here, as the sampler's unseeded rows from its own key)
+_rng = np.random.default_rng()
+
 
 def accept_drafts(drafts: list[int], drawn: list[int]) -> list[int]:
     """Point-mass verification: `drawn[j]` is the token row j drew (len(drafts) + 1 rows).
@@ -87,3 +91,25 @@ def rejection_sample(p: np.ndarray, q: np.ndarray, drafts: np.ndarray, rng: np.r
     safe = np.minimum(first, k - 1) if k else first
     tokens[np.arange(R), first] = np.where(has_rejection, fixes[np.arange(R), safe] if k else 0, bonus)
     return tokens, first + 1
+
+
+def verify_sampled_drafts(logits, params, histories, drafts: list[int], q: np.ndarray
+                          ) -> tuple[list[int], list[float]]:
+    """Rejection sampling for one request whose drafts were drawn from `q` [k, V]:
+    `logits` [k + 1, V] its verify rows (float32), `histories` its penalties' history at
+    each row. The target's p is what the sampler would draw from at each row (penalties
+    and bias, then temperature, top-k, top-p, min-p). Returns the kept tokens and their
+    logprobs (of the processed distribution, as the sampler reports them)."""
+    import mlx.core as mx
+
+    from cluster.worker.sampler import filtered_probs, process_logits
+
+    rows = [params] * (len(drafts) + 1)
+    x = process_logits(logits, rows, histories) if params.processes_logits else logits
+    p = np.array(filtered_probs(x, rows), dtype=np.float64)
+    p /= p.sum(axis=-1, keepdims=True)
+    tokens, n = rejection_sample(p[None], q[None], np.asarray([drafts], dtype=np.int64), _rng)
+    kept = tokens[0, : n[0]].tolist()
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    logprobs = [float(lp[j, t].item()) for j, t in enumerate(kept)]
+    return kept, logprobs
