@@ -106,6 +106,34 @@ def warn_if_slow_blas() -> None:
             "`apt-get install libopenblas0-openmp` (or set ORCHARD_OPENBLAS=/path/libopenblas.so.0).", looked)
 
 
+def available_memory() -> int:
+    """Bytes of RAM a new allocation can have (Linux's MemAvailable, else the free pages;
+    0: unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def resident_bytes(pid: int | str = "self") -> int:
+    """A process's resident memory (0 where /proc is not there)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def has_metal() -> bool:
     import mlx.core as mx
 

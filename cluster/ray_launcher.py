@@ -174,15 +174,16 @@ class WorkerActor:
 
 class GroupMemberActor:
     """A worker group's member (rank >= 1) inside a Ray actor: joins rank 0 and runs the
-    steps it plans. When the group is lost the process exits and Ray starts it again."""
+    steps it plans. When it ends (the group lost, or it could not join) the process exits
+    and Ray starts it again."""
 
     def __init__(self, spec: RaySpec, group):
         import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
-        from cluster.worker.group.member import run_member
+        from cluster.worker.group.member import member_process
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.rank = group.rank
-        self.thread = threading.Thread(target=run_member, args=(spec.model, group, spec.join_token),
+        self.thread = threading.Thread(target=member_process, args=(spec.model, group, spec.join_token),
                                        name="orchard-group-member", daemon=True)
         self.thread.start()
 

@@ -55,16 +55,6 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def rss(pid: int | str = "self") -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def env(threads: int) -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                 ORCHARD_JOIN_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
@@ -81,6 +71,7 @@ def pin(cpu: int | None):
 
 def run(args) -> dict:
     import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+    from cluster import platform
     from cluster.worker.config import EngineConfig
     from cluster.worker.engine import Engine
     from cluster.worker.sampling_params import SamplingParams
@@ -114,7 +105,7 @@ def run(args) -> dict:
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     forwarded = args.requests * (args.prompt_len + args.max_tokens - 1)
     out = {"mode": args.mode, "tok_s": tokens / wall, "tokens": tokens, "wall": wall, "steps": steps,
-           "forwarded": forwarded, "rss0": rss(), "cpu0": cpu}
+           "forwarded": forwarded, "rss0": platform.resident_bytes(), "cpu0": cpu}
     if group is not None:
         s = group.stats
         n = s.steps - before["steps"]

@@ -736,7 +736,8 @@ def main(argv=None) -> int:
     parser.add_argument("--refusal-p99-ms", type=float, default=100.0)
     parser.add_argument("--probe-ratio", type=float, default=2.0)
     parser.add_argument("--memory-slack", type=float, default=0.10)
-    parser.add_argument("--settle", type=float, default=3.0, help="seconds after the fuzz before memory is read")
+    parser.add_argument("--settle", type=float, default=8.0,
+                        help="seconds after the fuzz before memory is read (the servers trim freed memory every 5 s)")
     parser.add_argument("--policy", default="prefix_aware",
                         help="the router's placement policy (prefix_aware keeps a bounded prefix index that grows)")
     parser.add_argument("--progress", action="store_true")

@@ -3,8 +3,9 @@ processes and through a router, with real clients (the openai package, LangChain
 OpenAIEmbeddings), against mlx-lm's own forward on the same weights.
 
 One embedding worker (Qwen3-Embedding's shape: last-token pooling, normalized,
-Matryoshka), one reranker worker (Qwen3-Reranker's yes/no scoring) and one generation
-worker serving embeddings too (--embeddings), all registered with one router.
+Matryoshka) and one reranker worker (Qwen3-Reranker's yes/no scoring), registered with one
+router; the slow tests add a llama cross-encoder worker and a generation worker serving
+embeddings too (--embeddings).
 """
 
 from __future__ import annotations
@@ -34,11 +35,15 @@ TEXTS = ["The orchard is quiet in the morning.", "Workers pick apples from every
 
 
 @pytest.fixture(scope="module")
-def dirs(embedding_model_dir, reranker_model_dir, tmp_path_factory):
+def dirs(embedding_model_dir, reranker_model_dir):
+    return {"emb": embedding_model_dir, "rr": reranker_model_dir}
+
+
+@pytest.fixture(scope="module")
+def cls_dir(tmp_path_factory):
     from cluster.modelgen import create_model
 
-    cls = create_model(tmp_path_factory.mktemp("cls") / "tiny-llama-cls", "llama", "tiny", seed=7, kind="classifier")
-    return {"emb": embedding_model_dir, "rr": reranker_model_dir, "cls": cls}
+    return create_model(tmp_path_factory.mktemp("cls") / "tiny-llama-cls", "llama", "tiny", seed=7, kind="classifier")
 
 
 @pytest.fixture(scope="module")
@@ -53,25 +58,46 @@ def router():
     proc.wait(20)
 
 
-@pytest.fixture(scope="module")
-def workers(dirs, router, worker_process, tiny_model_dir):
-    common = ("--num-kv-blocks", "256", "--max-model-len", "512", "--max-pooling-inputs", "8", "--router",
-              router["grpc"], "--heartbeat-interval", "0.2")
-    with ThreadPoolExecutor(4) as pool:  # started side by side
-        futures = {"emb": pool.submit(worker_process, dirs["emb"], *common),
-                   "rr": pool.submit(worker_process, dirs["rr"], *common),
-                   "cls": pool.submit(worker_process, dirs["cls"], *common),
-                   "gen": pool.submit(worker_process, tiny_model_dir, *common, "--embeddings")}
+COMMON = ("--num-kv-blocks", "256", "--max-model-len", "512", "--max-pooling-inputs", "8",
+          "--max-pooling-tokens", "3000", "--heartbeat-interval", "0.2")
+
+
+def start_workers(worker_process, router, dirs: dict) -> dict:
+    """Workers for `dirs` (name -> model directory and extra flags) started side by side,
+    registered with the router; stopped when the caller is done with them."""
+    with ThreadPoolExecutor(len(dirs)) as pool:
+        futures = {k: pool.submit(worker_process, d, *COMMON, "--router", router["grpc"], *extra)
+                   for k, (d, *extra) in dirs.items()}
         out = {k: f.result() for k, f in futures.items()}
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # all four registered with the router
+    names = {d.name for d, *_ in dirs.values()}
+    while time.monotonic() < deadline:  # all registered with the router
         try:
-            if len(get(router["http"], "/v1/models")["data"]) == 4:
+            if names <= {m["id"] for m in get(router["http"], "/v1/models")["data"]}:
                 break
         except (urllib.error.URLError, ConnectionError):
             pass
         time.sleep(0.2)
     return out
+
+
+@pytest.fixture(scope="module")
+def workers(dirs, router, worker_process):
+    """An embedding worker and a Qwen3-Reranker worker (the default run's); stopped with the
+    module (idle workers heartbeating at 0.2 s would slow every later test)."""
+    out = start_workers(worker_process, router, {"emb": (dirs["emb"],), "rr": (dirs["rr"],)})
+    yield out
+    for w in out.values():
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def more_workers(cls_dir, router, worker_process, tiny_model_dir, workers):
+    """A llama cross-encoder worker and a generation worker serving embeddings too (slow tests)."""
+    out = start_workers(worker_process, router, {"cls": (cls_dir,), "gen": (tiny_model_dir, "--embeddings")})
+    yield out
+    for w in out.values():
+        w.stop()
 
 
 def get(address: str, path: str) -> dict:
@@ -172,7 +198,7 @@ def test_rerank_and_score_order_and_top_n(dirs, workers, router, where):
     for r in body["results"]:
         assert abs(r["relevance_score"] - want[r["index"]]) < 1e-5 and r["document"]["text"] == docs[r["index"]]
     assert body["usage"]["total_tokens"] == sum(len(tokens(dirs["rr"], yes_no_prompt(query, d))) for d in docs)
-    model = dirs["rr"].name  # (the router has two rerankers: the model says which)
+    model = dirs["rr"].name  # (the router may have two rerankers: the model says which)
     status, body = post(address, "/v1/rerank", {"model": model, "query": query, "documents": [{"text": d} for d in docs],
                                                 "return_documents": False})
     assert [r["index"] for r in body["results"]] == sorted(range(4), key=lambda i: -want[i])
@@ -201,8 +227,9 @@ def test_sdk_embed_and_rerank_over_grpc(dirs, workers, router, where):
         assert all(abs(b.score - want[b.index]) < 1e-5 and b.document == docs[b.index] for b in best)
 
 
-def test_a_generation_model_serves_embeddings_beside_generation(workers, tiny_model_dir):
-    w = workers["gen"]
+@pytest.mark.slow
+def test_a_generation_model_serves_embeddings_beside_generation(more_workers, tiny_model_dir):
+    w = more_workers["gen"]
     client = openai.OpenAI(base_url=f"http://{w.http}/v1", api_key="none", max_retries=0)
     chat = client.chat.completions.create(model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert chat.choices[0].finish_reason in ("length", "stop")
@@ -223,6 +250,7 @@ def test_bad_input_is_a_400_that_says_why(dirs, workers, router, where):
         (emb, "/v1/embeddings", {"model": model, "input": ["a"] * 9}, "at most 8"),
         (emb, "/v1/embeddings", {"model": model, "input": [[1] * 513]}, "max_model_len=512"),
         (emb, "/v1/embeddings", {"model": model, "input": [[600]]}, "outside the vocabulary"),
+        (emb, "/v1/embeddings", {"model": model, "input": [[5] * 400] * 8}, "max_pooling_tokens=3000"),
         (emb, "/v1/embeddings", {"model": model, "input": "a", "dimensions": 129}, "more than the model's 128"),
         (emb, "/v1/embeddings", {"model": model, "input": "a", "encoding_format": "int8"}, "encoding_format"),
         (emb, "/v1/embeddings", {"model": model, "input": "a", "temperature": 1}, "temperature"),
@@ -249,20 +277,22 @@ def test_bad_input_is_a_400_that_says_why(dirs, workers, router, where):
     assert post(emb, "/v1/embeddings", {"model": model, "input": "still here"})[0] == 200
 
 
-def test_models_are_listed_with_what_they_serve(dirs, workers, router, tiny_model_dir):
+@pytest.mark.slow
+def test_models_are_listed_with_what_they_serve(dirs, cls_dir, workers, more_workers, router, tiny_model_dir):
     assert get(workers["emb"].http, "/v1/models")["data"][0]["tasks"] == ["embed"]
     assert get(workers["rr"].http, "/v1/models")["data"][0]["tasks"] == ["score"]
     listed = {m["id"]: m["tasks"] for m in get(router["http"], "/v1/models")["data"]}
-    assert listed == {dirs["emb"].name: ["embed"], dirs["rr"].name: ["score"], dirs["cls"].name: ["score"],
+    assert listed == {dirs["emb"].name: ["embed"], dirs["rr"].name: ["score"], cls_dir.name: ["score"],
                       tiny_model_dir.name: ["generate", "embed"]}
 
 
-def test_a_cross_encoder_reranks_its_tokenizers_pairs(dirs, workers, router):
+@pytest.mark.slow
+def test_a_cross_encoder_reranks_its_tokenizers_pairs(cls_dir, more_workers, router):
     """A llama *ForSequenceClassification cross-encoder: (query, document) as its tokenizer
     pairs them, scored by sigmoid of its head on mlx-lm's last hidden state."""
     from mlx_lm.utils import load_model, load_tokenizer
 
-    path = dirs["cls"]
+    path = cls_dir
     backbone, _ = load_model(path, strict=False)
     tok = load_tokenizer(path)
     head = np.array(mx.load(str(path / "model.safetensors"))["score.weight"])[0]

@@ -178,6 +178,40 @@ def test_side_channel_admits_only_members_with_the_token():
     good.close()
 
 
+def test_a_stranger_that_stalls_its_handshake_delays_no_member():
+    """A peer that connects first and sends a byte now and then (never a whole HELLO) holds
+    no one up: the member that comes after it joins at once, and the stranger is dropped
+    when its handshake's time is up (for the whole exchange, not for each byte)."""
+    lost = []
+    leader = Leader(("127.0.0.1", 0), 2, TOKEN, 30.0, on_lost=lost.append, handshake_timeout=2.0)
+    admitted = threading.Event()
+    threading.Thread(target=lambda: (leader.admit(time.monotonic() + 60), admitted.set()), daemon=True).start()
+    stranger = socket.create_connection(leader.address, timeout=5)
+    dropped = threading.Event()
+
+    def trickle() -> None:
+        try:
+            for b in wire.frame(wire.HELLO, b"{" + b" " * 1000):
+                stranger.sendall(bytes([b]))
+                time.sleep(0.5)
+        except OSError:
+            pass
+        dropped.set()
+
+    threading.Thread(target=trickle, daemon=True).start()
+    time.sleep(0.5)  # the stranger's handshake is under way
+    member = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lost.append)
+    t0 = time.monotonic()
+    member.join(time.monotonic() + 30)
+    assert admitted.wait(30) and time.monotonic() - t0 < 5, "the member waited for the stranger's handshake"
+    assert set(leader.members) == {1}
+    assert dropped.wait(30), "the stranger was never dropped"
+    stranger.close()
+    member.close()
+    leader.close()
+    assert lost == []
+
+
 def test_side_channel_notices_a_silent_or_closed_member():
     leader, lost = _leader(timeout=2.0)
     m = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lambda r: None)
@@ -382,6 +416,80 @@ def test_more_pipeline_families_are_the_single_process_bit_for_bit(models, arch)
 
 
 
+# -- rank 0's steps in flight ---------------------------------------------------------------------
+
+class _NoMembers:
+    """A side channel's leader with no member to send to: records what would lose the group."""
+
+    def __init__(self):
+        self.members: dict = {}
+        self.lost: list[str] = []
+        self.on_lost = self.lose
+
+    def lose(self, reason: str) -> None:
+        self.lost.append(reason)
+
+    def broadcast(self, kind: int, payload: bytes = b"") -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_rank_0_finishes_only_the_oldest_step_in_flight(models):
+    """The members run the steps in the order they were sent, and their hidden states come
+    back in that order. A batch finished out of that order (a step that was sent and then
+    never finished here: an error between the two) would be computed from another step's
+    hidden state, silently: the group is lost instead. In order, nothing is lost."""
+    from cluster.worker.group.config import Topology
+    from cluster.worker.group.leader import GroupRunner, GroupState, GroupStats
+    from cluster.worker.group.stage import Assignment
+    from cluster.worker.model_runner import load_model, text_args
+    from cluster.worker.sampling_params import SamplingParams
+    from cluster.worker.scheduler import ScheduledSeq, SchedulerOutput
+    from cluster.worker.sequence import Sequence
+
+    model, _ = load_model(models("llama", layers=2))
+    assignment = Assignment("tensor", 2, (), 2)
+    topo = Topology(0, (("127.0.0.1", 1), ("127.0.0.1", 2)), ("127.0.0.1", 1001))
+    leader = _NoMembers()
+    group = GroupState(leader, None, topo, assignment, GroupOptions(size=2), int(text_args(model).hidden_size),
+                       GroupStats(), max_in_flight=2)
+    runner = GroupRunner(model, 8, 16, None, stage=assignment.stage(0), group=group)
+
+    def batch(blocks: list[int]):
+        seq = Sequence(f"s{blocks[0]}", [5, 6, 7], SamplingParams(max_tokens=1), num_prompt_tokens=3)
+        seq.block_table = blocks
+        return runner.prepare(SchedulerOutput([ScheduledSeq(seq, 0, 3)]))
+
+    try:
+        first, second = batch([0]), batch([1])
+        assert runner.forward(first).shape[0] == 1 and runner.forward(second).shape[0] == 1
+        assert leader.lost == [] and not group.in_flight
+        first, second = batch([2]), batch([3])
+        with pytest.raises(ConnectionError):
+            runner.forward(second)  # step 4 before step 3
+        assert len(leader.lost) == 1 and "not the oldest step in flight" in leader.lost[0]
+    finally:
+        group.close()
+
+
+def test_pipelined_engine_generates_as_the_engine_does(models):
+    """The pipelined engine's generate is the engine's (it had a copy of its own without
+    the n > 1 refusal, and summed every sample's tokens into one list)."""
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.engine import Engine
+    from cluster.worker.group.pipelined import PipelinedEngine
+    from cluster.worker.model_runner import load_model
+    from cluster.worker.sampling_params import SamplingParams
+
+    model, tokenizer = load_model(models("llama", layers=2))
+    engines = [Engine(model, tokenizer, EngineConfig(num_kv_blocks=16, max_num_seqs=4)) for _ in range(2)]
+    pipelined = PipelinedEngine(engines, group=None)
+    with pytest.raises(ValueError, match="n=1"):
+        pipelined.generate([[5, 6, 7]], SamplingParams(max_tokens=2, n=2, seed=1))
+
+
 # -- faults, with real processes through the router ------------------------------------------------
 
 def _streams(router: str, texts: list[str], max_tokens: int, on_progress=None) -> list[list[int]]:
@@ -463,6 +571,26 @@ def test_a_group_that_loses_a_member_is_resumed_elsewhere_and_started_again(mode
             cluster.supervise()
             cluster.wait_ready(timeout=300)  # the group was started again and registered
         assert cluster.group_restarts == 2
+
+
+def test_a_ray_member_that_cannot_join_ends_its_process():
+    """A Ray member actor runs the member on a thread. When the member ends (here: rank 0
+    is not there by its join deadline) the actor's process must end with the member's
+    exit code, as `orchard worker serve` does, so that Ray starts it again: an actor left
+    alive with its member gone would keep its group from ever forming again."""
+    port = free_ports(1)[0]
+    code = ("import time; from cluster.ray_launcher import GroupMemberActor, RaySpec; "
+            "from cluster.worker.group.config import GroupOptions; "
+            f"GroupMemberActor(RaySpec(model='unused'), GroupOptions(size=2, rank=1, port={port}, join_timeout=1, "
+            f"hosts='127.0.0.1:{port + 1},127.0.0.1:{port + 2}')); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env())
+    try:
+        assert proc.wait(timeout=90) == 75, proc.communicate()[0][-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 # -- what operators see ------------------------------------------------------------------------------

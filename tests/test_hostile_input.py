@@ -231,6 +231,23 @@ def test_no_error_echoes_a_clients_megabytes(served):
         assert status in (400, 404) and len(json.dumps(out)) < 2000, (path, len(json.dumps(out)))
 
 
+def test_the_responses_store_is_bounded_in_text_as_well_as_in_count():
+    """1,024 responses, each with its whole conversation (up to a context of text): by count
+    alone a 32k-token model's could hold a gigabyte."""
+    from cluster.api.responses import ResponseStore
+
+    store = ResponseStore(max_entries=100, max_chars=50_000)
+    for i in range(30):
+        store.put(f"r{i}", [{"role": "user", "content": "x" * 10_000}], {"id": f"r{i}"})
+    assert store.chars <= 50_000 and len(store) == 4  # the newest that fit
+    assert store.get("r29")[1] == {"id": "r29"} and store.get("r25") is None
+    store.put("big", [{"role": "user", "content": "y" * 80_000}], {})  # one alone past the bound is kept
+    assert len(store) == 1 and store.get("big") is not None
+    for i in range(150):
+        store.put(f"s{i}", [], {})
+    assert len(store) == 100 and store.get("s49") is None and store.get("s50") is not None
+
+
 def raw_http(address: str, data: bytes, wait: float = 30.0) -> tuple[float, bytes]:
     """Send `data` on a fresh connection; (seconds until the server closed it, what came back)."""
     host, port = address.rsplit(":", 1)
@@ -301,6 +318,36 @@ def test_ids_and_names_are_bounded():
             validate_request(build_request(prompt, **kwargs))
 
 
+def test_freed_memory_is_given_back_once_the_process_has_grown(monkeypatch):
+    """glibc kept what a burst of grammar compiles or large bodies freed: the fuzz's worker
+    stayed 27% larger after it (10% with the trim)."""
+    from cluster.api import serving
+
+    class Done(Exception):
+        pass
+
+    readings = [100, 104, 120, 90, 95, 110, 101, 105, 200, 150]
+
+    def rss():
+        if not readings:
+            raise Done
+        return readings.pop(0)
+
+    trims = []
+    monkeypatch.setattr(serving, "_rss_bytes", rss)
+    monkeypatch.setattr(serving, "_TRIM", lambda pad: trims.append(pad))
+    monkeypatch.setattr(serving, "TRIM_EVERY_SECONDS", 0.0)
+    monkeypatch.setattr(serving, "TRIM_GROWTH_BYTES", 8)
+
+    async def main():
+        with pytest.raises(Done):  # the readings run out
+            await serving._trim_freed_memory()
+
+    asyncio.run(main())
+    # floor 100: 104 stays, 120 trims (90 after), 95 stays, 110 trims (101 after), 105 stays, 200 trims
+    assert trims == [0, 0, 0]
+
+
 # -- the router in process, over fake workers ----------------------------------------------------
 def run(coro, timeout: float = 60):
     return asyncio.run(asyncio.wait_for(coro, timeout))
@@ -345,6 +392,25 @@ def test_a_message_past_grpcs_limit_is_the_clients_error_not_the_workers():
             for record in c.router.registry.snapshot():
                 assert record.breaker.state == CLOSED and record.breaker.failures == 0 and record.healthy
             assert 'outcome="failed"' not in await c.metrics()
+
+    run(main())
+
+
+def test_client_errors_are_no_verdict_on_a_worker_either_way():
+    """A request's own error (INVALID_ARGUMENT) counted as a success: bad requests between
+    a worker's failures reset its count, and its circuit never opened."""
+    from test_router_fake import Cluster
+
+    async def main():
+        async with Cluster(n_workers=1, circuit_cooldown=30.0) as c:
+            c.workers[0].fail_with = grpc.StatusCode.INTERNAL  # every request but the fake's "invalid" one
+            for i in range(3):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.generate("invalid")
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await c.generate(f"q{i}")
+            assert c.router.registry.workers["w0"].breaker.state != CLOSED
 
     run(main())
 

@@ -21,7 +21,7 @@ from mlx_lm.utils import load
 from cluster.modelgen import create_model, set_pooling
 from cluster.worker import kernels
 from cluster.worker.config import EngineConfig
-from cluster.worker.engine import Engine
+from cluster.worker.engine import Engine, QueueFullError
 from cluster.worker.pooling import Pooler, PoolingParams, UnsupportedPooling, yes_no_prompt
 from cluster.worker.sampling_params import SamplingParams
 
@@ -226,6 +226,20 @@ def test_reranker_scores_equal_the_yes_no_logits_of_mlx_lm(models):
         engine.add_request("e", ids[0], embed())
 
 
+def test_the_reranker_prompt_is_qwen3_rerankers_model_card_format():
+    """The oracles above build their input with `yes_no_prompt` as the worker does, so its
+    text is pinned here to Qwen3-Reranker's model card (its prefix, format_instruction and
+    suffix, written out), with the card's default instruction."""
+    card = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the '
+            'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+            '<Instruct>: {i}\n<Query>: {q}\n<Document>: {d}'
+            '<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n')
+    web = "Given a web search query, retrieve relevant passages that answer the query"
+    assert yes_no_prompt("What is MLX?", "An array framework.") == card.format(i=web, q="What is MLX?",
+                                                                               d="An array framework.")
+    assert yes_no_prompt("q", "d", "Find code") == card.format(i="Find code", q="q", d="d")
+
+
 def test_what_a_model_serves_and_refuses(models, tmp_path):
     assert Pooler.for_model(models["last"], 128).tasks == ("embed",)
     gen = Pooler.for_model(tmp_path, 128)  # no config files at all: a generation model
@@ -275,6 +289,35 @@ def test_a_generation_request_goes_ahead_of_an_embedding_backlog(models, generat
         assert first_token >= 6, first_token  # behind the backlog (about 1.6 inputs a step)
     for i, ids in enumerate(backlog):
         assert cosine(pooled[f"e{i}"], reference_embedding(path, ids, "last")) > 0.9999
+
+
+def test_a_generation_model_steps_without_looking_for_pooling_rows(models, monkeypatch):
+    """A model that serves no embeddings or scores pays nothing per step for them: the
+    plan is never walked for pooling requests (there can be none)."""
+    engine = Engine.from_pretrained(models["last"], EngineConfig(num_kv_blocks=32, task="generate"))
+    assert not engine.pooler.pools
+    monkeypatch.setattr(engine, "_pooling_rows", lambda *a: pytest.fail("a generation model looked for pooling rows"))
+    assert len(engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, temperature=0))[1]) == 3
+    with pytest.raises(ValueError, match="does not serve embed"):
+        engine.add_request("e", [5, 6, 7], embed())
+
+
+def test_an_embedding_backlog_at_max_waiting_does_not_get_a_chat_refused(models):
+    """Embedding inputs fill the waiting queue to max_waiting (a few large embedding
+    requests do): another embedding input is refused (429), a chat request is not, since
+    it queues ahead of them (generation_first)."""
+    engine = Engine.from_pretrained(models["last"], EngineConfig(num_kv_blocks=64, max_waiting=8, task="generate",
+                                                                 embeddings=True))
+    for i in range(8):
+        engine.add_request(f"e{i}", [5, 6, 7], embed())
+    with pytest.raises(QueueFullError, match="8 requests"):
+        engine.add_request("e8", [5, 6, 7], embed())
+    engine.add_request("g0", [5, 6, 7], SamplingParams(max_tokens=2))
+    assert [s.request_id for s in engine.scheduler.waiting][0] == "g0"
+    for i in range(1, 8):
+        engine.add_request(f"g{i}", [5, 6, 7], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError):  # eight chats waiting: the cap holds for them too
+        engine.add_request("g8", [5, 6, 7], SamplingParams(max_tokens=2))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

@@ -8,6 +8,7 @@ the wrong blocks fails here, not only in the engine's oracle tests.
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 
@@ -19,7 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
 from cluster.worker.sampling_params import SamplingParams
-from cluster.worker.scheduler import Scheduler, SchedulerOutput
+from cluster.worker.pooling import PoolingParams
+from cluster.worker.scheduler import POOLING_MAX_PASSED, Scheduler, SchedulerOutput
 from cluster.worker.sequence import Sequence, SequenceStatus
 from test_block_manager import ShadowKV
 
@@ -232,6 +234,64 @@ def test_left_over_budget_tops_up_a_partial_prefill_as_far_as_blocks_allow():
     assert rows(plan) == [("D", 401, 1), ("L", 127, 97)]  # not 87: S's reservation went back to L
     assert s.block_manager.num_free_blocks == 0 and len(long.block_table) * 16 == 127 + 97
     assert [q.request_id for q in s.waiting] == ["S"]
+
+
+# -- pooling requests (embeddings, scores) beside generation ---------------------------------------
+
+
+def add_pooling(sched: Scheduler, rid: str, tokens) -> Sequence:
+    seq = Sequence(rid, list(tokens), SamplingParams(max_tokens=1, pooling=PoolingParams()))
+    sched.add(seq)
+    return seq
+
+
+def step_and_finish(sched: Scheduler) -> SchedulerOutput:
+    """`step`, then what the engine does after it: a pooling request whose last chunk ran
+    and a generation request at its max_tokens finish."""
+    plan = step(sched)
+    for e in plan.scheduled:
+        seq, params = e.seq, e.seq.sampling_params
+        if (params.pooling is not None and not seq.is_prefilling) or seq.num_output_tokens >= params.max_tokens:
+            sched.finish(seq, SequenceStatus.FINISHED_STOPPED)
+    return plan
+
+
+def test_embeddings_start_under_a_generation_load_that_never_lets_the_queue_empty():
+    """Generation requests queue ahead of unstarted embeddings (generation_first), but only
+    so many ahead of the oldest one: a chat load that always has requests waiting does
+    not starve an embedding forever."""
+    s = make_scheduler(max_num_batched_tokens=64, max_num_seqs=2)
+    chats = itertools.count()
+    for _ in range(4):
+        add(s, f"G{next(chats)}", range(10), max_tokens=3)
+    emb = add_pooling(s, "E", range(100, 120))
+    started = None
+    for n in range(200):
+        while sum(q.sampling_params.pooling is None for q in s.waiting) < 4:  # the chats never stop coming
+            add(s, f"G{next(chats)}", range(10), max_tokens=3)
+        step_and_finish(s)
+        if emb.status is not SequenceStatus.WAITING:
+            started = n
+            break
+    assert started is not None, "the embedding never started"
+    # it let at most POOLING_MAX_PASSED chats that came after it go ahead (2 run at a time, 3 steps each)
+    assert started <= 3 * (4 + POOLING_MAX_PASSED) // 2 + 3, started
+
+
+def test_a_long_chat_prompt_does_not_wait_for_a_long_embeddings_partial_prefill():
+    """A long embedding input is mid-prefill (the one partial prefill allowed); a long chat
+    prompt arriving then starts at once beside it instead of waiting for it to finish."""
+    s = make_scheduler(max_num_batched_tokens=64, num_blocks=256, model_max_len=2048, max_num_partial_prefills=1,
+                       long_prefill_token_threshold=64)
+    emb = add_pooling(s, "E", range(1500))
+    step_and_finish(s)
+    chat = add(s, "G", range(5000, 5300), max_tokens=2)
+    plan = step_and_finish(s)
+    assert {e.seq.request_id for e in plan.scheduled} == {"E", "G"}, rows(plan)
+    assert dict((r, n) for r, _, n in rows(plan))["E"] <= 16  # pooling keeps to its share beside the chat
+    while chat.num_output_tokens == 0:
+        step_and_finish(s)
+    assert emb.is_prefilling  # the chat's first token came long before the embedding's end
 
 
 @pytest.mark.parametrize(

@@ -412,3 +412,47 @@ def test_a_suspect_that_cannot_come_back_does_not_stall_the_isolation():
     assert [t for c in late for t in c.token_ids] == [100, 101]
     assert isinstance(victim, InternalError) and "cannot come back" in str(victim)
 
+
+
+def test_a_pooling_request_over_its_limits_is_refused_before_its_inputs_are_tokenized():
+    """Embedding inputs: one over max_model_len's characters is refused before any input is
+    tokenized; all of them over max_pooling_tokens together, by their characters before
+    any is tokenized, by their tokens as soon as the running count passes it (not after
+    the last input); token ids by their count at once."""
+    from cluster.api.limits import RequestLimits
+    from cluster.api.pooling import build_embed_request, build_score_request
+    from cluster.api.wire import CHARS_PER_TOKEN_BOUND
+    from cluster.worker.pooling import Pooler
+
+    engine = FakeEngine()
+    engine.pooler = Pooler(hidden_size=8, tasks=("embed", "score"), score_kind="yes_no", yes_no_ids=(1, 2))
+    encoded = []
+
+    def encode(text, **_):
+        encoded.append(len(text))
+        return [ord(c) % 50 + 1 for c in text]  # a token a character
+
+    engine.tokenizer = SimpleNamespace(encode=encode, decode=lambda ids: "")
+    too_long = CHARS_PER_TOKEN_BOUND * engine.config.max_model_len + 1
+
+    async def fn(svc, engine):
+        errors = []
+        for request in (build_embed_request(["short"] * 7 + ["x" * too_long]),
+                        build_embed_request(["x" * 10_000] * 10),  # 100,000 characters: >= 3125 tokens
+                        build_embed_request(["x" * 1000] * 5),  # 5000 tokens, found at the fourth input
+                        build_embed_request([[1] * 700] * 5),
+                        build_score_request("q" * 15_000, ["a document"] * 8)):  # the query counts 8 times
+            before = len(encoded)
+            with pytest.raises(InvalidRequest) as e:
+                await (svc.score if request.DESCRIPTOR.name == "ScoreRequest" else svc.embed)(request)
+            errors.append((str(e.value), len(encoded) - before))
+        return errors
+
+    errors = run_with_service(fn, engine, limits=RequestLimits(max_pooling_tokens=3000))
+    (long, n0), (chars, n1), (tokens, n2), (ids, n3), (pairs, n4) = errors
+    assert f"input 7 has {too_long} characters" in long and n0 == 0
+    assert "at least 3125 tokens together (100000 characters)" in chars and "max_pooling_tokens=3000" in chars
+    assert n1 == 0
+    assert "at least 4000 tokens together (up to input 3)" in tokens and n2 == 4
+    assert "at least 3500 tokens together (3500 token ids)" in ids and n3 == 0
+    assert "max_pooling_tokens=3000" in pairs and n4 == 0

@@ -42,6 +42,10 @@ class RequestLimits:
     max_stop_token_ids: int = setting(64, "stop token ids per request at most")
     max_n: int = setting(16, "samples per request (n) at most")
     max_pooling_inputs: int = setting(256, "inputs of one embedding request (documents of one rerank) at most")
+    # (a rerank's query counts once per document: each pair is prefilled, and held, whole)
+    max_pooling_tokens: int = setting(
+        300_000, "tokens of one embedding request's inputs (a rerank's query-document pairs) together at most, as "
+                 "OpenAI's embeddings API")
     # longer than clients keep an idle connection for reuse (httpx 5 s, aiohttp's client 15 s):
     # a client never writes a request on a connection the server is closing
     http_header_timeout: float = setting(

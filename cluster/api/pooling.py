@@ -12,7 +12,7 @@ from typing import Sequence
 
 from cluster.api.errors import BadField, InvalidRequest
 from cluster.api.limits import quoted
-from cluster.api.wire import RequestLimits, check_id_and_model, checked_token_ids
+from cluster.api.wire import CHARS_PER_TOKEN_BOUND, RequestLimits, check_id_and_model, checked_token_ids
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 # what a model serves, as ModelInfo.tasks / LoadReport.tasks name it
@@ -95,6 +95,7 @@ def validate_embed_request(request: pb.EmbedRequest, limits: RequestLimits = Req
             raise InvalidRequest(f"input {i} has a negative token id")
     if request.HasField("dimensions") and request.dimensions < 1:
         raise InvalidRequest(f"dimensions must be >= 1, got {request.dimensions}")
+    _check_total(sum(len(x.text) for x in request.inputs), sum(len(x.token_ids.ids) for x in request.inputs), limits)
 
 
 def validate_score_request(request: pb.ScoreRequest, limits: RequestLimits = RequestLimits()) -> None:
@@ -113,6 +114,23 @@ def validate_score_request(request: pb.ScoreRequest, limits: RequestLimits = Req
     if not all(request.documents):
         i = next(i for i, x in enumerate(request.documents) if not x)
         raise InvalidRequest(f"document {i} is empty")
+    # each pair is prefilled whole: one query against d documents is d copies of it
+    pairs = (len(request.queries[0]) * d if q == 1 else sum(len(x) for x in request.queries)) + sum(
+        len(x) for x in request.documents)
+    _check_total(pairs + d * len(request.instruction), 0, limits)
+
+
+def _check_total(chars: int, token_ids: int, limits: RequestLimits) -> None:
+    """A pooling request's inputs together within max_pooling_tokens, as far as can be told
+    before tokenizing: its token ids, and a token for every CHARS_PER_TOKEN_BOUND characters
+    of text at least (the worker counts the tokens themselves as it tokenizes)."""
+    at_least = token_ids + chars // CHARS_PER_TOKEN_BOUND
+    if at_least > limits.max_pooling_tokens:
+        what = " and ".join(x for x in (f"{token_ids} token ids" if token_ids else "",
+                                        f"{chars} characters" if chars else "") if x)
+        raise InvalidRequest(f"the inputs hold at least {at_least} tokens together ({what}), more than "
+                             f"max_pooling_tokens={limits.max_pooling_tokens} (--max-pooling-tokens): send fewer or "
+                             "shorter inputs")
 
 
 def score_pairs(request: pb.ScoreRequest) -> list[tuple[str, str]]:

@@ -9,11 +9,11 @@ items. A thinking model's thinking comes first as a `reasoning` output item (its
 reasoning item in `input` goes back to the model with the assistant turn that follows it
 (templates that keep the thinking read it); `reasoning.effort` reaches the chat template
 (gpt-oss's system message). `previous_response_id` continues a conversation this process
-stored (a bounded in-memory store: the oldest are forgotten first; `store: false` keeps a
-response out of it). Streaming sends the typed events the `openai` package reads
-(response.created, output_item / content_part / output_text / reasoning_text /
-function_call_arguments events, response.completed). Any other field is a 400 that names
-it.
+stored (an in-memory store bounded in count and in text, `ResponseStore`: the oldest are
+forgotten first; `store: false` keeps a response out of it). Streaming sends the typed
+events the `openai` package reads (response.created, output_item / content_part /
+output_text / reasoning_text / function_call_arguments events, response.completed). Any
+other field is a 400 that names it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,36 @@ from cluster.api.wire import FINISH_REASON_NAMES, build_request, validate_reques
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 STORE_SIZE = 1024  # responses kept for previous_response_id, the oldest forgotten first
-_STORE = web.AppKey("responses_store", collections.OrderedDict)
+STORE_CHARS = 64 << 20  # ... and at most this much JSON text in all (a response holds its whole conversation)
+
+
+class ResponseStore:
+    """The responses kept for previous_response_id: the last STORE_SIZE, within STORE_CHARS
+    (each holds its conversation, up to a whole context of text: by count alone, 1,024 of a
+    32k-token model's could hold a gigabyte)."""
+
+    def __init__(self, max_entries: int = STORE_SIZE, max_chars: int = STORE_CHARS):
+        self.max_entries, self.max_chars = max_entries, max_chars
+        self._entries: collections.OrderedDict[str, tuple[list, dict, int]] = collections.OrderedDict()
+        self.chars = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: str, conversation: list, obj: dict) -> None:
+        size = len(json.dumps(conversation, ensure_ascii=False)) + len(json.dumps(obj, ensure_ascii=False))
+        self._entries[key] = (conversation, obj, size)
+        self.chars += size
+        while len(self._entries) > self.max_entries or (self.chars > self.max_chars and len(self._entries) > 1):
+            self.chars -= self._entries.popitem(last=False)[1][2]
+
+    def get(self, key: str) -> tuple[list, dict] | None:
+        """(the conversation, the response object), or None when it is not kept."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry[:2]
+
+
+_STORE = web.AppKey("responses_store", ResponseStore)
 
 # The wire's fields by the names this API gives them (in errors).
 NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input",
@@ -48,7 +77,7 @@ PARAMS = frozenset({"model", "input", "instructions", "max_output_tokens", "temp
 
 
 def add_routes(app: web.Application) -> None:
-    app[_STORE] = collections.OrderedDict()
+    app[_STORE] = ResponseStore()
     app.router.add_post("/v1/responses", _create)
     app.router.add_get("/v1/responses/{response_id}", _get)
 
@@ -299,10 +328,7 @@ class _Turn:
 def _remember(app: web.Application, turn: _Turn) -> None:
     if turn.body.get("store", True) is False:
         return
-    store = app[_STORE]
-    store[turn.id] = (turn.conversation(), turn.obj(turn.status))
-    while len(store) > STORE_SIZE:
-        store.popitem(last=False)
+    app[_STORE].put(turn.id, turn.conversation(), turn.obj(turn.status))
 
 
 def _sse(event: str, data: dict) -> bytes:

@@ -7,8 +7,11 @@ port sharing), the same binding rules and the same `/metrics` + `/health` endpoi
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import inspect
 import logging
+import os
 import socket
 from dataclasses import dataclass
 from typing import Callable
@@ -108,6 +111,39 @@ async def _start_http(app: web.Application, address: str, what: str, default_hos
     return runner, _host_port(sock)
 
 
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another C library, another system)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim if os.path.exists("/proc/self/statm") else None
+
+
+_TRIM = _malloc_trim()
+TRIM_EVERY_SECONDS = 5.0
+TRIM_GROWTH_BYTES = 8 << 20
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def _trim_freed_memory() -> None:
+    """Give freed memory back to the system once the process has grown by TRIM_GROWTH_BYTES
+    since it last did (glibc keeps what a burst of large requests, a costly grammar or a
+    hostile body freed, and the process stays that large; on macOS the allocator returns
+    it by itself). A few milliseconds, every TRIM_EVERY_SECONDS at most."""
+    floor = _rss_bytes()
+    while True:
+        await asyncio.sleep(TRIM_EVERY_SECONDS)
+        if _rss_bytes() >= floor + TRIM_GROWTH_BYTES:
+            _TRIM(0)
+            floor = _rss_bytes()
+
+
 class DecodeInterceptor(grpc.aio.ServerInterceptor):
     """A request whose bytes are not the protobuf message its method takes is refused
     INVALID_ARGUMENT, as the client's error (gRPC's own answer is UNKNOWN "Unexpected
@@ -179,6 +215,7 @@ class Endpoints:
         self.addresses: dict[str, str] = {}
         self.grpc_server: grpc.aio.Server | None = None
         self._runners: list[web.AppRunner] = []
+        self._trimmer: asyncio.Task | None = None
 
     def bind_grpc(self, address: str) -> int:
         """Create the gRPC server and bind its port (not started yet); the bound port."""
@@ -221,6 +258,8 @@ class Endpoints:
         reflection.enable_server_reflection((*naming.names, reflection.SERVICE_NAME), server)
         await server.start()
         await self.set_serving(serving)
+        if self._trimmer is None and _TRIM is not None:
+            self._trimmer = asyncio.get_running_loop().create_task(_trim_freed_memory())
         ssl_context = http_ssl_context(self.security)
         if metrics is not None and metrics_address:
             runner, self.addresses["metrics"] = await _start_http(
@@ -244,6 +283,9 @@ class Endpoints:
 
     async def stop(self, grace: float | None) -> None:
         """Health says NOT_SERVING, HTTP stops, gRPC gives live RPCs `grace` seconds."""
+        if self._trimmer is not None:
+            self._trimmer.cancel()
+            self._trimmer = None
         await self.health.enter_graceful_shutdown()
         for runner in self._runners:
             await runner.cleanup()

@@ -395,10 +395,10 @@ class RouterBackend:
             if worker.breaker.on_failure():
                 log.warning("worker %s: %d failures in a row: circuit open for %.1f s", worker.worker_id,
                             worker.breaker.failures, worker.breaker.cooldown)
-        elif outcome in (m.SUCCESS, m.ERROR):  # it answered (an error of the request's own is an answer)
+        elif outcome == m.SUCCESS:
             worker.breaker.on_success()
-        else:
-            worker.breaker.on_abandon()
+        else:  # the client left, or the request's own error: no verdict on the worker either way (a
+            worker.breaker.on_abandon()  # stream of bad requests must not keep a failing worker's breaker shut)
 
     async def _relay(self, call, rid: str, worker_id: str) -> AsyncIterator[pb.GenerateResponse]:
         """The worker's chunks; once the stream has started, a gap longer than

@@ -16,7 +16,6 @@ differs. On a Mac, MLX's Metal quantized kernels are fast and the weights stay q
 from __future__ import annotations
 
 import logging
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -69,20 +68,6 @@ def float32_bytes(layers: list[tuple[str, nn.Module]]) -> int:
     return total
 
 
-def _free_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
 def maybe_dequantize(model: nn.Module, policy: str = "auto") -> int:
     """Dequantize the model's quantized layers to float32 when `policy` says so on this
     device; returns how many layers were. Says what it did and what it cost."""
@@ -93,7 +78,7 @@ def maybe_dequantize(model: nn.Module, policy: str = "auto") -> int:
         return 0
     before = sum(v.nbytes for _, m in layers for _, v in tree_flatten(m.parameters()))
     after = float32_bytes(layers)
-    free = _free_memory()
+    free = platform.available_memory()
     if policy == "auto" and free and after - before > free // 2:
         log.warning("keeping %d quantized layers: float32 weights would take %.0f MB more and %.0f MB are free "
                     "(quantized matmuls are slow on the CPU; --cpu-dequantize yes forces it)",

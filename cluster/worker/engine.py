@@ -215,9 +215,8 @@ class Engine:
         if len(resume_token_ids) >= params.max_tokens:
             raise ValueError(f"{len(resume_token_ids)} resumed tokens already reach max_tokens={params.max_tokens}")
         self.scheduler.check_fits(len(prompt_token_ids) + len(resume_token_ids))
-        cap = self.config.max_waiting
-        if cap and len(self.scheduler.waiting) >= cap:
-            raise QueueFullError(f"the waiting queue is full ({cap} requests): retry later")
+        if self.scheduler.queue_full(params.pooling is not None):
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests): retry later")
         if params.n > 1 and resume_token_ids:
             raise ValueError("a request with n > 1 cannot be resumed")
         if params.speculative and self.speculator is None:
@@ -398,7 +397,8 @@ class Engine:
             return PendingStep(t0, plan)
         self.stats.observe_kv_usage(self.block_manager.usage)
         batch = self.runner.prepare(plan)
-        return PendingStep(t0, plan, batch, self._pooling_rows(plan, batch))
+        # (a model that serves no embeddings or scores never looks: its steps cost nothing more)
+        return PendingStep(t0, plan, batch, self._pooling_rows(plan, batch) if self.pooler.pools else [])
 
     def finish_step(self, pending: "PendingStep") -> list[RequestOutput]:
         """The second half: forward, sample, postprocess."""
@@ -409,7 +409,8 @@ class Engine:
             logits = self.runner.forward(batch)
             if pooling:
                 self._pool(plan, pooling)
-            sampling = [e for e in plan.scheduled if e.sample and e.seq.sampling_params.pooling is None]
+            sampling = ([e for e in plan.scheduled if e.sample and e.seq.sampling_params.pooling is None] if pooling
+                        else [e for e in plan.scheduled if e.sample])  # (no pooling request in this step)
             if batch.prompt_rows:
                 self._prompt_logprobs(plan, batch, logits)
                 logits = logits[mx.array(batch.sample_index, dtype=mx.int32)] if sampling else None
@@ -481,18 +482,19 @@ class Engine:
     def _pooling_rows(self, plan, batch) -> list[tuple[int, int, int]]:
         """Put the rows the step's pooling requests read into `batch.hidden_rows`; returns
         (entry index, first of its rows there, how many) for each such entry."""
+        scheduled = plan.scheduled
+        pooled = [i for i, e in enumerate(scheduled) if e.seq.sampling_params.pooling is not None]
+        if not pooled:
+            return []
+        firsts = [0, *itertools.accumulate(e.num_new_tokens for e in scheduled)]  # each entry's first row
         rows: list[int] = []
         found: list[tuple[int, int, int]] = []
-        first = 0  # the entry's first row in the packed step
-        for i, e in enumerate(plan.scheduled):
-            pooling = e.seq.sampling_params.pooling
-            if pooling is not None:
-                r = self.pooler.hidden_rows(pooling, e.start, e.num_new_tokens, e.sample)
-                found.append((i, len(rows), len(r)))
-                rows += [first + k for k in r]
-            first += e.num_new_tokens
-        if found:
-            batch.hidden_rows = mx.array(rows, dtype=mx.int32)
+        for i in pooled:
+            e = scheduled[i]
+            r = self.pooler.hidden_rows(e.seq.sampling_params.pooling, e.start, e.num_new_tokens, e.sample)
+            found.append((i, len(rows), len(r)))
+            rows += [firsts[i] + k for k in r]
+        batch.hidden_rows = mx.array(rows, dtype=mx.int32)
         return found
 
     def _pool(self, plan, found: list[tuple[int, int, int]]) -> None:

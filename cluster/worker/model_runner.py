@@ -85,16 +85,23 @@ def load_model(path: str | Path, cpu_dequantize: str = "auto"):
     # a cross-encoder reranker (a `score` head), an embedding model saved as its bare backbone (pooling.py)
     model, tokenizer = pooling.load_pooling_model(path) if pooling.needs_own_loader(path) else load(str(path))
     check_served(model)  # before anything costly
+    ready_to_serve(model, cpu_dequantize)
+    return model, tokenizer
+
+
+def ready_to_serve(model: nn.Module, cpu_dequantize: str = "auto") -> None:
+    """What a loaded model (a whole one, or a worker group's part of one) needs before it
+    serves: dequantized on the CPU (`dequantize.maybe_dequantize`), in the compute dtype,
+    its weights evaluated, its modules attached and swapped for the C kernels' (a CPU)."""
     maybe_dequantize(model, cpu_dequantize)
     dtype = weight_dtype(model)
     target = platform.compute_dtype(dtype)
     if target != dtype:
         model.set_dtype(target)
-        mx.eval(model.parameters())
+    mx.eval(model.parameters())  # nothing left lazy (a no-op for weights already read)
     attach(model)
     cpu_layers.use_fast_swiglu(model)
     cpu_layers.use_c_kernels(model)
-    return model, tokenizer
 
 
 def weight_dtype(model: nn.Module):
@@ -107,11 +114,13 @@ def weight_dtype(model: nn.Module):
     return mx.float32
 
 
-def kv_bytes_per_block(model: nn.Module, block_size: int, dtype) -> int:
-    """Pool bytes one block of tokens takes over all layers (a layer sharing another's K/V
-    adds nothing; an MLA layer holds one row of latent + rope key)."""
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype, layers: range | None = None) -> int:
+    """Pool bytes one block of tokens takes over all layers, or over `layers` (a pipeline
+    stage's): a layer sharing another's K/V adds nothing; an MLA layer holds one row of
+    latent + rope key."""
     return block_size * dtype.size * sum(s.num_kv_heads * s.head_dim * (1 if s.latent else 2)
-                                         for s in attention.layer_specs(model) if s.owns_kv)
+                                         for s in attention.layer_specs(model)
+                                         if s.owns_kv and (layers is None or s.layer in layers))
 
 
 def default_kv_budget(model: nn.Module) -> int:

@@ -151,6 +151,11 @@ class Pooler:
         return cls(hidden_size=hidden_size, pooling=pooling, normalize=normalize, matryoshka=matryoshka,
                    tasks=tasks, score_kind=score_kind, yes_no_ids=ids, score_format=score_format, source=source)
 
+    @property
+    def pools(self) -> bool:
+        """Whether the model serves embeddings or scores (pooling requests) at all."""
+        return "embed" in self.tasks or "score" in self.tasks
+
     def describe(self) -> str:
         what = ", ".join(self.tasks)
         if "embed" in self.tasks:

@@ -26,7 +26,10 @@ logits stay bounded ([rows, vocab] float32: 512 rows of a 150k vocabulary are 30
 Pooling requests (embeddings, scores: prefill only) take at most `pooling_share` of a
 step's budget while generation requests run or wait, and a generation request queues ahead
 of the pooling requests not yet started (`generation_first`): an embedding batch is
-throughput work, a chat's first token and its next ones are waited for.
+throughput work, a chat's first token and its next ones are waited for. The oldest of those
+pooling requests lets at most `POOLING_MAX_PASSED` generation requests go ahead of it, so a
+generation load that never lets the queue empty still lets embeddings start. A pooling
+request mid-prefill does not count against a generation request's partial-prefill limits.
 
 When a running request cannot get a block, the newest running request is preempted:
 its blocks are freed and it goes back to the front of the queue with all its tokens, to
@@ -95,6 +98,9 @@ _LOOKAHEAD = 32
 MAX_PROMPT_LOGPROB_ROWS = 512
 # Steps after the last generation request during which pooling keeps to its share.
 POOLING_LINGER_STEPS = 4
+# Generation requests that may queue ahead of the oldest pooling request not yet started
+# (generation_first); the next one queues behind it.
+POOLING_MAX_PASSED = 8
 
 
 def _unstarted_pooling(seq: Sequence) -> bool:
@@ -138,7 +144,8 @@ class Scheduler:
         """Queue `seq` (`front`: first in line, as a sample forked from a running request).
         With `generation_first`, a generation request goes ahead of the pooling requests
         (embeddings, scores) that have not started: a batch of embeddings is throughput
-        work, a chat's first token is waited for."""
+        work, a chat's first token is waited for. Only `POOLING_MAX_PASSED` of them go
+        ahead of the oldest such pooling request; the next queues behind it."""
         self.check_fits(seq.num_tokens)
         seq.status = SequenceStatus.WAITING
         if front:
@@ -147,9 +154,27 @@ class Scheduler:
             at = len(self.waiting)
             while at and _unstarted_pooling(self.waiting[at - 1]):
                 at -= 1
+            if at < len(self.waiting):  # ahead of pooling requests: the oldest of them counts it
+                oldest = self.waiting[at]
+                if oldest.passed_by_generation >= POOLING_MAX_PASSED:
+                    at += 1  # it has let enough go ahead: this one queues behind it
+                else:
+                    oldest.passed_by_generation += 1
             self.waiting.insert(at, seq)
         else:
             self.waiting.append(seq)
+
+    def queue_full(self, pooling: bool) -> bool:
+        """Whether the waiting queue is at `max_waiting` for a new request. With
+        generation_first a generation request queues ahead of the pooling requests not yet
+        started, so they do not count against it: an embedding backlog never gets a chat
+        refused (the queue then holds at most twice max_waiting)."""
+        cap = self.config.max_waiting
+        if not cap or len(self.waiting) < cap:
+            return False
+        if pooling or not self.config.generation_first:
+            return True
+        return sum(1 for s in self.waiting if not _unstarted_pooling(s)) >= cap
 
     def abort(self, seq: Sequence) -> None:
         if seq.is_finished:
@@ -295,13 +320,18 @@ class Scheduler:
         """Admit waiting requests into the plan; returns the budget left."""
         cfg = self.config
         bm = self.block_manager
-        # prompts left mid-prefill after this step (running ones not finishing now)
+        # prompts left mid-prefill after this step (running ones not finishing now), counted
+        # [all of them, generation requests only]: with generation_first, a pooling prefill
+        # (at most its share of a step beside generation) holds no partial slot against a
+        # generation request, else a long chat prompt would wait for a long embedding input
+        # that its own arrival slowed down
         partial = [
             s for s in self.running
             if s.is_prefilling and (id(s) not in scheduled or scheduled[id(s)].end < s.num_tokens)
         ]
-        num_partial = len(partial)
-        num_long = sum(1 for s in partial if self.is_long(s))
+        generation_only = [s for s in partial if s.sampling_params.pooling is None]
+        num_partial = [len(partial), len(generation_only)]
+        num_long = [sum(1 for s in partial if self.is_long(s)), sum(1 for s in generation_only if self.is_long(s))]
         skipped: list[Sequence] = []
         slots = self.state_slots
         while (self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(skipped) < _LOOKAHEAD
@@ -319,7 +349,9 @@ class Scheduler:
                 n = remaining  # the whole prefill runs now: no partial slot needed
             else:
                 long = self.is_long(seq)
-                if (num_partial >= cfg.max_num_partial_prefills or (long and num_long >= cfg.max_long_partial_prefills)
+                counted = 1 if cfg.generation_first and seq.sampling_params.pooling is None else 0
+                if (num_partial[counted] >= cfg.max_num_partial_prefills
+                        or (long and num_long[counted] >= cfg.max_long_partial_prefills)
                         or (seq.wants_prompt_logprobs and not self._prompt_rows_left)):
                     skipped.append(self.waiting.popleft())  # let a prompt behind it start
                     continue
@@ -327,8 +359,9 @@ class Scheduler:
                 if long:  # leave room for the short prompts behind it
                     n = max(1, room - self._short_waiting_reserve(room // 2, start=1))
                 n = self._cap_prompt_rows(seq, n, take=False)
-                num_partial += 1
-                num_long += long
+                for k in range(counted + 1):  # a generation request counts in both
+                    num_partial[k] += 1
+                    num_long[k] += long
             if not bm.allocate_slots(seq, n, computed):
                 if self.running or not self._release_waiting_blocks(seq, skipped):
                     break

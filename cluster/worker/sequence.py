@@ -59,6 +59,7 @@ class Sequence:
     # it must compute every position (no prefix-cache hit: pooling.py says why)
     pool_state: object | None = None
     skip_prefix_cache: bool = False
+    passed_by_generation: int = 0  # generation requests queued ahead of it (scheduler.py)
     # speculative decoding (spec_decode/): the draft tokens to verify in the next step (not
     # part of token_ids until kept), and the proposer's and policy's state for the request
     spec_token_ids: list[int] = field(default_factory=list)

@@ -238,11 +238,9 @@ def serve(options: WorkerOptions) -> int:
             print(f"orchard worker serve: {e}", file=sys.stderr)
             return 2
         if rank != 0:  # a member: no servers, it runs the steps rank 0 plans
-            from cluster.worker.group.member import run_member
+            from cluster.worker.group.member import member_process
 
-            code = run_member(options.model_path, options.group, options.join_token)
-            logging.shutdown()
-            os._exit(code)
+            member_process(options.model_path, options.group, options.join_token)
     code = 0
     try:
         asyncio.run(run_until_signalled(options))

@@ -218,15 +218,7 @@ class WorkerService:
         """See `Backend`. The gRPC deadline (`timeout`) is enforced by gRPC itself: when it
         passes, the RPC is cancelled, which closes this stream and aborts the request."""
         arrival = time.monotonic()
-        if self.draining:
-            raise Unavailable(f"worker {self.worker_id} is draining: it takes no new requests; send this one elsewhere")
-        if not self.engine_loop.alive or self._loop is None:
-            raise Unavailable(f"worker {self.worker_id} is not serving (starting or stopping)")
-        if self.stalled:
-            raise Unavailable(f"worker {self.worker_id}'s engine has made no progress for {self.stall_timeout:g} s "
-                              "(stalled): send this request elsewhere")
-        if request.model and request.model != self.model_name:
-            raise NotFound(f"model {quoted(request.model)} is not served here; this worker serves {self.model_name!r}")
+        self._check_serving(request.model)
         validate_request(request, self.limits)
         if GENERATE not in self.tasks:
             raise refuse_task(self.model_name, GENERATE, self.tasks)
@@ -350,19 +342,18 @@ class WorkerService:
             self.pooler.check(params)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        prompts = []
+        inputs = []
         for i, x in enumerate(request.inputs):
-            which = x.WhichOneof("input")
-            if which == "text":
-                ids = await self._pooling_tokens(x.text, f"input {i}")
+            if x.WhichOneof("input") == "text":
+                inputs.append((f"input {i}", len(x.text), lambda text=x.text: self.tokenizer.encode(text)))
             else:
                 ids = list(x.token_ids.ids)
                 bad = [t for t in ids if t >= self.vocab_size]
                 if bad:
                     raise InvalidRequest(f"input {i}: token id {bad[0]} is outside the vocabulary "
                                          f"(0 .. {self.vocab_size - 1})")
-            self._check_pooling_length(len(ids), f"input {i}")
-            prompts.append(ids)
+                inputs.append((f"input {i}", None, ids))
+        prompts = await self._pooling_prompts(inputs)
         outs = await self._run_pooled(request.request_id, prompts, SamplingParams(max_tokens=1, pooling=params),
                                       arrival)
         response = pb.EmbedResponse(model=self.model_name, worker_id=self.worker_id, usage=self._pooled_usage(outs))
@@ -376,22 +367,29 @@ class WorkerService:
         arrival = time.monotonic()
         self._check_pooling_request(request.model, SCORE)
         validate_score_request(request, self.limits)
-        prompts = []
+        inputs = []
         for i, (query, document) in enumerate(score_pairs(request)):
             if self.pooler.score_format == "pair":  # a cross-encoder: the tokenizer's own pair encoding
-                ids = await self._pooling_tokens(query + document, f"document {i} with its query",
-                                                 lambda _: self.tokenizer.encode(query, text_pair=document))
-            else:
-                text = yes_no_prompt(query, document, request.instruction or None)
-                ids = await self._pooling_tokens(text, f"document {i} with its query")
-            self._check_pooling_length(len(ids), f"document {i} with its query")
-            prompts.append(ids)
+                chars = len(query) + len(document)
+                encode = lambda q=query, d=document: self.tokenizer.encode(q, text_pair=d)  # noqa: E731
+            else:  # Qwen3-Reranker's prompt, built when it is tokenized
+                chars = len(yes_no_prompt("", "", request.instruction or None)) + len(query) + len(document)
+                encode = lambda q=query, d=document: self.tokenizer.encode(  # noqa: E731
+                    yes_no_prompt(q, d, request.instruction or None))
+            inputs.append((f"document {i} with its query", chars, encode))
+        prompts = await self._pooling_prompts(inputs)
         outs = await self._run_pooled(request.request_id, prompts,
                                       SamplingParams(max_tokens=1, pooling=PoolingParams(SCORE)), arrival)
         return pb.ScoreResponse(model=self.model_name, worker_id=self.worker_id, usage=self._pooled_usage(outs),
                                 scores=[float(out.pooled[0]) for out in outs])
 
     def _check_pooling_request(self, model: str, task: str) -> None:
+        self._check_serving(model)
+        if task not in self.tasks:
+            raise refuse_task(self.model_name, task, self.tasks)
+
+    def _check_serving(self, model: str) -> None:
+        """Unavailable / NotFound for a request this worker cannot take now, whatever it asks."""
         if self.draining:
             raise Unavailable(f"worker {self.worker_id} is draining: it takes no new requests; send this one elsewhere")
         if not self.engine_loop.alive or self._loop is None:
@@ -401,25 +399,35 @@ class WorkerService:
                               "(stalled): send this request elsewhere")
         if model and model != self.model_name:
             raise NotFound(f"model {quoted(model)} is not served here; this worker serves {self.model_name!r}")
-        if task not in self.tasks:
-            raise refuse_task(self.model_name, task, self.tasks)
 
-    async def _pooling_tokens(self, text: str, what: str, encode=None) -> list[int]:
-        """`text`'s token ids (`encode(text)`, default the tokenizer's), its length checked first."""
-        bound = CHARS_PER_TOKEN_BOUND * self.config.max_model_len
-        if len(text) > bound:
-            raise InvalidRequest(f"{what} has {len(text)} characters, more than max_model_len="
-                                 f"{self.config.max_model_len} tokens can hold (at most {bound} characters are read): "
-                                 "shorten it")
-        encode = encode or self.tokenizer.encode
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return list(encode(text))
-        return list(await asyncio.get_running_loop().run_in_executor(self._pool, encode, text))
-
-    def _check_pooling_length(self, n: int, what: str) -> None:
-        if n > self.config.max_model_len:
-            raise InvalidRequest(f"{what} has {n} tokens, more than max_model_len={self.config.max_model_len}: "
-                                 "shorten it")
+    async def _pooling_prompts(self, inputs: list[tuple[str, int | None, Callable | list[int]]]) -> list[list[int]]:
+        """The token ids of a pooling request's inputs, in order: (what it is called in a
+        message, its characters and a function that tokenizes it, or None and its token
+        ids). Every bound that characters can tell is checked before anything is tokenized
+        (each input within max_model_len here, all together within max_pooling_tokens by
+        the request's validation), then each input's tokens as it is tokenized: a refused
+        request costs at most one input's tokenization past the limits."""
+        max_len, limit = self.config.max_model_len, self.limits.max_pooling_tokens
+        bound = CHARS_PER_TOKEN_BOUND * max_len
+        for what, chars, _ in inputs:  # (their total: validate_embed_request / validate_score_request)
+            if chars is not None and chars > bound:
+                raise InvalidRequest(f"{what} has {chars} characters, more than max_model_len={max_len} tokens can "
+                                     f"hold (at most {bound} characters are read): shorten it")
+        prompts: list[list[int]] = []
+        total = 0
+        for what, chars, ids in inputs:
+            if chars is not None:
+                ids = list(ids() if chars <= INLINE_TOKENIZE_CHARS else
+                           await asyncio.get_running_loop().run_in_executor(self._pool, ids))
+            if len(ids) > max_len:
+                raise InvalidRequest(f"{what} has {len(ids)} tokens, more than max_model_len={max_len}: shorten it")
+            total += len(ids)
+            if total > limit:
+                raise InvalidRequest(f"the inputs have at least {total} tokens together (up to {what}), more than "
+                                     f"max_pooling_tokens={limit} (--max-pooling-tokens): send fewer or shorter "
+                                     "inputs")
+            prompts.append(ids)
+        return prompts
 
     @staticmethod
     def _pooled_usage(outs: list[RequestOutput]) -> pb.Usage:

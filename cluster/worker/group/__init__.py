@@ -5,8 +5,14 @@ Contract:
   manager, prefix cache, sampler). Its engine's step is unchanged, schedule -> prepare ->
   forward -> sample -> postprocess; its model runner (`leader.GroupRunner`) also sends each
   step's plan to the members, and takes the previous stage's hidden state before its own
-  layers. The members (`member.py`) run exactly the steps rank 0 plans: no scheduler is
-  replicated, nothing is kept in step by determinism.
+  layers. The members (`member.py`) run exactly the steps rank 0 plans, in the order they
+  were sent: no scheduler is replicated, nothing is kept in step by determinism. Rank 0
+  finishes its steps in that order too (a batch finished out of it loses the group).
+- Pipelined batches (`pipelined.py`, a pipeline of P stages): P virtual engines, each an
+  ordinary `Engine` over 1/P of the KV pool (its block ids and state slots offset into the
+  one pool), with at most one batch in flight each; a request lives in one of them. So one
+  request's context is at most that share: the engines' `max_model_len` says so, and a
+  longer request is refused as any request past `max_model_len` is.
 - A plan is token ids, per-sequence positions, state slots and block-table changes, and
   the handles of sequences gone (`wire.py`: a struct header and int32 arrays, no pickle).
   Every rank uses the same block ids; the pool has the fewest blocks any rank can hold.
@@ -24,4 +30,7 @@ Contract:
   `--group-timeout` (a closed connection at once; silence or an unfinished step by
   deadline); then every process of the group exits (75), the router resumes the streams
   elsewhere, and whatever started the group (`orchard up`, launchd, Ray) starts it again.
+  A member that cannot start exits too (78: a setting or model rank 0 does not share;
+  75 otherwise). A peer that does not prove the join token is never admitted, and its
+  handshake holds no member up (each has a deadline of its own).
 """

@@ -31,6 +31,8 @@ from cluster.worker.group import wire
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # a ping from rank 0 every second; members answer at once
+HANDSHAKE_S = 10.0  # an unauthenticated peer gets this long for the whole handshake (and little memory)
+MAX_PENDING_HANDSHAKES = 16  # handshakes at once while the members join
 
 
 class _Conn:
@@ -70,12 +72,15 @@ class Leader:
     """Rank 0's end: listens, admits `size - 1` members, then serves them."""
 
     def __init__(self, address: tuple[str, int], size: int, token: str, timeout: float,
-                 on_lost: Callable[[str], None] = _exit_lost):
+                 on_lost: Callable[[str], None] = _exit_lost, handshake_timeout: float = HANDSHAKE_S):
         self.size = size
         self.token = token
         self.timeout = timeout
         self.on_lost = on_lost
+        self.handshake_timeout = handshake_timeout
         self.members: dict[int, _Conn] = {}
+        self._joined = threading.Lock()  # members and _admitting, while admit runs
+        self._admitting = True
         self.ready: queue.Queue = queue.Queue()  # READY notices addressed to rank 0: (step, from)
         self.acks: dict[int, queue.Queue] = {}  # per member: ACK (step, checksum)
         self.bytes_sent = 0
@@ -84,40 +89,64 @@ class Leader:
         self._listener = socket.create_server(address, reuse_port=False)
         self.address = self._listener.getsockname()[:2]
 
-    # -- start-up (one thread) ---------------------------------------------------------------
+    # -- start-up --------------------------------------------------------------------------------
     def admit(self, deadline: float) -> None:
-        """Accept and authenticate until every rank 1..size-1 has joined once; a peer that
-        fails the handshake is dropped (and logged), the wait goes on."""
-        while len(self.members) < self.size - 1:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(1, self.size)) - set(self.members))
-                raise TimeoutError(f"group members {missing} did not join {self.address[0]}:{self.address[1]} in time")
-            self._listener.settimeout(min(left, 1.0))
-            try:
-                sock, peer = self._listener.accept()
-            except TimeoutError:
-                continue
-            try:
-                conn = self._handshake(sock)
-            except (OSError, wire.ProtocolError) as e:
-                log.warning("group: refused a connection from %s: %s", peer[0], e)
-                sock.close()
-                continue
-            self.members[conn.rank] = conn
-            log.info("group: rank %d joined from %s (%s)", conn.rank, peer[0], conn.info.get("host", "?"))
-        self._listener.close()
+        """Accept and authenticate until every rank 1..size-1 has joined once. Each
+        connection's handshake runs on a thread of its own, with `handshake_timeout` for
+        the whole exchange (not for each read): a peer that connects and stalls, or sends
+        a byte now and then, delays no member. A peer that fails it is dropped (and
+        logged), the wait goes on; past MAX_PENDING_HANDSHAKES at once, new connections
+        are closed unread."""
+        self._listener.settimeout(0.25)
+        pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        try:
+            while True:
+                with self._joined:
+                    if len(self.members) >= self.size - 1:
+                        return
+                if time.monotonic() > deadline:
+                    with self._joined:
+                        missing = sorted(set(range(1, self.size)) - set(self.members))
+                    raise TimeoutError(f"group members {missing} did not join {self.address[0]}:{self.address[1]} "
+                                       "in time")
+                try:
+                    sock, peer = self._listener.accept()
+                except TimeoutError:
+                    continue
+                if not pending.acquire(blocking=False):
+                    log.warning("group: refused a connection from %s: too many handshakes at once", peer[0])
+                    sock.close()
+                    continue
+                threading.Thread(target=self._admit_one, args=(sock, peer, pending), name="orchard-group-join",
+                                 daemon=True).start()
+        finally:
+            with self._joined:
+                self._admitting = False
+            self._listener.close()
 
-    def _handshake(self, sock: socket.socket) -> _Conn:
-        sock.settimeout(10.0)  # an unauthenticated peer gets little time and little memory
-        hello = wire.loads(wire.expect(sock, wire.HELLO, wire.MAX_HANDSHAKE))
+    def _admit_one(self, sock: socket.socket, peer, pending: threading.BoundedSemaphore) -> None:
+        try:
+            conn = self._handshake(sock, time.monotonic() + self.handshake_timeout)
+        except (OSError, wire.ProtocolError) as e:
+            log.warning("group: refused a connection from %s: %s", peer[0], e)
+            sock.close()
+            return
+        finally:
+            pending.release()
+        log.info("group: rank %d joined from %s (%s)", conn.rank, peer[0], conn.info.get("host", "?"))
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> _Conn:
+        """Authenticate a peer (`wire.py`'s handshake) by `deadline`; on success it is a member."""
+        hello = wire.loads(wire.expect(sock, wire.HELLO, wire.MAX_HANDSHAKE, deadline))
         rank, nonce = hello.get("rank"), hello.get("nonce")
         if not isinstance(rank, int) or not isinstance(nonce, str) or len(nonce) < 16:
             raise wire.ProtocolError("a HELLO without a rank and nonce")
         mine = secrets.token_hex(16)
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
         sock.sendall(wire.frame(wire.CHALLENGE, wire.dumps(
             {"nonce": mine, "proof": wire.leader_proof(self.token, nonce, mine)})))
-        auth = wire.loads(wire.expect(sock, wire.AUTH, wire.MAX_HANDSHAKE))
+        auth = wire.loads(wire.expect(sock, wire.AUTH, wire.MAX_HANDSHAKE, deadline))
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
         if not wire.proofs_match(auth.get("proof"), wire.member_proof(self.token, rank, mine, nonce)):
             sock.sendall(wire.frame(wire.ERROR, b"the join token does not match"))
             raise wire.ProtocolError(f"rank {rank} presented a wrong join token")
@@ -125,13 +154,15 @@ class Leader:
             msg = f"rank {rank} of a group of {hello.get('size')}: this group has {self.size} ranks"
             sock.sendall(wire.frame(wire.ERROR, msg.encode()))
             raise wire.ProtocolError(msg)
-        if rank in self.members:
-            sock.sendall(wire.frame(wire.ERROR, f"rank {rank} has already joined".encode()))
-            raise wire.ProtocolError(f"rank {rank} joined twice")
-        sock.sendall(wire.frame(wire.WELCOME))
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return _Conn(sock, rank, hello)
+        with self._joined:  # one connection per rank, and none once the group is complete
+            if rank in self.members or not self._admitting:
+                sock.sendall(wire.frame(wire.ERROR, f"rank {rank} has already joined".encode()))
+                raise wire.ProtocolError(f"rank {rank} joined twice")
+            sock.sendall(wire.frame(wire.WELCOME))
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = self.members[rank] = _Conn(sock, rank, hello)
+        return conn
 
     def broadcast(self, kind: int, payload: bytes = b"") -> None:
         for conn in self.members.values():
@@ -292,17 +323,18 @@ class Member:
                     raise TimeoutError(f"could not reach group rank 0 at {self.address[0]}:{self.address[1]}: {e}") \
                         from None
                 time.sleep(0.5)
-        sock.settimeout(30.0)
+        handshake = time.monotonic() + 3 * HANDSHAKE_S  # for all of it: rank 0 may be busy admitting others
+        sock.settimeout(3 * HANDSHAKE_S)
         nonce = secrets.token_hex(16)
         sock.sendall(wire.frame(wire.HELLO, wire.dumps({**self.info, "rank": self.rank, "size": self.size,
                                                         "nonce": nonce})))
-        challenge = wire.loads(wire.expect(sock, wire.CHALLENGE, wire.MAX_HANDSHAKE))
+        challenge = wire.loads(wire.expect(sock, wire.CHALLENGE, wire.MAX_HANDSHAKE, handshake))
         if not wire.proofs_match(challenge.get("proof"), wire.leader_proof(self.token, nonce, challenge.get("nonce", ""))):
             sock.close()
             raise wire.ProtocolError("rank 0 does not hold this group's join token")
         sock.sendall(wire.frame(wire.AUTH, wire.dumps(
             {"proof": wire.member_proof(self.token, self.rank, challenge["nonce"], nonce)})))
-        wire.expect(sock, wire.WELCOME, wire.MAX_HANDSHAKE)
+        wire.expect(sock, wire.WELCOME, wire.MAX_HANDSHAKE, handshake)
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock

@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from cluster import platform
 from cluster.worker.config import EngineConfig
 from cluster.worker.group import wire
 from cluster.worker.group.channel import Leader, Watchdog
@@ -32,10 +33,8 @@ from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
 from cluster.worker.group.stage import (
     Assignment,
     StageRunner,
-    kv_bytes_per_block,
     load_part,
     part_bytes,
-    resident_bytes,
     split_layers,
     stage_of_rank,
     usable_memory,
@@ -44,6 +43,7 @@ from cluster.worker.kernels.cpu import host_view
 from cluster.worker.model_runner import (
     default_kv_budget,
     has_recurrent_layers,
+    kv_bytes_per_block,
     text_args,
     weight_dtype,
 )
@@ -115,7 +115,9 @@ class GroupState:
     finish in the order they were sent, as the hidden states come back in that order."""
 
     def __init__(self, leader: Leader, ring, topo: Topology, assignment: Assignment, options: GroupOptions,
-                 hidden_size: int, stats: GroupStats):
+                 hidden_size: int, stats: GroupStats, max_in_flight: int = 1):
+        """`max_in_flight`: batches that may be in flight at once (`pipelined.py`'s virtual
+        engines; 1: a step is sent and finished before the next)."""
         self.leader = leader
         self.ring = ring
         self.topo = topo
@@ -126,8 +128,9 @@ class GroupState:
         self.writer = wire.PlanWriter()
         self.watchdog = Watchdog(leader.on_lost)
         self.step = 0  # the last step sent
-        self.max_in_flight = 1  # batches that may be in flight at once (pipelined.py raises it)
-        self.in_flight: deque[tuple[int, int | None]] = deque()  # (step, rank 0's checksum) sent, not finished
+        self.max_in_flight = max_in_flight
+        # (step, rank 0's checksum, its batch) sent, not finished, oldest first
+        self.in_flight: deque[tuple[int, int | None, object]] = deque()
 
     @property
     def pipeline(self) -> bool:
@@ -143,16 +146,27 @@ class GroupState:
             check = wire.checksum(host_view(batch.block_tables, np.int32), host_view(batch.slot_mapping, np.int32))
         payload = self.writer.encode(self.step, scheduled, block_size, check)
         self.leader.broadcast(wire.STEP, payload)
-        self.in_flight.append((self.step, check))
+        self.in_flight.append((self.step, check, batch))
         self.stats.plan_bytes += len(payload) * len(self.leader.members)
         self.stats.plan_seconds += time.perf_counter() - t0
         self.stats.plan_cpu_seconds += time.thread_time() - c0
 
-    def receive_hidden(self, num_tokens: int, dtype) -> mx.array:
-        """The previous stage's (rank 1's) hidden state of the oldest step in flight, once
-        it says it is coming."""
+    def oldest_step(self, batch) -> int:
+        """The step id of `batch`, which must be the oldest step in flight: the members run
+        the steps in the order they were sent and their hidden states come back in that
+        order, so finishing any other batch would give it another step's hidden state.
+        Anything else (a step sent and never finished here) loses the group."""
+        if not self.in_flight or self.in_flight[0][2] is not batch:
+            sent = [step for step, _, _ in self.in_flight]
+            self.leader.lose(f"rank 0 finishes a batch that is not the oldest step in flight (steps in flight: {sent})")
+            raise ConnectionError("the group is lost")
+        return self.in_flight[0][0]
+
+    def receive_hidden(self, step: int, num_tokens: int, dtype) -> mx.array:
+        """The previous stage's (rank 1's) hidden state of step `step`, once it says it is
+        coming."""
         t0 = time.perf_counter()
-        self.leader.wait_ready(self.in_flight[0][0], 1, self.options.timeout)
+        self.leader.wait_ready(step, 1, self.options.timeout)
         t1 = time.perf_counter()
         h = mx.distributed.recv((num_tokens, self.hidden_size), dtype, 1, group=self.ring, stream=mx.cpu)
         mx.eval(h)
@@ -162,7 +176,7 @@ class GroupState:
         return h
 
     def finish_step(self) -> None:
-        step, crc = self.in_flight.popleft()
+        step, crc, _ = self.in_flight.popleft()
         if crc is not None:
             for rank in self.leader.members:
                 theirs = self.leader.wait_ack(rank, step, self.options.timeout)
@@ -202,13 +216,13 @@ class GroupRunner(StageRunner):
 
     def forward(self, batch, hidden=None):
         g = self.group
+        step = g.oldest_step(batch)
         try:
             if g.pipeline and g.topo.size > 1:
-                hidden = g.receive_hidden(batch.num_tokens, self.dtype)
+                hidden = g.receive_hidden(step, batch.num_tokens, self.dtype)
             out = super().forward(batch, hidden)
         except BaseException as e:  # the ranks are out of step now: the group cannot go on
-            g.leader.lose(f"step {g.in_flight[0][0] if g.in_flight else g.step} failed on rank 0: "
-                          f"{type(e).__name__}: {e}")
+            g.leader.lose(f"step {step} failed on rank 0: {type(e).__name__}: {e}")
             raise
         g.finish_step()
         return out
@@ -279,7 +293,7 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     leader.broadcast(wire.START, wire.dumps({"num_blocks": num_blocks, "kv_dtype": str(kv_dtype).split(".")[-1],
                                              "num_state_slots": num_state_slots}))
     members = [{"rank": 0, "host": socket.gethostname(), "memory": memory[0], "weights": mine["weights"],
-                "layers": list(stages[0]) if stages else [0, num_layers], "rss": resident_bytes()}]
+                "layers": list(stages[0]) if stages else [0, num_layers], "rss": platform.resident_bytes()}]
     for r in sorted(loaded):
         info = leader.members[r].info
         members.append({"rank": r, "host": str(info.get("host", "")), "memory": memory[r],
@@ -288,7 +302,8 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     stats = GroupStats(size=topo.size, parallel=options.parallel, members=members)
     leader.serve()
     watchdog.stop()
-    group = GroupState(leader, ring, topo, assignment, options, int(text_args(model).hidden_size), stats)
+    group = GroupState(leader, ring, topo, assignment, options, int(text_args(model).hidden_size), stats,
+                       max_in_flight=virtual)
     log.info("group of %d up in %.1f s: %s; %d KV blocks (the fewest any rank holds)", topo.size,
              time.monotonic() - t0, "; ".join(f"rank {m['rank']} layers {m['layers'][0]}-{m['layers'][1] - 1}, "
                                               f"{m['weights'] / 2**20:.0f} MiB" for m in members), num_blocks)
@@ -302,7 +317,6 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
                         runner_factory=runner_factory)
         engine.group = group
         return engine
-    group.max_in_flight = virtual
     shared = GroupRunner(model, num_blocks, config.block_size, kv_dtype, num_state_slots, stage=stage, group=group)
     share = num_blocks // virtual
     engines = []
@@ -321,6 +335,6 @@ def capacity(model, stage, config: EngineConfig, kv_dtype) -> dict:
     from mlx.utils import tree_flatten
 
     weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
-    per_block = kv_bytes_per_block(model, stage, config.block_size, kv_dtype)
+    per_block = kv_bytes_per_block(model, config.block_size, kv_dtype, stage.layers)
     budget = config.kv_cache_memory_bytes or default_kv_budget(model)
     return {"blocks": budget // per_block if per_block else 1 << 30, "weights": weights}

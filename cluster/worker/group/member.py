@@ -15,9 +15,11 @@ import logging
 import os
 import socket
 import time
+from typing import NoReturn
 
 import mlx.core as mx
 
+from cluster import platform
 from cluster.worker.config import EngineConfig
 from cluster.worker.group import wire
 from cluster.worker.group.channel import EXIT_GROUP_LOST, Member, Watchdog
@@ -28,12 +30,21 @@ from cluster.worker.group.stage import (
     StageRunner,
     load_part,
     member_batch,
-    resident_bytes,
     usable_memory,
 )
 from cluster.worker.model_runner import text_args, weight_dtype
 
 log = logging.getLogger(__name__)
+
+
+def member_process(model_path: str, options: GroupOptions, join_token: str) -> NoReturn:
+    """A member process: `run_member`, then the process ends with its exit code, whatever
+    runs it (`orchard worker serve`, a Ray actor's thread): a member that could not start,
+    or whose group ended, is a process gone, which its launcher starts again (launchd,
+    `orchard up`, Ray), never one left alive doing nothing."""
+    code = run_member(model_path, options, join_token)
+    logging.shutdown()
+    os._exit(code)
 
 
 def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
@@ -64,7 +75,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
         config = EngineConfig(block_size=int(engine["block_size"]), kv_cache_dtype=engine["kv_cache_dtype"])
         kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
         mine = capacity(model, stage, config, kv_dtype)
-        member.send(wire.LOADED, wire.dumps({**mine, "rss": resident_bytes()}))
+        member.send(wire.LOADED, wire.dumps({**mine, "rss": platform.resident_bytes()}))
         start = member.receive(wire.START, deadline)
         kv_dtype = getattr(mx, start["kv_dtype"])
         slots = int(start["num_state_slots"])

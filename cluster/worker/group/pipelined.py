@@ -19,7 +19,6 @@ It offers the engine's interface that the worker's engine loop and service use.
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections import deque
 from dataclasses import fields, replace
@@ -175,10 +174,7 @@ class PipelinedEngine:
         return outputs
 
     def _begin_idle(self) -> None:
-        limit = self.group.options.inflight or self.group.topo.size
-        for v, e in enumerate(self.engines):
-            if len(self.in_flight) >= limit:
-                return
+        for v, e in enumerate(self.engines):  # (one batch in flight at most per virtual engine)
             if self._busy(v) or not e.has_unfinished():
                 continue
             pending = e.begin_step()
@@ -194,16 +190,7 @@ class PipelinedEngine:
         for e in self.engines:
             e.check_integrity()
 
-    def generate(self, prompts, sampling_params=None) -> list[list[int]]:
-        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for rid, prompt in zip(ids, prompts):
-            self.add_request(rid, prompt, sampling_params)
-        results: dict[str, list[int]] = {rid: [] for rid in ids}
-        while self.has_unfinished():
-            for out in self.step():
-                if out.request_id in results:
-                    results[out.request_id] += out.new_token_ids
-        return [results[rid] for rid in ids]
+    generate = Engine.generate  # the same loop, over this engine's add_request and step
 
     def _refresh_stats(self) -> None:
         """The virtual engines' counters, summed (what metrics and load reports read)."""

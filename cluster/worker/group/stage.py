@@ -39,16 +39,15 @@ import numpy as np
 from mlx import nn
 
 from cluster import platform
-from cluster.worker import attention, cpu_layers, recurrent
-from cluster.worker.dequantize import maybe_dequantize
+from cluster.worker import attention, recurrent
 from cluster.worker.kernels import AttentionPlan, needs_plan
 from cluster.worker.model_runner import (
     ModelRunner,
     Stage,
     StepBatch,
     check_served,
+    ready_to_serve,
     text_args,
-    weight_dtype,
 )
 from cluster.worker.patching import original_call
 
@@ -106,29 +105,7 @@ def usable_memory() -> int:
     available RAM elsewhere."""
     if platform.has_metal():
         return int(mx.device_info()["max_recommended_working_set_size"])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (0 where /proc is not there)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return platform.available_memory() or 8 << 30
 
 
 # -- finding the parts of a model ------------------------------------------------------------------
@@ -271,17 +248,7 @@ def load_part(path: str | Path, parallel: str, stage: Stage | None, group=None, 
     else:
         model.shard(group)
         attention.layer_specs(model, fresh=True)  # the heads each rank holds
-    maybe_dequantize(model, cpu_dequantize)
-    dtype = weight_dtype(model)
-    target = platform.compute_dtype(dtype)
-    if target != dtype:
-        model.set_dtype(target)
-    mx.eval(model.parameters())
-    from cluster.worker import model_runner
-
-    model_runner.attach(model)
-    cpu_layers.use_fast_swiglu(model)
-    cpu_layers.use_c_kernels(model)
+    ready_to_serve(model, cpu_dequantize)
     return model
 
 
@@ -376,18 +343,6 @@ class StageRunner(ModelRunner):
         finally:
             self.stage_active = False
             self.stage_input = None
-
-    def kv_bytes_per_block(self) -> int:
-        """Pool bytes one block takes over the layers held here."""
-        return self.block_size * self.kv_dtype.size * sum(
-            s.num_kv_heads * s.head_dim * (1 if s.latent else 2) for s in self.specs
-            if s.owns_kv and s.layer in self.stage.layers)
-
-
-def kv_bytes_per_block(model: nn.Module, stage: Stage, block_size: int, dtype) -> int:
-    """What one block of the KV pool costs over `stage`'s layers (before a runner exists)."""
-    return block_size * dtype.size * sum(s.num_kv_heads * s.head_dim * (1 if s.latent else 2)
-                                         for s in attention.layer_specs(model) if s.owns_kv and s.layer in stage.layers)
 
 
 def member_batch(plan, runner: StageRunner) -> StepBatch:

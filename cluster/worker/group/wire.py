@@ -29,6 +29,7 @@ import hmac
 import json
 import socket
 import struct
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -63,11 +64,18 @@ def frame(kind: int, payload: bytes = b"") -> bytes:
     return FRAME.pack(MAGIC, VERSION, kind, 0, len(payload)) + payload
 
 
-def read_exact(sock: socket.socket, n: int) -> bytes:
+def read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; by `deadline` (time.monotonic()) for all of them when given (TimeoutError
+    past it: a peer sending a byte now and then cannot stretch the wait)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ProtocolError("the connection closed")
@@ -75,8 +83,8 @@ def read_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def read_message(sock: socket.socket, limit: int = MAX_PAYLOAD) -> tuple[int, bytes]:
-    magic, version, kind, _, length = FRAME.unpack(read_exact(sock, FRAME.size))
+def read_message(sock: socket.socket, limit: int = MAX_PAYLOAD, deadline: float | None = None) -> tuple[int, bytes]:
+    magic, version, kind, _, length = FRAME.unpack(read_exact(sock, FRAME.size, deadline))
     if magic != MAGIC:
         raise ProtocolError("not an Orchard group peer (bad magic)")
     if version != VERSION:
@@ -85,11 +93,11 @@ def read_message(sock: socket.socket, limit: int = MAX_PAYLOAD) -> tuple[int, by
         raise ProtocolError(f"unknown message kind {kind}")
     if length > limit:
         raise ProtocolError(f"a {KIND_NAMES[kind]} message of {length} bytes (at most {limit} here)")
-    return kind, read_exact(sock, length)
+    return kind, read_exact(sock, length, deadline)
 
 
-def expect(sock: socket.socket, kind: int, limit: int = MAX_PAYLOAD) -> bytes:
-    got, payload = read_message(sock, limit)
+def expect(sock: socket.socket, kind: int, limit: int = MAX_PAYLOAD, deadline: float | None = None) -> bytes:
+    got, payload = read_message(sock, limit, deadline)
     if got == ERROR:
         raise ProtocolError(f"the peer failed: {payload.decode(errors='replace')}")
     if got != kind:
