@@ -294,6 +294,23 @@ def test_a_long_chat_prompt_does_not_wait_for_a_long_embeddings_partial_prefill(
     assert emb.is_prefilling  # the chat's first token came long before the embedding's end
 
 
+def test_an_embeddings_prefill_gives_way_instead_of_preempting_a_chat():
+    """Blocks run out while a long embedding input is mid-prefill beside a chat admitted
+    after it: the embedding is preempted (it waits for blocks), never the chat, which was
+    the newest running request and would have recomputed its prompt and output."""
+    s = make_scheduler(max_num_batched_tokens=64, num_blocks=12, model_max_len=192, long_prefill_token_threshold=32)
+    emb = add_pooling(s, "E", range(150))
+    step_and_finish(s)  # alone: a full-budget chunk
+    chat = add(s, "G", range(1000, 1040), max_tokens=100)
+    steps = 0
+    while s.has_unfinished() and steps < 500:
+        step_and_finish(s)
+        s.block_manager.check_integrity(live(s))
+        steps += 1
+    assert chat.status is SequenceStatus.FINISHED_STOPPED and emb.status is SequenceStatus.FINISHED_STOPPED
+    assert chat.num_preemptions == 0 and emb.num_preemptions > 0, (chat.num_preemptions, emb.num_preemptions)
+
+
 @pytest.mark.parametrize(
     "kw, n, message",
     [

@@ -31,9 +31,10 @@ pooling requests lets at most `POOLING_MAX_PASSED` generation requests go ahead 
 generation load that never lets the queue empty still lets embeddings start. A pooling
 request mid-prefill does not count against a generation request's partial-prefill limits.
 
-When a running request cannot get a block, the newest running request is preempted:
-its blocks are freed and it goes back to the front of the queue with all its tokens, to
-be recomputed later (its output is unchanged). Waiting requests never preempt.
+When a running request cannot get a block, the newest running request is preempted
+(with generation_first, the newest pooling request while one runs): its blocks are freed
+and it goes back to the front of the queue with all its tokens, to be recomputed later
+(its output is unchanged). Waiting requests never preempt.
 """
 
 from __future__ import annotations
@@ -224,7 +225,8 @@ class Scheduler:
 
         def preempt_newest(current: Sequence) -> Sequence:
             nonlocal budget
-            victim = self.running.pop()
+            victim = self._victim()
+            self.running.remove(victim)
             entry = scheduled.pop(id(victim), None)
             if entry is not None:
                 budget += entry.num_new_tokens
@@ -296,6 +298,16 @@ class Scheduler:
                 budget -= extra
         out.scheduled = list(scheduled.values())
         return out
+
+    def _victim(self) -> Sequence:
+        """The running request to preempt: the newest, or with generation_first the newest
+        pooling request while there is one (an embedding's prefill never costs a chat its
+        recomputation: it gives way, to wait for blocks)."""
+        if self.config.generation_first:
+            for seq in reversed(self.running):
+                if seq.sampling_params.pooling is not None:
+                    return seq
+        return self.running[-1]
 
     def _short_waiting_reserve(self, limit: int, start: int = 0) -> int:
         """Tokens of the short waiting prompts (at most `long_prefill_token_threshold`)
