@@ -305,19 +305,22 @@ def load_pooling_model(path: str | Path):
     def classes(config: dict):
         model_class, args_class = _get_classes(config)
 
-        class Model(model_class):
-            def __init__(self, args):
-                super().__init__(args)
-                if labels:
-                    self.score = nn.Linear(args.hidden_size, labels, bias=False)
+        def build(args):
+            # mlx-lm's own family model (the host path and the per-family code know it by its
+            # class), with the classifier's head beside its layers and the keys renamed first
+            model = model_class(args)
+            if labels:
+                model.score = nn.Linear(args.hidden_size, labels, bias=False)
+            family_sanitize = getattr(model, "sanitize", None)
 
-            def sanitize(self, weights):
+            def sanitize(weights):
                 weights = {("model." + k if k.startswith(_BACKBONE) else k): v for k, v in weights.items()}
-                return super().sanitize(weights) if hasattr(super(), "sanitize") else weights
+                return family_sanitize(weights) if family_sanitize is not None else weights
 
-        # it is mlx-lm's family model otherwise (host_forward admits those by their module)
-        Model.__module__, Model.__qualname__ = model_class.__module__, model_class.__qualname__
-        return Model, args_class
+            model.sanitize = sanitize
+            return model
+
+        return build, args_class
 
     model, config = load_model(path, get_model_classes=classes, model_config=overrides)
     return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
