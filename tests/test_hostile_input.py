@@ -290,6 +290,39 @@ def test_a_slow_client_is_dropped(served):
     assert status == 200
 
 
+def test_an_idle_keep_alive_connection_outlives_the_header_timeout(served):
+    """The header timeout (1 s here, 30 s by default) was aiohttp's keep-alive timer, which
+    also closed idle keep-alive connections that soon: before the proxies and client pools
+    that keep one longer (nginx 60 s, Go 90 s), whose next request written on it as it
+    closed failed. Idle keep-alive is now aiohttp's own (an hour); a request begun on an
+    idle connection still has the header timeout for its headers."""
+    body = json.dumps(CHAT).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    host, port = served.http.rsplit(":", 1)
+
+    def answer(s: socket.socket) -> bytes:
+        out = b""
+        while b"\r\n\r\n" not in out:
+            out += s.recv(65536) or b"<closed>"
+            assert not out.endswith(b"<closed>"), out
+        head, _, rest = out.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        while len(rest) < length:
+            rest += s.recv(65536)
+        return head
+
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        for _ in range(2):
+            s.sendall(request)
+            assert answer(s).startswith(b"HTTP/1.1 200"), "a request on a kept-alive connection was refused"
+            time.sleep(2.5)  # idle, longer than the header timeout
+        s.sendall(request[:40])  # a request begun, its headers never finished: dropped at the header timeout
+        start = time.monotonic()
+        assert s.recv(65536) == b""
+        assert 0.5 < time.monotonic() - start < 10
+
+
 def test_bytes_that_are_not_a_protobuf_are_invalid_argument(served):
     with grpc.insecure_channel(served.grpc) as ch:
         for method, call in (("Generate", ch.unary_stream), ("ListModels", ch.unary_unary)):

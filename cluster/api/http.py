@@ -307,13 +307,58 @@ def _guard(keys: Keys, allowed: tuple[str, ...] | None):
 class JsonErrorsServer(web.Server):
     """aiohttp's low-level server whose connections answer aiohttp's own refusals (a
     malformed request line or header, headers past their size limits) in the OpenAI error
-    shape, as JSON, instead of plain text. `serving` makes an app's server one of these."""
+    shape, as JSON, instead of plain text, and drop a client whose headers take longer than
+    `header_timeout` seconds from their first byte (from connecting, for a connection's first
+    request). aiohttp has no header timeout of its own: its keep-alive timer also runs while
+    headers are read, so as a header timeout it closed idle keep-alive connections as soon
+    (30 s), before the proxies and client pools that keep them longer (nginx 60 s, Go 90 s):
+    a request written on one as it closed failed. Here the keep-alive is aiohttp's own, apart.
+    `serving` makes an app's server one of these."""
+
+    header_timeout: float | None = None
 
     def __call__(self) -> RequestHandler:
         return _JsonErrorsProtocol(self, loop=self._loop, **self._kwargs)
 
 
 class _JsonErrorsProtocol(RequestHandler):
+    _header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._watch_headers()  # the first request's headers: within the header timeout of connecting
+
+    def data_received(self, data: bytes) -> None:
+        idle = self._waiter is not None and not self._waiter.done()  # between requests (keep-alive)
+        super().data_received(data)
+        if self._messages:  # a whole request's headers (or a malformed request) arrived
+            self._unwatch_headers()
+        elif idle and self._header_deadline is None:  # a request begins on an idle connection
+            self._watch_headers()
+
+    def connection_lost(self, exc) -> None:
+        self._unwatch_headers()
+        super().connection_lost(exc)
+
+    def _watch_headers(self) -> None:
+        timeout = getattr(self._manager, "header_timeout", None)
+        if timeout and self._header_deadline is None:
+            self._header_deadline = self._loop.call_later(timeout, self._headers_late)
+            # aiohttp's keep-alive timer closes a connection whose next request is not whole
+            # when it fires: not while the header timeout still runs
+            self._next_keepalive_close_time = max(self._next_keepalive_close_time, self._loop.time() + timeout + 1)
+
+    def _unwatch_headers(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _headers_late(self) -> None:
+        self._header_deadline = None
+        if not self._messages and not self._request_in_progress:
+            log.debug("closed a connection whose request headers took longer than %g s", self._manager.header_timeout)
+            self.force_close()
+
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         if status >= 500:

@@ -46,11 +46,14 @@ class RequestLimits:
     max_pooling_tokens: int = setting(
         300_000, "tokens of one embedding request's inputs (a rerank's query-document pairs) together at most, as "
                  "OpenAI's embeddings API")
-    # longer than clients keep an idle connection for reuse (httpx 5 s, aiohttp's client 15 s):
-    # a client never writes a request on a connection the server is closing
     http_header_timeout: float = setting(
-        30.0, "seconds an HTTP client may take to send a request's headers (and an idle keep-alive connection "
-              "stays open): a slower one is disconnected")
+        30.0, "seconds an HTTP client may take to send a request's headers, from their first byte (a new "
+              "connection's first request: from connecting): a slower one is disconnected")
+    # aiohttp's own default: longer than proxies (nginx 60-75 s, cloud load balancers up to an
+    # hour) and client pools (httpx 5 s, aiohttp 15 s, Go 90 s) keep an idle connection, so
+    # the client always drops it first and never writes a request on one the server is closing
+    http_keepalive_timeout: float = setting(
+        3630.0, "seconds an idle keep-alive HTTP connection stays open between two requests")
     http_body_timeout: float = setting(60.0, "seconds an HTTP client may take to send a request's body (408 after)")
 
 

@@ -97,16 +97,17 @@ def metrics_app(metrics: MetricsEndpoint, security: SecurityConfig = SecurityCon
 async def _start_http(app: web.Application, address: str, what: str, default_host: str, ssl_context=None,
                       limits: RequestLimits = RequestLimits()) -> tuple[web.AppRunner, str]:
     """Serve `app` on `address`. A connection that has not sent a whole request's headers
-    within `limits.http_header_timeout` (from its start, or from its last response) is
-    closed: aiohttp's keep-alive timer, which also runs while headers are read, is that
-    limit (aiohttp has no other header timeout). After an answer that left a body unread
-    (413, 408), what else the client sends is read for LINGER_SECONDS at most. aiohttp's
-    own refusals are JSON."""
+    within `limits.http_header_timeout` of their first byte (of connecting, for its first
+    request) is closed; an idle keep-alive connection stays open for
+    `limits.http_keepalive_timeout` (see `JsonErrorsServer`). After an answer that left a
+    body unread (413, 408), what else the client sends is read for LINGER_SECONDS at most.
+    aiohttp's own refusals are JSON."""
     sock = bind(address, what, default_host)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           keepalive_timeout=limits.http_header_timeout, lingering_time=LINGER_SECONDS)
+                           keepalive_timeout=limits.http_keepalive_timeout, lingering_time=LINGER_SECONDS)
     await runner.setup()
     runner.server.__class__ = JsonErrorsServer  # the same server; its connections answer refusals in JSON
+    runner.server.header_timeout = limits.http_header_timeout
     await web.SockSite(runner, sock, ssl_context=ssl_context).start()
     return runner, _host_port(sock)
 
