@@ -424,9 +424,10 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
 
     path.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
-    if kind == "classifier":  # transformers' sequence-classification head
+    if kind == "classifier":  # transformers' sequence-classification head, and no LM head (untied or not)
         weights["score.weight"] = mx.random.normal((1, config["hidden_size"]), key=mx.random.key(seed + 7)) / math.sqrt(
             config["hidden_size"])
+        weights.pop("lm_head.weight", None)
     _save_weights(path, weights, files)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tok.save(str(path / "tokenizer.json"))
