@@ -456,3 +456,25 @@ def test_a_pooling_request_over_its_limits_is_refused_before_its_inputs_are_toke
     assert "at least 4000 tokens together (up to input 3)" in tokens and n2 == 4
     assert "at least 3500 tokens together (3500 token ids)" in ids and n3 == 0
     assert "max_pooling_tokens=3000" in pairs and n4 == 0
+
+
+def test_a_pooling_request_with_more_inputs_than_the_queue_holds_is_the_clients_error():
+    """--max-pooling-inputs above --max-waiting: a request of more inputs than the waiting
+    queue holds could never be queued; it is a 400 naming both numbers (a full queue,
+    RESOURCE_EXHAUSTED, would count against every worker the router tried), and nothing
+    reaches the engine."""
+    from cluster.api.pooling import build_embed_request, build_score_request
+    from cluster.worker.pooling import Pooler
+
+    engine = FakeEngine()
+    engine.pooler = Pooler(hidden_size=8, tasks=("embed", "score"), score_kind="yes_no", yes_no_ids=(1, 2))
+    engine.config.max_waiting = 4
+
+    async def fn(svc, engine):
+        for request in (build_embed_request(["a"] * 5), build_score_request("q", ["d"] * 5)):
+            with pytest.raises(InvalidRequest, match=r"5 inputs: more than this worker's waiting queue holds at once "
+                                                     r"\(max_waiting=4\)"):
+                await (svc.score if request.DESCRIPTOR.name == "ScoreRequest" else svc.embed)(request)
+        return list(engine.added)
+
+    assert run_with_service(fn, engine) == []

@@ -336,6 +336,7 @@ class WorkerService:
         arrival = time.monotonic()
         self._check_pooling_request(request.model, EMBED)
         validate_embed_request(request, self.limits)
+        self._check_queue_holds(len(request.inputs))
         params = PoolingParams(EMBED, request.dimensions if request.HasField("dimensions") else None,
                                request.normalize if request.HasField("normalize") else None)
         try:
@@ -367,6 +368,7 @@ class WorkerService:
         arrival = time.monotonic()
         self._check_pooling_request(request.model, SCORE)
         validate_score_request(request, self.limits)
+        self._check_queue_holds(len(request.documents))
         inputs = []
         for i, (query, document) in enumerate(score_pairs(request)):
             if self.pooler.score_format == "pair":  # a cross-encoder: the tokenizer's own pair encoding
@@ -387,6 +389,15 @@ class WorkerService:
         self._check_serving(model)
         if task not in self.tasks:
             raise refuse_task(self.model_name, task, self.tasks)
+
+    def _check_queue_holds(self, num_inputs: int) -> None:
+        """Each input of a pooling request is queued as a request: more than the waiting
+        queue holds could never be taken (it would come back as a full queue, a verdict on
+        the worker, from every worker the router tries)."""
+        cap = getattr(self.config, "max_waiting", 0)
+        if cap and num_inputs > cap:
+            raise InvalidRequest(f"{num_inputs} inputs: more than this worker's waiting queue holds at once "
+                                 f"(max_waiting={cap}); send at most {cap} a request")
 
     def _check_serving(self, model: str) -> None:
         """Unavailable / NotFound for a request this worker cannot take now, whatever it asks."""
