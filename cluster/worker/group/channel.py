@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0  # a ping from rank 0 every second; members answer at once
 HANDSHAKE_S = 10.0  # an unauthenticated peer gets this long for the whole handshake (and little memory)
 MAX_PENDING_HANDSHAKES = 16  # handshakes at once while the members join
+SHUTDOWN_SEND_S = 1.0  # rank 0's orderly end waits this long at most to tell each member
 
 
 class _Conn:
@@ -49,6 +50,17 @@ class _Conn:
         data = wire.frame(kind, payload)
         with self.lock:
             self.sock.sendall(data)
+
+    def send_within(self, seconds: float, kind: int, payload: bytes = b"") -> None:
+        """`send`, given up (TimeoutError) past `seconds`: waiting for the lock (another
+        sender stuck on a peer that reads nothing) and sending alike."""
+        if not self.lock.acquire(timeout=seconds):
+            raise TimeoutError(f"rank {self.rank}'s connection is busy")
+        try:
+            self.sock.settimeout(seconds)
+            self.sock.sendall(wire.frame(kind, payload))
+        finally:
+            self.lock.release()
 
     def close(self) -> None:
         try:
@@ -276,13 +288,14 @@ class Leader:
         return self._lost.is_set()
 
     def close(self) -> None:
-        """An orderly end: members are told to stop, then the connections close."""
+        """An orderly end: members are told to stop (each within a second: a member that
+        reads nothing finds its connection closed instead), then the connections close."""
         if self._lost.is_set():
             return
         self._closing = True
         for conn in self.members.values():
             try:
-                conn.send(wire.SHUTDOWN)
+                conn.send_within(SHUTDOWN_SEND_S, wire.SHUTDOWN)
             except OSError:
                 pass
         for conn in self.members.values():
