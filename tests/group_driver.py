@@ -28,6 +28,15 @@ def config(speculative: bool = False) -> dict:
     return dict(CONFIG, speculative_config=SPECULATIVE) if speculative else dict(CONFIG)
 
 
+def every_draft() -> None:
+    """Speculate at every step it can: the policy weighs drafts against this machine's
+    measured step times, so the rows of a step (and the last bits of a logprob) would vary
+    between two runs; bit-for-bit needs the same steps on both sides."""
+    from cluster.worker.spec_decode.policy import SpecPolicy
+
+    SpecPolicy.limits = lambda self, decodes, proposed, rows: list(proposed)
+
+
 def requests(seed: int, vocab: int = 500):
     """(request id, prompt, params, arrival (a step, or the id of a request whose first
     token it follows), abort step or None)."""
@@ -116,6 +125,8 @@ def main() -> int:
     options = GroupOptions(size=size, rank=0, hosts=args.hosts, port=args.port, parallel=args.parallel,
                            shares=args.shares, check=args.check, timeout=60, join_timeout=120, inflight=args.inflight)
     cfg = config(args.speculative)
+    if args.speculative:
+        every_draft()
     cfg["num_kv_blocks"] *= args.inflight  # each batch in flight (virtual engine) gets the single process's pool
     engine = load_group_engine(args.model, EngineConfig(**cfg), options, "test-token")
     engine.warm_up()

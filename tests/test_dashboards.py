@@ -28,6 +28,9 @@ WORKER_METRICS = {
     "orchard_prefix_cache_queries_total", "orchard_prefix_cache_hits_total", "orchard_request_success_total",
     "orchard_engine_stalls_total", "orchard_step_kv_cache_usage_ratio",
     "orchard_state_slots_used", "orchard_state_slots_total",  # a hybrid model's recurrent-state slots
+    # speculative decoding's (vLLM's names)
+    "orchard_spec_decode_num_drafts_total", "orchard_spec_decode_num_draft_tokens_total",
+    "orchard_spec_decode_num_accepted_tokens_total", "orchard_spec_decode_num_accepted_tokens_per_pos_total",
     # a worker group's (rank 0 reports them)
     "orchard_group_size", "orchard_group_steps_total", "orchard_group_collective_seconds_total",
     "orchard_group_wait_seconds_total", "orchard_group_plan_seconds_total", "orchard_group_bytes_total",

@@ -307,14 +307,21 @@ def single_run(model: Path, seed: int = 0, speculative: bool = False) -> dict:
     """The same workload on the single-process engine (the reference)."""
     key = (str(model), seed, speculative)
     if key not in _single:
-        from group_driver import config, run_workload
+        from group_driver import config, every_draft, run_workload
 
         from cluster.worker.config import EngineConfig
         from cluster.worker.engine import Engine
+        from cluster.worker.spec_decode.policy import SpecPolicy
 
-        engine = Engine.from_pretrained(model, EngineConfig(**config(speculative)))
-        engine.warm_up()
-        _single[key] = run_workload(engine, seed)
+        limits = SpecPolicy.limits
+        if speculative:
+            every_draft()  # as rank 0 does
+        try:
+            engine = Engine.from_pretrained(model, EngineConfig(**config(speculative)))
+            engine.warm_up()
+            _single[key] = run_workload(engine, seed)
+        finally:
+            SpecPolicy.limits = limits
     return _single[key]
 
 

@@ -498,9 +498,9 @@ def test_draft_model_greedy_seeded_and_structured_are_unchanged(models, draft, e
     same(on, off)
 
 
-def _outcomes(path, spec, params: SamplingParams, prompt: list[int], samples: int) -> dict:
+def _outcomes(path, spec, params: SamplingParams, prompt: list[int], samples: int, rejects: bool = True) -> dict:
     """How often each output (a tuple of tokens) comes out of `samples` draws (n samples of
-    one request at a time)."""
+    one request at a time). With `spec`, drafts were scored and (`rejects`) some rejected."""
     engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=256, max_num_seqs=64, speculative_config=spec))
     counts: dict = {}
     for r in range(0, samples, 64):
@@ -511,8 +511,11 @@ def _outcomes(path, spec, params: SamplingParams, prompt: list[int], samples: in
                 outs.setdefault(o.index, []).extend(o.new_token_ids)
         for tokens in outs.values():
             counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
-    if spec is not None:
+    if spec is not None and rejects:
         speculated(engine)
+    elif spec is not None:  # the planted bug took effect: every draft kept
+        s = engine.speculator.stats
+        assert 0 < s.num_accepted_tokens == s.num_draft_tokens, s
     return counts
 
 
@@ -540,7 +543,7 @@ def test_sampled_drafts_keep_the_distribution(models, draft, every_draft, monkey
     elif bug == "unnormalised residual":
         monkeypatch.setattr(verify, "normalise", lambda w: w)
     base = _outcomes(path, None, params, prompt, 3000)
-    spec = _outcomes(path, draft_config(draft, 2), params, prompt, 3000)
+    spec = _outcomes(path, draft_config(draft, 2), params, prompt, 3000, rejects=bug != "drafts always accepted")
     p = _same_distribution_p(base, spec)
     assert (p > 0.001) if bug is None else (p < 0.001), (bug, p)
 
