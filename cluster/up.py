@@ -56,9 +56,20 @@ class UpConfig:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports (held open together while they are picked: one at a time,
+    the OS may hand out the same port twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @dataclass
@@ -179,7 +190,7 @@ class LocalCluster:
         members = []
         if size > 1:  # a worker group: rank 0 here, ranks 1.. beside it, over MLX's ring on loopback
             if i not in self.group_hosts:
-                *ring, port = (free_port(host) for _ in range(size + 1))
+                *ring, port = free_ports(size + 1, host)
                 self.group_hosts[i] = (",".join(f"{host}:{p}" for p in ring), port)
             hosts, port = self.group_hosts[i]
             group = ["--group-size", str(size), "--group-hosts", hosts, "--group-port", str(port),

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -40,19 +39,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cluster.up import free_ports  # noqa: E402
+
 MODES = ("one", "pipeline1", "pipeline2", "tensor")
 PIN = True
 TOKEN = "bench-group-token"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def env(threads: int) -> dict:

@@ -22,20 +22,11 @@ import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 from cluster.worker.group import wire
 from cluster.worker.group.channel import Leader, Member
 from cluster.worker.group.config import GroupOptions, read_hostfile, topology
+from cluster.up import free_ports
 from cluster.worker.group.stage import split_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-token"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 # -- the plan on the wire ------------------------------------------------------------------------
@@ -152,6 +143,19 @@ def _leader(size=2, timeout=5.0):
     return leader, lost
 
 
+def _joined(timeout: float):
+    """A leader serving one member (rank 1) that has joined; the member reads nothing (no
+    serve()). Returns (leader, what the leader lost, member)."""
+    leader, lost = _leader(timeout=timeout)
+    member = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lambda r: None)
+    t = threading.Thread(target=leader.admit, args=(time.monotonic() + 30,), daemon=True)
+    t.start()
+    member.join(time.monotonic() + 30)
+    t.join(30)
+    leader.serve()
+    return leader, lost, member
+
+
 def test_side_channel_admits_only_members_with_the_token():
     leader, _ = _leader()
     addr = leader.address
@@ -215,13 +219,7 @@ def test_a_stranger_that_stalls_its_handshake_delays_no_member():
 def test_rank_0_closes_even_when_a_member_connection_is_stuck():
     """Rank 0's orderly end tells each member to stop; a connection another sender is stuck
     on (a member that reads nothing: its buffers full) must not keep rank 0 from ending."""
-    leader, lost = _leader(timeout=30.0)
-    m = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lambda r: None)
-    t = threading.Thread(target=leader.admit, args=(time.monotonic() + 30,), daemon=True)
-    t.start()
-    m.join(time.monotonic() + 30)
-    t.join(30)
-    leader.serve()
+    leader, lost, m = _joined(timeout=30.0)
     leader.members[1].lock.acquire()  # a send to rank 1 that never returns
     closed = threading.Event()
     threading.Thread(target=lambda: (leader.close(), closed.set()), daemon=True).start()
@@ -231,13 +229,7 @@ def test_rank_0_closes_even_when_a_member_connection_is_stuck():
 
 
 def test_side_channel_notices_a_silent_or_closed_member():
-    leader, lost = _leader(timeout=2.0)
-    m = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lambda r: None)
-    t = threading.Thread(target=leader.admit, args=(time.monotonic() + 10,), daemon=True)
-    t.start()
-    m.join(time.monotonic() + 10)
-    t.join(10)
-    leader.serve()
+    leader, lost, m = _joined(timeout=2.0)
     # the member never reads (no serve()): it answers no ping, and is lost by the timeout
     deadline = time.monotonic() + 10
     while not lost and time.monotonic() < deadline:
@@ -245,13 +237,7 @@ def test_side_channel_notices_a_silent_or_closed_member():
     assert lost and "silent" in lost[0]
     m.close()
 
-    leader, lost = _leader(timeout=30.0)
-    m = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lambda r: None)
-    t = threading.Thread(target=leader.admit, args=(time.monotonic() + 10,), daemon=True)
-    t.start()
-    m.join(time.monotonic() + 10)
-    t.join(10)
-    leader.serve()
+    leader, lost, m = _joined(timeout=30.0)
     m.close()  # a member that dies: its connection closes
     deadline = time.monotonic() + 10
     while not lost and time.monotonic() < deadline:
