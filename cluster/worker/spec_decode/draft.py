@@ -155,19 +155,22 @@ class DraftModelProposer:
             entries.append((i, _View(seq, []), start, rows))
         # forward 1: catch-up rows and each request's first draft; then one row per request per draft
         while entries:
-            sampled = self._forward(entries)
+            logits, rows = self._forward(entries)
             self.rows += sum(n for _, _, _, n in entries)
+            greedy = mx.argmax(logits, axis=-1).tolist() if logits.shape[0] else []
             nxt = []
-            for (i, view, start, n), logits in zip(entries, sampled):
+            for (i, view, start, n), r in zip(entries, rows):
                 seq = seqs[i]
                 st = self._state(seq)
                 st.computed = start + n
-                if logits is None:  # a catch-up chunk that did not reach the end
+                if r is None:  # a catch-up chunk that did not reach the end
                     continue
-                token, q = self._choose(seq, logits, len(drafts.get(i, [])))
-                drafts.setdefault(i, []).append(token)
-                if q is not None:
+                if samples_drafts(seq.sampling_params):
+                    token, q = self._sample(seq, logits[r])
                     probs.setdefault(i, []).append(q)
+                else:
+                    token = greedy[r]
+                drafts.setdefault(i, []).append(token)
                 if len(drafts[i]) < limits[i]:
                     pos = view.num_tokens
                     nxt.append((i, _View(seq, drafts[i]), pos, 1))
@@ -179,33 +182,27 @@ class DraftModelProposer:
         self.seconds += time.perf_counter() - t0
         return out
 
-    def _forward(self, entries) -> list[mx.array | None]:
-        """One packed draft forward; each entry's last-row logits (None where the entry stops
-        short of its view's end)."""
+    def _forward(self, entries) -> tuple[mx.array, list[int | None]]:
+        """One packed draft forward: the last-row logits [M, V] of the entries that reach
+        their view's end, and each entry's row there (None for one that stops short)."""
         from cluster.worker.scheduler import ScheduledSeq, SchedulerOutput
 
         plan = SchedulerOutput([ScheduledSeq(view, start, n) for _, view, start, n in entries])
         batch = self.runner.prepare(plan)
         logits = self.runner.forward(batch)
         mx.eval(logits, *self.runner.pool_arrays())
-        out, r = [], 0
+        rows, r = [], 0
         for entry in plan.scheduled:
-            if entry.sample:
-                out.append(logits[r])
-                r += 1
-            else:
-                out.append(None)
-        return out
+            rows.append(r if entry.sample else None)
+            r += entry.sample
+        return logits, rows
 
-    def _choose(self, seq, logits: mx.array, step: int) -> tuple[int, np.ndarray | None]:
-        """The next draft: the draft model's argmax, or a draw from its distribution q (kept)
-        for a request whose drafts are sampled."""
-        params = seq.sampling_params
-        if not samples_drafts(params):
-            return int(mx.argmax(logits).item()), None
+    def _sample(self, seq, logits: mx.array) -> tuple[int, np.ndarray]:
+        """A draft drawn from the draft model's distribution q at the request's temperature
+        and top-k / top-p / min-p (q kept for rejection sampling)."""
         from cluster.worker.sampler import filtered_probs
 
-        q = np.array(filtered_probs(logits[None, :], [params])[0], dtype=np.float64)
+        q = np.array(filtered_probs(logits[None, :], [seq.sampling_params])[0], dtype=np.float64)
         q /= q.sum()
         return int(self.rng.choice(q.shape[0], p=q)), q
 
