@@ -40,7 +40,8 @@ BACKEND = web.AppKey("backend", object)  # the app's `Backend`
 TIMEOUT = web.AppKey("request_timeout", object)
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds, per request (at most the server's --request-timeout)
 MODEL_CACHE = web.AppKey("model_cache", list)
-CLOSE = "orchard.close_connection"  # set on a request whose body could not be read: its answer closes
+# set on a request whose body could not be read: its answer closes the connection
+CLOSE = web.RequestKey("close_connection", bool) if hasattr(web, "RequestKey") else "orchard.close_connection"
 LIMITS = web.AppKey("limits", RequestLimits)  # the backend's (`limits_of`): the same on HTTP and gRPC
 
 # Sent by real clients and changing no output: every API accepts them. Any other
