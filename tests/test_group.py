@@ -738,3 +738,19 @@ def test_a_step_that_does_not_finish_by_its_deadline_loses_the_group():
     while not lost and time.monotonic() < deadline:
         time.sleep(0.05)
     assert lost == ["group step 8 did not finish in time"]
+
+
+def test_a_group_refuses_a_model_that_serves_embeddings_or_scores(embedding_model_dir, reranker_model_dir, tmp_path):
+    """A group's steps serve generation only: an embedding model or a reranker (by its
+    directory, or --task / --embeddings) is refused before the group starts, not served
+    as a generation model (an embedding model would have answered chats)."""
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.group.config import GroupOptions
+    from cluster.worker.group.leader import load_group_engine
+
+    opts = GroupOptions(size=2, hosts="127.0.0.1:7000,127.0.0.1:7001", rank=0)
+    for path, config, says in ((embedding_model_dir, EngineConfig(), "serves embed"),
+                               (reranker_model_dir, EngineConfig(), "serves score"),
+                               (tmp_path, EngineConfig(embeddings=True), "serves generate, embed")):
+        with pytest.raises(ValueError, match=f"{says}: a worker group serves generation only"):
+            load_group_engine(str(path), config, opts, "token")

@@ -228,6 +228,19 @@ class GroupRunner(StageRunner):
         return out
 
 
+def refuse_pooling(model_path: str, config: EngineConfig) -> None:
+    """A group's steps serve generation only: a model that serves embeddings or scores (by
+    its directory, `--task` or `--embeddings`) is refused before the group starts, rather than
+    served as a generation model (an embedding model would answer chats)."""
+    from cluster.worker.pooling import Pooler
+
+    tasks = Pooler.for_model(model_path, 0, None, config.task, config.embeddings).tasks
+    if tasks != ("generate",):
+        raise ValueError(f"{Path(model_path).name} serves {', '.join(tasks)}: a worker group serves generation only "
+                         "(embeddings and scores are served by a single-process worker: leave out --group-size, or "
+                         "--embeddings)")
+
+
 def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptions, join_token: str,
                       model_name: str | None = None):
     """Rank 0's engine for a group (see the module docstring). Blocks until every member
@@ -241,6 +254,7 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     if topo.rank != 0:
         raise ValueError(f"rank {topo.rank} is a member: it runs `cluster.worker.group.member`")
     check_token(join_token, topo)
+    refuse_pooling(model_path, config)
     t0 = time.monotonic()
     deadline = t0 + options.join_timeout
     leader = Leader(topo.control, topo.size, join_token, options.timeout)
