@@ -138,11 +138,17 @@ class GrammarCompiler:
         start = time.perf_counter()
         try:
             matcher = self._compile(spec)
-        except InvalidGrammar as e:  # its message only: the exception's frames hold the matcher (megabytes)
-            self._remember(spec, str(e))
-            raise
-        self._remember(spec, matcher, costly=time.perf_counter() - start >= _COSTLY_SECONDS)
-        return matcher
+        except InvalidGrammar as e:
+            refusal = str(e)
+        else:
+            self._remember(spec, matcher, costly=time.perf_counter() - start >= _COSTLY_SECONDS)
+            return matcher
+        # a new exception, raised here: the refusal's own traceback holds the frames that built
+        # and walked the matcher, and so the matcher and its copy (37 MB for a{120000}), for as
+        # long as the exception lives; the worker's error path leaves exceptions in reference
+        # cycles that only Python's next full collection frees
+        self._remember(spec, refusal)
+        raise InvalidGrammar(refusal)
 
     def forget(self, spec: StructuredOutput) -> None:
         """Drop `spec`'s matcher: a sequence found it past llguidance's limits (their budget,
