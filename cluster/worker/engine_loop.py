@@ -30,10 +30,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import mlx.core as mx
+
 from cluster.worker.engine import Engine, QueueFullError, RequestOutput
 from cluster.worker.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+# Seconds without a message after which the idle engine thread gives MLX's buffer cache back.
+IDLE_RELEASE_SECONDS = 1.0
 
 
 class EngineLoadError(RuntimeError):
@@ -150,7 +154,7 @@ class EngineLoop:
         iso = _Isolation()
         comeback = _Comeback(engine.config.finish_wait_ms / 1000)
         while True:
-            msgs = [] if engine.has_unfinished() or iso.suspects else [self._inbox.get()]
+            msgs = [] if engine.has_unfinished() or iso.suspects else [self._next_message()]
             if comeback.worth_waiting() and not engine.num_waiting:
                 self._wait_for_comebacks(msgs, comeback)
             while True:
@@ -211,6 +215,19 @@ class EngineLoop:
         for ev in failed:
             sent.pop(ev.request_id, None)
         return failed
+
+    def _next_message(self) -> AddRequest | AbortRequest | Shutdown:
+        """The next message, however long it takes. Once none has come for
+        IDLE_RELEASE_SECONDS, MLX's buffer cache is given back first: every buffer a step
+        freed stays in it for reuse (on a CPU, as much as the largest steps' activations),
+        and a server that is idle holds none of it (the fuzz's worker kept 10 MB more after
+        it; a long prompt's prefill, as much as its activations)."""
+        try:
+            return self._inbox.get(timeout=IDLE_RELEASE_SECONDS)
+        except queue.Empty:
+            pass
+        mx.clear_cache()
+        return self._inbox.get()
 
     def _wait_for_comebacks(self, msgs: list, comeback: "_Comeback") -> None:
         """Take inbox messages until as many new requests arrived as the last step
