@@ -8,9 +8,11 @@ It starts a router and one worker (its HTTP on too) on free ports, on the tiny r
 model unless --model names one, with 2 s header and body timeouts so that slow clients are
 settled quickly. Then:
 
-  1. warm-up: ordinary requests on every route; the router's and the worker's memory (RSS)
-     is noted, and a probe (a greedy 8-token chat completion through the router) is timed
-     while nothing else runs;
+  1. warm-up: ordinary requests on every route, then --warm-up requests of the fuzz's own
+     mix (another seed), so that every path (errors, grammars, pooling) has run once; a
+     probe (a greedy 8-token chat completion through the router) is timed while nothing
+     else runs; once both servers have been idle --settle seconds, their memory (RSS) is
+     noted: the baseline, where a served process settles;
   2. the fuzz: --requests requests, --concurrency at a time, drawn from a seeded generator:
      HTTP bodies with fields of the wrong type, out of range, huge, deeply nested, unknown,
      missing; NaN, lone surrogates, invalid JSON, wrong Content-Encoding, bad
@@ -26,7 +28,8 @@ settled quickly. Then:
        0 hangs (no answer within 60 s; a slow client not dropped within its timeout),
        the p99 time to a refusal (4xx, or a gRPC client-error status) under --refusal-p99-ms,
        the probe's median latency during the fuzz within --probe-ratio of its idle median,
-       both processes' RSS within --memory-slack of the warm-up's,
+       both processes' RSS, read again after --settle seconds idle, within --memory-slack
+         of the baseline,
        `orchard router workers` showing the worker healthy, no circuit opened (the router's
        orchard_router_circuit_open 0 and no request outcome "failed").
 
@@ -619,6 +622,7 @@ async def fuzz(args, targets, pids) -> Report:
             await probe_once(session, router)
         for _ in range(args.probes):
             report.probe_idle.append(await probe_once(session, router))
+        await asyncio.sleep(args.settle)  # idle as long as before the reading after the fuzz
         report.memory_before = {name: rss_mb(pid) for name, pid in pids.items()}
 
         cases = [draw(gen) for _ in range(args.requests)]
@@ -737,7 +741,8 @@ def main(argv=None) -> int:
     parser.add_argument("--probe-ratio", type=float, default=2.0)
     parser.add_argument("--memory-slack", type=float, default=0.10)
     parser.add_argument("--settle", type=float, default=8.0,
-                        help="seconds after the fuzz before memory is read (the servers trim freed memory every 5 s)")
+                        help="seconds idle before memory is read, after the warm-up and after the fuzz (an idle "
+                             "worker gives MLX's buffer cache back after 1 s; the servers trim freed memory every 5 s)")
     parser.add_argument("--policy", default="prefix_aware",
                         help="the router's placement policy (prefix_aware keeps a bounded prefix index that grows)")
     parser.add_argument("--progress", action="store_true")

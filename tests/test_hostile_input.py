@@ -367,8 +367,9 @@ def test_freed_memory_is_given_back_once_the_process_has_grown(monkeypatch):
         return readings.pop(0)
 
     trims = []
-    monkeypatch.setattr(serving, "_rss_bytes", rss)
-    monkeypatch.setattr(serving, "_TRIM", lambda pad: trims.append(pad))
+    monkeypatch.setattr(serving, "resident_bytes", rss)
+    monkeypatch.setattr(serving, "give_back_freed_memory", lambda: trims.append(0))
+    monkeypatch.setattr(serving, "_cpu_seconds", lambda: 0.0)  # never busy: only its size counts
     monkeypatch.setattr(serving, "TRIM_EVERY_SECONDS", 0.0)
     monkeypatch.setattr(serving, "TRIM_GROWTH_BYTES", 8)
 
@@ -379,6 +380,22 @@ def test_freed_memory_is_given_back_once_the_process_has_grown(monkeypatch):
     asyncio.run(main())
     # floor 100: 104 stays, 120 trims (90 after), 95 stays, 110 trims (101 after), 105 stays, 200 trims
     assert trims == [0, 0, 0]
+    # the router kept 7-9 MB freed after the fuzz: it had shrunk since its last trim, then grown
+    # back by less than 8 MB over that trim's size. The growth counts from its smallest size
+    readings[:] = [100, 120, 100, 80, 86, 89, 87, 95, 90]
+    trims.clear()
+    asyncio.run(main())
+    # floor 100: 120 trims (100 after), 80 lowers it, 86 stays, 89 trims (87 after), 95 trims
+    assert trims == [0, 0, 0]
+    # what a burst freed as it ended, after the last trim, changed no size: kept for good. Now
+    # the trims go on while the process is busy (CPU time), and once after
+    readings[:] = [100] * 12
+    cpu = iter([0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.01, 2.02])
+    monkeypatch.setattr(serving, "_cpu_seconds", lambda: next(cpu))
+    trims.clear()
+    asyncio.run(main())
+    # busy, after, idle, idle, busy, after, idle, idle (10 ms: heartbeats)
+    assert len(trims) == 4
 
 
 # -- the router in process, over fake workers ----------------------------------------------------

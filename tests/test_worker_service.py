@@ -293,6 +293,8 @@ def test_an_idle_engine_gives_mlxs_buffer_cache_back(monkeypatch):
     from cluster.worker.sampling_params import SamplingParams
 
     monkeypatch.setattr(engine_loop, "IDLE_RELEASE_SECONDS", 0.5)
+    trims = []
+    monkeypatch.setattr(engine_loop, "give_back_freed_memory", lambda: trims.append(mx.get_cache_memory()))
 
     class Computes(FakeEngine):
         def step(self):
@@ -318,6 +320,8 @@ def test_an_idle_engine_gives_mlxs_buffer_cache_back(monkeypatch):
             while mx.get_cache_memory() > 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert mx.get_cache_memory() == 0, "the idle engine kept MLX's buffer cache"
+            assert trims[-1:] == [0]  # and what it held went back to the system (after the cache emptied)
+            trims.clear()
     finally:
         loop.stop(5)
 

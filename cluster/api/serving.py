@@ -8,11 +8,10 @@ port sharing), the same binding rules and the same `/metrics` + `/health` endpoi
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import inspect
 import logging
-import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from cluster.api.http import JsonErrorsServer, limits_of
 from cluster.api.limits import GRPC_MAX_MESSAGE_BYTES, RequestLimits
 from cluster.api.servicer import Backend
+from cluster.platform import can_give_back_freed_memory, give_back_freed_memory, resident_bytes
 from cluster.net import SERVER_KEEPALIVE_OPTIONS, parse_address
 from cluster.security import AuthInterceptor, SecurityConfig, allowed_hosts, http_ssl_context, server_credentials
 
@@ -112,37 +112,34 @@ async def _start_http(app: web.Application, address: str, what: str, default_hos
     return runner, _host_port(sock)
 
 
-def _malloc_trim():
-    """glibc's malloc_trim, or None (another C library, another system)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim if os.path.exists("/proc/self/statm") else None
-
-
-_TRIM = _malloc_trim()
 TRIM_EVERY_SECONDS = 5.0
-TRIM_GROWTH_BYTES = 8 << 20
+TRIM_GROWTH_BYTES = 2 << 20
+TRIM_BUSY_CPU_SECONDS = 0.05  # CPU time in TRIM_EVERY_SECONDS that counts as busy (1% of a core)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _cpu_seconds() -> float:
+    return time.process_time()
 
 
 async def _trim_freed_memory() -> None:
-    """Give freed memory back to the system once the process has grown by TRIM_GROWTH_BYTES
-    since it last did (glibc keeps what a burst of large requests, a costly grammar or a
-    hostile body freed, and the process stays that large; on macOS the allocator returns
-    it by itself). A few milliseconds, every TRIM_EVERY_SECONDS at most."""
-    floor = _rss_bytes()
+    """Give freed memory back to the system (`platform.give_back_freed_memory`: glibc keeps
+    what a burst of large requests, a costly grammar or a hostile body freed in the middle
+    of its heaps, and the process stays that large; on macOS the allocator returns it by
+    itself): every TRIM_EVERY_SECONDS while the process is busy (it frees as it works) and
+    once after, and whenever it has grown by TRIM_GROWTH_BYTES over its smallest size since
+    it last did. On a thread of its own, a few milliseconds. (Once it had grown 8 MB over
+    its size after the last trim, only: what a burst freed as it ended, after that trim, was
+    kept: 7-12 MB of the router and the worker after the fuzz.)"""
+    floor, cpu, busy = resident_bytes(), _cpu_seconds(), False
     while True:
         await asyncio.sleep(TRIM_EVERY_SECONDS)
-        if _rss_bytes() >= floor + TRIM_GROWTH_BYTES:
-            _TRIM(0)
-            floor = _rss_bytes()
+        rss, now = resident_bytes(), _cpu_seconds()
+        was_busy, busy, cpu = busy, now - cpu >= TRIM_BUSY_CPU_SECONDS, now
+        if busy or was_busy or rss >= floor + TRIM_GROWTH_BYTES:
+            await asyncio.to_thread(give_back_freed_memory)
+            floor = resident_bytes()
+        else:
+            floor = min(floor, rss)
 
 
 class DecodeInterceptor(grpc.aio.ServerInterceptor):
@@ -259,7 +256,7 @@ class Endpoints:
         reflection.enable_server_reflection((*naming.names, reflection.SERVICE_NAME), server)
         await server.start()
         await self.set_serving(serving)
-        if self._trimmer is None and _TRIM is not None:
+        if self._trimmer is None and can_give_back_freed_memory():
             self._trimmer = asyncio.get_running_loop().create_task(_trim_freed_memory())
         ssl_context = http_ssl_context(self.security)
         if metrics is not None and metrics_address:

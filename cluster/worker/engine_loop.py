@@ -32,6 +32,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from cluster.platform import give_back_freed_memory
 from cluster.worker.engine import Engine, QueueFullError, RequestOutput
 from cluster.worker.sampling_params import SamplingParams
 
@@ -227,6 +228,7 @@ class EngineLoop:
         except queue.Empty:
             pass
         mx.clear_cache()
+        give_back_freed_memory()  # what the cache held is free in this thread's heap: to the system
         return self._inbox.get()
 
     def _wait_for_comebacks(self, msgs: list, comeback: "_Comeback") -> None:
