@@ -20,7 +20,8 @@ speculation, then with it, on two engines over the same weights that were warmed
 output tok/s (all generated tokens / wall time, prefills included), mean time per output
 token after the first, on/off of the tok/s and of the process's CPU time per output token
 (steadier than wall time on a machine others share), the draft tokens' acceptance rate.
-`--repeat N` alternates off and on N times and prints medians. Greedy outputs must be
+`--repeat N` alternates off and on N times and prints medians, and the range of on/off
+over the N pairs (`--json` keeps the ranges of tok/s and acceptance too). Greedy outputs must be
 identical with and without speculation: a mismatch is printed (and the exit status is 1).
 
 The draft-model method needs a smaller model of the same tokenizer; SmolLM2-135M is the
@@ -175,8 +176,8 @@ def engine_rows(args, model: Path) -> list[dict]:
     print("measured step times (ms by rows): " + ", ".join(f"{r}: {1000 * s:.0f}" for r, s in sorted(times.items())),
           flush=True)
     rows = []
-    header = (f"{'load':<8} {'streams':>7} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} {'off TPOT':>9} "
-              f"{'on TPOT':>8} {'CPU on/off':>10} {'accept':>7} {'drafts':>7}  same")
+    header = (f"{'load':<8} {'streams':>7} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} {'range':>11} "
+              f"{'off TPOT':>9} {'on TPOT':>8} {'CPU on/off':>10} {'accept':>7} {'drafts':>7}  same")
     print(header, flush=True)
     for load in args.loads:
         for streams in args.streams:
@@ -190,14 +191,20 @@ def engine_rows(args, model: Path) -> list[dict]:
             a = {k: statistics.median(r[0][k] for r in runs) for k in ("tok_s", "tpot_ms", "cpu_ms_per_token")}
             b = {k: statistics.median(r[1][k] for r in runs) for k in ("tok_s", "tpot_ms", "cpu_ms_per_token")}
             same = all(r[0]["outputs"] == r[1]["outputs"] for r in runs)
+            ratios = [r[1]["tok_s"] / r[0]["tok_s"] for r in runs]
             row = {"load": load, "streams": streams, "off": a["tok_s"], "on": b["tok_s"],
-                   "ratio": statistics.median(r[1]["tok_s"] / r[0]["tok_s"] for r in runs),
+                   "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+                   "off_range": [min(r[0]["tok_s"] for r in runs), max(r[0]["tok_s"] for r in runs)],
+                   "on_range": [min(r[1]["tok_s"] for r in runs), max(r[1]["tok_s"] for r in runs)],
+                   "acceptance_range": [min(r[1].get("acceptance", 0.0) for r in runs),
+                                        max(r[1].get("acceptance", 0.0) for r in runs)],
                    "cpu_ratio": statistics.median(r[0]["cpu_ms_per_token"] / r[1]["cpu_ms_per_token"] for r in runs),
                    "off_tpot_ms": a["tpot_ms"], "on_tpot_ms": b["tpot_ms"],
                    "acceptance": statistics.median(r[1].get("acceptance", 0.0) for r in runs),
                    "drafts": sum(r[1].get("drafts", 0) for r in runs), "same": same, "tokens": runs[0][0]["tokens"]}
             rows.append(row)
-            print(f"{load:<8} {streams:>7} {row['off']:>10.1f} {row['on']:>10.1f} {row['ratio']:>6.2f}x "
+            span = f"{row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f}x"
+            print(f"{load:<8} {streams:>7} {row['off']:>10.1f} {row['on']:>10.1f} {row['ratio']:>6.2f}x {span:>11} "
                   f"{row['off_tpot_ms']:>7.1f}ms {row['on_tpot_ms']:>6.1f}ms {row['cpu_ratio']:>9.2f}x "
                   f"{100 * row['acceptance']:>6.0f}% {row['drafts']:>7}  {'yes' if same else 'NO: outputs differ'}",
                   flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import replace
 
 import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
@@ -548,14 +549,44 @@ def test_sampled_drafts_keep_the_distribution(models, draft, every_draft, monkey
     assert (p > 0.001) if bug is None else (p < 0.001), (bug, p)
 
 
-def test_a_worker_speculates_over_http_and_reports_it(tiny_model_dir, worker_process, tiny_worker):
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", [None, "drafts always kept"])
+def test_sampled_ngram_drafts_keep_the_distribution(models, every_draft, monkeypatch, bug):
+    """Unseeded sampled requests with n-gram drafts (point masses): each verify row draws
+    with its own noise and the drafts are kept while they match what was drawn, which is
+    rejection sampling with q a point mass. 3,000 four-token outputs with drafts against
+    3,000 without, a chi-square test of homogeneity: the real code passes; keeping every
+    draft fails at p < 0.001. The prompt is a phrase followed by 8 of the model's own
+    sampled continuations of it, then the phrase again (answering from a document): the
+    continuation drawn now is often one of those, so drafts are kept and rejected."""
+    from cluster.worker import engine as engine_module
+
+    path = models["llama"]
+    phrase = repetitive_prompts(1, seed=37)[0][:12]
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=4, ignore_eos=True)
+    plain = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64))
+    seen = [plain.generate([phrase], replace(params, max_tokens=6, seed=i))[0] for i in range(8)]
+    prompt = [t for s in seen for t in phrase + s] + phrase
+    ngram = json.dumps({"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    if bug is not None:
+        monkeypatch.setattr(engine_module, "accept_drafts", lambda drafts, drawn: list(drafts) + [drawn[len(drafts)]])
+    base = _outcomes(path, None, params, prompt, 3000)
+    spec = _outcomes(path, ngram, params, prompt, 3000, rejects=bug is None)
+    p = _same_distribution_p(base, spec)
+    assert (p > 0.001) if bug is None else (p < 0.001), (bug, p)
+
+
+def test_a_worker_speculates_over_http_and_reports_it(tiny_model_dir, worker_process, tiny_worker, tmp_path,
+                                                      capsys):
     """`orchard worker serve --speculative-config`: chat completions through the openai
     package come out as they do from a worker without it, a request opts out with
-    `speculative: false`, /metrics counts drafts and acceptances; a worker without it
-    answers `speculative: true` with a 400 that names the flag."""
+    `speculative: false`, /metrics counts drafts and acceptances, `orchard bench` prints
+    the run's acceptance rate from them; a worker without it answers `speculative: true`
+    with a 400 that names the flag."""
     import urllib.request
 
     import openai
+    from cluster.bench.serve import build_parser as bench_parser, main as bench_main
     from cluster.bench.server_metrics import parse, total
 
     spec = worker_process(tiny_model_dir, "--num-kv-blocks", "512", "--max-model-len", "512",
@@ -576,6 +607,96 @@ def test_a_worker_speculates_over_http_and_reports_it(tiny_model_dir, worker_pro
     with pytest.raises(openai.BadRequestError, match="speculative decoding is off on this worker.*--speculative-config"):
         plain.chat.completions.create(messages=[{"role": "user", "content": "hi"}],
                                       **(body | {"extra_body": {"speculative": True}}))
+    # `orchard bench` against it: the acceptance rate of its run's drafts (/metrics after - before)
+    before = parse(urllib.request.urlopen(f"http://{spec.metrics}/metrics", timeout=10).read().decode())
+    result = tmp_path / "bench.json"
+    args = bench_parser().parse_args(
+        ["--disable-tqdm", "--target", spec.grpc, "--tokenizer", str(tiny_model_dir), "--dataset", "prefix-repetition",
+         "--prefix-repetition-prefix-len", "48", "--prefix-repetition-suffix-len", "8",
+         "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "24", "--num-prompts", "8",
+         "--max-concurrency", "4", "--ignore-eos", "--metrics-url", spec.metrics, "--result-file", str(result)])
+    assert bench_main(args) == 0
+    after = parse(urllib.request.urlopen(f"http://{spec.metrics}/metrics", timeout=10).read().decode())
+    drafted, accepted = (total(after, name) - total(before, name) for name in
+                         ("orchard_spec_decode_num_draft_tokens_total", "orchard_spec_decode_num_accepted_tokens_total"))
+    server = json.loads(result.read_text())["server"]
+    assert drafted > 0 and server["spec_draft_tokens"] == drafted and server["spec_accepted_tokens"] == accepted
+    assert server["spec_acceptance_rate"] == pytest.approx(accepted / drafted)
+    printed = capsys.readouterr().out
+    rate = re.search(r"^Spec-decode acceptance rate \(%\):\s+([0-9.]+)\s*$", printed, re.M)
+    assert rate and float(rate.group(1)) == pytest.approx(100 * accepted / drafted, abs=0.01), printed
+    assert "Acceptance by draft position (%):" in printed
+
+
+@pytest.mark.slow
+def test_failover_resumes_a_speculating_stream(tiny_model_dir, tiny_worker, tmp_path):
+    """A router and two workers with `--speculative-config`, 12 greedy streams; kill -9 of
+    the worker serving most of them mid-stream: the router resumes each on the other,
+    which speculates on from the tokens already sent. Every stream's tokens are those of
+    a worker without speculation."""
+    import asyncio
+    import os
+    import signal
+    import urllib.request
+
+    import grpc
+    from cluster.bench.server_metrics import parse, total
+    from cluster.proto.orchard.v1 import orchard_pb2 as pb
+    from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+    from cluster.up import LocalCluster, free_ports
+
+    prompts = [f"Stream {i}: the router keeps every token of" for i in range(12)]
+    max_tokens = 300  # still running when about 16 tokens of each have arrived
+    killed: list[int] = []
+
+    async def streams(target: str, kill=None) -> list[list[int]]:
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            seen, serving = [0], {}
+
+            async def one(i: int, text: str) -> list[int]:
+                req = pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                               ignore_eos=True))
+                tokens = []
+                async for c in stub.Generate(req):
+                    tokens += c.token_ids
+                    seen[0] += len(c.token_ids)
+                    serving[i] = c.worker_id
+                    if c.finish_reason:
+                        serving.pop(i, None)
+                    if kill is not None and not killed and serving and seen[0] >= 12 * 16:
+                        busiest = max(set(serving.values()), key=list(serving.values()).count)
+                        killed.append(int(busiest.split("-")[1]))
+                        kill(killed[0])
+                return tokens
+
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    def run(coro):
+        return asyncio.run(asyncio.wait_for(coro, 300))
+
+    reference = run(streams(tiny_worker.grpc))
+    grpc_port, http_port, metrics_port = free_ports(3)
+    with LocalCluster(tiny_model_dir, workers=2, grpc_address=f"127.0.0.1:{grpc_port}",
+                      http_address=f"127.0.0.1:{http_port}", metrics_address=f"127.0.0.1:{metrics_port}",
+                      worker_port_base=0, worker_metrics_port_base=0, log_dir=tmp_path / "logs",
+                      router_args=["--heartbeat-interval", "0.2"],
+                      worker_args=["--num-kv-blocks", "1024", "--max-num-seqs", "64", "--speculative-config", NGRAM]
+                      ) as c:
+
+        def scrape(address: str) -> list:
+            return parse(urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode())
+
+        drafts_before = [total(scrape(m), "orchard_spec_decode_num_draft_tokens_total") for m in c.worker_metrics]
+        got = run(streams(c.router_address, kill=lambda w: os.kill(c.workers[w].proc.pid, signal.SIGKILL)))
+        assert killed
+        survivor = 1 - killed[0]
+        assert got == reference
+        assert all(len(t) == max_tokens for t in got)
+        resumed = total(scrape(c.metrics_address), "orchard_router_retries_total", kind="resume")
+        assert resumed >= 1
+        drafted = total(scrape(c.worker_metrics[survivor]), "orchard_spec_decode_num_draft_tokens_total")
+        assert drafted > drafts_before[survivor]
 
 
 def test_orchard_bench_reads_the_acceptance_rate():
