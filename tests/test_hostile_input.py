@@ -434,13 +434,18 @@ def test_a_message_past_grpcs_limit_is_the_clients_error_not_the_workers():
         async with Cluster(n_workers=2) as c:
             for w in c.workers:
                 w.padding = GRPC_MAX_MESSAGE_BYTES + 1024
+            # the workers' health is theirs to report: not marked failed for the request's size (their
+            # heartbeats, in this process, may come late behind 64 MB answers on a loaded machine)
+            marked = []
+            c.router.registry.mark_failed = lambda worker_id, why: marked.append((worker_id, why))
             for _ in range(4):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await c.generate("hello", max_tokens=1)
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "larger than" in e.value.details()
             assert sum(len(w.requests) for w in c.workers) == 4  # each tried once: not retried elsewhere
+            assert marked == []
             for record in c.router.registry.snapshot():
-                assert record.breaker.state == CLOSED and record.breaker.failures == 0 and record.healthy
+                assert record.breaker.state == CLOSED and record.breaker.failures == 0
             assert 'outcome="failed"' not in await c.metrics()
 
     run(main())

@@ -173,18 +173,7 @@ class RouterBackend:
         internal = 0  # attempts failed with INTERNAL (two make the request a poison)
         self.budget.on_request()
         for attempt in range(self.config.max_attempts):
-            if attempt:
-                await self._before_retry(attempt, failure, deadline)
-            pool, no_worker = await self._pool(rid, request.model, excluded, wait_until)
-            if not pool:
-                self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
-                # the deadline is the reason only where waiting could have helped (not: no worker serves it)
-                if _waited_out(deadline, no_worker):
-                    self.metrics.deadline_exceeded.inc()
-                    raise errors.DeadlineExceeded(f"the deadline passed while waiting for a worker ({no_worker})")
-                if failure is None:
-                    raise errors.from_status(no_worker.code, str(no_worker))
-                raise errors.Unavailable(f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}")
+            pool = await self._next_pool(rid, request.model, attempt, failure, excluded, wait_until, deadline)
             worker = self.policy.choose(pool, keys)
             worker.breaker.on_start()
             if attempt:
@@ -315,18 +304,7 @@ class RouterBackend:
         internal = 0
         self.budget.on_request()
         for attempt in range(self.config.max_attempts):
-            if attempt:
-                await self._before_retry(attempt, failure, deadline)
-            pool, no_worker = await self._pool(rid, request.model, excluded, wait_until, task)
-            if not pool:
-                self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
-                # the deadline is the reason only where waiting could have helped (not: no worker serves it)
-                if _waited_out(deadline, no_worker):
-                    self.metrics.deadline_exceeded.inc()
-                    raise errors.DeadlineExceeded(f"the deadline passed while waiting for a worker ({no_worker})")
-                if failure is None:
-                    raise errors.from_status(no_worker.code, str(no_worker))
-                raise errors.Unavailable(f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}")
+            pool = await self._next_pool(rid, request.model, attempt, failure, excluded, wait_until, deadline, task)
             worker = self.policy.choose(pool, [])
             worker.breaker.on_start()
             if attempt:
@@ -377,6 +355,25 @@ class RouterBackend:
         self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
         raise errors.Unavailable(
             f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}")
+
+    async def _next_pool(self, rid: str, model: str, attempt: int, failure: "_WorkerFailed | None",
+                         excluded: set[str], wait_until: float, deadline: float | None, task: str = GENERATE):
+        """The workers attempt `attempt` may go to (a retry first spends the retry budget and
+        backs off), or the error that ends the request: no worker serves it, the deadline
+        passed waiting for one, or the last attempt's failure and why no other is left."""
+        if attempt:
+            await self._before_retry(attempt, failure, deadline)
+        pool, no_worker = await self._pool(rid, model, excluded, wait_until, task)
+        if pool:
+            return pool
+        self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
+        # the deadline is the reason only where waiting could have helped (not: no worker serves it)
+        if _waited_out(deadline, no_worker):
+            self.metrics.deadline_exceeded.inc()
+            raise errors.DeadlineExceeded(f"the deadline passed while waiting for a worker ({no_worker})")
+        if failure is None:
+            raise errors.from_status(no_worker.code, str(no_worker))
+        raise errors.Unavailable(f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}")
 
     async def _before_retry(self, attempt: int, failure: "_WorkerFailed", deadline: float | None) -> None:
         """Spend the retry budget (or fail fast when it is spent) and back off."""
