@@ -23,6 +23,15 @@ step, the bytes per step against the theory (pipeline: hidden x 4 bytes per toke
 stage boundary; tensor: 2 all-reduces of hidden x 4 bytes per layer per token), and each
 rank's weights against its share of the split (target: within 10%) and its resident memory.
 Targets printed at the end: pipeline2 >= 1.6x pipeline1 output tokens/s.
+
+Where Linux's /proc is there, each rank's time over the timed steps is split into CPU and
+run-queue wait (runnable, but the core was running something else: the machine's other
+load), per step. Pipelining turns one rank's idle time into compute; on a machine whose
+cores are already busy with other work that idle time was not idle, and the ratio shrinks
+towards 1 whatever the engine does. So beside the measured ratio the report projects the
+one a core each would give, from the ranks' CPU per step (pipeline1: c0 + c1 a step,
+pipeline2: max(c0, c1)); the measured ratio means what the projection means only where the
+run-queue waits are small beside the CPU.
 """
 
 from __future__ import annotations
@@ -49,6 +58,30 @@ TOKEN = "bench-group-token"
 def env(threads: int) -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                 ORCHARD_JOIN_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
+
+
+def sched(pid: int | None) -> tuple[float, float] | None:
+    """(CPU seconds, run-queue seconds) of process `pid` so far, over all its threads (MLX
+    computes on a thread of its own): Linux's schedstat; None where there is none."""
+    if pid is None:
+        return None
+    cpu = delay = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    ran, waited, _ = f.read().split()
+            except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+                continue
+            cpu += int(ran)
+            delay += int(waited)
+    except OSError:
+        return None
+    return cpu / 1e9, delay / 1e9
+
+
+def since(before, after) -> list[float] | None:
+    return None if before is None or after is None else [a - b for a, b in zip(after, before)]
 
 
 def pin(cpu: int | None):
@@ -88,15 +121,18 @@ def run(args) -> dict:
     group = getattr(engine, "group", None)
     before = None if group is None else dict(vars(group.stats))
     steps = tokens = forwarded = 0
+    s0, s1 = sched(os.getpid()), sched(args.member_pid or None)
     t0, c0 = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         outs = engine.step()
         tokens += sum(len(o.new_token_ids) for o in outs)
         steps += 1
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    e0, e1 = sched(os.getpid()), sched(args.member_pid or None)
     forwarded = args.requests * (args.prompt_len + args.max_tokens - 1)
     out = {"mode": args.mode, "tok_s": tokens / wall, "tokens": tokens, "wall": wall, "steps": steps,
-           "forwarded": forwarded, "rss0": platform.resident_bytes(), "cpu0": cpu}
+           "forwarded": forwarded, "rss0": platform.resident_bytes(), "cpu0": cpu,
+           "sched0": since(s0, e0), "sched1": since(s1, e1)}
     if group is not None:
         s = group.stats
         n = s.steps - before["steps"]
@@ -130,7 +166,7 @@ def run_mode(mode: str, args) -> dict:
              "--group-timeout", "120"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(1), preexec_fn=pin(1)))
         cmd = [sys.executable, __file__, "--role", "run", "--mode", mode, "--hosts", hosts, "--port", str(port),
-               *common]
+               "--member-pid", str(members[0].pid), *common]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env(1), timeout=1800, preexec_fn=pin(0))
     member_cpu = 0.0
     for m in members:
@@ -156,6 +192,13 @@ def run_mode(mode: str, args) -> dict:
     return out
 
 
+def member_cpu(r: dict) -> tuple[float, str]:
+    """Rank 1's CPU seconds over the timed steps where they were measured, else over its life."""
+    if r.get("sched1") is not None:
+        return r["sched1"][0], "the timed steps"
+    return r["cpu1"], "its whole life: start-up included"
+
+
 def report(results: dict[str, dict], requests: int) -> None:
     base = results.get("one")
     print(f"\n{'mode':<10} {'tok/s':>8} {'vs one':>7} {'step ms':>8} {'plan ms':>8} {'coll ms':>8} {'wait ms':>8} "
@@ -178,9 +221,19 @@ def report(results: dict[str, dict], requests: int) -> None:
                   f"{'-':>11}")
     for mode, r in results.items():
         if "cpu1" in r and r.get("members"):
+            c1, what = member_cpu(r)
             print(f"{mode}: CPU per output token rank 0 {1e3 * r['cpu0'] / r['tokens']:.2f} ms, rank 1 "
-                  f"{1e3 * r['cpu1'] / r['tokens']:.2f} ms (start-up included); busy rank 0 "
+                  f"{1e3 * c1 / r['tokens']:.2f} ms ({what}); busy rank 0 "
                   f"{100 * r['cpu0'] / r['wall']:.0f}% of the wall time")
+    for mode, r in results.items():
+        if r.get("sched0") is None:
+            continue
+        n = r["steps"]
+        cpu, queued = (1e3 * x / n for x in r["sched0"])
+        parts = [f"step {1e3 * r['wall'] / n:.1f} ms", f"rank 0 CPU {cpu:.1f}, run queue {queued:.1f}"]
+        if r.get("sched1") is not None:
+            parts.append(f"rank 1 CPU {1e3 * r['sched1'][0] / n:.1f}, run queue {1e3 * r['sched1'][1] / n:.1f}")
+        print(f"{mode} per step (ms): " + "; ".join(parts) + " (run queue: runnable, a core busy elsewhere)")
     for mode, r in results.items():
         if "members" not in r:
             continue
@@ -198,10 +251,18 @@ def report(results: dict[str, dict], requests: int) -> None:
         ratio = results["pipeline2"]["tok_s"] / results["pipeline1"]["tok_s"]
         print(f"\npipeline, 2 batches in flight vs 1: {ratio:.2f}x output tok/s (target >= 1.6x)")
         r = results["pipeline2"]
-        c0, c1 = r["cpu0"] / r["tokens"] * 1e3, r["cpu1"] / r["tokens"] * 1e3
+        c1, what = member_cpu(r)
+        c0, c1 = r["cpu0"] / r["tokens"] * 1e3, c1 / r["tokens"] * 1e3
         print(f"  CPU per output token: rank 0 {c0:.2f} ms (its stage, the head, scheduling, sampling), rank 1 "
-              f"{c1:.2f} ms (its stage; start-up included); with a free core each, 2 in flight can reach "
+              f"{c1:.2f} ms (its stage; {what}); with a free core each, 2 in flight can reach "
               f"{(c0 + c1) / max(c0, c1):.2f}x of taking turns (the slower rank sets the pace)")
+        waits = [x[1] / x[0] for q in ("pipeline1", "pipeline2") for x in (results[q].get("sched0"),
+                                                                           results[q].get("sched1")) if x]
+        if waits:
+            print(f"  run-queue wait up to {100 * max(waits):.0f}% of a rank's CPU time: "
+                  + ("small, the measured ratio is the engine's" if max(waits) < 0.1 else
+                     "the machine's other load took the cores' idle time, the measured ratio understates "
+                     "what free cores give"))
     plans = [r["plan_ms"] for r in results.values() if "plan_ms" in r]
     if plans:
         walls = [r["plan_wall_ms"] for r in results.values() if "plan_wall_ms" in r]
@@ -223,6 +284,7 @@ def main() -> int:
     ap.add_argument("--mode", default="one", help=argparse.SUPPRESS)
     ap.add_argument("--hosts", default="", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--member-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     global PIN
     PIN = not args.no_pin
@@ -249,6 +311,10 @@ def main() -> int:
     results = {m: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for m, rs in runs.items()}
     if args.repeats > 1:
         print(f"(medians of {args.repeats} alternating runs)")
+        if "pipeline1" in runs and "pipeline2" in runs:  # each pair ran back to back: the least load drift
+            pairs = [b["tok_s"] / a["tok_s"] for a, b in zip(runs["pipeline1"], runs["pipeline2"])]
+            print("pipeline2 / pipeline1 of each repeat (run back to back): "
+                  + ", ".join(f"{x:.2f}x" for x in pairs) + f"; median {sorted(pairs)[len(pairs) // 2]:.2f}x")
     report(results, args.requests)
     return 0
 
