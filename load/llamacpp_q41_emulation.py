@@ -337,7 +337,8 @@ class Model:
         scale = F32(1) / np.sqrt(mean + self.eps)
         return (x * scale[..., None]) * w
 
-    def matmul(self, x: np.ndarray, w: Q41, a: Arith) -> np.ndarray:
+    @staticmethod
+    def matmul(x: np.ndarray, w: Q41, a: Arith) -> np.ndarray:
         if a.act_q8 and a.order:
             return w.dot_q8_1(x)
         if a.act_q8:  # the same quantization, summed in float64
