@@ -34,8 +34,18 @@ between llama.cpp's top-5 logprobs and Orchard's / the emulation's, and how ofte
 argmax is llama.cpp's token. Where libggml-cpu.so is built, quantize_row_q8_1 and
 ggml_vec_dot_q4_1_q8_1 are called on real activations and checked against the emulation.
 
---ablate switches the steps on one at a time over float32 (and off one at a time from the
-full emulation), to show which account for the difference.
+Also printed: the same roundings with the sums done in float64 instead of llama.cpp's float32
+order. Expect it as far from llama.cpp as float32 is: once activations are rounded to 8 bits, a
+difference in a last bit flips a rounding somewhere, and the flips cascade through the layers,
+so only llama.cpp's own order reproduces its logprobs.
+
+--ablate also runs llama-server with its roundings taken away (f32 KV cache and no flash
+attention; the file's float32 twin) against a float32 forward along its own tokens, to show
+which of them account for the difference.
+
+Slow: the bit-for-bit pass is numpy emulating float32 FMA chains lane by lane, about 40 minutes
+for the default 20 prompts on two busy cores (--prompts 3 --max-tokens 16: a few minutes);
+--save/--load reuse the servers' results.
 """
 
 from __future__ import annotations
