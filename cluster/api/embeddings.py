@@ -134,11 +134,7 @@ async def rerank(request: web.Request) -> web.Response:
         if top_n is not None and top_n < 0:
             raise BadField("top_n", f"'top_n' must be >= 0 (0: all), got {top_n}")
         return_documents = body_field(body, "return_documents", bool, True)
-        proto = build_score_request(query, documents, model=body_field(body, "model", str, ""),
-                                    instruction=body_field(body, "instruction", str, ""),
-                                    request_id=f"rerank-{uuid.uuid4().hex}")
-        model = await served_model(request.app, proto.model)
-        result = await _call(request, "score", proto)
+        proto, model, result = await _scored(request, body, query, documents, "rerank")
     except OrchardError as e:
         return error_response(e.http_status, e.message, getattr(e, "param", None))
     order = sorted(range(len(documents)), key=lambda i: -result.scores[i])  # stable: ties keep input order
@@ -153,6 +149,16 @@ async def rerank(request: web.Request) -> web.Response:
     tokens = result.usage.prompt_tokens
     return web.json_response({"id": proto.request_id, "model": result.model or model, "results": results,
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def _scored(request: web.Request, body: dict, queries, documents: list[str], kind: str):
+    """(the ScoreRequest, the model that serves it, the worker's answer) for a rerank or a
+    score request's queries against its documents."""
+    proto = build_score_request(queries, documents, model=body_field(body, "model", str, ""),
+                                instruction=body_field(body, "instruction", str, ""),
+                                request_id=f"{kind}-{uuid.uuid4().hex}")
+    model = await served_model(request.app, proto.model)
+    return proto, model, await _call(request, "score", proto)
 
 
 def _texts(body: dict, name: str) -> list[str]:
@@ -172,11 +178,7 @@ async def score(request: web.Request) -> web.Response:
         if len(queries) not in (1, len(documents)):
             raise BadField("text_1", f"{len(queries)} text_1 and {len(documents)} text_2: send one text_1, or as "
                                      "many as text_2 (scored in pairs)")
-        proto = build_score_request(queries, documents, model=body_field(body, "model", str, ""),
-                                    instruction=body_field(body, "instruction", str, ""),
-                                    request_id=f"score-{uuid.uuid4().hex}")
-        model = await served_model(request.app, proto.model)
-        result = await _call(request, "score", proto)
+        proto, model, result = await _scored(request, body, queries, documents, "score")
     except OrchardError as e:
         return error_response(e.http_status, e.message, getattr(e, "param", None))
     tokens = result.usage.prompt_tokens
