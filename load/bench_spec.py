@@ -90,13 +90,19 @@ def editing_prompts(tokenizer, n: int, lines: tuple[int, int] = (25, 45)) -> lis
         a = rng.choice(names)
         change = CHANGES[i % len(CHANGES)].format(a=a, b=a + "_new", f=rng.choice(funcs))
         msg = f"```python\n{code}\n```\n\n{change} Output the whole code in a code block."
-        out.append(list(tokenizer.apply_chat_template([{"role": "user", "content": msg}], add_generation_prompt=True)))
+        out.append(chat_ids(tokenizer, msg))
     return out
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                                               add_generation_prompt=True)) for i in range(n)]
+    return [chat_ids(tokenizer, QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
+
+
+def chat_ids(tokenizer, content: str) -> list[int]:
+    """One user message through the chat template, as token ids (transformers' own
+    tokenizer returns a BatchEncoding where mlx-lm's wrapper returns the ids)."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def closed_loop(engine, prompts: list[list[int]], streams: int, max_tokens: int) -> dict:

@@ -217,14 +217,17 @@ def test_seeded_sampling_n_samples_and_per_request_switch(models, every_draft):
     assert (f"r0", 2) in on
 
 
-def test_resume_after_failover(models, every_draft):
-    """A request resumed from the tokens another worker sent continues exactly."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_resume_after_failover(models, draft, every_draft, method):
+    """A request resumed from the tokens another worker sent continues exactly (a draft
+    model first catches up on the prompt and the resumed output)."""
     path = models["llama"]
     prompt = repetitive_prompts(3, seed=23)[2]
+    spec = NGRAM if method == "ngram" else draft_config(draft)
     for params in (SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
                    SamplingParams(max_tokens=30, temperature=0.9, seed=5, ignore_eos=True)):
         full = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64)).generate([prompt], params)[0]
-        engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, speculative_config=NGRAM))
+        engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, speculative_config=spec))
         engine.add_request("r", prompt, params, resume_token_ids=full[:9])
         rest = []
         while engine.has_unfinished():
