@@ -357,8 +357,8 @@ def parse_mistral(text: str, tools: Any = None) -> list[dict]:
 DEEPSEEK_MARKERS = {k: "<\uff5c" + v.replace(" ", "\u2581") + "\uff5c>" for k, v in dict(
     calls="tool calls begin", calls_end="tool calls end", call="tool call begin", call_end="tool call end",
     sep="tool sep").items()}
-_DS = DEEPSEEK_MARKERS
-_DS_CALL = re.compile(re.escape(_DS["call"]) + "(.*?)" + re.escape(_DS["call_end"]), re.DOTALL)
+_DS_CALL = re.compile(re.escape(DEEPSEEK_MARKERS["call"]) + "(.*?)" + re.escape(DEEPSEEK_MARKERS["call_end"]),
+                      re.DOTALL)
 _FENCED = re.compile(r"^\s*([\w.-]+)\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
 
 
@@ -367,7 +367,7 @@ def parse_deepseek(text: str, tools: Any = None) -> list[dict]:
     or V3 / R1's ...begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>."""
     calls = []
     for body in _DS_CALL.findall(text):
-        head, _, rest = body.partition(_DS["sep"])
+        head, _, rest = body.partition(DEEPSEEK_MARKERS["sep"])
         fenced = _FENCED.match(rest)
         if fenced is not None:
             calls.append({"name": fenced.group(1), "arguments": _json_object(fenced.group(2))})
@@ -434,8 +434,8 @@ MISTRAL_V3_CALLS = CallFormat("mistral_v3", "[TOOL_CALLS]", "", parse_mistral, (
                               grammar="mistral_v3")
 LLAMA3_CALLS = CallFormat("llama3", "<|python_tag|>", "", parse_llama3, ("<|python_tag|>",), grammar="llama3",
                           bare_start="{")
-DEEPSEEK_CALLS = CallFormat("deepseek", _DS["calls"], _DS["calls_end"], parse_deepseek, tuple(_DS.values()),
-                            grammar="deepseek")
+DEEPSEEK_CALLS = CallFormat("deepseek", DEEPSEEK_MARKERS["calls"], DEEPSEEK_MARKERS["calls_end"], parse_deepseek,
+                            tuple(DEEPSEEK_MARKERS.values()), grammar="deepseek")
 KIMI_CALLS = CallFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", parse_kimi,
                         ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                          "<|tool_call_argument_begin|>", "<|tool_call_end|>"), ids="kimi", grammar="kimi")
@@ -456,7 +456,7 @@ def call_format(chat_template: str | None, vocab: Mapping[str, int],
         return HARMONY_CALLS
     if "[TOOL_CALLS]" in t:
         return MISTRAL_CALLS if "[ARGS]" in t else MISTRAL_V3_CALLS
-    if _DS["calls"] in t:
+    if DEEPSEEK_MARKERS["calls"] in t:
         return DEEPSEEK_CALLS
     if "<|tool_calls_section_begin|>" in t:
         return KIMI_CALLS
