@@ -59,6 +59,7 @@ import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 
 from cluster.net import CHANNEL_OPTIONS  # noqa: E402
+from cluster.platform import resident_bytes  # noqa: E402
 from cluster.proto.orchard.v1 import orchard_pb2 as pb  # noqa: E402
 from cluster.up import LocalCluster, free_port  # noqa: E402
 
@@ -524,11 +525,7 @@ async def probe_once(session: aiohttp.ClientSession, base: str) -> float:
 
 
 def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return resident_bytes(pid) / 2**20
 
 
 def router_workers(address: str) -> str:
