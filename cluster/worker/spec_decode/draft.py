@@ -71,11 +71,11 @@ def samples_drafts(params) -> bool:
 class DraftModelProposer:
     free = False  # its drafts cost forwards: the policy decides how many before proposing
 
-    def __init__(self, config: SpeculativeConfig, model, tokenizer, max_batched_tokens: int):
+    def __init__(self, config: SpeculativeConfig, model, tokenizer):
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        self.max_batched_tokens = max_batched_tokens
+        self.max_batched_tokens = 0  # attach(): the engine's step budget (a catch-up forward's rows at most)
         self.runner = None  # attach(): the draft's ModelRunner over the target's block ids
         self.block_manager = None
         self.seconds = 0.0  # time spent drafting
@@ -96,18 +96,20 @@ class DraftModelProposer:
         if has_recurrent_layers(model):
             raise ValueError(f"--speculative-config: the draft model {config.model} has recurrent layers, whose "
                              "state cannot be rolled back past rejected drafts: use an attention-only draft")
-        return cls(config, model, tokenizer, engine_config.max_num_batched_tokens or 512)
+        return cls(config, model, tokenizer)
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype) -> int:
         from cluster.worker.model_runner import kv_bytes_per_block, weight_dtype
 
         return kv_bytes_per_block(self.model, block_size, weight_dtype(self.model) if kv_dtype is None else kv_dtype)
 
-    def attach(self, block_manager, kv_dtype=None) -> None:
-        """Give the draft its KV pool: as many blocks as the target's, indexed by the same ids."""
+    def attach(self, block_manager, max_batched_tokens: int, kv_dtype=None) -> None:
+        """Give the draft its KV pool (as many blocks as the target's, indexed by the same ids)
+        and the engine's step budget."""
         from cluster.worker.model_runner import ModelRunner
 
         self.block_manager = block_manager
+        self.max_batched_tokens = max_batched_tokens
         self.runner = ModelRunner(self.model, block_manager.num_blocks, block_manager.block_size, kv_dtype)
 
     # -- proposing -----------------------------------------------------------------------------

@@ -59,8 +59,7 @@ class Speculator:
         """Once the engine has its resolved config and block manager."""
         self.max_model_len = config.max_model_len
         if hasattr(self.proposer, "attach"):
-            self.proposer.max_batched_tokens = config.max_num_batched_tokens
-            self.proposer.attach(block_manager, kv_dtype)
+            self.proposer.attach(block_manager, config.max_num_batched_tokens, kv_dtype)
 
     @staticmethod
     def speculates(seq: Sequence) -> bool:
