@@ -152,8 +152,8 @@ def draft_dir(model: Path, layers: int) -> Path:
     from cluster.modelgen import truncated_copy
     from cluster.models_cache import cache_dir
 
-    if layers >= 30:
-        return model
+    if layers >= json.loads((model / "config.json").read_text())["num_hidden_layers"]:
+        return model  # the model itself (a draft as costly as the target: exactness, not speed)
     target = cache_dir() / "bench" / f"{model.name}-first{layers}"
     if not (target / "config.json").exists():
         truncated_copy(model, target, layers)
