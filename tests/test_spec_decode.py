@@ -214,7 +214,7 @@ def test_seeded_sampling_n_samples_and_per_request_switch(models, every_draft):
     off, _ = run(path, prompts, params, spec=None, num_kv_blocks=64)
     speculated(engine)
     same(on, off)
-    assert (f"r0", 2) in on
+    assert ("r0", 2) in on
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

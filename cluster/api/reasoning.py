@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from cluster.api.tools import CallFormat, Thought, ToolCallStream, partial_suffix
-from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 
 @dataclass(frozen=True)

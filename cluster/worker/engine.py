@@ -24,7 +24,7 @@ from cluster.worker.config import EngineConfig
 from cluster.worker.detokenizer import IncrementalDetokenizer
 from cluster.worker.model_runner import (ModelRunner, default_kv_budget, has_recurrent_layers, kv_bytes_per_block,
                                          load_model, text_args, weight_dtype)
-from cluster.worker.pooling import Pooler, PoolingParams, PoolState, sigmoid
+from cluster.worker.pooling import Pooler, PoolState, sigmoid
 from cluster.worker.sampler import Sampler
 from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.scheduler import Scheduler
