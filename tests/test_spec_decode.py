@@ -352,6 +352,33 @@ def test_step_times_and_policy():
     assert linear.limits(seqs[1:], [4] * 31, 31) == [0] * 31
 
 
+def test_step_costs_are_read_with_the_cost_clock(models, monkeypatch):
+    """The policy's table is fed in seconds of `cost_clock()`: CPU time on a CPU (which a
+    competing process does not inflate, where wall time grows many-fold), wall time on a
+    GPU. A fake clock that ticks a fixed amount per read shows every cost the engine
+    reports, at start-up and at each step, is read with it and nothing else."""
+    import time
+
+    import mlx.core as mx
+
+    from cluster.worker.spec_decode import policy
+
+    assert policy.cost_clock() is (time.process_time if mx.default_device() == mx.cpu else time.perf_counter)
+    ticks = iter(range(0, 10**6, 7))
+    monkeypatch.setattr(policy, "cost_clock", lambda: lambda: next(ticks))
+    engine = Engine.from_pretrained(models["llama"], EngineConfig(speculative_config=NGRAM, num_kv_blocks=256))
+    engine.warm_up()
+    times = engine.speculator.policy.times
+    assert times.seconds and set(times.seconds.values()) == {7}  # the calibration, one tick per step
+    engine.add_request("a", repetitive_prompts(1, 3)[0], SamplingParams(max_tokens=12, temperature=0.0))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert steps and set(times.seconds.values()) == {7}  # and every step's
+    assert sum(times.samples.values()) >= steps
+
+
 def test_accept_drafts():
     assert verify.accept_drafts([], [5]) == [5]
     assert verify.accept_drafts([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]

@@ -406,6 +406,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         if not plan.is_empty:
             t1 = time.perf_counter()
+            cost0 = self.speculator.clock() if self.speculator is not None else 0.0
             logits = self.runner.forward(batch)
             if pooling:
                 self._pool(plan, pooling)
@@ -437,7 +438,7 @@ class Engine:
                 if self.speculator is not None:
                     self.speculator.record(e.spec_token_ids, tokens, e.seq)
             if self.speculator is not None:
-                self.speculator.observe_step(elapsed, batch.num_tokens)
+                self.speculator.observe_step(self.speculator.clock() - cost0, batch.num_tokens)
             produced = self.scheduler.postprocess(plan, kept)
             for e in produced:  # before any finishes (and frees its blocks)
                 if e.seq.request_id in self.forks:
@@ -633,10 +634,10 @@ class Engine:
                 seq.token_ids = [0] * (ctx + rows)
                 seq.block_table = list(range(-(-(ctx + rows) // bs)))
                 plan = SchedulerOutput([ScheduledSeq(seq, ctx, rows)])
-                t = time.perf_counter()
+                t = self.speculator.clock()
                 logits = self.runner.forward(self.runner.prepare(plan))
                 mx.eval(logits, *self.runner.pool_arrays())
-                return time.perf_counter() - t
+                return self.speculator.clock() - t
 
             self.speculator.calibrate(timed, min(room, self.config.max_num_batched_tokens))
         return time.perf_counter() - t0

@@ -26,13 +26,13 @@ distribution q at the request's temperature and top-k / top-p / min-p, and keeps
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
 from cluster.worker.spec_decode.config import SpeculativeConfig
+from cluster.worker.spec_decode.policy import cost_clock
 from cluster.worker.spec_decode.state import state_of
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,8 @@ class DraftModelProposer:
         self.max_batched_tokens = 0  # attach(): the engine's step budget (a catch-up forward's rows at most)
         self.runner = None  # attach(): the draft's ModelRunner over the target's block ids
         self.block_manager = None
-        self.seconds = 0.0  # time spent drafting
+        self.clock = cost_clock()  # the policy's clock (CPU time on a CPU: see policy.py)
+        self.seconds = 0.0  # cost of drafting, in seconds of that clock
         self.rows = 0  # draft rows computed
         self.rng = np.random.default_rng()  # sampled drafts (unseeded requests only)
 
@@ -123,7 +124,7 @@ class DraftModelProposer:
 
     def propose_batch(self, seqs: list, limits: list[int], num_running: int = 0) -> list[list[int]]:
         """Drafts for each of `seqs` (running decodes), at most `limits[i]` each."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         out: list[list[int]] = [[] for _ in seqs]
         bm = self.block_manager
         spare = bm.num_free_blocks - num_running  # blocks the others' next tokens may need, kept free
@@ -181,7 +182,7 @@ class DraftModelProposer:
             out[i] = d
             if i in probs:
                 self._state(seqs[i]).probs = np.stack(probs[i])
-        self.seconds += time.perf_counter() - t0
+        self.seconds += self.clock() - t0
         return out
 
     def _forward(self, entries) -> tuple[mx.array, list[int | None]]:

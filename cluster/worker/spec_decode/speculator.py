@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from cluster.worker.sequence import Sequence, SequenceStatus
 from cluster.worker.spec_decode.config import SpeculativeConfig
 from cluster.worker.spec_decode.ngram import NgramProposer
-from cluster.worker.spec_decode.policy import SpecPolicy
+from cluster.worker.spec_decode.policy import SpecPolicy, cost_clock
 
 log = logging.getLogger(__name__)
 # The step sizes the worker measures at start (warm-up): the policy interpolates between them.
@@ -49,6 +49,7 @@ class Speculator:
         self.proposer = proposer if proposer is not None else NgramProposer(config)
         self.policy = policy if policy is not None else SpecPolicy(self.k)
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
+        self.clock = cost_clock()  # what the engine reads a step's cost with, for the policy
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype) -> int:
         """What the proposer adds to each KV block (a draft model's own pool)."""
@@ -123,8 +124,8 @@ class Speculator:
         self.policy.record(seq, len(drafts), accepted)
 
     def calibrate(self, time_rows, max_rows: int) -> None:
-        """Measure steps of 1 .. `max_rows` rows (`time_rows(rows)` -> seconds; the best of
-        three each) for the policy's table, before the first request."""
+        """Measure steps of 1 .. `max_rows` rows (`time_rows(rows)` -> seconds of `clock`;
+        the best of three each) for the policy's table, before the first request."""
         for rows in CALIBRATION_ROWS:
             if rows <= max_rows:
                 self.policy.times.observe(rows, min(time_rows(rows) for _ in range(3)))
