@@ -28,7 +28,7 @@ from cluster.worker.sampling_params import SamplingParams, StructuredOutput
 from cluster.worker.spec_decode import verify
 from cluster.worker.spec_decode.config import SpeculativeConfig
 from cluster.worker.spec_decode.ngram import NgramProposer, find_match
-from cluster.worker.spec_decode.policy import SpecPolicy, StepTimes
+from cluster.worker.spec_decode.policy import SpecPolicy, StepTimes, WallCheck
 from cluster.worker.sequence import Sequence
 from test_engine import oracle
 
@@ -352,6 +352,55 @@ def test_step_times_and_policy():
     assert linear.limits(seqs[1:], [4] * 31, 31) == [0] * 31
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_wall_check_drops_drafts_that_lose_in_wall_time(seed):
+    """A randomized trial by steps, per batch size: drafts that give 1.3x the tokens in 1.5x
+    the wall time (what a loaded CPU does to a larger step) are found to lose and dropped,
+    but about one step in 8 still tries them; drafts that win keep running, one step in 8
+    without. Noise of +-30% per step, and a load that doubles every step's time halfway
+    through, leave either verdict wrong on at most 5% of the steps after the first 100
+    (over 300 seeds: 9 steps of 500 at worst)."""
+    rng = random.Random(seed)
+    for gain, slower, pays in ((1.3, 1.5, False), (1.3, 1.1, True)):
+        check = WallCheck(seed=1000 + seed)
+        b = check.bucket(16)
+        kept, wrong = [], 0
+        for step in range(600):
+            on = check.draw(b)
+            kept.append(on)
+            load = 1.0 if step < 300 else 2.0
+            check.record(b, on, round(16 * gain) if on else 16, 0.1 * (slower if on else 1.0) * load * rng.uniform(0.7, 1.3))
+            wrong += step >= 100 and check.pays[b] is not pays
+        late = sum(kept[100:]) / 500
+        assert wrong <= 25, (gain, slower, wrong)
+        assert (0.05 < late < 0.25) if not pays else (0.75 < late < 0.95), (gain, slower, late)
+    assert WallCheck.bucket(16) == WallCheck.bucket(31) != WallCheck.bucket(32)
+
+
+def test_policy_asks_the_wall_clock_only_about_small_gains():
+    seqs = [Sequence(f"s{i}", [1, 2, 3], SamplingParams()) for i in range(16)]
+    flat = SpecPolicy(4)  # memory-bound: one stream's drafts are a large gain, never put to the trial
+    for rows in (1, 8, 32, 64, 200):
+        flat.times.observe(rows, 0.05)
+    for _ in range(50):
+        assert flat.limits(seqs[:1], [4], 1) == [4] and flat.arm is None
+    # a step that costs more with every row: 16 decodes' drafts gain a little on the table
+    sloped = SpecPolicy(4)
+    for rows in (1, 8, 16, 32, 64, 200):
+        sloped.times.observe(rows, 0.04 + 0.001 * rows)
+    kept_steps = 0
+    for step in range(300):
+        limits = sloped.limits(seqs, [4] * 16, 16)
+        assert sloped.arm is not None and sloped.arm[1] == (sum(limits) > 0)
+        kept_steps += sloped.arm[1]
+        # on this machine's wall clock the drafts' rows cost 3x what the table says
+        drafts = sum(limits)
+        sloped.observe_step(0.04 + 0.001 * (16 + drafts), 16 + drafts, sloped.arm, 16 + drafts // 2,
+                            0.056 + 0.003 * drafts)
+    assert sloped.check.pays[sloped.check.bucket(16)] is False
+    assert kept_steps < 120  # even at first, then one step in 8
+
+
 def test_step_costs_are_read_with_the_cost_clock(models, monkeypatch):
     """The policy's table is fed in seconds of `cost_clock()`: CPU time on a CPU (which a
     competing process does not inflate, where wall time grows many-fold), wall time on a
@@ -361,11 +410,11 @@ def test_step_costs_are_read_with_the_cost_clock(models, monkeypatch):
 
     import mlx.core as mx
 
-    from cluster.worker.spec_decode import policy
+    from cluster.worker.spec_decode import policy, speculator
 
     assert policy.cost_clock() is (time.process_time if mx.default_device() == mx.cpu else time.perf_counter)
     ticks = iter(range(0, 10**6, 7))
-    monkeypatch.setattr(policy, "cost_clock", lambda: lambda: next(ticks))
+    monkeypatch.setattr(speculator, "cost_clock", lambda: lambda: next(ticks))
     engine = Engine.from_pretrained(models["llama"], EngineConfig(speculative_config=NGRAM, num_kv_blocks=256))
     engine.warm_up()
     times = engine.speculator.policy.times

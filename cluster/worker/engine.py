@@ -106,6 +106,7 @@ class PendingStep:
     plan: object  # SchedulerOutput
     batch: object | None = None  # StepBatch, for a plan that is not empty
     pooling: list = field(default_factory=list)
+    arm: tuple | None = None  # the step's lot in the speculation policy's wall-clock trial
 
 
 def _history(entry, j: int) -> tuple[list[int], int]:
@@ -390,15 +391,16 @@ class Engine:
         sends the plan to the other ranks here). `finish_step` does the rest; a pipelined
         group begins the next batch of another set of requests in between."""
         t0 = time.perf_counter()
+        arm = None
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self._rows_estimate())
+            arm = self.speculator.propose(self.scheduler.running, self._rows_estimate())
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return PendingStep(t0, plan)
         self.stats.observe_kv_usage(self.block_manager.usage)
         batch = self.runner.prepare(plan)
         # (a model that serves no embeddings or scores never looks: its steps cost nothing more)
-        return PendingStep(t0, plan, batch, self._pooling_rows(plan, batch) if self.pooler.pools else [])
+        return PendingStep(t0, plan, batch, self._pooling_rows(plan, batch) if self.pooler.pools else [], arm)
 
     def finish_step(self, pending: "PendingStep") -> list[RequestOutput]:
         """The second half: forward, sample, postprocess."""
@@ -438,7 +440,8 @@ class Engine:
                 if self.speculator is not None:
                     self.speculator.record(e.spec_token_ids, tokens, e.seq)
             if self.speculator is not None:
-                self.speculator.observe_step(self.speculator.clock() - cost0, batch.num_tokens)
+                self.speculator.observe_step(self.speculator.clock() - cost0, batch.num_tokens, pending.arm,
+                                             sum(len(t) for t in kept.values()), time.perf_counter() - t0)
             produced = self.scheduler.postprocess(plan, kept)
             for e in produced:  # before any finishes (and frees its blocks)
                 if e.seq.request_id in self.forks:

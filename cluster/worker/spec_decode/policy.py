@@ -24,11 +24,20 @@ they bring. So, each step:
   expected tokens per second, (decodes + sum of worths) / T(rows + m) (plus the draft
   model's own time for a draft model). A small batch on a memory-bound machine keeps
   all k; a large one keeps the likely drafts only, then none.
+- Where the table says drafts pay but not by much (under `SURE`), `WallCheck` asks the
+  wall clock, which is what a user waits on and what CPU time cannot see: on a machine
+  other processes load, a step's wall time grows with its rows far faster than its CPU
+  time (two busy loops beside 16 editing streams: the CPU time said 1.08x, the wall
+  clock 0.75x). It is a randomized trial by steps: per batch size, the steps that keep
+  their drafts against the steps that drop them (one in 8, chosen by lot), in output
+  tokens per wall second; once the drafts lose, they are dropped, and one step in 8 keeps
+  them to see whether that still holds.
 """
 
 from __future__ import annotations
 
 import bisect
+import random
 import time
 
 from cluster.worker.spec_decode.state import state_of
@@ -121,10 +130,68 @@ class StepTimes:
         return (1 - w) * values[i - 1] + w * values[i]
 
 
+SURE = 1.5  # a predicted gain (tokens per second, with the drafts / without) the wall clock is not asked about
+
+
+class WallCheck:
+    """Whether drafts pay in wall time, per batch size (its power of two): a randomized
+    trial by steps between keeping the drafts the table chose and dropping them. Each arm
+    keeps its output tokens and wall seconds, both arms decayed at every step of the trial
+    (the last ~`window` steps count, the same span of time for both, so a load that comes
+    or goes weighs on them alike); while either has fewer than `min_samples` steps the lot is even, then
+    the verdict runs and its opposite once in `1 / explore` steps. Drafts are judged to
+    lose when their tokens per second fall under 0.97 of the steps without, and to pay
+    again above 1.03 (the gap keeps noise from flipping it every step). Steps are drawn by
+    lot, so load, prefill chunks and whatever else shares the step fall on both arms
+    alike."""
+
+    def __init__(self, explore: float = 1 / 8, window: int = 256, min_samples: int = 8, seed: int = 0):
+        self.explore, self.min_samples = explore, min_samples
+        self.decay = 1 - 1 / window
+        self.arms: dict[int, list[list[float]]] = {}  # bucket -> [without, with]: [tokens, seconds, steps]
+        self.pays: dict[int, bool] = {}
+        self.rng = random.Random(seed)
+
+    @staticmethod
+    def bucket(decodes: int) -> int:
+        return decodes.bit_length()
+
+    def draw(self, bucket: int) -> bool:
+        """Whether this step keeps its drafts."""
+        arms = self.arms.get(bucket)
+        if arms is None or min(arms[0][2], arms[1][2]) < self.min_samples:
+            return self.rng.random() < 0.5
+        pays = self.pays.get(bucket, True)
+        return pays if self.rng.random() >= self.explore else not pays
+
+    def record(self, bucket: int, kept: bool, tokens: int, seconds: float) -> None:
+        arms = self.arms.setdefault(bucket, [[0.0, 0.0, 0], [0.0, 0.0, 0]])
+        for arm in arms:
+            arm[0] *= self.decay
+            arm[1] *= self.decay
+        arm = arms[kept]
+        arm[0] += tokens
+        arm[1] += seconds
+        arm[2] += 1
+        ratio = self.ratio(bucket)
+        if ratio is not None:
+            pays = self.pays.get(bucket, True)
+            self.pays[bucket] = ratio > 1.03 if not pays else ratio >= 0.97
+
+    def ratio(self, bucket: int) -> float | None:
+        """Tokens per wall second with drafts / without, once both arms have enough steps."""
+        arms = self.arms.get(bucket)
+        if arms is None or min(arms[0][2], arms[1][2]) < self.min_samples or arms[0][0] <= 0 or arms[1][1] <= 0:
+            return None
+        return (arms[1][0] / arms[1][1]) / (arms[0][0] / arms[0][1])
+
+
 class SpecPolicy:
     def __init__(self, k: int, initial_rate: float = 0.6):
         self.k = k
         self.times = StepTimes()
+        self.check = WallCheck()
+        self.arm: tuple[int, bool] | None = None  # the last `limits`' lot: (bucket, drafts kept), for `observe_step`
         self.initial_rate = initial_rate
         # engine-wide acceptance by proposal kind (n-gram: a continued copy, or a fresh match of
         # n tokens), moving averages over verify rounds
@@ -138,6 +205,7 @@ class SpecPolicy:
     def limits(self, decodes: list, proposed: list[int], num_rows: int) -> list[int]:
         """How many of its `proposed[i]` drafts each of `decodes` scores, in a step that
         has `num_rows` rows without any draft (decode rows and prefill chunks)."""
+        self.arm = None
         t0 = self.times(num_rows)
         if t0 is None:  # nothing measured yet: assume bound by memory (drafts free)
             return list(proposed)
@@ -161,6 +229,11 @@ class SpecPolicy:
             if value > best:
                 best_m, best = m, value
         out = [0] * len(decodes)
+        if best_m and best < SURE * base_tokens / t0:  # a small gain on the table: ask the wall clock
+            bucket = self.check.bucket(len(decodes))
+            self.arm = (bucket, self.check.draw(bucket))
+            if not self.arm[1]:
+                return out
         for _, i in worths[:best_m]:
             out[i] += 1
         return out
@@ -174,5 +247,10 @@ class SpecPolicy:
             old = self.rates.get(state.kind, self.initial_rate)
             self.rates[state.kind] = 0.95 * old + 0.05 * accepted / scored
 
-    def observe_step(self, seconds: float, num_rows: int) -> None:
+    def observe_step(self, seconds: float, num_rows: int, arm: tuple[int, bool] | None = None, tokens: int = 0,
+                     wall_seconds: float = 0.0) -> None:
+        """A step of `num_rows` rows cost `seconds` (of `cost_clock`); if `limits` drew it
+        for the wall-clock trial (`arm`), it gave `tokens` in `wall_seconds`."""
         self.times.observe(num_rows, seconds)
+        if arm is not None:
+            self.check.record(*arm, tokens, wall_seconds)

@@ -77,17 +77,18 @@ class Speculator:
         return max(0, min(self.k, params.max_tokens - seq.num_output_tokens - 1,
                           self.max_model_len - seq.num_tokens - 1))
 
-    def propose(self, running: list[Sequence], num_rows: int) -> None:
+    def propose(self, running: list[Sequence], num_rows: int) -> tuple[int, bool] | None:
         """Set `spec_token_ids` on the running decodes (empty on everyone else). `num_rows`:
         the step's rows without drafts, as far as the caller can tell (decodes and the
-        prefill chunks that will run beside them)."""
+        prefill chunks that will run beside them). Returns the step's lot in the policy's
+        wall-clock trial (None when it is not in it), for `observe_step`."""
         decodes = []
         for seq in running:
             seq.spec_token_ids = []
             if seq.status is SequenceStatus.RUNNING and not seq.is_prefilling and self.speculates(seq):
                 decodes.append(seq)
         if not decodes:
-            return
+            return None
         rooms = [self.room(seq) for seq in decodes]
         if getattr(self.proposer, "free", False):  # propose first; the policy keeps what pays
             drafts = [self._drafts(seq, k) for seq, k in zip(decodes, rooms)]
@@ -99,6 +100,7 @@ class Speculator:
             limits = [min(a, b) for a, b in zip(self.policy.limits(decodes, rooms, num_rows), rooms)]
             for seq, d in zip(decodes, self.proposer.propose_batch(decodes, limits, len(running))):
                 seq.spec_token_ids = self._grammar_prefix(seq, d)
+        return self.policy.arm
 
     def _drafts(self, seq: Sequence, k: int) -> list[int]:
         return self._grammar_prefix(seq, self.proposer.propose(seq, k)) if k > 0 else []
@@ -130,5 +132,8 @@ class Speculator:
             if rows <= max_rows:
                 self.policy.times.observe(rows, min(time_rows(rows) for _ in range(3)))
 
-    def observe_step(self, seconds: float, num_rows: int) -> None:
-        self.policy.observe_step(seconds, num_rows)
+    def observe_step(self, seconds: float, num_rows: int, arm: tuple[int, bool] | None = None, tokens: int = 0,
+                     wall_seconds: float = 0.0) -> None:
+        """A step done: its cost in seconds of `clock`, its rows, and for one in the policy's
+        wall-clock trial (`arm`, from `propose`), its output tokens and wall time."""
+        self.policy.observe_step(seconds, num_rows, arm, tokens, wall_seconds)
