@@ -16,10 +16,12 @@ to float32 on a CPU as the worker does). Two loads, through its chat template, g
 Each (load, streams) runs a closed loop in the engine (every stream sends its next
 request when the last finishes; as many requests as streams, at least 3), first without
 speculation, then with it, on two engines over the same weights that were warmed up
-(the speculating one measures its step times then, for its policy). Printed per row:
+(the speculating one measures its step costs then, for its policy). Printed per row:
 output tok/s (all generated tokens / wall time, prefills included), mean time per output
 token after the first, on/off of the tok/s and of the process's CPU time per output token
-(steadier than wall time on a machine others share), the draft tokens' acceptance rate.
+(steadier than wall time on a machine others share), the draft tokens' acceptance rate,
+and where the policy's wall-clock trial stands for that batch size (tokens per wall
+second with drafts / without, and whether it keeps them).
 `--repeat N` alternates off and on N times and prints medians, and the range of on/off
 over the N pairs (`--json` keeps the ranges of tok/s and acceptance too). Greedy outputs must be
 identical with and without speculation: a mismatch is printed (and the exit status is 1).
@@ -148,6 +150,16 @@ def closed_loop(engine, prompts: list[list[int]], streams: int, max_tokens: int)
     return result
 
 
+def wall_trial(engine, streams: int) -> str:
+    """The policy's wall-clock trial for batches of `streams` decodes, at the end of the
+    row: tokens per wall second with drafts / without, and its verdict ("-": the table's
+    gain was large enough that it never asked, or too few steps yet)."""
+    check = engine.speculator.policy.check
+    bucket = check.bucket(streams)
+    ratio = check.ratio(bucket)
+    return "-" if ratio is None else f"{ratio:.2f}x {'kept' if check.pays.get(bucket, True) else 'dropped'}"
+
+
 def draft_dir(model: Path, layers: int) -> Path:
     from cluster.modelgen import truncated_copy
     from cluster.models_cache import cache_dir
@@ -179,11 +191,11 @@ def engine_rows(args, model: Path) -> list[dict]:
     print(f"loaded in {time.perf_counter() - t:.1f} s; warm-up (with the policy's step times) "
           f"{off.warm_up() + on.warm_up():.1f} s; speculation: {spec_config(args, model)}", flush=True)
     times = on.speculator.policy.times.seconds
-    print("measured step times (ms by rows): " + ", ".join(f"{r}: {1000 * s:.0f}" for r, s in sorted(times.items())),
-          flush=True)
+    print(f"measured step costs (ms of {on.speculator.clock.__name__}, by rows): "
+          + ", ".join(f"{r}: {1000 * s:.0f}" for r, s in sorted(times.items())), flush=True)
     rows = []
     header = (f"{'load':<8} {'streams':>7} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} {'range':>11} "
-              f"{'off TPOT':>9} {'on TPOT':>8} {'CPU on/off':>10} {'accept':>7} {'drafts':>7}  same")
+              f"{'off TPOT':>9} {'on TPOT':>8} {'CPU on/off':>10} {'accept':>7} {'drafts':>7} {'wall trial':>11}  same")
     print(header, flush=True)
     for load in args.loads:
         for streams in args.streams:
@@ -207,12 +219,14 @@ def engine_rows(args, model: Path) -> list[dict]:
                    "cpu_ratio": statistics.median(r[0]["cpu_ms_per_token"] / r[1]["cpu_ms_per_token"] for r in runs),
                    "off_tpot_ms": a["tpot_ms"], "on_tpot_ms": b["tpot_ms"],
                    "acceptance": statistics.median(r[1].get("acceptance", 0.0) for r in runs),
-                   "drafts": sum(r[1].get("drafts", 0) for r in runs), "same": same, "tokens": runs[0][0]["tokens"]}
+                   "drafts": sum(r[1].get("drafts", 0) for r in runs), "same": same, "tokens": runs[0][0]["tokens"],
+                   "wall_trial": wall_trial(on, streams)}
             rows.append(row)
             span = f"{row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f}x"
             print(f"{load:<8} {streams:>7} {row['off']:>10.1f} {row['on']:>10.1f} {row['ratio']:>6.2f}x {span:>11} "
                   f"{row['off_tpot_ms']:>7.1f}ms {row['on_tpot_ms']:>6.1f}ms {row['cpu_ratio']:>9.2f}x "
-                  f"{100 * row['acceptance']:>6.0f}% {row['drafts']:>7}  {'yes' if same else 'NO: outputs differ'}",
+                  f"{100 * row['acceptance']:>6.0f}% {row['drafts']:>7} {row['wall_trial']:>11}  "
+                  f"{'yes' if same else 'NO: outputs differ'}",
                   flush=True)
     return rows
 

@@ -374,7 +374,7 @@ def test_wall_check_drops_drafts_that_lose_in_wall_time(seed):
         late = sum(kept[100:]) / 500
         assert wrong <= 25, (gain, slower, wrong)
         assert (0.05 < late < 0.25) if not pays else (0.75 < late < 0.95), (gain, slower, late)
-    assert WallCheck.bucket(16) == WallCheck.bucket(31) != WallCheck.bucket(32)
+    assert WallCheck.bucket(17) == WallCheck.bucket(32) != WallCheck.bucket(16) == WallCheck.bucket(9)
 
 
 def test_policy_asks_the_wall_clock_only_about_small_gains():

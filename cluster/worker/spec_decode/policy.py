@@ -134,7 +134,7 @@ SURE = 1.5  # a predicted gain (tokens per second, with the drafts / without) th
 
 
 class WallCheck:
-    """Whether drafts pay in wall time, per batch size (its power of two): a randomized
+    """Whether drafts pay in wall time, per batch size (up to its power of two): a randomized
     trial by steps between keeping the drafts the table chose and dropping them. Each arm
     keeps its output tokens and wall seconds, both arms decayed at every step of the trial
     (the last ~`window` steps count, the same span of time for both, so a load that comes
@@ -154,7 +154,9 @@ class WallCheck:
 
     @staticmethod
     def bucket(decodes: int) -> int:
-        return decodes.bit_length()
+        """1, 2, 3-4, 5-8, ..., 17-32, ...: a batch of 2^i streams and one of its requests
+        between prompts fall in the same."""
+        return (decodes - 1).bit_length()
 
     def draw(self, bucket: int) -> bool:
         """Whether this step keeps its drafts."""
