@@ -48,7 +48,7 @@ def models(tmp_path_factory):
 def every_draft(monkeypatch):
     """The policy keeps every draft (its own tests are below): each test speculates at
     every step it can, whatever this machine's step times say."""
-    monkeypatch.setattr(SpecPolicy, "limits", lambda self, decodes, proposed, rows: list(proposed))
+    monkeypatch.setattr(SpecPolicy, "limits", lambda self, decodes, proposed, rows, decode_rows=None: list(proposed))
 
 
 def repetitive_prompts(n: int, seed: int, vocab: int = 512) -> list[list[int]]:
@@ -339,17 +339,35 @@ def test_step_times_and_policy():
         flat.times.observe(rows, 0.05)
     assert flat.limits(seqs[:1], [4], 1) == [4]
     assert flat.limits(seqs, [4] * 32, 32) == [4] * 32
-    # compute-bound (time proportional to rows): a draft accepted 60% of the time does not
-    # pay for its row; one accepted 99% of the time does, as far as it is likely
+    # compute-bound (10 ms a row, 100 ms a step): at 32 decodes a token costs 13 ms, so a
+    # draft accepted 60% of the time does not pay for its row; one accepted 99% of the time
+    # does, as far as it is likely
     linear = SpecPolicy(4)
+    linear.check.draw = lambda bucket: True  # the table's verdict alone (the wall-clock trial: below)
     for rows in (1, 8, 32, 64, 200):
-        linear.times.observe(rows, 0.01 * rows)
+        linear.times.observe(rows, 0.1 + 0.01 * rows)
     assert linear.limits(seqs, [4] * 32, 32) == [0] * 32
     sure = seqs[0]
     for _ in range(30):
         linear.record(sure, 4, 4)
-    assert linear.limits([sure], [4], 32)[0] == 4
+    assert linear.limits([sure], [4], 32, 32)[0] == 4  # beside 31 decodes that do not speculate
+    for seq in seqs[1:]:  # the rest, each with its own record: half its drafts kept
+        for _ in range(30):
+            linear.record(seq, 4, 1)
     assert linear.limits(seqs[1:], [4] * 31, 31) == [0] * 31
+    # beside a 512-row prefill chunk: a step costs 35 ms for its first rows, 4 ms a row past
+    # 16. The chunk is no reason to keep 32 decodes' drafts (their rows cost 4 ms each against
+    # the decodes' own 3.8 ms a token); one decode's drafts stay worth their rows (35 ms a token).
+    roofline = SpecPolicy(4)
+    roofline.check.draw = lambda bucket: True
+    for rows in (1, 8, 16, 32, 64, 128, 512):
+        roofline.times.observe(rows, 0.035 + 0.004 * max(0, rows - 16))
+    for seq in seqs:
+        for _ in range(30):
+            roofline.record(seq, 4, 2)  # 2 of 4 kept: an acceptance of 2/3
+    assert roofline.limits(seqs, [4] * 32, 32 + 512, 32) == [0] * 32
+    assert roofline.limits(seqs, [4] * 32, 32) == [0] * 32
+    assert roofline.limits(seqs[:1], [4], 1 + 512, 1)[0] >= 3  # (the 4th: 0.2 of a token, break-even)
 
 
 @pytest.mark.parametrize("seed", range(5))

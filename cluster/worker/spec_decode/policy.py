@@ -21,9 +21,9 @@ they bring. So, each step:
   engine-wide rate of its proposal's kind (n-gram: continuing a copy, or a fresh match of
   n tokens). Draft j of a request is then worth a^j expected tokens.
 - Drafts are taken in order of worth, and the count m kept is the one that maximises
-  expected tokens per second, (decodes + sum of worths) / T(rows + m) (plus the draft
-  model's own time for a draft model). A small batch on a memory-bound machine keeps
-  all k; a large one keeps the likely drafts only, then none.
+  expected tokens per second, (decodes + sum of worths) / (T(decodes) + the m rows' cost
+  in this step) (plus the draft model's own time for a draft model). A small batch on a
+  memory-bound machine keeps all k; a large one keeps the likely drafts only, then none.
 - Where the table says drafts pay but not by much (under `SURE`), `WallCheck` asks the
   wall clock, which is what a user waits on and what CPU time cannot see: on a machine
   other processes load, a step's wall time grows with its rows far faster than its CPU
@@ -204,13 +204,22 @@ class SpecPolicy:
         state = state_of(seq)
         return state.rate(self.rates.get(state.kind, self.initial_rate))
 
-    def limits(self, decodes: list, proposed: list[int], num_rows: int) -> list[int]:
+    def limits(self, decodes: list, proposed: list[int], num_rows: int, decode_rows: int | None = None) -> list[int]:
         """How many of its `proposed[i]` drafts each of `decodes` scores, in a step that
-        has `num_rows` rows without any draft (decode rows and prefill chunks)."""
+        has `num_rows` rows without any draft (decode rows and prefill chunks), of which
+        `decode_rows` (default: one per decode in `decodes`) are decodes.
+
+        The drafts are weighed against the decodes' own time, T(decode_rows), at the cost
+        they add to this step, T(num_rows + m) - T(num_rows): a prefill chunk's rows are
+        work the step must do anyway, not a cost to spread the drafts' tokens over (a step
+        that is mostly a 512-row chunk would make any draft look free), and beside one the
+        drafts' rows cost what a row costs at that size."""
         self.arm = None
-        t0 = self.times(num_rows)
+        decode_rows = len(decodes) if decode_rows is None else max(decode_rows, len(decodes))
+        t0 = self.times(decode_rows)
         if t0 is None:  # nothing measured yet: assume bound by memory (drafts free)
             return list(proposed)
+        t_rows = self.times(num_rows)
         worths = []
         for i, (seq, n) in enumerate(zip(decodes, proposed)):
             a = min(self.acceptance(seq), 0.999)
@@ -221,12 +230,12 @@ class SpecPolicy:
         if not worths:
             return [0] * len(decodes)
         worths.sort(key=lambda t: -t[0])
-        base_tokens = len(decodes)
+        base_tokens = decode_rows
         best_m, best = 0, base_tokens / t0
         gained = 0.0
         for m, (w, _) in enumerate(worths, 1):
             gained += w
-            t = self.times(num_rows + m) + self.draft_seconds_per_row * m
+            t = t0 + self.times(num_rows + m) - t_rows + self.draft_seconds_per_row * m
             value = (base_tokens + gained) / t
             if value > best:
                 best_m, best = m, value

@@ -82,22 +82,24 @@ class Speculator:
         the step's rows without drafts, as far as the caller can tell (decodes and the
         prefill chunks that will run beside them). Returns the step's lot in the policy's
         wall-clock trial (None when it is not in it), for `observe_step`."""
-        decodes = []
+        decodes, decode_rows = [], 0
         for seq in running:
             seq.spec_token_ids = []
-            if seq.status is SequenceStatus.RUNNING and not seq.is_prefilling and self.speculates(seq):
-                decodes.append(seq)
+            if seq.status is SequenceStatus.RUNNING and not seq.is_prefilling:
+                decode_rows += 1
+                if self.speculates(seq):
+                    decodes.append(seq)
         if not decodes:
             return None
         rooms = [self.room(seq) for seq in decodes]
         if getattr(self.proposer, "free", False):  # propose first; the policy keeps what pays
             drafts = [self._drafts(seq, k) for seq, k in zip(decodes, rooms)]
-            limits = self.policy.limits(decodes, [len(d) for d in drafts], num_rows)
+            limits = self.policy.limits(decodes, [len(d) for d in drafts], num_rows, decode_rows)
             for seq, d, k in zip(decodes, drafts, limits):
                 seq.spec_token_ids = d[:k]
         else:  # a draft model's drafts cost its forwards: decide how many first
             self.policy.draft_seconds_per_row = self.proposer.seconds_per_row()
-            limits = [min(a, b) for a, b in zip(self.policy.limits(decodes, rooms, num_rows), rooms)]
+            limits = [min(a, b) for a, b in zip(self.policy.limits(decodes, rooms, num_rows, decode_rows), rooms)]
             for seq, d in zip(decodes, self.proposer.propose_batch(decodes, limits, len(running))):
                 seq.spec_token_ids = self._grammar_prefix(seq, d)
         return self.policy.arm
