@@ -157,7 +157,7 @@ def wall_trial(engine, streams: int) -> str:
     check = engine.speculator.policy.check
     bucket = check.bucket(streams)
     ratio = check.ratio(bucket)
-    return "-" if ratio is None else f"{ratio:.2f}x {'kept' if check.pays.get(bucket, True) else 'dropped'}"
+    return "-" if ratio is None else f"{ratio:.2f}x {'kept' if check.verdict(bucket) else 'dropped'}"
 
 
 def draft_dir(model: Path, layers: int) -> Path:

@@ -28,17 +28,21 @@ they bring. So, each step:
   wall clock, which is what a user waits on and what CPU time cannot see: on a machine
   other processes load, a step's wall time grows with its rows far faster than its CPU
   time (two busy loops beside 16 editing streams: the CPU time said 1.08x, the wall
-  clock 0.75x). It is a randomized trial by steps: per batch size, the steps that keep
-  their drafts against the steps that drop them (one in 8, chosen by lot), in output
-  tokens per wall second; once the drafts lose, they are dropped, and one step in 8 keeps
-  them to see whether that still holds.
+  clock 0.75x). It is a randomized trial by steps: per batch size, the decode-only steps
+  that keep their drafts against those that drop them (one in 8, chosen by lot), in
+  output tokens per wall second, compared within blocks of consecutive steps; once the
+  drafts lose, they are dropped, and one step in 8 keeps them to see whether that still
+  holds. A step with a prefill chunk follows the
+  verdict without joining the trial (the chunk's time would drown the drafts').
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import random
 import time
+from dataclasses import dataclass, field
 
 from cluster.worker.spec_decode.state import state_of
 
@@ -133,23 +137,34 @@ class StepTimes:
 SURE = 1.5  # a predicted gain (tokens per second, with the drafts / without) the wall clock is not asked about
 
 
-class WallCheck:
-    """Whether drafts pay in wall time, per batch size (up to its power of two): a randomized
-    trial by steps between keeping the drafts the table chose and dropping them. Each arm
-    keeps its output tokens and wall seconds, both arms decayed at every step of the trial
-    (the last ~`window` steps count, the same span of time for both, so a load that comes
-    or goes weighs on them alike); while either has fewer than `min_samples` steps the lot is even, then
-    the verdict runs and its opposite once in `1 / explore` steps. Drafts are judged to
-    lose when their tokens per second fall under 0.97 of the steps without, and to pay
-    again above 1.03 (the gap keeps noise from flipping it every step). Steps are drawn by
-    lot, so load, prefill chunks and whatever else shares the step fall on both arms
-    alike."""
+@dataclass
+class _Trial:
+    """The wall-clock trial of one batch size."""
 
-    def __init__(self, explore: float = 1 / 8, window: int = 256, min_samples: int = 8, seed: int = 0):
-        self.explore, self.min_samples = explore, min_samples
+    lots: list = field(default_factory=list)  # the current block's lots not yet drawn
+    block: list = field(default_factory=lambda: [[0, 0.0], [0, 0.0]])  # [without, with]: [tokens, seconds]
+    sum: float = 0.0  # decayed sum of the blocks' log(rate with / rate without)
+    weight: float = 0.0
+    blocks: int = 0
+    pays: bool = True
+
+
+class WallCheck:
+    """Whether drafts pay in wall time, per batch size (up to its power of two): a
+    randomized trial by steps between keeping the drafts the table chose and dropping
+    them, in blocks of consecutive steps. A block is 2 steps, one of each, in an order
+    drawn by lot, until `min_blocks` blocks; then 8 steps, one of them (its place drawn
+    by lot) against the verdict. Each block gives log(output tokens per wall second with
+    drafts / without), and the verdict follows a moving mean of the last ~`window`
+    blocks: drafts lose under 0.97x and pay again above 1.03x (the gap keeps noise from
+    flipping it). Comparing steps only within their block, a few steps apart, keeps a
+    burst of prompts or a load that comes and goes from being taken for the drafts'
+    doing: it weighs on both sides of a block alike."""
+
+    def __init__(self, block: int = 8, window: int = 16, min_blocks: int = 4, seed: int = 0):
+        self.block_size, self.min_blocks = block, min_blocks
         self.decay = 1 - 1 / window
-        self.arms: dict[int, list[list[float]]] = {}  # bucket -> [without, with]: [tokens, seconds, steps]
-        self.pays: dict[int, bool] = {}
+        self.trials: dict[int, _Trial] = {}
         self.rng = random.Random(seed)
 
     @staticmethod
@@ -160,32 +175,45 @@ class WallCheck:
 
     def draw(self, bucket: int) -> bool:
         """Whether this step keeps its drafts."""
-        arms = self.arms.get(bucket)
-        if arms is None or min(arms[0][2], arms[1][2]) < self.min_samples:
-            return self.rng.random() < 0.5
-        pays = self.pays.get(bucket, True)
-        return pays if self.rng.random() >= self.explore else not pays
+        t = self.trials.setdefault(bucket, _Trial())
+        if not t.lots:  # a new block
+            if t.blocks < self.min_blocks:
+                t.lots = [True, False]
+            else:
+                t.lots = [t.pays] * (self.block_size - 1) + [not t.pays]
+            self.rng.shuffle(t.lots)
+            t.block = [[0, 0.0], [0, 0.0]]
+        return t.lots.pop()
+
+    def verdict(self, bucket: int) -> bool:
+        t = self.trials.get(bucket)
+        return t is None or t.pays
 
     def record(self, bucket: int, kept: bool, tokens: int, seconds: float) -> None:
-        arms = self.arms.setdefault(bucket, [[0.0, 0.0, 0], [0.0, 0.0, 0]])
-        for arm in arms:
-            arm[0] *= self.decay
-            arm[1] *= self.decay
-        arm = arms[kept]
-        arm[0] += tokens
-        arm[1] += seconds
-        arm[2] += 1
-        ratio = self.ratio(bucket)
-        if ratio is not None:
-            pays = self.pays.get(bucket, True)
-            self.pays[bucket] = ratio > 1.03 if not pays else ratio >= 0.97
+        """A step of the trial: its lot, output tokens and wall seconds."""
+        t = self.trials.get(bucket)
+        if t is None:
+            return
+        side = t.block[kept]
+        side[0] += tokens
+        side[1] += seconds
+        without, with_ = t.block
+        if not t.lots and without[1] > 0 and with_[1] > 0 and without[0] > 0 and with_[0] > 0:  # a block done
+            t.sum = t.sum * self.decay + math.log((with_[0] / with_[1]) / (without[0] / without[1]))
+            t.weight = t.weight * self.decay + 1
+            t.blocks += 1
+            t.block = [[0, 0.0], [0, 0.0]]
+            if t.blocks >= self.min_blocks:
+                ratio = self.ratio(bucket)
+                t.pays = ratio > 1.03 if not t.pays else ratio >= 0.97
 
     def ratio(self, bucket: int) -> float | None:
-        """Tokens per wall second with drafts / without, once both arms have enough steps."""
-        arms = self.arms.get(bucket)
-        if arms is None or min(arms[0][2], arms[1][2]) < self.min_samples or arms[0][0] <= 0 or arms[1][1] <= 0:
+        """Tokens per wall second with drafts / without (the blocks' moving geometric
+        mean), once there are `min_blocks` blocks."""
+        t = self.trials.get(bucket)
+        if t is None or t.blocks < self.min_blocks:
             return None
-        return (arms[1][0] / arms[1][1]) / (arms[0][0] / arms[0][1])
+        return math.exp(t.sum / t.weight)
 
 
 class SpecPolicy:
@@ -193,7 +221,7 @@ class SpecPolicy:
         self.k = k
         self.times = StepTimes()
         self.check = WallCheck()
-        self.arm: tuple[int, bool] | None = None  # the last `limits`' lot: (bucket, drafts kept), for `observe_step`
+        self.arm: tuple[int, bool] | None = None  # the last `limits`' lot (bucket, drafts kept), for `observe_step`
         self.initial_rate = initial_rate
         # engine-wide acceptance by proposal kind (n-gram: a continued copy, or a fresh match of
         # n tokens), moving averages over verify rounds
@@ -241,9 +269,13 @@ class SpecPolicy:
                 best_m, best = m, value
         out = [0] * len(decodes)
         if best_m and best < SURE * base_tokens / t0:  # a small gain on the table: ask the wall clock
-            bucket = self.check.bucket(len(decodes))
-            self.arm = (bucket, self.check.draw(bucket))
-            if not self.arm[1]:
+            bucket = self.check.bucket(decode_rows)
+            if num_rows > decode_rows:  # beside a prefill chunk, whose time would swamp the trial's: its verdict
+                keep = self.check.verdict(bucket)
+            else:
+                keep = self.check.draw(bucket)
+                self.arm = (bucket, keep)
+            if not keep:
                 return out
         for _, i in worths[:best_m]:
             out[i] += 1
