@@ -394,6 +394,14 @@ def test_wall_check_drops_drafts_that_lose_in_wall_time(seed):
         assert wrong <= 25, (gain, slower, wrong)
         assert (0.05 < late < 0.25) if not pays else (0.75 < late < 0.95), (gain, slower, late)
     assert WallCheck.bucket(17) == WallCheck.bucket(32) != WallCheck.bucket(16) == WallCheck.bucket(9)
+    # drafts that make a step 10x slower for 1.5x the tokens: tried again far more rarely
+    check = WallCheck(seed=seed)
+    kept = []
+    for step in range(1000):
+        on = check.draw(3)
+        kept.append(on)
+        check.record(3, on, 12 if on else 8, (1.0 if on else 0.1) * rng.uniform(0.7, 1.3))
+    assert 0.002 < sum(kept[200:]) / 800 < 0.03 and check.ratio(3) < 0.2
 
 
 def test_policy_asks_the_wall_clock_only_about_small_gains():

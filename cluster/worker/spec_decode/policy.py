@@ -154,9 +154,11 @@ class WallCheck:
     randomized trial by steps between keeping the drafts the table chose and dropping
     them, in blocks of consecutive steps. A block is 2 steps, one of each, in an order
     drawn by lot, until `min_blocks` blocks; then 8 steps, one of them (its place drawn
-    by lot) against the verdict. Each block gives log(output tokens per wall second with
-    drafts / without), and the verdict follows a moving mean of the last ~`window`
-    blocks: drafts lose under 0.97x and pay again above 1.03x (the gap keeps noise from
+    by lot) against the verdict. Once drafts do worse than 0.7x, a block is 8 / ratio^2
+    steps: a step with drafts can take many times a plain one's wall time on a loaded
+    CPU, and trying one every 8 steps would cost more than dropping them saves. Each
+    block gives log(output tokens per wall second with drafts / without), and the
+    verdict follows a moving mean of the last ~`window` blocks: drafts lose under 0.97x and pay again above 1.03x (the gap keeps noise from
     flipping it). Comparing steps only within their block, a few steps apart, keeps a
     burst of prompts or a load that comes and goes from being taken for the drafts'
     doing: it weighs on both sides of a block alike."""
@@ -179,8 +181,12 @@ class WallCheck:
         if not t.lots:  # a new block
             if t.blocks < self.min_blocks:
                 t.lots = [True, False]
-            else:
-                t.lots = [t.pays] * (self.block_size - 1) + [not t.pays]
+            elif t.pays:
+                t.lots = [True] * (self.block_size - 1) + [False]
+            else:  # the worse the drafts did (past 0.7x), the rarer the step that tries them again
+                ratio = max(self.ratio(bucket), 1e-3)
+                n = self.block_size if ratio >= 0.7 else min(32 * self.block_size, math.ceil(self.block_size / ratio**2))
+                t.lots = [False] * (n - 1) + [True]
             self.rng.shuffle(t.lots)
             t.block = [[0, 0.0], [0, 0.0]]
         return t.lots.pop()
