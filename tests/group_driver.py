@@ -34,7 +34,7 @@ def every_draft() -> None:
     between two runs; bit-for-bit needs the same steps on both sides."""
     from cluster.worker.spec_decode.policy import SpecPolicy
 
-    SpecPolicy.limits = lambda self, decodes, proposed, rows: list(proposed)
+    SpecPolicy.limits = lambda self, decodes, proposed, rows, decode_rows=None: list(proposed)
 
 
 def requests(seed: int, vocab: int = 500):
