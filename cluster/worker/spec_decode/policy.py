@@ -31,9 +31,9 @@ they bring. So, each step:
   clock 0.75x). It is a randomized trial by steps: per batch size, the decode-only steps
   that keep their drafts against those that drop them (one in 8, chosen by lot), in
   output tokens per wall second, compared within blocks of consecutive steps; once the
-  drafts lose, they are dropped, and one step in 8 keeps them to see whether that still
-  holds. A step with a prefill chunk follows the
-  verdict without joining the trial (the chunk's time would drown the drafts').
+  drafts lose, they are dropped, and one step in 8 (fewer, the more they lose) keeps
+  them to see whether that still holds. A step with a prefill chunk follows the verdict
+  without joining the trial (the chunk's time would drown the drafts').
 """
 
 from __future__ import annotations
@@ -158,10 +158,11 @@ class WallCheck:
     steps: a step with drafts can take many times a plain one's wall time on a loaded
     CPU, and trying one every 8 steps would cost more than dropping them saves. Each
     block gives log(output tokens per wall second with drafts / without), and the
-    verdict follows a moving mean of the last ~`window` blocks: drafts lose under 0.97x and pay again above 1.03x (the gap keeps noise from
-    flipping it). Comparing steps only within their block, a few steps apart, keeps a
-    burst of prompts or a load that comes and goes from being taken for the drafts'
-    doing: it weighs on both sides of a block alike."""
+    verdict follows a moving mean of the last ~`window` blocks: drafts lose under 0.97x
+    and pay again above 1.03x (the gap keeps noise from flipping it). Comparing steps
+    only within their block, a few steps apart, keeps a burst of prompts or a load that
+    comes and goes from being taken for the drafts' doing: it weighs on both sides of a
+    block alike."""
 
     def __init__(self, block: int = 8, window: int = 16, min_blocks: int = 4, seed: int = 0):
         self.block_size, self.min_blocks = block, min_blocks
