@@ -186,7 +186,9 @@ class WallCheck:
                 t.lots = [True] * (self.block_size - 1) + [False]
             else:  # the worse the drafts did (past 0.7x), the rarer the step that tries them again
                 ratio = max(self.ratio(bucket), 1e-3)
-                n = self.block_size if ratio >= 0.7 else min(32 * self.block_size, math.ceil(self.block_size / ratio**2))
+                n = self.block_size
+                if ratio < 0.7:
+                    n = min(32 * self.block_size, math.ceil(self.block_size / ratio**2))
                 t.lots = [False] * (n - 1) + [True]
             self.rng.shuffle(t.lots)
             t.block = [[0, 0.0], [0, 0.0]]
