@@ -39,7 +39,7 @@ OPENBLAS_DIRS = (
 )
 LDCONFIG_TIMEOUT_S = 5.0
 
-_blas_state: dict = {"tried": False, "path": None, "looked": ""}
+_blas_state: dict = {"tried": False, "path": None, "lib": None, "looked": ""}
 
 
 def find_openblas() -> str | None:
@@ -85,16 +85,21 @@ def preload_blas() -> str | None:
     if path is None:
         return None
     try:
-        ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
+        lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
     except OSError as e:  # pragma: no cover - broken install
         log.warning("could not load OpenBLAS from %s: %s", path, e)
         return None
-    _blas_state["path"] = path
+    _blas_state["path"], _blas_state["lib"] = path, lib
     return path
 
 
 def blas_path() -> str | None:
     return _blas_state["path"]
+
+
+def blas_library() -> ctypes.CDLL | None:
+    """The OpenBLAS `preload_blas` loaded (the library MLX's CPU matmuls call), if any."""
+    return _blas_state["lib"]
 
 
 def warn_if_slow_blas() -> None:

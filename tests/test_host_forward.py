@@ -134,9 +134,11 @@ def test_the_engine_on_the_host_path_generates_mlx_lms_tokens(tmp_path, arch, n,
         assert tokens == want
 
 
-def test_a_long_prefill_takes_blas_for_its_projections_and_c_for_a_decode_steps(tmp_path, monkeypatch):
-    """On the host path a 60-token prefill step's projections go through MLX's matmul
-    (BLAS) and a decode step's through the C linear; the tokens are mlx-lm's."""
+@pytest.mark.parametrize("blas", ["openblas", "mlx"])
+def test_a_long_prefill_takes_blas_for_its_projections_and_c_for_a_decode_steps(tmp_path, monkeypatch, blas):
+    """On the host path a 60-token prefill step's projections go through BLAS (OpenBLAS
+    called from the step's thread; MLX's matmul where no OpenBLAS is loaded) and a decode
+    step's through the C linear; the tokens are mlx-lm's."""
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load
 
@@ -155,12 +157,38 @@ def test_a_long_prefill_takes_blas_for_its_projections_and_c_for_a_decode_steps(
             return real_c(x, M, *rest)
 
     real_lib, host.lib = host.lib, Lib()
-    monkeypatch.setattr(mx.array, "__matmul__", lambda a, b: blas_rows.append(a.shape[0]) or mx.matmul(a, b))
+    if blas == "openblas":
+        real_gemm = host.gemm
+        assert real_gemm is not None, "no OpenBLAS loaded on this Linux (see cluster/platform.py)"
+        host.gemm = lambda *args: blas_rows.append(args[3]) or real_gemm(*args)
+    else:
+        host.gemm = None
+        monkeypatch.setattr(mx.array, "__matmul__", lambda a, b: blas_rows.append(a.shape[0]) or mx.matmul(a, b))
     prompt = [(3 * j) % 400 + 5 for j in range(60)]
     got = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert set(blas_rows) == {60} and 1 in c_rows and max(c_rows) < 48
     model, _ = load(str(path))
     assert got == [int(t) for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=4), range(4))]
+
+
+@pytest.mark.parametrize("rows, n, k", [(48, 96, 64), (61, 200, 72), (512, 64, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_host_paths_blas_product_is_mlxs_to_the_bit(rows, n, k, bias):
+    """OpenBLAS called from the step's thread gives exactly what nn.Linear gives through
+    MLX (`x @ w.T`, or `mx.addmm` with a bias): the host path's large projections change
+    no bit of a step's logits."""
+    gemm = host_forward.blas_gemm()
+    assert gemm is not None, "no OpenBLAS loaded on this Linux (see cluster/platform.py)"
+    keys = mx.random.split(mx.random.key(rows + n), 3)
+    x = mx.random.normal((rows, k), key=keys[0])
+    w = mx.random.normal((n, k), key=keys[1])
+    b = mx.random.normal((n,), key=keys[2]) if bias else None
+    want = mx.addmm(b, x, w.T) if bias else x @ w.T
+    lin = host_forward._Weights(np.array(w), None if b is None else np.array(b), w, b)
+    host = host_forward.HostForward.__new__(host_forward.HostForward)
+    host.gemm = gemm
+    got = host._blas(np.array(x), lin)
+    assert got.shape == (rows, n) and np.array_equal(got, np.array(want))
 
 
 @pytest.mark.parametrize("arch, config, why", [
