@@ -5,7 +5,7 @@
   `preload_blas()` does that; `cluster/worker/__init__.py` calls it, so `import
   cluster.worker` before `import mlx` is enough (the SDK and the router never load it).
   The OpenMP build (Debian's `libopenblas0-openmp`) comes first: its worker threads are
-  libgomp's, which go to sleep when idle (OMP_WAIT_POLICY=PASSIVE, set by
+  libgomp's, which go to sleep soon after they go idle (GOMP_SPINCOUNT, set by
   `cluster.worker`) like the threads of Orchard's C kernels. The pthread build's workers
   spin after every call, taking the cores from the C kernels and MLX's own thread that
   run between the matmuls: a decode step of 16 rows of the built-in small model on 2

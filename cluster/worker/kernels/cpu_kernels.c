@@ -26,6 +26,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -678,6 +681,36 @@ int orch_linear_f32(const float *x, int64_t M, int64_t K, const float *w, const 
 {
     if (M <= 0 || N <= 0) return 0;
     return M >= 4 ? linear_bcast(x, M, K, w, bias, y, N) : linear_dot(x, M, K, w, bias, y, N);
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T + beta * y by a BLAS's cblas_sgemm (`sgemm`: the OpenBLAS
+ * the worker loaded before MLX), called with the arguments MLX's CPU matmul passes it, on
+ * slices of the output columns spread over this library's OpenMP threads. A BLAS called
+ * inside a parallel region runs on its caller's thread alone, so the only wait between
+ * the threads is OpenMP's barrier at the end, which sleeps: OpenBLAS's own threads spin
+ * (sched_yield) while one of them waits for another, and on a CPU shared with other work
+ * that spinning took the cores the step needed (beside a busy loop per core, steps of 112
+ * rows 2-13x their CPU time alone). The BLAS picks its kernels by the slice's size, so an
+ * output element may differ from the unsplit product's in its last bits (float32 rounding:
+ * tests/test_host_forward.py holds both to a dot product's rounding bound). */
+typedef void (*orch_sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
+                              float *, int);
+
+void orch_sgemm_nt(void *sgemm, const float *x, int64_t M, int64_t K, const float *w, int64_t N, float beta,
+                   float *y, int parts) /* parts < 1: one per OpenMP thread */
+{
+    const orch_sgemm_fn f = (orch_sgemm_fn)sgemm;
+#ifdef _OPENMP
+    if (parts < 1) parts = omp_get_max_threads();
+#endif
+    if (parts < 1) parts = 1;
+#pragma omp parallel for schedule(static, 1) num_threads(parts) if (parts > 1)
+    for (int p = 0; p < parts; p++) {
+        /* slice bounds on 16-column boundaries (whole vector tiles for the BLAS kernels) */
+        const int64_t n0 = (N * p / parts) & ~(int64_t)15, n1 = p == parts - 1 ? N : (N * (p + 1) / parts) & ~(int64_t)15;
+        if (n1 > n0)
+            f(101, 111, 112, (int)M, (int)(n1 - n0), (int)K, 1.0f, x, (int)K, w + n0 * K, (int)K, beta, y + n0, (int)N);
+    }
 }
 
 /* RMSNorm of `rows` rows of `dim` floats, as MLX's `fast.rms_norm`: out = w * (x * r), r =
