@@ -13,7 +13,8 @@ they bring. So, each step:
   `cost_clock()`: on a GPU the wall time; on a CPU the process's CPU time, which other
   processes' load leaves alone. Under two busy loops on this 2-core machine a 32-row
   step's wall time went from 78 to 137-256 ms and a 48-row one's from 130 ms to 0.7-3.9 s
-  (most likely the threads waiting their turn at every barrier), while their CPU time moved by
+  (threads spinning at barriers for ones that sat unscheduled; since cut down, see
+  `cluster/worker/__init__.py`), while their CPU time moved by
   5-20%: a table of wall times said that whichever row count was measured at a quiet
   moment was cheap, and kept drafts that did not pay.
 - Each request's acceptance rate `a` (the chance a draft is accepted given the ones
