@@ -218,8 +218,7 @@ class HostForward:
             y, beta = np.empty((M, N), np.float32), 0.0
         else:
             y, beta = np.repeat(lin.b[None], M, axis=0), 1.0
-        self.lib.orch_sgemm_nt(self.gemm, x.ctypes.data, M, K, lin.w.ctypes.data, N,
-                               beta, y.ctypes.data, 0)
+        self.lib.orch_sgemm_nt(self.gemm, x.ctypes.data, M, K, lin.w.ctypes.data, N, beta, y.ctypes.data)
         return y
 
     def _add_norm(self, h: np.ndarray, residual: np.ndarray | None, wn: tuple[np.ndarray, float]) -> np.ndarray:

@@ -107,7 +107,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.orch_linear_f32.restype = ctypes.c_int
     lib.orch_linear_f32.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64]
     lib.orch_sgemm_nt.restype = None
-    lib.orch_sgemm_nt.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _F32, _PTR, _I32]
+    lib.orch_sgemm_nt.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _F32, _PTR]
     lib.orch_rope_f32.restype = ctypes.c_int
     lib.orch_rope_f32.argtypes = [_PTR] * 4 + [_I64, _I64, _I32, _I32, _I32, _F32]
     lib.orch_add_rmsnorm_f32.restype = None

@@ -697,13 +697,13 @@ typedef void (*orch_sgemm_fn)(int, int, int, int, int, int, float, const float *
                               float *, int);
 
 void orch_sgemm_nt(void *sgemm, const float *x, int64_t M, int64_t K, const float *w, int64_t N, float beta,
-                   float *y, int parts) /* parts < 1: one per OpenMP thread */
+                   float *y)
 {
     const orch_sgemm_fn f = (orch_sgemm_fn)sgemm;
+    int parts = 1; /* one slice per OpenMP thread */
 #ifdef _OPENMP
-    if (parts < 1) parts = omp_get_max_threads();
+    parts = omp_get_max_threads();
 #endif
-    if (parts < 1) parts = 1;
 #pragma omp parallel for schedule(static, 1) num_threads(parts) if (parts > 1)
     for (int p = 0; p < parts; p++) {
         /* slice bounds on 16-column boundaries (whole vector tiles for the BLAS kernels) */
