@@ -22,10 +22,10 @@ cores: a 16-row decode step 1.5x faster than the MLX path, 32 and 64 rows and a 
 prefill step 5-10% faster.
 
 Calling OpenBLAS here rather than through MLX (which runs it on its stream's thread, with
-that thread's own OpenMP team) is 5-15% faster on a quiet machine (a 64-row step 179 to
-152 ms) and what keeps a step's time sane on a CPU shared with other work: beside a busy
-loop on each of 2 cores, the best of three 48-row steps took 1,355 ms through MLX and 220
-ms here (137 ms quiet), a 112-row step 1,508 and 432 ms, a 512-row one 2,904 and 1,880 ms.
+that thread's own OpenMP team and OpenBLAS's spin-waiting threads) is 5-15% faster on a
+quiet machine (a 64-row step 179 to 152 ms) and what keeps a step's time sane on a CPU
+shared with other work: beside a busy loop on each of 2 cores, a 112-row step took
+1.4-1.7 s through MLX and 0.6-0.8 s here (0.23 s quiet).
 
 `HostForward.build` admits a model only when every piece of it is one this file knows:
 mlx-lm's block, attention and MLP classes of those families, float32 C Linears, plain
