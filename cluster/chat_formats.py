@@ -34,6 +34,9 @@ class ChatFormat:
     pad: str | None = None
     tools: bool = False  # the template renders `tools=` and tool calls
     call_marker: str | None = None  # what opens a tool call in the assistant's text
+    # the tokenizer's ids: control tokens first (0..), the BPE, markers last; or, as Qwen's
+    # real tokenizers have them, the BPE first, then the control tokens, then the markers
+    bpe_first: bool = False
 
     @property
     def eos_tokens(self) -> tuple[str, ...]:
@@ -414,7 +417,7 @@ def template_text(name: str) -> str:
 
 
 _QWEN = dict(control=_CHATML_CONTROL, eos="<|im_end|>", stop=("<|endoftext|>",), pad="<|endoftext|>", tools=True,
-             call_marker="<tool_call>")
+             call_marker="<tool_call>", bpe_first=True)
 _THINK = ("<think>", "</think>")
 _DS_CALLS = tuple(_DS[k] for k in ("calls", "calls_end", "call", "call_end", "sep", "outputs", "outputs_end",
                                    "output", "output_end"))

@@ -322,7 +322,8 @@ def synthetic_corpus(seed: int, num_words: int = 120_000) -> list[str]:
 def train_tokenizer(vocab_size: int, seed: int, chat: ChatFormat = CHATML, words: tuple[str, ...] = ()):
     """A byte-level BPE of exactly `vocab_size` tokens: the chat format's control tokens
     first (special, ids 0..), the merges learnt from the corpus, and its tool-call markers
-    last (added as ordinary tokens, kept when decoding). `words`: strings that must be
+    last (added as ordinary tokens, kept when decoding); with `chat.bpe_first` the control
+    tokens follow the merges instead (Qwen's layout). `words`: strings that must be
     single tokens (a reranker's "yes" and "no"), added as ordinary tokens where the
     merges did not make them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -333,8 +334,8 @@ def train_tokenizer(vocab_size: int, seed: int, chat: ChatFormat = CHATML, words
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size - len(chat.markers) - len(missing),
-            special_tokens=list(chat.control),
+            vocab_size=vocab_size - len(chat.markers) - len(missing) - (len(chat.control) if chat.bpe_first else 0),
+            special_tokens=[] if chat.bpe_first else list(chat.control),
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             min_frequency=2,
             show_progress=False,
@@ -344,6 +345,8 @@ def train_tokenizer(vocab_size: int, seed: int, chat: ChatFormat = CHATML, words
         if len(absent) <= len(missing):
             break
         missing = absent  # train again with room for them
+    if chat.bpe_first:
+        tok.add_special_tokens(list(chat.control))
     tok.add_tokens(absent)
     if len(absent) < len(missing):  # a merge made one of them after all: keep the size exact
         tok.add_tokens([f"<|unused_{i}|>" for i in range(len(missing) - len(absent))])

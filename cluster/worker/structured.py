@@ -28,7 +28,6 @@ and needs no torch (xgrammar's Python package imports it).
 
 from __future__ import annotations
 
-import copy
 import json
 import threading
 import time
@@ -40,6 +39,7 @@ import numpy as np
 from cluster.api.reasoning import ThinkingGrammar
 from cluster.api.tools import DEEPSEEK_MARKERS
 from cluster.worker.sampling_params import StructuredOutput
+from cluster.worker.vocabulary import lltokenizer
 
 _CACHE_SIZE = 256
 # A grammar whose compile took this long holds a large lexer (a regex such as a{100000}: about
@@ -119,10 +119,7 @@ class GrammarCompiler:
     def lltokenizer(self):
         with self._lock:
             if self._lltok is None:
-                import llguidance
-
-                self._lltok = llguidance.LLTokenizer(_plain_added_tokens(self._hf), n_vocab=self.vocab_size,
-                                                     eos_token=self._eos or None)
+                self._lltok = lltokenizer(self._hf, self.vocab_size, self._eos)
             return self._lltok
 
     def compile(self, spec: StructuredOutput):
@@ -245,37 +242,6 @@ def _limits():
     return _LIMITS
 
 
-def _byte_level_alphabet() -> dict[int, str]:
-    """GPT-2's byte-level BPE: each byte as the printable character a vocabulary uses."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    extra = iter(range(256, 512))
-    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
-
-
-def _plain_added_tokens(hf) -> str:
-    """The tokenizer's JSON for llguidance, with added tokens that are not special (tool-
-    call markers such as Qwen's <tool_call>) moved into a byte-level BPE vocabulary:
-    llguidance takes every added token as special, so a grammar's literal "<tool_call>"
-    would never match the marker token the model actually emits."""
-    backend = copy.copy(hf.backend_tokenizer)
-    backend.no_padding()
-    backend.no_truncation()
-    data = json.loads(backend.to_str())
-    model = data.get("model") or {}
-    byte_level = "ByteLevel" in json.dumps(data.get("pre_tokenizer")) or "ByteLevel" in json.dumps(data.get("decoder"))
-    if model.get("type") != "BPE" or not byte_level:
-        return json.dumps(data)
-    alphabet = _byte_level_alphabet()
-    keep = []
-    for added in data.get("added_tokens", []):
-        if added.get("special", True):
-            keep.append(added)
-        else:
-            model["vocab"]["".join(alphabet[b] for b in added["content"].encode())] = added["id"]
-    data["added_tokens"] = keep
-    return json.dumps(data)
-
-
 def allocate_bitmask(rows: int, vocab_size: int) -> np.ndarray:
     return np.full((rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
 
@@ -385,7 +351,7 @@ def tool_call_constraint(tools: Sequence[dict], tool_choice: str | dict = "requi
     `family_format` = (opening, closing) text the family puts around a call (Hermes:
     ("<tool_call>\\n", "\\n</tool_call>")); None: the JSON alone (a json_schema spec).
     Markers are matched as text: right for the families whose markers are ordinary added
-    tokens (Hermes/Qwen, see `_plain_added_tokens`); a marker that is a special token
+    tokens (Hermes/Qwen, see `cluster/worker/vocabulary.py`); a marker that is a special token
     would need llguidance's token syntax instead (`call_constraint` writes it so)."""
     chosen = _chosen(tools, tool_choice)
     schema = _call_schema(chosen)
