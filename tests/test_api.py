@@ -222,7 +222,7 @@ def test_tools_round_trip_through_the_wire_and_are_validated():
             validate_request(build_request(messages=history, **bad))
     r = build_request(messages=history)
     r.chat.messages[1].tool_calls[0].arguments = "{not json"
-    with pytest.raises(InvalidRequest, match="not JSON"):
+    with pytest.raises(InvalidRequest, match=r"messages\[1\].tool_calls\[0\].function.arguments. is not valid JSON"):
         validate_request(r)
     with pytest.raises(InvalidRequest, match="need a chat prompt"):
         validate_request(build_request("hi", tools=[_WEATHER]))

@@ -150,6 +150,92 @@ def test_json_is_strict(served, raw):
         assert status == 400 and "not valid JSON" in message(out) and "finite" in message(out), out
 
 
+def deep(levels: int) -> str:
+    """JSON text of `levels` arrays within each other."""
+    return "[" * levels + "]" * levels
+
+
+def with_deep(body: dict, levels: int) -> bytes:
+    """`body` as JSON with each "DEEP" value nested `levels` deep (past what json.dumps in
+    this process could write)."""
+    return json.dumps(body).replace('"DEEP"', deep(levels)).encode()
+
+
+USER = {"role": "user", "content": "hi"}
+# JSON nested past MAX_JSON_DEPTH wherever a client can put it: inside strings parsed later
+# (5,000 deep: past Python's recursion limit), and in the body itself just under the depth
+# the body's parser holds (then walked again, deeper in the stack). Each was a 500 (and a
+# logged RecursionError) on the router or a worker: (path, body, param, the field named).
+NESTED = {
+    "history arguments": ("/v1/chat/completions", json.dumps(
+        {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep(5000)}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "max_tokens": 2}).encode(),
+        "messages", "'messages[1].tool_calls[0].function.arguments'"),
+    "responses function_call": ("/v1/responses", json.dumps(
+        {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep(5000)},
+                   {"type": "function_call_output", "call_id": "c1", "output": "ok"}], "max_output_tokens": 2}).encode(),
+        "input", "'input[0].arguments'"),
+    "tools": ("/v1/chat/completions", with_deep(
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "default": "DEEP"}}}]}, 900), "tools", "'tools'"),
+    "chat_template_kwargs": ("/v1/chat/completions", with_deep({**CHAT, "chat_template_kwargs": {"x": "DEEP"}}, 900),
+                             "chat_template_kwargs", "'chat_template_kwargs'"),
+    "response_format": ("/v1/chat/completions", with_deep(
+        {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "default": "DEEP"}}}}, 900), "response_format", "'response_format'"),
+}
+
+
+def check_nested_refused(http: str) -> None:
+    for what, (path, raw, param, field) in NESTED.items():
+        status, out = post(http, path, raw=raw)
+        assert status == 400, (what, out)
+        assert out["error"]["param"] == param and field in message(out), (what, out)
+        assert "nested more than 64 levels deep" in message(out), (what, out)
+
+
+def nested_grpc_requests() -> dict[str, pb.GenerateRequest]:
+    """The same over gRPC, where these fields are JSON text (and NaN, which HTTP refuses)."""
+    out = {"tools": build_request(messages=[USER], tools=deep(5000)),
+           "json_schema": build_request(messages=[USER], structured={"json_schema": deep(5000)}),
+           "history arguments": build_request(messages=[USER, {"role": "assistant", "content": "", "tool_calls": [
+               {"id": "c1", "function": {"name": "f", "arguments": deep(5000)}}]}])}
+    for what, kwargs in (("chat_template_kwargs", deep(5000)), ("NaN chat_template_kwargs", '{"x": NaN}'),
+                         ("Infinity chat_template_kwargs", '{"enable_thinking": -Infinity}')):
+        out[what] = build_request(messages=[USER], max_tokens=2)
+        out[what].chat_template_kwargs = kwargs
+    return out
+
+
+def check_nested_grpc_refused(address: str) -> None:
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        for what, request in nested_grpc_requests().items():
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(request, timeout=60))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, e.value)
+            words = "not valid JSON" if "NaN" in what or "Infinity" in what else "nested more than 64 levels deep"
+            assert words in e.value.details(), (what, e.value.details())
+        assert list(stub.Generate(build_request(messages=[USER], max_tokens=1), timeout=60))[-1].finish_reason
+
+
+def test_json_nested_anywhere_is_a_400_naming_the_field(served):
+    check_nested_refused(served.http)
+    status, out = post(served.http, "/v1/chat/completions", raw=with_deep({**CHAT, "chat_template_kwargs": {
+        "x": "DEEP"}}, 63))  # at the limit: served
+    assert status == 200, out
+
+
+def test_json_over_grpc_is_checked_as_http_checks_it():
+    """NaN in chat_template_kwargs was accepted over gRPC (HTTP refuses it); nested JSON in
+    tools, json_schema or chat_template_kwargs was UNKNOWN (a RecursionError)."""
+    for what, request in nested_grpc_requests().items():
+        with pytest.raises(InvalidRequest) as e:
+            validate_request(request)
+        assert "finite" in e.value.message if "NaN" in what or "Infinity" in what else "64" in e.value.message
+
+
 def test_a_lone_surrogate_is_a_400_not_a_500(served):
     status, out = post(served.http, "/v1/chat/completions",
                        raw=b'{"messages": [{"role": "user", "content": "a\\udc80b"}], "max_tokens": 2}')
@@ -768,6 +854,17 @@ def test_a_request_id_past_its_limit_is_refused_and_never_counted_against_the_wo
                 assert f"request_id has {size} characters: at most {MAX_ID_CHARS}" in e.value.details()
     workers, metrics = router_state(cluster)
     assert "circuit" not in workers and 'outcome="failed"' not in metrics
+
+
+def test_json_nested_anywhere_is_refused_by_the_router_and_its_worker(cluster):
+    """Over the router's HTTP and gRPC and the worker's gRPC: 400 / INVALID_ARGUMENT naming
+    the field and the depth limit, nothing logged as a traceback, both still serving."""
+    check_nested_refused(cluster.http_address)
+    for address in (cluster.router_address, cluster.worker_addresses[0]):
+        check_nested_grpc_refused(address)
+    for log in cluster.log_dir.glob("*.log"):
+        text = log.read_text(errors="replace")
+        assert "Traceback" not in text and "RecursionError" not in text, (log.name, text[-3000:])
 
 
 def test_x_request_timeout_on_the_router(cluster):

@@ -173,6 +173,16 @@ def test_json_nested_too_deep_is_a_bad_request(tiny_worker):
     assert e.value.code == 400
 
 
+def test_json_nested_in_strings_is_a_bad_request_on_a_worker(tiny_worker):
+    """History tool call arguments and Responses function_call arguments 5,000 deep were a
+    500 with a RecursionError traceback in the worker's log; over gRPC, UNKNOWN."""
+    from test_hostile_input import check_nested_grpc_refused, check_nested_refused
+
+    check_nested_refused(tiny_worker.http)
+    check_nested_grpc_refused(tiny_worker.grpc)
+    assert not any("RecursionError" in line for line in tiny_worker.log)
+
+
 def test_the_router_refuses_what_it_can_check_itself():
     from cluster.router.proxy import ProxyConfig, RouterBackend
     from cluster.router.metrics import RouterMetrics

@@ -23,7 +23,7 @@ import math
 from typing import Any, Callable, Mapping
 
 from cluster.api.errors import BadField, InvalidRequest
-from cluster.api.limits import MAX_INT32, shown
+from cluster.api.limits import MAX_INT32, check_json_depth, parse_json, shown
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 # OpenAI's ranges (the engine's SamplingParams keeps the same ones as its invariants).
@@ -45,6 +45,8 @@ def structured_proto(value: Any) -> pb.StructuredOutput:
     (kind, spec), = value.items()
     out = pb.StructuredOutput()
     if kind == "json_schema":
+        if not isinstance(spec, str):
+            check_json_depth(spec, "json_schema")
         out.json_schema = spec if isinstance(spec, str) else json.dumps(spec)
     elif kind == "json_object":
         out.json_object = True
@@ -91,10 +93,7 @@ def check_sampling(s: pb.SamplingParams, named: Callable[[str], str] = str) -> N
             raise BadField(field, "the structured output names no kind: set one of json_schema, json_object, regex, "
                                   "choice, grammar")
         if kind == "json_schema":
-            try:
-                schema = json.loads(s.structured.json_schema)
-            except ValueError as e:
-                raise BadField(field, f"the JSON schema is not valid JSON: {e}") from None
+            schema = parse_json(s.structured.json_schema, "json_schema", field)
             if not isinstance(schema, (dict, bool)):
                 raise BadField(field, "the JSON schema must be a JSON object")
         elif kind == "choice" and (not s.structured.choice.choices or not all(s.structured.choice.choices)):

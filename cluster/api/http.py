@@ -23,7 +23,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from cluster.api.errors import BadField, DeadlineExceeded, InvalidRequest
-from cluster.api.limits import HTTP_MAX_BODY_BYTES, MAX_TIMEOUT_SECONDS, RequestLimits, quoted, shown
+from cluster.api.limits import (HTTP_MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_SHOWN_CHARS, MAX_TIMEOUT_SECONDS,
+                                RequestLimits, check_json_depth, loads_strict, quoted, shown)
 from cluster.api.servicer import Backend
 from cluster.security import Keys, host_allowed
 
@@ -133,10 +134,6 @@ def check_params(body: dict, known: frozenset[str]) -> None:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON (a number must be finite)")
-
-
 def check_metadata(body: dict) -> None:
     """OpenAI's bounds on `metadata` (where a response echoes it back and keeps it): at most
     16 pairs, keys of at most 64 characters, string values of at most 512."""
@@ -164,8 +161,9 @@ def renamed(message: str, names: dict[str, str]) -> str:
 
 
 async def read_body(request: web.Request) -> dict:
-    """The request's JSON object (strict JSON: no NaN or Infinity, no lone surrogates), or
-    InvalidRequest (400) saying what is wrong with it. A body that does not arrive within
+    """The request's JSON object (strict JSON: no NaN or Infinity, no lone surrogates, each
+    field nested at most MAX_JSON_DEPTH deep), or InvalidRequest (400) saying what is wrong
+    with it. A body that does not arrive within
     the server's `http_body_timeout` is a 408."""
     limit = request.app[LIMITS].http_body_timeout
     try:
@@ -184,13 +182,16 @@ async def read_body(request: web.Request) -> dict:
         reason = " ".join(str(e).split()).removeprefix("400, message: ")
         raise InvalidRequest(f"the request body could not be read{what}: {reason}") from None
     try:
-        body = json.loads(raw, parse_constant=_no_constant)
+        body = loads_strict(raw)
     except RecursionError:
-        raise InvalidRequest("the request body is nested too deeply to parse") from None
+        raise InvalidRequest(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep (arrays and objects "
+                             f"within each other): at most {MAX_JSON_DEPTH} are allowed") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    for name, value in body.items():
+        check_json_depth(value, name[:MAX_SHOWN_CHARS])
     if _SURROGATE_ESCAPE.search(raw):
         try:
             json.dumps(body, ensure_ascii=False).encode()

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.api.errors import BadField
 from cluster.config import setting
 
 # gRPC messages, both ways, on every server (worker, router), every channel the router opens
@@ -28,6 +29,12 @@ MAX_INT32 = 2**31 - 1  # token ids, top_k: the wire's int32 fields
 # A deadline longer than this is no deadline (gRPC's own arithmetic overflows near 1e11 s).
 MAX_TIMEOUT_SECONDS = 30 * 86400.0
 MAX_SHOWN_CHARS = 80  # of a value quoted back in an error message
+# Arrays and objects within each other in any JSON a client sends: a body, or JSON text
+# carried in one of its strings (tool call arguments, tools, a JSON schema, template
+# kwargs). Code that walks such a value recursively (templates, schema rewriting,
+# json.dumps) stays far from Python's recursion limit; a deep JSON schema is still
+# hundreds of properties deep.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -70,3 +77,46 @@ def shown(value: Any) -> str:
 def quoted(name: str) -> str:
     """A field name or key a client sent, quoted for a message and cut to MAX_SHOWN_CHARS."""
     return repr(name if len(name) <= MAX_SHOWN_CHARS else name[:MAX_SHOWN_CHARS] + "...")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON (a number must be finite)")
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """`json.loads` of strict JSON: NaN and Infinity are a ValueError (as any other
+    syntax error); a RecursionError when it is nested past what the parser can hold."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def too_deep(field: str, limit: int = MAX_JSON_DEPTH, param: str | None = None) -> BadField:
+    return BadField(param or field, f"{quoted(field)} is nested more than {limit} levels deep (arrays and objects "
+                                    f"within each other): at most {limit} are allowed")
+
+
+def check_json_depth(value: Any, field: str, limit: int = MAX_JSON_DEPTH, param: str | None = None) -> None:
+    """BadField naming `field` and the limit when `value` (parsed JSON) holds arrays and
+    objects more than `limit` deep (`param`: the error's field, `field` by default). One
+    pass over the value level by level: it never recurses, whatever the depth."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            raise too_deep(field, limit, param)
+        level = [x for c in level for x in (c.values() if isinstance(c, dict) else c) if isinstance(x, (dict, list))]
+
+
+def parse_json(text: str | bytes, field: str, param: str | None = None) -> Any:
+    """JSON text a client sent in `field` (tools, a JSON schema, template kwargs, a tool
+    call's arguments), parsed as the HTTP fronts parse a body: strict (no NaN or
+    Infinity) and nested at most MAX_JSON_DEPTH deep. Anything else is BadField naming
+    `field` (its `param`: `param`, or `field`)."""
+    try:
+        value = loads_strict(text)
+    except RecursionError:  # deeper than the parser holds: past any limit
+        raise too_deep(field, param=param) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadField(param or field, f"{quoted(field)} is not valid JSON: {e}") from None
+    check_json_depth(value, field, param=param)
+    return value

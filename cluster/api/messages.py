@@ -223,7 +223,7 @@ def _stop_reason(r: pb.GenerateResponse, stop: list[str]) -> tuple[str, str | No
 def _tool_use(c: pb.ToolCall) -> dict:
     try:
         args = json.loads(c.arguments) if c.arguments else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # a model's output: any JSON it wrote deeper than Python parses
         args = {}
     return {"type": "tool_use", "id": f"toolu_{c.id.removeprefix('call_')}", "name": c.name, "input": args}
 

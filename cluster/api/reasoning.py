@@ -232,7 +232,7 @@ class HarmonyStream:
             args = json.loads(body) if body.strip() else {}
             if not isinstance(args, dict):
                 raise ValueError("the arguments are not an object")
-        except ValueError:
+        except (ValueError, RecursionError):  # nested deeper than Python parses, too
             if body:
                 out.append(body)  # a malformed call stays visible as text
             return

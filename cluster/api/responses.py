@@ -31,7 +31,7 @@ from cluster.api.errors import NotFound, OrchardError
 from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, ERROR_TYPES, LIMITS, BadField, body_field,
                               check_metadata, error_response, int_field, read_body, renamed, request_timeout,
                               served_model, within)
-from cluster.api.limits import quoted, shown
+from cluster.api.limits import parse_json, quoted, shown
 from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -144,6 +144,8 @@ def input_messages(items: Any) -> list[dict]:
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
                 raise BadField("input", f"input[{i}]: a function_call needs a name and arguments (a JSON string)")
+            if item.get("arguments"):
+                parse_json(item["arguments"], f"input[{i}].arguments", "input")
             call = {"id": item.get("call_id") or "", "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1] and not thinking:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from cluster.api.errors import BadField, InvalidRequest
-from cluster.api.limits import MAX_ID_CHARS, MAX_NAME_CHARS, quoted, shown
+from cluster.api.limits import MAX_ID_CHARS, MAX_NAME_CHARS, parse_json, quoted, shown
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 ToolParser = Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools): a call dict or a list of them
@@ -51,10 +51,7 @@ def parse_tools(tools_json: str) -> list[dict]:
     """The request's tool definitions (OpenAI's shape), or InvalidRequest saying what is wrong."""
     if not tools_json:
         return []
-    try:
-        tools = json.loads(tools_json)
-    except ValueError as e:
-        raise BadField("tools", f"tools is not valid JSON: {e}") from None
+    tools = parse_json(tools_json, "tools")
     if not isinstance(tools, list):
         raise BadField("tools", "tools must be a list of tool definitions")
     names = set()
@@ -118,24 +115,20 @@ def validate_tools(request: pb.GenerateRequest, named: Callable[[str], str] = st
                 ("tool_call_id", m.tool_call_id, MAX_ID_CHARS)
             raise BadField(named("messages"), f"{named('messages')}[{i}].{what[0]} has {len(what[1])} characters: at "
                                               f"most {what[2]} are allowed")
-        for call in m.tool_calls:
+        for j, call in enumerate(m.tool_calls):
             if not call.name:
                 raise BadField(named("messages"), "a tool call in the chat history has no function name")
             if len(call.name) > MAX_NAME_CHARS or len(call.id) > MAX_ID_CHARS:
                 raise BadField(named("messages"), f"{named('messages')}[{i}]: a tool call's name is at most "
                                                   f"{MAX_NAME_CHARS} characters and its id at most {MAX_ID_CHARS}")
-            _arguments(call.arguments)
+            _arguments(call.arguments, f"{named('messages')}[{i}].tool_calls[{j}].function.arguments",
+                       named("messages"))
 
 
-def _arguments(text: str) -> Any:
-    """A call's arguments for a chat template: the JSON object (templates render it), or
-    the text as it is when it is not JSON."""
-    if not text:
-        return {}
-    try:
-        return json.loads(text)
-    except ValueError:
-        raise InvalidRequest(f"the arguments of a tool call in the chat history are not JSON: {text[:80]!r}") from None
+def _arguments(text: str, field: str = "arguments", param: str | None = None) -> Any:
+    """A call's arguments for a chat template: the JSON object (templates render it).
+    BadField naming `field` when they are not JSON, or nested past MAX_JSON_DEPTH."""
+    return parse_json(text, field, param) if text else {}
 
 
 def template_messages(messages: Iterable[pb.ChatMessage], arguments_as_text: bool = False) -> list[dict]:

@@ -16,7 +16,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from cluster.api.constraints import check_sampling, structured_proto
 from cluster.api.errors import BadField, InvalidRequest
-from cluster.api.limits import MAX_ID_CHARS, MAX_INT32, MAX_LOGPROBS, MAX_NAME_CHARS, RequestLimits, shown
+from cluster.api.limits import (MAX_ID_CHARS, MAX_INT32, MAX_LOGPROBS, MAX_NAME_CHARS, RequestLimits, check_json_depth,
+                                parse_json, shown)
 from cluster.api.tools import validate_tools
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
@@ -138,6 +139,8 @@ def build_request(
         if resume_token_ids:
             req.resume_token_ids.extend(checked_token_ids("resume_token_ids", resume_token_ids))
         if tools:
+            if not isinstance(tools, str):
+                check_json_depth(list(tools), "tools")
             req.tools = tools if isinstance(tools, str) else json.dumps(list(tools), ensure_ascii=False)
         if tool_choice is not None:
             _set_tool_choice(req.tool_choice, tool_choice)
@@ -147,6 +150,7 @@ def build_request(
             if not isinstance(chat_template_kwargs, Mapping):
                 raise BadField("chat_template_kwargs", "chat_template_kwargs must be an object of template variables, "
                                                        f"got {shown(chat_template_kwargs)}")
+            check_json_depth(dict(chat_template_kwargs), "chat_template_kwargs")
             req.chat_template_kwargs = json.dumps(dict(chat_template_kwargs), ensure_ascii=False)
         if reasoning_effort is not None:
             req.reasoning_effort = reasoning_effort
@@ -194,6 +198,8 @@ def _add_message(messages, m: Mapping) -> None:
     for call in m.get("tool_calls") or ():
         fn = call.get("function", call)
         args = fn.get("arguments", "")
+        if not isinstance(args, str):
+            check_json_depth(args, "arguments", param="messages")
         msg.tool_calls.add(id=call.get("id") or "", name=fn.get("name") or "",
                            arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
@@ -294,7 +300,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 def template_kwargs(request: pb.GenerateRequest) -> dict[str, Any]:
     """A chat's extra chat-template variables: its chat_template_kwargs and reasoning_effort."""
-    out = json.loads(request.chat_template_kwargs) if request.chat_template_kwargs else {}
+    out = parse_json(request.chat_template_kwargs, "chat_template_kwargs") if request.chat_template_kwargs else {}
     if request.reasoning_effort:
         out["reasoning_effort"] = request.reasoning_effort
     return out
@@ -309,10 +315,7 @@ def validate_reasoning(request: pb.GenerateRequest, named=lambda field: field) -
         raise BadField(named(used[0]), f"{', '.join(map(named, used))} need a chat prompt (messages)")
     if request.chat_template_kwargs:
         field = named("chat_template_kwargs")
-        try:
-            kwargs = json.loads(request.chat_template_kwargs)
-        except ValueError as e:
-            raise BadField(field, f"{field} is not valid JSON: {e}") from None
+        kwargs = parse_json(request.chat_template_kwargs, field)
         if not isinstance(kwargs, dict):
             raise BadField(field, f"{field} must be a JSON object of template variables")
         reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
