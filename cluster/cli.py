@@ -62,14 +62,21 @@ def _model_create(parser: argparse.ArgumentParser) -> None:
     from cluster.modelgen import ModelSpec, create_model, num_parameters
 
     def run(spec: ModelSpec) -> int:
-        if spec.real:
-            from cluster.gguf import import_gguf
-            from cluster.models_cache import real_gguf
+        from cluster.gguf import GGUFError, import_gguf
+        from cluster.models_cache import real_gguf
+        from cluster.owned_dir import TargetError, write_dir
 
-            print(f"wrote {spec.real} to {import_gguf(real_gguf(spec.real), spec.path)}")
-            return 0
-        path = create_model(spec.path, arch=spec.arch, size=spec.size, seed=spec.seed, kind=spec.kind,
-                            layers=spec.layers, files=spec.files, chat=spec.chat)
+        try:
+            if spec.real:
+                print(f"wrote {spec.real} to {import_gguf(real_gguf(spec.real), spec.path)}")
+                return 0
+            path = write_dir(spec.path, "random-weight model", f"{spec.arch} {spec.size} seed {spec.seed}",
+                             lambda tmp: create_model(tmp, arch=spec.arch, size=spec.size, seed=spec.seed,
+                                                      kind=spec.kind, layers=spec.layers, files=spec.files,
+                                                      chat=spec.chat))
+        except (GGUFError, TargetError, OSError) as e:
+            print(f"orchard model create: {e}", file=sys.stderr)
+            return 2
         print(f"wrote {spec.arch} {spec.size} model ({num_parameters(path):,} parameters) to {path}")
         return 0
 

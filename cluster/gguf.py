@@ -27,6 +27,9 @@ Contract:
   one, `ollama:NAME[:TAG]`, a hub repo) into an imported directory, cached under the models
   cache (keyed by the file's path, size and modification time and this importer's version;
   the directory is named as the worker serves the model: the file's name, or Ollama's NAME:TAG).
+- Writes: cluster/owned_dir.py's rule (never over what Orchard did not write, renamed into
+  place). Ollama names and manifest digests are checked as Ollama checks them (`ollama_name`,
+  `ollama_model_digest`), so a name or digest never reaches outside the models directory.
 
 Imports no MLX: the conversion is numpy, and the router-side `orchard up` may resolve.
 """
@@ -38,17 +41,19 @@ import json
 import logging
 import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from cluster import owned_dir
+
 log = logging.getLogger(__name__)
 
 IMPORTER_VERSION = 1  # part of the cache key: a changed importer imports again
 GROUP = 32  # MLX's affine group size that holds llama.cpp's 32-weight blocks
+IMPORT_KIND = "gguf-import"  # what owned_dir's marker says an import directory is
 
 
 class GGUFError(ValueError):
@@ -567,6 +572,15 @@ def build_tokenizer(md: dict, vocab: Vocab):
     return tok
 
 
+def check_chat_template(md: dict) -> None:
+    """GGUFError for a chat template that is not text (every chat with it would fail)."""
+    template = md.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        value = f" {template!r}" if isinstance(template, (int, float)) else ""
+        raise GGUFError(f"metadata tokenizer.chat_template must be a string (a Jinja template), got "
+                        f"{type(template).__name__}{value}")
+
+
 def write_tokenizer(md: dict, dst: Path, max_len: int) -> Vocab:
     vocab = vocab_of(md)
     build_tokenizer(md, vocab).save(str(dst / "tokenizer.json"))
@@ -678,16 +692,21 @@ def _convert(t: _Tensor, arch: Arch, cfg: dict):
 
 
 def import_gguf(src: str | Path, dst: str | Path, replace: bool = True) -> Path:
-    """Write the GGUF file `src` as an mlx-lm model directory `dst` (see the module's contract),
-    through a temporary directory renamed into place; an existing `dst` is replaced, or with
-    `replace=False` kept (another process imported the same file first)."""
+    """Write the GGUF file `src` as an mlx-lm model directory `dst` (see the module's contract)
+    as cluster/owned_dir.py writes one: `dst` absent, empty or an earlier import (TargetError
+    otherwise, before any work), the new one renamed into place; an earlier import is
+    replaced, or with `replace=False` kept (another process imported the same file first)."""
     gguf = _gguf()
     src, dst = Path(src), Path(dst)
+    owned_dir.check_target(dst, IMPORT_KIND)
+    if src.resolve().is_relative_to(dst.resolve()):
+        raise GGUFError(f"{src} is inside {dst}, which the import would replace: write the import elsewhere")
     try:
         reader = gguf.GGUFReader(str(src))
     except (ValueError, OSError, struct.error) as e:
         raise GGUFError(f"{src}: not a GGUF file Orchard can read ({e})") from e
     md = read_metadata(reader)
+    check_chat_template(md)
     tensors = {t.name: (tuple(int(x) for x in reversed(t.shape.tolist())), t.tensor_type.name) for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{src}: no token_embd.weight tensor")
@@ -724,10 +743,8 @@ def import_gguf(src: str | Path, dst: str | Path, replace: bool = True) -> Path:
         if "dequantized" in s["as"]:
             log.warning("%s: %d %s tensors (%d parameters) dequantized to float32: MLX holds no %s layout exactly",
                         src.name, s["tensors"], type_name, s["parameters"], type_name)
-    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+
+    def fill(tmp: Path) -> None:
         planned = [p for t in plan for p in _outputs(t)]
         write_safetensors(tmp / "model.safetensors", planned,
                           lambda: (out for t in plan for out in _convert(t, arch, cfg)))
@@ -738,17 +755,8 @@ def import_gguf(src: str | Path, dst: str | Path, replace: bool = True) -> Path:
         (tmp / "gguf_import.json").write_text(json.dumps({
             "source": str(src.resolve()), "size": src.stat().st_size, "architecture": md["general.architecture"],
             "name": md.get("general.name"), "importer_version": IMPORTER_VERSION, "types": summary}, indent=2) + "\n")
-        if dst.exists() and replace:
-            shutil.rmtree(dst)
-        try:
-            tmp.rename(dst)
-        except OSError:
-            if replace or not (dst / "config.json").exists():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    dst = owned_dir.write_dir(dst, IMPORT_KIND, str(src.resolve()), fill, replace=replace)
     log.info("imported %s (%s, %s) into %s: %s", src.name, md["general.architecture"], md.get("general.name", ""),
              dst, ", ".join(f"{k} {v['as']}" for k, v in summary.items()))
     return dst
@@ -761,28 +769,88 @@ def ollama_models_dir() -> Path:
     return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models")
 
 
-def ollama_blob(name: str) -> Path:
-    """`NAME[:TAG]` (TAG latest by default; NAME may be `user/model`) -> the GGUF blob its
-    manifest names as the model layer."""
-    model, _, tag = name.partition(":")
-    tag = tag or "latest"
-    host = "registry.ollama.ai"
+# Ollama's own name rules (types/model/name.go): each part starts with a letter, digit or _
+# and goes on in letters, digits, _ - and . (no . in a namespace; a host may carry :PORT),
+# 80 characters at most (a host 350). Digests are sha256 (server/images.go's blob paths).
+_OLLAMA_PARTS = {"host": re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,349}"),
+                 "namespace": re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,79}"),
+                 "model": re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,79}"),
+                 "tag": re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,79}")}
+OLLAMA_DIGEST = re.compile(r"sha256:[0-9a-fA-F]{64}")
+OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+MAX_MANIFEST_BYTES = 1 << 20  # Ollama's are a few hundred bytes
+
+
+def ollama_name(name: str) -> tuple[str, str, str, str]:
+    """`[HOST/][NAMESPACE/]MODEL[:TAG]` -> (host, namespace, model, tag), with Ollama's
+    defaults (registry.ollama.ai, library, latest); GGUFError naming a part that is not a name."""
+    model, colon, tag = name.rpartition(":")
+    if not colon or "/" in tag:  # no tag (the colon, if any, is a host's :PORT)
+        model, tag = name, "latest"
     parts = model.split("/")
-    if len(parts) == 1:
-        parts = ["library", model]
-    elif len(parts) == 3:
-        host, parts = parts[0], parts[1:]
+    if len(parts) > 3:
+        raise GGUFError(f"{len(parts)} parts separated by / is not an Ollama name ([HOST/][NAMESPACE/]MODEL[:TAG])")
+    host, namespace, model = ["registry.ollama.ai", "library"][: 3 - len(parts)] + parts
+    for part, value in (("host", host), ("namespace", namespace), ("model", model), ("tag", tag)):
+        if not _OLLAMA_PARTS[part].fullmatch(value):
+            limit = 350 if part == "host" else 80
+            chars = "letters, digits, _ -" + ("" if part == "namespace" else " .") + (" :" if part == "host" else "")
+            raise GGUFError(f"the {part} {_shown(value)} is not an Ollama name (1-{limit} {chars}, "
+                            "the first a letter, digit or _)")
+    return host, namespace, model, tag
+
+
+def _shown(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def ollama_model_digest(manifest: Path) -> str:
+    """The digest of the model layer `manifest` names; GGUFError naming the field and value
+    for a manifest that is not Ollama's (not JSON, wrong types, a digest that is not sha256)."""
+    try:
+        if manifest.stat().st_size > MAX_MANIFEST_BYTES:
+            raise GGUFError(f"the manifest {manifest} is {manifest.stat().st_size} bytes, over the "
+                            f"{MAX_MANIFEST_BYTES} a manifest may be")
+        doc = json.loads(manifest.read_bytes())
+    except OSError as e:
+        raise GGUFError(f"the manifest {manifest} cannot be read ({e})") from e
+    except (ValueError, RecursionError) as e:
+        raise GGUFError(f"the manifest {manifest} is not JSON ({str(e)[:200]})") from None
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    if not isinstance(layers, list):
+        what = f"its layers are {_shown(layers)}" if isinstance(doc, dict) else f"it is {type(doc).__name__}"
+        raise GGUFError(f"the manifest {manifest} is not an Ollama manifest: layers must be a list ({what})")
+    model = None
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, dict):
+            raise GGUFError(f"the manifest {manifest}: layers[{i}] must be an object, got {_shown(layer)}")
+        media, digest = layer.get("mediaType"), layer.get("digest")
+        if not isinstance(media, str):
+            raise GGUFError(f"the manifest {manifest}: layers[{i}].mediaType must be a string, got {_shown(media)}")
+        if not isinstance(digest, str) or not OLLAMA_DIGEST.fullmatch(digest):
+            raise GGUFError(f"the manifest {manifest}: layers[{i}].digest must be sha256:<64 hex digits>, got "
+                            f"{_shown(digest)}")
+        if media == OLLAMA_MODEL_LAYER and model is None:
+            model = digest
+    if model is None:
+        raise GGUFError(f"the manifest {manifest} names no model layer (mediaType {OLLAMA_MODEL_LAYER})")
+    return model
+
+
+def ollama_blob(name: str) -> Path:
+    """`NAME[:TAG]` (TAG latest by default; NAME may be `user/model` or `host/user/model`) ->
+    the GGUF blob its manifest names as the model layer, in the models directory's blobs/."""
+    host, namespace, model, tag = ollama_name(name)
     root = ollama_models_dir()
-    manifest = root / "manifests" / host / Path(*parts) / tag
+    manifest = root / "manifests" / host / namespace / model / tag
     if not manifest.is_file():
-        raise GGUFError(f"ollama:{name}: no manifest at {manifest} (is it pulled? `ollama pull {model}:{tag}`)")
-    layers = json.loads(manifest.read_text()).get("layers", [])
-    digests = [lay["digest"] for lay in layers if lay.get("mediaType") == "application/vnd.ollama.image.model"]
-    if not digests:
-        raise GGUFError(f"ollama:{name}: the manifest {manifest} names no model layer")
-    blob = root / "blobs" / digests[0].replace(":", "-")
+        untagged = name[: -len(tag) - 1] if name.endswith(":" + tag) else name
+        raise GGUFError(f"no manifest at {manifest} (is it pulled? `ollama pull {untagged}:{tag}`)")
+    digest = ollama_model_digest(manifest)
+    blob = root / "blobs" / digest.replace(":", "-")  # a checked digest: a name inside blobs/
     if not blob.is_file():
-        raise GGUFError(f"ollama:{name}: the model layer {blob} is missing")
+        raise GGUFError(f"the model layer {blob} is missing")
     return blob
 
 
@@ -807,23 +875,43 @@ def find_gguf(spec: str, gguf_file: str | None = None) -> Path | None:
             raise GGUFError(f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}): "
                             "pick one with --gguf-file")
         return found[0] if found else None
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", spec) and not path.exists():
+    if not path.exists() and is_hub_repo_id(spec):
         return hub_gguf(spec, gguf_file)
     return None
 
 
+def is_hub_repo_id(spec: str) -> bool:
+    """Whether `spec` can only be a hub repo: OWNER/NAME as the hub spells one (no `..`, no
+    leading `.`, `/` or `~`), whose OWNER is no directory here (then it is a path)."""
+    return (re.fullmatch(r"\w[\w.-]*/[\w.-]*\w", spec) is not None and ".." not in spec and "--" not in spec
+            and len(spec) <= 96 and not Path(spec.partition("/")[0]).is_dir())
+
+
 def hub_gguf(repo: str, gguf_file: str | None) -> Path:
-    """A GGUF file of a Hugging Face hub repo, downloaded once into the hub's cache."""
+    """A GGUF file of a Hugging Face hub repo, downloaded once into the hub's cache. The repo
+    is looked up with one request first (the hub's client retries for seconds), so a missing
+    repo or an unreachable hub is said at once."""
     try:
-        from huggingface_hub import hf_hub_download, list_repo_files
+        from huggingface_hub import HfApi, hf_hub_download
     except ImportError as e:  # pragma: no cover
         raise GGUFError(f"{repo}: downloading from the hub needs huggingface_hub") from e
-    if gguf_file is None:
+    if gguf_file is not None:
         try:
-            files = [f for f in list_repo_files(repo) if f.endswith(".gguf") and "mmproj" not in f]
-        except Exception as e:  # noqa: BLE001 - network, auth, missing repo: one message
-            raise GGUFError(f"{repo}: not a local path, and the hub did not list it ({e})") from e
-        if len(files) != 1:
+            return Path(hf_hub_download(repo, gguf_file, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not in the hub's cache
+            pass
+    try:
+        info = HfApi().model_info(repo, timeout=30)
+    except Exception as e:  # noqa: BLE001 - network, auth, missing repo: one message
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        raise GGUFError(f"no such file or directory, and no hub repo of that name could be found "
+                        f"({type(e).__name__}: {reason})") from None
+    files = [f.rfilename for f in info.siblings or () if f.rfilename.endswith(".gguf") and "mmproj" not in f.rfilename]
+    if gguf_file is None:
+        if not files:
+            raise GGUFError(f"the hub repo {repo} holds no GGUF file; an mlx-lm model is loaded from a local "
+                            f"directory (download it first: `hf download {repo} --local-dir DIR`)")
+        if len(files) > 1:
             raise GGUFError(f"{repo} holds {len(files)} GGUF files ({', '.join(files[:8])}): pick one with --gguf-file")
         gguf_file = files[0]
     try:

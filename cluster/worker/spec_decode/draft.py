@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -88,7 +89,12 @@ class DraftModelProposer:
              model_name: str) -> "DraftModelProposer":
         from cluster.worker.model_runner import has_recurrent_layers, load_model, text_args
 
-        model, tokenizer = load_model(config.model, engine_config.cpu_dequantize)
+        where = Path(config.model).expanduser()
+        if not (where / "config.json").is_file():  # else mlx-lm takes it for a hub repo id
+            raise ValueError(f"--speculative-config: the draft model directory {config.model} "
+                             + ("has no config.json (not an mlx-lm model directory)" if where.is_dir() else
+                                "does not exist"))
+        model, tokenizer = load_model(str(where), engine_config.cpu_dequantize)
         vocab = int(text_args(model).vocab_size)
         if vocab != target_vocab or _vocab(tokenizer) != _vocab(target_tokenizer):
             raise ValueError(f"--speculative-config: the draft model {config.model} has another tokenizer than "
