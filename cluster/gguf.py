@@ -809,12 +809,14 @@ def ollama_model_digest(manifest: Path) -> str:
     """The digest of the model layer `manifest` names; GGUFError naming the field and value
     for a manifest that is not Ollama's (not JSON, wrong types, a digest that is not sha256)."""
     try:
-        if manifest.stat().st_size > MAX_MANIFEST_BYTES:
-            raise GGUFError(f"the manifest {manifest} is {manifest.stat().st_size} bytes, over the "
-                            f"{MAX_MANIFEST_BYTES} a manifest may be")
-        doc = json.loads(manifest.read_bytes())
+        size = manifest.stat().st_size
+        text = manifest.read_bytes() if size <= MAX_MANIFEST_BYTES else b""
     except OSError as e:
         raise GGUFError(f"the manifest {manifest} cannot be read ({e})") from e
+    if size > MAX_MANIFEST_BYTES:
+        raise GGUFError(f"the manifest {manifest} is {size} bytes, over the {MAX_MANIFEST_BYTES} a manifest may be")
+    try:
+        doc = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise GGUFError(f"the manifest {manifest} is not JSON ({str(e)[:200]})") from None
     layers = doc.get("layers") if isinstance(doc, dict) else None
@@ -901,7 +903,7 @@ def hub_gguf(repo: str, gguf_file: str | None) -> Path:
         except Exception:  # noqa: BLE001 - not in the hub's cache
             pass
     try:
-        info = HfApi().model_info(repo, timeout=30)
+        info = HfApi().model_info(repo, timeout=10)
     except Exception as e:  # noqa: BLE001 - network, auth, missing repo: one message
         reason = (str(e).strip().splitlines() or [""])[0][:200]
         raise GGUFError(f"no such file or directory, and no hub repo of that name could be found "
