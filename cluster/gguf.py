@@ -1,7 +1,10 @@
 """GGUF files (llama.cpp's, LM Studio's, Ollama's blobs) as ordinary mlx-lm model directories.
 
 Contract:
-- `import_gguf(src, dst)` reads a GGUF file with ggml's own `gguf` package and writes an
+- `import_gguf(src, dst)` reads a GGUF file within bounds (cluster/gguf_file.py: every
+  count, length and offset checked before it is used), checks the metadata's types, the
+  tensors against the metadata (block_count, shapes, the vocabulary) and the memory and disk
+  the import needs against what is free, all before it writes anything; then it writes an
   mlx-lm directory: config.json, model.safetensors, tokenizer.json + tokenizer_config.json
   (the chat template from the metadata), special_tokens_map.json, generation_config.json and
   gguf_import.json (what was done to each tensor type). `mlx_lm.load` and everything in
@@ -20,7 +23,8 @@ Contract:
   is dequantized to float32 with the gguf package, and the log and gguf_import.json say so.
 - Tokenizer from the metadata: byte-level BPE (`tokenizer.ggml.model == "gpt2"`: tokens,
   merges, llama.cpp's pre-tokenizer regexes for `tokenizer.ggml.pre`) and SentencePiece
-  (`llama`: tokens, scores, token types, byte fallback), built with `tokenizers` so that
+  (`llama`: tokens, scores, token types, byte fallback; its merges found in time linear in the
+  vocabulary's text), built with `tokenizers` so that
   transformers and mlx-lm load it as a fast tokenizer; control tokens special, BOS/EOS
   handling and the end-of-generation tokens as llama.cpp has them.
 - `resolve(spec, gguf_file)` turns what a user names (a .gguf path, a directory holding
@@ -39,8 +43,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
+import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,16 +54,13 @@ from pathlib import Path
 import numpy as np
 
 from cluster import owned_dir
+from cluster.gguf_file import GGUFError, read_gguf  # noqa: F401  (GGUFError: this module's error too)
 
 log = logging.getLogger(__name__)
 
 IMPORTER_VERSION = 1  # part of the cache key: a changed importer imports again
 GROUP = 32  # MLX's affine group size that holds llama.cpp's 32-weight blocks
 IMPORT_KIND = "gguf-import"  # what owned_dir's marker says an import directory is
-
-
-class GGUFError(ValueError):
-    """A GGUF file Orchard cannot serve as it is; the message names what and why."""
 
 
 # -- architectures ---------------------------------------------------------------------------
@@ -120,26 +123,57 @@ def _gguf():
     return gguf
 
 
-def read_metadata(reader) -> dict:
-    """The file's key/value metadata as Python values."""
-    md = {}
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            md[key] = f.contents()
-        except (UnicodeDecodeError, ValueError) as e:
-            if key.startswith("tokenizer.ggml.tokens") or key.startswith("tokenizer.ggml.merges"):
-                md[key] = [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
-            else:
-                log.warning("GGUF metadata %s unreadable (%s): skipped", key, e)
-    return md
+_ABSENT = object()
+_KINDS = {"str": "a string", "bool": "a bool", "int": "an integer >= 0", "count": "an integer >= 1",
+          "float": "a finite number"}
 
 
-def _need(md: dict, key: str):
-    if key not in md:
-        raise GGUFError(f"the GGUF metadata has no {key!r}")
-    return md[key]
+def _fits(v, kind: str) -> bool:
+    if kind == "str":
+        return isinstance(v, str)
+    if kind == "bool":
+        return isinstance(v, (bool, np.bool_))
+    if kind in ("int", "count"):
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= (kind == "count")
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _what(md, key: str, v) -> str:
+    """How a bad value is shown: its GGUF type where the metadata knows it, and a short repr."""
+    kind = md.type_of(key) if hasattr(md, "type_of") else type(v).__name__
+    text = repr(v.tolist() if isinstance(v, np.ndarray) else v)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({kind})"
+
+
+def meta(md, key: str, kind: str, default=_ABSENT):
+    """md[key], which must be of `kind` (see _KINDS); `default` when absent (GGUFError when
+    absent without one, or of another kind)."""
+    v = md.get(key, _ABSENT)
+    if v is _ABSENT:
+        if default is _ABSENT:
+            raise GGUFError(f"the GGUF metadata has no {key!r}")
+        return default
+    if not _fits(v, kind):
+        raise GGUFError(f"{key} {_what(md, key, v)}: must be {_KINDS[kind]}")
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def meta_list(md, key: str, kind: str, length: int | None = None, default=_ABSENT) -> list:
+    """md[key] as a list, which must be an array of `kind` (of `length` items when given)."""
+    v = md.get(key, _ABSENT)
+    if v is _ABSENT:
+        if default is _ABSENT:
+            raise GGUFError(f"the GGUF metadata has no {key!r}")
+        return default
+    items = v.tolist() if isinstance(v, np.ndarray) else v
+    if not isinstance(items, list) or (kind == "str" and isinstance(v, np.ndarray)):
+        raise GGUFError(f"{key} {_what(md, key, v)}: must be an array of {_KINDS[kind].split(' ', 1)[1]}s")
+    bad = next((i for i, x in enumerate(items) if not _fits(x, kind)), None)
+    if bad is not None:
+        raise GGUFError(f"{key}[{bad}] {_what(md, key, items[bad])}: must be {_KINDS[kind]}")
+    if length is not None and len(items) != length:
+        raise GGUFError(f"{key}: {len(items)} items, one per token ({length}) expected")
+    return items
 
 
 # -- weights: llama.cpp blocks -> MLX affine quantization ----------------------------------
@@ -306,9 +340,9 @@ def write_safetensors(path: Path, planned: list[_Planned], produce) -> None:
         f.write(blob)
         for p, (name, arr) in zip(planned, produce(), strict=True):
             want = header[p.name]["data_offsets"]
-            raw = arr if isinstance(arr, (bytes, memoryview)) else np.ascontiguousarray(arr).tobytes()
-            if name != p.name or len(raw) != want[1] - want[0]:
-                raise RuntimeError(f"safetensors writer: {name} is {len(raw)} bytes, planned {p.name} "
+            raw = memoryview(arr if isinstance(arr, (bytes, memoryview)) else np.ascontiguousarray(arr)).cast("B")
+            if name != p.name or raw.nbytes != want[1] - want[0]:
+                raise RuntimeError(f"safetensors writer: {name} is {raw.nbytes} bytes, planned {p.name} "
                                    f"{want[1] - want[0]}")
             f.write(raw)
 
@@ -350,46 +384,54 @@ def _llama3_factors(cfg: dict, freqs: np.ndarray) -> np.ndarray:
     return np.array(out)
 
 
-def _one(md: dict, key: str, what: str) -> int:
+def _one(md, key: str, kind: str, what: str, default=_ABSENT):
+    """A value that may be given per layer (an array): the same for every layer."""
     v = md.get(key)
-    if isinstance(v, list):
-        if len(set(v)) != 1:
-            raise GGUFError(f"{key}: a different {what} per layer ({sorted(set(v))}) is not supported")
-        v = v[0]
-    return v
+    if isinstance(v, (list, np.ndarray)):
+        values = set(meta_list(md, key, kind))
+        if len(values) != 1:
+            shown = sorted(values)[:8]
+            raise GGUFError(f"{key}: a different {what} per layer ({shown}) is not supported")
+        return values.pop()
+    return meta(md, key, kind, default)
 
 
-def model_config(md: dict, tensors: dict[str, tuple[tuple[int, ...], str]]) -> dict:
-    """config.json for mlx-lm from the metadata (and which tensors exist)."""
-    name = _need(md, "general.architecture")
+def model_config(md, tensors: dict[str, tuple[tuple[int, ...], str]]) -> dict:
+    """config.json for mlx-lm from the metadata (and which tensors exist), each value checked
+    to be of its type."""
+    name = meta(md, "general.architecture", "str")
     if name not in ARCHS:
         raise GGUFError(f"GGUF architecture {name!r} is not supported (supported: {', '.join(ARCHS)})")
     arch = ARCHS[name]
     p = f"{name}."
-    hidden, heads = int(_need(md, p + "embedding_length")), int(_one(md, p + "attention.head_count", "head count"))
-    kv = int(_one(md, p + "attention.head_count_kv", "KV head count") or heads)
-    head_dim = int(md.get(p + "attention.key_length") or hidden // heads)
-    rope_dim = int(md.get(p + "rope.dimension_count") or head_dim)
+    hidden = meta(md, p + "embedding_length", "count")
+    heads = _one(md, p + "attention.head_count", "count", "head count")
+    kv = _one(md, p + "attention.head_count_kv", "int", "KV head count", 0) or heads
+    head_dim = meta(md, p + "attention.key_length", "int", 0) or hidden // heads
+    rope_dim = meta(md, p + "rope.dimension_count", "int", 0) or head_dim
+    if head_dim < 2 or head_dim % 2:
+        raise GGUFError(f"{p}attention.key_length {head_dim}: RoPE needs an even head size")
     vocab = tensors["token_embd.weight"][0][0]
     cfg = {
         "model_type": arch.model_type, "architectures": [arch.hf_class],
-        "hidden_size": hidden, "num_hidden_layers": int(_need(md, p + "block_count")),
-        "intermediate_size": int(_one(md, p + "feed_forward_length", "MLP width")),
+        "hidden_size": hidden, "num_hidden_layers": meta(md, p + "block_count", "count"),
+        "intermediate_size": _one(md, p + "feed_forward_length", "count", "MLP width"),
         "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-        "rms_norm_eps": float(md.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(md.get(p + "rope.freq_base", 10000.0)), "vocab_size": int(vocab),
-        "max_position_embeddings": int(md.get(p + "context_length", 4096)),
+        "rms_norm_eps": float(meta(md, p + "attention.layer_norm_rms_epsilon", "float", 1e-5)),
+        "rope_theta": float(meta(md, p + "rope.freq_base", "float", 10000.0)), "vocab_size": int(vocab),
+        "max_position_embeddings": meta(md, p + "context_length", "count", 4096),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
-    if int(md.get(p + "attention.value_length") or head_dim) != head_dim:
+    if (meta(md, p + "attention.value_length", "int", 0) or head_dim) != head_dim:
         raise GGUFError(f"{name}: a value head size unlike the key's is not supported")
-    scaling = md.get(p + "rope.scaling.type")
-    factor = float(md.get(p + "rope.scaling.factor", 1.0) or 1.0)
+    scaling = meta(md, p + "rope.scaling.type", "str", None)
+    factor = float(meta(md, p + "rope.scaling.factor", "float", 1.0) or 1.0)
     if scaling in ("linear",) and factor != 1.0:
         cfg["rope_scaling"] = {"type": "linear", "factor": factor}
     elif scaling == "yarn":
         cfg["rope_scaling"] = {"type": "yarn", "factor": factor, "original_max_position_embeddings":
-                               int(md.get(p + "rope.scaling.original_context_length", cfg["max_position_embeddings"]))}
+                               meta(md, p + "rope.scaling.original_context_length", "count",
+                                    cfg["max_position_embeddings"])}
     elif scaling not in (None, "none", "linear"):
         raise GGUFError(f"{name}: RoPE scaling {scaling!r} is not supported")
     if name in ("llama", "qwen2", "qwen3", "gemma2", "gemma3") and rope_dim != head_dim:
@@ -406,29 +448,32 @@ def model_config(md: dict, tensors: dict[str, tuple[tuple[int, ...], str]]) -> d
         big = layers == (46 if name == "gemma2" else 62)  # llama.cpp's 27B rule for the query scale
         cfg["query_pre_attn_scalar"] = hidden // heads if big else head_dim
         if name == "gemma2":
-            cfg["attn_logit_softcapping"] = float(md.get(p + "attn_logit_softcapping", 50.0))
-            cfg["final_logit_softcapping"] = float(md.get(p + "final_logit_softcapping", 30.0))
+            cfg["attn_logit_softcapping"] = float(meta(md, p + "attn_logit_softcapping", "float", 50.0))
+            cfg["final_logit_softcapping"] = float(meta(md, p + "final_logit_softcapping", "float", 30.0))
         else:
             cfg.pop("tie_word_embeddings")  # mlx-lm's gemma3 ties when lm_head is absent
-            if float(md.get(p + "final_logit_softcapping", 0.0) or 0.0):
+            if meta(md, p + "final_logit_softcapping", "float", 0.0):
                 raise GGUFError("gemma3 with a final logit soft-cap is not supported (mlx-lm has none)")
-            window = int(md.get(p + "attention.sliding_window", 0) or 0)
-            pattern = md.get(p + "attention.sliding_window_pattern", 6)
-            if isinstance(pattern, list):  # per layer: True where the layer is windowed
+            window = meta(md, p + "attention.sliding_window", "int", 0)
+            key = p + "attention.sliding_window_pattern"
+            pattern = md.get(key, 6)
+            if isinstance(pattern, (list, np.ndarray)):  # per layer: True where the layer is windowed
+                pattern = meta_list(md, key, "bool")
                 period = pattern.index(False) + 1 if False in pattern else len(pattern)
                 if [bool(x) for x in pattern] != [(i % period) != period - 1 for i in range(len(pattern))]:
                     raise GGUFError(f"gemma3: sliding-window layers {pattern} are not every n-th global")
                 pattern = period
+            pattern = meta({key: pattern}, key, "count")
             cfg.update(sliding_window=window or cfg["max_position_embeddings"],
                        sliding_window_pattern=int(pattern) if window else 1,
-                       rope_local_base_freq=float(md.get(p + "rope.freq_base_swa", 10000.0)))
+                       rope_local_base_freq=float(meta(md, p + "rope.freq_base_swa", "float", 10000.0)))
     elif name == "phi3":
         cfg.pop("head_dim")
         if head_dim != hidden // heads:
             raise GGUFError(f"phi3: head size {head_dim} is not hidden / heads ({hidden // heads})")
         cfg["partial_rotary_factor"] = rope_dim / head_dim
-        orig = md.get(p + "rope.scaling.original_context_length")
-        cfg["original_max_position_embeddings"] = int(orig or cfg["max_position_embeddings"])
+        orig = meta(md, p + "rope.scaling.original_context_length", "count", cfg["max_position_embeddings"])
+        cfg["original_max_position_embeddings"] = orig
     return cfg
 
 
@@ -481,36 +526,54 @@ class Vocab:
     eog: list[int] = field(default_factory=list)
 
 
-def vocab_of(md: dict) -> Vocab:
-    tokens = list(_need(md, "tokenizer.ggml.tokens"))
-    model = _need(md, "tokenizer.ggml.model")
-    types = list(md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+def vocab_of(md) -> Vocab:
+    """The vocabulary from the metadata, each value checked to be of its type and length."""
+    tokens = meta_list(md, "tokenizer.ggml.tokens", "str")
+    if not tokens:
+        raise GGUFError("tokenizer.ggml.tokens is empty: a vocabulary needs at least one token")
+    model = meta(md, "tokenizer.ggml.model", "str")
+    types = meta_list(md, "tokenizer.ggml.token_type", "int", len(tokens), [NORMAL] * len(tokens))
 
     def tid(key):
-        v = md.get(f"tokenizer.ggml.{key}_token_id")
-        return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
+        v = meta(md, f"tokenizer.ggml.{key}_token_id", "int", None)
+        return v if v is not None and v < len(tokens) else None
 
-    add_bos = md.get("tokenizer.ggml.add_bos_token")
+    add_bos = meta(md, "tokenizer.ggml.add_bos_token", "bool", None)
     if add_bos is None:  # llama.cpp's defaults: SentencePiece adds BOS; BPE only for Llama 3's
-        add_bos = model == "llama" or PRE_TOKENIZERS.get(md.get("tokenizer.ggml.pre", ""), (0, False))[1]
+        add_bos = model == "llama" or PRE_TOKENIZERS.get(meta(md, "tokenizer.ggml.pre", "str", ""), (0, False))[1]
     v = Vocab(tokens, types, model, tid("bos"), tid("eos"), tid("unknown"), tid("padding"), bool(add_bos),
-              bool(md.get("tokenizer.ggml.add_eos_token", False)))
+              bool(meta(md, "tokenizer.ggml.add_eos_token", "bool", False)))
     eog = [v.eos, tid("eot"), tid("eom")]
     eog += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in _EOG_TEXTS]
     v.eog = list(dict.fromkeys(i for i in eog if i is not None))
     return v
 
 
-def _bpe_tokenizer(md: dict, vocab: Vocab):
+def bpe_merges(md, vocab: Vocab) -> list[tuple[str, str]]:
+    """The merges as (left, right), split where llama.cpp splits them (the first space after
+    the first character); each half and their concatenation must be tokens, as the
+    `tokenizers` BPE model requires."""
+    known = set(vocab.tokens)
+    out = []
+    for i, m in enumerate(meta_list(md, "tokenizer.ggml.merges", "str")):
+        cut = m.find(" ", 1)
+        left, right = m[:cut], m[cut + 1:]
+        if cut < 0 or left not in known or right not in known or left + right not in known:
+            raise GGUFError(f"tokenizer.ggml.merges[{i}] {m[:40]!r}: must be two tokens separated by a space, "
+                            "both in the vocabulary, as is the token they make")
+        out.append((left, right))
+    return out
+
+
+def _bpe_tokenizer(md, vocab: Vocab):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    pre = md.get("tokenizer.ggml.pre", "default")
+    pre = meta(md, "tokenizer.ggml.pre", "str", "default")
     if pre not in PRE_TOKENIZERS:
         raise GGUFError(f"tokenizer.ggml.pre {pre!r}: a pre-tokenizer Orchard does not know "
                         f"(known: {', '.join(sorted(PRE_TOKENIZERS))})")
     regexes, ignore_merges = PRE_TOKENIZERS[pre]
-    merges = [tuple(m.split(" ", 1)) for m in _need(md, "tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)}, merges=merges,
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)}, merges=bpe_merges(md, vocab),
                                ignore_merges=ignore_merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
@@ -519,27 +582,84 @@ def _bpe_tokenizer(md: dict, vocab: Vocab):
     return tok
 
 
-def _spm_tokenizer(md: dict, vocab: Vocab):
+_HASH_PRIMES = (2147483647, 2147483629)  # below 2**31: a product of two residues fits in uint64
+
+
+def _powers(base: int, n: int, p: int) -> np.ndarray:
+    """base**i % p for i < n (doubling: each step extends the run by the run's own length)."""
+    out, m, step = np.ones(max(n, 1), np.uint64), 1, base % p
+    while m < n:
+        k = min(m, n - m)
+        out[m:m + k] = out[:k] * np.uint64(step) % np.uint64(p)
+        step, m = step * step % p, m + k
+    return out
+
+
+def spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[tuple[str, str]]:
+    """Hugging Face's SentencePiece merges: every split of a normal or user-defined piece into
+    two pieces of the vocabulary, ranked by the piece's score (ties: vocabulary order, then the
+    halves' ids). Linear in the vocabulary's characters: every prefix and suffix of every piece
+    is hashed at once (two polynomial hashes of all the text, random bases) and looked up among
+    the pieces' own hashes, where slicing each piece at each position was quadratic."""
+    import secrets
+
+    ids: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        ids.setdefault(t, i)
+    first = np.fromiter((ids[t] for t in tokens), np.int64, len(tokens))
+    lengths = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    codes = np.frombuffer("".join(tokens).encode("utf-32-le", "surrogatepass"), np.uint32).astype(np.uint64) + np.uint64(1)
+    merged = np.flatnonzero((first == np.arange(len(tokens))) & (lengths >= 2)
+                            & np.isin(np.asarray(types), (NORMAL, USER_DEFINED)))
+    splits = lengths[merged] - 1  # each merged piece's split points, all at once
+    piece = np.repeat(merged, splits)
+    cut = starts[piece] + 1 + np.arange(int(splits.sum())) - np.repeat(np.cumsum(splits) - splits, splits)
+    whole_key = left_key = right_key = np.uint64(0)
+    for p in _HASH_PRIMES:
+        base = 2 + secrets.randbelow(p - 3)
+        pw, inv = _powers(base, len(codes) + 1, p), _powers(pow(base, -1, p), len(codes) + 1, p)
+        prefix = np.zeros(len(codes) + 1, np.uint64)
+        prefix[1:] = np.cumsum(codes * pw[:len(codes)] % np.uint64(p)) % np.uint64(p)
+
+        def span(a, b, p=p, prefix=prefix, inv=inv):  # hash of text[a:b], comparable wherever it is
+            return (prefix[b] + np.uint64(p) - prefix[a]) % np.uint64(p) * inv[a] % np.uint64(p)
+
+        whole_key = (whole_key << np.uint64(31)) | span(starts[:-1], starts[1:])
+        left_key = (left_key << np.uint64(31)) | span(starts[piece], cut)
+        right_key = (right_key << np.uint64(31)) | span(cut, starts[piece + 1])
+    own = np.flatnonzero(first == np.arange(len(tokens)))
+    order = own[np.argsort(whole_key[own], kind="stable")]
+    sorted_keys = whole_key[order]
+
+    def find(keys, size):  # the id of the piece of this hash and length, or -1
+        at = np.minimum(np.searchsorted(sorted_keys, keys), len(order) - 1)
+        hit = order[at]
+        return np.where((sorted_keys[at] == keys) & (lengths[hit] == size), hit, -1)
+
+    left = find(left_key, cut - starts[piece])
+    right = find(right_key, starts[piece + 1] - cut)
+    ok = (left >= 0) & (right >= 0)
+    piece, left, right = piece[ok], left[ok], right[ok]
+    rank = np.lexsort((right, left, piece, -np.asarray(scores, np.float64)[piece]))
+    return [(tokens[a], tokens[b]) for a, b in zip(left[rank].tolist(), right[rank].tolist())]
+
+
+def _spm_tokenizer(md, vocab: Vocab):
     """SentencePiece BPE as Hugging Face's converter writes it: merges ranked by the merged
     piece's score (llama.cpp's SPM tokenizer merges the best-scoring pair first), byte fallback."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
-    scores = list(md.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(vocab.tokens))])
+    n = len(vocab.tokens)
+    scores = meta_list(md, "tokenizer.ggml.scores", "float", n, [-float(i) for i in range(n)])
     ids = {}
     for i, t in enumerate(vocab.tokens):
         ids.setdefault(t, i)
-    merges = []
-    for i, (t, ty) in enumerate(zip(vocab.tokens, vocab.types)):
-        if ty not in (NORMAL, USER_DEFINED) or ids[t] != i or len(t) < 2:
-            continue
-        local = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in ids and t[k:] in ids]
-        local.sort(key=lambda lr: (ids[lr[0]], ids[lr[1]]))
-        merges += [(lr, scores[i]) for lr in local]
-    merges.sort(key=lambda m: -m[1])  # stable: ties keep vocabulary order
-    bpe = models.BPE(vocab=ids, merges=[m for m, _ in merges], unk_token=vocab.tokens[vocab.unk]
-                     if vocab.unk is not None else None, byte_fallback=True, fuse_unk=True)
+    unk = vocab.tokens[vocab.unk] if vocab.unk is not None else None
+    bpe = models.BPE(vocab=ids, merges=spm_merges(vocab.tokens, vocab.types, scores), unk_token=unk,
+                     byte_fallback=True, fuse_unk=True)
     tok = Tokenizer(bpe)
-    prefix = md.get("tokenizer.ggml.add_space_prefix", True)
+    prefix = meta(md, "tokenizer.ggml.add_space_prefix", "bool", True)
     steps = [normalizers.Prepend("▁")] if prefix else []
     tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -581,15 +701,16 @@ def check_chat_template(md: dict) -> None:
                         f"{type(template).__name__}{value}")
 
 
-def write_tokenizer(md: dict, dst: Path, max_len: int) -> Vocab:
-    vocab = vocab_of(md)
-    build_tokenizer(md, vocab).save(str(dst / "tokenizer.json"))
+def write_tokenizer(md, dst: Path, max_len: int, vocab: Vocab | None = None, tokenizer=None) -> Vocab:
+    """The tokenizer files (from `vocab` and `tokenizer` where they are built already)."""
+    vocab = vocab or vocab_of(md)
+    (tokenizer or build_tokenizer(md, vocab)).save(str(dst / "tokenizer.json"))
     name = lambda i: vocab.tokens[i] if i is not None else None  # noqa: E731
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name(vocab.bos), "eos_token": name(vocab.eos),
            "unk_token": name(vocab.unk), "pad_token": name(vocab.pad if vocab.pad is not None else vocab.eos),
            "add_bos_token": vocab.add_bos, "add_eos_token": vocab.add_eos, "clean_up_tokenization_spaces": False,
            "model_max_length": max_len}
-    if (template := md.get("tokenizer.chat_template")) is not None:
+    if (template := meta(md, "tokenizer.chat_template", "str", None)) is not None:
         cfg["chat_template"] = template
     (dst / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
     specials = {k: v for k, v in (("bos_token", cfg["bos_token"]), ("eos_token", cfg["eos_token"]),
@@ -621,18 +742,17 @@ class _Tensor:
     shift: bool = False  # a Gemma norm stored as 1 + w: written as float32 w
 
 
-def _plan(reader, arch: Arch) -> list[_Tensor]:
+def _plan(gf, arch: Arch) -> list[_Tensor]:
     """What becomes of each tensor (GGUFError, before any work, for one Orchard cannot take)."""
     out = []
-    for t in reader.tensors:
+    for t in gf.tensors:
         if t.name in _CONSUMED:
             continue
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne[0] (columns) first
-        tt = _Tensor(t.name, hf_name(t.name, arch), t.tensor_type.name, shape, t.data,
+        tt = _Tensor(t.name, hf_name(t.name, arch), t.type_name, t.shape, t.data,
                      shift=arch.norm_plus_one and t.name.endswith("norm.weight"))
         if tt.type_name in PASS_THROUGH:
             tt.how = "float"
-        elif tt.type_name in EXACT and len(shape) == 2 and shape[1] % GROUP == 0 and t.name.endswith(".weight"):
+        elif tt.type_name in EXACT and len(t.shape) == 2 and t.shape[1] % GROUP == 0 and t.name.endswith(".weight"):
             tt.how = "quantized"
         elif _can_dequantize(tt.type_name):
             tt.how = "dequantized"
@@ -691,39 +811,125 @@ def _convert(t: _Tensor, arch: Arch, cfg: dict):
         yield p.name, w.astype(np.float32)
 
 
+def expected_shapes(cfg: dict, arch: Arch, n_vocab: int) -> dict[str, tuple[int, ...]]:
+    """The shape (rows first) the metadata implies for each kind of weight (a bias: its rows)."""
+    h, ff, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    q, k = heads * hd, cfg["num_key_value_heads"] * hd
+    rope = int(hd * cfg.get("partial_rotary_factor", 1.0)) // 2
+    return {"token_embd": (n_vocab, h), "output": (n_vocab, h), "output_norm": (h,), "attn_norm": (h,),
+            "attn_q": (q, h), "attn_k": (k, h), "attn_v": (k, h), "attn_output": (h, q), "attn_qkv": (q + 2 * k, h),
+            "attn_q_norm": (hd,), "attn_k_norm": (hd,), "ffn_gate": (ff, h), "ffn_up": ((1 + arch.fused_up) * ff, h),
+            "ffn_down": (h, ff), "ffn_norm": (h,), "post_attention_norm": (h,), "post_ffw_norm": (h,),
+            "rope_freqs": (rope,), "rope_factors_long": (rope,), "rope_factors_short": (rope,)}
+
+
+def check_tensors(name: str, cfg: dict, arch: Arch, tensors: dict[str, tuple[tuple[int, ...], str]],
+                  n_vocab: int) -> None:
+    """The tensors against the metadata: a layer's tensors for every layer below block_count and
+    none beyond, the same kinds in every layer, each shape the one the metadata implies."""
+    layers = cfg["num_hidden_layers"]
+    per_layer: dict[int, set[str]] = {}
+    for t in tensors:
+        if m := re.fullmatch(r"blk\.(\d+)\.(.+)", t):
+            per_layer.setdefault(int(m.group(1)), set()).add(m.group(2))
+    beyond = sorted(i for i in per_layer if i >= layers)
+    if beyond or len(per_layer) < layers:
+        have = f"layers {min(per_layer)}-{max(per_layer)}" if per_layer else "no layers"
+        raise GGUFError(f"{name}.block_count {layers}: the file has tensors for {len(per_layer)} layers ({have})")
+    for i, kinds in per_layer.items():
+        if kinds != per_layer[0]:
+            odd = sorted(kinds ^ per_layer[0])[0]
+            raise GGUFError(f"blk.{i} and blk.0 differ: {odd} is in one and not the other")
+    shapes = expected_shapes(cfg, arch, n_vocab)
+    for t, (shape, _) in tensors.items():
+        stem, _, kind = t.rpartition(".")
+        want = shapes.get(stem.rpartition(".")[2] if stem.startswith("blk.") else stem)
+        if want is not None and kind == "bias":
+            want = want[:1]
+        if want is not None and shape != want:
+            raise GGUFError(f"tensor {t}: shape {shape} (rows first), where the metadata implies {want} "
+                            f"(embedding_length {cfg['hidden_size']}, {n_vocab} tokens, "
+                            f"feed_forward_length {cfg['intermediate_size']}, {cfg['num_attention_heads']} heads)")
+
+
+CONVERT_PEAK = 4  # bytes held while a tensor is converted, per byte written: the package's intermediates
+
+
+def check_room(plan: list[_Tensor], dst: Path, extra: int) -> None:
+    """Refuse, with the numbers, an import that needs more disk under `dst` (every tensor
+    written, and `extra`) or more memory (the largest tensor converted) than is free."""
+    sizes = [sum(_ST_SIZE[p.dtype] * math.prod(p.shape) for p in _outputs(t)) for t in plan]
+    disk, memory = sum(sizes) + extra, CONVERT_PEAK * max(sizes, default=0)
+    where = next(p for p in (dst, *dst.absolute().parents) if p.exists())
+    free_disk = shutil.disk_usage(where).free
+    if disk > free_disk:
+        raise GGUFError(f"the import writes {_size(disk)} and {where} has {_size(free_disk)} free")
+    free_memory = memory_free()
+    if free_memory and memory > free_memory:
+        big = max(range(len(plan)), key=sizes.__getitem__)
+        raise GGUFError(f"converting tensor {plan[big].gguf_name} ({plan[big].type_name}, "
+                        f"{'x'.join(map(str, plan[big].shape))}) needs {_size(memory)} of memory; "
+                        f"{_size(free_memory)} is free")
+
+
+def memory_free() -> int:
+    """Bytes this process can still allocate: the machine's available memory, within this
+    process's address-space limit where one is set (0: unknown)."""
+    import resource
+
+    from cluster.platform import available_memory
+
+    free = available_memory()
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/statm") as f:
+                used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            used = 0
+        free = min(free or limit, max(limit - used, 0))
+    return free
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def import_gguf(src: str | Path, dst: str | Path, replace: bool = True) -> Path:
     """Write the GGUF file `src` as an mlx-lm model directory `dst` (see the module's contract)
     as cluster/owned_dir.py writes one: `dst` absent, empty or an earlier import (TargetError
     otherwise, before any work), the new one renamed into place; an earlier import is
     replaced, or with `replace=False` kept (another process imported the same file first)."""
-    gguf = _gguf()
     src, dst = Path(src), Path(dst)
     owned_dir.check_target(dst, IMPORT_KIND)
     if src.resolve().is_relative_to(dst.resolve()):
         raise GGUFError(f"{src} is inside {dst}, which the import would replace: write the import elsewhere")
-    try:
-        reader = gguf.GGUFReader(str(src))
-    except (ValueError, OSError, struct.error) as e:
-        raise GGUFError(f"{src}: not a GGUF file Orchard can read ({e})") from e
-    md = read_metadata(reader)
+    gf = read_gguf(src)
+    md = gf.metadata
     check_chat_template(md)
-    tensors = {t.name: (tuple(int(x) for x in reversed(t.shape.tolist())), t.tensor_type.name) for t in reader.tensors}
+    tensors = {t.name: (t.shape, t.type_name) for t in gf.tensors}
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{src}: no token_embd.weight tensor")
     cfg = model_config(md, tensors)
     arch = ARCHS[md["general.architecture"]]
+    vocab = vocab_of(md)
+    check_tensors(md["general.architecture"], cfg, arch, tensors, len(vocab.tokens))
+    meta(md, "general.name", "str", None)
+    tokenizer = build_tokenizer(md, vocab)
+    data = {t.name: t.data for t in gf.tensors}
     if "rope_freqs.weight" in tensors:
-        factors = dequantize(tensors["rope_freqs.weight"][1], np.asarray(
-            next(t.data for t in reader.tensors if t.name == "rope_freqs.weight")), (-1,))
+        factors = dequantize(tensors["rope_freqs.weight"][1], np.asarray(data["rope_freqs.weight"]), (-1,))
         if not np.all(factors == 1.0):
             cfg["rope_scaling"] = llama3_rope_scaling(factors.astype(np.float64), cfg["rope_theta"],
                                                cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     if "rope_factors_long.weight" in tensors:  # Phi-3's LongRoPE
-        data = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1).tolist() for t in reader.tensors
-                if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
-        cfg["rope_scaling"] = {"type": "longrope", "long_factor": data["rope_factors_long.weight"],
-                               "short_factor": data.get("rope_factors_short.weight", data["rope_factors_long.weight"])}
-    plan = _plan(reader, arch)
+        factors = {name: dequantize(tensors[name][1], np.asarray(data[name]), (-1,)).tolist() for name in
+                   ("rope_factors_long.weight", "rope_factors_short.weight") if name in tensors}
+        cfg["rope_scaling"] = {"type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+                               "short_factor": factors.get("rope_factors_short.weight",
+                                                           factors["rope_factors_long.weight"])}
+    plan = _plan(gf, arch)
     quantized = {t.name[: -len(".weight")]: {"group_size": GROUP, "bits": EXACT[t.type_name].bits,
                                               **({"mode": "mxfp4"} if EXACT[t.type_name].mode == "mxfp4" else {})}
                  for t in plan if t.how == "quantized"}
@@ -743,12 +949,13 @@ def import_gguf(src: str | Path, dst: str | Path, replace: bool = True) -> Path:
         if "dequantized" in s["as"]:
             log.warning("%s: %d %s tensors (%d parameters) dequantized to float32: MLX holds no %s layout exactly",
                         src.name, s["tensors"], type_name, s["parameters"], type_name)
+    check_room(plan, dst, 3 * gf.data_start)  # (the header holds the vocabulary: the tokenizer files)
 
     def fill(tmp: Path) -> None:
         planned = [p for t in plan for p in _outputs(t)]
         write_safetensors(tmp / "model.safetensors", planned,
                           lambda: (out for t in plan for out in _convert(t, arch, cfg)))
-        vocab = write_tokenizer(md, tmp, cfg["max_position_embeddings"])
+        write_tokenizer(md, tmp, cfg["max_position_embeddings"], vocab, tokenizer)
         eos = vocab.eog if len(vocab.eog) > 1 else (vocab.eog[0] if vocab.eog else None)
         cfg.update(eos_token_id=eos, bos_token_id=vocab.bos, pad_token_id=vocab.pad)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

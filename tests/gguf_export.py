@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -120,3 +122,127 @@ def export(model_dir: Path, out: Path, quantize: dict[str, str] | None = None, r
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+# -- raw files: any layout, for malformed-file tests and the model-file fuzzer -------------------
+
+UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
+_SCALAR = {UINT8: "<B", INT8: "<b", UINT16: "<H", INT16: "<h", UINT32: "<I", INT32: "<i", FLOAT32: "<f",
+           BOOL: "<?", UINT64: "<Q", INT64: "<q", FLOAT64: "<d"}
+
+
+def gguf_string(s: str | bytes) -> bytes:
+    b = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(b)) + b
+
+
+def gguf_value(vtype: int, value) -> bytes:
+    """A value's bytes (after its type); an array's value is (item type, items)."""
+    if vtype == STRING:
+        return gguf_string(value)
+    if vtype == ARRAY:
+        itype, items = value
+        return struct.pack("<IQ", itype, len(items)) + b"".join(gguf_value(itype, v) for v in items)
+    return struct.pack(_SCALAR[vtype], value)
+
+
+def nested_array(depth: int) -> bytes:
+    """An array value nested `depth` deep (the innermost an empty uint8 array)."""
+    return struct.pack("<IQ", ARRAY, 1) * (depth - 1) + struct.pack("<IQ", UINT8, 0)
+
+
+@dataclass
+class RawGGUF:
+    """A GGUF file as its parts, written back as they are (counts, offsets, lengths unchecked)."""
+
+    kvs: list[list]  # [key, value type, value bytes]
+    tensors: list[list]  # [name, dims (GGUF order, ne[0] first), ggml type, offset]
+    data: bytes  # the data section
+    version: int = 3
+    alignment: int = 32
+    tensor_count: int | None = None  # written instead of len(tensors)
+    kv_count: int | None = None
+
+    def kv(self, key: str) -> list:
+        return next(kv for kv in self.kvs if kv[0] == key)
+
+    def strings(self, key: str) -> list[str]:
+        """A string array's items."""
+        payload = self.kv(key)[2]
+        (n,), pos, out = struct.unpack_from("<Q", payload, 4), 12, []
+        for _ in range(n):
+            (k,) = struct.unpack_from("<Q", payload, pos)
+            out.append(payload[pos + 8:pos + 8 + k].decode())
+            pos += 8 + k
+        return out
+
+    def set(self, key: str, vtype: int, value) -> RawGGUF:
+        """Set `key` to a value (encoded by gguf_value), added if absent."""
+        payload = gguf_value(vtype, value)
+        for kv in self.kvs:
+            if kv[0] == key:
+                kv[1:] = [vtype, payload]
+                return self
+        self.kvs.append([key, vtype, payload])
+        return self
+
+    def to_bytes(self) -> bytes:
+        out = [b"GGUF", struct.pack("<IQQ", self.version, len(self.tensors) if self.tensor_count is None
+                                    else self.tensor_count, len(self.kvs) if self.kv_count is None else self.kv_count)]
+        out += [gguf_string(k) + struct.pack("<I", t) + v for k, t, v in self.kvs]
+        for name, dims, ggml_type, offset in self.tensors:
+            out.append(gguf_string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, ggml_type, offset))
+        head = b"".join(out)
+        return head + b"\0" * (-len(head) % self.alignment) + self.data
+
+    def write(self, path: Path) -> Path:
+        path.write_bytes(self.to_bytes())
+        return path
+
+
+def parse_raw(blob: bytes) -> RawGGUF:
+    """The parts of a well-formed GGUF file (v3, little-endian), values kept as their bytes."""
+    pos = 24
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", blob, 4)
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", blob, pos)
+        pos += 8 + n
+        return blob[pos - n:pos].decode()
+
+    def skip(vtype: int) -> None:
+        nonlocal pos
+        if vtype == STRING:
+            string()
+        elif vtype == ARRAY:
+            itype, count = struct.unpack_from("<IQ", blob, pos)
+            pos += 12
+            if itype in _SCALAR:
+                pos += count * struct.calcsize(_SCALAR[itype])
+            else:
+                for _ in range(count):
+                    skip(itype)
+        else:
+            pos += struct.calcsize(_SCALAR[vtype])
+
+    kvs, alignment = [], 32
+    for _ in range(n_kv):
+        key = string()
+        (vtype,) = struct.unpack_from("<I", blob, pos)
+        pos += 4
+        start = pos
+        skip(vtype)
+        kvs.append([key, vtype, blob[start:pos]])
+        if key == "general.alignment":
+            (alignment,) = struct.unpack_from("<I", blob, start)
+    tensors = []
+    for _ in range(n_tensors):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", blob, pos)
+        dims = list(struct.unpack_from(f"<{n_dims}Q", blob, pos + 4))
+        ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        tensors.append([name, dims, ggml_type, offset])
+    pos += -pos % alignment
+    return RawGGUF(kvs, tensors, blob[pos:], version, alignment)

@@ -67,13 +67,13 @@ def test_it_answers_questions_through_the_chat_api(oai):
     assert "4" in chat(oai, "What is 2+2?")
 
 
-def test_the_chat_template_renders_as_the_models_own(reader, smollm2_dir, oai):
+def test_the_chat_template_renders_as_the_models_own(smollm2_gguf, smollm2_dir, oai):
     """The template in the GGUF metadata, rendered by jinja, equals what the imported
     tokenizer renders; the worker's prompt is exactly its tokens."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from transformers import AutoTokenizer
 
-    md = og.read_metadata(reader)
+    md = og.read_gguf(smollm2_gguf).metadata
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a fruit."}]
     tokens = md["tokenizer.ggml.tokens"]
