@@ -30,6 +30,7 @@ import asyncio
 import logging
 import math
 import os
+import secrets
 import threading
 from dataclasses import dataclass, field, replace
 
@@ -309,6 +310,9 @@ def _launch_groups(spec: RaySpec, nodes: list[dict], router, router_addresses: d
         raise RuntimeError(f"a group of {size} needs {size} nodes with the resource {spec.resource!r} "
                            f"({spec.group_strategy}); there are {slots}")
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    # a group never runs without a join token: with an open router (--insecure) its ranks
+    # get one made here (in the actors' arguments; the router takes any token)
+    spec = replace(spec, join_token=spec.join_token or secrets.token_urlsafe(24))
     workers, members = {}, {}
     for g in range(slots // size):
         pg = placement_group([{spec.resource: 1}] * size, strategy=spec.group_strategy, name=f"{GROUP_PREFIX}{g}",

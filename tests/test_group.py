@@ -216,6 +216,214 @@ def test_a_stranger_that_stalls_its_handshake_delays_no_member():
     assert lost == []
 
 
+def _admitting(leader: Leader, seconds: float = 60) -> threading.Event:
+    """The leader admitting its members on a thread; set once they all joined."""
+    admitted = threading.Event()
+    threading.Thread(target=lambda: (leader.admit(time.monotonic() + seconds), admitted.set()), daemon=True).start()
+    return admitted
+
+
+def _wait_for(predicate, seconds: float = 30) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_strangers_that_stall_keep_no_member_out():
+    """32 connections from the member's own address that send 2 bytes and stall (more than
+    all the handshake slots) do not keep the member holding the token out: it joins within
+    its deadline, long before the strangers' handshakes time out (one address holds at most
+    a few slots, and a new connection takes the oldest one's)."""
+    from cluster.worker.group.channel import MAX_PENDING_PER_ADDRESS
+
+    lost = []
+    leader = Leader(("127.0.0.1", 0), 2, TOKEN, 30.0, on_lost=lost.append, handshake_timeout=120.0)
+    admitted = _admitting(leader, 120)
+    strangers = []
+    try:
+        for _ in range(32):
+            s = socket.create_connection(leader.address, timeout=10)
+            s.sendall(wire.FRAME.pack(wire.MAGIC, wire.VERSION, wire.HELLO, 0, 100)[:2])
+            strangers.append(s)
+        # every stranger taken in (each past the address's slots took an older one's) before the member comes
+        assert _wait_for(lambda: leader.handshakes.dropped >= 32 - MAX_PENDING_PER_ADDRESS)
+        assert len(leader.handshakes) == MAX_PENDING_PER_ADDRESS
+        member = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lost.append)
+        member.join(time.monotonic() + 30)
+        assert admitted.wait(30) and set(leader.members) == {1}
+        member.close()
+    finally:
+        for s in strangers:
+            s.close()
+        leader.close()
+    assert lost == []
+
+
+def test_handshake_slots_are_bounded_per_address_and_in_total():
+    from cluster.worker.group.channel import HandshakeSlots
+
+    slots = HandshakeSlots(per_address=2, total=5)
+    assert slots.add("a1", "A") == [] and slots.add("a2", "A") == []
+    assert slots.add("a3", "A") == ["a1"]  # the address's oldest gives way; the others keep theirs
+    for c in ("b1", "b2", "c1"):
+        assert slots.add(c, c[0].upper()) == []
+    assert len(slots) == 5
+    assert slots.add("d1", "D") == ["a2"]  # all full: the busiest address's oldest gives way
+    assert slots.add("e1", "E") == ["b1"]
+    assert len(slots) == 5 and slots.dropped == 3
+    assert slots.release("a1") is True and slots.release("c1") is False and slots.release("c1") is False
+    assert len(slots) == 4
+
+
+def test_a_member_tries_again_when_rank_0_resets_its_connection():
+    """The first connection is reset (rank 0 restarting, or dropping it while busy), then
+    nothing listens for a moment: the member tries again until its deadline and joins."""
+    import struct
+
+    port = free_ports(1)[0]
+    fake = socket.create_server(("127.0.0.1", port))
+    lost = []
+    member = Member(("127.0.0.1", port), 1, 2, TOKEN, 30.0, on_lost=lost.append)
+    joined, failed = threading.Event(), []
+
+    def join() -> None:
+        try:
+            member.join(time.monotonic() + 60)
+            joined.set()
+        except Exception as e:  # noqa: BLE001  (the assertion below reports it)
+            failed.append(repr(e))
+
+    threading.Thread(target=join, daemon=True).start()
+    fake.settimeout(30)
+    sock, _ = fake.accept()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # a reset
+    fake.close()
+    time.sleep(0.5)  # refused meanwhile (nothing listens); the member's next tries find rank 0
+    leader = Leader(("127.0.0.1", port), 2, TOKEN, 30.0, on_lost=lost.append)
+    admitted = _admitting(leader)
+    try:
+        assert joined.wait(60), f"the member did not try again: {failed}"
+        assert admitted.wait(30) and set(leader.members) == {1}
+    finally:
+        member.close()
+        leader.close()
+
+
+@pytest.mark.parametrize("payload, says", [
+    (b"not json", "not JSON"),
+    (b'{"rank": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested"),
+    (b'{"rank": "1", "size": 2, "nonce": "' + b"n" * 32 + b'"}', "rank"),
+    (b'{"rank": 1, "size": 2, "nonce": 12345678901234567890}', "nonce"),
+    (b'{"rank": true, "size": 2, "nonce": "' + b"n" * 32 + b'"}', "rank"),
+    (b'{"rank": 1, "size": 2, "nonce": "' + b"n" * 32 + b'", "memory": "lots"}', "memory"),
+    (b"[1, 2]", "object"),
+    (None, "bytes"),  # a HELLO longer than a handshake may be
+])
+def test_a_malformed_hello_closes_its_connection_and_the_join_goes_on(payload, says, caplog, monkeypatch):
+    """A stranger's HELLO that is not JSON, nested 5,000 deep, of the wrong types or too
+    long: its connection is closed with one log line (no traceback, no thread lost), and
+    the member that comes next joins."""
+    import logging
+
+    crashed = []
+    monkeypatch.setattr(threading, "excepthook", crashed.append)
+    lost = []
+    leader = Leader(("127.0.0.1", 0), 2, TOKEN, 30.0, on_lost=lost.append)
+    admitted = _admitting(leader)
+    caplog.set_level(logging.INFO, logger="cluster.worker.group.channel")
+    try:
+        with socket.create_connection(leader.address, timeout=30) as s:
+            if payload is None:
+                s.sendall(wire.FRAME.pack(wire.MAGIC, wire.VERSION, wire.HELLO, 0, wire.MAX_HANDSHAKE + 1))
+            else:
+                s.sendall(wire.frame(wire.HELLO, payload))
+            assert s.recv(1) == b"", "the connection was left open"
+        assert _wait_for(lambda: any("refused" in r.getMessage() for r in caplog.records))
+        refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refusals) == 1 and says in refusals[0].getMessage(), refusals[0].getMessage()
+        assert all(r.exc_info is None for r in caplog.records)
+        member = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lost.append)
+        member.join(time.monotonic() + 30)
+        assert admitted.wait(30) and set(leader.members) == {1}
+        member.close()
+    finally:
+        leader.close()
+    assert crashed == [] and lost == []
+
+
+def test_a_group_never_starts_without_a_join_token(tmp_path):
+    """Rank 0 and a member started with no join token (even on loopback, where an empty
+    token used to be taken: any local process could then prove it) refuse to start: one
+    line naming the setting, exit 2."""
+    *ring, port = free_ports(3)
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ring)
+    env = {k: v for k, v in _env().items() if k != "ORCHARD_JOIN_TOKEN"}
+    procs = [subprocess.Popen([sys.executable, "-m", "cluster.cli", "worker", "serve", "--model", str(tmp_path),
+                               "--group-size", "2", "--group-rank", str(r), "--group-hosts", hosts, "--group-port",
+                               str(port), "--group-join-timeout", "5", "--grpc", "127.0.0.1:0", "--metrics", "off"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env)
+             for r in (0, 1)]
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 2, err[-2000:]
+            assert len(err.strip().splitlines()) == 1 and "$ORCHARD_JOIN_TOKEN" in err, err[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_group_ranks_refuse_an_empty_join_token_in_process():
+    """The same refusal where a group starts without the CLI (Ray's actors, tests)."""
+    from cluster.worker.group.member import run_member
+
+    opts = GroupOptions(size=2, hosts="127.0.0.1:7000,127.0.0.1:7001", rank=1, join_timeout=1)
+    assert run_member("unused", opts, "") == 78
+    with pytest.raises(ValueError, match=r"\$ORCHARD_JOIN_TOKEN"):
+        Leader(("127.0.0.1", 0), 2, "", 30.0)
+    with pytest.raises(ValueError, match=r"\$ORCHARD_JOIN_TOKEN"):
+        Member(("127.0.0.1", 1), 1, 2, "", 30.0)
+
+
+def test_orchard_up_gives_each_group_one_random_join_token(tmp_path, monkeypatch):
+    """`orchard up` makes a join token and hands it to every rank of its groups in their
+    environment (never on a command line), the same for all ranks of a group."""
+    import cluster.up as up
+
+    spawned = []
+
+    class FakePopen:
+        def __init__(self, args, env=None, **kw):
+            spawned.append((args, env))
+            self.pid = 1
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(up.subprocess, "Popen", FakePopen)
+    tokens = set()
+    for _ in range(2):
+        spawned.clear()
+        cluster = up.LocalCluster(tmp_path, workers=1, group_size=3, worker_port_base=0, worker_metrics_port_base=0,
+                                  log_dir=tmp_path / "logs")
+        cluster.start_worker(0)
+        ranks = [(args, env) for args, env in spawned if "--group-rank" in args]
+        assert sorted(args[args.index("--group-rank") + 1] for args, _ in ranks) == ["0", "1", "2"]
+        got = {env.get("ORCHARD_JOIN_TOKEN") for _, env in ranks}
+        assert len(got) == 1 and len(next(iter(got))) >= 16
+        token = next(iter(got))
+        assert not any(token in " ".join(args) for args, _ in spawned)
+        tokens.add(token)
+    assert len(tokens) == 2, "a fresh token each run"
+
+
 def test_rank_0_closes_even_when_a_member_connection_is_stuck():
     """Rank 0's orderly end tells each member to stop; a connection another sender is stuck
     on (a member that reads nothing: its buffers full) must not keep rank 0 from ending."""
@@ -592,7 +800,8 @@ def test_a_ray_member_that_cannot_join_ends_its_process():
     port = free_ports(1)[0]
     code = ("import time; from cluster.ray_launcher import GroupMemberActor, RaySpec; "
             "from cluster.worker.group.config import GroupOptions; "
-            f"GroupMemberActor(RaySpec(model='unused'), GroupOptions(size=2, rank=1, port={port}, join_timeout=1, "
+            f"GroupMemberActor(RaySpec(model='unused', join_token='{TOKEN}'), "
+            f"GroupOptions(size=2, rank=1, port={port}, join_timeout=1, "
             f"hosts='127.0.0.1:{port + 1},127.0.0.1:{port + 2}')); time.sleep(120)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env())

@@ -224,19 +224,17 @@ def serve(options: WorkerOptions) -> int:
         check_addresses(options.grpc_address, options.metrics_address, options.http_address,
                         *routers(options.router), options.advertise_address)
         options.security.check()
+        if options.group.enabled:
+            from cluster.worker.group.config import require_join_token, topology
+
+            options.group.validate()
+            rank = topology(options.group).rank
+            require_join_token(options.join_token)
     except ValueError as e:
         print(f"orchard worker serve: {e}", file=sys.stderr)
         return 2
     options = replace(options, model_path=str(resolve_model(options.model_path, options.gguf_file)))
     if options.group.enabled:
-        from cluster.worker.group.config import topology
-
-        try:
-            options.group.validate()
-            rank = topology(options.group).rank
-        except ValueError as e:
-            print(f"orchard worker serve: {e}", file=sys.stderr)
-            return 2
         if rank != 0:  # a member: no servers, it runs the steps rank 0 plans
             from cluster.worker.group.member import member_process
 

@@ -31,6 +31,8 @@ Contract:
   deadline); then every process of the group exits (75), the router resumes the streams
   elsewhere, and whatever started the group (`orchard up`, launchd, Ray) starts it again.
   A member that cannot start exits too (78: a setting or model rank 0 does not share;
-  75 otherwise). A peer that does not prove the join token is never admitted, and its
-  handshake holds no member up (each has a deadline of its own).
+  75 otherwise). No rank starts without a join token. A peer that does not prove it is
+  never admitted, and its handshake holds no member up: each has a deadline of its own,
+  handshakes at once are bounded per peer address and in total (a new one takes the
+  oldest's slot), and a member whose try fails tries again until its join deadline.
 """

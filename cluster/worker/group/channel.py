@@ -20,19 +20,25 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from cluster.worker.group import wire
+from cluster.worker.group.config import GroupOptions, require_join_token
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # a ping from rank 0 every second; members answer at once
-HANDSHAKE_S = 10.0  # an unauthenticated peer gets this long for the whole handshake (and little memory)
+HANDSHAKE_S = GroupOptions.handshake_timeout  # an unauthenticated peer's time for the whole handshake
 MAX_PENDING_HANDSHAKES = 16  # handshakes at once while the members join
+MAX_PENDING_PER_ADDRESS = 4  # of them from one peer address (strangers on a member's own machine included)
+JOIN_RETRY_FIRST_S = 0.1  # a member's first wait before trying again; doubled each try, with jitter
+JOIN_RETRY_MAX_S = 2.0
 SHUTDOWN_SEND_S = 1.0  # rank 0's orderly end waits this long at most to tell each member
 
 
@@ -80,16 +86,73 @@ def _exit_lost(reason: str) -> None:
 EXIT_GROUP_LOST = 75
 
 
+class HandshakeSlots:
+    """The handshakes under way on rank 0's join port, bounded per peer address and in
+    total. A connection past a bound takes the slot of the oldest handshake of the address
+    that holds the most: a stranger that connects and stalls keeps its slot only until
+    someone needs it (or its handshake's deadline passes), while a member's handshake takes
+    a round trip, so strangers cannot keep a member out, from its own address or another."""
+
+    def __init__(self, per_address: int = MAX_PENDING_PER_ADDRESS, total: int = MAX_PENDING_HANDSHAKES):
+        self.per_address = per_address
+        self.total = total
+        self.dropped = 0  # handshakes that gave their slot to a newer one
+        self._lock = threading.Lock()
+        self._pending: dict[object, str] = {}  # connection -> its peer's address, oldest first
+        self._gave_way: set = set()  # dropped, not yet released by their threads
+
+    def add(self, conn, address: str) -> list:
+        """Take a slot for `conn`; returns the connections whose slots it took (to be shut)."""
+        with self._lock:
+            ours = [c for c, a in self._pending.items() if a == address]
+            if len(ours) >= self.per_address:
+                out = [ours[0]]
+            elif len(self._pending) >= self.total:
+                busiest = max(Counter(self._pending.values()).items(), key=lambda kv: kv[1])[0]
+                out = [next(c for c, a in self._pending.items() if a == busiest)]
+            else:
+                out = []
+            for c in out:
+                del self._pending[c]
+                self._gave_way.add(c)
+            self.dropped += len(out)
+            self._pending[conn] = address
+            return out
+
+    def release(self, conn) -> bool:
+        """Give `conn`'s slot back; True when `add` had already taken it for another."""
+        with self._lock:
+            self._pending.pop(conn, None)
+            if conn in self._gave_way:
+                self._gave_way.discard(conn)
+                return True
+            return False
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Wake whatever thread reads `sock` (it closes it): closing it here could close a
+    descriptor number that thread's next call finds reused."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class Leader:
     """Rank 0's end: listens, admits `size - 1` members, then serves them."""
 
     def __init__(self, address: tuple[str, int], size: int, token: str, timeout: float,
                  on_lost: Callable[[str], None] = _exit_lost, handshake_timeout: float = HANDSHAKE_S):
+        require_join_token(token)
         self.size = size
         self.token = token
         self.timeout = timeout
         self.on_lost = on_lost
         self.handshake_timeout = handshake_timeout
+        self.handshakes = HandshakeSlots()
         self.members: dict[int, _Conn] = {}
         self._joined = threading.Lock()  # members and _admitting, while admit runs
         self._admitting = True
@@ -106,11 +169,9 @@ class Leader:
         """Accept and authenticate until every rank 1..size-1 has joined once. Each
         connection's handshake runs on a thread of its own, with `handshake_timeout` for
         the whole exchange (not for each read): a peer that connects and stalls, or sends
-        a byte now and then, delays no member. A peer that fails it is dropped (and
-        logged), the wait goes on; past MAX_PENDING_HANDSHAKES at once, new connections
-        are closed unread."""
+        a byte now and then, delays no member. A peer that fails it is dropped with one log
+        line, the wait goes on; handshakes at once are bounded (`HandshakeSlots`)."""
         self._listener.settimeout(0.25)
-        pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         try:
             while True:
                 with self._joined:
@@ -125,34 +186,41 @@ class Leader:
                     sock, peer = self._listener.accept()
                 except TimeoutError:
                     continue
-                if not pending.acquire(blocking=False):
-                    log.warning("group: refused a connection from %s: too many handshakes at once", peer[0])
-                    sock.close()
-                    continue
-                threading.Thread(target=self._admit_one, args=(sock, peer, pending), name="orchard-group-join",
+                except OSError:
+                    if self._closing:  # closed while admitting: an orderly end
+                        return
+                    raise
+                for other in self.handshakes.add(sock, peer[0]):
+                    _shut(other)
+                threading.Thread(target=self._admit_one, args=(sock, peer), name="orchard-group-join",
                                  daemon=True).start()
         finally:
             with self._joined:
                 self._admitting = False
             self._listener.close()
 
-    def _admit_one(self, sock: socket.socket, peer, pending: threading.BoundedSemaphore) -> None:
+    def _admit_one(self, sock: socket.socket, peer) -> None:
         try:
             conn = self._handshake(sock, time.monotonic() + self.handshake_timeout)
-        except (OSError, wire.ProtocolError) as e:
-            log.warning("group: refused a connection from %s: %s", peer[0], e)
+        except Exception as e:  # noqa: BLE001  (a stranger's bytes: one line, never a traceback)
+            if self.handshakes.release(sock):
+                reason = "its slot went to a newer connection (too many handshakes at once)"
+            elif isinstance(e, TimeoutError):
+                reason = f"no handshake within {self.handshake_timeout:g} s"
+            elif isinstance(e, (OSError, wire.ProtocolError)):
+                reason = str(e) or type(e).__name__
+            else:
+                reason = f"{type(e).__name__}: {e}"
+            log.warning("group: refused a connection from %s: %s", peer[0], reason)
             sock.close()
             return
-        finally:
-            pending.release()
         log.info("group: rank %d joined from %s (%s)", conn.rank, peer[0], conn.info.get("host", "?"))
 
     def _handshake(self, sock: socket.socket, deadline: float) -> _Conn:
         """Authenticate a peer (`wire.py`'s handshake) by `deadline`; on success it is a member."""
         hello = wire.loads(wire.expect(sock, wire.HELLO, wire.MAX_HANDSHAKE, deadline))
-        rank, nonce = hello.get("rank"), hello.get("nonce")
-        if not isinstance(rank, int) or not isinstance(nonce, str) or len(nonce) < 16:
-            raise wire.ProtocolError("a HELLO without a rank and nonce")
+        wire.check_hello(hello)
+        rank, nonce = hello["rank"], hello["nonce"]
         mine = secrets.token_hex(16)
         sock.settimeout(max(0.01, deadline - time.monotonic()))
         sock.sendall(wire.frame(wire.CHALLENGE, wire.dumps(
@@ -166,6 +234,8 @@ class Leader:
             msg = f"rank {rank} of a group of {hello.get('size')}: this group has {self.size} ranks"
             sock.sendall(wire.frame(wire.ERROR, msg.encode()))
             raise wire.ProtocolError(msg)
+        if self.handshakes.release(sock):  # its slot was taken meanwhile, and the connection shut
+            raise wire.ProtocolError("its slot went to a newer connection (too many handshakes at once)")
         with self._joined:  # one connection per rank, and none once the group is complete
             if rank in self.members or not self._admitting:
                 sock.sendall(wire.frame(wire.ERROR, f"rank {rank} has already joined".encode()))
@@ -310,7 +380,9 @@ class Member:
     """A member's end: joins rank 0, then reads plans on a thread of its own."""
 
     def __init__(self, address: tuple[str, int], rank: int, size: int, token: str, timeout: float,
-                 info: dict | None = None, on_lost: Callable[[str], None] = _exit_lost):
+                 info: dict | None = None, on_lost: Callable[[str], None] = _exit_lost,
+                 handshake_timeout: float = HANDSHAKE_S):
+        require_join_token(token)
         self.address = address
         self.rank = rank
         self.size = size
@@ -318,6 +390,7 @@ class Member:
         self.timeout = timeout
         self.info = info or {}
         self.on_lost = on_lost
+        self.handshake_timeout = handshake_timeout
         self.plans: queue.Queue = queue.Queue()  # (kind, payload): STEP or SHUTDOWN
         self.ready: queue.Queue = queue.Queue()  # READY notices for this rank: (step, from)
         self.last_heard = time.monotonic()
@@ -326,31 +399,53 @@ class Member:
         self._done = False
 
     def join(self, deadline: float) -> None:
-        """Connect (rank 0 may not listen yet: retry until `deadline`) and authenticate."""
+        """Connect and authenticate by `deadline`. Rank 0 may not listen yet, or may drop the
+        connection (restarting, or busy with strangers): each failed try is tried again,
+        after a backoff with jitter, until `deadline`. A refusal by rank 0 (a wrong token,
+        rank or size) or a rank 0 that cannot prove the token ends it at once."""
+        delay = JOIN_RETRY_FIRST_S
+        told = False
         while True:
             try:
-                sock = socket.create_connection(self.address, timeout=5.0)
-                break
-            except OSError as e:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"could not reach group rank 0 at {self.address[0]}:{self.address[1]}: {e}") \
-                        from None
-                time.sleep(0.5)
-        handshake = time.monotonic() + 3 * HANDSHAKE_S  # for all of it: rank 0 may be busy admitting others
-        sock.settimeout(3 * HANDSHAKE_S)
-        nonce = secrets.token_hex(16)
-        sock.sendall(wire.frame(wire.HELLO, wire.dumps({**self.info, "rank": self.rank, "size": self.size,
-                                                        "nonce": nonce})))
-        challenge = wire.loads(wire.expect(sock, wire.CHALLENGE, wire.MAX_HANDSHAKE, handshake))
-        if not wire.proofs_match(challenge.get("proof"), wire.leader_proof(self.token, nonce, challenge.get("nonce", ""))):
+                self.sock = self._try_join(deadline)
+                return
+            except wire.Refused:
+                raise
+            except (OSError, wire.ProtocolError) as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"could not join group rank 0 at {self.address[0]}:{self.address[1]}: "
+                                       f"{e or type(e).__name__}") from None
+                if not told:
+                    log.info("group: rank 0 at %s:%d not joined yet (%s); trying again until the join deadline",
+                             *self.address, e or type(e).__name__)
+                    told = True
+                time.sleep(min(left, random.uniform(delay / 2, delay)))
+                delay = min(2 * delay, JOIN_RETRY_MAX_S)
+
+    def _try_join(self, deadline: float) -> socket.socket:
+        """One connection and handshake, within `handshake_timeout` (and `deadline`)."""
+        until = min(deadline, time.monotonic() + self.handshake_timeout)
+        sock = socket.create_connection(self.address, timeout=max(0.01, until - time.monotonic()))
+        try:
+            nonce = secrets.token_hex(16)
+            sock.sendall(wire.frame(wire.HELLO, wire.dumps({**self.info, "rank": self.rank, "size": self.size,
+                                                            "nonce": nonce})))
+            challenge = wire.loads(wire.expect(sock, wire.CHALLENGE, wire.MAX_HANDSHAKE, until))
+            theirs = challenge.get("nonce")
+            if not isinstance(theirs, str) or not wire.proofs_match(challenge.get("proof"),
+                                                                    wire.leader_proof(self.token, nonce, theirs)):
+                raise wire.Refused("rank 0 does not hold this group's join token")
+            sock.settimeout(max(0.01, until - time.monotonic()))
+            sock.sendall(wire.frame(wire.AUTH, wire.dumps(
+                {"proof": wire.member_proof(self.token, self.rank, theirs, nonce)})))
+            wire.expect(sock, wire.WELCOME, wire.MAX_HANDSHAKE, until)
+        except BaseException:
             sock.close()
-            raise wire.ProtocolError("rank 0 does not hold this group's join token")
-        sock.sendall(wire.frame(wire.AUTH, wire.dumps(
-            {"proof": wire.member_proof(self.token, self.rank, challenge["nonce"], nonce)})))
-        wire.expect(sock, wire.WELCOME, wire.MAX_HANDSHAKE, handshake)
+            raise
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = sock
+        return sock
 
     def send(self, kind: int, payload: bytes = b"") -> None:
         data = wire.frame(kind, payload)

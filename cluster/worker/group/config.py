@@ -43,8 +43,11 @@ class GroupOptions:
     timeout: float = setting(20.0, "a member silent or a step unfinished this long means the group is lost: its "
                                    "processes exit so that the group is started again", flag="--group-timeout",
                              metavar="SECONDS")
-    join_timeout: float = setting(600.0, "how long rank 0 waits for the members to join and load",
-                                  flag="--group-join-timeout", metavar="SECONDS")
+    join_timeout: float = setting(600.0, "how long rank 0 waits for the members to join and load (and a member "
+                                         "tries to join)", flag="--group-join-timeout", metavar="SECONDS")
+    handshake_timeout: float = setting(5.0, "a peer of rank 0's join port gets this long to prove the join token, "
+                                            "or it is dropped (a member tries again until its join timeout)",
+                                       flag="--group-handshake-timeout", metavar="SECONDS")
     check: bool = setting(False, "debug: every rank checksums its block tables and slot mapping each step and rank "
                                  "0 compares them", flag="--group-check")
     inflight: int = setting(0, "pipeline: batches in flight at once (0: one per stage, so every rank computes)",
@@ -61,10 +64,20 @@ class GroupOptions:
             raise ValueError(f"--parallel must be one of {', '.join(PARALLEL_MODES)}, not {self.parallel!r}")
         if not 1 <= self.timeout <= 3600:
             raise ValueError(f"--group-timeout must be in [1, 3600] seconds, not {self.timeout}")
+        if not 0.1 <= self.handshake_timeout <= 300:
+            raise ValueError(f"--group-handshake-timeout must be in [0.1, 300] seconds, not {self.handshake_timeout}")
         if self.inflight < 0:
             raise ValueError(f"--group-inflight must be >= 0, not {self.inflight}")
         if self.shares is not None:
             parse_shares(self.shares, self.size)
+
+
+def require_join_token(token: str) -> None:
+    """No group without a join token: its members prove it to rank 0 (and rank 0 to them),
+    and proofs keyed with an empty one are proofs any process can make."""
+    if not token:
+        raise ValueError("a worker group needs a join token to authenticate its members: set $ORCHARD_JOIN_TOKEN "
+                         "to the same secret on every rank (`orchard up` makes one for the groups it starts)")
 
 
 def parse_shares(text: str, size: int) -> list[float]:

@@ -11,7 +11,6 @@ The engine's step is unchanged: schedule -> prepare -> forward -> sample -> post
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import logging
 import os
 import socket
@@ -28,7 +27,7 @@ from cluster import platform
 from cluster.worker.config import EngineConfig
 from cluster.worker.group import wire
 from cluster.worker.group.channel import Leader, Watchdog
-from cluster.worker.group.config import GroupOptions, Topology, parse_shares, topology
+from cluster.worker.group.config import GroupOptions, Topology, parse_shares, require_join_token, topology
 from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
 from cluster.worker.group.stage import (
     Assignment,
@@ -94,19 +93,6 @@ def init_ring(topo: Topology, backend: str = "ring"):
     if group.size() != topo.size or group.rank() != topo.rank:
         raise RuntimeError(f"MLX's ring is rank {group.rank()} of {group.size()}, expected {topo.rank} of {topo.size}")
     return group
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def check_token(token: str, topo: Topology) -> None:
-    if not token and not is_loopback(topo.control[0]):
-        raise ValueError("a worker group beyond this machine needs a join token ($ORCHARD_JOIN_TOKEN) to "
-                         "authenticate its members")
 
 
 class GroupState:
@@ -253,11 +239,12 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     topo = topology(options)
     if topo.rank != 0:
         raise ValueError(f"rank {topo.rank} is a member: it runs `cluster.worker.group.member`")
-    check_token(join_token, topo)
+    require_join_token(join_token)
     refuse_pooling(model_path, config)
     t0 = time.monotonic()
     deadline = t0 + options.join_timeout
-    leader = Leader(topo.control, topo.size, join_token, options.timeout)
+    leader = Leader(topo.control, topo.size, join_token, options.timeout,
+                    handshake_timeout=options.handshake_timeout)
     watchdog = Watchdog(leader.on_lost)
     watchdog.arm(options.join_timeout + 60, "the group's start")
     log.info("group: rank 0 of %d (%s parallel), waiting for the members on %s:%d", topo.size, options.parallel,

@@ -23,8 +23,8 @@ from cluster import platform
 from cluster.worker.config import EngineConfig
 from cluster.worker.group import wire
 from cluster.worker.group.channel import EXIT_GROUP_LOST, Member, Watchdog
-from cluster.worker.group.config import GroupOptions, topology
-from cluster.worker.group.leader import capacity, check_token, config_digest, init_ring
+from cluster.worker.group.config import GroupOptions, require_join_token, topology
+from cluster.worker.group.leader import capacity, config_digest, init_ring
 from cluster.worker.group.stage import (
     Assignment,
     StageRunner,
@@ -49,14 +49,19 @@ def member_process(model_path: str, options: GroupOptions, join_token: str) -> N
 
 def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
     """The member's whole life; returns the process's exit code."""
-    options.validate()
-    topo = topology(options)
-    if topo.rank == 0:
-        raise ValueError("rank 0 serves the group: `orchard worker serve` without a member rank")
-    check_token(join_token, topo)
+    try:
+        options.validate()
+        topo = topology(options)
+        if topo.rank == 0:
+            raise ValueError("rank 0 serves the group: `orchard worker serve` without a member rank")
+        require_join_token(join_token)
+    except ValueError as e:  # a setting: one line, and the code that says so
+        log.error("group member cannot start: %s", e)
+        return 78
     deadline = time.monotonic() + options.join_timeout
     member = Member(topo.control, topo.rank, topo.size, join_token, options.timeout,
-                    info={"host": socket.gethostname(), "pid": os.getpid(), "memory": usable_memory()})
+                    info={"host": socket.gethostname(), "pid": os.getpid(), "memory": usable_memory()},
+                    handshake_timeout=options.handshake_timeout)
     watchdog = Watchdog(member.on_lost)
     watchdog.arm(options.join_timeout + 60, "joining the group")
     try:

@@ -3,13 +3,17 @@ step's plan. Pure Python and numpy (no MLX, no pickle): what a member decodes is
 header and int32 arrays, or for the start-up messages a small JSON object.
 
 Framing: every message is `FRAME` (magic, version, kind, payload length) and its payload.
-A payload is at most `MAX_PAYLOAD` bytes (`MAX_HANDSHAKE` before a peer is authenticated).
+A payload is at most `MAX_PAYLOAD` bytes (`MAX_HANDSHAKE` before a peer is authenticated);
+a JSON one is nested at most `MAX_JSON_DEPTH` deep, checked before it is parsed.
 
 The join handshake (both sides prove they hold the join token, neither sends it):
 
     member -> leader  HELLO      {"rank", "size", "nonce", "host", "pid", "memory", ...}
     leader -> member  CHALLENGE  {"nonce", "proof": HMAC(token, "leader" | member nonce | leader nonce)}
     member -> leader  AUTH       {"proof": HMAC(token, "member" | rank | leader nonce | member nonce)}
+    leader -> member  WELCOME, or ERROR with the reason (`Refused`: trying again will not help)
+
+A HELLO comes from a peer not yet authenticated: `check_hello` checks its fields' types.
 
 A step's plan (`PlanWriter` on rank 0, `PlanReader` on each member): the step's token ids,
 and per scheduled sequence its handle (a small int naming it on every rank while it
@@ -27,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import socket
 import struct
 import time
@@ -40,6 +45,8 @@ VERSION = 1
 FRAME = struct.Struct("<4sBBHI")  # magic, version, kind, flags (unused), payload length
 MAX_PAYLOAD = 1 << 30
 MAX_HANDSHAKE = 1 << 16
+MAX_JSON_DEPTH = 32  # the start-up messages are a few levels deep; json recurses once a level
+MAX_NONCE = 256
 
 # message kinds
 HELLO, CHALLENGE, AUTH, WELCOME, ASSIGN, LOADED, START, STEP, READY, ACK, PING, PONG, SHUTDOWN, ERROR, RING = range(1, 16)
@@ -56,6 +63,11 @@ PING_MSG = struct.Struct("<Q")
 
 class ProtocolError(ConnectionError):
     """The peer sent something that is not the group's protocol (or closed the connection)."""
+
+
+class Refused(ProtocolError):
+    """The peer refused us, saying why (an ERROR message), or failed to prove the join
+    token: trying again will not change its answer."""
 
 
 # -- framing ------------------------------------------------------------------------------------
@@ -99,7 +111,7 @@ def read_message(sock: socket.socket, limit: int = MAX_PAYLOAD, deadline: float 
 def expect(sock: socket.socket, kind: int, limit: int = MAX_PAYLOAD, deadline: float | None = None) -> bytes:
     got, payload = read_message(sock, limit, deadline)
     if got == ERROR:
-        raise ProtocolError(f"the peer failed: {payload.decode(errors='replace')}")
+        raise Refused(f"the peer failed: {payload.decode(errors='replace')}")
     if got != kind:
         raise ProtocolError(f"expected {KIND_NAMES[kind]}, got {KIND_NAMES[got]}")
     return payload
@@ -109,10 +121,31 @@ def dumps(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"?')  # one left open runs to the end: no rescans, linear
+_BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the brackets: deleted
+
+
+def json_depth(payload: bytes) -> int:
+    """How deep `payload`'s arrays and objects nest (brackets inside strings aside), found
+    without parsing it: json's parser recurses once a level, and a peer's 5,000 levels
+    would be a RecursionError."""
+    depth = deepest = 0
+    for c in _JSON_STRING.sub(b"", payload).translate(None, _BRACKETS):
+        if c in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
 def loads(payload: bytes) -> dict:
+    depth = json_depth(payload)
+    if depth > MAX_JSON_DEPTH:
+        raise ProtocolError(f"a start-up message nested {depth} deep (at most {MAX_JSON_DEPTH})")
     try:
         obj = json.loads(payload.decode())
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ProtocolError(f"a start-up message that is not JSON: {e}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("a start-up message that is not a JSON object")
@@ -120,6 +153,25 @@ def loads(payload: bytes) -> dict:
 
 
 # -- the join handshake ---------------------------------------------------------------------------
+
+HELLO_FIELDS = {"rank": int, "size": int, "nonce": str}  # required
+HELLO_INFO = {"host": str, "pid": int, "memory": int}  # optional: what rank 0 reports and splits by
+
+
+def check_hello(hello: dict) -> None:
+    """A HELLO's fields are of their types (a bool is no int), its nonce of a sane length
+    and its memory not negative; ProtocolError naming the field otherwise."""
+    for name, kind in (*HELLO_FIELDS.items(), *HELLO_INFO.items()):
+        if name not in hello and name in HELLO_INFO:
+            continue
+        value = hello.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ProtocolError(f"a HELLO whose {name} is {type(value).__name__}, not {kind.__name__}")
+    if not 16 <= len(hello["nonce"]) <= MAX_NONCE:
+        raise ProtocolError(f"a HELLO whose nonce has {len(hello['nonce'])} characters (16 to {MAX_NONCE})")
+    if hello.get("memory", 0) < 0:
+        raise ProtocolError(f"a HELLO whose memory is {hello['memory']}")
+
 
 def leader_proof(token: str, member_nonce: str, leader_nonce: str) -> str:
     return _mac(token, b"leader", member_nonce.encode(), leader_nonce.encode())
