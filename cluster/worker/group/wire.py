@@ -4,7 +4,7 @@ header and int32 arrays, or for the start-up messages a small JSON object.
 
 Framing: every message is `FRAME` (magic, version, kind, payload length) and its payload.
 A payload is at most `MAX_PAYLOAD` bytes (`MAX_HANDSHAKE` before a peer is authenticated);
-a JSON one is nested at most `MAX_JSON_DEPTH` deep, checked before it is parsed.
+a JSON one is nested at most `MAX_JSON_DEPTH` deep.
 
 The join handshake (both sides prove they hold the join token, neither sends it):
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import re
 import socket
 import struct
 import time
@@ -40,12 +39,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cluster.api.errors import BadField
+from cluster.api.limits import check_json_depth
+
 MAGIC = b"OGRP"
 VERSION = 1
 FRAME = struct.Struct("<4sBBHI")  # magic, version, kind, flags (unused), payload length
 MAX_PAYLOAD = 1 << 30
 MAX_HANDSHAKE = 1 << 16
-MAX_JSON_DEPTH = 32  # the start-up messages are a few levels deep; json recurses once a level
+MAX_JSON_DEPTH = 32  # the start-up messages are a few levels deep
 MAX_NONCE = 256
 
 # message kinds
@@ -121,31 +123,16 @@ def dumps(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"?')  # one left open runs to the end: no rescans, linear
-_BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the brackets: deleted
-
-
-def json_depth(payload: bytes) -> int:
-    """How deep `payload`'s arrays and objects nest (brackets inside strings aside), found
-    without parsing it: json's parser recurses once a level, and a peer's 5,000 levels
-    would be a RecursionError."""
-    depth = deepest = 0
-    for c in _JSON_STRING.sub(b"", payload).translate(None, _BRACKETS):
-        if c in b"[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        else:
-            depth -= 1
-    return deepest
-
-
 def loads(payload: bytes) -> dict:
-    depth = json_depth(payload)
-    if depth > MAX_JSON_DEPTH:
-        raise ProtocolError(f"a start-up message nested {depth} deep (at most {MAX_JSON_DEPTH})")
+    """A start-up message's JSON object; ProtocolError for anything else, nested past
+    MAX_JSON_DEPTH included (json's parser recurses once a level: a peer's 5,000 levels are
+    its RecursionError)."""
     try:
         obj = json.loads(payload.decode())
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        check_json_depth(obj, "a start-up message", MAX_JSON_DEPTH)
+    except (RecursionError, BadField):
+        raise ProtocolError(f"a start-up message nested more than {MAX_JSON_DEPTH} deep") from None
+    except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(f"a start-up message that is not JSON: {e}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("a start-up message that is not a JSON object")
