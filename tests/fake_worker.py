@@ -27,9 +27,11 @@ def fake_token(request: pb.GenerateRequest, i: int) -> int:
 
 
 class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
-    def __init__(self, worker_id: str, model: str = "fake", token_delay: float = 0.005):
+    def __init__(self, worker_id: str, model: str = "fake", token_delay: float = 0.005,
+                 features: tuple[str, ...] = ()):
         self.worker_id = worker_id
         self.model = model
+        self.features = features  # per-request features it reports ("speculative"), and refuses without
         self.token_delay = token_delay
         self.die_after_tokens: int | None = None  # total tokens streamed before dying
         self.hang_after_tokens: int | None = None  # total tokens streamed before going silent (a sleeping Mac)
@@ -69,7 +71,7 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
         return pb.LoadReport(
             worker_id=self.worker_id, model=self.model, num_running=self.running + self.extra_running,
             kv_blocks_used=0, kv_blocks_total=100, max_num_seqs=64, block_size=16, max_model_len=2048,
-            draining=self.draining, stalled=self.stalled,
+            draining=self.draining, stalled=self.stalled, features=self.features,
         )
 
     async def GetLoad(self, request, context):
@@ -89,6 +91,9 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
         if request.text == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad prompt")
+        if request.sampling.speculative and "speculative" not in self.features:  # as a real worker refuses it
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "speculative: true, but speculative decoding is off "
+                                                                  "on this worker")
         self.requests.append(request)
         if self.fail_with is not None:
             await context.abort(self.fail_with, f"failing on purpose ({self.fail_with.name})")

@@ -267,6 +267,47 @@ def test_no_worker_for_the_model():
     run(main())
 
 
+def test_a_per_request_feature_goes_only_to_a_worker_that_has_it():
+    """`speculative: true` over two workers of a model, one speculating: it alternated 200
+    and 400 (the 400 telling the client to restart a worker with a flag). Now it goes to the
+    one that speculates every time, and when none does it is the same 400 every time, naming
+    the model, without reaching a worker."""
+    def asking(text: str, speculative: bool | None = True) -> pb.GenerateRequest:
+        return pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=2, speculative=speculative))
+
+    async def main():
+        async with Cluster(n_workers=0, policy="round_robin") as c:
+            plain = await c.add_worker("w0")
+            fast = await c.add_worker("w1", features=("speculative",))
+            await c.wait_healthy(2)
+            for i in range(8):
+                chunks = [ch async for ch in c.gen.Generate(asking(f"q{i}"))]
+                assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert len(fast.requests) == 8 and not plain.requests
+            for i in range(4):  # the rest still go anywhere
+                await c.generate(f"r{i}", max_tokens=2)
+                chunks = [ch async for ch in c.gen.Generate(asking(f"s{i}", speculative=False))]
+                assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert len(plain.requests) == 4
+
+            fast.features = ()  # its next heartbeat says it no longer speculates
+            await c.wait_until(lambda: not c.router.registry.workers["w1"].report.features, "w1's new report")
+            reached = len(plain.requests) + len(fast.requests)
+            answers = set()
+            for i in range(6):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    [ch async for ch in c.gen.Generate(asking(f"t{i}"))]
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                answers.add(e.value.details())
+            assert len(answers) == 1, answers
+            (details,) = answers
+            assert "no worker of model 'fake' runs speculative decoding" in details, details
+            assert "--speculative-config" not in details and "start" not in details, details
+            assert len(plain.requests) + len(fast.requests) == reached
+
+    run(main())
+
+
 def test_wrong_join_token_is_refused():
     async def main():
         async with Cluster(n_workers=0) as c:

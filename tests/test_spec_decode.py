@@ -266,7 +266,7 @@ def test_rollback_frees_the_rejected_positions_blocks(models, every_draft):
     engine.check_integrity()
 
 
-def test_refusals(models, tmp_path):
+def test_refusals(models, tmp_path, embedding_model_dir):
     with pytest.raises(ValueError, match="mlx-lm drops the multi-token-prediction weights.*deepseek_v3"):
         SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 1}')
     with pytest.raises(ValueError, match="unknown key.*draft_tensor_parallel_size"):
@@ -286,6 +286,22 @@ def test_refusals(models, tmp_path):
     plain = Engine.from_pretrained(models["llama"], EngineConfig(num_kv_blocks=16))
     with pytest.raises(ValueError, match="speculative decoding is off on this worker.*--speculative-config"):
         plain.add_request("x", [1, 2, 3], SamplingParams(speculative=True))
+    # an embedding model generates nothing to draft: it was accepted, and ignored
+    with pytest.raises(ValueError, match="cannot serve tiny-emb: it serves embed requests only.*start it without "
+                                         "--speculative-config"):
+        Engine.from_pretrained(embedding_model_dir, EngineConfig(num_kv_blocks=16, speculative_config=NGRAM))
+
+
+def test_speculating_on_an_embedding_model_is_one_clear_line_at_start(embedding_model_dir):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "cluster", "worker", "serve", "--model", str(embedding_model_dir),
+                          "--grpc", "127.0.0.1:0", "--metrics", "off", "--speculative-config", NGRAM],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 78 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert "speculative decoding cannot serve tiny-emb: it serves embed requests only" in last, last
 
 
 # -- the pieces ----------------------------------------------------------------------------------------
@@ -737,12 +753,15 @@ def test_a_worker_speculates_over_http_and_reports_it(tiny_model_dir, worker_pro
     package come out as they do from a worker without it, a request opts out with
     `speculative: false`, /metrics counts drafts and acceptances, `orchard bench` prints
     the run's acceptance rate from them; a worker without it answers `speculative: true`
-    with a 400 that names the flag."""
+    with a 400 saying no worker of the model runs it; the load report names the feature."""
     import urllib.request
 
+    import grpc
     import openai
     from cluster.bench.serve import build_parser as bench_parser, main as bench_main
     from cluster.bench.server_metrics import parse, total
+    from cluster.proto.orchard.v1 import orchard_pb2 as pb
+    from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 
     spec = worker_process(tiny_model_dir, "--num-kv-blocks", "512", "--max-model-len", "512",
                           "--speculative-config", NGRAM)
@@ -759,9 +778,14 @@ def test_a_worker_speculates_over_http_and_reports_it(tiny_model_dir, worker_pro
     values = parse(urllib.request.urlopen(f"http://{spec.metrics}/metrics", timeout=10).read().decode())
     assert total(values, "orchard_spec_decode_num_draft_tokens_total") > 0
     assert total(values, "orchard_spec_decode_num_accepted_tokens_total") >= 0
-    with pytest.raises(openai.BadRequestError, match="speculative decoding is off on this worker.*--speculative-config"):
+    with pytest.raises(openai.BadRequestError, match="no worker of model 'tiny-qwen3' runs speculative decoding") as e:
         plain.chat.completions.create(messages=[{"role": "user", "content": "hi"}],
                                       **(body | {"extra_body": {"speculative": True}}))
+    assert "--speculative-config" not in str(e.value)
+    # what the router places by: the worker's load report names the feature
+    with grpc.insecure_channel(spec.grpc) as ch, grpc.insecure_channel(tiny_worker.grpc) as ch2:
+        assert list(pb_grpc.WorkerAdminStub(ch).GetLoad(pb.GetLoadRequest(), timeout=30).features) == ["speculative"]
+        assert not pb_grpc.WorkerAdminStub(ch2).GetLoad(pb.GetLoadRequest(), timeout=30).features
     # `orchard bench` against it: the acceptance rate of its run's drafts (/metrics after - before)
     before = parse(urllib.request.urlopen(f"http://{spec.metrics}/metrics", timeout=10).read().decode())
     result = tmp_path / "bench.json"

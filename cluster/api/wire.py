@@ -12,12 +12,12 @@ engine keeps only the checks that protect its own invariants.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from cluster.api.constraints import check_sampling, structured_proto
 from cluster.api.errors import BadField, InvalidRequest
 from cluster.api.limits import (MAX_ID_CHARS, MAX_INT32, MAX_LOGPROBS, MAX_NAME_CHARS, RequestLimits, check_json_depth,
-                                parse_json, shown)
+                                parse_json, quoted, shown)
 from cluster.api.tools import validate_tools
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
@@ -217,6 +217,28 @@ def _set_tool_choice(choice: pb.ToolChoice, value: str | Mapping) -> None:
         raise InvalidRequest('tool_choice must be "none", "auto", "required" or {"type": "function", '
                              '"function": {"name": ...}}')
     choice.function = name
+
+
+# Per-request features that only some workers of a model may have (LoadReport.features),
+# each with the request field that asks for it and what it is: a request that asks for
+# one is placed only on a worker that has it.
+SPECULATIVE = "speculative"
+FEATURES = {SPECULATIVE: ("speculative", "speculative decoding")}
+
+
+def features_asked(request: pb.GenerateRequest) -> frozenset[str]:
+    """The per-request features `request` needs its worker to have."""
+    s = request.sampling
+    return frozenset({SPECULATIVE}) if s.HasField("speculative") and s.speculative else frozenset()
+
+
+def refuse_features(model: str, missing: Iterable[str], named: Callable[[str], str] = str) -> BadField:
+    """The 400 for a request that asks for a feature no worker of `model` has (the same
+    from the router, which saw every worker of it, and from a worker on its own)."""
+    field, what = FEATURES[sorted(missing)[0]]
+    field = named(field)
+    return BadField(field, f"{field}: true asks for {what}, and no worker of model {quoted(model)} runs {what}: "
+                           f"leave {field} unset (or false) to be served without it")
 
 
 # A prompt's text longer than this many characters per token of max_model_len cannot fit

@@ -3,7 +3,7 @@ prefix index, the `Generation` backend with failover, metrics, and the server/CL
 The gRPC servicer, the OpenAI HTTP front and the server start-up are cluster/api's.
 
     config.py        RouterConfig: every setting of `orchard router serve`, its default and help
-    registry.py      workers, their load reports and states
+    registry.py      workers, their load reports and states; candidates by model, task and features
     policy.py        round_robin, least_loaded, prefix_aware (+ imbalance guard)
     prefix_index.py  chained prefix keys of prompts -> workers, LRU bounded
     proxy.py         RouterBackend (place, relay, retry, resume): the router's api Backend

@@ -34,7 +34,7 @@ import grpc
 from cluster.api import errors
 from cluster.api.limits import GRPC_MAX_MESSAGE_BYTES, MAX_TIMEOUT_SECONDS, RequestLimits
 from cluster.api.pooling import EMBED, GENERATE, SCORE, validate_embed_request, validate_score_request
-from cluster.api.wire import num_choices, validate_request
+from cluster.api.wire import features_asked, num_choices, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router import metrics as m
 from cluster.router.breaker import RetryBudget, backoff
@@ -172,8 +172,10 @@ class RouterBackend:
             wait_until = min(wait_until, deadline)
         internal = 0  # attempts failed with INTERNAL (two make the request a poison)
         self.budget.on_request()
+        features = features_asked(request)  # placed only where a worker has them
         for attempt in range(self.config.max_attempts):
-            pool = await self._next_pool(rid, request.model, attempt, failure, excluded, wait_until, deadline)
+            pool = await self._next_pool(rid, request.model, attempt, failure, excluded, wait_until, deadline,
+                                         features=features)
             worker = self.policy.choose(pool, keys)
             worker.breaker.on_start()
             if attempt:
@@ -357,13 +359,15 @@ class RouterBackend:
             f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}")
 
     async def _next_pool(self, rid: str, model: str, attempt: int, failure: "_WorkerFailed | None",
-                         excluded: set[str], wait_until: float, deadline: float | None, task: str = GENERATE):
+                         excluded: set[str], wait_until: float, deadline: float | None, task: str = GENERATE,
+                         features: frozenset[str] = frozenset()):
         """The workers attempt `attempt` may go to (a retry first spends the retry budget and
-        backs off), or the error that ends the request: no worker serves it, the deadline
-        passed waiting for one, or the last attempt's failure and why no other is left."""
+        backs off), or the error that ends the request: no worker serves it (for `task`,
+        with `features`), the deadline passed waiting for one, or the last attempt's failure
+        and why no other is left."""
         if attempt:
             await self._before_retry(attempt, failure, deadline)
-        pool, no_worker = await self._pool(rid, model, excluded, wait_until, task)
+        pool, no_worker = await self._pool(rid, model, excluded, wait_until, task, features)
         if pool:
             return pool
         self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
@@ -418,19 +422,21 @@ class RouterBackend:
             started = True
             yield chunk
 
-    async def _pool(self, rid: str, model: str, excluded: set[str], wait_until: float, task: str = GENERATE):
-        """(healthy workers for `model` and `task` not yet tried, the error to give if there are none).
-        With none, waits until `wait_until` for a worker that may come back (unhealthy, not
-        draining, not tried) to report in, re-checking at every change of the workers."""
+    async def _pool(self, rid: str, model: str, excluded: set[str], wait_until: float, task: str = GENERATE,
+                    features: frozenset[str] = frozenset()):
+        """(healthy workers for `model`, `task` and `features` not yet tried, the error to give if
+        there are none). With none, waits until `wait_until` for a worker that may come back
+        (unhealthy, not draining, not tried) to report in, re-checking at every change of the workers."""
         waited = False
         while True:
             try:
-                pool = [w for w in self.registry.candidates(model, task) if w.worker_id not in excluded]
+                pool = [w for w in self.registry.candidates(model, task, features) if w.worker_id not in excluded]
             except RegistryError as e:
                 pool, no_worker = [], e
             else:
                 no_worker = RegistryError(grpc.StatusCode.UNAVAILABLE, "no other healthy worker")
-            hope = [w.worker_id for w in self.registry.may_come_back(model, excluded, task)] if not pool else []
+            hope = ([w.worker_id for w in self.registry.may_come_back(model, excluded, task, features)]
+                    if not pool else [])
             left = wait_until - time.monotonic()
             if not hope or left <= 0:
                 if waited:

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.api.limits import quoted
 from cluster.api.pooling import GENERATE, refuse_task, tasks_of
+from cluster.api.wire import refuse_features
 from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
@@ -106,6 +107,10 @@ class WorkerRecord:
         total = self.report.kv_blocks_total
         return self.report.kv_blocks_used / total if total else 0.0
 
+    def has(self, features: frozenset[str]) -> bool:
+        """Whether the worker has each of these per-request features (as it last reported)."""
+        return features <= set(self.report.features)
+
     def abandon_streams(self, reason: str) -> None:
         """Cancel the router's open streams on this worker; each resumes elsewhere."""
         for attempt in list(self.attempts):
@@ -165,10 +170,13 @@ class Registry:
         return [w for w in self.workers.values()
                 if (not model or w.model == model) and (task is None or task in tasks_of(w.report.tasks))]
 
-    def candidates(self, model: str, task: str = GENERATE) -> list[WorkerRecord]:
-        """Healthy, not draining, serving `model` (any model when empty) for `task`. Raises
-        NOT_FOUND when no worker serves the model, INVALID_ARGUMENT when its workers serve
-        other tasks (an embedding model asked to generate), UNAVAILABLE when none is healthy."""
+    def candidates(self, model: str, task: str = GENERATE, features: frozenset[str] = frozenset()
+                   ) -> list[WorkerRecord]:
+        """Healthy, not draining, serving `model` (any model when empty) for `task`, with
+        every per-request feature in `features`. Raises NOT_FOUND when no worker serves the
+        model, INVALID_ARGUMENT when its workers serve other tasks (an embedding model asked
+        to generate) or none of them has a feature asked for (whatever their health: the
+        same answer every time), UNAVAILABLE when none is healthy."""
         serving = self.serving(model, task)
         others = self.serving(model) if not serving else []
         if others:
@@ -182,6 +190,12 @@ class Registry:
                 grpc.StatusCode.NOT_FOUND if model else grpc.StatusCode.UNAVAILABLE,
                 f"no worker serves {what}" + (f" (served: {', '.join(known)})" if known else " (no workers registered)"),
             )
+        able = [w for w in serving if w.has(features)]
+        if not able:
+            missing = features - {f for w in serving for f in w.report.features} or features
+            raise RegistryError(grpc.StatusCode.INVALID_ARGUMENT, refuse_features(
+                model or ", ".join(sorted({w.model for w in serving})), missing).message)
+        serving = able
         ready = [w for w in serving if w.state == HEALTHY and w.breaker.allows()]
         if not ready:
             states = ", ".join(f"{w.worker_id}: {STATE_NAMES[w.state]}"
@@ -274,11 +288,12 @@ class Registry:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def may_come_back(self, model: str, excluded: set[str], task: str = GENERATE) -> list[WorkerRecord]:
-        """Workers for `model` and `task`, not in `excluded`, that are unhealthy but not
-        draining: a heartbeat or poll may make them candidates again."""
-        return [w for w in self.serving(model, task)
-                if w.worker_id not in excluded and not w.healthy and not (w.drained or w.report.draining)]
+    def may_come_back(self, model: str, excluded: set[str], task: str = GENERATE,
+                      features: frozenset[str] = frozenset()) -> list[WorkerRecord]:
+        """Workers for `model`, `task` and `features`, not in `excluded`, that are unhealthy
+        but not draining: a heartbeat or poll may make them candidates again."""
+        return [w for w in self.serving(model, task) if w.has(features)
+                and w.worker_id not in excluded and not w.healthy and not (w.drained or w.report.draining)]
 
     async def wait_changed(self, timeout: float) -> bool:
         """Wait until a worker joins, is removed or changes state, at most `timeout` seconds."""

@@ -134,7 +134,7 @@ class Engine:
         # speculative decoding (--speculative-config; None: off): spec_decode/. A draft
         # model's pool shares the KV budget, block for block.
         self.speculator = build_speculator(config, model, model_name, hybrid, tokenizer,
-                                           int(text_args(model).vocab_size))
+                                           int(text_args(model).vocab_size), self.pooler.tasks)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = config.kv_cache_memory_bytes or default_kv_budget(model)

@@ -31,8 +31,9 @@ from cluster.api.pooling import (EMBED, GENERATE, SCORE, refuse_task, score_pair
 from cluster.api.reasoning import (OutputSplitter, ReasoningFormat, ThinkingGrammar, ThinkingSpec, ThinkingTracker,
                                    make_splitter, prompt_state, reasoning_format)
 from cluster.api.tools import CallFormat, call_format, parse_tools, split_chunk, template_messages, tool_choice_mode
-from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, RequestLimits, check_fits, max_tokens,
-                              prompt_chars, template_kwargs, validate_request)
+from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, SPECULATIVE, RequestLimits, check_fits,
+                              features_asked, max_tokens, prompt_chars, refuse_features, template_kwargs,
+                              validate_request)
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.worker.detokenizer import decode_keeping, token_bytes
 from cluster.worker.engine import Engine, EngineStats, QueueFullError, RequestOutput
@@ -158,6 +159,7 @@ class WorkerService:
         self.pooler = None  # the model's pooling (set by start)
         self.group_stats = None  # a worker group's (set by start)
         self.tasks: tuple[str, ...] = (GENERATE,)
+        self.features: tuple[str, ...] = ()  # per-request features it has (LoadReport.features)
 
     async def start(self, timeout: float | None = None) -> None:
         """Load the engine (on its thread) and route its events into the running loop."""
@@ -177,6 +179,7 @@ class WorkerService:
         # what the model serves, and how it pools (pooling.py; an engine without one generates)
         self.pooler = getattr(engine, "pooler", None)
         self.tasks = self.pooler.tasks if self.pooler is not None else (GENERATE,)
+        self.features = (SPECULATIVE,) if getattr(engine, "speculator", None) is not None else ()
         self.stats = engine.stats
         group = getattr(engine, "group", None)  # rank 0 of a worker group (cluster/worker/group/)
         self.group_stats = group.stats if group is not None else None
@@ -222,6 +225,9 @@ class WorkerService:
         validate_request(request, self.limits)
         if GENERATE not in self.tasks:
             raise refuse_task(self.model_name, GENERATE, self.tasks)
+        missing = features_asked(request) - set(self.features)
+        if missing:  # as the router words it when no worker of the model has them
+            raise refuse_features(self.model_name, missing)
         self._check_cost(request)  # before any work
         chat = request.WhichOneof("prompt") == "chat"
         calls = self._call_format(request)
@@ -489,7 +495,7 @@ class WorkerService:
             kv_blocks_used=s.num_blocks_used, kv_blocks_total=s.num_blocks_total, max_num_seqs=c.max_num_seqs,
             block_size=c.block_size, max_model_len=c.max_model_len, draining=self.draining, stalled=self.stalled,
             state_slots_used=s.state_slots_used, state_slots_total=s.state_slots_total, tasks=self.tasks,
-            group=self._group_info(),
+            group=self._group_info(), features=self.features,
         )
 
     def _group_info(self) -> pb.GroupInfo | None:

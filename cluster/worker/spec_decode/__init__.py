@@ -21,14 +21,19 @@ scheduler's drafts-aware decode entries and rollback (`ScheduledSeq.spec_token_i
 from cluster.worker.spec_decode.config import SpeculativeConfig  # noqa: F401
 
 
-def build_speculator(config, model, model_name: str, hybrid: bool, tokenizer=None, vocab_size: int = 0):
+def build_speculator(config, model, model_name: str, hybrid: bool, tokenizer=None, vocab_size: int = 0,
+                     tasks: tuple[str, ...] = ("generate",)):
     """The engine's Speculator for its EngineConfig (None: speculation off), before the
     KV pool is sized (a draft model's pool takes its share: `kv_bytes_per_block`); the
     engine then calls `attach`. ValueError, naming the model, where the engine cannot
-    speculate exactly."""
+    speculate exactly, or has nothing to speculate on (`tasks`: what the model serves;
+    an embedding model or a reranker generates nothing)."""
     spec = SpeculativeConfig.parse(config.speculative_config)
     if spec is None:
         return None
+    if "generate" not in tasks:
+        raise ValueError(f"speculative decoding cannot serve {model_name}: it serves {' and '.join(tasks)} requests "
+                         "only, which generate no tokens to draft; start it without --speculative-config")
     if hybrid:
         raise ValueError(f"speculative decoding cannot serve {model_name}: its recurrent layers' state (a hybrid "
                          "model) would take in the rejected draft tokens and cannot be rolled back; start it without "
