@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -24,7 +25,7 @@ from cluster.worker.engine import EngineStats, RequestOutput
 
 
 class ScriptedEngine:
-    def __init__(self, model_dir: Path, reply: Callable[[str], str] | str = "hello"):
+    def __init__(self, model_dir: Path, reply: Callable[[str], str] | str = "hello", step_seconds: float = 0.0):
         from mlx_lm.tokenizer_utils import load
 
         self.tokenizer = load(Path(model_dir))
@@ -36,6 +37,7 @@ class ScriptedEngine:
         self.prompts: list[str] = []  # every request's rendered prompt, in order
         self.params: list = []
         self.seqs: dict[str, dict] = {}
+        self.step_seconds = step_seconds  # a step's time, as a real model's (each step's chunk then travels alone)
 
     def add_request(self, rid, prompt, params, arrival_time=None, resume_token_ids=()):
         text = self.tokenizer.decode(prompt, skip_special_tokens=False)
@@ -72,6 +74,8 @@ class ScriptedEngine:
         return False
 
     def step(self):
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
         outs = []
         for rid, s in list(self.seqs.items()):
             if s["i"] >= len(s["out"]):  # the script is done: the model's end of turn

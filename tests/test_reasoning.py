@@ -759,3 +759,38 @@ def test_langchain_gets_tool_calls_from_special_token_formats(family_model, fami
         assert [(c["name"], c["args"]) for c in full.tool_calls] == [("get_weather", OSLO)]
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("family, reply, markers", [
+    ("mistral-small-3.2", 'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo, Norway"}', ("[TOOL_CALLS]", "[ARGS]")),
+    ("mistral-nemo", 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo, Norway"}}]',
+     ("[TOOL_CALLS]",)),
+    ("qwen3", 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo, Norway"}}\n</tool_call>',
+     ()),
+])
+def test_a_call_cut_by_max_tokens_and_a_held_back_call_stream_cleanly(family_model, family, reply, markers):
+    """A call cut short by max_tokens comes back as text, with no special-token marker in it
+    (an ordinary one, Hermes' <tool_call>, stays as the model wrote it); while a call is
+    held back the stream sends nothing, not empty deltas."""
+    import openai
+
+    srv = ScriptedServer(ScriptedEngine(family_model(family), reply=reply, step_seconds=0.02))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        ids = srv.engine.tokenizer.encode(reply, add_special_tokens=False)
+        request = dict(model="", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], temperature=0)
+        cut = c.chat.completions.create(max_tokens=len(ids) - 4, **request).choices[0]
+        assert cut.finish_reason == "length" and not cut.message.tool_calls
+        assert cut.message.content.startswith("Let me check.") and "Oslo" in cut.message.content
+        assert not any(m in cut.message.content for m in markers), cut.message.content
+        chunks = list(c.chat.completions.create(max_tokens=len(ids) - 4, stream=True, **request))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == cut.message.content
+        whole = list(c.chat.completions.create(max_tokens=len(ids) + 8, stream=True, **request))
+        calls = [tc for ch in whole for tc in ch.choices[0].delta.tool_calls or []]
+        assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+            ("get_weather", {"city": "Oslo, Norway"})]
+        for ch in (chunks + whole)[1:]:
+            d = ch.choices[0]
+            assert d.delta.content or d.delta.tool_calls or d.finish_reason or ch is whole[0], ch
+    finally:
+        srv.stop()

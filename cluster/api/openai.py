@@ -284,7 +284,9 @@ class Exchange:
         return body
 
     # The chat endpoint's choices (completions.py builds its own, on `_envelope`).
-    def stream_chunk(self, r: pb.GenerateResponse) -> dict:
+    def stream_chunk(self, r: pb.GenerateResponse) -> dict | None:
+        """The chunk's SSE object; None when it has nothing to say (its text held back, as
+        a tool call's is until the call is whole)."""
         i = r.index
         logprobs = _chat_logprobs(r.logprobs) if self.want_logprobs else None
         first = i not in self.started
@@ -296,8 +298,10 @@ class Exchange:
             done = self.num_tool_calls.get(i, 0)
             delta["tool_calls"] = [{"index": done + k, **tool_call_json(c)} for k, c in enumerate(r.tool_calls)]
             self.num_tool_calls[i] = done + len(r.tool_calls)
-        choice = {"index": i, "delta": delta, "logprobs": logprobs,
-                  "finish_reason": FINISH_REASON_NAMES.get(r.finish_reason)}
+        finish = FINISH_REASON_NAMES.get(r.finish_reason)
+        if not (first or delta or finish or logprobs and logprobs.get("content")):
+            return None
+        choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope([choice], None, stream=True)
 
     def usage_chunk(self, usage: pb.Usage) -> dict:
@@ -408,7 +412,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         try:
             r = first
             while r is not None:
-                await response.write(sse(ex.stream_chunk(r)))
+                if (body := ex.stream_chunk(r)) is not None:
+                    await response.write(sse(body))
                 if r.HasField("usage"):
                     usage = r.usage
                 r = await anext(chunks, None)

@@ -290,12 +290,13 @@ class OutputSplitter:
 
 
 def make_splitter(fmt: ReasoningFormat | None, state: str, calls: CallFormat | None, tools: list[dict],
-                  parallel: bool = True) -> OutputSplitter | None:
-    """The splitter for one sample of a request (None: nothing to split)."""
+                  parallel: bool = True, hidden: tuple[str, ...] = ()) -> OutputSplitter | None:
+    """The splitter for one sample of a request (None: nothing to split); `hidden`: the call
+    markers that are special tokens (see ToolCallStream)."""
     if fmt is not None and fmt.harmony:
         return OutputSplitter(HarmonyStream(calls, tools, parallel, thinking=state == "open"), None)
     think = ThinkStream(fmt, thinking=state == "open") if fmt is not None else None
-    stream = calls.stream(tools, parallel) if calls is not None else None
+    stream = calls.stream(tools, parallel, hidden) if calls is not None else None
     if think is None and stream is None:
         return None
     return OutputSplitter(think, stream)

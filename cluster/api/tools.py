@@ -162,11 +162,14 @@ class ToolCallStream:
     be shown now and the calls completed by it; `finish()` what is left at the end. Text
     that could be the start of a start marker is held back until it is known not to be.
     `bare_start`: a call may also open the output without a marker, with this text (Llama
-    3's bare JSON call: "{"), and then runs to the end."""
+    3's bare JSON call: "{"), and then runs to the end. `hidden`: the format's markers that
+    are special tokens (a detokenizer drops them): a call that does not parse, or is cut
+    short, comes back as text without them, as it would without tool parsing."""
 
     def __init__(self, start: str, end: str, parser: ToolParser, tools: list[dict], parallel: bool = True,
-                 new_id: Callable[[str, int], str] | None = None, bare_start: str = ""):
+                 new_id: Callable[[str, int], str] | None = None, bare_start: str = "", hidden: tuple[str, ...] = ()):
         self.start, self.end, self.parser, self.tools = start, end, parser, tools
+        self.hidden = hidden
         self.parallel = parallel
         self.new_id = new_id or (lambda name, index: new_call_id())
         self.bare_start = bare_start
@@ -240,9 +243,10 @@ class ToolCallStream:
                 raise ValueError("no call")
             calls = [self._tool_call(item, self.num_calls + k) for k, item in enumerate(items)]
         except Exception:  # a parser of any family: a malformed call stays visible as text
-            if self.bare:
-                return [body]
-            return [self.start + body + (self.end if closed else "")]
+            text = body if self.bare else self.start + body + (self.end if closed else "")
+            for marker in self.hidden:
+                text = text.replace(marker, "")
+            return [text]
         if not self.parallel:
             calls = calls[:max(0, 1 - self.num_calls)]
         self.num_calls += len(calls)
@@ -417,8 +421,9 @@ class CallFormat:
     def tool_call(self, name: str, arguments: str, index: int = 0) -> pb.ToolCall:
         return pb.ToolCall(id=self.new_id(name, index), name=name, arguments=arguments)
 
-    def stream(self, tools: list[dict], parallel: bool = True) -> ToolCallStream:
-        return ToolCallStream(self.start, self.end, self.parser, tools, parallel, self.new_id, self.bare_start)
+    def stream(self, tools: list[dict], parallel: bool = True, hidden: tuple[str, ...] = ()) -> ToolCallStream:
+        """`hidden`: which of `markers` are special tokens in this model's vocabulary."""
+        return ToolCallStream(self.start, self.end, self.parser, tools, parallel, self.new_id, self.bare_start, hidden)
 
 
 MISTRAL_CALLS = CallFormat("mistral", "[TOOL_CALLS]", "", parse_mistral, ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),

@@ -109,7 +109,8 @@ class _Usage:
 @dataclass(frozen=True)
 class _Chat:
     """How a chat request's output is read: the model's thinking format and where the
-    prompt left it, the call format when tools are on, the special tokens kept."""
+    prompt left it, the call format when tools are on, the special tokens kept (and the call
+    markers among them, which never reach the text)."""
 
     reasoning: ReasoningFormat | None
     state: str
@@ -117,9 +118,10 @@ class _Chat:
     tools: list
     parallel: bool
     kept: frozenset
+    hidden: tuple[str, ...] = ()
 
     def splitter(self) -> OutputSplitter | None:
-        return make_splitter(self.reasoning, self.state, self.calls, self.tools, self.parallel)
+        return make_splitter(self.reasoning, self.state, self.calls, self.tools, self.parallel, self.hidden)
 
     def tracker(self, token_text: Callable[[int], str]) -> ThinkingTracker | None:
         """One sample's thinking over its token ids: usage's reasoning_tokens."""
@@ -620,7 +622,8 @@ class WorkerService:
         markers = (fmt.markers if fmt else ()) + (calls.markers if calls else ())
         kept = frozenset(self._special[m] for m in markers if m in self._special)
         parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
-        return _Chat(fmt, state, calls, parse_tools(request.tools) if calls else [], parallel, kept)
+        hidden = tuple(m for m in (calls.markers if calls else ()) if m in self._special)
+        return _Chat(fmt, state, calls, parse_tools(request.tools) if calls else [], parallel, kept, hidden)
 
     async def _chat_params(self, request: pb.GenerateRequest, params: SamplingParams, reading: _Chat,
                            forced: str | None) -> SamplingParams:
