@@ -97,10 +97,13 @@ class Report:
 
 # -- the generator ------------------------------------------------------------------------------
 NAN = object()  # written as bare NaN / Infinity in the JSON text
+DEEP_TEXT = "[" * 3000 + "]" * 3000  # past Python's recursion limit when parsed
 SURROGATE = object()  # written as a lone \udc80 escape
 HOSTILE = [None, True, False, 0, -1, 1, 7, 2**31 - 1, 2**31, 2**32, 2**63, 2**64, 10**30, -(10**30), 1e308, -1e308,
            0.5, -0.0, 3.7, "", "x", "auto", "a" * 5000, "\u00e9\u4e2d\U0001f34e", [], [1], ["a", "b"], [[[]]], {},
-           {"a": 1}, {"type": "text"}, NAN, SURROGATE]
+           {"a": 1}, {"type": "text"}, NAN, SURROGATE,
+           # JSON text in a string, parsed later (tool call arguments, tools, schemas, template kwargs)
+           DEEP_TEXT, '{"x": NaN}']
 FIELDS = ["model", "messages", "prompt", "input", "max_tokens", "max_completion_tokens", "max_output_tokens",
           "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_sequences", "stop_token_ids",
           "logprobs", "top_logprobs", "prompt_logprobs", "echo", "presence_penalty", "frequency_penalty",
@@ -140,7 +143,7 @@ class Generator:
         if roll < 0.85:
             return "".join(r.choice("ab{}[]\"\\:,\u00e9\x00\n") for _ in range(r.randint(0, 40)))
         if roll < 0.95:
-            depth = r.randint(2, 40)
+            depth = r.randint(2, 40) if r.random() < 0.8 else r.randint(60, 200)  # past MAX_JSON_DEPTH too
             return json.loads("[" * depth + "]" * depth)
         return {self.name(): self.value() for _ in range(r.randint(1, 4))}
 
@@ -224,6 +227,8 @@ class Generator:
                   "content": self.value()} for _ in range(r.randint(1, 4))],
                 [{"role": "user", "content": [{"type": r.choice(["text", "image_url", "tool_use"]), "text": "hi"}]}],
                 [{"type": "function_call", "name": "f", "arguments": self.value(), "call_id": self.value()}],
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": self.value()}}]}],
                 [[1, 2], [3, -4]], [2**31, 5], [], "x" * r.randint(10_000, 400_000)])
             label = "messages"
         elif roll < 0.75:
@@ -344,7 +349,7 @@ class Generator:
         t = fd.type
         if t in (fd.TYPE_STRING, fd.TYPE_BYTES):
             s = r.choice(["", "x", "auto", "required", "user", "[]", "{}", '[{"type": "function"}]', "tiny-qwen3",
-                          "\u00e9", "r" * r.choice([10, 300, 70_000])])
+                          "\u00e9", "r" * r.choice([10, 300, 70_000]), DEEP_TEXT, '{"x": NaN}'])
             return s.encode() if t == fd.TYPE_BYTES else s
         if t == fd.TYPE_BOOL:
             return r.random() < 0.5
