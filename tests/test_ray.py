@@ -225,3 +225,30 @@ def test_a_worker_group_as_ray_actors_is_restarted_when_a_member_dies(tiny_model
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_an_insecure_ray_group_gets_a_join_token_of_its_own(tiny_model_dir, monkeypatch):
+    """`orchard ray up --insecure --group-size 2` with no join token: the router is open, but
+    a group never runs without a token (its ranks refuse to start), so the launcher makes one
+    for the group's actors, and the group forms and serves."""
+    import shutil
+    import tempfile
+
+    monkeypatch.delenv("ORCHARD_JOIN_TOKEN", raising=False)
+    temp_dir = tempfile.mkdtemp(prefix="orayi", dir="/tmp")
+    ray.init(num_cpus=2, resources={"orchard_worker": 2}, include_dashboard=False, _node_ip_address="127.0.0.1",
+             namespace=f"orchard-test-{free_port()}", logging_level="WARNING", _temp_dir=temp_dir)
+    try:
+        assert main(["ray", "up", "--model", str(tiny_model_dir), "--insecure", "--group-size", "2",
+                     "--group-strategy", "PACK", "--group-port", str(_free_run(2)), "--host", "127.0.0.1",
+                     "--router-port", str(free_port()), "--router-http-port", "-1", "--router-metrics-port", "0",
+                     "--worker-port", "0", "--worker-metrics-port", "0", "--max-restarts", "0",
+                     "--num-kv-blocks", "128", "--max-model-len", "512", "--timeout", "240"]) == 0
+        router = ray.get(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE).addresses.remote(), timeout=30)["grpc"]
+        with Client(router, timeout=60) as c:
+            assert len(c.generate("The orchard", max_tokens=4, temperature=0, ignore_eos=True).token_ids) == 4
+        assert main(["ray", "down"]) == 0
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
