@@ -132,7 +132,7 @@ _SCALAR = {UINT8: "<B", INT8: "<b", UINT16: "<H", INT16: "<h", UINT32: "<I", INT
 
 
 def gguf_string(s: str | bytes) -> bytes:
-    b = s.encode() if isinstance(s, str) else s
+    b = s.encode("utf-8", "surrogateescape") if isinstance(s, str) else s
     return struct.pack("<Q", len(b)) + b
 
 
@@ -172,7 +172,7 @@ class RawGGUF:
         (n,), pos, out = struct.unpack_from("<Q", payload, 4), 12, []
         for _ in range(n):
             (k,) = struct.unpack_from("<Q", payload, pos)
-            out.append(payload[pos + 8:pos + 8 + k].decode())
+            out.append(payload[pos + 8:pos + 8 + k].decode("utf-8", "surrogateescape"))
             pos += 8 + k
         return out
 
@@ -201,7 +201,9 @@ class RawGGUF:
 
 
 def parse_raw(blob: bytes) -> RawGGUF:
-    """The parts of a well-formed GGUF file (v3, little-endian), values kept as their bytes."""
+    """The parts of a well-formed GGUF file (v3, little-endian), values kept as their bytes
+    (strings that are not UTF-8 kept with surrogate escapes, so that they are written back
+    as they were). A malformed file raises (struct.error, IndexError, ...)."""
     pos = 24
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", blob, 4)
 
@@ -209,7 +211,9 @@ def parse_raw(blob: bytes) -> RawGGUF:
         nonlocal pos
         (n,) = struct.unpack_from("<Q", blob, pos)
         pos += 8 + n
-        return blob[pos - n:pos].decode()
+        if pos > len(blob):
+            raise IndexError(f"a string of {n} bytes past the end")
+        return blob[pos - n:pos].decode("utf-8", "surrogateescape")
 
     def skip(vtype: int) -> None:
         nonlocal pos
