@@ -467,11 +467,12 @@ def summary(outcomes: list[Outcome]) -> list[str]:
         lines.append(f"{kind} runs: {len(outs)}")
         lines.append(f"{kind} imported: {sum(o.imported for o in outs)}")
         lines.append(f"{kind} refused: {sum(o.code not in (0, 'timeout') for o in outs)}")
+    outside = sum(any("outside the target" in f for f in o.failures) for o in outcomes)
     lines += [f"tracebacks: {sum('Traceback' in o.output for o in outcomes)}",
               f"timeouts: {sum(o.code == 'timeout' for o in outcomes)}",
               f"killed by a signal: {sum(str(o.code).startswith('signal') for o in outcomes)}",
               f"bad imports: {sum(any('imported' in f for f in o.failures) for o in outcomes)}",
-              f"written outside the target: {sum(any('outside the target' in f for f in o.failures) for o in outcomes)}",
+              f"written outside the target: {outside}",
               f"failures: {sum(bool(o.failures) for o in outcomes)}",
               f"median seconds: {statistics.median(o.seconds for o in outcomes) if outcomes else 0:.2f}",
               f"max seconds: {max((o.seconds for o in outcomes), default=0):.2f}",
