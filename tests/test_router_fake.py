@@ -12,6 +12,7 @@ import urllib.request
 import grpc
 import pytest
 
+from cluster.api.errors import InvalidRequest
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.registry import HEALTHY
@@ -303,6 +304,9 @@ def test_a_per_request_feature_goes_only_to_a_worker_that_has_it():
             (details,) = answers
             assert "no worker of model 'fake' runs speculative decoding" in details, details
             assert "--speculative-config" not in details and "start" not in details, details
+            with pytest.raises(InvalidRequest) as e:  # the HTTP fronts' 400 names the field, as a worker's does
+                [ch async for ch in c.router.backend.generate(asking("u"))]
+            assert e.value.param == "speculative" and e.value.message == details
             assert len(plain.requests) + len(fast.requests) == reached
 
     run(main())

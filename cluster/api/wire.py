@@ -12,7 +12,7 @@ engine keeps only the checks that protect its own invariants.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from cluster.api.constraints import check_sampling, structured_proto
 from cluster.api.errors import BadField, InvalidRequest
@@ -232,11 +232,10 @@ def features_asked(request: pb.GenerateRequest) -> frozenset[str]:
     return frozenset({SPECULATIVE}) if s.HasField("speculative") and s.speculative else frozenset()
 
 
-def refuse_features(model: str, missing: Iterable[str], named: Callable[[str], str] = str) -> BadField:
+def refuse_features(model: str, missing: Iterable[str]) -> BadField:
     """The 400 for a request that asks for a feature no worker of `model` has (the same
     from the router, which saw every worker of it, and from a worker on its own)."""
     field, what = FEATURES[sorted(missing)[0]]
-    field = named(field)
     return BadField(field, f"{field}: true asks for {what}, and no worker of model {quoted(model)} runs {what}: "
                            f"leave {field} unset (or false) to be served without it")
 

@@ -376,7 +376,10 @@ class RouterBackend:
             self.metrics.deadline_exceeded.inc()
             raise errors.DeadlineExceeded(f"the deadline passed while waiting for a worker ({no_worker})")
         if failure is None:
-            raise errors.from_status(no_worker.code, str(no_worker))
+            error = errors.from_status(no_worker.code, str(no_worker))
+            if isinstance(error, errors.InvalidRequest):
+                error.param = no_worker.param
+            raise error
         raise errors.Unavailable(f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}")
 
     async def _before_retry(self, attempt: int, failure: "_WorkerFailed", deadline: float | None) -> None:

@@ -136,9 +136,10 @@ class WorkerRecord:
 
 
 class RegistryError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None):
         super().__init__(message)
         self.code = code
+        self.param = param  # the request field at fault, for an INVALID_ARGUMENT
 
 
 class Registry:
@@ -193,8 +194,8 @@ class Registry:
         able = [w for w in serving if w.has(features)]
         if not able:
             missing = features - {f for w in serving for f in w.report.features} or features
-            raise RegistryError(grpc.StatusCode.INVALID_ARGUMENT, refuse_features(
-                model or ", ".join(sorted({w.model for w in serving})), missing).message)
+            refusal = refuse_features(model or ", ".join(sorted({w.model for w in serving})), missing)
+            raise RegistryError(grpc.StatusCode.INVALID_ARGUMENT, refusal.message, refusal.param)
         serving = able
         ready = [w for w in serving if w.state == HEALTHY and w.breaker.allows()]
         if not ready:
