@@ -58,7 +58,7 @@ from cluster.gguf_file import GGUFError, read_gguf  # noqa: F401  (GGUFError: th
 
 log = logging.getLogger(__name__)
 
-IMPORTER_VERSION = 1  # part of the cache key: a changed importer imports again
+IMPORTER_VERSION = 2  # part of the cache key: a changed importer imports again
 GROUP = 32  # MLX's affine group size that holds llama.cpp's 32-weight blocks
 IMPORT_KIND = "gguf-import"  # what owned_dir's marker says an import directory is
 
@@ -124,8 +124,8 @@ def _gguf():
 
 
 _ABSENT = object()
-_KINDS = {"str": "a string", "bool": "a bool", "int": "an integer >= 0", "count": "an integer >= 1",
-          "float": "a finite number"}
+_KINDS = {"str": "a string", "bool": "a bool", "id": "an integer", "int": "an integer >= 0",
+          "count": "an integer >= 1", "float": "a finite number"}
 
 
 def _fits(v, kind: str) -> bool:
@@ -133,8 +133,8 @@ def _fits(v, kind: str) -> bool:
         return isinstance(v, str)
     if kind == "bool":
         return isinstance(v, (bool, np.bool_))
-    if kind in ("int", "count"):
-        return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= (kind == "count")
+    if kind in ("id", "int", "count"):
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and (kind == "id" or v >= (kind == "count"))
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -535,8 +535,8 @@ def vocab_of(md) -> Vocab:
     types = meta_list(md, "tokenizer.ggml.token_type", "int", len(tokens), [NORMAL] * len(tokens))
 
     def tid(key):
-        v = meta(md, f"tokenizer.ggml.{key}_token_id", "int", None)
-        return v if v is not None and v < len(tokens) else None
+        v = meta(md, f"tokenizer.ggml.{key}_token_id", "id", None)  # (-1 and out of range: none)
+        return v if v is not None and 0 <= v < len(tokens) else None
 
     add_bos = meta(md, "tokenizer.ggml.add_bos_token", "bool", None)
     if add_bos is None:  # llama.cpp's defaults: SentencePiece adds BOS; BPE only for Llama 3's
@@ -609,7 +609,8 @@ def spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list
     first = np.fromiter((ids[t] for t in tokens), np.int64, len(tokens))
     lengths = np.fromiter(map(len, tokens), np.int64, len(tokens))
     starts = np.concatenate([[0], np.cumsum(lengths)])
-    codes = np.frombuffer("".join(tokens).encode("utf-32-le", "surrogatepass"), np.uint32).astype(np.uint64) + np.uint64(1)
+    text = "".join(tokens).encode("utf-32-le", "surrogatepass")
+    codes = np.frombuffer(text, np.uint32).astype(np.uint64) + np.uint64(1)
     merged = np.flatnonzero((first == np.arange(len(tokens))) & (lengths >= 2)
                             & np.isin(np.asarray(types), (NORMAL, USER_DEFINED)))
     splits = lengths[merged] - 1  # each merged piece's split points, all at once

@@ -231,3 +231,12 @@ def test_an_import_that_needs_more_memory_or_disk_than_is_free_is_refused_with_t
     with pytest.raises(og.GGUFError, match=r"the import writes [\d.]+ MiB and .* has 1\.0 MiB free"):
         og.import_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_token_id_of_minus_one_is_no_token(base_gguf, tmp_path):
+    """Some converters write an absent special token as -1 (int32): no token, not a refusal."""
+    from gguf_export import INT32
+
+    path = parse_raw(base_gguf).set("tokenizer.ggml.bos_token_id", INT32, -1).write(tmp_path / "m.gguf")
+    dst = og.import_gguf(path, tmp_path / "out")
+    assert "bos_token_id" not in (dst / "generation_config.json").read_text()
