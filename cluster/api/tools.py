@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from cluster.api.errors import BadField, InvalidRequest
+from cluster.api.errors import BadField
 from cluster.api.limits import MAX_ID_CHARS, MAX_NAME_CHARS, parse_json, quoted, shown
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
@@ -48,7 +48,7 @@ class Thought(str):
 
 # -- what a request may say ----------------------------------------------------------------
 def parse_tools(tools_json: str) -> list[dict]:
-    """The request's tool definitions (OpenAI's shape), or InvalidRequest saying what is wrong."""
+    """The request's tool definitions (OpenAI's shape), or BadField saying what is wrong."""
     if not tools_json:
         return []
     tools = parse_json(tools_json, "tools")
