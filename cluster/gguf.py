@@ -353,6 +353,8 @@ def llama3_rope_scaling(factors: np.ndarray, base: float, dim: int) -> dict:
     """mlx-lm's llama3 rope_scaling whose per-frequency factors are llama.cpp's rope_freqs
     tensor (its converter writes the factors, not the parameters): Llama 3.x's low and high
     frequency factors (1, 4), the rest solved from the factors and checked against them."""
+    if not (np.isfinite(factors).all() and (factors >= 1.0).all()):
+        raise GGUFError(f"rope_freqs: factors from {factors.min()} to {factors.max()}; Llama 3's are finite and >= 1")
     freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     wavelen = 2 * np.pi / freqs
     factor, low, high = float(factors.max()), 1.0, 4.0
@@ -925,8 +927,11 @@ def import_gguf(src: str | Path, dst: str | Path, replace: bool = True) -> Path:
             cfg["rope_scaling"] = llama3_rope_scaling(factors.astype(np.float64), cfg["rope_theta"],
                                                cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     if "rope_factors_long.weight" in tensors:  # Phi-3's LongRoPE
-        factors = {name: dequantize(tensors[name][1], np.asarray(data[name]), (-1,)).tolist() for name in
+        factors = {name: dequantize(tensors[name][1], np.asarray(data[name]), (-1,)) for name in
                    ("rope_factors_long.weight", "rope_factors_short.weight") if name in tensors}
+        if not all(np.isfinite(f).all() and (f > 0).all() for f in factors.values()):
+            raise GGUFError("rope_factors_long / rope_factors_short: LongRoPE factors must be finite and positive")
+        factors = {name: f.tolist() for name, f in factors.items()}
         cfg["rope_scaling"] = {"type": "longrope", "long_factor": factors["rope_factors_long.weight"],
                                "short_factor": factors.get("rope_factors_short.weight",
                                                            factors["rope_factors_long.weight"])}

@@ -240,3 +240,11 @@ def test_a_token_id_of_minus_one_is_no_token(base_gguf, tmp_path):
     path = parse_raw(base_gguf).set("tokenizer.ggml.bos_token_id", INT32, -1).write(tmp_path / "m.gguf")
     dst = og.import_gguf(path, tmp_path / "out")
     assert "bos_token_id" not in (dst / "generation_config.json").read_text()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -2.0])
+def test_rope_factors_that_are_not_numbers_or_below_one_are_refused(bad):
+    factors = np.ones(32)
+    factors[5] = bad
+    with pytest.raises(og.GGUFError, match="rope_freqs: factors"):
+        og.llama3_rope_scaling(factors, 500000.0, 64)
