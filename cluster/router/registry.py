@@ -120,7 +120,7 @@ class WorkerRecord:
         self.report = report
         self.inflight_at_report = self.inflight
         self.last_seen = now
-        self.healthy = not report.stalled
+        self.healthy = not report.stalled and not report.unhealthy_reason
 
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(
@@ -274,6 +274,10 @@ class Registry:
                 log.warning("worker %s reports its engine stalled: unhealthy; resuming its %d streams elsewhere",
                             w.worker_id, len(w.attempts))
             w.abandon_streams(f"worker {w.worker_id}'s engine stalled")
+        elif report.unhealthy_reason:  # it cannot take new requests; those it has run on
+            if healthy:
+                log.warning("worker %s reports itself unhealthy (%s): placing nothing there", w.worker_id,
+                            report.unhealthy_reason)
         elif not healthy:
             log.info("worker %s is healthy again", w.worker_id)
         if w.state != state:
@@ -403,7 +407,8 @@ class Registry:
         except grpc.aio.AioRpcError as e:
             log.debug("poll of %s failed: %s", w.address, e.code())
             return
-        if health.status != health_pb2.HealthCheckResponse.SERVING and not report.stalled:
+        serving = health.status == health_pb2.HealthCheckResponse.SERVING
+        if not serving and not report.stalled and not report.unhealthy_reason:
             return
         if w.worker_id in self.workers and self.workers[w.worker_id] is w:
             new_id = report.worker_id

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from cluster.api.wire import RequestLimits
 from cluster.config import setting
 from cluster.security import SecurityConfig
+from cluster.worker.chat_render import ChatTemplateLimits
 from cluster.worker.group.config import GroupOptions
 from cluster.worker.spec_decode.config import SpeculativeConfig
 
@@ -152,5 +153,6 @@ class WorkerOptions:
               "NOT_SERVING, and the router resumes the worker's streams elsewhere (far above any real step)",
         metavar="SECONDS")
     limits: RequestLimits = setting(default_factory=RequestLimits, group="request limits")
+    chat_templates: ChatTemplateLimits = setting(default_factory=ChatTemplateLimits, group="chat templates")
     security: SecurityConfig = setting(default_factory=SecurityConfig, group="security")
     group: GroupOptions = setting(default_factory=GroupOptions, group="worker group (one model over several Macs)")

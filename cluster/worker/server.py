@@ -114,7 +114,7 @@ class WorkerServer:
             return engine
 
         self.service = service = WorkerService(worker_id, load_engine, stall_timeout=opts.stall_timeout,
-                                               limits=opts.limits)
+                                               limits=opts.limits, templates=opts.chat_templates)
         await service.start()
 
         def add_services(server) -> None:
@@ -122,7 +122,7 @@ class WorkerServer:
             pb_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(self), server)
 
         metrics = MetricsEndpoint(service.metrics.render, service.metrics.content_type,
-                                  healthy=lambda: service.engine_loop.alive and not service.stalled)
+                                  healthy=lambda: service.engine_loop.alive and self._healthy())
         await self.endpoints.start(add_services, backend=service, http_address=opts.http_address,
                                    metrics=metrics, metrics_address=opts.metrics_address,
                                    request_timeout=opts.request_timeout)
@@ -143,14 +143,15 @@ class WorkerServer:
                  ", ".join(f"{k} {v}" for k, v in self.addresses.items()))
 
     async def _watch_progress(self) -> None:
-        """gRPC health follows the engine's progress: NOT_SERVING while it is stalled (the
-        load report and /health say so too), SERVING again when it moves (unless draining)."""
-        service, was = self.service, False
+        """gRPC health follows the engine's progress and the chat-template renders:
+        NOT_SERVING while the engine is stalled or the renders are stuck (the load report
+        and /health say so too), SERVING again when both move (unless draining)."""
+        service, was_stalled, was_healthy = self.service, False, True
         period = min(1.0, self.options.stall_timeout / 4)
         while True:
             await asyncio.sleep(period)
             stalled = service.stalled
-            if stalled != was:
+            if stalled != was_stalled:
                 if stalled:
                     log.error("worker %s: the engine has made no progress for %.0f s: reporting NOT_SERVING",
                               service.worker_id, service.stall_timeout)
@@ -158,14 +159,20 @@ class WorkerServer:
                         service.metrics.stalls.inc()
                 else:
                     log.warning("worker %s: the engine is moving again", service.worker_id)
-                await self.endpoints.set_serving(not stalled and not service.draining)
-                was = stalled
+                was_stalled = stalled
+            healthy = self._healthy()
+            if healthy != was_healthy:
+                await self.endpoints.set_serving(healthy and not service.draining)
+                was_healthy = healthy
+
+    def _healthy(self) -> bool:
+        return not self.service.stalled and not self.service.unhealthy_reason
 
     async def set_draining(self, draining: bool) -> pb.DrainResponse:
         """The one way in and out of draining: the service refuses new requests, gRPC
-        health says NOT_SERVING (and SERVING again when undrained and not stalled)."""
+        health says NOT_SERVING (and SERVING again when undrained and healthy)."""
         response = self.service.set_draining(draining)
-        await self.endpoints.set_serving(not draining and not self.service.stalled)
+        await self.endpoints.set_serving(not draining and self._healthy())
         return response
 
     def ready_info(self) -> dict:
@@ -230,6 +237,7 @@ def serve(options: WorkerOptions) -> int:
             options.group.validate()
             rank = topology(options.group).rank
             require_join_token(options.join_token)
+        options.chat_templates.check()
     except ValueError as e:
         print(f"orchard worker serve: {e}", file=sys.stderr)
         return 2

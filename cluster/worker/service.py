@@ -3,9 +3,9 @@
 `WorkerService` is a `cluster.api.servicer.Backend` (`generate`, `list_models`), used as
 is by the gRPC servicer and by the OpenAI HTTP front, plus the admin calls
 (`load_report`, `set_draining`). It owns the engine thread (`EngineLoop`, whose event
-sink it is), validates and tokenizes requests (tokenization in a thread pool), hands them
-to the engine thread and routes its events to one asyncio queue per request. It never
-touches MLX.
+sink it is), validates and tokenizes requests (tokenization in a thread pool, chat
+templates in processes of their own: chat_render.py), hands them to the engine thread
+and routes its events to one asyncio queue per request. It never touches MLX.
 
 Errors are `cluster.api.errors` exceptions; the front ends map them to gRPC statuses
 and HTTP codes. A request whose consumer goes away (cancel, disconnect, closed
@@ -15,6 +15,7 @@ iterator, the gRPC deadline) is aborted in the engine at once, which frees its K
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -35,6 +36,8 @@ from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, SPE
                               features_asked, max_tokens, prompt_chars, refuse_features, template_kwargs,
                               validate_request)
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.worker.chat_render import (PROBE_MESSAGES, ChatTemplateLimits, RenderPool, TemplateTypeError,
+                                        jinja_tokenizer, render_call)
 from cluster.worker.detokenizer import decode_keeping, token_bytes
 from cluster.worker.engine import Engine, EngineStats, QueueFullError, RequestOutput
 from cluster.worker.engine_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
@@ -136,9 +139,11 @@ class WorkerService:
     `metrics`, it observes the Prometheus metrics (`self.metrics`) as events pass."""
 
     def __init__(self, worker_id: str, engine_factory: Callable[[], Engine], *, metrics: bool = True,
-                 stall_timeout: float = 60.0, limits: RequestLimits = RequestLimits()):
+                 stall_timeout: float = 60.0, limits: RequestLimits = RequestLimits(),
+                 templates: ChatTemplateLimits = ChatTemplateLimits()):
         self.worker_id = worker_id
         self.limits = limits
+        self.templates = templates
         self.stall_timeout = stall_timeout  # seconds in one engine step before the engine counts as wedged
         self.faults = FaultInjection.from_env(worker_id)  # None unless ORCHARD_FAULT_DIR is set (tests)
         self.engine_loop = EngineLoop(engine_factory, self.on_engine_events, self.faults)
@@ -158,6 +163,9 @@ class WorkerService:
         # (up to seconds for a hostile regex) delays other constrained requests, never a
         # chat template or a tokenization.
         self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-grammar")
+        # Chat templates render in processes of their own (chat_render.py): a render that
+        # never ends is stopped there, and holds neither a tokenizer thread nor the loop.
+        self.renders: RenderPool | None = None  # set by start for a model with a Jinja chat template
         self.pooler = None  # the model's pooling (set by start)
         self.group_stats = None  # a worker group's (set by start)
         self.tasks: tuple[str, ...] = (GENERATE,)
@@ -186,13 +194,19 @@ class WorkerService:
         group = getattr(engine, "group", None)  # rank 0 of a worker group (cluster/worker/group/)
         self.group_stats = group.stats if group is not None else None
         self._read_formats(self.tokenizer)
+        if jinja_tokenizer(self.tokenizer) is not None:
+            self.renders = RenderPool(self.templates, self._probe_call())
+            self.renders.start()
         if self._with_metrics:
             self.metrics = WorkerMetrics(engine.model_name, self.worker_id, lambda: engine.stats,
                                          group=lambda: self.group_stats)
 
     async def stop(self) -> None:
-        """Stop the engine thread (live requests end as aborted) and the tokenizer pool."""
+        """Stop the engine thread (live requests end as aborted), the tokenizer pool and the
+        render processes."""
         await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop)
+        if self.renders is not None:
+            await self.renders.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -206,6 +220,12 @@ class WorkerService:
     def stalled(self) -> bool:
         """The engine thread is wedged: unfinished work and no step done for `stall_timeout`."""
         return self.engine_loop.stalled(self.stall_timeout)
+
+    @property
+    def unhealthy_reason(self) -> str:
+        """Why the worker should take no new requests though its engine moves ('' when it
+        may): its chat-template renders are stuck."""
+        return self.renders.stuck if self.renders is not None else ""
 
     @property
     def num_streams(self) -> int:
@@ -496,8 +516,9 @@ class WorkerService:
             worker_id=self.worker_id, model=self.model_name, num_running=s.num_running, num_waiting=s.num_waiting,
             kv_blocks_used=s.num_blocks_used, kv_blocks_total=s.num_blocks_total, max_num_seqs=c.max_num_seqs,
             block_size=c.block_size, max_model_len=c.max_model_len, draining=self.draining, stalled=self.stalled,
-            state_slots_used=s.state_slots_used, state_slots_total=s.state_slots_total, tasks=self.tasks,
-            group=self._group_info(), features=self.features,
+            unhealthy_reason=self.unhealthy_reason, state_slots_used=s.state_slots_used,
+            state_slots_total=s.state_slots_total, tasks=self.tasks, group=self._group_info(),
+            features=self.features,
         )
 
     def _group_info(self) -> pb.GroupInfo | None:
@@ -522,17 +543,50 @@ class WorkerService:
         if which == "token_ids":
             return list(request.token_ids.ids)
         if which == "text":
-            if len(request.text) <= INLINE_TOKENIZE_CHARS:
-                return list(self.tokenizer.encode(request.text))
-            loop = asyncio.get_running_loop()
-            return list(await loop.run_in_executor(self._pool, self.tokenizer.encode, request.text))
+            return await self._encode(request.text)
         tools = parse_tools(request.tools) if tool_choice_mode(request) != "none" else None
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._apply_chat_template, request.chat.messages, tools, template_kwargs(request))
+        if self.renders is None:  # no Jinja template: the tokenizer's own rendering (trusted code)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._apply_chat_template, request.chat.messages, tools, template_kwargs(request))
+        text = await self._render_chat(request.chat.messages, tools or None, template_kwargs(request))
+        return await self._encode(text, add_special_tokens=False)
+
+    async def _encode(self, text: str, **kwargs) -> list[int]:
+        """`text`'s token ids: inline when short, else on the tokenizer's thread pool."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return list(self.tokenizer.encode(text, **kwargs))
+        return list(await asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(self.tokenizer.encode, text, **kwargs)))
+
+    async def _render_chat(self, messages, tools: list[dict] | None, kwargs: dict) -> str:
+        """The chat's prompt text, rendered by the model's Jinja template in a render
+        process. A template that takes a call's arguments only as text (DeepSeek's
+        concatenate them) gets them so on a second try."""
+        try:
+            return await self.renders.render(self._render_call(template_messages(messages), tools, kwargs))
+        except TemplateTypeError:
+            if not any(m.tool_calls for m in messages):
+                raise
+        return await self.renders.render(self._render_call(template_messages(messages, arguments_as_text=True),
+                                                           tools, kwargs))
+
+    def _render_call(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> dict:
+        try:
+            return render_call(self.tokenizer, messages, tools, kwargs)
+        except Exception as e:  # no template for these (a dict of templates without a default, ...)
+            raise InvalidRequest(f"the chat template could not be applied to these messages: {e}") from None
+
+    def _probe_call(self) -> dict | None:
+        """What the render processes' health probe renders: the model's template on a
+        one-line chat (None: a template-free probe, where the model's refuses it)."""
+        try:
+            return render_call(self.tokenizer, PROBE_MESSAGES)
+        except Exception:
+            return None
 
     def _apply_chat_template(self, messages, tools: list[dict] | None = None, kwargs: dict | None = None) -> list[int]:
-        """The chat's prompt tokens. A template that takes a call's arguments only as text
-        (DeepSeek's concatenate them) gets them so on a second try."""
+        """The chat's prompt tokens, for a tokenizer that renders chats its own way. A
+        template that takes a call's arguments only as text gets them so on a second try."""
         extra = dict(kwargs or {}, **({"tools": tools} if tools else {}))
         try:
             try:

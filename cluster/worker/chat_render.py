@@ -1,0 +1,464 @@
+"""Chat templates rendered where a render can be abandoned: a small pool of warm child
+processes (`cluster/chat_render_process.py`), each render within a time, size and memory
+limit.
+
+A chat template is code from the model's files (GGUF metadata, chat_template.jinja,
+tokenizer_config.json). Jinja's sandbox keeps it from doing harm, not from running for
+ever or building a huge string, and a Python thread cannot be stopped. So the worker
+renders it in a child process: a render past `chat_template_timeout` has its process
+killed (SIGKILL) and replaced, and its request refused (400); a child's address space is
+capped (`chat_template_memory_mb`); a text over `max_chat_template_chars` is refused in
+the child, before it reaches the worker. The text is transformers' own rendering
+(`render_jinja_template`), byte for byte what `apply_chat_template(tokenize=False)` gives;
+tokenizing it stays in the worker, on the tokenizer's thread pool, which stuck renders
+therefore never hold.
+
+The pool is `stuck` (the worker reports itself unhealthy, so the router places nothing
+there) while no child can be started, or once `unhealthy_after_template_timeouts` renders
+in a row ran out of time, until a probe render (the model's template on a one-line chat)
+finishes in time. A request that goes away leaves its render to finish, within its
+deadline, on its child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import cluster
+from cluster.api.errors import InvalidRequest, OrchardError, Unavailable
+from cluster.chat_render_process import (ANSWER_HEADER, COMMAND, FORK, HEADER, MEMORY, OK, PID, READY, REAP,
+                                         TOO_LARGE, TYPE_ERROR, decode)
+from cluster.config import setting
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_SECONDS = 120.0  # the fork server's start (Python and transformers' import) on a loaded machine
+FORK_TIMEOUT_SECONDS = 30.0
+CLOSE_TIMEOUT_SECONDS = 5.0
+RESTART_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)  # between failed starts
+PROBE_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)  # between probes while renders time out
+PROBE_MESSAGES = [{"role": "user", "content": "Hello"}]
+# A probe that needs no model template: the pool itself renders.
+PLAIN_PROBE = {"conversations": [PROBE_MESSAGES], "chat_template": "{{ messages[0]['content'] }}"}
+TIMED_OUT, DIED = b"t", b"d"  # the pool's own outcomes beside the child's answers
+
+
+@dataclass(frozen=True)
+class ChatTemplateLimits:
+    """How long and how large a chat template's render may be, and where it runs."""
+
+    chat_template_timeout: float = setting(
+        5.0, "a chat template's render that takes longer is stopped (its process killed and replaced) and its "
+             "request refused (400)", metavar="SECONDS")
+    max_chat_template_chars: int = setting(
+        8_000_000, "a chat template's rendered prompt longer than this many characters is refused (400)")
+    chat_template_memory_mb: int = setting(
+        256, "memory a chat template's render may take, in MiB: its process's address space past its start-up "
+             "size (where the OS enforces RLIMIT_AS: Linux)", metavar="MIB")
+    chat_template_processes: int = setting(
+        2, "processes that render chat templates (each kept warm: a Python with transformers imported)")
+    unhealthy_after_template_timeouts: int = setting(
+        3, "this many chat-template renders in a row past --chat-template-timeout make the worker report "
+           "itself unhealthy (the router places nothing there) until a probe render finishes in time")
+
+    def check(self) -> None:
+        """ValueError naming the flag for a value no render could run under."""
+        for name, value, least in (("chat-template-timeout", self.chat_template_timeout, 0.001),
+                                   ("max-chat-template-chars", self.max_chat_template_chars, 1),
+                                   ("chat-template-memory-mb", self.chat_template_memory_mb, 16),
+                                   ("chat-template-processes", self.chat_template_processes, 1),
+                                   ("unhealthy-after-template-timeouts", self.unhealthy_after_template_timeouts, 1)):
+            if not value >= least:
+                raise ValueError(f"--{name} must be at least {least:g}, not {value:g}")
+
+
+def jinja_tokenizer(tokenizer):
+    """The Hugging Face tokenizer whose Jinja chat template renders `tokenizer`'s chats, or
+    None where it has no template or renders chats its own way (mlx-lm's Python chat
+    templates, a tokenizer class with its own apply_chat_template): trusted code, which
+    the worker runs in-process."""
+    base = sys.modules.get("transformers.tokenization_utils_base")  # loaded with any of its tokenizers
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the HF one
+    if base is None or not isinstance(hf, base.PreTrainedTokenizerBase):
+        return None
+    own = type(hf).apply_chat_template is not base.PreTrainedTokenizerBase.apply_chat_template
+    if own or getattr(tokenizer, "_chat_template", None) is not None or not hf.chat_template:
+        return None
+    return hf
+
+
+# render_jinja_template's own parameters: a template variable of the same name cannot pass.
+RENDER_PARAMETERS = frozenset({"conversations", "tools", "documents", "chat_template", "return_assistant_tokens_mask",
+                               "continue_final_message", "add_generation_prompt"})
+
+
+def render_call(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                kwargs: dict | None = None) -> dict:
+    """The arguments of transformers' `render_jinja_template` that
+    `tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+    tokenize=False, **kwargs)` renders with (`tokenizer`: one `jinja_tokenizer` accepts).
+    ValueError where it would fail before rendering (no template for these tools, a
+    variable named as one of the parameters)."""
+    hf = jinja_tokenizer(tokenizer)
+    kwargs = dict(kwargs or {})
+    if clash := sorted(RENDER_PARAMETERS & kwargs.keys()):
+        raise ValueError(f"{clash[0]!r} is not a template variable a request may set")
+    if getattr(tokenizer, "_thinking_kwarg", None) == "enable_thinking":  # mlx-lm's wrapper says if the model thinks
+        kwargs.setdefault("enable_thinking", tokenizer.has_thinking)
+    return {"conversations": [messages], "tools": tools, "chat_template": hf.get_chat_template(None, tools),
+            "add_generation_prompt": True, **hf.special_tokens_map, **kwargs}
+
+
+class TemplateTypeError(InvalidRequest):
+    """The template raised a TypeError (one that reads a call's arguments as text does)."""
+
+
+class _Child:
+    """One render process: its pid (the fork server's child) and its socket."""
+
+    def __init__(self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: "_ForkServer"):
+        self.pid, self.reader, self.writer, self.server = pid, reader, writer, server
+
+    async def exchange(self, payload: bytes) -> tuple[bytes, str]:
+        self.writer.write(HEADER.pack(len(payload)) + payload)
+        await self.writer.drain()
+        kind, size = ANSWER_HEADER.unpack(await self.reader.readexactly(ANSWER_HEADER.size))
+        return kind, decode(await self.reader.readexactly(size))
+
+
+class _ForkServer:
+    """The process that forks render processes (`cluster.chat_render_process`): started
+    once (a Python with transformers imported), then each render process costs a fork."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, control: socket.socket):
+        self.proc, self.control = proc, control
+        self._lock = asyncio.Lock()  # one command at a time on the control socket
+
+    @classmethod
+    async def start(cls, limits: ChatTemplateLimits) -> "_ForkServer":
+        root = str(Path(cluster.__file__).resolve().parents[1])  # it imports this same package
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        env.setdefault("TRANSFORMERS_VERBOSITY", "error")  # not its notes at every start
+        control, theirs = socket.socketpair()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "cluster.chat_render_process", str(theirs.fileno()),
+                str(limits.max_chat_template_chars), str(limits.chat_template_memory_mb << 20),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+                env=env)
+        except BaseException:
+            control.close()
+            raise
+        finally:
+            theirs.close()
+        control.setblocking(False)
+        server = cls(proc, control)
+        try:
+            ready = await server._recv(1)
+            if ready != READY:
+                raise ValueError(f"the fork server exited ({await proc.wait()}) before it was ready")
+        except BaseException:
+            await server.close()
+            raise
+        return server
+
+    async def fork(self) -> _Child:
+        mine, theirs = socket.socketpair()
+        try:
+            async with self._lock:
+                socket.send_fds(self.control, [COMMAND.pack(FORK, 0)], [theirs.fileno()])
+                data = await self._recv(PID.size)
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        if len(data) < PID.size:
+            mine.close()
+            raise ConnectionError("the fork server is gone")
+        reader, writer = await asyncio.open_connection(sock=mine)
+        return _Child(PID.unpack(data)[0], reader, writer, self)
+
+    async def reap(self, child: _Child) -> None:
+        """SIGKILL `child` (by its pid: still the fork server's unreaped child, so never
+        another process's), then have the fork server reap it."""
+        child.writer.close()
+        if not self.alive:
+            return  # its render processes went with it
+        try:
+            os.kill(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            async with self._lock:
+                await asyncio.get_running_loop().sock_sendall(self.control, COMMAND.pack(REAP, child.pid))
+        except OSError:
+            pass
+
+    async def _recv(self, n: int) -> bytes:
+        loop, data = asyncio.get_running_loop(), b""
+        while len(data) < n:
+            chunk = await loop.sock_recv(self.control, n - len(data))
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None and self.control.fileno() >= 0
+
+    async def close(self) -> None:
+        """Close its socket: it kills its render processes and exits (killed if it does not)."""
+        self.control.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), CLOSE_TIMEOUT_SECONDS)
+        except asyncio.TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+class RenderPool:
+    """`chat_template_processes` warm render processes. `start()` (in the running loop)
+    starts them in the background; `render(call)` waits for a free one (a chat waits for
+    the one before it, never for a thread) and returns the text or raises an
+    `OrchardError`: InvalidRequest for what the template did with these messages
+    (`TemplateTypeError` for a TypeError), Unavailable while no process can be started.
+    `probe_call`: what a probe renders (default: a template-free one)."""
+
+    def __init__(self, limits: ChatTemplateLimits = ChatTemplateLimits(), probe_call: dict | None = None):
+        limits.check()
+        self.limits = limits
+        self.probe_call = probe_call or PLAIN_PROBE
+        self._server: _ForkServer | None = None
+        self._server_lock = asyncio.Lock()
+        self._children: set[_Child] = set()  # forked and not killed: idle or rendering
+        self._idle: list[_Child] = []
+        self._waiters: deque[asyncio.Future] = deque()
+        self._starting = 0
+        self._start_error = ""  # why the last start failed ('' once one succeeds)
+        self._timeouts_in_a_row = 0
+        self.rendering = 0  # renders in progress
+        self._tasks: set[asyncio.Task] = set()
+        self._probing: asyncio.Task | None = None
+        self._closed = False
+
+    # -- health ---------------------------------------------------------------------------
+    @property
+    def stuck(self) -> str:
+        """Why renders cannot be served now ('' when they can)."""
+        if not self._children and self._start_error:
+            return f"no chat-template render process can be started ({self._start_error})"
+        if self._timeouts_in_a_row >= self.limits.unhealthy_after_template_timeouts:
+            return (f"{self._timeouts_in_a_row} chat-template renders in a row ran past chat_template_timeout="
+                    f"{self.limits.chat_template_timeout:g} s")
+        return ""
+
+    @property
+    def pids(self) -> list[int]:
+        """The render processes' ids (tests)."""
+        return sorted(c.pid for c in self._children)
+
+    # -- life -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._fill()
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        for child in self._children:
+            child.writer.close()
+        self._children.clear()
+        self._idle.clear()
+        self._fail_waiters(Unavailable("the worker is stopping: it renders no more chat templates"))
+        if self._server is not None:
+            await self._server.close()
+
+    # -- rendering -------------------------------------------------------------------------
+    async def render(self, call: dict) -> str:
+        payload = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
+        child = await self._acquire()
+        # Held by the pool: a request that goes away leaves it to end (by its deadline at the latest).
+        kind, text = await asyncio.shield(self._background(self._run(child, payload)))
+        if kind == OK:
+            return text
+        raise self._refusal(kind, text)
+
+    def _refusal(self, kind: bytes, text: str) -> OrchardError:
+        lim = self.limits
+        if kind == TIMED_OUT:
+            return InvalidRequest(f"the model's chat template exceeded its time limit on these messages "
+                                  f"(chat_template_timeout={lim.chat_template_timeout:g} s): its render was stopped")
+        if kind == TOO_LARGE:
+            return InvalidRequest(f"the model's chat template rendered {text} characters from these messages, over "
+                                  f"its limit (max_chat_template_chars={lim.max_chat_template_chars}): refused")
+        if kind == MEMORY:
+            return InvalidRequest(f"the model's chat template exceeded its memory limit on these messages "
+                                  f"(chat_template_memory_mb={lim.chat_template_memory_mb} MiB): its render was "
+                                  "stopped")
+        if kind == DIED:
+            return InvalidRequest(f"the model's chat template ended its render process on these messages ({text})")
+        if kind == TYPE_ERROR:
+            return TemplateTypeError(f"the chat template could not be applied to these messages: {text}")
+        return InvalidRequest(f"the chat template could not be applied to these messages: {text}")
+
+    async def _run(self, child: _Child, payload: bytes) -> tuple[bytes, str]:
+        """One render on `child` within the deadline; the child goes back to the pool, or is
+        killed and replaced. Never raises (its request may be gone)."""
+        self.rendering += 1
+        try:
+            return await self._render_on(child, payload)
+        finally:
+            self.rendering -= 1
+
+    async def _render_on(self, child: _Child, payload: bytes) -> tuple[bytes, str]:
+        try:
+            kind, text = await asyncio.wait_for(child.exchange(payload), self.limits.chat_template_timeout)
+        except asyncio.TimeoutError:
+            self._replace(child)
+            self._timeouts_in_a_row += 1
+            log.warning("a chat-template render ran past chat_template_timeout=%g s: its process (pid %d) killed",
+                        self.limits.chat_template_timeout, child.pid)
+            if self._timeouts_in_a_row == self.limits.unhealthy_after_template_timeouts:
+                log.error("%s: reporting the worker unhealthy until a probe render finishes in time", self.stuck)
+                self._probe_soon()
+            return TIMED_OUT, ""
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            self._replace(child)
+            log.warning("a chat-template render process (pid %d) ended mid-render (%s)", child.pid, e)
+            return DIED, "its process ended"
+        except asyncio.CancelledError:  # the pool is closing
+            self._replace(child)
+            raise
+        if self._timeouts_in_a_row >= self.limits.unhealthy_after_template_timeouts:
+            log.warning("chat-template renders finish in time again: the worker is healthy")
+        self._timeouts_in_a_row = 0
+        if kind == MEMORY:  # what it freed may sit in its heap: a fresh one
+            self._replace(child)
+        else:
+            self._release(child)
+        return kind, text
+
+    # -- the processes -----------------------------------------------------------------------
+    async def _acquire(self) -> _Child:
+        while self._idle:
+            child = self._idle.pop()
+            if not child.reader.at_eof():
+                return child
+            self._replace(child)  # ended while idle (killed from outside)
+        if self._closed or (not self._children and self._start_error):
+            raise Unavailable(f"this worker cannot render chat templates now: {self.stuck or 'it is stopping'}; "
+                              "send this request elsewhere")
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._release(waiter.result())  # handed over as the request went away
+            raise
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def _release(self, child: _Child) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(child)
+                return
+        self._idle.append(child)
+
+    def _fail_waiters(self, error: OrchardError) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+
+    def _replace(self, child: _Child) -> None:
+        self._children.discard(child)
+        self._background(child.server.reap(child))
+        self._fill()
+
+    def _fill(self) -> None:
+        while not self._closed and len(self._children) + self._starting < self.limits.chat_template_processes:
+            self._starting += 1
+            self._background(self._start_one())
+
+    async def _start_one(self) -> None:
+        try:
+            child = await self._fork_until_one_starts()
+        finally:
+            self._starting -= 1
+        if self._closed:
+            await child.server.reap(child)
+            return
+        self._children.add(child)
+        self._release(child)
+
+    async def _fork_until_one_starts(self) -> _Child:
+        """A new render process; on failure, the fork server started again (backing off)
+        until one starts or the pool closes."""
+        for attempt in range(sys.maxsize):
+            server = None
+            try:
+                server = await self._fork_server()
+                child = await asyncio.wait_for(server.fork(), FORK_TIMEOUT_SECONDS)
+                self._start_error = ""
+                return child
+            except (OSError, ValueError, asyncio.TimeoutError) as e:
+                self._start_error = str(e) or type(e).__name__
+            log.error("cannot start a chat-template render process: %s", self._start_error)
+            if server is not None:  # its socket is out of step or gone: a new one next time
+                await self._drop_server(server)
+            if not self._children:
+                self._fail_waiters(Unavailable(f"this worker cannot render chat templates now: {self.stuck}; "
+                                               "send this request elsewhere"))
+            await asyncio.sleep(RESTART_BACKOFF_SECONDS[min(attempt, len(RESTART_BACKOFF_SECONDS) - 1)])
+
+    async def _fork_server(self) -> _ForkServer:
+        async with self._server_lock:  # one start at a time
+            if self._server is None or not self._server.alive:
+                if self._server is not None:
+                    await self._server.close()
+                self._server = await asyncio.wait_for(_ForkServer.start(self.limits), START_TIMEOUT_SECONDS)
+            return self._server
+
+    async def _drop_server(self, server: _ForkServer) -> None:
+        async with self._server_lock:
+            if self._server is server:
+                self._server = None
+        await server.close()
+
+    # -- probing ---------------------------------------------------------------------------
+    def _probe_soon(self) -> None:
+        if self._probing is None or self._probing.done():
+            self._probing = self._background(self._probe())
+
+    async def _probe(self) -> None:
+        """While renders time out in a row, one render now and then (backing off) that
+        clears the count if it finishes in time."""
+        for attempt in range(sys.maxsize):
+            if self._closed or self._timeouts_in_a_row < self.limits.unhealthy_after_template_timeouts:
+                return
+            await asyncio.sleep(PROBE_BACKOFF_SECONDS[min(attempt, len(PROBE_BACKOFF_SECONDS) - 1)])
+            try:
+                await self.render(self.probe_call)
+            except OrchardError:
+                pass
+
+    def _background(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
