@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster import owned_dir
-from cluster.gguf_file import GGUFError, read_gguf  # noqa: F401  (GGUFError: this module's error too)
+from cluster.gguf_file import GGUFError, read_gguf, shown  # noqa: F401  (GGUFError: this module's error too)
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,7 @@ def _fits(v, kind: str) -> bool:
 def _what(md, key: str, v) -> str:
     """How a bad value is shown: its GGUF type where the metadata knows it, and a short repr."""
     kind = md.type_of(key) if hasattr(md, "type_of") else type(v).__name__
-    text = repr(v.tolist() if isinstance(v, np.ndarray) else v)
-    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({kind})"
+    return f"{shown(v.tolist() if isinstance(v, np.ndarray) else v, 60)} ({kind})"
 
 
 def meta(md, key: str, kind: str, default=_ABSENT):
@@ -403,7 +402,7 @@ def model_config(md, tensors: dict[str, tuple[tuple[int, ...], str]]) -> dict:
     to be of its type."""
     name = meta(md, "general.architecture", "str")
     if name not in ARCHS:
-        raise GGUFError(f"GGUF architecture {name!r} is not supported (supported: {', '.join(ARCHS)})")
+        raise GGUFError(f"GGUF architecture {shown(name)} is not supported (supported: {', '.join(ARCHS)})")
     arch = ARCHS[name]
     p = f"{name}."
     hidden = meta(md, p + "embedding_length", "count")
@@ -435,7 +434,7 @@ def model_config(md, tensors: dict[str, tuple[tuple[int, ...], str]]) -> dict:
                                meta(md, p + "rope.scaling.original_context_length", "count",
                                     cfg["max_position_embeddings"])}
     elif scaling not in (None, "none", "linear"):
-        raise GGUFError(f"{name}: RoPE scaling {scaling!r} is not supported")
+        raise GGUFError(f"{name}: RoPE scaling {shown(scaling)} is not supported")
     if name in ("llama", "qwen2", "qwen3", "gemma2", "gemma3") and rope_dim != head_dim:
         raise GGUFError(f"{name}: RoPE on {rope_dim} of {head_dim} head dimensions is not supported")
     if name == "llama":
@@ -463,7 +462,7 @@ def model_config(md, tensors: dict[str, tuple[tuple[int, ...], str]]) -> dict:
                 pattern = meta_list(md, key, "bool")
                 period = pattern.index(False) + 1 if False in pattern else len(pattern)
                 if [bool(x) for x in pattern] != [(i % period) != period - 1 for i in range(len(pattern))]:
-                    raise GGUFError(f"gemma3: sliding-window layers {pattern} are not every n-th global")
+                    raise GGUFError(f"gemma3: sliding-window layers {shown(pattern)} are not every n-th global")
                 pattern = period
             pattern = meta({key: pattern}, key, "count")
             cfg.update(sliding_window=window or cfg["max_position_embeddings"],
@@ -561,7 +560,7 @@ def bpe_merges(md, vocab: Vocab) -> list[tuple[str, str]]:
         cut = m.find(" ", 1)
         left, right = m[:cut], m[cut + 1:]
         if cut < 0 or left not in known or right not in known or left + right not in known:
-            raise GGUFError(f"tokenizer.ggml.merges[{i}] {m[:40]!r}: must be two tokens separated by a space, "
+            raise GGUFError(f"tokenizer.ggml.merges[{i}] {shown(m, 40)}: must be two tokens separated by a space, "
                             "both in the vocabulary, as is the token they make")
         out.append((left, right))
     return out
@@ -572,7 +571,7 @@ def _bpe_tokenizer(md, vocab: Vocab):
 
     pre = meta(md, "tokenizer.ggml.pre", "str", "default")
     if pre not in PRE_TOKENIZERS:
-        raise GGUFError(f"tokenizer.ggml.pre {pre!r}: a pre-tokenizer Orchard does not know "
+        raise GGUFError(f"tokenizer.ggml.pre {shown(pre)}: a pre-tokenizer Orchard does not know "
                         f"(known: {', '.join(sorted(PRE_TOKENIZERS))})")
     regexes, ignore_merges = PRE_TOKENIZERS[pre]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)}, merges=bpe_merges(md, vocab),
@@ -679,7 +678,7 @@ def build_tokenizer(md: dict, vocab: Vocab):
     elif vocab.model == "llama":
         tok = _spm_tokenizer(md, vocab)
     else:
-        raise GGUFError(f"tokenizer.ggml.model {vocab.model!r} is not supported (gpt2: byte-level BPE, "
+        raise GGUFError(f"tokenizer.ggml.model {shown(vocab.model)} is not supported (gpt2: byte-level BPE, "
                         "llama: SentencePiece)")
     special = [i for i, ty in enumerate(vocab.types) if ty in (CONTROL, UNKNOWN)]
     user = [i for i, ty in enumerate(vocab.types) if ty == USER_DEFINED]
@@ -1008,14 +1007,9 @@ def ollama_name(name: str) -> tuple[str, str, str, str]:
         if not _OLLAMA_PARTS[part].fullmatch(value):
             limit = 350 if part == "host" else 80
             chars = "letters, digits, _ -" + ("" if part == "namespace" else " .") + (" :" if part == "host" else "")
-            raise GGUFError(f"the {part} {_shown(value)} is not an Ollama name (1-{limit} {chars}, "
+            raise GGUFError(f"the {part} {shown(value)} is not an Ollama name (1-{limit} {chars}, "
                             "the first a letter, digit or _)")
     return host, namespace, model, tag
-
-
-def _shown(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def ollama_model_digest(manifest: Path) -> str:
@@ -1034,18 +1028,18 @@ def ollama_model_digest(manifest: Path) -> str:
         raise GGUFError(f"the manifest {manifest} is not JSON ({str(e)[:200]})") from None
     layers = doc.get("layers") if isinstance(doc, dict) else None
     if not isinstance(layers, list):
-        what = f"its layers are {_shown(layers)}" if isinstance(doc, dict) else f"it is {type(doc).__name__}"
+        what = f"its layers are {shown(layers)}" if isinstance(doc, dict) else f"it is {type(doc).__name__}"
         raise GGUFError(f"the manifest {manifest} is not an Ollama manifest: layers must be a list ({what})")
     model = None
     for i, layer in enumerate(layers):
         if not isinstance(layer, dict):
-            raise GGUFError(f"the manifest {manifest}: layers[{i}] must be an object, got {_shown(layer)}")
+            raise GGUFError(f"the manifest {manifest}: layers[{i}] must be an object, got {shown(layer)}")
         media, digest = layer.get("mediaType"), layer.get("digest")
         if not isinstance(media, str):
-            raise GGUFError(f"the manifest {manifest}: layers[{i}].mediaType must be a string, got {_shown(media)}")
+            raise GGUFError(f"the manifest {manifest}: layers[{i}].mediaType must be a string, got {shown(media)}")
         if not isinstance(digest, str) or not OLLAMA_DIGEST.fullmatch(digest):
             raise GGUFError(f"the manifest {manifest}: layers[{i}].digest must be sha256:<64 hex digits>, got "
-                            f"{_shown(digest)}")
+                            f"{shown(digest)}")
         if media == OLLAMA_MODEL_LAYER and model is None:
             model = digest
     if model is None:

@@ -58,6 +58,12 @@ _KV_MIN = 8 + 1 + 4 + 1  # key length, a 1-byte key, value type, a 1-byte value
 _TENSOR_MIN = 8 + 1 + 4 + 8 + 4 + 8  # name length, a 1-byte name, n_dims, one dim, type, offset
 
 
+def shown(value, limit: int = 80) -> str:
+    """A value as an error message shows it: its repr (one line), cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def ggml_types() -> dict[int, tuple[str, int, int]]:
     """ggml type id -> (name, weights per block, bytes per block), from the gguf package."""
     import gguf
@@ -231,12 +237,13 @@ class _Walk:
         places: dict[str, tuple[int, int]] = {}
         for i in range(n_kv):
             raw = self.string(f"metadata key #{i}", MAX_KEY_LENGTH)
-            key = _text(raw, f"metadata key #{i}")
+            key = _name(raw, f"metadata key #{i}")
+            label = key if len(key) <= 80 else shown(key)
             if key in places:
-                raise GGUFError(f"metadata key {key!r} appears twice (a key may appear once)")
-            (vtype,) = self.unpack("<I", f"{key} value type")
+                raise GGUFError(f"metadata key {shown(key)} appears twice (a key may appear once)")
+            (vtype,) = self.unpack("<I", f"{label} value type")
             places[key] = (vtype, self.pos)
-            self.value(vtype, key)
+            self.value(vtype, label)
         metadata = Metadata(self.buf, places)
         alignment = DEFAULT_ALIGNMENT
         if "general.alignment" in places:
@@ -248,7 +255,7 @@ class _Walk:
         infos = []
         names = set()
         for i in range(n_tensors):
-            name = _text(self.string(f"tensor #{i} name", MAX_TENSOR_NAME), f"tensor #{i} name")
+            name = _name(self.string(f"tensor #{i} name", MAX_TENSOR_NAME), f"tensor #{i} name")
             if name in names:
                 raise GGUFError(f"tensor {name!r} appears twice")
             names.add(name)
@@ -298,11 +305,15 @@ def _tensor(buf, name, dims, ggml_type, offset, types, alignment, data_start, si
     return TensorInfo(name, type_name, tuple(reversed(dims)), data_start + offset, nbytes, block, block_bytes, buf)
 
 
-def _text(raw: bytes, what: str) -> str:
+def _name(raw: bytes, what: str) -> str:
+    """A key or tensor name: UTF-8 without control characters (it is shown in messages)."""
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise GGUFError(f"{what} is not UTF-8 ({e.reason} at byte {e.start})") from e
+        raise GGUFError(f"{what} {shown(raw)} is not UTF-8 ({e.reason} at byte {e.start})") from e
+    if any(c < " " or c == "\x7f" for c in text):
+        raise GGUFError(f"{what} {shown(text)} holds control characters")
+    return text
 
 
 def _decode(buf, vtype: int, pos: int):

@@ -2,7 +2,7 @@
 `orchard model import` in a process of its own with a time and a memory limit.
 
     python load/fuzz_models.py [--gguf 2000] [--manifests 200] [--seed 0] [--jobs 2]
-                               [--timeout 10] [--memory-mb 1024] [--keep DIR]
+                               [--timeout 10] [--wall-timeout 60] [--memory-mb 1024] [--keep DIR]
 
 It writes a small valid GGUF (the tiny random llama of `orchard model create`, some tensors
 quantized, as llama.cpp's converter writes it: tests/gguf_export.py) and a valid Ollama
@@ -17,8 +17,10 @@ models directory holding it (a manifest naming its blob). Then:
      digest, digests that are not sha256 or that climb out of blobs/ (towards a valid GGUF
      left outside the models directory as bait), names that climb out of manifests/;
   3. each one imported into a fresh target (`python -m cluster model import SOURCE DIR`,
-     RLIMIT_AS --memory-mb, killed after --timeout s); the directory around the target (the
-     file, the Ollama tree, the bait) is listed before and after.
+     RLIMIT_AS --memory-mb, RLIMIT_CPU --timeout CPU seconds: the work an import does,
+     whatever else the machine runs; killed after --wall-timeout s, for a hang that spends
+     no CPU); the directory around the target (the file, the Ollama tree, the bait) is listed
+     before and after.
 
 The verdict, which is the exit status: 0 tracebacks (in any output), 0 runs over the time or
 memory limit or killed by a signal, every refusal a single line on a non-zero exit, 0
@@ -35,10 +37,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import random
 import resource
 import shutil
+import signal
 import statistics
 import struct
 import subprocess
@@ -74,8 +78,9 @@ class Case:
 @dataclass
 class Outcome:
     case: Case
-    code: int | str  # the exit code, "timeout" or "signal N"
+    code: int | str  # the exit code, "timeout" (wall), "cpu limit" or "signal N"
     seconds: float
+    cpu_seconds: float
     rss_mb: float
     output: str
     imported: bool = False
@@ -398,17 +403,18 @@ def run_one(case: Case, index: int, work: Path, args, valid: bytes) -> Outcome:
     (root / "out").mkdir()
     target = root / "out" / "model"
     before = snapshot(root)
-    limit = args.memory_mb << 20
+    limit, cpu = args.memory_mb << 20, math.ceil(args.timeout)
 
     def limits():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 
     with open(root / "output.txt", "w+b") as log:
         started = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "cluster", "model", "import", str(source), str(target)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, preexec_fn=limits)
         killed = threading.Event()
-        timer = threading.Timer(args.timeout, lambda: (killed.set(), proc.kill()))
+        timer = threading.Timer(args.wall_timeout, lambda: (killed.set(), proc.kill()))
         timer.start()
         _, status, usage = os.wait4(proc.pid, 0)
         timer.cancel()
@@ -419,9 +425,11 @@ def run_one(case: Case, index: int, work: Path, args, valid: bytes) -> Outcome:
     code: int | str = proc.returncode
     if killed.is_set():
         code = "timeout"
+    elif proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        code = "cpu limit"
     elif proc.returncode < 0:
         code = f"signal {-proc.returncode}"
-    out = Outcome(case, code, seconds, usage.ru_maxrss / 1024, output.strip())
+    out = Outcome(case, code, seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, output.strip())
     out.imported = code == 0
     out.failures = tuple(judge(out, root, target, before))
     if not out.failures and not args.keep:
@@ -466,16 +474,17 @@ def summary(outcomes: list[Outcome]) -> list[str]:
         outs = [o for o in outcomes if o.case.kind == kind]
         lines.append(f"{kind} runs: {len(outs)}")
         lines.append(f"{kind} imported: {sum(o.imported for o in outs)}")
-        lines.append(f"{kind} refused: {sum(o.code not in (0, 'timeout') for o in outs)}")
+        lines.append(f"{kind} refused: {sum(isinstance(o.code, int) and o.code != 0 for o in outs)}")
     outside = sum(any("outside the target" in f for f in o.failures) for o in outcomes)
     lines += [f"tracebacks: {sum('Traceback' in o.output for o in outcomes)}",
-              f"timeouts: {sum(o.code == 'timeout' for o in outcomes)}",
+              f"timeouts: {sum(o.code in ('timeout', 'cpu limit') for o in outcomes)}",
               f"killed by a signal: {sum(str(o.code).startswith('signal') for o in outcomes)}",
               f"bad imports: {sum(any('imported' in f for f in o.failures) for o in outcomes)}",
               f"written outside the target: {outside}",
               f"failures: {sum(bool(o.failures) for o in outcomes)}",
-              f"median seconds: {statistics.median(o.seconds for o in outcomes) if outcomes else 0:.2f}",
-              f"max seconds: {max((o.seconds for o in outcomes), default=0):.2f}",
+              f"median cpu seconds: {statistics.median(o.cpu_seconds for o in outcomes) if outcomes else 0:.2f}",
+              f"max cpu seconds: {max((o.cpu_seconds for o in outcomes), default=0):.2f}",
+              f"max wall seconds: {max((o.seconds for o in outcomes), default=0):.2f}",
               f"max rss mb: {max((o.rss_mb for o in outcomes), default=0):.0f}"]
     return lines
 
@@ -486,7 +495,9 @@ def main(argv=None) -> int:
     parser.add_argument("--manifests", type=int, default=200, help="mutated Ollama manifests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="imports at a time")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds an import may take")
+    parser.add_argument("--timeout", type=float, default=10.0, help="CPU seconds an import may take (RLIMIT_CPU)")
+    parser.add_argument("--wall-timeout", type=float, default=60.0,
+                        help="seconds after which an import is killed as hung (a loaded machine runs it slower)")
     parser.add_argument("--memory-mb", type=int, default=1024, help="each import's address-space limit (RLIMIT_AS)")
     parser.add_argument("--keep", help="keep every case's files under this directory (failures are always kept)")
     args = parser.parse_args(argv)
@@ -500,7 +511,7 @@ def main(argv=None) -> int:
     cases += [mutate_manifest(digest, rng) for _ in range(args.manifests)]
     cases.insert(0, Case("gguf", "valid", valid))
     print(f"orchard fuzz models: {len(cases)} imports ({args.gguf} GGUF + {args.manifests} manifests and the valid "
-          f"file), {args.jobs} at a time, {args.timeout:g} s and {args.memory_mb} MB each, seed {args.seed}; "
+          f"file), {args.jobs} at a time, {args.timeout:g} CPU s and {args.memory_mb} MB each, seed {args.seed}; "
           f"files in {work}", flush=True)
     started = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -517,7 +528,8 @@ def main(argv=None) -> int:
     if not outcomes[0].imported:
         print(f"FAILURE: the valid file did not import: {outcomes[0].output[-500:]}")
     for o in failed[:30]:
-        print(f"FAILURE [{o.case.kind}: {o.case.label}] exit {o.code} after {o.seconds:.1f} s: "
+        print(f"FAILURE [{o.case.kind}: {o.case.label}] exit {o.code} after {o.seconds:.1f} s "
+              f"({o.cpu_seconds:.1f} s CPU): "
               f"{'; '.join(o.failures)}\n  {o.output[-600:]}")
     ok = not failed and outcomes[0].imported
     if not args.keep and ok:

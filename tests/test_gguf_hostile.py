@@ -175,6 +175,7 @@ MORE = {
     "string longer than the file": (lambda r: r.kvs.append(["x.s", STRING, struct.pack("<Q", 1 << 40)]) or r,
                                     "truncated"),
     "key not UTF-8": (lambda r: r.kvs.append([b"\xff\xfe".decode("latin-1"), UINT8, b"\0"]) or r, None),
+    "key with a newline": (lambda r: r.kvs.append(["x.a\nb", UINT8, b"\0"]) or r, r"'x.a\\nb' holds control"),
     "alignment not a power of two": (lambda r: r.set("general.alignment", UINT32, 48), "general.alignment 48"),
     "unknown ggml type": (lambda r: _tensor(r, "output_norm.weight").__setitem__(2, 200) or r, "ggml type 200"),
     "five dimensions": (lambda r: _tensor(r, "output_norm.weight").__setitem__(1, [128, 1, 1, 1, 1]) or r,
