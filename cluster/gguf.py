@@ -810,7 +810,7 @@ def _convert(t: _Tensor, arch: Arch, cfg: dict):
         w = dequantize(t.type_name, data, t.shape)
         if t.shift:
             w = w - np.float32(1.0)
-        yield p.name, w.astype(np.float32)
+        yield p.name, w.astype(np.float32, copy=False)
 
 
 def expected_shapes(cfg: dict, arch: Arch, n_vocab: int) -> dict[str, tuple[int, ...]]:
@@ -855,24 +855,26 @@ def check_tensors(name: str, cfg: dict, arch: Arch, tensors: dict[str, tuple[tup
                             f"feed_forward_length {cfg['intermediate_size']}, {cfg['num_attention_heads']} heads)")
 
 
-CONVERT_PEAK = 4  # bytes held while a tensor is converted, per byte written: the package's intermediates
+# bytes held while a tensor is converted, per byte it writes: the gguf package's dequantizing
+# intermediates, the split blocks of an exact type, a float32 copy of a shifted norm
+CONVERT_PEAK = {"dequantized": 2.5, "quantized": 4.0, "float": 2.0}
 
 
 def check_room(plan: list[_Tensor], dst: Path, extra: int) -> None:
     """Refuse, with the numbers, an import that needs more disk under `dst` (every tensor
-    written, and `extra`) or more memory (the largest tensor converted) than is free."""
+    written, and `extra`) or more memory (the costliest tensor converted) than is free."""
     sizes = [sum(_ST_SIZE[p.dtype] * math.prod(p.shape) for p in _outputs(t)) for t in plan]
-    disk, memory = sum(sizes) + extra, CONVERT_PEAK * max(sizes, default=0)
+    peaks = [int(CONVERT_PEAK[t.how] * n) for t, n in zip(plan, sizes)]
+    disk, memory = sum(sizes) + extra, max(peaks, default=0)
     where = next(p for p in (dst, *dst.absolute().parents) if p.exists())
     free_disk = shutil.disk_usage(where).free
     if disk > free_disk:
         raise GGUFError(f"the import writes {_size(disk)} and {where} has {_size(free_disk)} free")
     free_memory = memory_free()
     if free_memory and memory > free_memory:
-        big = max(range(len(plan)), key=sizes.__getitem__)
-        raise GGUFError(f"converting tensor {plan[big].gguf_name} ({plan[big].type_name}, "
-                        f"{'x'.join(map(str, plan[big].shape))}) needs {_size(memory)} of memory; "
-                        f"{_size(free_memory)} is free")
+        big = plan[peaks.index(memory)]
+        raise GGUFError(f"converting tensor {big.gguf_name} ({big.type_name}, {'x'.join(map(str, big.shape))}) "
+                        f"needs {_size(memory)} of memory; {_size(free_memory)} is free")
 
 
 def memory_free() -> int:
