@@ -106,11 +106,12 @@ def test_a_time_bomb_costs_its_request_a_clear_error_within_its_deadline(tiny_mo
 
 
 def test_two_stuck_renders_block_neither_a_third_chat_nor_a_long_prompt(tiny_model_dir):
-    """Two renders that hold their processes for a long deadline leave the third process to
-    a normal chat and the tokenizer's threads to a long prompt; a request that goes away
+    """Two renders that hold their processes for a long deadline leave the other processes
+    (by default) to a normal chat and the tokenizer's threads to a long prompt; a request that goes away
     leaves its render to end by its deadline, its process killed and replaced."""
     async def fn(svc):
-        await until(lambda: len(svc.renders.pids) == 3, what="the render processes' start")
+        processes = svc.templates.chat_template_processes  # the default
+        await until(lambda: len(svc.renders.pids) == processes, what="the render processes' start")
         bombs = [asyncio.ensure_future(collect(svc, chat("boom"))) for _ in range(2)]
         await until(lambda: svc.renders.rendering == 2, what="the bombs' renders")
         served = await asyncio.gather(collect(svc, chat("hi")), collect(svc, build_request(LONG_PROMPT, max_tokens=2)))
@@ -119,11 +120,10 @@ def test_two_stuck_renders_block_neither_a_third_chat_nor_a_long_prompt(tiny_mod
         for b in bombs:  # the clients give up (a 504, a disconnect)
             b.cancel()
         await until(lambda: svc.renders.rendering == 0, what="the abandoned renders' end")
-        await until(lambda: len(svc.renders.pids) == 3, what="the killed processes' replacement")
+        await until(lambda: len(svc.renders.pids) == processes, what="the killed processes' replacement")
         return served, still, stuck_pids, set(svc.renders.pids)
 
-    served, still, before, after = serve(tiny_model_dir, BOMB_ON_BOOM, fn, chat_template_timeout=4.0,
-                                         chat_template_processes=3)
+    served, still, before, after = serve(tiny_model_dir, BOMB_ON_BOOM, fn, chat_template_timeout=4.0)
     assert served == ["ok", "ok"] and still == 2
     assert len(before - after) == 2  # the two that rendered the bombs were killed
 

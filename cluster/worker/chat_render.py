@@ -60,15 +60,17 @@ class ChatTemplateLimits:
         5.0, "a chat template's render that takes longer is stopped (its process killed and replaced) and its "
              "request refused (400)", metavar="SECONDS")
     max_chat_template_chars: int = setting(
-        8_000_000, "a chat template's rendered prompt longer than this many characters is refused (400)")
+        8_000_000, "a chat template's rendered prompt longer than this many characters is refused (400)",
+        metavar="CHARS")
     chat_template_memory_mb: int = setting(
         256, "memory a chat template's render may take, in MiB: its process's address space past its start-up "
              "size (where the OS enforces RLIMIT_AS: Linux)", metavar="MIB")
     chat_template_processes: int = setting(
-        2, "processes that render chat templates (each kept warm: a Python with transformers imported)")
+        4, "processes that render chat templates at once (kept warm, forked from one Python with transformers "
+           "imported)", metavar="N")
     unhealthy_after_template_timeouts: int = setting(
         3, "this many chat-template renders in a row past --chat-template-timeout make the worker report "
-           "itself unhealthy (the router places nothing there) until a probe render finishes in time")
+           "itself unhealthy (the router places nothing there) until a probe render finishes in time", metavar="N")
 
     def check(self) -> None:
         """ValueError naming the flag for a value no render could run under."""
@@ -127,6 +129,7 @@ class _Child:
 
     def __init__(self, pid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: "_ForkServer"):
         self.pid, self.reader, self.writer, self.server = pid, reader, writer, server
+        self.killed = False
 
     async def exchange(self, payload: bytes) -> tuple[bytes, str]:
         self.writer.write(HEADER.pack(len(payload)) + payload)
@@ -188,16 +191,22 @@ class _ForkServer:
         reader, writer = await asyncio.open_connection(sock=mine)
         return _Child(PID.unpack(data)[0], reader, writer, self)
 
+    def kill(self, child: _Child) -> None:
+        """SIGKILL `child` by its pid: still the fork server's unreaped child (it reaps
+        only when told), so never another process's."""
+        if not child.killed and self.alive:
+            try:
+                os.kill(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        child.killed = True
+
     async def reap(self, child: _Child) -> None:
-        """SIGKILL `child` (by its pid: still the fork server's unreaped child, so never
-        another process's), then have the fork server reap it."""
+        """Kill `child` (if it is not yet), then have the fork server reap it."""
+        self.kill(child)
         child.writer.close()
         if not self.alive:
             return  # its render processes went with it
-        try:
-            os.kill(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         try:
             async with self._lock:
                 await asyncio.get_running_loop().sock_sendall(self.control, COMMAND.pack(REAP, child.pid))
@@ -322,32 +331,37 @@ class RenderPool:
             self.rendering -= 1
 
     async def _render_on(self, child: _Child, payload: bytes) -> tuple[bytes, str]:
+        deadline = asyncio.get_running_loop().call_later(self.limits.chat_template_timeout, child.server.kill, child)
         try:
-            kind, text = await asyncio.wait_for(child.exchange(payload), self.limits.chat_template_timeout)
-        except asyncio.TimeoutError:
-            self._replace(child)
-            self._timeouts_in_a_row += 1
-            log.warning("a chat-template render ran past chat_template_timeout=%g s: its process (pid %d) killed",
-                        self.limits.chat_template_timeout, child.pid)
-            if self._timeouts_in_a_row == self.limits.unhealthy_after_template_timeouts:
-                log.error("%s: reporting the worker unhealthy until a probe render finishes in time", self.stuck)
-                self._probe_soon()
-            return TIMED_OUT, ""
+            kind, text = await child.exchange(payload)
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             self._replace(child)
+            if child.killed:
+                return self._timed_out(child)
             log.warning("a chat-template render process (pid %d) ended mid-render (%s)", child.pid, e)
             return DIED, "its process ended"
         except asyncio.CancelledError:  # the pool is closing
             self._replace(child)
             raise
+        finally:
+            deadline.cancel()
         if self._timeouts_in_a_row >= self.limits.unhealthy_after_template_timeouts:
             log.warning("chat-template renders finish in time again: the worker is healthy")
         self._timeouts_in_a_row = 0
-        if kind == MEMORY:  # what it freed may sit in its heap: a fresh one
+        if kind == MEMORY or child.killed:  # what it freed may sit in its heap; or its deadline came as it answered
             self._replace(child)
         else:
             self._release(child)
         return kind, text
+
+    def _timed_out(self, child: _Child) -> tuple[bytes, str]:
+        self._timeouts_in_a_row += 1
+        log.warning("a chat-template render ran past chat_template_timeout=%g s: its process (pid %d) killed",
+                    self.limits.chat_template_timeout, child.pid)
+        if self._timeouts_in_a_row == self.limits.unhealthy_after_template_timeouts:
+            log.error("%s: reporting the worker unhealthy until a probe render finishes in time", self.stuck)
+            self._probe_soon()
+        return TIMED_OUT, ""
 
     # -- the processes -----------------------------------------------------------------------
     async def _acquire(self) -> _Child:
