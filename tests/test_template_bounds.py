@@ -128,6 +128,29 @@ def test_two_stuck_renders_block_neither_a_third_chat_nor_a_long_prompt(tiny_mod
     assert len(before - after) == 2  # the two that rendered the bombs were killed
 
 
+def test_a_time_bomb_in_a_gguf_s_metadata_is_bounded_too(tiny_model_dir, tmp_path):
+    """A template from a GGUF's metadata (tokenizer.chat_template, imported into the model's
+    tokenizer_config.json) renders in the same processes as any other."""
+    from gguf_export import export
+
+    from cluster.gguf import import_gguf
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model_dir, src)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config["chat_template"] = BOMB_ON_BOOM
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    model = import_gguf(export(src, tmp_path / "bomb.gguf"), tmp_path / "imported")
+
+    async def fn(svc):
+        with pytest.raises(InvalidRequest) as e:
+            await collect(svc, chat("boom"))
+        return str(e.value), await collect(svc, chat("hi"))
+
+    error, served = serve(model, None, fn, **QUICK)
+    assert "chat_template_timeout=1 s" in error and served == "ok"
+
+
 def test_a_huge_string_is_refused_without_growing_the_worker(tiny_model_dir):
     """'x' * 300000000 fails in its render process (its memory cap, or its size limit
     where the OS does not enforce the cap): the worker itself does not grow."""

@@ -194,7 +194,7 @@ class WorkerService:
         group = getattr(engine, "group", None)  # rank 0 of a worker group (cluster/worker/group/)
         self.group_stats = group.stats if group is not None else None
         self._read_formats(self.tokenizer)
-        if jinja_tokenizer(self.tokenizer) is not None:
+        if GENERATE in self.tasks and jinja_tokenizer(self.tokenizer) is not None:
             self.renders = RenderPool(self.templates, self._probe_call())
             self.renders.start()
         if self._with_metrics:
