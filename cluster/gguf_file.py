@@ -177,18 +177,19 @@ class _Walk:
             raise GGUFError(f"{what} {n} cannot fit: {n} x at least {each} bytes, the file has {left} left")
         return n
 
-    def string(self, what: str, limit: int | None = None) -> bytes:
+    def string(self, what: str, limit: int | None = None, keep: bool = True) -> bytes | None:
+        """A string's bytes (`keep`), or only stepped over."""
         (n,) = self.unpack("<Q", f"{what} length")
         if limit is not None and n > limit:
             raise GGUFError(f"{what} length {n} is over the limit of {limit}")
         self.need(n, f"{what} ({n} bytes)")
         self.pos += n
-        return self.buf[self.pos - n:self.pos]
+        return self.buf[self.pos - n:self.pos] if keep else None
 
     def value(self, vtype: int, what: str, depth: int = 0) -> None:
         """Step over a value of type `vtype`, checking its lengths (see `_decode` for reading it)."""
         if vtype == STRING:
-            self.string(what)
+            self.string(what, keep=False)
         elif vtype == ARRAY:
             if depth >= MAX_ARRAY_DEPTH:
                 raise GGUFError(f"{what}: arrays nested over the limit of {MAX_ARRAY_DEPTH} deep")
