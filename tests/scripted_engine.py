@@ -101,12 +101,14 @@ class ScriptedServer:
     """The worker service over a `ScriptedEngine`, its HTTP app (`url`) and gRPC
     `Generation` (`grpc_address`), on 127.0.0.1 and free ports, in a thread of its own (so that sync clients can call it) until `stop()`."""
 
-    def __init__(self, engine: ScriptedEngine | Callable[[], object], *, router: bool = False, **app_kwargs):
+    def __init__(self, engine: ScriptedEngine | Callable[[], object], *, router: bool = False, templates=None,
+                 **app_kwargs):
         # an engine, or a function that makes one (a real Engine is built on its own thread:
         # MLX's streams belong to the thread that made them)
         self.engine = engine if not callable(engine) else None
         self._factory = engine if callable(engine) else None
         self.with_router = router  # also a router in front of it (`router_url`), with it as a static worker
+        self.templates = templates  # the worker's ChatTemplateLimits (None: the defaults)
         self._app_kwargs = app_kwargs
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -137,7 +139,8 @@ class ScriptedServer:
                 self.engine = self._factory()
             return self.engine
 
-        svc = WorkerService("scripted", factory, metrics=False)
+        svc = WorkerService("scripted", factory, metrics=False,
+                            **({"templates": self.templates} if self.templates is not None else {}))
         try:
             await svc.start(timeout=30)
             runner = web.AppRunner(create_app(svc, **self._app_kwargs))

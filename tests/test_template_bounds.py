@@ -224,6 +224,27 @@ def test_a_worker_that_cannot_start_render_processes_is_unhealthy(tiny_model_dir
     assert served == "ok"
 
 
+def test_through_the_router_a_time_bomb_is_the_client_s_400_not_retried(tiny_model_dir):
+    """The router passes the refusal on as the client's error (not a 5xx it would retry on
+    another worker, nor a failure of the worker): the next chat is served there."""
+    import openai
+
+    from scripted_engine import ScriptedServer
+
+    engine = ScriptedEngine(tiny_model_dir, reply="ok")
+    engine.tokenizer._tokenizer.chat_template = BOMB_ON_BOOM
+    srv = ScriptedServer(engine, router=True, templates=ChatTemplateLimits(**QUICK))
+    try:
+        c = openai.OpenAI(base_url=srv.router_url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match=r"exceeded its time limit .*chat_template_timeout=1 s"):
+            c.chat.completions.create(model="", messages=[{"role": "user", "content": "boom"}], max_tokens=2)
+        r = c.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert r.choices[0].message.content == "ok"
+        assert engine.prompts == ["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"]
+    finally:
+        srv.stop()
+
+
 def test_the_router_places_nothing_on_a_worker_reporting_itself_unhealthy_and_keeps_its_streams():
     reg = Registry(connect=False)
     w = reg.register("w1", "a:1", "", pb.LoadReport(worker_id="w1", model="m"))
