@@ -1,6 +1,7 @@
 """Chat templates rendered where a render can be abandoned: a small pool of warm child
-processes (`cluster/chat_render_process.py`), each render within a time, size and memory
-limit.
+processes (`cluster/chat_render_process.py`: forked from one fork server that has
+transformers imported, so a process is replaced in milliseconds), each render within a
+time, size and memory limit.
 
 A chat template is code from the model's files (GGUF metadata, chat_template.jinja,
 tokenizer_config.json). Jinja's sandbox keeps it from doing harm, not from running for
