@@ -187,6 +187,29 @@ def test_a_rendered_prompt_over_the_size_limit_is_refused(tiny_model_dir):
     assert "rendered 200000 characters" in error and "max_chat_template_chars=100000" in error
 
 
+def test_a_template_s_own_error_stays_a_clear_400_and_leaves_the_worker_healthy(tiny_model_dir):
+    """raise_exception (a TemplateError) in the render process is the request's 400 with
+    the template's message; it is no timeout, and the process goes on serving."""
+    refuses = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('the first message must be a system "
+               "message') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+    async def fn(svc):
+        await until(lambda: len(svc.renders.pids) == 2, what="the render processes' start")
+        pids = svc.renders.pids
+        errors = []
+        for _ in range(4):  # past unhealthy_after_template_timeouts, were they counted
+            with pytest.raises(InvalidRequest) as e:
+                await collect(svc, chat("hi"))
+            errors.append(e.value)
+        return errors, pids == svc.renders.pids, svc.unhealthy_reason
+
+    errors, same_processes, reason = serve(tiny_model_dir, refuses, fn, **QUICK)
+    assert all(e.code == grpc.StatusCode.INVALID_ARGUMENT and e.message == (
+        "the chat template could not be applied to these messages: the first message must be a system message")
+        for e in errors)
+    assert same_processes and reason == ""
+
+
 def test_the_worker_is_unhealthy_while_renders_time_out_and_healthy_again_after(tiny_model_dir):
     """Renders that time out back to back make the worker report itself unhealthy (load
     report, /health through `unhealthy_reason`); a probe render that finishes in time
