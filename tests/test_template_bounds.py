@@ -346,6 +346,19 @@ def test_renders_are_transformers_own_byte_for_byte(tokenizer):
     assert not errors_only
 
 
+def test_every_parameter_of_render_jinja_template_is_known():
+    """A template variable named as one of render_jinja_template's parameters is refused
+    before it reaches a render process: a new one in a transformers release must be added."""
+    import inspect
+
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from cluster.worker.chat_render import RENDER_PARAMETERS
+
+    params = inspect.signature(render_jinja_template).parameters.values()
+    assert {p.name for p in params if p.kind is not p.VAR_KEYWORD} == RENDER_PARAMETERS
+
+
 def test_a_chat_is_tokenized_as_apply_chat_template_tokenizes_it(tiny_model_dir):
     """Through the service, a chat's prompt tokens are apply_chat_template's, with tools and
     template variables, short (inline) and long (on the tokenizer's threads)."""
