@@ -21,6 +21,7 @@ from cluster.api.errors import InvalidRequest
 from cluster.chat_formats import template_text
 from cluster.platform import resident_bytes
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.router.admin import format_workers
 from cluster.router.registry import HEALTHY, UNHEALTHY, Registry
 from cluster.sdk import build_request
 from cluster.worker.chat_render import ChatTemplateLimits, RenderPool, render_call
@@ -280,6 +281,7 @@ def test_the_router_places_nothing_on_a_worker_reporting_itself_unhealthy_and_ke
     w.attempts.add(Stream())
     reg.record_report(w, pb.LoadReport(worker_id="w1", model="m", unhealthy_reason="renders stuck"))
     assert w.state == UNHEALTHY and abandoned == []
+    assert "unhealthy: renders stuck" in format_workers([w.info()]).splitlines()[2]
     with pytest.raises(Exception) as e:
         reg.candidates("m")
     assert e.value.code == grpc.StatusCode.UNAVAILABLE

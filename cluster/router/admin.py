@@ -20,7 +20,7 @@ def _call(router: str, method: str, request, security: ClientSecurity = NO_SECUR
 
 def format_workers(workers: list[pb.WorkerInfo]) -> str:
     """One row per worker: id, address, model, state (and its circuit breaker when not
-    closed), running, waiting, KV %, in-flight."""
+    closed), running, waiting, KV %, in-flight; beneath it, why it reports itself unhealthy."""
     header = ("ID", "ADDRESS", "MODEL", "STATE", "RUNNING", "WAITING", "KV %", "INFLIGHT")
     rows = [header]
     for w in workers:
@@ -38,6 +38,8 @@ def format_workers(workers: list[pb.WorkerInfo]) -> str:
     out = []
     for line, w in zip(lines[1:], workers):
         out.append(line)
+        if w.load.unhealthy_reason:  # what the worker says keeps it from taking requests
+            out.append(f"  unhealthy: {w.load.unhealthy_reason}")
         if w.load.HasField("group"):  # a worker group: one row, its members beneath
             g = w.load.group
             out.append(f"  group of {g.size}, {g.parallel} parallel: " + "; ".join(
