@@ -578,7 +578,7 @@ class WorkerService:
 
     def _probe_call(self) -> dict | None:
         """What the render processes' health probe renders: the model's template on a
-        one-line chat (None: a template-free probe, where the model's refuses it)."""
+        one-line chat (None, where no call can be built for it: the pool's own probe)."""
         try:
             return render_call(self.tokenizer, PROBE_MESSAGES)
         except Exception:
