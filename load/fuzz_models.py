@@ -40,7 +40,6 @@ import json
 import math
 import os
 import random
-import resource
 import shutil
 import signal
 import statistics
@@ -403,16 +402,14 @@ def run_one(case: Case, index: int, work: Path, args, valid: bytes) -> Outcome:
     (root / "out").mkdir()
     target = root / "out" / "model"
     before = snapshot(root)
-    limit, cpu = args.memory_mb << 20, math.ceil(args.timeout)
-
-    def limits():
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-
+    # the limits set by a shell that then execs the import: no preexec_fn, so the child is
+    # spawned without a copy of this process (whose peak memory a forked child's would report)
+    limits = ["sh", "-c", 'ulimit -v "$1" && ulimit -t "$2" && shift 2 && exec "$@"', "sh",
+              str(args.memory_mb << 10), str(math.ceil(args.timeout))]
     with open(root / "output.txt", "w+b") as log:
         started = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "cluster", "model", "import", str(source), str(target)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, preexec_fn=limits)
+        proc = subprocess.Popen([*limits, sys.executable, "-m", "cluster", "model", "import", str(source),
+                                 str(target)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
         killed = threading.Event()
         timer = threading.Timer(args.wall_timeout, lambda: (killed.set(), proc.kill()))
         timer.start()
@@ -432,6 +429,7 @@ def run_one(case: Case, index: int, work: Path, args, valid: bytes) -> Outcome:
     out = Outcome(case, code, seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, output.strip())
     out.imported = code == 0
     out.failures = tuple(judge(out, root, target, before))
+    case.blob = b""  # (kept on disk where it failed)
     if not out.failures and not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     return out
@@ -506,16 +504,20 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     valid = valid_gguf(work)
     digest = "sha256:" + hashlib.sha256(valid).hexdigest()
-    rng = random.Random(args.seed)
-    cases = [mutate_gguf(valid, rng) for _ in range(args.gguf)]
-    cases += [mutate_manifest(digest, rng) for _ in range(args.manifests)]
-    cases.insert(0, Case("gguf", "valid", valid))
-    print(f"orchard fuzz models: {len(cases)} imports ({args.gguf} GGUF + {args.manifests} manifests and the valid "
+
+    def case(i: int) -> Case:  # made when it runs, from its own seed: the cases are not all held
+        rng = random.Random(f"{args.seed}:{i}")
+        if i == 0:
+            return Case("gguf", "valid", valid)
+        return mutate_gguf(valid, rng) if i <= args.gguf else mutate_manifest(digest, rng)
+
+    total = 1 + args.gguf + args.manifests
+    print(f"orchard fuzz models: {total} imports ({args.gguf} GGUF + {args.manifests} manifests and the valid "
           f"file), {args.jobs} at a time, {args.timeout:g} CPU s and {args.memory_mb} MB each, seed {args.seed}; "
           f"files in {work}", flush=True)
     started = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:
-        outcomes = list(pool.map(lambda ic: run_one(ic[1], ic[0], work, args, valid), enumerate(cases)))
+        outcomes = list(pool.map(lambda i: run_one(case(i), i, work, args, valid), range(total)))
     print(f"fuzz seconds: {time.perf_counter() - started:.1f}")
     for line in summary(outcomes):
         print(line)
