@@ -33,6 +33,13 @@ LONG_A = "system: you are a helpful orchard assistant. " * 20
 LONG_B = "system: you are a terse botanist who answers in latin. " * 20
 
 
+def place(policy, candidates, keys) -> str:
+    """What the proxy does: choose a worker, which then accepts the request (its first chunk)."""
+    worker_id = policy.choose(candidates, keys).worker_id
+    policy.accepted(worker_id, keys)
+    return worker_id
+
+
 # -- policies ----------------------------------------------------------------------------------
 def test_round_robin_cycles_in_id_order():
     ws = [W("b"), W("a"), W("c")]
@@ -54,12 +61,26 @@ def test_prefix_aware_follows_the_prefix():
     ws = [W("a"), W("b")]
     keys_a = prompt_keys(text_request(LONG_A + "question 1"))
     keys_b = prompt_keys(text_request(LONG_B + "question 1"))
-    first_a = pa.choose(ws, keys_a).worker_id
-    first_b = pa.choose(ws, keys_b).worker_id
+    first_a = place(pa, ws, keys_a)
+    first_b = place(pa, ws, keys_b)
     assert first_a != first_b  # new prefixes go to the least loaded (ties rotate)
     for i in range(2, 10):
-        assert pa.choose(ws, prompt_keys(text_request(LONG_A + f"question {i}"))).worker_id == first_a
-        assert pa.choose(ws, prompt_keys(text_request(LONG_B + f"question {i}"))).worker_id == first_b
+        assert place(pa, ws, prompt_keys(text_request(LONG_A + f"question {i}"))) == first_a
+        assert place(pa, ws, prompt_keys(text_request(LONG_B + f"question {i}"))) == first_b
+
+
+def test_prefix_aware_learns_only_what_a_worker_accepted():
+    """A placement the worker then refused (a prompt too long for it, a bad field) records
+    nothing: refused prompts neither fill the index nor point it at a cache without them."""
+    pa = PrefixAware()
+    ws = [W("a"), W("b", 1)]
+    keys = prompt_keys(text_request(LONG_A))
+    assert pa.choose(ws, keys).worker_id == "a"
+    assert len(pa.index) == 0 and not pa.index.held
+    assert pa.choose([W("a", 1), W("b")], keys).worker_id == "b"  # no affinity learnt: least loaded
+    pa.accepted("b", keys)
+    assert len(pa.index) == len(keys) and pa.index.held == {"b": len(keys)}
+    assert pa.choose([W("a"), W("b", 1)], keys).worker_id == "b"
 
 
 def test_prefix_aware_without_a_match_is_least_loaded():
@@ -91,17 +112,17 @@ def test_imbalance_guard_records_the_new_holder():
     pa = PrefixAware()
     keys = prompt_keys(text_request(LONG_A))
     pa.index.insert(keys, "a")
-    assert pa.choose([W("a", 50), W("b", 0)], keys).worker_id == "b"
+    assert place(pa, [W("a", 50), W("b", 0)], keys) == "b"
     # Both now hold it: the next one goes to whichever of them is less loaded.
-    assert pa.choose([W("a", 50), W("b", 10)], keys).worker_id == "b"
-    assert pa.choose([W("a", 10), W("b", 14)], keys).worker_id == "a"
+    assert place(pa, [W("a", 50), W("b", 10)], keys) == "b"
+    assert place(pa, [W("a", 10), W("b", 14)], keys) == "a"
 
 
 def test_new_prefixes_spread_over_caches_within_the_guard():
     pa = PrefixAware()
     ws = [W("a", 1), W("b", 2)]
     groups = [prompt_keys(text_request(f"group {g}: " + LONG_A)) for g in range(6)]
-    picks = [pa.choose(ws, keys).worker_id for keys in groups]
+    picks = [place(pa, ws, keys) for keys in groups]
     assert picks == ["a", "b"] * 3  # the emptier cache wins while the loads are close
     assert pa.index.held["a"] == pa.index.held["b"]
     busy = [W("a", 0), W("b", 20)]

@@ -414,6 +414,27 @@ def test_placement_follows_load_and_prefix():
     run(main())
 
 
+def test_a_refused_request_leaves_the_prefix_index_unchanged():
+    """The prefix index learns a placement once the worker accepted the request (its first
+    chunk): a prompt the worker refused is in no worker's cache, and hostile refused
+    prompts must not fill the router's index."""
+    async def main():
+        async with Cluster() as c:
+            index = c.router.policy.index
+            for w in c.workers:
+                w.fail_with = grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate("a prompt every worker refuses. " * 10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert len(index) == 0 and not +index.held
+            for w in c.workers:
+                w.fail_with = None
+            served = (await c.generate("a prompt a worker serves. " * 10))[0].worker_id
+            assert len(index) > 0 and set(+index.held) == {served}
+
+    run(main())
+
+
 def test_start_failure_frees_what_started():
     """A busy metrics port: start() raises a clear error and the gRPC port is free again."""
     import socket

@@ -21,9 +21,12 @@ own in-flight count there. Reports arrive every second; the in-flight count is f
 
 Both thresholds must trip: a small absolute gap never overrides affinity (a prefix hit
 saves a whole prefill, worth a few more rows in a decode batch), and neither does a large
-relative gap between two lightly loaded workers (1 vs 3). The chosen worker is then
-recorded as holding the prompt's prefix, so the next request with it follows. A prompt
-too short for one full chunk has no keys and goes to the least loaded worker.
+relative gap between two lightly loaded workers (1 vs 3). Once the chosen worker has
+accepted the request (its first chunk: the prompt is prefilled there), it is recorded as
+holding the prompt's prefix, so the next request with it follows; a request a worker
+refuses (a prompt too long for it, a bad field) records nothing, so hostile prompts
+neither fill the index nor point it at caches that never held them. A prompt too short
+for one full chunk has no keys and goes to the least loaded worker.
 """
 
 from __future__ import annotations
@@ -49,15 +52,18 @@ class Candidate(Protocol):
 class Policy(ABC):
     """Chooses a worker for a request; `candidates` is non-empty, healthy and serves the model.
 
-    `keys` are the prompt's chained prefix keys (`prefix_index.prompt_keys`); `choose` may
-    record the placement (prefix-aware policies learn from it). Single-threaded: the router
-    calls it from its event loop.
+    `keys` are the prompt's chained prefix keys (`prefix_index.prompt_keys`); `accepted`
+    tells the policy that a worker took the request it chose (prefix-aware policies learn
+    from it). Single-threaded: the router calls it from its event loop.
     """
 
     name: str = ""
 
     @abstractmethod
     def choose(self, candidates: Sequence[Candidate], keys: list[bytes]) -> Candidate: ...
+
+    def accepted(self, worker_id: str, keys: list[bytes]) -> None:
+        """`worker_id` accepted a request with these prefix keys: its first chunk came."""
 
     def forget(self, worker_id: str) -> None:
         """A worker left: drop what the policy knows about it."""
@@ -118,13 +124,14 @@ class PrefixAware(Policy):
         matched = self.index.match(keys, [w.worker_id for w in candidates])
         affine = max(candidates, key=lambda w: (matched[w.worker_id], -w.load))
         if matched[affine.worker_id] >= self.min_match_chunks and not self.imbalanced(affine, least):
-            chosen = affine
-        else:
-            eligible = [w for w in candidates if w is least or not self.imbalanced(w, least)]
-            held = self.index.held
-            chosen = min(eligible, key=lambda w: (held[w.worker_id], w.load, w is not least))
-        self.index.insert(keys, chosen.worker_id)
-        return chosen
+            return affine
+        eligible = [w for w in candidates if w is least or not self.imbalanced(w, least)]
+        held = self.index.held
+        return min(eligible, key=lambda w: (held[w.worker_id], w.load, w is not least))
+
+    def accepted(self, worker_id, keys):
+        if keys:
+            self.index.insert(keys, worker_id)
 
     def forget(self, worker_id):
         self.index.remove_worker(worker_id)

@@ -196,8 +196,12 @@ class RouterBackend:
             stream = _Attempt(call)
             worker.attempts.add(stream)
             outcome = m.CANCELLED
+            accepted = False
             try:
                 async for chunk in self._relay(call, rid, worker.worker_id):
+                    if not accepted:  # the worker took it: its cache holds the prompt now, not before
+                        accepted = True
+                        self.policy.accepted(worker.worker_id, keys)
                     if chunk.token_ids:
                         if first_token_at is None:
                             first_token_at = time.perf_counter()
