@@ -139,16 +139,31 @@ def resident_bytes(pid: int | str = "self") -> int:
     return 0
 
 
-def _glibc_malloc_trim():
+def _glibc_function(name: str, argtypes: list):
     try:
-        trim = ctypes.CDLL(None).malloc_trim
+        function = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):  # not glibc (macOS, musl)
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
 
 
-_MALLOC_TRIM = _glibc_malloc_trim()
+_MALLOC_TRIM = _glibc_function("malloc_trim", [ctypes.c_size_t])
+_MALLOPT = _glibc_function("mallopt", [ctypes.c_int, ctypes.c_int])
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+LARGE_BLOCK_BYTES = 128 << 10  # glibc's own default threshold, kept fixed
+
+
+def give_back_large_blocks_when_freed() -> None:
+    """Have glibc map each block of LARGE_BLOCK_BYTES or more on its own and unmap it when
+    it is freed. Its default threshold moves up to the largest block freed (up to 32 MiB),
+    and from then on such blocks come from a heap: one freed at the top of a thread's arena
+    (where grpc's threads receive each message) stays resident for good, since
+    malloc_trim gives back the main heap's top but no thread arena's. A process that had
+    received a few large messages stayed that much larger. Call it at start-up, before the
+    threads; a no-op where the allocator is not glibc's."""
+    if _MALLOPT is not None:
+        _MALLOPT(M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES)
 
 
 def can_give_back_freed_memory() -> bool:

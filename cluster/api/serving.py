@@ -12,6 +12,7 @@ import inspect
 import logging
 import socket
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -142,6 +143,23 @@ async def _trim_freed_memory() -> None:
             floor = min(floor, rss)
 
 
+def _drop_frame_locals(error: BaseException) -> None:
+    """Clear the locals of the finished frames in `error`'s traceback and in those of the
+    exceptions it chains. grpc.aio keeps an aborted call's AbortError in a reference cycle
+    (the call's RPCState holds it; its traceback holds the frame of `context.abort`, whose
+    context holds the RPCState), which only Python's next full collection frees, and that
+    may be thousands of requests away: the frames would keep each refused request's bytes
+    and message (up to GRPC_MAX_MESSAGE_BYTES) alive until then."""
+    pending, seen = [error], set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # skips the frames still running
+        pending += [e.__context__, e.__cause__]
+
+
 class DecodeInterceptor(grpc.aio.ServerInterceptor):
     """A request whose bytes are not the protobuf message its method takes is refused
     INVALID_ARGUMENT, as the client's error (gRPC's own answer is UNKNOWN "Unexpected
@@ -164,19 +182,29 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
             inner = handler.unary_stream
 
             async def stream(data, context):
-                result = inner(await decoded(data, context), context)
-                if hasattr(result, "__aiter__"):
-                    async for item in result:
-                        yield item
-                elif inspect.isawaitable(result):  # a method that writes with context.write
-                    await result
+                try:
+                    result = inner(await decoded(data, context), context)
+                    if hasattr(result, "__aiter__"):
+                        async for item in result:
+                            yield item
+                    elif inspect.isawaitable(result):  # a method that writes with context.write
+                        await result
+                except BaseException as e:
+                    del data  # this frame stays in the traceback
+                    _drop_frame_locals(e)
+                    raise
 
             return grpc.unary_stream_rpc_method_handler(stream, response_serializer=handler.response_serializer)
         inner = handler.unary_unary
 
         async def unary(data, context):
-            result = inner(await decoded(data, context), context)
-            return await result if inspect.isawaitable(result) else result
+            try:
+                result = inner(await decoded(data, context), context)
+                return await result if inspect.isawaitable(result) else result
+            except BaseException as e:
+                del data  # this frame stays in the traceback
+                _drop_frame_locals(e)
+                raise
 
         return grpc.unary_unary_rpc_method_handler(unary, response_serializer=handler.response_serializer)
 

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cluster.api.servicer import GenerationServicer
 from cluster.api.serving import GENERATION_SERVICE, Endpoints, MetricsEndpoint
 from cluster.net import check_addresses, parse_address
+from cluster.platform import give_back_large_blocks_when_freed
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.config import RouterConfig
 from cluster.router.control import RouterControl
@@ -158,6 +159,7 @@ def run(config: RouterConfig) -> int:
     except ValueError as e:
         print(f"orchard router serve: {e}", file=sys.stderr)
         return 2
+    give_back_large_blocks_when_freed()  # a router relays messages of up to 64 MiB: none may stay
     try:
         asyncio.run(serve(config))
     except (OSError, ValueError) as e:
