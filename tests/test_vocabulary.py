@@ -16,7 +16,7 @@ import jsonschema
 import llguidance
 import numpy as np
 import pytest
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from cluster.api.reasoning import ThinkingGrammar
@@ -39,8 +39,14 @@ LAYOUTS = {
                             ("<|finetune_right_pad_id|>", S), ("<|start_header_id|>", S), ("<|end_header_id|>", S),
                             ("<|eom_id|>", S), ("<|eot_id|>", S), ("<|python_tag|>", S)], 0),
     "tekken": ("byte", TEKKEN, [], 0),
+    # SentencePiece, as transformers' GemmaConverter writes it: a normalizer turns spaces into "▁"
     "gemma": ("spm", [("<pad>", S), ("<eos>", S), ("<bos>", S), ("<unk>", S), ("<mask>", S), ("[multimodal]", P),
                       ("<start_of_turn>", S), ("<end_of_turn>", S)], [("<start_of_image>", S)], 0),
+    # SentencePiece as Llama 2 / Mistral v0.1's tokenizer.json (and Orchard's GGUF import) has it:
+    # "▁" prepended, the decoder strips it
+    "llama2": ("spm", [("<unk>", S), ("<s>", S), ("</s>", S)], [], 0),
+    # SentencePiece through a Metaspace pre-tokenizer (newer converters)
+    "metaspace": ("spm", [("<unk>", S), ("<s>", S), ("</s>", S), ("[INST]", S), ("[/INST]", S)], [], 0),
     "gpt-oss": ("byte", [], [("<|startoftext|>", S), ("<|endoftext|>", S), ("<|reserved_200000|>", S),
                              ("<|return|>", S), ("<|constrain|>", S), ("<|channel|>", S), ("<|start|>", S),
                              ("<|end|>", S), ("<|message|>", S), ("<|reserved_200009|>", S), ("<|call|>", S)], 37),
@@ -82,9 +88,16 @@ def build(layout: str) -> tuple[PreTrainedTokenizerFast, int]:
     if kind == "byte":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-    else:  # as Gemma's: spaces are "▁", none is put before the text
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
-        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    else:
+        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if layout == "metaspace":
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+        elif layout == "gemma":
+            tok.normalizer = normalizers.Replace(" ", "\u2581")
+        else:
+            tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+            steps.append(decoders.Strip(" ", 1, 0))
+        tok.decoder = decoders.Sequence(steps)
     for content, special in before + after:
         tok.add_tokens([AddedToken(content, special=special, normalized=False)])
     for content, _ in before:
@@ -108,7 +121,7 @@ def test_vocabulary_equals_the_tokenizers_id_for_id(layout):
     for i, t in added.items():
         assert llt.decode_bytes([i]) == t.content.encode(), (i, t.content)
     # every other token: its text in context, as the tokenizer's own decoder writes it
-    anchor = hf.convert_tokens_to_ids("a" if layout != "gemma" else "\u2581a")
+    anchor = hf.convert_tokens_to_ids("a" if LAYOUTS[layout][0] == "byte" else "\u2581a")
     checked = 0
     for i in range(len(hf)):
         if i in added:
@@ -121,7 +134,8 @@ def test_vocabulary_equals_the_tokenizers_id_for_id(layout):
     if n_vocab > len(hf):  # the embedding's padding: no text, never allowed
         assert _allowed(llt, r'start: /(.|\n)*/', n_vocab) & set(range(len(hf), n_vocab)) == set()
     ids = hf.encode(TEXT, add_special_tokens=False)
-    assert b"".join(llt.decode_bytes([i]) for i in ids) == TEXT.encode()
+    prefix = " " if layout == "llama2" else ""  # the "▁" the normalizer put before the text is a space
+    assert b"".join(llt.decode_bytes([i]) for i in ids) == (prefix + TEXT).encode()
 
 
 def _allowed(llt, lark: str, n_vocab: int) -> set[int]:
@@ -137,7 +151,7 @@ def _ff_piece(hf, i: int) -> bool:
     return piece.startswith("\u00ff") or piece == "<0xFF>"
 
 
-@pytest.mark.parametrize("layout", ["qwen", "deepseek", "gemma"])
+@pytest.mark.parametrize("layout", ["qwen", "deepseek", "gemma", "llama2"])
 def test_a_grammars_literal_marker_is_the_marker_token(layout):
     """A plain added token's text in a grammar allows that token, and no special one."""
     hf, n_vocab = build(layout)
@@ -200,3 +214,12 @@ def test_qwen_layout_forced_tool_call_uses_the_marker_tokens(qwen_engine):
         assert out[0] == opening and closing in out, out
         call = json.loads(tok.decode(out[1:out.index(closing)]))
         assert call["name"] == "add" and 0 <= call["arguments"]["a"] <= 9
+
+
+def test_a_model_without_an_end_token_is_refused_by_name():
+    from cluster.worker.structured import GrammarCompiler, InvalidGrammar
+
+    hf, n_vocab = build("llama2")
+    hf.eos_token = None
+    with pytest.raises(InvalidGrammar, match="end-of-sequence"):
+        GrammarCompiler(hf, n_vocab).compile(StructuredOutput("regex", "a+"))

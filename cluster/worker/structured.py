@@ -119,7 +119,10 @@ class GrammarCompiler:
     def lltokenizer(self):
         with self._lock:
             if self._lltok is None:
-                self._lltok = lltokenizer(self._hf, self.vocab_size, self._eos)
+                try:
+                    self._lltok = lltokenizer(self._hf, self.vocab_size, self._eos)
+                except ValueError as e:  # what this model's tokenizer cannot give the grammar engine
+                    raise InvalidGrammar(str(e)) from None
             return self._lltok
 
     def compile(self, spec: StructuredOutput):

@@ -34,7 +34,7 @@ def byte_level_alphabet() -> dict[int, str]:
 
 def _piece_decoder(spec: dict) -> Callable[[str], bytes]:
     """How one base-vocabulary piece of the tokenizer described by `spec` (its JSON) becomes bytes."""
-    shape = json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+    shape = json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")], ensure_ascii=False)
     if "ByteLevel" in shape:
         to_byte = {c: b for b, c in byte_level_alphabet().items()}
 
@@ -45,7 +45,7 @@ def _piece_decoder(spec: dict) -> Callable[[str], bytes]:
 
         return byte_level
     byte_fallback = bool((spec.get("model") or {}).get("byte_fallback")) or "ByteFallback" in shape
-    metaspace = "Metaspace" in shape or "\u2581" in shape
+    metaspace = "Metaspace" in shape or "\u2581" in shape  # a Metaspace step, or a decoder's Replace("▁", " ")
 
     def sentencepiece(piece: str) -> bytes:
         if byte_fallback and (m := _BYTE_PIECE.fullmatch(piece)):
