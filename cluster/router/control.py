@@ -23,7 +23,7 @@ class RouterControl(pb_grpc.RouterServicer):
     async def RegisterWorker(self, request, context):
         try:
             w = self.registry.register(request.worker_id, request.address, request.join_token, request.load,
-                                       identity=peer_identity(context))
+                                       identity=peer_identity(context), instance=request.instance_id)
         except RegistryError as e:
             await context.abort(e.code, str(e))
         interval_ms = int(self.registry.config.heartbeat_interval * 1000)

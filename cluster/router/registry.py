@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,7 +41,9 @@ log = logging.getLogger(__name__)
 
 HEALTHY, UNHEALTHY, DRAINING = pb.WORKER_STATE_HEALTHY, pb.WORKER_STATE_UNHEALTHY, pb.WORKER_STATE_DRAINING
 STATE_NAMES = {HEALTHY: "healthy", UNHEALTHY: "unhealthy", DRAINING: "draining"}
-
+# A worker's epochs, unique across workers: a new one each time it joins, comes back to
+# health or re-registers as a new process (a request that failed on it may try it again).
+_EPOCHS = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class WorkerRecord:
     attempts: set = field(default_factory=set)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     identity: str | None = None  # the certificate name it registered with (mutual TLS)
+    instance: str = ""  # the start of its process it registered from (empty: a static worker, or not said)
+    epoch: int = field(default_factory=lambda: next(_EPOCHS))
 
     @property
     def model(self) -> str:
@@ -120,7 +125,10 @@ class WorkerRecord:
         self.report = report
         self.inflight_at_report = self.inflight
         self.last_seen = now
-        self.healthy = not report.stalled and not report.unhealthy_reason
+        healthy = not report.stalled and not report.unhealthy_reason
+        if healthy and not self.healthy:
+            self.epoch = next(_EPOCHS)
+        self.healthy = healthy
 
     def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(
@@ -154,6 +162,7 @@ class Registry:
         self._on_remove = on_remove or (lambda worker_id: None)
         self._closing: set[asyncio.Task] = set()
         self._changed = asyncio.Event()  # set, and replaced, at each change (`wait_changed`)
+        self._gone: dict[str, float] = {}  # model -> when its last worker was removed (`served_lately`)
 
     # -- lookups ------------------------------------------------------------------------------
     def find(self, key: str) -> WorkerRecord | None:
@@ -208,6 +217,17 @@ class Registry:
             )
         return ready
 
+    def served_lately(self, model: str, within: float) -> bool:
+        """Whether a worker serves `model` (any model when empty), in any state, or did
+        until less than `within` seconds ago: one may come back (a restart)."""
+        if self.serving(model):
+            return True
+        now = time.monotonic()
+        for gone, at in list(self._gone.items()):
+            if now - at > within:
+                del self._gone[gone]
+        return any(not model or gone == model for gone in self._gone)
+
     @property
     def can_serve(self) -> bool:
         """Some worker can take a request now (healthy, not draining)."""
@@ -242,7 +262,9 @@ class Registry:
                                 f"worker id {worker_id!r} belongs to another certificate than {identity!r}")
 
     def register(self, worker_id: str, address: str, token: str, report: pb.LoadReport,
-                 identity: str | None = None) -> WorkerRecord:
+                 identity: str | None = None, instance: str = "") -> WorkerRecord:
+        """`instance`: the worker process's start; a known worker that registers with
+        another one restarted: it starts clean (`_restarted`)."""
         self.check_token(token)
         if not address:
             raise RegistryError(grpc.StatusCode.INVALID_ARGUMENT, "a worker must register with its address")
@@ -252,9 +274,27 @@ class Registry:
         if self.bind_identities and other is not None and other.identity not in (None, identity):
             raise RegistryError(grpc.StatusCode.PERMISSION_DENIED,
                                 f"{address} is worker {other.worker_id!r}'s, registered by another certificate")
+        known = self.workers.get(worker_id)
+        if known is not None and known.address == address and instance and known.instance not in ("", instance):
+            self._restarted(known)
         w = self._upsert(worker_id, address, report, static=False)
         w.identity = w.identity or identity
+        w.instance = instance or w.instance
         return w
+
+    def _restarted(self, w: WorkerRecord) -> None:
+        """A new process under a known id: the old one's failures were its own (a closed
+        breaker, no count; the half-open probe is for a worker that stayed up), its streams
+        are gone, and a new connection reaches the new process at once."""
+        log.info("worker %s registered as a new process: circuit closed (was %s), failures forgotten",
+                 w.worker_id, w.breaker.state)
+        w.abandon_streams(f"worker {w.worker_id} restarted")
+        w.breaker = self._breaker()
+        w.epoch = next(_EPOCHS)
+        if w.channel is not None:
+            self._close_channel(w)
+            self._open(w)
+        self._notify()
 
     def heartbeat(self, worker_id: str, token: str, report: pb.LoadReport, identity: str | None = None) -> bool:
         """False: the worker is unknown (the router restarted, or removed it) and must register."""
@@ -333,8 +373,7 @@ class Registry:
         if w is None and stale is not None and stale.worker_id != worker_id:
             self.remove(stale.worker_id)
         if w is None:
-            w = WorkerRecord(worker_id=worker_id, address=address, static=static,
-                             breaker=CircuitBreaker(self.config.circuit_threshold, self.config.circuit_cooldown))
+            w = WorkerRecord(worker_id=worker_id, address=address, static=static, breaker=self._breaker())
             self._open(w)
             self.workers[worker_id] = w
             log.info("worker %s at %s joined (model %s%s)", worker_id, address, report.model, ", static" if static else "")
@@ -343,19 +382,27 @@ class Registry:
         self.record_report(w, report)
         return w
 
+    def _breaker(self) -> CircuitBreaker:
+        return CircuitBreaker(self.config.circuit_threshold, self.config.circuit_cooldown)
+
     def remove(self, key: str) -> WorkerRecord | None:
         w = self.find(key)
         if w is None:
             return None
         del self.workers[w.worker_id]
+        if w.model:
+            self._gone[w.model] = time.monotonic()
         self._on_remove(w.worker_id)
         self._notify()
         if w.channel is not None:
-            task = asyncio.ensure_future(w.channel.close(grace=None))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._close_channel(w)
         log.info("worker %s at %s removed", w.worker_id, w.address)
         return w
+
+    def _close_channel(self, w: WorkerRecord) -> None:
+        task = asyncio.ensure_future(w.channel.close(grace=None))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _open(self, w: WorkerRecord) -> None:
         if not self._connect:

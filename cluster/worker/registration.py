@@ -5,6 +5,8 @@ load report every interval.
   shorter of that and its own, so the router never counts a beat as missed.
 - A heartbeat answered `known=false` (the router restarted or removed the worker) is
   followed by a new registration right away.
+- Each registration names this start of the worker (`instance_id`): a worker restarted
+  under the same id is a new process to the router, not one whose failures it remembers.
 - An unreachable router is retried every interval, for ever: workers may start first.
 - A wrong join token (PERMISSION_DENIED) stops the loop with an error logged; `denied`
   says so. The worker keeps serving direct clients.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable
 
 import grpc
@@ -51,6 +54,8 @@ class Registration:
         self.registered = False
         self.denied = False
         self.registrations = 0  # how many times it (re-)registered
+        # this start of the process: the router gives a new one a fresh circuit breaker
+        self.instance_id = uuid.uuid4().hex
         self._task: asyncio.Task | None = None
 
     def start(self) -> asyncio.Task:
@@ -101,7 +106,8 @@ class Registration:
     async def _register(self, stub) -> float:
         reply = await stub.RegisterWorker(
             pb.RegisterWorkerRequest(
-                worker_id=self.worker_id, address=self.address, join_token=self.join_token, load=self.load()
+                worker_id=self.worker_id, address=self.address, join_token=self.join_token, load=self.load(),
+                instance_id=self.instance_id,
             ),
             timeout=max(2 * self.interval, 2.0),
         )

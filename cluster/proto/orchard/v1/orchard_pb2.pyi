@@ -417,16 +417,18 @@ class DrainResponse(_message.Message):
     def __init__(self, draining: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "join_token", "load")
+    __slots__ = ("worker_id", "address", "join_token", "load", "instance_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     join_token: str
     load: LoadReport
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., join_token: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., join_token: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_ms")
