@@ -28,15 +28,17 @@ def run(coro, timeout: float = 30):
 class Cluster:
     """A router on a free port and fake workers registered with it."""
 
-    def __init__(self, n_workers: int = 2, policy: str = "prefix_aware", **router_kwargs):
+    def __init__(self, n_workers: int = 2, policy: str = "prefix_aware", http: bool = False, **router_kwargs):
         self.n_workers = n_workers
+        self.http = http  # the OpenAI HTTP front on a free port
         self.policy = policy
         self.router_kwargs = router_kwargs
         self.workers: list[FakeWorker] = []
         self.registrations: list[Registration] = []
 
     async def __aenter__(self):
-        cfg = RouterConfig(grpc_address="127.0.0.1:0", http_address=None, metrics_address="127.0.0.1:0",
+        cfg = RouterConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0" if self.http else None,
+                           metrics_address="127.0.0.1:0",
                            policy=self.policy, join_token="tok", heartbeat_interval=0.2, **self.router_kwargs)
         self.router = RouterServer(cfg)
         await self.router.start()
@@ -50,12 +52,29 @@ class Cluster:
 
     async def add_worker(self, worker_id: str, **kw) -> FakeWorker:
         w = await FakeWorker(worker_id, **kw).start()
-        reg = Registration(self.router.grpc_address, w.address, w.load_report, join_token="tok",
-                           worker_id=worker_id, interval=0.2)
-        reg.start()
         self.workers.append(w)
-        self.registrations.append(reg)
+        self.register(w)
         return w
+
+    def register(self, w: FakeWorker) -> Registration:
+        """Start `w`'s registration: a new one is a new start of its process for the router."""
+        reg = Registration(self.router.grpc_address, w.address, w.load_report, join_token="tok",
+                           worker_id=w.worker_id, interval=0.2)
+        reg.start()
+        self.registrations.append(reg)
+        return reg
+
+    async def kill(self, w: FakeWorker) -> None:
+        """`w` dies as a killed process does: its streams fail and its heartbeats stop."""
+        for reg in self.registrations:
+            if reg.address == w.address:
+                await reg.stop()
+        w.die()
+
+    def restart(self, w: FakeWorker) -> Registration:
+        """`w` back as a new process at the same address, under the same id."""
+        w.dead, w.die_after_tokens = False, None
+        return self.register(w)
 
     async def wait_until(self, condition, what: str, timeout: float = 5.0):
         loop = asyncio.get_running_loop()
@@ -169,8 +188,8 @@ def test_many_streams_survive_a_worker_death():
 def test_resume_waits_for_a_worker_that_missed_heartbeats():
     """w0 dies mid-stream while w1, the only other worker, is unhealthy for the router (its
     heartbeats stopped, as on an overloaded machine) but alive: the request waits for w1 to
-    report in and resumes there as soon as it does. With nothing coming back, it fails
-    once `worker_wait` is over."""
+    report in and resumes there as soon as it does. With nothing coming back (and no hold:
+    --resume-wait 0), it fails once `worker_wait` is over."""
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -192,7 +211,7 @@ def test_resume_waits_for_a_worker_that_missed_heartbeats():
             assert chunks[0].worker_id == "w0" and chunks[-1].worker_id == "w1"
             assert 'orchard_router_retries_total{kind="resume"} 1.0' in await c.metrics()
 
-        async with Cluster(n_workers=1, worker_wait=0.3) as c:
+        async with Cluster(n_workers=1, worker_wait=0.3, resume_wait=0) as c:
             await c.registrations[0].stop()
             await c.wait_unhealthy("w0")
             t0 = loop.time()
@@ -206,11 +225,12 @@ def test_resume_waits_for_a_worker_that_missed_heartbeats():
 
 def test_a_waiting_request_sees_drains_and_removals():
     """While a request waits for unhealthy w1, an operator's undrain of w0 places it on w0 at
-    once; the removal of w1 (nothing left to wait for) fails the next one at once."""
+    once; the removal of w1 (nothing left to wait for, and no hold: --resume-wait 0) fails
+    the next one at once."""
 
     async def main():
         loop = asyncio.get_running_loop()
-        async with Cluster(worker_wait=30) as c:
+        async with Cluster(worker_wait=30, resume_wait=0) as c:
             await c.ctl.DrainWorker(pb.DrainWorkerRequest(worker_id="w0", drain=True))
             await c.registrations[1].stop()
             await c.wait_unhealthy("w1")
@@ -251,7 +271,7 @@ def test_request_errors_are_not_retried():
 
 def test_no_worker_for_the_model():
     async def main():
-        async with Cluster(n_workers=1) as c:
+        async with Cluster(n_workers=1, resume_wait=0) as c:  # no hold: a drained model's requests fail at once
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await c.generate("x", model="nope")
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -664,5 +684,160 @@ def test_a_second_router_carries_an_sdk_stream_through_the_first_ones_death():
                 await r.stop(grace=0)
             for w in workers:
                 await w.server.stop(0)
+
+    run(main())
+
+
+def test_a_restarted_worker_starts_with_its_circuit_closed():
+    """A worker whose circuit is half-open keeps its one probe while it stays registered
+    (a registration of the same process changes nothing); once it registers as a new
+    process, its circuit is closed and 6 requests sent together all go through."""
+    async def main():
+        async with Cluster(n_workers=1, circuit_cooldown=0.5, resume_wait=0) as c:
+            record = c.router.registry.workers["w0"]
+
+            async def half_open():
+                for _ in range(3):
+                    record.breaker.on_failure()  # as 3 failed requests in a row do
+                await c.wait_until(lambda: record.breaker.state == "half_open", "a half-open circuit")
+
+            async def six():
+                return await asyncio.gather(*(c.generate(f"six {i}") for i in range(6)), return_exceptions=True)
+
+            await half_open()
+            same = c.registrations[0]
+            await c.ctl.RegisterWorker(pb.RegisterWorkerRequest(
+                worker_id="w0", address=c.workers[0].address, join_token="tok", load=c.workers[0].load_report(),
+                instance_id=same.instance_id))
+            results = await six()
+            failed = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+            assert len(failed) == 5 and all("circuit half_open" in e.details() for e in failed)
+
+            await half_open()
+            await c.kill(c.workers[0])
+            c.restart(c.workers[0])
+            await c.wait_until(lambda: record.breaker.state == "closed", "a closed circuit")
+            assert record.breaker.failures == 0
+            results = await six()
+            for i, r in enumerate(results):
+                assert tokens(r) == expected_tokens(f"six {i}", 8)
+
+    run(main())
+
+
+def test_a_sole_workers_streams_are_held_until_it_restarts():
+    """The only worker of the model dies mid-stream: its streams are held (no error), a new
+    request sent meanwhile too, and all resume token-exact on the restarted worker."""
+    async def main():
+        async with Cluster(n_workers=1, resume_wait=30) as c:
+            w = c.workers[0]
+            w.token_delay, w.die_after_tokens = 0.01, 20
+            for reg in c.registrations:
+                await reg.stop()  # dead processes send no heartbeats
+            streams = [asyncio.create_task(c.generate(f"held {i}", max_tokens=12, model="fake")) for i in range(4)]
+            held = c.router.backend.held
+            await c.wait_until(lambda: len(held) == 4, "4 held streams", timeout=10)
+            late = asyncio.create_task(c.generate("sent during the outage", max_tokens=5, model="fake"))
+            await c.wait_until(lambda: len(held) == 5, "the new request held", timeout=10)
+            assert not any(t.done() for t in streams) and set(held.values()) == {"fake"}
+            c.restart(w)
+            for i, t in enumerate(streams):
+                chunks = await asyncio.wait_for(t, 10)
+                assert tokens(chunks) == expected_tokens(f"held {i}", 12)
+                assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert tokens(await asyncio.wait_for(late, 10)) == expected_tokens("sent during the outage", 5)
+            assert not held and c.router.backend.holding == 0
+            assert 'orchard_router_retries_total{kind="resume"} 4.0' in await c.metrics()
+
+    run(main())
+
+
+def test_a_hold_ends_with_503_and_retry_after():
+    """Past --resume-wait a held request gets UNAVAILABLE (HTTP 503 with Retry-After) naming
+    the model and the wait; past --max-held a request is refused at once."""
+    import aiohttp
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        async with Cluster(n_workers=1, http=True, resume_wait=1.0, max_held=1) as c:
+            await c.kill(c.workers[0])
+            await c.wait_unhealthy("w0")
+            t0 = loop.time()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate("nobody comes", model="fake")
+            assert loop.time() - t0 >= 1.0
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no worker of model 'fake'" in e.value.details() and "within 1 s" in e.value.details()
+            assert "--resume-wait" in e.value.details()
+            body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            async with aiohttp.ClientSession() as http:
+                url = f"http://{c.router.http_address}/v1/chat/completions"
+                async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
+                    assert r.status == 503 and int(r.headers["Retry-After"]) > 0
+                    assert "no worker of model 'fake'" in (await r.json())["error"]["message"]
+                first = asyncio.create_task(c.generate("holds the one place", model="fake"))
+                await c.wait_until(lambda: c.router.backend.holding == 1, "one held request")
+                t0 = loop.time()
+                async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
+                    assert r.status == 503 and "Retry-After" in r.headers
+                    assert "--max-held" in (await r.json())["error"]["message"]
+                assert loop.time() - t0 < 0.9  # at once, not after a hold
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await first
+
+    run(main())
+
+
+def test_an_openai_stream_stays_connected_through_a_hold(monkeypatch):
+    """The real `openai` client streams through the router's HTTP front while the only
+    worker dies and restarts: it gets the whole stream; a raw reader sees the SSE comments
+    that kept the connection in use meanwhile."""
+    import aiohttp
+    import openai
+
+    from cluster.api import http as http_front
+
+    monkeypatch.setattr(http_front, "KEEPALIVE_SECONDS", 0.1)
+
+    async def main():
+        async with Cluster(n_workers=1, http=True, resume_wait=30) as c:
+            w = c.workers[0]
+            w.token_delay = 0.01
+            client = openai.AsyncOpenAI(base_url=f"http://{c.router.http_address}/v1", api_key="x", timeout=30,
+                                        max_retries=0)
+            messages = [{"role": "user", "content": "hold on"}]
+
+            async def text() -> str:
+                parts = []
+                stream = await client.chat.completions.create(model="fake", messages=messages, max_tokens=24,
+                                                              temperature=0, stream=True)
+                async for chunk in stream:
+                    parts += [ch.delta.content or "" for ch in chunk.choices]
+                return "".join(parts)
+
+            whole = await text()
+            assert whole.count("<") == 24
+            for reg in c.registrations:
+                await reg.stop()
+            w.die_after_tokens = w.tokens_streamed + 6
+            comments = []
+
+            async def raw():
+                body = {"model": "fake", "messages": messages, "max_tokens": 24, "temperature": 0, "stream": True}
+                async with aiohttp.ClientSession() as http:
+                    async with http.post(f"http://{c.router.http_address}/v1/chat/completions", json=body,
+                                         timeout=aiohttp.ClientTimeout(total=30)) as r:
+                        async for line in r.content:
+                            if line.startswith(b":"):
+                                comments.append(line.decode().strip())
+
+            streams = asyncio.create_task(text()), asyncio.create_task(raw())
+            await c.wait_until(lambda: len(c.router.backend.held) == 2, "2 held streams", timeout=10)
+            await c.wait_until(lambda: len(comments) >= 2, "keepalive comments", timeout=10)
+            c.restart(w)
+            got, _ = await asyncio.wait_for(asyncio.gather(*streams), 20)
+            assert got == whole
+            assert set(comments) == {": waiting for a worker of fake"}
+            await client.close()
 
     run(main())

@@ -68,10 +68,12 @@ class Overloaded(OrchardError):
 
 
 class Unavailable(OrchardError):
-    """Draining, starting, stopping or unreachable (UNAVAILABLE): retry elsewhere."""
+    """Draining, starting, stopping or unreachable (UNAVAILABLE): retry elsewhere.
+    `retry_after`, when set, is when to ask again (seconds; HTTP's Retry-After)."""
 
     code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
+    retry_after: int | None = None
 
 
 class DeadlineExceeded(OrchardError):

@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from cluster.api.errors import BadField, DeadlineExceeded, InvalidRequest
+from cluster.api.errors import BadField, DeadlineExceeded, InvalidRequest, OrchardError
 from cluster.api.limits import (HTTP_MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_SHOWN_CHARS, MAX_TIMEOUT_SECONDS,
                                 RequestLimits, check_json_depth, loads_strict, quoted, shown)
 from cluster.api.servicer import Backend
@@ -43,6 +43,10 @@ TIMEOUT_HEADER = "X-Request-Timeout"  # seconds, per request (at most the server
 MODEL_CACHE = web.AppKey("model_cache", list)
 # set on a request whose body could not be read: its answer closes the connection
 CLOSE = web.RequestKey("close_connection", bool) if hasattr(web, "RequestKey") else "orchard.close_connection"
+# Seconds without a chunk after which a stream the backend holds (no worker of its model
+# can take it now: the router's hold) gets an SSE comment: clients and proxies that drop an
+# idle connection keep it.
+KEEPALIVE_SECONDS = 5.0
 LIMITS = web.AppKey("limits", RequestLimits)  # the backend's (`limits_of`): the same on HTTP and gRPC
 
 # Sent by real clients and changing no output: every API accepts them. Any other
@@ -74,10 +78,17 @@ def limits_of(backend) -> RequestLimits:
     return limits if isinstance(limits, RequestLimits) else RequestLimits()
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None) -> web.Response:
+def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None,
+                   retry_after: int | None = None) -> web.Response:
     body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": status if code is None else code}}
-    return web.json_response(body, status=status)
+    headers = None if retry_after is None else {"Retry-After": str(retry_after)}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def error_of(e: OrchardError) -> web.Response:
+    """An OrchardError's response: its status, message, field, and when to retry if it says."""
+    return error_response(e.http_status, e.message, getattr(e, "param", None), retry_after=getattr(e, "retry_after", None))
 
 
 def anthropic_error(status: int, message: str) -> web.Response:
@@ -260,6 +271,42 @@ async def within(chunks, timeout: float | None):
             except asyncio.TimeoutError:
                 raise DeadlineExceeded(f"the request took longer than its {timeout:g} s timeout") from None
             yield chunk
+
+
+async def keepalive(chunks, backend: Backend, request_id: str):
+    """`chunks`, and between them, while the backend holds the request (its `waiting`
+    names the model it waits for a worker of), that model's name (a str) every
+    `KEEPALIVE_SECONDS` without a chunk: the SSE loop writes it as a comment
+    (`sse_comment`). A backend that never holds a request: `chunks` as they are."""
+    waiting = getattr(backend, "waiting", None)
+    async with contextlib.aclosing(chunks):
+        if waiting is None:
+            async for chunk in chunks:
+                yield chunk
+            return
+        pending = None
+        try:
+            while True:
+                # the next chunk in a task of its own: a timeout must not cancel it
+                pending = asyncio.ensure_future(anext(chunks))
+                while not (await asyncio.wait({pending}, timeout=KEEPALIVE_SECONDS))[0]:
+                    if (model := waiting(request_id)) is not None:
+                        yield model
+                try:
+                    chunk = pending.result()
+                except StopAsyncIteration:
+                    return
+                pending = None
+                yield chunk
+        finally:
+            if pending is not None and not pending.done():  # the client left: the request ends
+                pending.cancel()
+                await asyncio.wait({pending})
+
+
+def sse_comment(text: str) -> bytes:
+    """An SSE comment line: clients skip it; it keeps the connection in use."""
+    return f": {text}\n\n".encode()
 
 
 def sse(data: dict | str) -> bytes:

@@ -38,7 +38,8 @@ from aiohttp import web
 from cluster.api.constraints import openai_extras
 from cluster.api.errors import OrchardError
 from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, ERROR_TYPES, LIMITS, BadField, body_field, check_params,
-                              error_response, int_field, read_body, request_timeout, served_model, sse, within)
+                              error_of, error_response, int_field, keepalive, read_body, request_timeout, served_model,
+                              sse, sse_comment, within)
 from cluster.api.limits import MAX_INT32, MAX_LOGPROBS, RequestLimits, quoted, shown
 from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices, validate_request
@@ -394,7 +395,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         timeout = request_timeout(request)
         chunks = finished(within(backend.generate(proto, timeout=timeout), timeout), num_choices(proto))
     except OrchardError as e:
-        return error_response(e.http_status, e.message, getattr(e, "param", None))
+        return error_of(e)
     async with contextlib.aclosing(chunks):
         try:
             if not stream:
@@ -404,23 +405,27 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             first = await chunks.__anext__()
         except StopAsyncIteration:
             first = None
-        except OrchardError as e:
-            return error_response(e.http_status, e.message, getattr(e, "param", None))
+        except OrchardError as e:  # a request held past the router's --resume-wait too: 503, Retry-After
+            return error_of(e)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         usage = None
-        try:
-            r = first
-            while r is not None:
-                if (body := ex.stream_chunk(r)) is not None:
-                    await response.write(sse(body))
-                if r.HasField("usage"):
-                    usage = r.usage
-                r = await anext(chunks, None)
-        except OrchardError as e:
-            kind = ERROR_TYPES.get(e.http_status, "server_error")
-            await response.write(sse({"error": {"message": e.message, "type": kind, "param": None,
-                                                 "code": e.http_status}}))
+        async with contextlib.aclosing(keepalive(chunks, backend, proto.request_id)) as rest:
+            try:
+                r = first
+                while r is not None:
+                    if isinstance(r, str):  # held mid-stream: no worker of model `r` can take it yet
+                        await response.write(sse_comment(f"waiting for a worker of {r or 'any model'}"))
+                    else:
+                        if (body := ex.stream_chunk(r)) is not None:
+                            await response.write(sse(body))
+                        if r.HasField("usage"):
+                            usage = r.usage
+                    r = await anext(rest, None)
+            except OrchardError as e:
+                kind = ERROR_TYPES.get(e.http_status, "server_error")
+                await response.write(sse({"error": {"message": e.message, "type": kind, "param": None,
+                                                     "code": e.http_status}}))
         if include_usage and usage is not None:
             await response.write(sse(ex.usage_chunk(usage)))
         await response.write(sse("[DONE]"))

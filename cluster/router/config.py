@@ -33,6 +33,14 @@ class RouterConfig:
     max_attempts: int = setting(4, "placements per request (retries + resumes)")
     worker_wait: float = setting(
         5.0, "how long a request with no healthy worker waits for an unhealthy one to report in", metavar="SECONDS")
+    resume_wait: float = setting(
+        120.0, "how long a request whose model has no worker that can take it (its sole worker or group "
+               "restarting) is held, its stream kept open, for one to register or come back; it then resumes "
+               "token-exact. New requests for the model wait as long, then get 503 with Retry-After. The default "
+               "covers a restart of a big model: a new process loads tens of GB of weights before it registers. "
+               "0: no hold", metavar="SECONDS")
+    max_held: int = setting(1000, "requests held at once for a worker of their model (--resume-wait); past it, "
+                                  "503 at once")
     stream_idle_timeout: float = setting(
         30.0, "a started stream with no output for this long resumes on another worker (its worker is wedged or "
               "asleep; before the first token a request may queue for long, and keepalive finds dead peers)",

@@ -5,11 +5,20 @@ One request, one loop of attempts (at most `max_attempts`):
 If the worker fails before the first token, the request is placed again elsewhere; if it
 fails mid-stream, it is resumed elsewhere with `resume_token_ids` = the tokens already
 relayed, so the worker continues after them and the client sees one stream with no
-duplicated or missing token. A failed worker is excluded for the rest of the request and
-marked unhealthy if it is unreachable. When no healthy worker is left to try but one
-serving the model is only unhealthy (it missed heartbeats on a busy machine, or one
-stream to it broke), the request waits up to `worker_wait` seconds for it to report in
-before it fails UNAVAILABLE. Errors that are the request's fault (INVALID_ARGUMENT, ...)
+duplicated or missing token. A failed worker is excluded for the rest of the request
+(unless it comes back to health or restarts, and no other is left) and marked unhealthy
+if it is unreachable. When the healthy workers left have all failed the request but
+another serving the model is only unhealthy (it missed heartbeats on a busy machine), the
+request waits up to `worker_wait` seconds for it to report in before it fails UNAVAILABLE.
+
+A hold: when no worker of the request's model can take it (all unhealthy, draining, with
+an open circuit, or gone a moment ago: a sole worker or group restarting), the request is
+held, its stream kept open, until one registers or comes back, for at most `resume_wait`
+seconds and the request's deadline; then it resumes there as any failover does (a hold
+is no attempt until a worker is tried). New requests for the model are held the same
+way. Past the wait, or with `max_held` requests held already, UNAVAILABLE naming the
+model and the wait, with a `retry_after`. `waiting(request_id)` names the model a request
+is held for (the HTTP front keeps an SSE client connected with comments meanwhile). Errors that are the request's fault (INVALID_ARGUMENT, ...)
 go back to the client unchanged. A client cancel cancels the worker's stream.
 
 A stream never ends short: a worker's stream that stops without a finish reason, or that
@@ -32,7 +41,7 @@ from typing import AsyncIterator
 import grpc
 
 from cluster.api import errors
-from cluster.api.limits import GRPC_MAX_MESSAGE_BYTES, MAX_TIMEOUT_SECONDS, RequestLimits
+from cluster.api.limits import GRPC_MAX_MESSAGE_BYTES, MAX_TIMEOUT_SECONDS, RequestLimits, quoted
 from cluster.api.pooling import EMBED, GENERATE, SCORE, validate_embed_request, validate_score_request
 from cluster.api.wire import features_asked, num_choices, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -67,6 +76,8 @@ class ProxyConfig:
     max_attempts: int = RouterConfig.max_attempts  # placements per request, the first included
     worker_wait: float = RouterConfig.worker_wait  # seconds a request waits for an unhealthy worker to come back
     stream_idle_timeout: float = RouterConfig.stream_idle_timeout  # a started stream's longest silence
+    resume_wait: float = RouterConfig.resume_wait  # seconds a request is held for a worker of its model
+    max_held: int = RouterConfig.max_held  # requests held at once
     limits: RequestLimits = field(default_factory=RequestLimits)  # what a request may ask for (RouterConfig.limits)
 
 
@@ -115,6 +126,14 @@ def _deadline_held(timeout: float | None) -> float | None:
     return None if timeout is None or not timeout < MAX_TIMEOUT_SECONDS else timeout
 
 
+# Seconds a client refused after a hold is told to wait before asking again (Retry-After):
+# it is held afresh then, so soon is enough.
+RETRY_AFTER = 5
+# A held request re-checks its model's workers at least this often: a circuit's cool-down
+# ends without any change of the workers to wake it.
+HOLD_RECHECK = 1.0
+
+
 class _WorkerFailed(Exception):
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
@@ -132,6 +151,8 @@ class RouterBackend:
         self.metrics = metrics
         self.config = config
         self.budget = RetryBudget()
+        self.held: dict[str, str] = {}  # request id -> the model it is held for (a hold)
+        self.holding = 0  # requests held now (ids may repeat: this is what `max_held` bounds)
 
     @property
     def limits(self) -> RequestLimits:
@@ -142,6 +163,11 @@ class RouterBackend:
     def serving(self) -> bool:
         """Some worker can take a request (the HTTP /health and gRPC health say so)."""
         return self.registry.can_serve
+
+    def waiting(self, request_id: str) -> str | None:
+        """The model request `request_id` is held for (no worker of it can take it now), or
+        None: it runs or queues on a worker."""
+        return self.held.get(request_id)
 
     async def list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=self.registry.models())
@@ -163,7 +189,7 @@ class RouterBackend:
         sent: list[int] = []  # tokens relayed to the client so far
         n = num_choices(request)
         finishes = 0  # samples finished (n > 1 streams carry one finish chunk per sample)
-        excluded: set[str] = set()
+        excluded: dict[str, int] = {}  # worker id -> its epoch when it failed the request
         failure: _WorkerFailed | None = None
         first_token_at = None
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -177,7 +203,8 @@ class RouterBackend:
             pool = await self._next_pool(rid, request.model, attempt, failure, excluded, wait_until, deadline,
                                          features=features)
             worker = self.policy.choose(pool, keys)
-            worker.breaker.on_start()
+            epoch, breaker = worker.epoch, worker.breaker  # this process's (a restart gets new ones)
+            breaker.on_start()
             if attempt:
                 self.metrics.retries.labels(kind="resume" if sent else "retry").inc()
                 log.info("request %s: %s on %s after %d tokens", rid, "resuming" if sent else "retrying",
@@ -267,9 +294,9 @@ class RouterBackend:
                 worker.inflight -= 1
                 worker.attempts.discard(stream)
                 call.cancel()
-                self._judge(worker, outcome)  # no-op once it finished; reaches the worker if the client left
+                self._judge(worker, breaker, outcome)  # no-op once it finished; reaches the worker if the client left
                 self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
-            excluded.add(worker.worker_id)
+            excluded[worker.worker_id] = epoch
             log.warning("request %s: worker %s failed (%s: %s)", rid, worker.worker_id, failure.code.name, failure.details)
         self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
         raise errors.Unavailable(
@@ -301,7 +328,7 @@ class RouterBackend:
         upstream = type(request)()
         upstream.CopyFrom(request)
         upstream.request_id = rid
-        excluded: set[str] = set()
+        excluded: dict[str, int] = {}  # worker id -> its epoch when it failed the request
         failure: _WorkerFailed | None = None
         deadline = None if timeout is None else time.monotonic() + timeout
         wait_until = time.monotonic() + self.config.worker_wait
@@ -312,7 +339,8 @@ class RouterBackend:
         for attempt in range(self.config.max_attempts):
             pool = await self._next_pool(rid, request.model, attempt, failure, excluded, wait_until, deadline, task)
             worker = self.policy.choose(pool, [])
-            worker.breaker.on_start()
+            epoch, breaker = worker.epoch, worker.breaker
+            breaker.on_start()
             if attempt:
                 self.metrics.retries.labels(kind="retry").inc()
                 log.info("request %s: retrying on %s", rid, worker.worker_id)
@@ -354,16 +382,16 @@ class RouterBackend:
                 worker.inflight -= 1
                 worker.attempts.discard(pending)
                 call.cancel()
-                self._judge(worker, outcome)
+                self._judge(worker, breaker, outcome)
                 self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
-            excluded.add(worker.worker_id)
+            excluded[worker.worker_id] = epoch
             log.warning("request %s: worker %s failed (%s: %s)", rid, worker.worker_id, failure.code.name, failure.details)
         self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
         raise errors.Unavailable(
             f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}")
 
     async def _next_pool(self, rid: str, model: str, attempt: int, failure: "_WorkerFailed | None",
-                         excluded: set[str], wait_until: float, deadline: float | None, task: str = GENERATE,
+                         excluded: dict[str, int], wait_until: float, deadline: float | None, task: str = GENERATE,
                          features: frozenset[str] = frozenset()):
         """The workers attempt `attempt` may go to (a retry first spends the retry budget and
         backs off), or the error that ends the request: no worker serves it (for `task`,
@@ -371,7 +399,7 @@ class RouterBackend:
         and why no other is left."""
         if attempt:
             await self._before_retry(attempt, failure, deadline)
-        pool, no_worker = await self._pool(rid, model, excluded, wait_until, task, features)
+        pool, no_worker = await self._pool(rid, model, excluded, wait_until, deadline, task, features)
         if pool:
             return pool
         self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
@@ -383,8 +411,11 @@ class RouterBackend:
             error = errors.from_status(no_worker.code, str(no_worker))
             if isinstance(error, errors.InvalidRequest):
                 error.param = no_worker.param
-            raise error
-        raise errors.Unavailable(f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}")
+        else:
+            error = errors.Unavailable(f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}")
+        if isinstance(no_worker, _HoldOver):
+            error.retry_after = RETRY_AFTER
+        raise error
 
     async def _before_retry(self, attempt: int, failure: "_WorkerFailed", deadline: float | None) -> None:
         """Spend the retry budget (or fail fast when it is spent) and back off."""
@@ -397,16 +428,17 @@ class RouterBackend:
             delay = min(delay, max(0.0, deadline - time.monotonic()))
         await asyncio.sleep(delay)
 
-    def _judge(self, worker, outcome: str) -> None:
-        """The worker's circuit breaker learns from how the attempt ended."""
+    def _judge(self, worker, breaker, outcome: str) -> None:
+        """The circuit breaker of the worker's process the attempt ran on (not that of a
+        process that replaced it since) learns from how the attempt ended."""
         if outcome == m.FAILED:
-            if worker.breaker.on_failure():
+            if breaker.on_failure():
                 log.warning("worker %s: %d failures in a row: circuit open for %.1f s", worker.worker_id,
-                            worker.breaker.failures, worker.breaker.cooldown)
+                            breaker.failures, breaker.cooldown)
         elif outcome == m.SUCCESS:
-            worker.breaker.on_success()
+            breaker.on_success()
         else:  # the client left, or the request's own error: no verdict on the worker either way (a
-            worker.breaker.on_abandon()  # stream of bad requests must not keep a failing worker's breaker shut)
+            breaker.on_abandon()  # stream of bad requests must not keep a failing worker's breaker shut)
 
     async def _relay(self, call, rid: str, worker_id: str) -> AsyncIterator[pb.GenerateResponse]:
         """The worker's chunks; once the stream has started, a gap longer than
@@ -429,31 +461,93 @@ class RouterBackend:
             started = True
             yield chunk
 
-    async def _pool(self, rid: str, model: str, excluded: set[str], wait_until: float, task: str = GENERATE,
-                    features: frozenset[str] = frozenset()):
-        """(healthy workers for `model`, `task` and `features` not yet tried, the error to give if
-        there are none). With none, waits until `wait_until` for a worker that may come back
-        (unhealthy, not draining, not tried) to report in, re-checking at every change of the workers."""
+    async def _pool(self, rid: str, model: str, excluded: dict[str, int], wait_until: float,
+                    deadline: float | None, task: str = GENERATE, features: frozenset[str] = frozenset()):
+        """(healthy workers for `model`, `task` and `features` to try, the error to give if
+        there are none): those the request has not failed on; else, after waiting until
+        `wait_until` for one that may come back (unhealthy, not draining, not tried) to
+        report in, those it failed on that came back since (a new epoch: healthy again, or
+        restarted). While no worker of the model can take a request at all, the request is
+        held (`_hold_until`) instead. Every wait re-checks at each change of the workers."""
         waited = False
-        while True:
-            try:
-                pool = [w for w in self.registry.candidates(model, task, features) if w.worker_id not in excluded]
-            except RegistryError as e:
-                pool, no_worker = [], e
-            else:
-                no_worker = RegistryError(grpc.StatusCode.UNAVAILABLE, "no other healthy worker")
-            hope = ([w.worker_id for w in self.registry.may_come_back(model, excluded, task, features)]
-                    if not pool else [])
-            left = wait_until - time.monotonic()
-            if not hope or left <= 0:
-                if waited:
-                    log.info("request %s: %s after the wait", rid, "placed" if pool else "no worker came back")
-                return pool, no_worker
-            if not waited:
-                log.info("request %s: no healthy worker; waiting up to %.1f s for %s", rid, left, ", ".join(hope))
+        held_until = None
+        try:
+            while True:
+                try:
+                    ready = self.registry.candidates(model, task, features)
+                except RegistryError as e:
+                    ready, no_worker = [], e
+                else:
+                    no_worker = RegistryError(grpc.StatusCode.UNAVAILABLE, "no other healthy worker")
+                fresh = [w for w in ready if w.worker_id not in excluded]
+                if fresh:
+                    if waited:
+                        log.info("request %s: placed after the wait", rid)
+                    return fresh, no_worker
+                if not ready and self._may_hold(model, no_worker):
+                    if held_until is None:
+                        held_until = self._hold_until(rid, model, deadline)
+                    left = held_until - time.monotonic()
+                    if left <= 0:
+                        log.warning("request %s: no worker of %s within %g s", rid, _model_named(model),
+                                    self.config.resume_wait)
+                        return [], _HoldOver(f"no worker of {_model_named(model)} could take it within "
+                                             f"{self.config.resume_wait:g} s (the router's --resume-wait): {no_worker}")
+                    left = min(left, HOLD_RECHECK)
+                else:
+                    hope = [w.worker_id for w in self.registry.may_come_back(model, excluded, task, features)]
+                    left = wait_until - time.monotonic()
+                    if not hope or left <= 0:
+                        back = [w for w in ready if excluded[w.worker_id] != w.epoch]
+                        if waited or back:
+                            log.info("request %s: %s", rid, f"trying {back[0].worker_id} again: it came back"
+                                     if back else "no worker came back after the wait")
+                        return back, no_worker
+                    if not waited:
+                        log.info("request %s: no healthy worker; waiting up to %.1f s for %s", rid, left,
+                                 ", ".join(hope))
                 waited = True
-            try:
                 await self.registry.wait_changed(left)
-            except asyncio.CancelledError:  # the client went away (or the router stops) while it waited
-                self.metrics.requests.labels(worker="none", outcome=m.CANCELLED).inc()
-                raise
+        except asyncio.CancelledError:  # the client went away (or the router stops) while it waited
+            self.metrics.requests.labels(worker="none", outcome=m.CANCELLED).inc()
+            raise
+        finally:
+            if held_until is not None:
+                self.holding -= 1
+                self.held.pop(rid, None)
+
+    def _may_hold(self, model: str, no_worker: RegistryError) -> bool:
+        """Whether a request that no worker can take now may be held for one: none can take
+        any request of the model (not: the request asks what its workers lack), and one
+        serves it, or did a moment ago."""
+        return (self.config.resume_wait > 0
+                and no_worker.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+                and self.registry.served_lately(model, self.config.resume_wait))
+
+    def _hold_until(self, rid: str, model: str, deadline: float | None) -> float:
+        """Start holding request `rid`: when its hold ends. UNAVAILABLE at once when
+        `max_held` requests are held already (what a hold may cost is bounded)."""
+        if self.holding >= self.config.max_held:
+            self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
+            error = errors.Unavailable(f"no worker of {_model_named(model)} can take the request, and "
+                                       f"{self.config.max_held} requests wait for one already (the router's "
+                                       "--max-held): retry later")
+            error.retry_after = RETRY_AFTER
+            raise error
+        self.held[rid] = model
+        self.holding += 1
+        until = time.monotonic() + self.config.resume_wait
+        log.info("request %s: no worker of %s can take it; held up to %g s for one to come back", rid,
+                 _model_named(model), self.config.resume_wait)
+        return until if deadline is None else min(until, deadline)
+
+
+class _HoldOver(RegistryError):
+    """A hold ended with no worker of the model back."""
+
+    def __init__(self, message: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def _model_named(model: str) -> str:
+    return f"model {quoted(model)}" if model else "any model"

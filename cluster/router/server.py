@@ -52,7 +52,8 @@ class RouterServer:
         )
         self.metrics = RouterMetrics(self.registry)
         self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(
-            config.max_attempts, config.worker_wait, config.stream_idle_timeout, config.limits))
+            config.max_attempts, config.worker_wait, config.stream_idle_timeout, config.resume_wait,
+            config.max_held, config.limits))
         self.endpoints = Endpoints(default_host=ALL_INTERFACES, health_services=("", GENERATION_SERVICE),
                                    security=config.security)
         self._stop = asyncio.Event()
