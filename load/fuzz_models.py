@@ -26,7 +26,8 @@ The verdict, which is the exit status: 0 tracebacks (in any output), 0 runs over
 memory limit or killed by a signal, every refusal a single line on a non-zero exit, 0
 imports of a file whose tensor table (read again here, independently) has a tensor outside
 the file or overlapping the one before, 0 imports of a blob outside blobs/, nothing written
-or changed outside the target directory, and every import a complete model directory.
+or changed outside the target directory, every import a complete model directory, and the
+valid file and the valid manifest (the first of each) imported.
 
 The figures are printed as `name: value` lines (tests/test_fuzz_models.py reads them), then
 the commonest refusals, and every failure with its mutation (the files kept under --keep).
@@ -509,9 +510,11 @@ def main(argv=None) -> int:
         rng = random.Random(f"{args.seed}:{i}")
         if i == 0:
             return Case("gguf", "valid", valid)
+        if i == args.gguf + 1:
+            return Case("manifest", "valid", valid_manifest(digest))
         return mutate_gguf(valid, rng) if i <= args.gguf else mutate_manifest(digest, rng)
 
-    total = 1 + args.gguf + args.manifests
+    total = 1 + args.gguf + args.manifests  # (the first file and the first manifest: the valid ones)
     print(f"orchard fuzz models: {total} imports ({args.gguf} GGUF + {args.manifests} manifests and the valid "
           f"file), {args.jobs} at a time, {args.timeout:g} CPU s and {args.memory_mb} MB each, seed {args.seed}; "
           f"files in {work}", flush=True)
@@ -527,13 +530,15 @@ def main(argv=None) -> int:
     for text, n in refusals.most_common(15):
         print(f"  {n:5d}  {text}")
     failed = [o for o in outcomes if o.failures]
-    if not outcomes[0].imported:
-        print(f"FAILURE: the valid file did not import: {outcomes[0].output[-500:]}")
+    valid_ones = [o for o in outcomes if o.case.label == "valid"]
+    for o in valid_ones:
+        if not o.imported:
+            print(f"FAILURE: the valid {o.case.kind} did not import: {o.output[-500:]}")
     for o in failed[:30]:
         print(f"FAILURE [{o.case.kind}: {o.case.label}] exit {o.code} after {o.seconds:.1f} s "
               f"({o.cpu_seconds:.1f} s CPU): "
               f"{'; '.join(o.failures)}\n  {o.output[-600:]}")
-    ok = not failed and outcomes[0].imported
+    ok = not failed and all(o.imported for o in valid_ones)
     if not args.keep and ok:
         shutil.rmtree(work, ignore_errors=True)
     print("PASS" if ok else f"FAIL: {len(failed)} failures (files under {work})")
