@@ -250,7 +250,7 @@ class _Walk:
         if "general.alignment" in places:
             alignment = metadata["general.alignment"]
             if places["general.alignment"][0] != UINT32 or alignment <= 0 or alignment & (alignment - 1):
-                raise GGUFError(f"general.alignment {alignment!r} ({metadata.type_of('general.alignment')}): "
+                raise GGUFError(f"general.alignment {shown(alignment)} ({metadata.type_of('general.alignment')}): "
                                 "must be a uint32 power of two")
         types = ggml_types()
         infos = []

@@ -32,12 +32,16 @@ class TargetError(ValueError):
     """A directory Orchard will not write over; the message names it and why."""
 
 
+# Directories Orchard wrote before it marked them, known by a file only it writes there
+LEGACY_MARKERS = {"gguf_import.json": "gguf-import"}  # gguf.IMPORT_KIND
+
+
 def marker_kind(path: Path) -> str | None:
     """The kind an Orchard-written directory's marker names (None: no readable marker)."""
     try:
         kind = json.loads((path / MARKER).read_text()).get("kind")
     except (OSError, ValueError, AttributeError, RecursionError):
-        return None
+        return next((k for name, k in LEGACY_MARKERS.items() if (path / name).is_file()), None)
     return kind if isinstance(kind, str) else None
 
 

@@ -112,8 +112,9 @@ def warn_if_slow_blas() -> None:
 
 
 def available_memory() -> int:
-    """Bytes of RAM a new allocation can have (Linux's MemAvailable, else the free pages;
-    0: unknown)."""
+    """Bytes of RAM a new allocation can have: Linux's MemAvailable; on macOS the free,
+    speculative and file-backed pageable pages (what `vm_stat` shows as reclaimable); else
+    the free pages, else all of RAM (an upper bound keeps a size check on); 0: unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -121,10 +122,31 @@ def available_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    if sys.platform == "darwin":
+        page = darwin_sysctl("hw.pagesize") or 16384
+        counts = [darwin_sysctl(f"vm.page_{k}_count") for k in ("free", "speculative", "pageable_external")]
+        if counts[0] is not None:
+            return page * sum(c or 0 for c in counts)
+    for pages in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf(pages)
+        except (ValueError, OSError, AttributeError):
+            continue
+    return 0
+
+
+def darwin_sysctl(name: str) -> int | None:
+    """An integer sysctl of macOS (sysctlbyname), None where it is not there."""
+    import ctypes.util
+
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        value, size = ctypes.c_uint64(0), ctypes.c_size_t(8)
+        if libc.sysctlbyname(name.encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)):
+            return None
+    except (OSError, AttributeError):
+        return None
+    return value.value & ((1 << (8 * size.value)) - 1)  # a 4-byte value fills the low half
 
 
 def resident_bytes(pid: int | str = "self") -> int:

@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from gguf_export import (ARRAY, BOOL, FLOAT32, FLOAT64, INT32, STRING, UINT8, UINT32, UINT64,  # noqa: E402
-                         RawGGUF, gguf_value, nested_array, parse_raw)
+                         RawGGUF, nested_array, parse_raw)
 
 BOUNDARY = [0, 1, 2, 3, 7, 31, 32, 33, 255, 256, 4095, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40,
             2**62, 2**63 - 1, 2**63, 2**64 - 1]

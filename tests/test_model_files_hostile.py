@@ -106,6 +106,20 @@ def test_reimport_replaces_an_earlier_import_and_leaves_nothing_beside_it(gguf_f
     assert tree(out) == before and sorted(p.name for p in out.parent.iterdir()) == ["tiny"]
 
 
+def test_an_import_made_before_the_marker_is_replaced_as_an_import(gguf_file, tmp_path):
+    """A directory an earlier Orchard imported carries its gguf_import.json, not the marker:
+    it is ours all the same, and so replaced; a directory without either stays refused."""
+    out = tmp_path / "old-import"
+    assert main(["model", "import", str(gguf_file), str(out)]) == 0
+    (out / owned_dir.MARKER).unlink()  # as an import before the marker left it
+    assert main(["model", "import", str(gguf_file), str(out)]) == 0
+    assert owned_dir.marker_kind(out) == og.IMPORT_KIND
+    (out / owned_dir.MARKER).unlink()
+    (out / "gguf_import.json").unlink()
+    with pytest.raises(owned_dir.TargetError):
+        owned_dir.check_target(out, og.IMPORT_KIND)
+
+
 def test_an_empty_directory_is_written_and_a_source_inside_the_target_is_refused(gguf_file, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -32,8 +32,9 @@ MAX_SHOWN_CHARS = 80  # of a value quoted back in an error message
 # Arrays and objects within each other in any JSON a client sends: a body, or JSON text
 # carried in one of its strings (tool call arguments, tools, a JSON schema, template
 # kwargs). Code that walks such a value recursively (templates, schema rewriting,
-# json.dumps) stays far from Python's recursion limit; a deep JSON schema is still
-# hundreds of properties deep.
+# json.dumps) stays far from Python's recursion limit. A schema spends two levels on each
+# nested property ("properties", then the property's schema), so this admits objects about
+# 30 properties deep.
 MAX_JSON_DEPTH = 64
 
 
