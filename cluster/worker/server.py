@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from cluster.api.serving import Endpoints, MetricsEndpoint
 from cluster.api.servicer import GenerationServicer
+from cluster.exit_codes import EXIT_PERMANENT, describe, exit_code
 from cluster.net import check_addresses, parse_address
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
@@ -29,7 +30,6 @@ from cluster.worker.engine_loop import EngineLoadError
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "ORCHARD_WORKER_READY "  # + JSON of the bound addresses, printed on stdout
-EXIT_CONFIG = 78  # sysexits.h EX_CONFIG: the model cannot be served as configured
 
 def routers(value: str | None) -> list[str]:
     """`--router A,B`: the routers a worker registers with (a fleet may run several)."""
@@ -238,10 +238,14 @@ def serve(options: WorkerOptions) -> int:
             rank = topology(options.group).rank
             require_join_token(options.join_token)
         options.chat_templates.check()
-    except ValueError as e:
+    except ValueError as e:  # a setting: permanent, so that no launcher starts it again as it is
         print(f"orchard worker serve: {e}", file=sys.stderr)
-        return 2
-    options = replace(options, model_path=str(resolve_model(options.model_path, options.gguf_file)))
+        return EXIT_PERMANENT
+    try:
+        options = replace(options, model_path=str(resolve_model(options.model_path, options.gguf_file)))
+    except SystemExit as e:  # no such model: one line, permanent
+        print(f"orchard worker serve: {e}", file=sys.stderr)
+        return EXIT_PERMANENT
     if options.group.enabled:
         if rank != 0:  # a member: no servers, it runs the steps rank 0 plans
             from cluster.worker.group.member import member_process
@@ -250,16 +254,18 @@ def serve(options: WorkerOptions) -> int:
     code = 0
     try:
         asyncio.run(run_until_signalled(options))
-    except OSError as e:
-        print(f"orchard worker serve: {e}", file=sys.stderr)
-        code = 1
+    except OSError as e:  # an address in use or not there yet: transient (cluster/exit_codes.py)
+        code = exit_code(e)
+        print(f"orchard worker serve: {e} ({describe(code)})", file=sys.stderr)
     except EngineLoadError as e:
-        # One line that says what to fix, and an exit code a supervisor can tell from a
-        # crash (launchd's ThrottleInterval keeps it from restarting in a tight loop).
+        # One line that says what to fix, and an exit code that tells a launcher whether
+        # starting again can help: a group whose member was late or lost (75), or a model
+        # that does not load or that a member does not share (78).
+        code = exit_code(e.__cause__ or e)
         reason = " ".join(str(e).split())  # mlx-lm lists missing weights over many lines
         reason = reason if len(reason) <= 400 else reason[:400] + " ..."
-        print(f"orchard worker serve: cannot load the model at {options.model_path}: {reason}", file=sys.stderr)
-        code = EXIT_CONFIG
+        print(f"orchard worker serve: cannot load the model at {options.model_path}: {reason} ({describe(code)})",
+              file=sys.stderr)
     # Everything the worker started is stopped and joined. Skip interpreter teardown: MLX
     # keeps per-thread C++ state (compile caches) whose destructors take the GIL, and where
     # we cannot wait for the engine's OS thread to be gone (no /proc) they can race

@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from cluster.exit_codes import EXIT_TRANSIENT
 from cluster.worker.group import wire
 from cluster.worker.group.config import GroupOptions, require_join_token
 
@@ -82,8 +83,7 @@ def _exit_lost(reason: str) -> None:
     os._exit(EXIT_GROUP_LOST)
 
 
-# sysexits.h EX_TEMPFAIL: the group lost a member; start the whole group again
-EXIT_GROUP_LOST = 75
+EXIT_GROUP_LOST = EXIT_TRANSIENT  # the group lost a member: start the whole group again
 
 
 class HandshakeSlots:
@@ -228,17 +228,17 @@ class Leader:
         auth = wire.loads(wire.expect(sock, wire.AUTH, wire.MAX_HANDSHAKE, deadline))
         sock.settimeout(max(0.01, deadline - time.monotonic()))
         if not wire.proofs_match(auth.get("proof"), wire.member_proof(self.token, rank, mine, nonce)):
-            sock.sendall(wire.frame(wire.ERROR, b"the join token does not match"))
+            sock.sendall(wire.error_frame("the join token does not match", permanent=True))
             raise wire.ProtocolError(f"rank {rank} presented a wrong join token")
         if hello.get("size") != self.size or not 1 <= rank < self.size:
             msg = f"rank {rank} of a group of {hello.get('size')}: this group has {self.size} ranks"
-            sock.sendall(wire.frame(wire.ERROR, msg.encode()))
+            sock.sendall(wire.error_frame(msg, permanent=True))
             raise wire.ProtocolError(msg)
         if self.handshakes.release(sock):  # its slot was taken meanwhile, and the connection shut
             raise wire.ProtocolError("its slot went to a newer connection (too many handshakes at once)")
         with self._joined:  # one connection per rank, and none once the group is complete
             if rank in self.members or not self._admitting:
-                sock.sendall(wire.frame(wire.ERROR, f"rank {rank} has already joined".encode()))
+                sock.sendall(wire.error_frame(f"rank {rank} has already joined", permanent=False))
                 raise wire.ProtocolError(f"rank {rank} joined twice")
             sock.sendall(wire.frame(wire.WELCOME))
             sock.settimeout(None)
@@ -435,7 +435,7 @@ class Member:
             theirs = challenge.get("nonce")
             if not isinstance(theirs, str) or not wire.proofs_match(challenge.get("proof"),
                                                                     wire.leader_proof(self.token, nonce, theirs)):
-                raise wire.Refused("rank 0 does not hold this group's join token")
+                raise wire.Refused("rank 0 does not hold this group's join token", permanent=True)
             sock.settimeout(max(0.01, until - time.monotonic()))
             sock.sendall(wire.frame(wire.AUTH, wire.dumps(
                 {"proof": wire.member_proof(self.token, self.rank, theirs, nonce)})))
@@ -451,6 +451,16 @@ class Member:
         data = wire.frame(kind, payload)
         with self.lock:
             self.sock.sendall(data)
+
+    def send_error(self, reason: str, permanent: bool = False) -> None:
+        """Tell rank 0 why this rank cannot go on (best effort: it may be gone already)."""
+        if self.sock is None:
+            return
+        try:
+            with self.lock:
+                self.sock.sendall(wire.error_frame(reason, permanent))
+        except OSError:
+            pass
 
     def receive(self, kind: int, deadline: float) -> dict:
         """One start-up message (JSON), before `serve`."""

@@ -10,6 +10,7 @@ The engine's step is unchanged: schedule -> prepare -> forward -> sample -> post
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -84,14 +85,32 @@ def init_ring(topo: Topology, backend: str = "ring"):
                              "mlx.launch --backend jaccl, which sets them)")
         os.environ["MLX_RANK"] = str(topo.rank)
     elif os.environ.get("MLX_HOSTFILE") is None or os.environ.get("MLX_RANK") != str(topo.rank):
+        # MLX reads the hostfile once, in init: it is removed as soon as init returns or fails
+        given = os.environ.get("MLX_HOSTFILE")
         fd, path = tempfile.mkstemp(prefix="orchard-ring-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            f.write(topo.ring_hostfile())
-        os.environ["MLX_HOSTFILE"] = path
-        os.environ["MLX_RANK"] = str(topo.rank)
-    group = mx.distributed.init(backend=backend, strict=True)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(topo.ring_hostfile())
+            os.environ["MLX_HOSTFILE"] = path
+            os.environ["MLX_RANK"] = str(topo.rank)
+            return _init_mlx_group(topo, backend)
+        finally:
+            if given is None:
+                os.environ.pop("MLX_HOSTFILE", None)
+            else:
+                os.environ["MLX_HOSTFILE"] = given
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    return _init_mlx_group(topo, backend)
+
+
+def _init_mlx_group(topo: Topology, backend: str):
+    try:
+        group = mx.distributed.init(backend=backend, strict=True)
+    except RuntimeError as e:  # a peer not there (gone, or not yet listening): starting again may find it
+        raise ConnectionError(f"MLX's {backend} group did not form: {e}") from None
     if group.size() != topo.size or group.rank() != topo.rank:
-        raise RuntimeError(f"MLX's ring is rank {group.rank()} of {group.size()}, expected {topo.rank} of {topo.size}")
+        raise ValueError(f"MLX's ring is rank {group.rank()} of {group.size()}, expected {topo.rank} of {topo.size}")
     return group
 
 

@@ -20,6 +20,7 @@ from typing import NoReturn
 import mlx.core as mx
 
 from cluster import platform
+from cluster.exit_codes import EXIT_PERMANENT, describe, exit_code, is_permanent
 from cluster.worker.config import EngineConfig
 from cluster.worker.group import wire
 from cluster.worker.group.channel import EXIT_GROUP_LOST, Member, Watchdog
@@ -57,7 +58,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
         require_join_token(join_token)
     except ValueError as e:  # a setting: one line, and the code that says so
         log.error("group member cannot start: %s", e)
-        return 78
+        return EXIT_PERMANENT
     deadline = time.monotonic() + options.join_timeout
     member = Member(topo.control, topo.rank, topo.size, join_token, options.timeout,
                     info={"host": socket.gethostname(), "pid": os.getpid(), "memory": usable_memory()},
@@ -85,14 +86,11 @@ def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
         kv_dtype = getattr(mx, start["kv_dtype"])
         slots = int(start["num_state_slots"])
         runner = StageRunner(model, int(start["num_blocks"]), config.block_size, kv_dtype, slots, stage)
-    except Exception as e:  # told to rank 0, which stops the group's start
-        log.exception("group rank %d could not start", topo.rank)
-        try:
-            if member.sock is not None:
-                member.send(wire.ERROR, f"rank {topo.rank}: {type(e).__name__}: {e}".encode()[:4000])
-        except OSError:
-            pass
-        return 78 if isinstance(e, ValueError) else EXIT_GROUP_LOST
+    except Exception as e:  # told to rank 0, which stops the group's start (for good when it is permanent)
+        code = exit_code(e)
+        log.exception("group rank %d could not start (%s)", topo.rank, describe(code))
+        member.send_error(f"rank {topo.rank}: {type(e).__name__}: {e}", permanent=is_permanent(code))
+        return code
     watchdog.disarm()
     member.serve()
     log.info("group rank %d serving layers %d-%d (%s parallel), %d KV blocks", topo.rank, stage.layers.start,
@@ -140,9 +138,6 @@ def _serve(member: Member, runner: StageRunner, ring, assignment: Assignment, ra
             watchdog.disarm()
         except Exception as e:  # this rank cannot follow rank 0 any more: the group is lost
             log.exception("group rank %d: step failed", rank)
-            try:
-                member.send(wire.ERROR, f"rank {rank}: {type(e).__name__}: {e}".encode()[:4000])
-            except OSError:
-                pass
+            member.send_error(f"rank {rank}: {type(e).__name__}: {e}")
             member.on_lost(f"step failed: {e}")
             return EXIT_GROUP_LOST

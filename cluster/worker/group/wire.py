@@ -11,7 +11,10 @@ The join handshake (both sides prove they hold the join token, neither sends it)
     member -> leader  HELLO      {"rank", "size", "nonce", "host", "pid", "memory", ...}
     leader -> member  CHALLENGE  {"nonce", "proof": HMAC(token, "leader" | member nonce | leader nonce)}
     member -> leader  AUTH       {"proof": HMAC(token, "member" | rank | leader nonce | member nonce)}
-    leader -> member  WELCOME, or ERROR with the reason (`Refused`: trying again will not help)
+    leader -> member  WELCOME, or ERROR with the reason (`Refused`)
+
+An ERROR (a refusal, or a rank that could not start) carries the flag `PERMANENT` when
+starting again cannot help (`cluster/exit_codes.py`): the receiver then exits 78 too.
 
 A HELLO comes from a peer not yet authenticated: `check_hello` checks its fields' types.
 
@@ -61,6 +64,7 @@ STEP_CHECK = 1  # flag: the plan carries rank 0's checksum; the member answers A
 READY_MSG = struct.Struct("<Qii")  # step id, from rank, to rank
 ACK_MSG = struct.Struct("<QI")  # step id, the member's checksum
 PING_MSG = struct.Struct("<Q")
+PERMANENT = 1  # flag of an ERROR: the sender's failure is permanent (a wrong token, a model rank 0 does not share)
 
 
 class ProtocolError(ConnectionError):
@@ -69,13 +73,22 @@ class ProtocolError(ConnectionError):
 
 class Refused(ProtocolError):
     """The peer refused us, saying why (an ERROR message), or failed to prove the join
-    token: trying again will not change its answer."""
+    token. `permanent`: starting again will not change its answer (exit 78, not 75)."""
+
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
 
 
 # -- framing ------------------------------------------------------------------------------------
 
-def frame(kind: int, payload: bytes = b"") -> bytes:
-    return FRAME.pack(MAGIC, VERSION, kind, 0, len(payload)) + payload
+def frame(kind: int, payload: bytes = b"", flags: int = 0) -> bytes:
+    return FRAME.pack(MAGIC, VERSION, kind, flags, len(payload)) + payload
+
+
+def error_frame(reason: str, permanent: bool) -> bytes:
+    """An ERROR saying why, flagged `PERMANENT` when starting again cannot help."""
+    return frame(ERROR, reason.encode()[:4000], PERMANENT if permanent else 0)
 
 
 def read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -98,7 +111,14 @@ def read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
 
 
 def read_message(sock: socket.socket, limit: int = MAX_PAYLOAD, deadline: float | None = None) -> tuple[int, bytes]:
-    magic, version, kind, _, length = FRAME.unpack(read_exact(sock, FRAME.size, deadline))
+    kind, _, payload = read_frame(sock, limit, deadline)
+    return kind, payload
+
+
+def read_frame(sock: socket.socket, limit: int = MAX_PAYLOAD,
+               deadline: float | None = None) -> tuple[int, int, bytes]:
+    """One message: its kind, flags and payload."""
+    magic, version, kind, flags, length = FRAME.unpack(read_exact(sock, FRAME.size, deadline))
     if magic != MAGIC:
         raise ProtocolError("not an Orchard group peer (bad magic)")
     if version != VERSION:
@@ -107,13 +127,13 @@ def read_message(sock: socket.socket, limit: int = MAX_PAYLOAD, deadline: float 
         raise ProtocolError(f"unknown message kind {kind}")
     if length > limit:
         raise ProtocolError(f"a {KIND_NAMES[kind]} message of {length} bytes (at most {limit} here)")
-    return kind, read_exact(sock, length, deadline)
+    return kind, flags, read_exact(sock, length, deadline)
 
 
 def expect(sock: socket.socket, kind: int, limit: int = MAX_PAYLOAD, deadline: float | None = None) -> bytes:
-    got, payload = read_message(sock, limit, deadline)
+    got, flags, payload = read_frame(sock, limit, deadline)
     if got == ERROR:
-        raise Refused(f"the peer failed: {payload.decode(errors='replace')}")
+        raise Refused(f"the peer failed: {payload.decode(errors='replace')}", permanent=bool(flags & PERMANENT))
     if got != kind:
         raise ProtocolError(f"expected {KIND_NAMES[kind]}, got {KIND_NAMES[got]}")
     return payload
