@@ -4,7 +4,9 @@ The workers register with the router (a fresh join token per run, passed to the 
 in their environment, never on a command line). With `--secure`, `up` also makes a fleet
 CA, a certificate per process, an API key and an admin key (files under the log
 directory's `secrets/`, mode 0600): mutual TLS on gRPC, TLS + keys on HTTP. `up` waits until all
-of them are healthy, prints the endpoints, then watches; Ctrl-C (or SIGTERM) stops the
+of them are healthy, prints the endpoints, then watches: a worker (or a group) with a
+process gone is started again after a backoff, unless the process failed for good (exit
+78: `cluster/exit_codes.py`), which is logged and left stopped. Ctrl-C (or SIGTERM) stops the
 workers, then the router: SIGTERM by PID, SIGKILL after a grace period. Each child runs
 in its own session, so the terminal's Ctrl-C reaches only `up`, which stops them in order.
 Children's logs go to files under --log-dir.
@@ -24,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import port_of, setting
+from cluster.exit_codes import Backoff, describe, is_permanent
 from cluster.router.config import RouterConfig, policy_names
 from cluster.worker.config import GGUF_FILE_HELP, MODEL_HELP, WorkerOptions
+from cluster.worker.group.config import GroupOptions
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,14 @@ class UpConfig:
     secure: bool = setting(False, "API keys, an admin key, TLS and mutual TLS: a CA and keys made for this run "
                                   "(under LOG_DIR/secrets)")
     group_size: int = setting(1, "processes per worker: each worker is a group of N over MLX's ring on loopback "
-                                 "(one model split across them); a group that loses a process is started again")
+                                 "(one model split across them)")
     parallel: str = setting("pipeline", "how a group splits the model", choices=("pipeline", "tensor"))
+    group_timeout: float = setting(GroupOptions.timeout, "a group's member silent or step unfinished this long "
+                                                         "loses the group", metavar="SECONDS")
+    group_shares: str | None = setting(None, "pipeline: each rank's relative share of the layers, e.g. 1,2",
+                                       metavar="W,W...")
+    group_inflight: int = setting(GroupOptions.inflight, "pipeline: batches in flight at once (0: one per stage)",
+                                  metavar="N")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,6 +94,11 @@ class Child:
         except OSError:
             return ""
 
+    def last_line(self) -> str:
+        """Its log's last line: where a process that stops for good says why."""
+        lines = self.tail(1).splitlines()
+        return lines[-1].strip() if lines else ""
+
 
 class LocalCluster:
     """Start, wait for and stop a router and its workers (also used by tests and benchmarks)."""
@@ -107,6 +122,9 @@ class LocalCluster:
         secure: bool = False,  # keys, TLS and mutual TLS (`Secrets`)
         group_size: int | list[int] = 1,  # processes per worker (a list: per worker); > 1: a worker group
         parallel: str = "pipeline",
+        group_args: list[str] | None = None,  # more group flags, given to every rank (--group-timeout ...)
+        backoff: Backoff | None = None,  # the restarts' delays: a copy per worker
+        clock=time.monotonic,
     ):
         self.model = str(model)
         self.num_workers = workers
@@ -133,7 +151,15 @@ class LocalCluster:
         self.parallel = parallel
         self.members: dict[int, list[Child]] = {}  # worker i's other ranks, when it is a group
         self.group_hosts: dict[int, tuple[str, int]] = {}  # worker i's ring addresses and side-channel port
-        self.group_restarts = 0
+        self.group_args = group_args or []
+        self.group_restarts = 0  # restarts of worker groups (`restarts` counts every worker's)
+        self.restarts = 0
+        self.clock = clock
+        self._backoff = backoff or Backoff()
+        self.backoffs: dict[int, Backoff] = {}
+        self.started_at: dict[int, float] = {}  # worker i's last start (clock)
+        self.restart_at: dict[int, float] = {}  # worker i, ended: when it is started again
+        self.given_up: dict[int, str] = {}  # worker i, ended for good (a permanent failure): why
 
     # -- processes ----------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], cpus: list[int] | None = None, env: dict | None = None) -> Child:
@@ -194,7 +220,7 @@ class LocalCluster:
                 self.group_hosts[i] = (",".join(f"{host}:{p}" for p in ring), port)
             hosts, port = self.group_hosts[i]
             group = ["--group-size", str(size), "--group-hosts", hosts, "--group-port", str(port),
-                     "--parallel", self.parallel]
+                     "--parallel", self.parallel, *self.group_args]
             args += [*group, "--group-rank", "0"]
             for r in range(1, size):
                 members.append(self._spawn(
@@ -208,31 +234,54 @@ class LocalCluster:
             self.workers[i] = child
         else:
             self.workers.append(child)
+        self.started_at[i] = self.clock()
         return child
 
     def group_processes(self, i: int) -> list[Child]:
         """Worker i's processes: rank 0 and, for a group, the other ranks."""
         return [self.workers[i], *self.members.get(i, [])]
 
-    def supervise(self, restart: bool = True) -> list[int]:
-        """One look at the worker groups: a group with a process gone is stopped whole (a
-        member left stopped or wedged is killed: the group cannot go on without it) and,
-        with `restart`, started again. Returns the groups restarted (or stopped)."""
-        acted = []
-        for i in list(self.members):
+    def supervise(self, restart: bool = True) -> list[str]:
+        """One look at the workers (what `orchard up` does every half second). A worker with
+        a process gone is stopped whole (a group's member left stopped or wedged is killed:
+        the group cannot go on without it). A permanent failure (exit 78, `exit_codes.py`)
+        is not started again; anything else is, with `restart`, after its backoff. The
+        other workers keep running. Returns what was done, a line each."""
+        done = []
+        for i in range(len(self.workers)):
+            if i in self.restart_at or i in self.given_up:
+                continue
             procs = self.group_processes(i)
             if not any(c.proc.poll() is not None for c in procs):
                 continue
+            ended = [c for c in procs if c.proc.poll() is not None]
             for c in procs:
                 if c.proc.poll() is None:
                     c.proc.kill()
             for c in procs:
                 c.proc.wait()
-            acted.append(i)
-            if restart:
-                self.group_restarts += 1
+            cause = next((c for c in ended if is_permanent(c.proc.returncode)), ended[0])
+            what = f"worker-{i}" + (f"'s group ({cause.name})" if i in self.members else "")
+            if is_permanent(cause.proc.returncode):
+                why = cause.last_line() or "see its log"
+                self.given_up[i] = f"{cause.name}: {why}"
+                done.append(f"{what} exited ({describe(cause.proc.returncode)}): {why}; not started again "
+                            f"(its log: {cause.log_path}); the other workers keep running")
+                continue
+            backoff = self.backoffs.setdefault(i, Backoff(self._backoff.first, self._backoff.cap,
+                                                          self._backoff.reset_after))
+            delay = backoff.next_delay(self.clock() - self.started_at.get(i, self.clock()))
+            self.restart_at[i] = self.clock() + delay
+            done.append(f"{what} exited ({describe(cause.proc.returncode)}): "
+                        + (f"starting it again in {delay:g} s" if restart else "stopped"))
+        for i, when in sorted(self.restart_at.items()):
+            if restart and self.clock() >= when:
+                del self.restart_at[i]
+                self.restarts += 1
+                self.group_restarts += i in self.members
                 self.start_worker(i)
-        return acted
+                done.append(f"worker-{i} started again")
+        return done
 
     @property
     def router_address(self) -> str:
@@ -361,16 +410,24 @@ class Secrets:
                               tls_cert=str(d / "client.pem"), tls_key=str(d / "client-key.pem"))
 
 
+def local_cluster(config: UpConfig, model: str | os.PathLike) -> LocalCluster:
+    """The cluster `orchard up` runs for `config` (every group flag given to every rank)."""
+    group_args = ["--group-timeout", f"{config.group_timeout:g}", "--group-inflight", str(config.group_inflight)]
+    if config.group_shares:
+        group_args += ["--group-shares", config.group_shares]
+    return LocalCluster(
+        model, workers=config.workers, grpc_address=config.grpc_address, http_address=config.http_address,
+        metrics_address=config.metrics_address, worker_port_base=config.worker_port_base,
+        worker_metrics_port_base=config.worker_metrics_port_base, policy=config.policy, log_dir=config.log_dir,
+        secure=config.secure, group_size=config.group_size, parallel=config.parallel, group_args=group_args,
+    )
+
+
 def run_up(config: UpConfig) -> int:
     from cluster.models_cache import resolve_model
 
     model = resolve_model(config.model, config.gguf_file)
-    cluster = LocalCluster(
-        model, workers=config.workers, grpc_address=config.grpc_address, http_address=config.http_address,
-        metrics_address=config.metrics_address, worker_port_base=config.worker_port_base,
-        worker_metrics_port_base=config.worker_metrics_port_base, policy=config.policy, log_dir=config.log_dir,
-        secure=config.secure, group_size=config.group_size, parallel=config.parallel,
-    )
+    cluster = local_cluster(config, model)
     stop = {"now": False}
 
     def on_term(signum, frame):
@@ -400,17 +457,13 @@ def run_up(config: UpConfig) -> int:
             + "Ctrl-C stops them all.",
             flush=True,
         )
-        reported: set[str] = set()
         while not stop["now"]:
-            for i in cluster.supervise():
-                print(f"worker-{i}'s group lost a process: started the whole group again", file=sys.stderr, flush=True)
-                reported -= {c.name for c in cluster.group_processes(i)}
-            for c in cluster.dead_children():
-                if c.name not in reported:
-                    reported.add(c.name)
-                    print(f"{c.name} exited with code {c.proc.returncode}; its log ({c.log_path}):\n{c.tail()}",
-                          file=sys.stderr, flush=True)
+            for line in cluster.supervise():
+                print(f"orchard up: {line}", file=sys.stderr, flush=True)
             if cluster.router is not None and cluster.router.proc.poll() is not None:
+                c = cluster.router
+                print(f"orchard up: the router exited ({describe(c.proc.returncode)}); its log ({c.log_path}):\n"
+                      f"{c.tail()}", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.5)
     except KeyboardInterrupt:

@@ -159,7 +159,7 @@ def test_up_runs_a_worker_group_and_starts_it_again_when_it_loses_a_process(tmp_
             open(f"/proc/{p}/cmdline").read().split("\0"))]
         assert len(member) == 1
         os.kill(member[0], signal.SIGKILL)
-        read_until("started the whole group again", 120)
+        read_until("worker-0 started again", 120)
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             with grpc.insecure_channel(grpc_addr) as ch:
@@ -179,3 +179,125 @@ def test_up_runs_a_worker_group_and_starts_it_again_when_it_loses_a_process(tmp_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- supervision: what `orchard up` does when a worker's process ends -----------------------------
+
+class _FakeProc:
+    """A child process that has ended with `code`, or runs until killed (code None)."""
+
+    def __init__(self, code: int | None):
+        self.returncode = code
+        self.pid = 0
+
+    def poll(self):
+        return self.returncode
+
+    def kill(self):
+        if self.returncode is None:
+            self.returncode = -signal.SIGKILL
+
+    def wait(self, timeout=None):
+        return self.returncode
+
+    send_signal = lambda self, sig: self.kill()  # noqa: E731
+
+
+def _fake_cluster(tmp_path, codes: dict[str, list], **kwargs):
+    """A LocalCluster whose children are `_FakeProc`s: child NAME's k-th start ends with
+    `codes[NAME][k]` (None: runs); a clock the test moves."""
+    from cluster.up import Child, LocalCluster
+
+    now = [0.0]
+    cluster = LocalCluster("model", log_dir=tmp_path, worker_port_base=0, worker_metrics_port_base=0,
+                           clock=lambda: now[0], **kwargs)
+    spawned: list[tuple[str, list[str], float]] = []
+
+    def spawn(name, args, cpus=None, env=None):
+        n = sum(1 for s in spawned if s[0] == name)
+        spawned.append((name, args, now[0]))
+        script = codes.get(name, [None])
+        log_path = tmp_path / f"{name}.log"
+        code = script[min(n, len(script) - 1)]
+        if code == 78:
+            log_path.write_text("starting\norchard worker serve: cannot load the model at m: no weights "
+                                "(exit 78: permanent)\n")
+        return Child(name, _FakeProc(code), log_path)
+
+    cluster._spawn = spawn
+    return cluster, now, spawned
+
+
+def test_up_restarts_a_transient_failure_with_growing_delays(tmp_path):
+    """A worker that keeps exiting 75 is started again after 1, 2, 4 ... s, capped at 60 s;
+    the other worker keeps running; a run past the reset time starts the count over."""
+    from cluster.exit_codes import Backoff
+
+    cluster, now, spawned = _fake_cluster(tmp_path, {"worker-0": [75]}, workers=2,
+                                          backoff=Backoff(first=1, cap=60, reset_after=300))
+    for i in range(2):
+        cluster.start_worker(i)
+    starts, lines = [], []
+    while len(starts) < 9 and now[0] < 1000:  # the fake clock moves 0.5 s a look, as `orchard up` does
+        now[0] += 0.5
+        lines += cluster.supervise()
+        starts = [t for name, _, t in spawned if name == "worker-0"]
+    delays = [float(line.rsplit(" ", 2)[1]) for line in lines if "starting it again in" in line]
+    assert delays == [1, 2, 4, 8, 16, 32, 60, 60], lines
+    # each start comes its delay after the look that found the last run ended (the one after its start)
+    assert [b - a for a, b in zip(starts, starts[1:])] == [d + 0.5 for d in delays]
+    assert "worker-0 exited (exit 75: transient): starting it again in 4 s" in lines
+    assert cluster.restarts == 8 and cluster.workers[1].proc.poll() is None, "worker-1 is left running"
+    assert [name for name, _, _ in spawned].count("worker-1") == 1
+
+    # a run longer than the reset time was healthy: the next failure waits 1 s again
+    cluster.workers[0].proc.returncode = None
+    now[0] += 301
+    cluster.workers[0].proc.returncode = 75
+    assert cluster.supervise() == ["worker-0 exited (exit 75: transient): starting it again in 1 s"]
+
+
+def test_up_does_not_restart_a_permanent_failure_and_says_why(tmp_path):
+    """A member that exits 78 (here: its model does not load) stops its group for good:
+    one line naming the process and the reason, no restart however long `up` watches, and
+    the other worker keeps running."""
+    cluster, now, spawned = _fake_cluster(tmp_path, {"worker-0-rank-1": [78], "worker-0": [None]}, workers=2,
+                                          group_size=[2, 1])
+    for i in range(2):
+        cluster.start_worker(i)
+    lines = []
+    for _ in range(400):
+        lines += cluster.supervise()
+        now[0] += 0.5
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("worker-0's group (worker-0-rank-1) exited (exit 78: permanent): orchard worker serve: "
+                               "cannot load the model at m: no weights"), lines[0]
+    assert "not started again" in lines[0] and "worker-0-rank-1.log" in lines[0]
+    assert cluster.workers[0].proc.returncode == -signal.SIGKILL, "rank 0 of the failed group is stopped"
+    assert [name for name, _, _ in spawned] == ["worker-0-rank-1", "worker-0", "worker-1"], "nothing restarted"
+    assert cluster.workers[1].proc.poll() is None and cluster.restarts == 0
+    assert 0 in cluster.given_up and "no weights" in cluster.given_up[0]
+
+
+def test_up_passes_every_group_flag_to_every_rank(tmp_path):
+    """`orchard up --group-timeout/--group-shares/--group-inflight` reach rank 0 and the
+    members, as flags `orchard worker serve` reads into its group options."""
+    from cluster.cli import build_parser
+    from cluster.config import from_args
+    from cluster.up import UpConfig, local_cluster
+    from cluster.worker.config import WorkerOptions
+
+    config = from_args(UpConfig, build_parser().parse_args(
+        ["up", "--workers", "1", "--group-size", "3", "--group-timeout", "7.5", "--group-shares", "1,2,3",
+         "--group-inflight", "2", "--log-dir", str(tmp_path)]))
+    from cluster.up import Child
+
+    cluster = local_cluster(config, "model")
+    spawned = []
+    cluster._spawn = lambda name, args, cpus=None, env=None: spawned.append((name, args)) or Child(
+        name, _FakeProc(None), tmp_path / f"{name}.log")
+    cluster.start_worker(0)
+    assert sorted(name for name, _ in spawned) == ["worker-0", "worker-0-rank-1", "worker-0-rank-2"]
+    for name, args in spawned:
+        group = from_args(WorkerOptions, build_parser().parse_args(args)).group
+        assert (group.timeout, group.shares, group.inflight, group.size) == (7.5, "1,2,3", 2, 3), name
