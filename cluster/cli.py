@@ -32,6 +32,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("router", "drain"), "stop new placements on a worker; it finishes what it has", "cluster.cli:_router_admin"),
     (("router", "remove"), "forget a worker", "cluster.cli:_router_admin"),
     (("up",), "a router and N local workers, until Ctrl-C", "cluster.cli:_up"),
+    (("supervise",), "run an orchard command, started again after a backoff unless it fails for good (exit 78): "
+                     "for launchd", "cluster.cli:_supervise"),
     (("worker", "serve"), "serve a model over gRPC (+ metrics, + OpenAI HTTP with --http)", "cluster.cli:_worker_serve"),
     (("generate",), "send one request to a router or worker (through the SDK)", "cluster.cli:_generate"),
     (("bench",), "serving benchmark (vllm bench serve style) against a router or worker", "cluster.cli:_bench"),
@@ -127,6 +129,14 @@ def _up(parser: argparse.ArgumentParser) -> None:
     from cluster.up import UpConfig, run_up
 
     _configs(parser, run_up, UpConfig)
+
+
+def _supervise(parser: argparse.ArgumentParser) -> None:
+    from cluster.supervise import run_supervise
+
+    parser.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND ...",
+                        help="the orchard command and its flags, e.g. worker serve --model M")
+    parser.set_defaults(func=run_supervise)
 
 
 def _worker_serve(parser: argparse.ArgumentParser) -> None:
@@ -244,9 +254,21 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that launchers keep running (`orchard up`, launchd, Ray): a command line they
+# cannot parse is a permanent failure (cluster/exit_codes.py), not argparse's 2.
+SUPERVISED = {("worker", "serve"), ("router", "serve")}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except SystemExit as e:
+        if e.code == 2 and _chosen(argv) in SUPERVISED:
+            from cluster.exit_codes import EXIT_PERMANENT
+
+            return EXIT_PERMANENT
+        raise
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -177,7 +177,8 @@ def test_launchd_templates_use_the_default_ports():
 
     def args_of(name: str):
         text = re.sub(r"__[A-Z_]+__", "x", (ROOT / "deploy" / "launchd" / name).read_text())
-        return _parse(*plistlib.loads(text.encode())["ProgramArguments"][1:])
+        args = plistlib.loads(text.encode())["ProgramArguments"][1:]
+        return _parse(*args[args[0] == "supervise":])  # a worker runs under `orchard supervise`
 
     router, worker = RouterConfig(), WorkerOptions()
     r = from_args(RouterConfig, args_of("ai.orchard.router.plist"))

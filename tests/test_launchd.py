@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import build_parser
+from cluster.worker.config import WorkerOptions
 
 LAUNCHD = Path(__file__).resolve().parents[1] / "deploy" / "launchd"
 PLISTS = sorted(LAUNCHD.glob("*.plist"))
@@ -43,7 +44,12 @@ def test_template_is_a_valid_launchd_plist(path):
     p = _fill(path)
     assert isinstance(p["ProgramArguments"], list) and all(isinstance(a, str) for a in p["ProgramArguments"])
     assert p["ProgramArguments"][0].startswith("/"), "launchd needs an absolute path to the program"
-    assert p["RunAtLoad"] is True and p["KeepAlive"] is True
+    assert p["RunAtLoad"] is True
+    if "router" in path.name:
+        assert p["KeepAlive"] is True
+    else:  # a worker runs under `orchard supervise`, which exits 0 only where it must stay stopped
+        assert p["ProgramArguments"][1] == "supervise" and p["KeepAlive"] == {"SuccessfulExit": False}
+        assert p["ExitTimeOut"] > WorkerOptions.grace_seconds, "SIGTERM drains before launchd's SIGKILL"
     assert isinstance(p["ThrottleInterval"], int) and p["ThrottleInterval"] > 0
     for key in ("StandardOutPath", "StandardErrorPath", "WorkingDirectory"):
         assert p[key].startswith("/"), f"{key}: launchd does not expand ~"
@@ -52,10 +58,76 @@ def test_template_is_a_valid_launchd_plist(path):
     assert env["ORCHARD_JOIN_TOKEN"] == "s3cret"
 
 
+def _command(plist: dict) -> list[str]:
+    """The orchard command a job runs (under `orchard supervise`: the command it supervises)."""
+    args = plist["ProgramArguments"][1:]
+    if args[0] == "supervise":
+        supervised = build_parser(args).parse_args(args).argv
+        assert supervised == args[1:]
+        return supervised
+    return args
+
+
+def _launchd_restarts(plist: dict, code: int) -> bool:
+    """Whether launchd starts the job again after its program exits with `code`."""
+    keep = plist["KeepAlive"]
+    return keep is True or (isinstance(keep, dict) and keep.get("SuccessfulExit") is False and code != 0)
+
+
+@pytest.mark.parametrize("name", ["ai.orchard.worker.plist", "ai.orchard.group-member.plist"])
+def test_a_permanent_failure_stops_the_job_and_a_transient_one_backs_off(name):
+    """launchd cannot tell 75 from 78: under the template, a worker exiting 75 is started
+    again by `orchard supervise` after growing delays, and one exiting 78 makes supervise
+    exit 0, which the template's KeepAlive does not restart (it was restarted for ever)."""
+    import threading
+
+    from cluster.exit_codes import Backoff
+    from cluster.supervise import supervise
+
+    plist = _fill(LAUNCHD / name)
+    codes, runs, delays, lines = iter([75, 75, 75, 75, 78]), [], [], []
+    now = [0.0]
+
+    class Stop(threading.Event):
+        def wait(self, timeout=None):  # the backoff's sleep, on a clock the test moves
+            delays.append(timeout)
+            now[0] += timeout
+            return False
+
+    class Proc:
+        def __init__(self, argv):
+            runs.append(argv)
+            self.code = next(codes)
+
+        def wait(self):
+            now[0] += 2  # each run lasts 2 s
+            return self.code
+
+    code = supervise(_command(plist), spawn=Proc, backoff=Backoff(first=1, cap=60, reset_after=300),
+                     clock=lambda: now[0], stop=Stop(), log=lines.append)
+    assert delays == [1, 2, 4, 8] and len(runs) == 5 and runs[0] == _command(plist)
+    assert "exit 75: transient): starting it again in 8 s" in lines[3]
+    assert "exit 78: permanent): not started again" in lines[4]
+    assert code == 0 and not _launchd_restarts(plist, code), "launchd leaves a permanent failure stopped"
+    assert _launchd_restarts(plist, -9), "supervise itself killed: launchd starts it again"
+
+
+def test_orchard_supervise_stops_on_a_permanent_failure(tmp_path):
+    """For real: a worker command line that cannot be parsed exits 78 and is run once."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "supervise", "worker", "serve", "--max-num-seqs",
+                           "many"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("invalid int value") == 1, proc.stderr
+    assert "orchard supervise: worker serve exited (exit 78: permanent): not started again" in proc.stderr
+
+
 @pytest.mark.parametrize("path", PLISTS, ids=lambda p: p.name)
 def test_command_line_is_one_orchard_accepts(path):
     p = _fill(path)
-    args = build_parser().parse_args(p["ProgramArguments"][1:])
+    args = build_parser().parse_args(_command(p))
     if "router" in path.name:
         assert args.command == "router" and args.router_command == "serve"
         assert args.grpc.endswith(":50051") and args.metrics.endswith(":9100")
