@@ -9,6 +9,11 @@ Ray cluster.
 - Every actor is created with `max_restarts`: when one dies (crash, OOM, `ray.kill`), Ray
   starts it again on the same node; a restarted worker registers with the router again
   (same worker id), the router forgets the dead stream and places new requests on it.
+  Ray restarts at once, so a restarted worker or member waits its backoff first
+  (`cluster/exit_codes.py`: 1 s doubling to 60 s). A permanent failure (exit code 78: a
+  model that does not load, a wrong join token, a model that is not rank 0's) ends the
+  actor for good (an error in its constructor, or `ray.kill(no_restart=True)`), the
+  reason in its log: Ray does not start it again.
 - Actors are named (`orchard-router`, `orchard-worker-<node>-<i>`) in the `orchard`
   namespace and detached by default, so they outlive `orchard ray up`; `orchard ray down`
   kills them.
@@ -27,14 +32,20 @@ worker node.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
 import secrets
+import tempfile
 import threading
+import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import NoReturn
 
 from cluster.config import default_of, port_of, setting
+from cluster.exit_codes import EXIT_TRANSIENT, Backoff, describe, exit_code, is_permanent
 from cluster.router.config import RouterConfig, policy_names
 from cluster.security import SecurityConfig, inference_keys
 from cluster.worker.config import EngineConfig, WorkerOptions
@@ -65,7 +76,8 @@ class RaySpec:
     join_token: str = setting(RouterConfig.join_token, "workers present it to the router",
                               env="ORCHARD_JOIN_TOKEN")
     policy: str = setting(RouterConfig.policy, "the router's placement policy", choices=policy_names)
-    max_restarts: int = setting(-1, "Ray restarts of a dead actor (-1: for ever)")
+    max_restarts: int = setting(-1, "Ray restarts of a dead actor, each after a backoff (1 s doubling to 60 s; -1: "
+                                    "for ever); a permanent failure (a model that does not load) is not restarted")
     timeout: float = setting(600.0, "seconds to wait for the workers")
     insecure: bool = setting(False, "allow an empty join token: anyone on the network may then register a worker")
     group_size: int = setting(1, "nodes per worker group (one model over several Macs; 1: a worker per node)")
@@ -109,6 +121,49 @@ def _node_ip() -> str:
 
 def _addr(host: str, port: int | None) -> str | None:
     return None if port is None else f"{host}:{port}"
+
+
+def back_off_if_restarted(backoff: Backoff | None = None, state_dir: str | None = None) -> float:
+    """Ray starts a dead actor again at once: a restarted one waits its backoff here first.
+    The count is kept in a file on the node (an actor is pinned to its node), keyed by the
+    actor's id, which a restart keeps. Returns the seconds waited."""
+    import ray
+
+    if not ray.is_initialized():  # not in an actor (a test runs the actor's class alone)
+        return 0.0
+    context = ray.get_runtime_context()
+    path = Path(state_dir or tempfile.gettempdir()) / "orchard-ray-restarts" / f"{context.get_actor_id()}.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        state = {}
+    delay, failures = 0.0, 0
+    if context.was_current_actor_reconstructed:
+        backoff = backoff or Backoff()
+        backoff.failures = int(state.get("failures", 0))
+        delay = backoff.next_delay(time.time() - float(state.get("started", time.time())))
+        failures = backoff.failures
+        log.warning("restarted by Ray: starting again in %g s (backoff)", delay)
+        time.sleep(delay)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"failures": failures, "started": time.time()}))
+    return delay
+
+
+def end_actor(code: int, what: str) -> NoReturn:
+    """End this actor's process as `code` says (`cluster/exit_codes.py`). A process that
+    exits is started again by Ray (max_restarts), so a transient end exits; a permanent
+    one is killed with no restart, after one line in the log saying why."""
+    if is_permanent(code):
+        import ray
+
+        log.error("%s failed for good (%s): Ray does not start it again; fix the cause and `orchard ray up` again",
+                  what, describe(code))
+        logging.shutdown()
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        time.sleep(60)  # the kill ends this process; should it not, exit anyway
+    logging.shutdown()
+    os._exit(code)
 
 
 class RouterActor:
@@ -162,9 +217,19 @@ class WorkerActor:
             metrics_address=_addr(host, mport), worker_id=worker_id, router=router, join_token=spec.join_token,
             security=spec.security, group=group or GroupOptions(),
         )
+        back_off_if_restarted()
         self._loop = _LoopThread("orchard-worker")
         self.server = WorkerServer(options)
-        self._loop.run(self.server.start(), timeout=600)
+        try:
+            self._loop.run(self.server.start(), timeout=600)
+        except Exception as e:
+            code = exit_code(e.__cause__ or e)
+            if is_permanent(code):  # an error in the constructor: Ray does not start the actor again
+                log.error("worker %s cannot start (%s): %s; Ray does not start it again", worker_id,
+                          describe(code), e)
+                raise
+            log.error("worker %s cannot start (%s): %s", worker_id, describe(code), e)
+            end_actor(EXIT_TRANSIENT, f"worker {worker_id}")
 
     def addresses(self) -> dict:
         return dict(self.server.addresses)
@@ -180,12 +245,16 @@ class GroupMemberActor:
 
     def __init__(self, spec: RaySpec, group):
         import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
-        from cluster.worker.group.member import member_process
+        from cluster.worker.group.member import run_member
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        back_off_if_restarted()
         self.rank = group.rank
-        self.thread = threading.Thread(target=member_process, args=(spec.model, group, spec.join_token),
-                                       name="orchard-group-member", daemon=True)
+
+        def member() -> None:
+            end_actor(run_member(spec.model, group, spec.join_token), f"group rank {group.rank}")
+
+        self.thread = threading.Thread(target=member, name="orchard-group-member", daemon=True)
         self.thread.start()
 
     def addresses(self) -> dict:

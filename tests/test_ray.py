@@ -252,3 +252,69 @@ def test_an_insecure_ray_group_gets_a_join_token_of_its_own(tiny_model_dir, monk
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+# -- restarts: a backoff between Ray's restarts, none after a permanent failure -------------------
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+        self.slept = []
+
+    def time(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_a_restarted_actor_waits_a_growing_backoff_first(monkeypatch, tmp_path):
+    """Ray restarts a dead actor at once (a group lost, a member late: exit 75): each
+    restart waits 1, 2, 4 ... s, capped at 60 s, and a run past the reset time starts over."""
+    import cluster.ray_launcher as rl
+
+    clock = _Clock()
+    context = type("Context", (), {"was_current_actor_reconstructed": False, "get_actor_id": lambda self: "a1"})()
+    monkeypatch.setattr(rl, "time", clock)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: context)
+    assert rl.back_off_if_restarted(state_dir=str(tmp_path)) == 0  # the first start waits nothing
+    context.was_current_actor_reconstructed = True
+    delays = []
+    for _ in range(8):
+        clock.now += 2  # it ran 2 s and died
+        delays.append(rl.back_off_if_restarted(state_dir=str(tmp_path)))
+    assert delays == [1, 2, 4, 8, 16, 32, 60, 60] and clock.slept == delays
+    clock.now += 400  # a healthy run
+    assert rl.back_off_if_restarted(state_dir=str(tmp_path)) == 1
+
+
+def test_an_actor_that_fails_for_good_is_killed_with_no_restart(monkeypatch):
+    """A permanent failure (78) kills the actor with no_restart (an exit would be restarted
+    by Ray for ever, reloading the model each time); a transient one exits for Ray to restart."""
+    import cluster.ray_launcher as rl
+
+    killed, exited = [], []
+
+    class Ended(Exception):
+        pass
+
+    def kill(handle, no_restart):
+        killed.append((handle, no_restart))
+        raise Ended
+
+    def exit_(code):
+        exited.append(code)
+        raise Ended
+
+    monkeypatch.setattr(ray, "kill", kill)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("C", (), {"current_actor": "me"})())
+    monkeypatch.setattr(rl.os, "_exit", exit_)
+    monkeypatch.setattr(rl.logging, "shutdown", lambda: None)
+    with pytest.raises(Ended):
+        rl.end_actor(78, "group rank 1")
+    assert killed == [("me", True)] and exited == []
+    with pytest.raises(Ended):
+        rl.end_actor(75, "group rank 1")
+    assert exited == [75] and len(killed) == 1

@@ -29,9 +29,11 @@ Contract:
 - Faults: nothing waits for ever. A member that dies, stops or wedges is noticed within
   `--group-timeout` (a closed connection at once; silence or an unfinished step by
   deadline); then every process of the group exits (75), the router resumes the streams
-  elsewhere, and whatever started the group (`orchard up`, launchd, Ray) starts it again.
-  A member that cannot start exits too (78: a setting or model rank 0 does not share;
-  75 otherwise). No rank starts without a join token. A peer that does not prove it is
+  elsewhere, and whatever started the group (`orchard up`, launchd, Ray) starts it again
+  after a backoff. A rank that cannot start exits as `cluster/exit_codes.py` says: 78 for
+  what starting again cannot fix (a setting, a wrong join token, a model that does not
+  load or that rank 0 does not share; a member tells rank 0 so, which exits 78 too), 75
+  otherwise (a member late or gone, a busy port); no launcher restarts a 78. No rank starts without a join token. A peer that does not prove it is
   never admitted, and its handshake holds no member up: each has a deadline of its own,
   handshakes at once are bounded per peer address and in total (a new one takes the
   oldest's slot), and a member whose try fails tries again until its join deadline.

@@ -39,10 +39,10 @@ log = logging.getLogger(__name__)
 
 
 def member_process(model_path: str, options: GroupOptions, join_token: str) -> NoReturn:
-    """A member process: `run_member`, then the process ends with its exit code, whatever
-    runs it (`orchard worker serve`, a Ray actor's thread): a member that could not start,
-    or whose group ended, is a process gone, which its launcher starts again (launchd,
-    `orchard up`, Ray), never one left alive doing nothing."""
+    """A member process (`orchard worker serve`): `run_member`, then the process ends with
+    its exit code: a member that could not start, or whose group ended, is a process gone,
+    which its launcher starts again unless the code says permanent (`cluster/exit_codes.py`),
+    never one left alive doing nothing. (A Ray actor's thread ends with `end_actor`.)"""
     code = run_member(model_path, options, join_token)
     logging.shutdown()
     os._exit(code)
