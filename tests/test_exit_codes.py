@@ -162,7 +162,7 @@ def test_ring_hostfiles_are_removed_once_mlx_has_read_them(monkeypatch):
     before = _ring_files()
     monkeypatch.setattr(mx.distributed, "init", init)
     assert isinstance(init_ring(topo), Group)
-    assert seen[0][1] == topo.ring_hostfile()
+    assert seen[0][1] == topo.ring_hostfile() and Path(seen[0][0]).name.startswith(f"orchard-ring-{os.getpid()}-")
     assert not Path(seen[0][0]).exists() and _ring_files() <= before and "MLX_HOSTFILE" not in os.environ
 
     def fail(backend, strict):  # a peer that is not there: transient, and nothing left behind
@@ -174,3 +174,25 @@ def test_ring_hostfiles_are_removed_once_mlx_has_read_them(monkeypatch):
         init_ring(topo)
     assert exit_code(e.value) == EXIT_TRANSIENT
     assert not Path(seen[1][0]).exists() and _ring_files() <= before
+
+
+def test_a_ring_hostfile_left_by_a_killed_rank_is_removed_by_the_next_start(tmp_path):
+    """A rank killed while MLX's init waits for its peers leaves its hostfile: the next
+    rank to write one removes it (the writer's process id is in the name), and only that:
+    not a live process's, not another user's, not a file of another name."""
+    from cluster.worker.group.leader import RING_FILE_PREFIX, remove_stale_ring_files
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stale = tmp_path / f"{RING_FILE_PREFIX}{dead.pid}-abc123.json"
+        kept = [tmp_path / f"{RING_FILE_PREFIX}{live.pid}-abc123.json", tmp_path / f"{RING_FILE_PREFIX}abc123.json",
+                tmp_path / "other.json"]
+        for path in [stale, *kept]:
+            path.write_text("[]")
+        assert remove_stale_ring_files(str(tmp_path)) == [stale]
+        assert not stale.exists() and all(p.exists() for p in kept)
+    finally:
+        live.kill()
+        live.wait()

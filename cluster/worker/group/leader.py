@@ -75,6 +75,35 @@ def config_digest(path: str | Path) -> str:
     return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()
 
 
+RING_FILE_PREFIX = "orchard-ring-"  # + the writer's process id: a later start removes what a killed one left
+
+
+def remove_stale_ring_files(directory: str | None = None) -> list[Path]:
+    """Ring hostfiles of this user's processes that are gone (killed while MLX's init
+    waited for its peers: nothing ran to remove them). Returns those removed."""
+    gone = []
+    for path in Path(directory or tempfile.gettempdir()).glob(f"{RING_FILE_PREFIX}*-*.json"):
+        pid = path.name[len(RING_FILE_PREFIX):].split("-")[0]
+        try:
+            if not pid.isdigit() or path.stat().st_uid != os.getuid() or _alive(int(pid)):
+                continue
+            path.unlink()
+        except OSError:
+            continue
+        gone.append(path)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def init_ring(topo: Topology, backend: str = "ring"):
     """MLX's group over the ranks (the variables mlx.launch would set): the ring backend
     over the ranks' addresses, or jaccl over the RDMA devices mlx.launch names."""
@@ -87,7 +116,8 @@ def init_ring(topo: Topology, backend: str = "ring"):
     elif os.environ.get("MLX_HOSTFILE") is None or os.environ.get("MLX_RANK") != str(topo.rank):
         # MLX reads the hostfile once, in init: it is removed as soon as init returns or fails
         given = os.environ.get("MLX_HOSTFILE")
-        fd, path = tempfile.mkstemp(prefix="orchard-ring-", suffix=".json")
+        remove_stale_ring_files()
+        fd, path = tempfile.mkstemp(prefix=f"{RING_FILE_PREFIX}{os.getpid()}-", suffix=".json")
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(topo.ring_hostfile())
