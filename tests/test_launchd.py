@@ -145,3 +145,40 @@ def test_command_line_is_one_orchard_accepts(path):
         assert args.command == "worker" and args.worker_command == "serve"
         assert args.router == "router-mac.local:50051" and args.advertise == "mac-2.local:50061"
         assert args.model == "/Users/me/models/m" and args.metrics.endswith(":9101")
+
+
+def test_orchard_supervise_passes_sigterm_on_and_ends_with_its_command():
+    """launchctl bootout sends SIGTERM to supervise: the command gets it, drains, and
+    supervise ends with it instead of starting it again."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from cluster.up import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "supervise", "router", "serve", "--grpc",
+                             f"127.0.0.1:{port}", "--http", "off", "--metrics", "off"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        else:
+            raise TimeoutError("the supervised router did not listen")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert "starting it again" not in err, err
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, "the router is still listening"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
