@@ -775,6 +775,10 @@ def test_a_hold_ends_with_503_and_retry_after():
                 async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=20)) as r:
                     assert r.status == 503 and int(r.headers["Retry-After"]) > 0
                     assert "no worker of model 'fake'" in (await r.json())["error"]["message"]
+                completion = {"model": "fake", "prompt": "hi", "stream": True}
+                async with http.post(f"http://{c.router.http_address}/v1/completions", json=completion,
+                                     timeout=aiohttp.ClientTimeout(total=20)) as r:
+                    assert r.status == 503 and int(r.headers["Retry-After"]) > 0
                 first = asyncio.create_task(c.generate("holds the one place", model="fake"))
                 await c.wait_until(lambda: c.router.backend.holding == 1, "one held request")
                 t0 = loop.time()

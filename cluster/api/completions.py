@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from cluster.api.errors import OrchardError
-from cluster.api.http import (BACKEND, ERROR_TYPES, LIMITS, BadField, body_field, error_response, int_field,
+from cluster.api.http import (BACKEND, ERROR_TYPES, LIMITS, BadField, body_field, error_of, int_field,
                               read_body, request_timeout, served_model, sse, within)
 from cluster.api.limits import MAX_LOGPROBS, RequestLimits
 from cluster.api.openai import Exchange, make_request, n_field, sampling_kwargs
@@ -220,7 +220,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ex.model = await served_model(request.app, protos[0].model)
         timeout = request_timeout(request)
     except OrchardError as e:
-        return error_response(e.http_status, e.message, getattr(e, "param", None))
+        return error_of(e)
     texts = [r.text if r.WhichOneof("prompt") == "text" else None for r in protos]
     prompts = [_Prompt() for _ in protos]
     choices = {(i, j): _Choice(i * p.n + j, prompts[i], texts[i], p) for i in range(len(protos)) for j in range(p.n)}
@@ -251,7 +251,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         except StopAsyncIteration:
             first = None
         except OrchardError as e:
-            return error_response(e.http_status, e.message, getattr(e, "param", None))
+            return error_of(e)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         usages: list[pb.Usage] = []
@@ -280,7 +280,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await response.write_eof()
         return response
     except OrchardError as e:
-        return error_response(e.http_status, e.message, getattr(e, "param", None))
+        return error_of(e)
     finally:
         for t in tasks:
             t.cancel()

@@ -88,7 +88,8 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 def error_of(e: OrchardError) -> web.Response:
     """An OrchardError's response: its status, message, field, and when to retry if it says."""
-    return error_response(e.http_status, e.message, getattr(e, "param", None), retry_after=getattr(e, "retry_after", None))
+    return error_response(e.http_status, e.message, getattr(e, "param", None),
+                          retry_after=getattr(e, "retry_after", None))
 
 
 def anthropic_error(status: int, message: str) -> web.Response:

@@ -10,6 +10,8 @@ duplicated or missing token. A failed worker is excluded for the rest of the req
 if it is unreachable. When the healthy workers left have all failed the request but
 another serving the model is only unhealthy (it missed heartbeats on a busy machine), the
 request waits up to `worker_wait` seconds for it to report in before it fails UNAVAILABLE.
+Errors that are the request's fault (INVALID_ARGUMENT, ...) go back to the client
+unchanged. A client cancel cancels the worker's stream.
 
 A hold: when no worker of the request's model can take it (all unhealthy, draining, with
 an open circuit, or gone a moment ago: a sole worker or group restarting), the request is
@@ -18,8 +20,7 @@ seconds and the request's deadline; then it resumes there as any failover does (
 is no attempt until a worker is tried). New requests for the model are held the same
 way. Past the wait, or with `max_held` requests held already, UNAVAILABLE naming the
 model and the wait, with a `retry_after`. `waiting(request_id)` names the model a request
-is held for (the HTTP front keeps an SSE client connected with comments meanwhile). Errors that are the request's fault (INVALID_ARGUMENT, ...)
-go back to the client unchanged. A client cancel cancels the worker's stream.
+is held for (the HTTP front keeps an SSE client connected with comments meanwhile).
 
 A stream never ends short: a worker's stream that stops without a finish reason, or that
 sends nothing for `stream_idle_timeout` seconds once started (the worker is wedged, or
@@ -294,7 +295,7 @@ class RouterBackend:
                 worker.inflight -= 1
                 worker.attempts.discard(stream)
                 call.cancel()
-                self._judge(worker, breaker, outcome)  # no-op once it finished; reaches the worker if the client left
+                self._judge(worker, breaker, outcome)  # no-op once it finished; reaches it if the client left
                 self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
             excluded[worker.worker_id] = epoch
             log.warning("request %s: worker %s failed (%s: %s)", rid, worker.worker_id, failure.code.name, failure.details)
