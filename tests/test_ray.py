@@ -318,3 +318,42 @@ def test_an_actor_that_fails_for_good_is_killed_with_no_restart(monkeypatch):
     with pytest.raises(Ended):
         rl.end_actor(75, "group rank 1")
     assert exited == [75] and len(killed) == 1
+
+
+@pytest.mark.slow
+def test_ray_does_not_restart_a_member_refused_for_good():
+    """A member actor with a wrong join token (max_restarts=-1): refused once, killed with
+    no restart; it used to exit 75 and be restarted (and refused) for ever."""
+    import tempfile
+
+    from cluster.ray_launcher import GroupMemberActor, RaySpec
+    from cluster.worker.group.channel import Leader
+    from cluster.worker.group.config import GroupOptions
+
+    leader = Leader(("127.0.0.1", 0), 2, "the-token", 5.0, on_lost=lambda reason: None)
+    tries, handshake = [], leader._handshake
+    leader._handshake = lambda sock, deadline: tries.append(1) or handshake(sock, deadline)
+    threading.Thread(target=leader.admit, args=(time.monotonic() + 120,), daemon=True).start()
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
+             namespace=f"orchard-test-{free_port()}", _temp_dir=tempfile.mkdtemp(prefix="oray", dir="/tmp"))
+    try:
+        options = GroupOptions(size=2, rank=1, port=leader.address[1], join_timeout=30,
+                               hosts=f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}")
+        actor = ray.remote(GroupMemberActor).options(max_restarts=-1, num_cpus=0).remote(
+            RaySpec(model="unused", join_token="not-the-token"), options)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.addresses.remote(), timeout=10)
+            except ray.exceptions.ActorDiedError:
+                break
+            time.sleep(0.5)
+        else:
+            raise TimeoutError("the refused member's actor is still alive")
+        time.sleep(5)  # a restart (after a 1 s backoff) would have tried to join again by now
+        with pytest.raises(ray.exceptions.ActorDiedError):
+            ray.get(actor.addresses.remote(), timeout=10)
+        assert len(tries) == 1, "the member tried to join again: it was restarted"
+    finally:
+        ray.shutdown()
+        leader.close()
