@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.config import port_of, setting
@@ -268,8 +268,7 @@ class LocalCluster:
                 done.append(f"{what} exited ({describe(cause.proc.returncode)}): {why}; not started again "
                             f"(its log: {cause.log_path}); the other workers keep running")
                 continue
-            backoff = self.backoffs.setdefault(i, Backoff(self._backoff.first, self._backoff.cap,
-                                                          self._backoff.reset_after))
+            backoff = self.backoffs.setdefault(i, replace(self._backoff, failures=0))
             delay = backoff.next_delay(self.clock() - self.started_at.get(i, self.clock()))
             self.restart_at[i] = self.clock() + delay
             done.append(f"{what} exited ({describe(cause.proc.returncode)}): "
