@@ -36,7 +36,7 @@ LONG_B = "system: you are a terse botanist who answers in latin. " * 20
 def place(policy, candidates, keys) -> str:
     """What the proxy does: choose a worker, which then accepts the request (its first chunk)."""
     worker_id = policy.choose(candidates, keys).worker_id
-    policy.accepted(worker_id, keys)
+    policy.settled(worker_id, keys, accepted=True)
     return worker_id
 
 
@@ -71,15 +71,18 @@ def test_prefix_aware_follows_the_prefix():
 
 def test_prefix_aware_learns_only_what_a_worker_accepted():
     """A placement the worker then refused (a prompt too long for it, a bad field) records
-    nothing: refused prompts neither fill the index nor point it at a cache without them."""
+    nothing: refused prompts neither fill the index nor point it at a cache without them.
+    While a placement is unsettled, the same prefix follows it (a burst of one prompt)."""
     pa = PrefixAware()
-    ws = [W("a"), W("b", 1)]
     keys = prompt_keys(text_request(LONG_A))
-    assert pa.choose(ws, keys).worker_id == "a"
-    assert len(pa.index) == 0 and not pa.index.held
-    assert pa.choose([W("a", 1), W("b")], keys).worker_id == "b"  # no affinity learnt: least loaded
-    pa.accepted("b", keys)
-    assert len(pa.index) == len(keys) and pa.index.held == {"b": len(keys)}
+    assert pa.choose([W("a"), W("b", 1)], keys).worker_id == "a"
+    assert pa.choose([W("a", 1), W("b")], keys).worker_id == "a"
+    pa.settled("a", keys, accepted=False)
+    pa.settled("a", keys, accepted=False)
+    assert len(pa.index) == 0 and not +pa.index.held and len(pa.placing) == 0
+    assert pa.choose([W("a", 1), W("b")], keys).worker_id == "b"  # nothing learnt: the least loaded
+    pa.settled("b", keys, accepted=True)
+    assert len(pa.index) == len(keys) and +pa.index.held == {"b": len(keys)} and len(pa.placing) == 0
     assert pa.choose([W("a"), W("b", 1)], keys).worker_id == "b"
 
 

@@ -446,11 +446,11 @@ def test_a_refused_request_leaves_the_prefix_index_unchanged():
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await c.generate("a prompt every worker refuses. " * 10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert len(index) == 0 and not +index.held
+            assert len(index) == 0 and not +index.held and len(c.router.policy.placing) == 0
             for w in c.workers:
                 w.fail_with = None
             served = (await c.generate("a prompt a worker serves. " * 10))[0].worker_id
-            assert len(index) > 0 and set(+index.held) == {served}
+            assert len(index) > 0 and set(+index.held) == {served} and len(c.router.policy.placing) == 0
 
     run(main())
 

@@ -21,12 +21,14 @@ own in-flight count there. Reports arrive every second; the in-flight count is f
 
 Both thresholds must trip: a small absolute gap never overrides affinity (a prefix hit
 saves a whole prefill, worth a few more rows in a decode batch), and neither does a large
-relative gap between two lightly loaded workers (1 vs 3). Once the chosen worker has
-accepted the request (its first chunk: the prompt is prefilled there), it is recorded as
-holding the prompt's prefix, so the next request with it follows; a request a worker
-refuses (a prompt too long for it, a bad field) records nothing, so hostile prompts
-neither fill the index nor point it at caches that never held them. A prompt too short
-for one full chunk has no keys and goes to the least loaded worker.
+relative gap between two lightly loaded workers (1 vs 3). The chosen worker counts as
+holding the prompt's prefix while the request is being placed there, and is recorded in
+the index once it accepted the request (its first chunk: the prompt is prefilled there),
+so the next request with that prefix follows, even one sent at the same time; a request
+the worker refuses (a prompt too long for it, a bad field) or never answers records
+nothing, so hostile prompts neither fill the index nor point it at caches that never
+held them. A prompt too short for one full chunk has no keys and goes to the least
+loaded worker.
 """
 
 from __future__ import annotations
@@ -52,9 +54,9 @@ class Candidate(Protocol):
 class Policy(ABC):
     """Chooses a worker for a request; `candidates` is non-empty, healthy and serves the model.
 
-    `keys` are the prompt's chained prefix keys (`prefix_index.prompt_keys`); `accepted`
-    tells the policy that a worker took the request it chose (prefix-aware policies learn
-    from it). Single-threaded: the router calls it from its event loop.
+    `keys` are the prompt's chained prefix keys (`prefix_index.prompt_keys`). Each choice
+    is then `settled`, once: the worker accepted the request, or never will (prefix-aware
+    policies learn from it). Single-threaded: the router calls it from its event loop.
     """
 
     name: str = ""
@@ -62,8 +64,9 @@ class Policy(ABC):
     @abstractmethod
     def choose(self, candidates: Sequence[Candidate], keys: list[bytes]) -> Candidate: ...
 
-    def accepted(self, worker_id: str, keys: list[bytes]) -> None:
-        """`worker_id` accepted a request with these prefix keys: its first chunk came."""
+    def settled(self, worker_id: str, keys: list[bytes], accepted: bool) -> None:
+        """The worker chosen for a request with these keys accepted it (its first chunk
+        came) or never will (it refused the request, failed, or the client left first)."""
 
     def forget(self, worker_id: str) -> None:
         """A worker left: drop what the policy knows about it."""
@@ -111,6 +114,7 @@ class PrefixAware(Policy):
         self.balance_rel_threshold = balance_rel_threshold
         self.min_match_chunks = min_match_chunks
         self.index = index if index is not None else PrefixIndex()
+        self.placing = PrefixIndex()  # chosen, not yet settled: at most a key per in-flight prompt chunk
         self._tick = itertools.count()
 
     def imbalanced(self, affine: Candidate, least: Candidate) -> bool:
@@ -121,20 +125,29 @@ class PrefixAware(Policy):
         least = _least_loaded(candidates, next(self._tick))
         if not keys:
             return least
-        matched = self.index.match(keys, [w.worker_id for w in candidates])
+        chosen = self._choose(candidates, keys, least)
+        self.placing.insert(keys, chosen.worker_id)
+        return chosen
+
+    def _choose(self, candidates, keys, least):
+        ids = [w.worker_id for w in candidates]
+        cached, placing = self.index.match(keys, ids), self.placing.match(keys, ids)
+        matched = {w: max(cached[w], placing[w]) for w in ids}
         affine = max(candidates, key=lambda w: (matched[w.worker_id], -w.load))
         if matched[affine.worker_id] >= self.min_match_chunks and not self.imbalanced(affine, least):
             return affine
         eligible = [w for w in candidates if w is least or not self.imbalanced(w, least)]
-        held = self.index.held
-        return min(eligible, key=lambda w: (held[w.worker_id], w.load, w is not least))
+        return min(eligible, key=lambda w: (self.index.held[w.worker_id], w.load, w is not least))
 
-    def accepted(self, worker_id, keys):
+    def settled(self, worker_id, keys, accepted):
         if keys:
-            self.index.insert(keys, worker_id)
+            self.placing.remove(keys, worker_id)
+            if accepted:
+                self.index.insert(keys, worker_id)
 
     def forget(self, worker_id):
         self.index.remove_worker(worker_id)
+        self.placing.remove_worker(worker_id)
 
 
 POLICIES = {cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAware)}

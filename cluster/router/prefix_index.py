@@ -113,6 +113,15 @@ class PrefixIndex:
             _, owners = self._table.popitem(last=False)
             self.held.subtract(owners.keys())
 
+    def remove(self, keys: list[bytes], worker_id: str) -> None:
+        """`worker_id` no longer holds this prefix; keys no worker holds are dropped."""
+        for key in keys:
+            owners = self._table.get(key)
+            if owners is not None and owners.pop(worker_id, None) is not None:
+                self.held[worker_id] -= 1
+                if not owners:
+                    del self._table[key]
+
     def remove_worker(self, worker_id: str) -> None:
         for key in [k for k, owners in self._table.items() if owners.pop(worker_id, None) is not None and not owners]:
             del self._table[key]

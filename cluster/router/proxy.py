@@ -203,16 +203,16 @@ class RouterBackend:
         for attempt in range(self.config.max_attempts):
             pool = await self._next_pool(rid, request.model, attempt, failure, excluded, wait_until, deadline,
                                          features=features)
-            worker = self.policy.choose(pool, keys)
+            if sent and n > 1:  # n samples cannot resume where they stopped: only a retry before any token
+                raise errors.Unavailable(f"the worker failed ({failure.code.name}: {failure.details}) after tokens "
+                                         "were sent, and a request with n > 1 cannot be resumed: retry it")
+            worker = self.policy.choose(pool, keys)  # settled below, whatever happens to the attempt
             epoch, breaker = worker.epoch, worker.breaker  # this process's (a restart gets new ones)
             breaker.on_start()
             if attempt:
                 self.metrics.retries.labels(kind="resume" if sent else "retry").inc()
                 log.info("request %s: %s on %s after %d tokens", rid, "resuming" if sent else "retrying",
                          worker.worker_id, len(sent))
-            if sent and n > 1:  # n samples cannot resume where they stopped: only a retry before any token
-                raise errors.Unavailable(f"the worker failed ({failure.code.name}: {failure.details}) after tokens "
-                                         "were sent, and a request with n > 1 cannot be resumed: retry it")
             if sent:  # the first chunk (prompt logprobs, echo) reached the client already
                 upstream.sampling.ClearField("prompt_logprobs")
                 upstream.sampling.echo = False
@@ -227,9 +227,9 @@ class RouterBackend:
             accepted = False
             try:
                 async for chunk in self._relay(call, rid, worker.worker_id):
-                    if not accepted:  # the worker took it: its cache holds the prompt now, not before
+                    if not accepted:  # the worker took it: its cache holds the prompt now
                         accepted = True
-                        self.policy.accepted(worker.worker_id, keys)
+                        self.policy.settled(worker.worker_id, keys, accepted=True)
                     if chunk.token_ids:
                         if first_token_at is None:
                             first_token_at = time.perf_counter()
@@ -292,6 +292,8 @@ class RouterBackend:
                 if e.code is grpc.StatusCode.UNAVAILABLE:
                     self.registry.mark_failed(worker.worker_id, e.details)
             finally:
+                if not accepted:  # refused, failed or left before its first chunk: nothing to learn
+                    self.policy.settled(worker.worker_id, keys, accepted=False)
                 worker.inflight -= 1
                 worker.attempts.discard(stream)
                 call.cancel()
