@@ -845,3 +845,32 @@ def test_an_openai_stream_stays_connected_through_a_hold(monkeypatch):
             await client.close()
 
     run(main())
+
+
+@pytest.mark.slow
+def test_a_held_grpc_stream_outlasts_its_clients_keepalive_pings():
+    """A gRPC client with Orchard's keepalive (a ping every 10 s) held for over a minute,
+    past the worker's removal: its pings are not taken for abuse (GOAWAY "too_many_pings"
+    cut such a call after about 50 s), and the stream completes once a worker is back."""
+    from cluster.net import CHANNEL_OPTIONS
+
+    async def main():
+        async with Cluster(n_workers=1, resume_wait=120) as c:
+            w = c.workers[0]
+            await c.kill(w)
+            await c.wait_unhealthy("w0")
+            async with grpc.aio.insecure_channel(c.router.grpc_address, options=CHANNEL_OPTIONS) as ch:
+                req = pb.GenerateRequest(text="a long hold", model="fake",
+                                         sampling=pb.SamplingParams(max_tokens=6, temperature=0))
+                held = asyncio.create_task(_chunks(pb_grpc.GenerationStub(ch).Generate(req)))
+                done, _ = await asyncio.wait({held}, timeout=65)
+                assert not done, held.result()
+                assert "w0" not in c.router.registry.workers  # removed after its silence: still held
+                c.restart(w)
+                assert tokens(await asyncio.wait_for(held, 20)) == expected_tokens("a long hold", 6)
+
+    run(main(), timeout=120)
+
+
+async def _chunks(call) -> list:
+    return [c async for c in call]

@@ -323,14 +323,16 @@ def test_drain_no_worker_and_unavailable(cluster):
             toks, _, chunks = await task
             assert len(toks) == 300 and {c.worker_id for c in chunks} == {on}
 
+            # Both drained: no worker can take a request, so the router holds it (--resume-wait)
+            # until one is undrained.
             await asyncio.to_thread(orchard, "router", "drain", "--router", cluster.router_address, other)
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await collect(stub, request("nowhere to go"))
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+            held = asyncio.create_task(collect(stub, request("held until a worker is back", 2)))
+            done, _ = await asyncio.wait({held}, timeout=1.0)
+            assert not done, held.result()
             for w in (on, other):
                 out = await asyncio.to_thread(orchard, "router", "drain", "--undo", "--router", cluster.router_address, w)
                 assert out.returncode == 0, out.stderr
-            _, _, chunks = await collect(stub, request("back again", 2))
+            _, _, chunks = await asyncio.wait_for(held, 30)
             assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
     run(main())
