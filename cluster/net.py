@@ -27,12 +27,13 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
 ]
 # gRPC servers: accept the clients' keepalive pings (by default a server answers pings
-# more often than every 5 minutes with GOAWAY "too_many_pings"), and ping idle clients.
-# No strikes: a call that waits with nothing to send (a request the router holds for a
-# worker of its model) would otherwise be cut after a few of its client's pings.
+# more often than every 5 minutes with GOAWAY "too_many_pings": a call that waits with
+# nothing to send, such as a request the router holds for a worker of its model, was cut
+# after a few of its client's pings), and ping idle clients. A peer pinging faster than
+# that still draws strikes (gRPC's ping-flood protection stays on). The argument's name is
+# gRPC core's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS.
 SERVER_KEEPALIVE_OPTIONS = [
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.keepalive_time_ms", 2 * KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
