@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -24,7 +29,7 @@ from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router.admin import format_workers
 from cluster.router.registry import HEALTHY, UNHEALTHY, Registry
 from cluster.sdk import build_request
-from cluster.worker.chat_render import ChatTemplateLimits, RenderPool, render_call
+from cluster.worker.chat_render import PLAIN_PROBE, ChatTemplateLimits, RenderPool, check_renderer, render_call
 from cluster.worker.service import INLINE_TOKENIZE_CHARS, WorkerService
 from scripted_engine import ScriptedEngine
 
@@ -36,9 +41,15 @@ BOMB_ON_BOOM = (
     "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The probe's chat ("Hello") loops too: a template stuck for everyone.
+BOMB_ON_BOOM_AND_HELLO = BOMB_ON_BOOM.replace("m['content'] == 'boom'", "m['content'] in ('boom', 'Hello')")
+# A chat "slow" renders for a while (seconds), well within a long deadline.
+SLOW_ON_SLOW = BOMB_ON_BOOM.replace("'boom'", "'slow'").replace("range(100000) %}{% for j in range(100000)",
+                                                                "range(100000) %}{% for j in range(40)")
 HUGE = "{{ 'x' * 300000000 }}"
 LONG_PROMPT = "a long prompt, tokenized on the tokenizer's threads " * 40
-QUICK = dict(chat_template_timeout=1.0, chat_template_processes=2)
+# A deadline a legitimate render meets on a loaded 2-core machine; short ones only where every render is a bomb.
+LIMITS = dict(chat_template_timeout=5.0, chat_template_processes=2)
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object",
                                                           "properties": {"city": {"type": "string"}}}}}]
@@ -100,10 +111,10 @@ def test_a_time_bomb_costs_its_request_a_clear_error_within_its_deadline(tiny_mo
             await bomb
         return others, str(e.value), time.monotonic() - t0
 
-    others, error, took = serve(tiny_model_dir, BOMB_ON_BOOM, fn, **QUICK)
+    others, error, took = serve(tiny_model_dir, BOMB_ON_BOOM, fn, **LIMITS)
     assert others == ["ok", "ok", "ok"]
-    assert "chat template" in error and "chat_template_timeout=1 s" in error and "exceeded" in error
-    assert took < 30  # its deadline is 1 s: far less than "never"
+    assert "chat template" in error and "chat_template_timeout=5 s" in error and "exceeded" in error
+    assert took < 60  # its deadline is 5 s: far less than "never"
 
 
 def test_two_stuck_renders_block_neither_a_third_chat_nor_a_long_prompt(tiny_model_dir):
@@ -116,16 +127,15 @@ def test_two_stuck_renders_block_neither_a_third_chat_nor_a_long_prompt(tiny_mod
         bombs = [asyncio.ensure_future(collect(svc, chat("boom"))) for _ in range(2)]
         await until(lambda: svc.renders.rendering == 2, what="the bombs' renders")
         served = await asyncio.gather(collect(svc, chat("hi")), collect(svc, build_request(LONG_PROMPT, max_tokens=2)))
-        still = svc.renders.rendering
         stuck_pids = set(svc.renders.pids)
         for b in bombs:  # the clients give up (a 504, a disconnect)
             b.cancel()
         await until(lambda: svc.renders.rendering == 0, what="the abandoned renders' end")
         await until(lambda: len(svc.renders.pids) == processes, what="the killed processes' replacement")
-        return served, still, stuck_pids, set(svc.renders.pids)
+        return served, stuck_pids, set(svc.renders.pids)
 
-    served, still, before, after = serve(tiny_model_dir, BOMB_ON_BOOM, fn, chat_template_timeout=4.0)
-    assert served == ["ok", "ok"] and still == 2
+    served, before, after = serve(tiny_model_dir, BOMB_ON_BOOM, fn, chat_template_timeout=5.0)
+    assert served == ["ok", "ok"]
     assert len(before - after) == 2  # the two that rendered the bombs were killed
 
 
@@ -148,13 +158,13 @@ def test_a_time_bomb_in_a_gguf_s_metadata_is_bounded_too(tiny_model_dir, tmp_pat
             await collect(svc, chat("boom"))
         return str(e.value), await collect(svc, chat("hi"))
 
-    error, served = serve(model, None, fn, **QUICK)
-    assert "chat_template_timeout=1 s" in error and served == "ok"
+    error, served = serve(model, None, fn, **LIMITS)
+    assert "chat_template_timeout=5 s" in error and served == "ok"
 
 
 def test_a_huge_string_is_refused_without_growing_the_worker(tiny_model_dir):
-    """'x' * 300000000 fails in its render process (its memory cap, or its size limit
-    where the OS does not enforce the cap): the worker itself does not grow."""
+    """'x' * 300000000 is refused in its render process before it is built (its size
+    limit): the worker itself does not grow."""
     clear_refs = Path("/proc/self/clear_refs")
 
     def peak() -> int:
@@ -172,20 +182,60 @@ def test_a_huge_string_is_refused_without_growing_the_worker(tiny_model_dir):
             await collect(svc, chat("hi"))
         return str(e.value), peak() - before
 
-    error, growth = serve(tiny_model_dir, HUGE, fn, **QUICK)
-    assert "chat template" in error and ("chat_template_memory_mb=256" in error
-                                         or "max_chat_template_chars=8000000" in error), error
+    error, growth = serve(tiny_model_dir, HUGE, fn, **LIMITS)
+    assert error.endswith("the model's chat template would build a string or list of 300000000 characters from "
+                          "these messages, over its limit (max_chat_template_chars=8000000): refused"), error
     assert growth < 100 << 20
 
 
+# Each builds a value far over the size limit: a product at once, or doubling in a loop.
+GROWERS = {
+    "repeated string": "{{ 'x' * 10**13 }}",
+    "repeated list": "{{ ([0] * 10**13)|length }}",
+    "list of long strings": "{% set s = 'x' * 1000000 %}{{ ([s] * 1000)|join|length }}",
+    "doubled with ~": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                      "{% endfor %}{{ ns.s|length }}",
+    "doubled with +": "{% set ns = namespace(s=['x']) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+                      "{% endfor %}{{ ns.s|length }}",
+    "squared integer": "{% set ns = namespace(n=3) %}{% for i in range(64) %}{% set ns.n = ns.n * ns.n %}"
+                       "{% endfor %}{{ 1 }}",
+    "integer power": "{{ (2 ** (10**13)) > 1 }}",
+}
+
+
+def test_values_over_the_size_limit_are_refused_before_they_are_built_on_every_os():
+    """A template that multiplies, adds or concatenates its way past max_chat_template_chars
+    is refused by the sandbox before it builds the value: the refusal is the size limit's,
+    not the memory cap's (which macOS does not enforce), so no OS's swap takes it."""
+    uncapped = ChatTemplateLimits(chat_template_processes=1, chat_template_memory_mb=1024, chat_template_timeout=30)
+
+    async def main():
+        pool, errors = RenderPool(uncapped), {}
+        pool.start()
+        try:
+            for name, template in GROWERS.items():
+                with pytest.raises(InvalidRequest) as e:
+                    await pool.render({"conversations": [[{"role": "user", "content": "hi"}]],
+                                       "chat_template": template})
+                errors[name] = e.value.message
+        finally:
+            await pool.close()
+        return errors
+
+    for name, error in asyncio.run(main()).items():
+        assert "would build a string or list of" in error and "(max_chat_template_chars=8000000)" in error, name
+
+
 def test_a_rendered_prompt_over_the_size_limit_is_refused(tiny_model_dir):
+    """Pieces each under the limit, more than it together: refused before they are joined."""
     async def fn(svc):
         with pytest.raises(InvalidRequest) as e:
             await collect(svc, chat("hi"))
         return str(e.value)
 
-    error = serve(tiny_model_dir, "{{ 'y' * 200000 }}", fn, max_chat_template_chars=100_000, **QUICK)
-    assert "rendered 200000 characters" in error and "max_chat_template_chars=100000" in error
+    pieces = "{% for i in range(100000) %}{{ 'y' * 50000 }}{% endfor %}"
+    error = serve(tiny_model_dir, pieces, fn, max_chat_template_chars=100_000, **LIMITS)
+    assert "rendered more than 100000 characters" in error and "max_chat_template_chars=100000" in error
 
 
 def test_a_template_s_own_error_stays_a_clear_400_and_leaves_the_worker_healthy(tiny_model_dir):
@@ -204,28 +254,65 @@ def test_a_template_s_own_error_stays_a_clear_400_and_leaves_the_worker_healthy(
             errors.append(e.value)
         return errors, pids == svc.renders.pids, svc.unhealthy_reason
 
-    errors, same_processes, reason = serve(tiny_model_dir, refuses, fn, **QUICK)
+    errors, same_processes, reason = serve(tiny_model_dir, refuses, fn, **LIMITS)
     assert all(e.code == grpc.StatusCode.INVALID_ARGUMENT and e.message == (
         "the chat template could not be applied to these messages: the first message must be a system message")
         for e in errors)
     assert same_processes and reason == ""
 
 
-def test_the_worker_is_unhealthy_while_renders_time_out_and_healthy_again_after(tiny_model_dir):
-    """Renders that time out back to back make the worker report itself unhealthy (load
-    report, /health through `unhealthy_reason`); a probe render that finishes in time
-    makes it healthy again, with no request from outside (the router sends none)."""
+async def bombs(svc: WorkerService, n: int) -> None:
+    """`n` time bombs at once, each refused."""
+    refused = await asyncio.gather(*(collect(svc, chat("boom")) for _ in range(n)), return_exceptions=True)
+    assert all(isinstance(e, InvalidRequest) for e in refused), refused
+
+
+def test_a_client_s_time_bombs_alone_never_make_the_worker_unhealthy(tiny_model_dir):
+    """Renders that time out back to back because of what one client sent (the model's
+    template is fine): the probe that runs at once renders in time, and the worker never
+    reports itself unhealthy, however often the client does it."""
     async def fn(svc):
-        assert svc.unhealthy_reason == ""
-        for _ in range(2):
-            with pytest.raises(InvalidRequest):
-                await collect(svc, chat("boom"))
+        await until(lambda: len(svc.renders.pids) == 2, what="the render processes' start")
+        reasons = set()
+
+        async def watch():
+            while True:
+                reasons.add(svc.unhealthy_reason)
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            for _ in range(2):  # each time past unhealthy_after_template_timeouts
+                await bombs(svc, 2)
+                reasons.add(svc.unhealthy_reason)  # the probe is due, not rendered yet
+                await until(lambda: not svc.renders.probing, what="the probe")
+                reasons.add(svc.unhealthy_reason)
+        finally:
+            watcher.cancel()
+        return reasons, svc.load_report(), await collect(svc, chat("hi"))
+
+    reasons, report, served = serve(tiny_model_dir, BOMB_ON_BOOM, fn, unhealthy_after_template_timeouts=2, **LIMITS)
+    assert reasons == {""} and report.unhealthy_reason == "" and served == "ok"
+
+
+def test_a_stuck_render_pool_makes_the_worker_unhealthy_until_a_probe_finishes(tiny_model_dir):
+    """Renders that time out back to back, and a probe (the model's template on a one-line
+    chat) that times out too: the worker reports itself unhealthy (load report, /health
+    through `unhealthy_reason`); a later probe that finishes in time makes it healthy
+    again, with no request from outside (the router sends none)."""
+    async def fn(svc):
+        await until(lambda: len(svc.renders.pids) == 2, what="the render processes' start")
+        await bombs(svc, 2)
+        await until(lambda: svc.unhealthy_reason != "", what="the probe's timeout")
         reason, report = svc.unhealthy_reason, svc.load_report()
+        svc.renders.probe_call = PLAIN_PROBE  # what stuck it passes: the next probe renders
         await until(lambda: svc.unhealthy_reason == "", what="the recovery")
         return reason, report, svc.load_report()
 
-    reason, report, after = serve(tiny_model_dir, BOMB_ON_BOOM, fn, unhealthy_after_template_timeouts=2, **QUICK)
-    assert "2 chat-template renders in a row ran past chat_template_timeout=1 s" in reason
+    reason, report, after = serve(tiny_model_dir, BOMB_ON_BOOM_AND_HELLO, fn, unhealthy_after_template_timeouts=2,
+                                  **LIMITS)
+    assert reason == ("a probe render (the model's chat template on a one-line chat) ran past chat_template_timeout="
+                      "5 s, after 2 renders in a row ran past their deadline")
     assert report.unhealthy_reason == reason and not report.stalled
     assert after.unhealthy_reason == ""
 
@@ -242,7 +329,7 @@ def test_a_worker_that_cannot_start_render_processes_is_unhealthy(tiny_model_dir
             await collect(svc, chat("hi"))
         return svc.unhealthy_reason, e.value, await collect(svc, build_request("hey", max_tokens=2))
 
-    reason, error, served = serve(tiny_model_dir, None, fn, **QUICK)
+    reason, error, served = serve(tiny_model_dir, None, fn, **LIMITS)
     assert "no chat-template render process can be started" in reason
     assert error.code == grpc.StatusCode.UNAVAILABLE and "send this request elsewhere" in error.message
     assert served == "ok"
@@ -257,10 +344,10 @@ def test_through_the_router_a_time_bomb_is_the_client_s_400_not_retried(tiny_mod
 
     engine = ScriptedEngine(tiny_model_dir, reply="ok")
     engine.tokenizer._tokenizer.chat_template = BOMB_ON_BOOM
-    srv = ScriptedServer(engine, router=True, templates=ChatTemplateLimits(**QUICK))
+    srv = ScriptedServer(engine, router=True, templates=ChatTemplateLimits(**LIMITS))
     try:
         c = openai.OpenAI(base_url=srv.router_url + "/v1", api_key="none", max_retries=0)
-        with pytest.raises(openai.BadRequestError, match=r"exceeded its time limit .*chat_template_timeout=1 s"):
+        with pytest.raises(openai.BadRequestError, match=r"exceeded its time limit .*chat_template_timeout=5 s"):
             c.chat.completions.create(model="", messages=[{"role": "user", "content": "boom"}], max_tokens=2)
         r = c.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert r.choices[0].message.content == "ok"
@@ -377,7 +464,7 @@ def test_a_chat_is_tokenized_as_apply_chat_template_tokenizes_it(tiny_model_dir)
             out.append([list(c.prompt_token_ids) async for c in svc.generate(request) if c.prompt_token_ids][0])
         return out
 
-    got = serve(tiny_model_dir, None, fn, **QUICK)
+    got = serve(tiny_model_dir, None, fn, **LIMITS)
     want = [list(engine_tok.apply_chat_template(m, tools=t, add_generation_prompt=True, **k)) for m, t, k in cases]
     assert got == want
 
@@ -389,18 +476,19 @@ def test_bad_limits_are_refused_naming_the_flag():
         RenderPool(ChatTemplateLimits(chat_template_processes=0))
 
 
+@pytest.mark.slow  # a worker process, and three renders that each take their 5 s deadline
 def test_a_worker_process_refuses_a_time_bomb_template_file_and_says_when_it_is_unhealthy(
         tiny_model_dir, tmp_path, worker_process):
-    """End to end, a model directory whose chat_template.jinja is the bomb: the chat is an
-    HTTP 400 naming the limit, a prompt is served meanwhile, /health and gRPC health say
-    NOT_SERVING after renders time out back to back, and SERVING again after."""
+    """End to end, a model directory whose chat_template.jinja is the bomb (on the probe's
+    one-line chat too): the chat is an HTTP 400 naming the limit, a prompt is served
+    meanwhile, /health and gRPC health say NOT_SERVING after renders and the probe time out."""
     model = tmp_path / "bomb-model"
     shutil.copytree(tiny_model_dir, model)
-    (model / "chat_template.jinja").write_text(BOMB_ON_BOOM)
+    (model / "chat_template.jinja").write_text(BOMB_ON_BOOM_AND_HELLO)
     config = json.loads((model / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    w = worker_process(model, "--chat-template-timeout", "1", "--unhealthy-after-template-timeouts", "2",
+    w = worker_process(model, "--chat-template-timeout", "5", "--unhealthy-after-template-timeouts", "2",
                        "--chat-template-processes", "2", "--max-model-len", "512")
 
     def post(path: str, body: dict) -> tuple[int, dict]:
@@ -431,9 +519,83 @@ def test_a_worker_process_refuses_a_time_bomb_template_file_and_says_when_it_is_
     messages = lambda content: {"messages": [{"role": "user", "content": content}], "max_tokens": 2}  # noqa: E731
     assert post("/v1/chat/completions", messages("hi"))[0] == 200
     code, body = post("/v1/chat/completions", messages("boom"))
-    assert code == 400 and "chat_template_timeout=1 s" in body["error"]["message"], body
+    assert code == 400 and "chat_template_timeout=5 s" in body["error"]["message"], body
     assert post("/v1/completions", {"prompt": "hey", "max_tokens": 2})[0] == 200
-    assert post("/v1/chat/completions", messages("boom"))[0] == 400
+    with ThreadPoolExecutor(2) as pool:  # two more at once: the probe follows the second timeout in a row
+        assert [code for code, _ in pool.map(post, ["/v1/chat/completions"] * 2, [messages("boom")] * 2)] == [400] * 2
     wait_health((503, health_pb2.HealthCheckResponse.NOT_SERVING))
-    wait_health((200, health_pb2.HealthCheckResponse.SERVING))  # its probe renders in time
-    assert post("/v1/chat/completions", messages("hi"))[0] == 200
+
+
+def test_a_slow_fork_fails_no_render_in_flight(tiny_model_dir, monkeypatch):
+    """A fork past its time (a loaded machine; here every fork is) delays that one start:
+    the render in flight on another process finishes, and the chat that needed the new
+    process gets it when it comes."""
+    async def fn(svc):
+        await until(lambda: len(svc.renders.idle_pids) == 2, what="the render processes' start")
+        slow = asyncio.ensure_future(collect(svc, chat("slow")))
+        await until(lambda: svc.renders.rendering == 1, what="the slow render")
+        monkeypatch.setattr("cluster.worker.chat_render.FORK_TIMEOUT_SECONDS", 0.001)
+        os.kill(svc.renders.idle_pids[0], signal.SIGKILL)  # the idle process ends: the next chat needs a fork
+        served = await collect(svc, chat("hi"))
+        return served, await slow
+
+    assert serve(tiny_model_dir, SLOW_ON_SLOW, fn, chat_template_timeout=60.0, chat_template_processes=2) == (
+        "ok", "ok")
+
+
+def test_a_render_whose_fork_server_goes_away_is_rendered_again(tiny_model_dir):
+    """The fork server ends (its render processes with it) under a render in flight: the
+    render is tried once more on a process of a new fork server, and the chat is served."""
+    async def fn(svc):
+        await until(lambda: len(svc.renders.idle_pids) == 2, what="the render processes' start")
+        slow = asyncio.ensure_future(collect(svc, chat("slow")))
+        await until(lambda: svc.renders.rendering == 1, what="the slow render")
+        os.kill(svc.renders.fork_server_pid, signal.SIGKILL)
+        return await slow
+
+    assert serve(tiny_model_dir, SLOW_ON_SLOW, fn, chat_template_timeout=60.0, chat_template_processes=2) == "ok"
+
+
+@pytest.fixture
+def transformers_without_renderer(tmp_path, monkeypatch):
+    """Python processes started from here import a transformers without
+    render_jinja_template (as before 4.52)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import transformers.tokenization_utils_base  # binds the name itself first\n"
+        "import transformers.utils.chat_template_utils as m\ndel m.render_jinja_template\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+
+
+def test_a_fork_server_that_cannot_import_its_renderer_says_why_in_one_line(transformers_without_renderer):
+    async def main():
+        pool = RenderPool(ChatTemplateLimits(chat_template_processes=1))
+        pool.start()
+        try:
+            await until(lambda: pool.stuck != "", what="the failed start")
+            return pool.stuck
+        finally:
+            await pool.close()
+
+    reason = asyncio.run(main())
+    assert reason.startswith("no chat-template render process can be started (the fork server cannot start: "
+                             "ImportError: cannot import name 'render_jinja_template'") and "\n" not in reason
+
+
+def test_a_worker_refuses_to_start_with_a_transformers_without_the_renderer(tiny_model_dir,
+                                                                             transformers_without_renderer):
+    """A one-line error and a permanent exit at start, not a worker that is unhealthy for ever."""
+    from cluster.exit_codes import EXIT_PERMANENT
+
+    run = subprocess.run([sys.executable, "-m", "cluster.cli", "worker", "serve", "--model", str(tiny_model_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == EXIT_PERMANENT, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("orchard worker serve:")]
+    assert len(lines) == 1 and "render_jinja_template" in lines[0] and "transformers>=4.52" in lines[0], run.stderr
+
+
+def test_check_renderer_names_the_release_to_install(monkeypatch):
+    from transformers.utils import chat_template_utils
+
+    monkeypatch.delattr(chat_template_utils, "render_jinja_template")
+    with pytest.raises(ValueError, match=r"render_jinja_template.*pip install 'transformers>=4\.52'"):
+        check_renderer()

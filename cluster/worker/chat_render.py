@@ -14,11 +14,19 @@ the child, before it reaches the worker. The text is transformers' own rendering
 tokenizing it stays in the worker, on the tokenizer's thread pool, which stuck renders
 therefore never hold.
 
+The template itself runs in a sandbox that refuses, before building it, any string or list
+over `max_chat_template_chars` (`chat_render_process.sized_sandbox`): memory is bounded
+where RLIMIT_AS is not enforced too.
+
 The pool is `stuck` (the worker reports itself unhealthy, so the router places nothing
-there) while no child can be started, or once `unhealthy_after_template_timeouts` renders
-in a row ran out of time, until a probe render (the model's template on a one-line chat)
-finishes in time. A request that goes away leaves its render to finish, within its
-deadline, on its child.
+there) while no child can be started, or while probe renders fail: once
+`unhealthy_after_template_timeouts` renders in a row ran out of time, a probe render (the
+model's template on a one-line chat) runs at once, and only if it too runs out of time is
+the pool stuck, until a probe finishes in time. Chats that time out because of what a
+client sent (a long history through a quadratic template) therefore never take the worker
+out of service. A fork that is slow (a loaded machine) delays that one start alone; a
+render whose process ended under it (not by its deadline) is tried once more on another.
+A request that goes away leaves its render to finish, within its deadline, on its child.
 """
 
 from __future__ import annotations
@@ -36,17 +44,18 @@ from pathlib import Path
 
 import cluster
 from cluster.api.errors import InvalidRequest, OrchardError, Unavailable
-from cluster.chat_render_process import (ANSWER_HEADER, COMMAND, FORK, HEADER, MEMORY, OK, PID, READY, REAP,
-                                         TOO_LARGE, TYPE_ERROR, decode)
+from cluster.chat_render_process import (ANSWER_HEADER, COMMAND, FAILED, FORK, HEADER, MEMORY, OK, OVERSIZED, PID,
+                                         READY, REAP, TOO_LARGE, TYPE_ERROR, decode)
 from cluster.config import setting
 
 log = logging.getLogger(__name__)
 
+MIN_TRANSFORMERS = "4.52"  # the first release with render_jinja_template
 START_TIMEOUT_SECONDS = 120.0  # the fork server's start (Python and transformers' import) on a loaded machine
-FORK_TIMEOUT_SECONDS = 30.0
+FORK_TIMEOUT_SECONDS = 30.0  # a fork slower than this is logged (and waited for)
 CLOSE_TIMEOUT_SECONDS = 5.0
 RESTART_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)  # between failed starts
-PROBE_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)  # between probes while renders time out
+PROBE_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)  # between probes while probes fail
 PROBE_MESSAGES = [{"role": "user", "content": "Hello"}]
 # A probe that needs no model template: the pool itself renders.
 PLAIN_PROBE = {"conversations": [PROBE_MESSAGES], "chat_template": "{{ messages[0]['content'] }}"}
@@ -70,8 +79,9 @@ class ChatTemplateLimits:
         4, "processes that render chat templates at once (kept warm, forked from one Python with transformers "
            "imported)", metavar="N")
     unhealthy_after_template_timeouts: int = setting(
-        3, "this many chat-template renders in a row past --chat-template-timeout make the worker report "
-           "itself unhealthy (the router places nothing there) until a probe render finishes in time", metavar="N")
+        3, "after this many chat-template renders in a row past --chat-template-timeout, a probe render (the "
+           "model's template on a one-line chat) runs at once; if it too runs out of time, the worker reports "
+           "itself unhealthy (the router places nothing there) until a probe finishes in time", metavar="N")
 
     def check(self) -> None:
         """ValueError naming the flag for a value no render could run under."""
@@ -82,6 +92,17 @@ class ChatTemplateLimits:
                                    ("unhealthy-after-template-timeouts", self.unhealthy_after_template_timeouts, 1)):
             if not value >= least:
                 raise ValueError(f"--{name} must be at least {least:g}, not {value:g}")
+
+
+def check_renderer() -> None:
+    """ValueError (one line) unless the installed transformers has the renderer the render
+    processes use."""
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"chat templates render with transformers' render_jinja_template, which this install "
+                         f"lacks ({' '.join(str(e).split())}): pip install 'transformers>={MIN_TRANSFORMERS}'"
+                         ) from None
 
 
 def jinja_tokenizer(tokenizer):
@@ -168,6 +189,9 @@ class _ForkServer:
         server = cls(proc, control)
         try:
             ready = await server._recv(1)
+            if ready == FAILED:
+                size = HEADER.unpack(await server._recv(HEADER.size))[0]
+                raise ValueError(f"the fork server cannot start: {decode(await server._recv(size))}")
             if ready != READY:
                 raise ValueError(f"the fork server exited ({await proc.wait()}) before it was ready")
         except BaseException:
@@ -257,6 +281,7 @@ class RenderPool:
         self._starting = 0
         self._start_error = ""  # why the last start failed ('' once one succeeds)
         self._timeouts_in_a_row = 0
+        self._probe_failure = ""  # why the last probe failed ('' once a render finishes in time)
         self.rendering = 0  # renders in progress
         self._tasks: set[asyncio.Task] = set()
         self._probing: asyncio.Task | None = None
@@ -268,15 +293,27 @@ class RenderPool:
         """Why renders cannot be served now ('' when they can)."""
         if not self._children and self._start_error:
             return f"no chat-template render process can be started ({self._start_error})"
-        if self._timeouts_in_a_row >= self.limits.unhealthy_after_template_timeouts:
-            return (f"{self._timeouts_in_a_row} chat-template renders in a row ran past chat_template_timeout="
-                    f"{self.limits.chat_template_timeout:g} s")
-        return ""
+        return self._probe_failure
+
+    @property
+    def probing(self) -> bool:
+        """A probe render is due or running (renders ran out of time in a row)."""
+        return self._probing is not None and not self._probing.done()
 
     @property
     def pids(self) -> list[int]:
         """The render processes' ids (tests)."""
         return sorted(c.pid for c in self._children)
+
+    @property
+    def idle_pids(self) -> list[int]:
+        """The idle render processes' ids (tests)."""
+        return sorted(c.pid for c in self._idle)
+
+    @property
+    def fork_server_pid(self) -> int | None:
+        """The fork server's process id (tests)."""
+        return self._server.proc.pid if self._server is not None else None
 
     # -- life -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -297,18 +334,27 @@ class RenderPool:
     # -- rendering -------------------------------------------------------------------------
     async def render(self, call: dict) -> str:
         payload = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
-        child = await self._acquire()
-        # Held by the pool: a request that goes away leaves it to end (by its deadline at the latest).
-        kind, text = await asyncio.shield(self._background(self._run(child, payload)))
+        kind, text = await self._submit(payload)
+        if kind == DIED:  # not by its deadline: its fork server may have gone, as likely as the template did it
+            kind, text = await self._submit(payload)
         if kind == OK:
             return text
         raise self._refusal(kind, text)
+
+    async def _submit(self, payload: bytes) -> tuple[bytes, str]:
+        child = await self._acquire()
+        # Held by the pool: a request that goes away leaves it to end (by its deadline at the latest).
+        return await asyncio.shield(self._background(self._run(child, payload)))
 
     def _refusal(self, kind: bytes, text: str) -> OrchardError:
         lim = self.limits
         if kind == TIMED_OUT:
             return InvalidRequest(f"the model's chat template exceeded its time limit on these messages "
                                   f"(chat_template_timeout={lim.chat_template_timeout:g} s): its render was stopped")
+        if kind == OVERSIZED:
+            return InvalidRequest(f"the model's chat template would build a string or list of {text} characters "
+                                  f"from these messages, over its limit (max_chat_template_chars="
+                                  f"{lim.max_chat_template_chars}): refused")
         if kind == TOO_LARGE:
             return InvalidRequest(f"the model's chat template rendered {text} characters from these messages, over "
                                   f"its limit (max_chat_template_chars={lim.max_chat_template_chars}): refused")
@@ -346,9 +392,9 @@ class RenderPool:
             raise
         finally:
             deadline.cancel()
-        if self._timeouts_in_a_row >= self.limits.unhealthy_after_template_timeouts:
+        if self._probe_failure:
             log.warning("chat-template renders finish in time again: the worker is healthy")
-        self._timeouts_in_a_row = 0
+        self._timeouts_in_a_row, self._probe_failure = 0, ""
         if kind == MEMORY or child.killed:  # what it freed may sit in its heap; or its deadline came as it answered
             self._replace(child)
         else:
@@ -360,7 +406,8 @@ class RenderPool:
         log.warning("a chat-template render ran past chat_template_timeout=%g s: its process (pid %d) killed",
                     self.limits.chat_template_timeout, child.pid)
         if self._timeouts_in_a_row == self.limits.unhealthy_after_template_timeouts:
-            log.error("%s: reporting the worker unhealthy until a probe render finishes in time", self.stuck)
+            log.warning("%d chat-template renders in a row ran past their deadline: a probe render tells whether "
+                        "the render processes or these chats are stuck", self._timeouts_in_a_row)
             self._probe_soon()
         return TIMED_OUT, ""
 
@@ -422,24 +469,42 @@ class RenderPool:
         self._release(child)
 
     async def _fork_until_one_starts(self) -> _Child:
-        """A new render process; on failure, the fork server started again (backing off)
-        until one starts or the pool closes."""
+        """A new render process; where the fork server cannot start or is gone, it is
+        started again (backing off) until one starts or the pool closes."""
         for attempt in range(sys.maxsize):
             server = None
             try:
                 server = await self._fork_server()
-                child = await asyncio.wait_for(server.fork(), FORK_TIMEOUT_SECONDS)
+                child = await self._fork(server)
                 self._start_error = ""
                 return child
             except (OSError, ValueError, asyncio.TimeoutError) as e:
                 self._start_error = str(e) or type(e).__name__
             log.error("cannot start a chat-template render process: %s", self._start_error)
-            if server is not None:  # its socket is out of step or gone: a new one next time
+            if server is not None:  # gone: a new one next time
                 await self._drop_server(server)
             if not self._children:
                 self._fail_waiters(Unavailable(f"this worker cannot render chat templates now: {self.stuck}; "
                                                "send this request elsewhere"))
             await asyncio.sleep(RESTART_BACKOFF_SECONDS[min(attempt, len(RESTART_BACKOFF_SECONDS) - 1)])
+
+    async def _fork(self, server: _ForkServer) -> _Child:
+        """A render process from `server`. A slow fork (a loaded machine) is waited for, not
+        given up: giving up would put the control socket out of step and take the fork
+        server, and every render process with it, down for one late answer. While there is
+        no other process, it counts as a failed start (the worker is stuck)."""
+        fork = asyncio.ensure_future(server.fork())
+        try:
+            return await asyncio.wait_for(asyncio.shield(fork), FORK_TIMEOUT_SECONDS)
+        except asyncio.TimeoutError:
+            self._start_error = f"the fork server has not forked a render process in {FORK_TIMEOUT_SECONDS:g} s"
+            log.warning("%s: waiting for it", self._start_error)
+            if not self._children:
+                self._fail_waiters(Unavailable(f"this worker cannot render chat templates now: {self.stuck}; "
+                                               "send this request elsewhere"))
+            return await fork
+        finally:
+            fork.cancel()  # the pool is closing (no-op once it is done)
 
     async def _fork_server(self) -> _ForkServer:
         async with self._server_lock:  # one start at a time
@@ -461,16 +526,27 @@ class RenderPool:
             self._probing = self._background(self._probe())
 
     async def _probe(self) -> None:
-        """While renders time out in a row, one render now and then (backing off) that
-        clears the count if it finishes in time."""
+        """Renders ran out of time in a row: the chats' doing (what a client sent), or the
+        render processes'? A probe render at once; while probes do not finish (past their
+        deadline, or their process ended), the pool is stuck, and probes go on, backing
+        off, until one finishes (any render that finishes clears the failure)."""
+        lim = self.limits
         for attempt in range(sys.maxsize):
-            if self._closed or self._timeouts_in_a_row < self.limits.unhealthy_after_template_timeouts:
-                return
-            await asyncio.sleep(PROBE_BACKOFF_SECONDS[min(attempt, len(PROBE_BACKOFF_SECONDS) - 1)])
             try:
-                await self.render(self.probe_call)
-            except OrchardError:
-                pass
+                kind, _ = await self._submit(pickle.dumps(self.probe_call, protocol=pickle.HIGHEST_PROTOCOL))
+            except OrchardError:  # no process can start (`stuck` says so) or the pool is closing
+                kind = None
+            if self._closed or kind not in (TIMED_OUT, DIED, None):
+                return
+            if kind is not None:
+                what = (f"ran past chat_template_timeout={lim.chat_template_timeout:g} s" if kind == TIMED_OUT
+                        else "ended without an answer")
+                self._probe_failure = (f"a probe render (the model's chat template on a one-line chat) {what}, after "
+                                       f"{lim.unhealthy_after_template_timeouts} renders in a row ran past their "
+                                       "deadline")
+                log.error("%s: reporting the worker unhealthy until a probe render finishes in time",
+                          self._probe_failure)
+            await asyncio.sleep(PROBE_BACKOFF_SECONDS[min(attempt, len(PROBE_BACKOFF_SECONDS) - 1)])
 
     def _background(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

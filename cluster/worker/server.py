@@ -24,6 +24,7 @@ from cluster.exit_codes import EXIT_PERMANENT, describe, exit_code
 from cluster.net import check_addresses, parse_address
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.worker.chat_render import check_renderer
 from cluster.worker.config import WorkerOptions
 from cluster.worker.engine_loop import EngineLoadError
 
@@ -238,6 +239,7 @@ def serve(options: WorkerOptions) -> int:
             rank = topology(options.group).rank
             require_join_token(options.join_token)
         options.chat_templates.check()
+        check_renderer()
     except ValueError as e:  # a setting: permanent, so that no launcher starts it again as it is
         print(f"orchard worker serve: {e}", file=sys.stderr)
         return EXIT_PERMANENT
