@@ -182,7 +182,7 @@ def main() -> int:
         metrics_address=f"127.0.0.1:{free_port()}", worker_port_base=0, worker_metrics_port_base=0,
         log_dir=work / "logs", worker_env={"ORCHARD_FAULT_DIR": str(faults_dir)},
         router_args=["--heartbeat-interval", "0.5", "--stream-idle-timeout", "10", "--max-attempts", "6"],
-        worker_args=["--stall-timeout", "5", "--num-kv-blocks", "2048", "--heartbeat-interval", "0.5",
+        worker_args=["--num-kv-blocks", "2048", "--heartbeat-interval", "0.5",
                      "--no-prefix-caching"],  # every run does the same work: the same prompts are sent in each
     )
     texts = prompts(args.requests, args.seed, args.prompt_words)

@@ -516,9 +516,10 @@ def test_a_stream_that_goes_silent_resumes_elsewhere(heartbeats):
 
 def test_a_silent_worker_has_its_streams_resumed_even_before_their_first_token():
     """A Mac asleep: no heartbeat, and its open streams quiet (no token yet, so no idle
-    timeout applies): after stream_idle_timeout of silence they resume elsewhere."""
+    timeout applies): once it has missed its heartbeats they resume elsewhere, long before
+    the stream idle timeout."""
     async def main():
-        async with Cluster(stream_idle_timeout=1.0) as c:
+        async with Cluster(stream_idle_timeout=60) as c:
             for w in c.workers:
                 w.hang_after_tokens = 0
 
@@ -537,7 +538,7 @@ def test_a_silent_worker_has_its_streams_resumed_even_before_their_first_token()
             victim = await asleep
             assert tokens(chunks) == expected_tokens("asleep", 6)
             assert {ch.worker_id for ch in chunks} == {f"w{1 - victim}"}
-            assert 1.0 < loop.time() - t0 < 5.0
+            assert loop.time() - t0 < 10.0
 
     run(main())
 

@@ -408,7 +408,7 @@ def test_a_shutdown_ends_the_wait_for_comebacks():
 
 
 def test_a_wedged_engine_is_reported_stalled_and_refuses_new_requests():
-    """The watchdog's input: one engine step longer than stall_timeout makes the service
+    """The watchdog's input: one engine step longer than stall_report makes the service
     stalled (load report, new requests refused); a step that finishes clears it, and the
     requests that waited through the wedge complete."""
     async def fn(svc, engine):
@@ -423,7 +423,7 @@ def test_a_wedged_engine_is_reported_stalled_and_refuses_new_requests():
         chunks = await task
         return stalled, svc.stalled, [t for c in chunks for t in c.token_ids]
 
-    stalled, after, toks = run_with_service(fn, stall_timeout=0.2)
+    stalled, after, toks = run_with_service(fn, stall_report=0.2)
     assert stalled == (True, True) and not after
     assert toks == [100, 101, 102]
 

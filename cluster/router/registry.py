@@ -4,8 +4,8 @@ Two ways in. A worker registers itself (`RegisterWorker` with the join token) an
 heartbeat with its load report every `heartbeat_interval`; or an operator adds it
 statically (`AddWorker`) and the router polls its `GetLoad` and gRPC health at the same
 interval. Either way a worker not heard from for `missed_heartbeats` intervals is
-unhealthy (no new requests); a self-registered one is removed after `remove_after`
-seconds of silence (a static one stays, polled, until it is removed by hand). A failed
+unhealthy (no new requests) and its streams resume elsewhere; a self-registered one is
+removed after `remove_after` seconds of silence (a static one stays, polled, until it is removed by hand). A failed
 stream also marks its worker unhealthy at once; the next heartbeat or poll that succeeds
 makes it healthy again. `wait_changed` wakes whoever waits on a change of the workers
 (one joins or is removed, or its state changes). How late the router's own event loop
@@ -431,7 +431,9 @@ class Registry:
                 log.warning("worker %s missed %d heartbeats: unhealthy", w.worker_id, self.config.missed_heartbeats)
                 w.healthy = False
                 self._notify()
-            if w.attempts and silent > self.config.stream_idle_timeout:
+            # A worker that misses its beats is stopped or asleep (they come from its event
+            # loop, not its engine: a busy engine does not delay them): its streams resume now.
+            if w.attempts and silent > min(self.config.unhealthy_after, self.config.stream_idle_timeout):
                 log.warning("worker %s silent for %.0f s: resuming its %d streams elsewhere", w.worker_id, silent,
                             len(w.attempts))
                 w.abandon_streams(f"worker {w.worker_id} silent for {silent:.0f} s")

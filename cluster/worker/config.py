@@ -148,10 +148,11 @@ class WorkerOptions:
     request_timeout: float | None = setting(
         None, "an OpenAI HTTP request that takes longer is answered 504 and cancelled (a client may ask for less "
               "with X-Request-Timeout; default: no limit)", metavar="SECONDS")
-    stall_timeout: float = setting(
-        60.0, "an engine step with unfinished work that takes longer than this means a wedged engine: health "
-              "NOT_SERVING, and the router resumes the worker's streams elsewhere (far above any real step)",
-        metavar="SECONDS")
+    stall_report: float = setting(
+        3.0, "an engine step with unfinished work that has not finished after this long, or after 5x the slowest "
+             "recent step if that is longer (a big model's slow steps on a Mac are not a stall), is reported at "
+             "once: health NOT_SERVING, the router places nothing here and resumes the worker's streams elsewhere "
+             "until the step finishes", metavar="SECONDS")
     limits: RequestLimits = setting(default_factory=RequestLimits, group="request limits")
     chat_templates: ChatTemplateLimits = setting(default_factory=ChatTemplateLimits, group="chat templates")
     security: SecurityConfig = setting(default_factory=SecurityConfig, group="security")

@@ -39,6 +39,10 @@ from cluster.worker.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 # Seconds without a message after which the idle engine thread gives MLX's buffer cache back.
 IDLE_RELEASE_SECONDS = 1.0
+# A round of work counts as stalled past max(stall_report, STALL_STEP_FACTOR x the slowest
+# recent round): a model whose legitimate steps are slow (a big one on a Mac) gets room.
+STALL_STEP_FACTOR = 5.0
+STEP_WINDOW = 256  # rounds per window of "recent" step times
 
 
 class EngineLoadError(RuntimeError):
@@ -96,7 +100,8 @@ EventSink = Callable[[float, list[Event]], None]
 
 
 class EngineLoop:
-    def __init__(self, engine_factory: Callable[[], Engine], sink: EventSink, faults=None):
+    def __init__(self, engine_factory: Callable[[], Engine], sink: EventSink, faults=None,
+                 stall_report: float = 3.0):
         self._factory = engine_factory
         self._sink = sink
         self.faults = faults  # cluster.worker.faults.FaultInjection, in fault tests only
@@ -108,6 +113,12 @@ class EngineLoop:
         # time.monotonic() when the current round of work (messages, a step) began; None
         # while the thread waits for work. Written by the engine thread, read by a watchdog.
         self.busy_since: float | None = None
+        # The longest round of the current and of the previous STEP_WINDOW rounds: how long
+        # a legitimate step of this model on this machine takes. Floats, each written whole
+        # by the engine thread and read by the watchdog.
+        self._slowest = (0.0, 0.0)
+        self.stall_report = stall_report  # seconds: the least a round takes before it is a stall
+        self._rounds = 0
 
     # -- any thread -------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> Engine:
@@ -133,11 +144,29 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.engine is not None
 
-    def stalled(self, timeout: float, now: float | None = None) -> bool:
+    @property
+    def stall_after(self) -> float:
+        """Seconds one round of work may take before the engine counts as stalled:
+        `stall_report`, or STALL_STEP_FACTOR x the slowest recent round if longer."""
+        return max(self.stall_report, STALL_STEP_FACTOR * max(self._slowest))
+
+    def stalled(self, now: float | None = None) -> bool:
         """Whether the engine thread has been in one round of work (a step, or handling
-        its messages) for longer than `timeout` seconds: wedged, while the process lives."""
+        its messages) for longer than `stall_after`: wedged, while the process lives."""
         since = self.busy_since
-        return since is not None and (time.monotonic() if now is None else now) - since > timeout
+        return since is not None and (time.monotonic() if now is None else now) - since > self.stall_after
+
+    def _round_done(self, took: float) -> None:
+        """Remember a round's time; one that was a stall is not a step time (a wedge must
+        not make the next one take longer to see)."""
+        if took > self.stall_after:
+            return
+        current, previous = self._slowest
+        self._rounds += 1
+        if self._rounds % STEP_WINDOW == 0:  # a new window: the old one is remembered one window more
+            self._slowest = (took, current)
+        elif took > current:
+            self._slowest = (took, previous)
 
     # -- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -188,6 +217,7 @@ class EngineLoop:
                 events += self._isolate(engine, e, iso, sent)
             if events:
                 self._emit(time.monotonic(), events)
+            self._round_done(time.monotonic() - now)
             self.busy_since = None
 
     def _isolate(self, engine: Engine, error: Exception, iso: "_Isolation", sent: dict[str, int]) -> list[Event]:

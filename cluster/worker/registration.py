@@ -5,6 +5,8 @@ load report every interval.
   shorter of that and its own, so the router never counts a beat as missed.
 - A heartbeat answered `known=false` (the router restarted or removed the worker) is
   followed by a new registration right away.
+- `report_now()` sends the next heartbeat at once (the worker's health changed: a
+  stalled engine must not wait for the interval to be known).
 - Each registration names this start of the worker (`instance_id`): a worker restarted
   under the same id is a new process to the router, not one whose failures it remembers.
 - An unreachable router is retried every interval, for ever: workers may start first.
@@ -57,6 +59,11 @@ class Registration:
         # this start of the process: the router gives a new one a fresh circuit breaker
         self.instance_id = uuid.uuid4().hex
         self._task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+
+    def report_now(self) -> None:
+        """Send the load report now, not at the next interval."""
+        self._wake.set()
 
     def start(self) -> asyncio.Task:
         self._task = asyncio.create_task(self.run(), name="orchard-registration")
@@ -101,7 +108,12 @@ class Registration:
                 except Exception:  # a bug in load(): keep beating
                     log.exception("heartbeat failed")
                 next_at = max(next_at + period, loop.time())
-                await asyncio.sleep(next_at - loop.time())
+                try:
+                    await asyncio.wait_for(self._wake.wait(), next_at - loop.time())
+                    next_at = loop.time()
+                except asyncio.TimeoutError:
+                    pass
+                self._wake.clear()
 
     async def _register(self, stub) -> float:
         reply = await stub.RegisterWorker(

@@ -114,7 +114,7 @@ class WorkerServer:
             log.info("engine warmed up in %.2f s", engine.warm_up())
             return engine
 
-        self.service = service = WorkerService(worker_id, load_engine, stall_timeout=opts.stall_timeout,
+        self.service = service = WorkerService(worker_id, load_engine, stall_report=opts.stall_report,
                                                limits=opts.limits, templates=opts.chat_templates)
         await service.start()
 
@@ -146,16 +146,17 @@ class WorkerServer:
     async def _watch_progress(self) -> None:
         """gRPC health follows the engine's progress and the chat-template renders:
         NOT_SERVING while the engine is stalled or the renders are stuck (the load report
-        and /health say so too), SERVING again when both move (unless draining)."""
+        and /health say so too), SERVING again when both move (unless draining). Each
+        change is reported to the routers at once, not at the next heartbeat."""
         service, was_stalled, was_healthy = self.service, False, True
-        period = min(1.0, self.options.stall_timeout / 4)
+        period = min(0.25, self.options.stall_report / 4)
         while True:
             await asyncio.sleep(period)
             stalled = service.stalled
             if stalled != was_stalled:
                 if stalled:
-                    log.error("worker %s: the engine has made no progress for %.0f s: reporting NOT_SERVING",
-                              service.worker_id, service.stall_timeout)
+                    log.error("worker %s: the engine has made no progress for %.3g s: reporting NOT_SERVING",
+                              service.worker_id, service.engine_loop.stall_after)
                     if service.metrics is not None:
                         service.metrics.stalls.inc()
                 else:
@@ -165,6 +166,8 @@ class WorkerServer:
             if healthy != was_healthy:
                 await self.endpoints.set_serving(healthy and not service.draining)
                 was_healthy = healthy
+                for registration in self._registrations:
+                    registration.report_now()
 
     def _healthy(self) -> bool:
         return not self.service.stalled and not self.service.unhealthy_reason

@@ -139,14 +139,13 @@ class WorkerService:
     `metrics`, it observes the Prometheus metrics (`self.metrics`) as events pass."""
 
     def __init__(self, worker_id: str, engine_factory: Callable[[], Engine], *, metrics: bool = True,
-                 stall_timeout: float = 60.0, limits: RequestLimits = RequestLimits(),
+                 stall_report: float = 3.0, limits: RequestLimits = RequestLimits(),
                  templates: ChatTemplateLimits = ChatTemplateLimits()):
         self.worker_id = worker_id
         self.limits = limits
         self.templates = templates
-        self.stall_timeout = stall_timeout  # seconds in one engine step before the engine counts as wedged
         self.faults = FaultInjection.from_env(worker_id)  # None unless ORCHARD_FAULT_DIR is set (tests)
-        self.engine_loop = EngineLoop(engine_factory, self.on_engine_events, self.faults)
+        self.engine_loop = EngineLoop(engine_factory, self.on_engine_events, self.faults, stall_report)
         self._with_metrics = metrics
         self.metrics: WorkerMetrics | None = None
         self.stats = EngineStats()  # the engine's own, once started
@@ -218,8 +217,9 @@ class WorkerService:
 
     @property
     def stalled(self) -> bool:
-        """The engine thread is wedged: unfinished work and no step done for `stall_timeout`."""
-        return self.engine_loop.stalled(self.stall_timeout)
+        """The engine thread is wedged: one round of work has taken longer than its
+        `stall_after` (`stall_report`, or more for a model whose steps are slow)."""
+        return self.engine_loop.stalled()
 
     @property
     def unhealthy_reason(self) -> str:
@@ -434,7 +434,8 @@ class WorkerService:
         if not self.engine_loop.alive or self._loop is None:
             raise Unavailable(f"worker {self.worker_id} is not serving (starting or stopping)")
         if self.stalled:
-            raise Unavailable(f"worker {self.worker_id}'s engine has made no progress for {self.stall_timeout:g} s "
+            raise Unavailable(f"worker {self.worker_id}'s engine has made no progress for "
+                              f"{self.engine_loop.stall_after:.3g} s "
                               "(stalled): send this request elsewhere")
         if model and model != self.model_name:
             raise NotFound(f"model {quoted(model)} is not served here; this worker serves {self.model_name!r}")

@@ -1,0 +1,210 @@
+"""A stall is seen in seconds: a worker whose engine step does not finish says so at once
+(load report and health, pushed to the router, not left for the next heartbeat); the
+router places nothing there and resumes its streams on another worker of the model, and
+places there again once the step finishes. A worker that sends nothing at all (stopped,
+asleep) is left once it misses its heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import grpc
+import pytest
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.router.registry import HEALTHY
+from cluster.router.server import RouterConfig, RouterServer
+from cluster.security import channel as secure_channel
+from cluster.up import LocalCluster, free_port
+from cluster.worker.registration import Registration
+from fake_worker import FakeWorker
+
+
+def run(coro, timeout: float = 180):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def until(condition, what: str, timeout: float) -> float:
+    """Seconds until `condition()` (a blocking call, run on a thread) holds; bounded."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while loop.time() - t0 < timeout:
+        if await asyncio.to_thread(condition):
+            return loop.time() - t0
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{what} not within {timeout} s")
+
+
+def test_a_stall_is_pushed_to_the_router_at_once_not_at_the_next_heartbeat():
+    """Heartbeats every 30 s: `report_now` (what the worker's watchdog calls when its
+    health changes) gets the stall, and its end, to the router in well under that."""
+    async def main():
+        router = RouterServer(RouterConfig(grpc_address="127.0.0.1:0", http_address=None, metrics_address=None,
+                                           join_token="tok", heartbeat_interval=30.0))
+        await router.start()
+        w = await FakeWorker("w0").start()
+        reg = Registration(router.grpc_address, w.address, w.load_report, join_token="tok", worker_id="w0",
+                           interval=30.0)
+        reg.start()
+        state = lambda: router.registry.workers["w0"].state if "w0" in router.registry.workers else None  # noqa: E731
+        try:
+            await until(lambda: state() == HEALTHY, "w0 registered", 10)
+            w.stalled = True
+            reg.report_now()
+            await until(lambda: state() == pb.WORKER_STATE_UNHEALTHY, "the stall at the router", 10)
+            w.stalled = False
+            reg.report_now()
+            await until(lambda: state() == HEALTHY, "the worker healthy again at the router", 10)
+        finally:
+            await reg.stop()
+            await router.stop(grace=0)
+            await w.server.stop(0)
+
+    run(main(), 60)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    faults = tmp_path_factory.mktemp("faults")
+    c = LocalCluster(
+        tiny_model_dir, workers=2,
+        grpc_address=f"127.0.0.1:{free_port()}", http_address=None, metrics_address=None,
+        worker_port_base=0, worker_metrics_port_base=0, log_dir=tmp_path_factory.mktemp("stall-logs"),
+        worker_env={"ORCHARD_FAULT_DIR": str(faults)},  # the test-only fault hooks (cluster/worker/faults.py)
+        worker_args=["--num-kv-blocks", "1024", "--max-num-seqs", "64"],  # default stall and heartbeat settings
+    )
+    with c:
+        yield c, faults
+
+
+def request(text: str, max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                    ignore_eos=True))
+
+
+async def collect(stub, req, on_chunk=None) -> tuple[list[int], set[str]]:
+    """A stream's tokens and the workers that sent them."""
+    toks, workers = [], set()
+    async for c in stub.Generate(req):
+        toks += c.token_ids
+        if c.token_ids:
+            workers.add(c.worker_id)
+        if on_chunk is not None:
+            on_chunk(c)
+    return toks, workers
+
+
+def states(c: LocalCluster) -> dict[str, int]:
+    with secure_channel(c.router_address, c.client_security(admin=True), aio=False) as ch:
+        resp = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    return {w.worker_id: w.state for w in resp.workers}
+
+
+@pytest.mark.slow
+def test_a_wedged_worker_is_left_within_seconds_and_placed_on_again_when_it_moves(cluster):
+    """Two workers, the default settings. Mid-stream, the engine of the worker serving most
+    streams blocks in a step: within seconds the router lists it unhealthy and places new
+    requests on the other worker; its streams resume there, token-exact. When the step
+    finishes, the router places on it again."""
+    c, faults = cluster
+    prompts = [f"Stall {i}: the router keeps every token of" for i in range(6)]
+    max_tokens = 400  # the tiny model is fast: the streams must still be running at the wedge
+    wedged: list[str] = []
+
+    async def streams(stub, wedge_after: int | None):
+        seen = {"tokens": 0}
+        serving: dict[int, str] = {}  # unfinished stream -> its worker
+
+        def on_chunk(i):
+            def f(chunk):
+                seen["tokens"] += len(chunk.token_ids)
+                serving[i] = chunk.worker_id
+                if chunk.finish_reason:
+                    serving.pop(i, None)
+                if wedge_after and not wedged and seen["tokens"] >= wedge_after and serving:
+                    busiest = max(set(serving.values()), key=list(serving.values()).count)
+                    (faults / f"{busiest}.wedge").touch()
+                    wedged.append(busiest)
+            return f
+
+        return await asyncio.gather(*(collect(stub, request(p, max_tokens), on_chunk(i))
+                                      for i, p in enumerate(prompts)))
+
+    async def main():
+        async with grpc.aio.insecure_channel(c.router_address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            reference = await streams(stub, None)
+            faulty = asyncio.ensure_future(streams(stub, 6 * 16))  # about 16 tokens into each stream
+            try:
+                await until(lambda: wedged, "the wedge", 60)
+                victim = wedged[0]
+                other = next(w for w in states(c) if w != victim)
+                await until(lambda: states(c)[victim] == pb.WORKER_STATE_UNHEALTHY,
+                                      "the wedged worker unhealthy at the router", 15)
+                new = await asyncio.gather(*(collect(stub, request(f"New {i} while wedged", 8)) for i in range(4)))
+                assert all(workers == {other} for _, workers in new), (victim, new)
+                results = await asyncio.wait_for(faulty, 60)  # they must not wait for the wedge to end
+            finally:
+                for f in faults.iterdir():
+                    f.unlink()
+            assert [t for t, _ in results] == [t for t, _ in reference]
+            moved = [i for i, (_, workers) in enumerate(results) if workers == {victim, other}]
+            assert moved, "no stream was on the wedged worker"
+            await until(lambda: states(c)[victim] == HEALTHY, "the worker healthy once its step finished", 20)
+            for attempt in range(5):  # placed there again (the policy spreads concurrent requests)
+                again = await asyncio.gather(*(collect(stub, request(f"Back {attempt}.{i}", 8)) for i in range(8)))
+                if any(victim in workers for _, workers in again):
+                    break
+            else:
+                pytest.fail(f"nothing placed on {victim} after its step finished")
+
+    run(main())
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_has_its_streams_resumed_once_it_misses_its_heartbeats(cluster):
+    """SIGSTOP (a Mac asleep: connections open, nothing sent, not even heartbeats) of the
+    worker serving most streams: they resume on the other worker, token-exact, after the
+    heartbeats it misses, not after the stream idle timeout (30 s)."""
+    c, _ = cluster
+    prompts = [f"Asleep {i}: the router keeps every token of" for i in range(6)]
+    max_tokens = 400
+    stopped: list[int] = []
+
+    async def streams(stub, stop_after: int | None):
+        seen = {"tokens": 0}
+        serving: dict[int, str] = {}
+
+        def on_chunk(i):
+            def f(chunk):
+                seen["tokens"] += len(chunk.token_ids)
+                serving[i] = chunk.worker_id
+                if chunk.finish_reason:
+                    serving.pop(i, None)
+                if stop_after and not stopped and seen["tokens"] >= stop_after and serving:
+                    busiest = max(set(serving.values()), key=list(serving.values()).count)
+                    stopped.append(int(busiest.split("-")[1]))
+                    os.kill(c.workers[stopped[0]].proc.pid, signal.SIGSTOP)
+            return f
+
+        return await asyncio.gather(*(collect(stub, request(p, max_tokens), on_chunk(i))
+                                      for i, p in enumerate(prompts)))
+
+    async def main():
+        async with grpc.aio.insecure_channel(c.router_address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            reference = await streams(stub, None)
+            try:
+                results = await asyncio.wait_for(streams(stub, 6 * 16), 25)  # under the 30 s idle timeout
+            finally:
+                for i in stopped:
+                    os.kill(c.workers[i].proc.pid, signal.SIGCONT)
+            assert [t for t, _ in results] == [t for t, _ in reference]
+            assert any(len(workers) == 2 for _, workers in results), "no stream was on the stopped worker"
+            await until(lambda: list(states(c).values()) == [HEALTHY, HEALTHY], "the stopped worker back", 30)
+
+    run(main())
