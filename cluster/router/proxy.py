@@ -297,7 +297,10 @@ class RouterBackend:
                 worker.inflight -= 1
                 worker.attempts.discard(stream)
                 call.cancel()
-                self._judge(worker, breaker, outcome)  # no-op once it finished; reaches it if the client left
+                # A stream the router abandoned (its worker reported a stall, or went silent) is
+                # no verdict for the breaker: the worker's own reports say when it serves again.
+                # (No-op once it finished; reaches it if the client left.)
+                self._judge(worker, breaker, outcome if stream.abandoned is None else None)
                 self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
             excluded[worker.worker_id] = epoch
             log.warning("request %s: worker %s failed (%s: %s)", rid, worker.worker_id, failure.code.name, failure.details)
