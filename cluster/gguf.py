@@ -601,7 +601,8 @@ def spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list
     two pieces of the vocabulary, ranked by the piece's score (ties: vocabulary order, then the
     halves' ids). Linear in the vocabulary's characters: every prefix and suffix of every piece
     is hashed at once (two polynomial hashes of all the text, random bases) and looked up among
-    the pieces' own hashes, where slicing each piece at each position was quadratic."""
+    the pieces' own hashes, where slicing each piece at each position was quadratic; each
+    match is then checked on the strings, so a hash collision cannot make a merge."""
     import secrets
 
     ids: dict[str, int] = {}
@@ -644,7 +645,9 @@ def spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list
     ok = (left >= 0) & (right >= 0)
     piece, left, right = piece[ok], left[ok], right[ok]
     rank = np.lexsort((right, left, piece, -np.asarray(scores, np.float64)[piece]))
-    return [(tokens[a], tokens[b]) for a, b in zip(left[rank].tolist(), right[rank].tolist())]
+    # a hash match is a candidate: only the halves that spell the piece are a merge
+    return [(tokens[a], tokens[b]) for w, a, b in zip(piece[rank].tolist(), left[rank].tolist(), right[rank].tolist())
+            if tokens[a] + tokens[b] == tokens[w]]
 
 
 def _spm_tokenizer(md, vocab: Vocab):
