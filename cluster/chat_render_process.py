@@ -114,7 +114,8 @@ def _product_size(operator: str, left, right) -> int:
 
 def sized_sandbox(max_chars: int):
     """transformers' sandbox (ImmutableSandboxedEnvironment), with every `*`, `+`, `**` and
-    `~` checked first: one that would build a value over `max_chars` raises `Oversized`;
+    `~`, and a string's or list's method given a number over `max_chars` (`'x'.ljust(n)`),
+    checked first: one that would build a value over `max_chars` raises `Oversized`;
     and a rendered text's pieces counted as they come: past `max_chars`, `TooLong` before
     they are joined. What it builds otherwise is what the plain sandbox builds."""
     from jinja2.compiler import CodeGenerator
@@ -140,6 +141,14 @@ def sized_sandbox(max_chars: int):
             if (size := _product_size(operator, left, right)) > max_chars:
                 raise Oversized(size)
             return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805  (the sandbox's own spelling)
+            # a string's or list's method given a size ('x'.ljust(n), 'x'.center(n), 'x'.zfill(n))
+            if isinstance(getattr(__obj, "__self__", None), (str, list, tuple)):
+                for arg in (*args, *kwargs.values()):
+                    if isinstance(arg, int) and arg > max_chars:
+                        raise Oversized(arg)
+            return super().call(__context, __obj, *args, **kwargs)
 
         def concat(self, pieces) -> str:  # what Template.render joins its output with
             kept, size = [], 0

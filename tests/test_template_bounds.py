@@ -200,6 +200,7 @@ GROWERS = {
     "squared integer": "{% set ns = namespace(n=3) %}{% for i in range(64) %}{% set ns.n = ns.n * ns.n %}"
                        "{% endfor %}{{ 1 }}",
     "integer power": "{{ (2 ** (10**13)) > 1 }}",
+    "padded string": "{{ 'x'.ljust(10**13) }}",
 }
 
 
