@@ -428,6 +428,21 @@ def test_a_wedged_engine_is_reported_stalled_and_refuses_new_requests():
     assert toks == [100, 101, 102]
 
 
+def test_the_stall_threshold_follows_the_models_slowest_steps_but_not_a_stall():
+    """`stall_report`, or 5x the slowest recent round or the warm-up's full prefill step:
+    a slow model gets room; a round that was itself a stall does not raise the bar."""
+    loop = EngineLoop(lambda: None, lambda now, events: None, stall_report=3.0)
+    assert loop.stall_after == 3.0
+    loop._round_done(0.1)
+    assert loop.stall_after == 3.0
+    loop._round_done(2.0)  # a big model's legitimately slow step
+    assert loop.stall_after == 10.0
+    loop._round_done(20.0)  # a wedge that ended: not a step time
+    assert loop.stall_after == 10.0
+    loop.full_step = 4.0
+    assert loop.stall_after == 20.0
+
+
 def test_a_suspect_that_cannot_come_back_does_not_stall_the_isolation():
     """After a failed step, a suspect whose re-add is refused is failed, and the next
     suspect and the requests held meanwhile still go on (nothing waits for ever)."""

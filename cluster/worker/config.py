@@ -150,7 +150,8 @@ class WorkerOptions:
               "with X-Request-Timeout; default: no limit)", metavar="SECONDS")
     stall_report: float = setting(
         3.0, "an engine step with unfinished work that has not finished after this long, or after 5x the slowest "
-             "recent step if that is longer (a big model's slow steps on a Mac are not a stall), is reported at "
+             "recent step or the warm-up's full prefill step if longer (a big model's slow steps on a Mac are not "
+             "a stall), is reported at "
              "once: health NOT_SERVING, the router places nothing here and resumes the worker's streams elsewhere "
              "until the step finishes", metavar="SECONDS")
     limits: RequestLimits = setting(default_factory=RequestLimits, group="request limits")

@@ -118,6 +118,9 @@ class EngineLoop:
         # by the engine thread and read by the watchdog.
         self._slowest = (0.0, 0.0)
         self.stall_report = stall_report  # seconds: the least a round takes before it is a stall
+        # Seconds of the warm-up's full-budget prefill step (set once the engine is warm): the
+        # longest step the model may legitimately take, long after the recent ones were short.
+        self.full_step = 0.0
         self._rounds = 0
 
     # -- any thread -------------------------------------------------------------------
@@ -147,8 +150,9 @@ class EngineLoop:
     @property
     def stall_after(self) -> float:
         """Seconds one round of work may take before the engine counts as stalled:
-        `stall_report`, or STALL_STEP_FACTOR x the slowest recent round if longer."""
-        return max(self.stall_report, STALL_STEP_FACTOR * max(self._slowest))
+        `stall_report`, or STALL_STEP_FACTOR x the slowest recent round (or the warm-up's
+        full-budget prefill step) if longer."""
+        return max(self.stall_report, STALL_STEP_FACTOR * max(*self._slowest, self.full_step))
 
     def stalled(self, now: float | None = None) -> bool:
         """Whether the engine thread has been in one round of work (a step, or handling

@@ -104,6 +104,8 @@ class WorkerServer:
         port = self.endpoints.bind_grpc(opts.grpc_address)
         worker_id = opts.worker_id or default_worker_id(opts, port)
 
+        warmed: list[float] = []  # the warm-up's seconds: a full-budget prefill step and a decode step
+
         def load_engine() -> Engine:  # runs on the engine thread
             if opts.group.enabled:  # rank 0 of a worker group: the members join, then it serves for all
                 from cluster.worker.group.leader import load_group_engine
@@ -111,12 +113,14 @@ class WorkerServer:
                 engine = load_group_engine(opts.model_path, opts.engine_config, opts.group, opts.join_token)
             else:
                 engine = Engine.from_pretrained(opts.model_path, opts.engine_config)
-            log.info("engine warmed up in %.2f s", engine.warm_up())
+            warmed.append(engine.warm_up())
+            log.info("engine warmed up in %.2f s", warmed[-1])
             return engine
 
         self.service = service = WorkerService(worker_id, load_engine, stall_report=opts.stall_report,
                                                limits=opts.limits, templates=opts.chat_templates)
         await service.start()
+        service.engine_loop.full_step = warmed[-1] if warmed else 0.0
 
         def add_services(server) -> None:
             pb_grpc.add_GenerationServicer_to_server(GenerationServicer(service), server)
