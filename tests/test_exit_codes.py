@@ -54,12 +54,24 @@ def test_a_member_refused_for_a_wrong_join_token_exits_78():
     from cluster.worker.group.member import run_member
 
     leader, _ = _admitting()
+    before = _group_threads()
     try:
         opts = GroupOptions(size=2, rank=1, port=leader.address[1], join_timeout=20,
                             hosts=f"127.0.0.1:{free_ports(1)[0]},127.0.0.1:{free_ports(1)[0]}")
         assert run_member("unused", opts, "not-the-token") == EXIT_PERMANENT
+        # the start's watchdog is stopped with it: armed for the join, it would have ended this
+        # process (pytest's, a Ray actor's) with exit 75 a minute later
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _group_threads() - before:
+            time.sleep(0.05)
+        assert not _group_threads() - before
     finally:
         leader.close()
+
+
+def _group_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name in ("orchard-group-watchdog", "orchard-group-watch",
+                                                           "orchard-group-reader")}
 
 
 def test_a_member_whose_model_is_not_rank_0s_exits_78_and_rank_0_learns_it_is_permanent(tmp_path):

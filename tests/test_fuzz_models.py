@@ -2,7 +2,7 @@
 imported by `orchard model import` in a process of its own under a memory limit. No
 traceback, no bad tensor table imported, no blob from outside blobs/, nothing written outside
 the target; each within 10 CPU seconds (the wall-clock limit, for hangs, is loose here: a
-loaded 2-core machine). The full run (2,000 files and 200 manifests) is the slow test."""
+loaded 2-core machine). The full run (2,000 files and 200 manifests) is a bench test: `-m bench`."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_sixty_mutated_files_and_twenty_manifests_import_or_are_refused_cleanly(
     check(figures, text, code, 60, 20)
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # 2,200 imports, each a process: the issue's full run, by hand (CI runs the bounded one above)
 def test_the_full_model_file_fuzz():
     jobs = str(max(2, (os.cpu_count() or 2)))
     figures, text, code = fuzz("--gguf", "2000", "--manifests", "200", "--jobs", jobs, timeout=4 * 3600)

@@ -90,6 +90,10 @@ def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
         code = exit_code(e)
         log.exception("group rank %d could not start (%s)", topo.rank, describe(code))
         member.send_error(f"rank {topo.rank}: {type(e).__name__}: {e}", permanent=is_permanent(code))
+        # nothing of this start may outlive it: the watchdog, armed for the join, would end
+        # whatever process runs this later (a Ray actor's, a test's) with on_lost
+        watchdog.stop()
+        member.close()
         return code
     watchdog.disarm()
     member.serve()
