@@ -32,6 +32,7 @@ from cluster.sdk import build_request
 from cluster.worker.chat_render import PLAIN_PROBE, ChatTemplateLimits, RenderPool, check_renderer, render_call
 from cluster.worker.service import INLINE_TOKENIZE_CHARS, WorkerService
 from scripted_engine import ScriptedEngine
+from test_embeddings_api import post
 
 # Renders the chat as ChatML, except that a message "boom" makes it loop without end (the
 # nested range() loops of the GGUF: 10^10 turns).
@@ -492,15 +493,6 @@ def test_a_worker_process_refuses_a_time_bomb_template_file_and_says_when_it_is_
     w = worker_process(model, "--chat-template-timeout", "5", "--unhealthy-after-template-timeouts", "2",
                        "--chat-template-processes", "2", "--max-model-len", "512")
 
-    def post(path: str, body: dict) -> tuple[int, dict]:
-        req = urllib.request.Request(f"http://{w.http}{path}", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
     def health() -> tuple[int, int]:
         try:
             with urllib.request.urlopen(f"http://{w.metrics}/health", timeout=10) as r:
@@ -518,12 +510,13 @@ def test_a_worker_process_refuses_a_time_bomb_template_file_and_says_when_it_is_
             time.sleep(0.1)
 
     messages = lambda content: {"messages": [{"role": "user", "content": content}], "max_tokens": 2}  # noqa: E731
-    assert post("/v1/chat/completions", messages("hi"))[0] == 200
-    code, body = post("/v1/chat/completions", messages("boom"))
+    assert post(w.http, "/v1/chat/completions", messages("hi"))[0] == 200
+    code, body = post(w.http, "/v1/chat/completions", messages("boom"))
     assert code == 400 and "chat_template_timeout=5 s" in body["error"]["message"], body
-    assert post("/v1/completions", {"prompt": "hey", "max_tokens": 2})[0] == 200
+    assert post(w.http, "/v1/completions", {"prompt": "hey", "max_tokens": 2})[0] == 200
     with ThreadPoolExecutor(2) as pool:  # two more at once: the probe follows the second timeout in a row
-        assert [code for code, _ in pool.map(post, ["/v1/chat/completions"] * 2, [messages("boom")] * 2)] == [400] * 2
+        bombs = pool.map(post, [w.http] * 2, ["/v1/chat/completions"] * 2, [messages("boom")] * 2)
+        assert [code for code, _ in bombs] == [400] * 2
     wait_health((503, health_pb2.HealthCheckResponse.NOT_SERVING))
 
 
