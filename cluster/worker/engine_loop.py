@@ -33,6 +33,7 @@ from typing import Callable
 import mlx.core as mx
 
 from cluster.platform import give_back_freed_memory
+from cluster.worker.config import WorkerOptions
 from cluster.worker.engine import Engine, QueueFullError, RequestOutput
 from cluster.worker.sampling_params import SamplingParams
 
@@ -101,7 +102,7 @@ EventSink = Callable[[float, list[Event]], None]
 
 class EngineLoop:
     def __init__(self, engine_factory: Callable[[], Engine], sink: EventSink, faults=None,
-                 stall_report: float = 3.0):
+                 stall_report: float = WorkerOptions.stall_report):
         self._factory = engine_factory
         self._sink = sink
         self.faults = faults  # cluster.worker.faults.FaultInjection, in fault tests only

@@ -38,6 +38,7 @@ from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, SPE
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.worker.chat_render import (PROBE_MESSAGES, ChatTemplateLimits, RenderPool, TemplateTypeError,
                                         jinja_tokenizer, render_call)
+from cluster.worker.config import WorkerOptions
 from cluster.worker.detokenizer import decode_keeping, token_bytes
 from cluster.worker.engine import Engine, EngineStats, QueueFullError, RequestOutput
 from cluster.worker.engine_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
@@ -139,7 +140,7 @@ class WorkerService:
     `metrics`, it observes the Prometheus metrics (`self.metrics`) as events pass."""
 
     def __init__(self, worker_id: str, engine_factory: Callable[[], Engine], *, metrics: bool = True,
-                 stall_report: float = 3.0, limits: RequestLimits = RequestLimits(),
+                 stall_report: float = WorkerOptions.stall_report, limits: RequestLimits = RequestLimits(),
                  templates: ChatTemplateLimits = ChatTemplateLimits()):
         self.worker_id = worker_id
         self.limits = limits
