@@ -83,10 +83,6 @@ class TensorInfo:
     _map: object = None
 
     @property
-    def n_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
     def data(self) -> np.ndarray:
         """The tensor's bytes as the gguf package's reader shapes them: float and integer
         types by element, quantized types as rows of bytes."""
