@@ -1,0 +1,147 @@
+"""A model's only worker is a group (`orchard up --workers 1 --group-size 2`, pipeline
+parallel), and a fault strikes mid-stream: kill -9 of the member, SIGSTOP of the member
+for 30 s, kill -9 of rank 0. The router holds the streams while `up`'s supervision starts
+the group again, and resumes them there token-exact; a request sent during the outage is
+served once the group is back (cluster/router/proxy.py, cluster/up.py).
+
+One router + one group of 2 on the tiny model for the module (`LocalCluster`, free ports,
+0.2 s heartbeats, the default --resume-wait and --group-timeout), supervised as `orchard
+up` does (`LocalCluster.supervise` every half second, on a thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.up import LocalCluster, free_port
+from test_router_procs import channel, collect, list_workers, metric, request, run, scrape, wait_for
+
+HEARTBEAT = 0.2
+STOP_FOR = 30.0  # seconds the stopped member stays stopped
+PROMPTS = [f"Group {i}: the router keeps every token of" for i in range(8)]
+LATE_PROMPT = "Sent while the group was down"
+MAX_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def group(tiny_model_dir, tmp_path_factory):
+    """The cluster, under `orchard up`'s supervision; supervision's lines in `.supervised`."""
+    import test_router_procs
+
+    c = LocalCluster(
+        tiny_model_dir, workers=1, group_size=2, parallel="pipeline",
+        grpc_address=f"127.0.0.1:{free_port()}", http_address=None, metrics_address=f"127.0.0.1:{free_port()}",
+        worker_port_base=0, worker_metrics_port_base=0, log_dir=tmp_path_factory.mktemp("group-fault-logs"),
+        router_args=["--heartbeat-interval", str(HEARTBEAT)],
+        worker_args=["--max-num-seqs", "16"],
+    )
+    stop = threading.Event()
+    c.supervised = []
+
+    def supervise():  # what `orchard up` does while it runs
+        while not stop.wait(0.5):
+            c.supervised += c.supervise()
+
+    with c:
+        watcher = threading.Thread(target=supervise, daemon=True)
+        watcher.start()
+        test_router_procs.CLUSTER = c  # the helpers present its (no) credentials
+        try:
+            yield c
+        finally:
+            stop.set()
+            watcher.join(10)
+            test_router_procs.CLUSTER = None
+
+
+def _strike(c: LocalCluster, fault: str) -> None:
+    member, rank0 = c.members[0][0].proc, c.workers[0].proc
+    if fault == "kill-member":
+        os.kill(member.pid, signal.SIGKILL)
+    elif fault == "stop-member":
+        os.kill(member.pid, signal.SIGSTOP)
+        threading.Timer(STOP_FOR, _continue, (member,)).start()
+    else:
+        os.kill(rank0.pid, signal.SIGKILL)
+
+
+def _continue(proc) -> None:
+    if proc.poll() is None:  # not replaced meanwhile
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def _streams(c: LocalCluster, fault: str | None, timings: dict):
+    """The 8 streams and the late request. With `fault`: once about 16 tokens of each
+    stream have arrived, strike; once the router sees the group down, send the late request."""
+    struck = asyncio.Event()
+
+    async def main():
+        async with channel(c.router_address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            seen = {"tokens": 0}
+
+            def on_chunk(chunk):
+                seen["tokens"] += len(chunk.token_ids)
+                if fault and not struck.is_set() and seen["tokens"] >= 8 * 16:
+                    timings["struck"] = time.monotonic()
+                    _strike(c, fault)
+                    struck.set()
+
+            async def late():
+                if fault:
+                    await struck.wait()
+                    await asyncio.to_thread(wait_for, lambda: list_workers(c)["worker-0"].state
+                                            != pb.WORKER_STATE_HEALTHY, 60, "the router seeing the group down")
+                    timings["seen_down"] = time.monotonic()
+
+                def first(chunk):
+                    if chunk.token_ids and "late_first_token" not in timings:
+                        timings["late_first_token"] = time.monotonic()
+
+                return await collect(stub, request(LATE_PROMPT, 50), first)
+
+            out = await asyncio.gather(*(collect(stub, request(p, MAX_TOKENS), on_chunk) for p in PROMPTS), late())
+            timings["done"] = time.monotonic()
+            return out
+
+    return main()
+
+
+@pytest.fixture(scope="module")
+def reference(group):
+    return run(_streams(group, None, {}), timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill-member", "stop-member", "kill-rank0"])
+def test_a_sole_group_survives_a_fault_mid_stream_with_nothing_lost(group, reference, fault):
+    """Every stream completes identical to the run without the fault, no client sees an
+    error, and the request sent while the group was down is served once it is back."""
+    c = group
+    for _ in range(3):  # a try whose strike came after the group had sent every token proves nothing
+        before = metric(scrape(c.metrics_address), 'orchard_router_retries_total{kind="resume"}')
+        timings: dict[str, float] = {}
+        faulty = run(_streams(c, fault, timings), timeout=420)
+        for (ref_toks, ref_text, _), (toks, text, chunks) in zip(reference, faulty):
+            assert toks == ref_toks
+            assert text == ref_text
+            assert chunks[-1].finish_reason
+        assert len(faulty[0][0]) == MAX_TOKENS and faulty[0][2][-1].usage.completion_tokens == MAX_TOKENS
+        wait_for(lambda: list_workers(c)["worker-0"].state == pb.WORKER_STATE_HEALTHY, 240,
+                 "the group back")  # before the next fault or try
+        if metric(scrape(c.metrics_address), 'orchard_router_retries_total{kind="resume"}') > before:
+            break
+    else:
+        pytest.fail("in 3 tries the fault never struck while the group still owed tokens")
+    t0 = timings["struck"]
+    print(f"\n{fault}: seen down after {timings['seen_down'] - t0:.1f} s, serving again (the late request's "
+          f"first token) after {timings['late_first_token'] - t0:.1f} s, every stream done after "
+          f"{timings['done'] - t0:.1f} s; supervision: {c.supervised}")
