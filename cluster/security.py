@@ -40,6 +40,7 @@ METHOD_ROLES = {
     "/orchard.v1.Generation/ListModels": INFERENCE,
     "/orchard.v1.Router/RegisterWorker": FLEET,  # the join token, in the request
     "/orchard.v1.Router/Heartbeat": FLEET,
+    "/orchard.v1.Router/ReportFailure": FLEET,
 }
 ADMIN_SERVICES = ("/orchard.v1.Router/", "/orchard.v1.WorkerAdmin/")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")

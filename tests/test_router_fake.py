@@ -876,3 +876,81 @@ def test_a_held_grpc_stream_outlasts_its_clients_keepalive_pings():
 
 async def _chunks(call) -> list:
     return [c async for c in call]
+
+
+def test_a_worker_that_cannot_start_is_listed_with_why_and_a_permanent_failure_ends_the_hold():
+    """The model's only worker dies and its restart fails: a transient failure keeps the
+    model's requests held (the launcher starts it again), a permanent one (exit 78) fails
+    them at once with the reason instead of after --resume-wait; ListWorkers and `orchard
+    router workers` show the failure until the worker registers again."""
+    from cluster.router.admin import format_workers
+
+    async def main():
+        async with Cluster(n_workers=1, resume_wait=30) as c:
+            w = c.workers[0]
+            w.token_delay, w.die_after_tokens = 0.01, 5
+            for reg in c.registrations:
+                await reg.stop()
+            held = c.router.backend.held
+            stream = asyncio.create_task(c.generate("cut short", max_tokens=12, model="fake"))
+            await c.wait_until(lambda: len(held) == 1, "the stream held", timeout=10)
+
+            def report(code: int, reason: str):
+                return c.ctl.ReportFailure(pb.ReportFailureRequest(
+                    worker_id="w0", join_token="tok", model="fake", reason=reason, exit_code=code,
+                    permanent=code == 78))
+
+            await report(75, "rank 1 did not join within 60 s")
+            rows = (await c.ctl.ListWorkers(pb.ListWorkersRequest())).workers
+            assert [(r.worker_id, r.state, r.failure.exit_code) for r in rows] == [("w0", pb.WORKER_STATE_FAILED, 75)]
+            await asyncio.sleep(0.5)
+            assert not stream.done() and len(held) == 1  # transient: still held for the restart
+            late = asyncio.create_task(c.generate("sent meanwhile", max_tokens=3, model="fake"))
+            await c.wait_until(lambda: len(held) == 2, "the new request held", timeout=10)
+
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await report(78, "the model at /m is not rank 0's (its config.json differs)")
+            for t in (stream, late):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await asyncio.wait_for(t, 10)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "worker w0 could not start" in e.value.details()
+                assert "config.json differs" in e.value.details() and "until that is fixed" in e.value.details()
+            assert loop.time() - t0 < 10 and not held  # at once, not after --resume-wait (30 s)
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # a new request: the same answer, no hold
+                await c.generate("after", model="fake")
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "config.json differs" in e.value.details()
+            table = format_workers(list((await c.ctl.ListWorkers(pb.ListWorkersRequest())).workers))
+            assert "failed" in table and "exit 78; not started again until that is fixed" in table
+            assert "config.json differs" in table
+
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # only the fleet may report
+                await c.ctl.ReportFailure(pb.ReportFailureRequest(worker_id="w0", join_token="wrong", model="fake"))
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+            c.restart(w)  # fixed and started: the failure is forgotten
+            await c.wait_healthy(1)
+            rows = (await c.ctl.ListWorkers(pb.ListWorkersRequest())).workers
+            assert [(r.worker_id, r.state) for r in rows] == [("w0", pb.WORKER_STATE_HEALTHY)]
+            assert tokens(await c.generate("served", max_tokens=4, model="fake")) == expected_tokens("served", 4)
+
+    run(main())
+
+
+def test_start_failures_are_bounded_in_number_and_length():
+    """A fleet's failure reports take bounded memory: the oldest go first, a long reason is
+    cut, and a report needs a worker id."""
+    from cluster.router.registry import MAX_FAILURE_REASON, MAX_FAILURES, Registry, RegistryConfig, RegistryError
+
+    async def main():
+        reg = Registry(RegistryConfig(join_token="tok"), connect=False)
+        for i in range(MAX_FAILURES + 5):
+            reg.report_failure(f"w{i}", "tok", "m", "x" * (MAX_FAILURE_REASON * 3), 75, False)
+        assert len(reg.failures) == MAX_FAILURES and "w0" not in reg.failures and f"w{MAX_FAILURES + 4}" in reg.failures
+        assert all(len(f.reason) <= MAX_FAILURE_REASON + 4 for f in reg.failures.values())
+        with pytest.raises(RegistryError) as e:
+            reg.report_failure("", "tok", "m", "why", 78, True)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.param == "worker_id"
+
+    run(main())

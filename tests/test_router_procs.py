@@ -338,6 +338,47 @@ def test_drain_no_worker_and_unavailable(cluster):
     run(main())
 
 
+def test_a_worker_whose_model_does_not_load_is_listed_as_failed_with_why(cluster, model_dir, tmp_path):
+    """A worker whose model cannot load exits 78 and tells the router first: `orchard router
+    workers` lists it as failed with the reason, and a request for its model gets the
+    reason at once (UNAVAILABLE), not a wait for a worker that will not come."""
+    import shutil
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(model_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()
+    port = free_port()
+    worker = cluster._spawn("worker-broken", [
+        "worker", "serve", "--model", str(broken), "--grpc", f"127.0.0.1:{port}", "--metrics", "off",
+        "--worker-id", "broken", "--router", cluster.router_address])
+    try:
+        assert worker.proc.wait(timeout=120) == 78, worker.log_path.read_text(errors="replace")[-2000:]
+        info = list_workers(cluster)["broken"]
+        assert info.state == pb.WORKER_STATE_FAILED and info.model == "broken-model"
+        assert info.failure.permanent and info.failure.exit_code == 78 and "safetensors" in info.failure.reason
+        out = orchard("router", "workers", "--router", cluster.router_address)
+        assert out.returncode == 0 and "failed" in out.stdout, out.stderr
+        assert "could not start" in out.stdout and "not started again until that is fixed" in out.stdout
+
+        async def ask():
+            async with channel(cluster.router_address) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await collect(pb_grpc.GenerationStub(ch), request("x", model="broken-model"))
+                return e.value
+
+        t0 = time.monotonic()
+        error = run(ask())
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "worker broken could not start" in error.details()
+        assert time.monotonic() - t0 < 10  # no hold
+    finally:
+        if worker.proc.poll() is None:
+            worker.proc.kill()
+            worker.proc.wait(timeout=30)
+        orchard("router", "remove", "--router", cluster.router_address, "broken")
+    assert "broken" not in list_workers(cluster)
+
+
 def test_wrong_token_refused_then_static_registration(cluster, model_dir):
     port = free_port()
     extra = cluster._spawn("worker-extra", [

@@ -20,7 +20,8 @@ def _call(router: str, method: str, request, security: ClientSecurity = NO_SECUR
 
 def format_workers(workers: list[pb.WorkerInfo]) -> str:
     """One row per worker: id, address, model, state (and its circuit breaker when not
-    closed), running, waiting, KV %, in-flight; beneath it, why it reports itself unhealthy."""
+    closed), running, waiting, KV %, in-flight; beneath it, why it reports itself unhealthy
+    or why it could not start."""
     header = ("ID", "ADDRESS", "MODEL", "STATE", "RUNNING", "WAITING", "KV %", "INFLIGHT")
     rows = [header]
     for w in workers:
@@ -29,7 +30,7 @@ def format_workers(workers: list[pb.WorkerInfo]) -> str:
         state = STATE_NAMES.get(w.state, "unknown") + (" (static)" if w.static else "")
         if w.circuit and w.circuit != CLOSED:  # placed on by no request until it closes
             state += f", circuit {w.circuit.replace('_', '-')}"
-        rows.append((w.worker_id, w.address, w.model or "-", state, str(w.load.num_running),
+        rows.append((w.worker_id, w.address or "-", w.model or "-", state, str(w.load.num_running),
                      str(w.load.num_waiting), kv, str(w.inflight)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     right = {4, 5, 6, 7}
@@ -38,6 +39,10 @@ def format_workers(workers: list[pb.WorkerInfo]) -> str:
     out = []
     for line, w in zip(lines[1:], workers):
         out.append(line)
+        if w.HasField("failure"):  # a worker that could not start: why, and whether it is started again
+            f = w.failure
+            then = "not started again until that is fixed" if f.permanent else "being started again"
+            out.append(f"  could not start {f.age_seconds:.0f} s ago (exit {f.exit_code}; {then}): {f.reason}")
         if w.load.unhealthy_reason:  # what the worker says keeps it from taking requests
             out.append(f"  unhealthy: {w.load.unhealthy_reason}")
         if w.load.HasField("group"):  # a worker group: one row, its members beneath

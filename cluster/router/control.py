@@ -37,6 +37,14 @@ class RouterControl(pb_grpc.RouterServicer):
             await context.abort(e.code, str(e))
         return pb.HeartbeatResponse(known=known)
 
+    async def ReportFailure(self, request, context):
+        try:
+            self.registry.report_failure(request.worker_id, request.join_token, request.model, request.reason,
+                                         request.exit_code, request.permanent, identity=peer_identity(context))
+        except RegistryError as e:
+            await context.abort(e.code, str(e))
+        return pb.ReportFailureResponse()
+
     async def AddWorker(self, request, context):
         if not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "address is required")
@@ -55,13 +63,14 @@ class RouterControl(pb_grpc.RouterServicer):
         return pb.AddWorkerResponse(worker_id=w.worker_id)
 
     async def RemoveWorker(self, request, context):
-        if self.registry.remove(request.worker_id) is None:
+        if self.registry.remove(request.worker_id) is None and not self.registry.forget_failure(request.worker_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
         return pb.RemoveWorkerResponse()
 
     async def ListWorkers(self, request, context):
-        workers = sorted(self.registry.snapshot(), key=lambda w: w.worker_id)
-        return pb.ListWorkersResponse(workers=[w.info() for w in workers])
+        rows = [w.info() for w in self.registry.snapshot()]
+        rows += [f.info() for f in list(self.registry.failures.values())]
+        return pb.ListWorkersResponse(workers=sorted(rows, key=lambda w: w.worker_id))
 
     async def DrainWorker(self, request, context):
         w = self.registry.find(request.worker_id)

@@ -525,12 +525,14 @@ class RouterBackend:
     def _may_hold(self, model: str, no_worker: RegistryError) -> bool:
         """Whether a request that no worker can take now may be held for one: none can take
         any request of the model (not: the request asks what its workers lack), one serves
-        it, or did a moment ago, and none is up and failing requests (healthy with its
+        it, or did a moment ago, none of them failed to start for good (nothing will come back
+        until someone fixes it), and none is up and failing requests (healthy with its
         circuit open: it is not coming back, it is there; a held request would wait out the
         cool-down only to fail on it again, so the error is given at once)."""
         return (self.config.resume_wait > 0
                 and no_worker.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
                 and self.registry.served_lately(model, self.config.resume_wait)
+                and self.registry.failed_for_good(model) is None
                 and not any(w.state == HEALTHY and not w.breaker.allows() for w in self.registry.serving(model)))
 
     def _hold_until(self, rid: str, model: str, deadline: float | None) -> float:

@@ -7,7 +7,9 @@ interval. Either way a worker not heard from for `missed_heartbeats` intervals i
 unhealthy (no new requests) and its streams resume elsewhere; a self-registered one is
 removed after `remove_after` seconds of silence (a static one stays, polled, until it is removed by hand). A failed
 stream also marks its worker unhealthy at once; the next heartbeat or poll that succeeds
-makes it healthy again. `wait_changed` wakes whoever waits on a change of the workers
+makes it healthy again. A worker that cannot start says why (`report_failure`): it is listed
+as failed until it registers again, and a permanent failure of a model's only worker ends
+the router's hold for that model (`failed_for_good`). `wait_changed` wakes whoever waits on a change of the workers
 (one joins or is removed, or its state changes). How late the router's own event loop
 runs (stalled on an overloaded machine) is not counted as the workers' silence: their
 latest heartbeats may be waiting unread in its sockets.
@@ -40,7 +42,10 @@ from cluster.security import NO_SECURITY, ClientSecurity, channel
 log = logging.getLogger(__name__)
 
 HEALTHY, UNHEALTHY, DRAINING = pb.WORKER_STATE_HEALTHY, pb.WORKER_STATE_UNHEALTHY, pb.WORKER_STATE_DRAINING
-STATE_NAMES = {HEALTHY: "healthy", UNHEALTHY: "unhealthy", DRAINING: "draining"}
+FAILED = pb.WORKER_STATE_FAILED
+STATE_NAMES = {HEALTHY: "healthy", UNHEALTHY: "unhealthy", DRAINING: "draining", FAILED: "failed"}
+MAX_FAILURES = 256  # start failures remembered (the oldest go first)
+MAX_FAILURE_REASON = 2000  # characters of a failure's reason kept
 # A worker's epochs, unique across workers: a new one each time it joins, comes back to
 # health or re-registers as a new process (a request that failed on it may try it again).
 _EPOCHS = itertools.count(1)
@@ -143,6 +148,31 @@ class WorkerRecord:
         )
 
 
+@dataclass(frozen=True)
+class StartFailure:
+    """A worker's report that it could not start (`cluster/exit_codes.py`'s code)."""
+
+    worker_id: str
+    model: str
+    reason: str
+    exit_code: int
+    permanent: bool
+    at: float = field(default_factory=time.monotonic)
+
+    def info(self, now: float | None = None) -> pb.WorkerInfo:
+        age = (time.monotonic() if now is None else now) - self.at
+        return pb.WorkerInfo(worker_id=self.worker_id, model=self.model, state=FAILED,
+                             failure=pb.WorkerFailure(reason=self.reason, exit_code=self.exit_code,
+                                                      permanent=self.permanent, age_seconds=age))
+
+
+def describe_failure(f: StartFailure) -> str:
+    """A client's error for a model whose worker could not start."""
+    then = ("it is not started again until that is fixed" if f.permanent
+            else "it is being started again")
+    return f"model {quoted(f.model)}'s worker {f.worker_id} could not start ({then}): {f.reason}"
+
+
 class RegistryError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None):
         super().__init__(message)
@@ -163,6 +193,7 @@ class Registry:
         self._closing: set[asyncio.Task] = set()
         self._changed = asyncio.Event()  # set, and replaced, at each change (`wait_changed`)
         self._gone: dict[str, float] = {}  # model -> when its last worker was removed (`served_lately`)
+        self.failures: dict[str, StartFailure] = {}  # worker id -> its last start's failure, until it registers
 
     # -- lookups ------------------------------------------------------------------------------
     def find(self, key: str) -> WorkerRecord | None:
@@ -194,6 +225,9 @@ class Registry:
                 model or ", ".join(sorted({w.model for w in others})), task,
                 sorted({t for w in others for t in tasks_of(w.report.tasks)})).message)
         if not serving:
+            failure = self.failed(model) if model else None
+            if failure is not None:  # a model of the fleet whose worker cannot start (now, or for good)
+                raise RegistryError(grpc.StatusCode.UNAVAILABLE, describe_failure(failure))
             known = sorted({w.model for w in self.workers.values() if w.model})
             what = f"model {quoted(model)}" if model else "any model"
             raise RegistryError(
@@ -219,10 +253,12 @@ class Registry:
 
     def served_lately(self, model: str, within: float) -> bool:
         """Whether a worker serves `model` (any model when empty), in any state, or did
-        until less than `within` seconds ago: one may come back (a restart)."""
-        if self.serving(model):
-            return True
+        until less than `within` seconds ago, or failed to start and is being started
+        again (reported less than `within` seconds ago): one may come back (a restart)."""
         now = time.monotonic()
+        if self.serving(model) or any(not f.permanent and (not model or f.model == model) and now - f.at <= within
+                                      for f in self.failures.values()):
+            return True
         for gone, at in list(self._gone.items()):
             if now - at > within:
                 del self._gone[gone]
@@ -277,6 +313,8 @@ class Registry:
         known = self.workers.get(worker_id)
         if known is not None and known.address == address and instance and known.instance not in ("", instance):
             self._restarted(known)
+        if self.failures.pop(worker_id, None) is not None:
+            log.info("worker %s, failed before, started", worker_id)
         w = self._upsert(worker_id, address, report, static=False)
         w.identity = w.identity or identity
         w.instance = instance or w.instance
@@ -295,6 +333,51 @@ class Registry:
             self._close_channel(w)
             self._open(w)
         self._notify()
+
+    def report_failure(self, worker_id: str, token: str, model: str, reason: str, exit_code: int, permanent: bool,
+                       identity: str | None = None) -> StartFailure:
+        """Worker `worker_id` could not start (its process ends): listed as failed until it
+        registers again. A record of it left from an earlier start is removed (that process
+        is gone), its streams resumed elsewhere or held."""
+        self.check_token(token)
+        if not worker_id:
+            raise RegistryError(grpc.StatusCode.INVALID_ARGUMENT, "a failure report needs the worker's worker_id",
+                                "worker_id")
+        self.check_identity(worker_id, identity)
+        if len(reason) > MAX_FAILURE_REASON:
+            reason = reason[:MAX_FAILURE_REASON] + " ..."
+        failure = StartFailure(worker_id, model, reason, exit_code, permanent)
+        known = self.workers.get(worker_id)
+        if known is not None:
+            known.abandon_streams(f"worker {worker_id} failed to start again")
+            self.remove(worker_id)
+        self.failures.pop(worker_id, None)
+        self.failures[worker_id] = failure
+        while len(self.failures) > MAX_FAILURES:
+            del self.failures[next(iter(self.failures))]
+        log.warning("worker %s (model %s) could not start, %s: %s", worker_id, model or "?",
+                    "for good: no launcher starts it again as it is" if permanent else "it will be started again",
+                    reason)
+        self._notify()
+        return failure
+
+    def forget_failure(self, worker_id: str) -> bool:
+        """An operator's `remove` of a worker listed as failed."""
+        if self.failures.pop(worker_id, None) is None:
+            return False
+        self._notify()
+        return True
+
+    def failed(self, model: str) -> StartFailure | None:
+        """The latest start failure of a worker of `model`."""
+        return next((f for f in reversed(self.failures.values()) if f.model == model), None)
+
+    def failed_for_good(self, model: str) -> StartFailure | None:
+        """The latest permanent start failure of a worker of `model`, when no worker of it
+        is registered: nothing will come back for it until someone fixes that."""
+        if not model or self.serving(model):
+            return None
+        return next((f for f in reversed(self.failures.values()) if f.model == model and f.permanent), None)
 
     def heartbeat(self, worker_id: str, token: str, report: pb.LoadReport, identity: str | None = None) -> bool:
         """False: the worker is unknown (the router restarted, or removed it) and must register."""

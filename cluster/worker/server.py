@@ -18,10 +18,13 @@ import socket
 import sys
 from dataclasses import replace
 
+import grpc
+
 from cluster.api.serving import Endpoints, MetricsEndpoint
 from cluster.api.servicer import GenerationServicer
-from cluster.exit_codes import EXIT_PERMANENT, describe, exit_code
+from cluster.exit_codes import EXIT_PERMANENT, describe, exit_code, is_permanent
 from cluster.net import check_addresses, parse_address
+from cluster.security import channel
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.worker.chat_render import check_renderer
@@ -31,6 +34,7 @@ from cluster.worker.engine_loop import EngineLoadError
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "ORCHARD_WORKER_READY "  # + JSON of the bound addresses, printed on stdout
+REPORT_FAILURE_TIMEOUT_S = 3.0  # a router's answer to "this worker could not start"
 
 def routers(value: str | None) -> list[str]:
     """`--router A,B`: the routers a worker registers with (a fleet may run several)."""
@@ -119,7 +123,11 @@ class WorkerServer:
 
         self.service = service = WorkerService(worker_id, load_engine, stall_report=opts.stall_report,
                                                limits=opts.limits, templates=opts.chat_templates)
-        await service.start()
+        try:
+            await service.start()
+        except EngineLoadError as e:  # the routers list why, before the process ends
+            await self._report_failure(worker_id, e)
+            raise
         service.engine_loop.full_step = warmed[-1] if warmed else 0.0
 
         def add_services(server) -> None:
@@ -146,6 +154,23 @@ class WorkerServer:
                 self._registrations.append(registration)
         log.info("worker %s serving %s (%s): %s", worker_id, service.model_name, opts.model_path,
                  ", ".join(f"{k} {v}" for k, v in self.addresses.items()))
+
+    async def _report_failure(self, worker_id: str, error: EngineLoadError) -> None:
+        """Tell each router this worker could not start, and why (best effort, bounded in
+        time: the process ends next whatever they answer)."""
+        from pathlib import Path
+
+        opts = self.options
+        code = exit_code(error.__cause__ or error)
+        request = pb.ReportFailureRequest(worker_id=worker_id, join_token=opts.join_token,
+                                          model=Path(opts.model_path).name, reason=failure_reason(error),
+                                          exit_code=code, permanent=is_permanent(code))
+        for router in routers(opts.router):
+            try:
+                async with channel(router, opts.security.client()) as ch:
+                    await pb_grpc.RouterStub(ch).ReportFailure(request, timeout=REPORT_FAILURE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                log.warning("could not tell router %s that this worker could not start: %s", router, e.details())
 
     async def _watch_progress(self) -> None:
         """gRPC health follows the engine's progress and the chat-template renders:
@@ -231,6 +256,13 @@ async def run_until_signalled(options: WorkerOptions, ready_line: bool = True) -
         await server.stop()
 
 
+def failure_reason(error: EngineLoadError) -> str:
+    """Why the model did not load, on one line of at most 400 characters (mlx-lm lists
+    missing weights over many lines)."""
+    reason = " ".join(str(error).split())
+    return reason if len(reason) <= 400 else reason[:400] + " ..."
+
+
 def serve(options: WorkerOptions) -> int:
     """Entry point of `orchard worker serve` (no model path: the built-in small model)."""
     from cluster.models_cache import resolve_model
@@ -271,10 +303,8 @@ def serve(options: WorkerOptions) -> int:
         # starting again can help: a group whose member was late or lost (75), or a model
         # that does not load or that a member does not share (78).
         code = exit_code(e.__cause__ or e)
-        reason = " ".join(str(e).split())  # mlx-lm lists missing weights over many lines
-        reason = reason if len(reason) <= 400 else reason[:400] + " ..."
-        print(f"orchard worker serve: cannot load the model at {options.model_path}: {reason} ({describe(code)})",
-              file=sys.stderr)
+        print(f"orchard worker serve: cannot load the model at {options.model_path}: {failure_reason(e)} "
+              f"({describe(code)})", file=sys.stderr)
     # Everything the worker started is stopped and joined. Skip interpreter teardown: MLX
     # keeps per-thread C++ state (compile caches) whose destructors take the GIL, and where
     # we cannot wait for the engine's OS thread to be gone (no /proc) they can race

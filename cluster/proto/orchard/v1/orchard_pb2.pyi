@@ -21,6 +21,7 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_HEALTHY: _ClassVar[WorkerState]
     WORKER_STATE_UNHEALTHY: _ClassVar[WorkerState]
     WORKER_STATE_DRAINING: _ClassVar[WorkerState]
+    WORKER_STATE_FAILED: _ClassVar[WorkerState]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -30,6 +31,7 @@ WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_HEALTHY: WorkerState
 WORKER_STATE_UNHEALTHY: WorkerState
 WORKER_STATE_DRAINING: WorkerState
+WORKER_STATE_FAILED: WorkerState
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning")
@@ -481,7 +483,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model", "state", "load", "inflight", "static", "circuit")
+    __slots__ = ("worker_id", "address", "model", "state", "load", "inflight", "static", "circuit", "failure")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -490,6 +492,7 @@ class WorkerInfo(_message.Message):
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     STATIC_FIELD_NUMBER: _ClassVar[int]
     CIRCUIT_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model: str
@@ -498,7 +501,40 @@ class WorkerInfo(_message.Message):
     inflight: int
     static: bool
     circuit: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., inflight: _Optional[int] = ..., static: _Optional[bool] = ..., circuit: _Optional[str] = ...) -> None: ...
+    failure: WorkerFailure
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., inflight: _Optional[int] = ..., static: _Optional[bool] = ..., circuit: _Optional[str] = ..., failure: _Optional[_Union[WorkerFailure, _Mapping]] = ...) -> None: ...
+
+class WorkerFailure(_message.Message):
+    __slots__ = ("reason", "exit_code", "permanent", "age_seconds")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    PERMANENT_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    exit_code: int
+    permanent: bool
+    age_seconds: float
+    def __init__(self, reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., permanent: _Optional[bool] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+
+class ReportFailureRequest(_message.Message):
+    __slots__ = ("worker_id", "join_token", "model", "reason", "exit_code", "permanent")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    PERMANENT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    join_token: str
+    model: str
+    reason: str
+    exit_code: int
+    permanent: bool
+    def __init__(self, worker_id: _Optional[str] = ..., join_token: _Optional[str] = ..., model: _Optional[str] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., permanent: _Optional[bool] = ...) -> None: ...
+
+class ReportFailureResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

@@ -407,6 +407,11 @@ class RouterStub:
                 request_serializer=orchard_dot_v1_dot_orchard__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=orchard_dot_v1_dot_orchard__pb2.DrainWorkerResponse.FromString,
                 _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/orchard.v1.Router/ReportFailure',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.ReportFailureRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.ReportFailureResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -454,6 +459,15 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFailure(self, request, context):
+        """A worker that could not start says why before it exits: ListWorkers shows it until it
+        registers again, and when the failure is permanent and the model has no other worker,
+        the requests held for that model fail at once with the reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -486,6 +500,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.DrainWorker,
                     request_deserializer=orchard_dot_v1_dot_orchard__pb2.DrainWorkerRequest.FromString,
                     response_serializer=orchard_dot_v1_dot_orchard__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.ReportFailureRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.ReportFailureResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -653,6 +672,33 @@ class Router:
             '/orchard.v1.Router/DrainWorker',
             orchard_dot_v1_dot_orchard__pb2.DrainWorkerRequest.SerializeToString,
             orchard_dot_v1_dot_orchard__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Router/ReportFailure',
+            orchard_dot_v1_dot_orchard__pb2.ReportFailureRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.ReportFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,
