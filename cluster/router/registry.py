@@ -47,7 +47,8 @@ STATE_NAMES = {HEALTHY: "healthy", UNHEALTHY: "unhealthy", DRAINING: "draining",
 MAX_FAILURES = 256  # start failures remembered (the oldest go first)
 MAX_FAILURE_REASON = 2000  # characters of a failure's reason kept
 # A worker's epochs, unique across workers: a new one each time it joins, comes back to
-# health or re-registers as a new process (a request that failed on it may try it again).
+# health, takes requests again after a drain of its own (a Mac back from sleep) or
+# re-registers as a new process (a request that failed on it may try it again).
 _EPOCHS = itertools.count(1)
 
 
@@ -127,11 +128,12 @@ class WorkerRecord:
             attempt.abandon(reason)
 
     def on_report(self, report: pb.LoadReport, now: float) -> None:
+        undrained = self.report.draining and not report.draining
         self.report = report
         self.inflight_at_report = self.inflight
         self.last_seen = now
         healthy = not report.stalled and not report.unhealthy_reason
-        if healthy and not self.healthy:
+        if healthy and (not self.healthy or undrained):
             self.epoch = next(_EPOCHS)
         self.healthy = healthy
 

@@ -30,6 +30,7 @@ from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.worker.chat_render import check_renderer
 from cluster.worker.config import WorkerOptions
 from cluster.worker.engine_loop import EngineLoadError
+from cluster.worker.power import PowerNotifier, StayAwake, system_power
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,11 @@ GIL_SWITCH_INTERVAL_S = 0.0002
 class WorkerServer:
     """Start with `await start()`, stop with `await stop()`; `addresses` has what was bound."""
 
-    def __init__(self, options: WorkerOptions):
+    def __init__(self, options: WorkerOptions, power: PowerNotifier | None = None):
         self.options = options
+        self.power = power  # the machine's power management (None: this machine's, `system_power()`)
+        self.awake: StayAwake | None = None  # the Mac kept awake while the model is loaded (power.py)
+        self._drained_for_sleep = False
         self.service = None
         self.endpoints = Endpoints(security=options.security)
         self._registrations: list = []
@@ -152,6 +156,7 @@ class WorkerServer:
                                             security=opts.security.client())
                 registration.start()
                 self._registrations.append(registration)
+        self.awake = self._stay_awake(f"orchard worker {worker_id} serves {service.model_name}").start()
         log.info("worker %s serving %s (%s): %s", worker_id, service.model_name, opts.model_path,
                  ", ".join(f"{k} {v}" for k, v in self.addresses.items()))
 
@@ -171,6 +176,47 @@ class WorkerServer:
                     await pb_grpc.RouterStub(ch).ReportFailure(request, timeout=REPORT_FAILURE_TIMEOUT_S)
             except grpc.aio.AioRpcError as e:
                 log.warning("could not tell router %s that this worker could not start: %s", router, e.details())
+
+    def _stay_awake(self, reason: str) -> StayAwake:
+        """The Mac kept awake while this worker holds its model; a sleep that comes anyway
+        drained for first (the notifier's thread waits for the event loop to do it)."""
+        loop = asyncio.get_running_loop()
+
+        def drain(seconds: float) -> None:
+            asyncio.run_coroutine_threadsafe(self.drain_for_sleep(seconds), loop).result(seconds + 5)
+
+        def undrain() -> None:
+            asyncio.run_coroutine_threadsafe(self.undrain_after_sleep(), loop).result(10)
+
+        return StayAwake(self.power or system_power(), reason, drain, undrain)
+
+    async def drain_for_sleep(self, seconds: float) -> None:
+        """Before the machine sleeps: drain (the routers told at once), give the running
+        streams up to `seconds` to finish, then end the rest, which the router resumes
+        elsewhere or holds until this worker is back."""
+        service = self.service
+        self._drained_for_sleep = not service.draining  # an operator's drain outlasts the sleep
+        await self.set_draining(True)
+        self._report_now()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while service.num_streams and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        ended = service.end_streams()
+        if ended:
+            log.warning("worker %s: %d streams still running at sleep: ended, for the router to resume",
+                        service.worker_id, ended)
+
+    async def undrain_after_sleep(self) -> None:
+        """Awake again: take requests, unless the worker was drained before the sleep."""
+        if self._drained_for_sleep:
+            self._drained_for_sleep = False
+            await self.set_draining(False)
+            self._report_now()
+
+    def _report_now(self) -> None:
+        for registration in self._registrations:
+            registration.report_now()
 
     async def _watch_progress(self) -> None:
         """gRPC health follows the engine's progress and the chat-template renders:
@@ -195,8 +241,7 @@ class WorkerServer:
             if healthy != was_healthy:
                 await self.endpoints.set_serving(healthy and not service.draining)
                 was_healthy = healthy
-                for registration in self._registrations:
-                    registration.report_now()
+                self._report_now()
 
     def _healthy(self) -> bool:
         return not self.service.stalled and not self.service.unhealthy_reason
@@ -232,6 +277,9 @@ class WorkerServer:
             group = getattr(self.service.engine_loop.engine, "group", None)
             if group is not None:  # the members stop with rank 0
                 group.close()
+        if self.awake is not None:  # the model is gone: the Mac may sleep
+            self.awake.stop()
+            self.awake = None
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None

@@ -538,6 +538,14 @@ class WorkerService:
         return pb.DrainResponse(draining=draining, num_running=self.stats.num_running,
                                 num_waiting=self.stats.num_waiting)
 
+    def end_streams(self) -> int:
+        """End every live stream now as aborted, its request taken out of the engine; how
+        many. The router resumes each elsewhere after the tokens it sent, or holds it until
+        this worker takes requests again (the machine is about to sleep)."""
+        for engine_id, stream in list(self._streams.items()):
+            stream.queue.put_nowait(RequestOutput(engine_id, [], "", True, "abort"))
+        return len(self._running)
+
     # -- helpers ------------------------------------------------------------------------
     async def _prompt_token_ids(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids (a validated request has one of the three kinds)."""
