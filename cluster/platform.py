@@ -8,9 +8,7 @@
   libgomp's, which go to sleep soon after they go idle (GOMP_SPINCOUNT, set by
   `cluster.worker`) like the threads of Orchard's C kernels. The pthread build's workers
   spin after every call, taking the cores from the C kernels and MLX's own thread that
-  run between the matmuls: a decode step of 16 rows of the built-in small model on 2
-  cores took 39-46 ms with the pthread build and 31-32 ms with the OpenMP one
-  (alternating runs).
+  run between the matmuls, so a decode step is slower with it (MEASUREMENTS.md).
 - On the CPU, fp16/bf16 matmuls do not go through BLAS and are slow: run fp32 there
   (`compute_dtype`).
 """
@@ -214,9 +212,9 @@ def has_metal() -> bool:
 
 def default_max_num_batched_tokens() -> int:
     """The step token budget when none is given: 2048 on Metal (the contract), 512 on the
-    CPU. On 2 CPU cores a 2048-token step of a 30M-parameter model takes ~1.2 s, stalling
-    every running stream and the first token of every prompt in it; 512-token steps keep
-    the same throughput and halve the mean time to first token (load/bench_worker_vs_mlx.py)."""
+    CPU, where a 2048-token step stalls every running stream and the first token of every
+    prompt in it for long; 512-token steps keep the throughput and cut the mean time to
+    first token (load/bench_worker_vs_mlx.py; MEASUREMENTS.md)."""
     return 2048 if has_metal() else 512
 
 

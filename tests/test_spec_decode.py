@@ -387,8 +387,8 @@ def test_step_times_and_policy():
 
 
 def test_the_table_sees_a_steps_cost_jump_just_past_a_power_of_two():
-    """A step's cost jumps where a kernel's tiling adds a tile (on 2 CPU cores SmolLM2-135M:
-    16 rows 90 ms, 17 rows 125 ms). Calibrated at `CALIBRATION_ROWS`, the table holds 17
+    """A step's cost jumps where a kernel's tiling adds a tile (MEASUREMENTS.md has one
+    machine's figures, which this test's table copies). Calibrated at `CALIBRATION_ROWS`, the table holds 17
     rows' own cost, so one sure request's 4 drafts beside 15 decodes, worth ~3.9 tokens
     for +36% of the step, are dropped; a table that only knew 16 and 24 rows would put
     them at +19% and keep them."""

@@ -128,9 +128,8 @@ async def _trim_freed_memory() -> None:
     of its heaps, and the process stays that large; on macOS the allocator returns it by
     itself): every TRIM_EVERY_SECONDS while the process is busy (it frees as it works) and
     once after, and whenever it has grown by TRIM_GROWTH_BYTES over its smallest size since
-    it last did. On a thread of its own, a few milliseconds. (Once it had grown 8 MB over
-    its size after the last trim, only: what a burst freed as it ended, after that trim, was
-    kept: 7-12 MB of the router and the worker after the fuzz.)"""
+    it last did (a growth threshold alone kept what a burst freed as it ended, after the
+    last trim). On a thread of its own."""
     floor, cpu, busy = resident_bytes(), _cpu_seconds(), False
     while True:
         await asyncio.sleep(TRIM_EVERY_SECONDS)

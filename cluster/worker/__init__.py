@@ -10,13 +10,12 @@ import os as _os
 from cluster import platform as _platform
 
 # The C kernels and the OpenMP build of OpenBLAS run on libgomp's threads. A thread that
-# reaches a barrier first spins before it sleeps, by default for ~300,000 turns (a few
-# ms); on a CPU shared with other work it spun while the thread it waited for sat
-# unscheduled, and every step took a core's time in spinning (beside a busy loop per
-# core, 1-row steps 64-260 ms, 16-row ones 102-215 ms, each all CPU). 3,000 turns cover
-# the gaps between a step's parallel loops on a quiet machine (no step slower than with
-# the default) and waste little where the CPU is shared (83-96 ms and 105-116 ms, steady);
-# sleeping at once (OMP_WAIT_POLICY=PASSIVE) made a quiet 16-row step 47 -> 59 ms.
+# reaches a barrier first spins before it sleeps, by default for ~300,000 turns; on a CPU
+# shared with other work it spins while the thread it waits for sits unscheduled, and
+# every step takes a core's time in spinning. 3,000 turns cover the gaps between a step's
+# parallel loops on a quiet machine and waste little where the CPU is shared; sleeping at
+# once (OMP_WAIT_POLICY=PASSIVE) slows a quiet step (`load/bench_engine.py` quiet and
+# beside busy loops; MEASUREMENTS.md).
 # libgomp reads it once, when OpenBLAS loads it: set before `preload_blas`.
 _os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 _platform.preload_blas()

@@ -313,7 +313,7 @@ class PagedKVCache:
         # keys / values [T, KVH, 1, D] -> the flat pool [slots, KVH, D]. A layer that shares
         # an earlier layer's K/V writes nothing: that layer wrote them this step. With the C
         # kernels the rows are copied in place when the layer attends (`write_pending`):
-        # MLX's scatter moves them element by element (2 x 1.2 ms a layer at 512 rows).
+        # MLX's scatter moves them element by element.
         s, r = self.spec, self.runner
         if s.owns_kv:
             if r.write_kv_in_c:

@@ -21,8 +21,8 @@ from cluster.worker.patching import calls
 
 def use_fast_swiglu(model: nn.Module) -> None:
     """On the CPU, give this model's SwiGLU MLPs a fast SwiGLU: the C kernel (`kernels/cpu`),
-    else `cpu_math.swiglu` (MLX's CPU exp is scalar libm: at 512 rows, MLX 11.6 ms, the
-    compiled polynomial 3.0 ms, C 0.3 ms). Per instance (a subclass swap), so mlx-lm
+    else `cpu_math.swiglu` (MLX's CPU exp is scalar libm; the C kernel is the fastest,
+    then the compiled polynomial: MEASUREMENTS.md). Per instance (a subclass swap), so mlx-lm
     itself is left as it is."""
     if platform.has_metal():
         return
@@ -58,9 +58,9 @@ def _fast_swiglu_class(cls: type, use_c: bool) -> type:
 
 
 # Which row counts a Linear runs in C (`cpu.linear`: each weight row read once, in place)
-# rather than BLAS. OpenBLAS packs the weights before every product: over a whole model's
-# matrices on 2 cores C takes 0.4-0.7x BLAS's time at 1-24 rows, 0.8-0.9x at 32-40; at 48
-# they tie and past it BLAS wins (`load/bench_engine.py` shows the step). Each path sums
+# rather than BLAS. OpenBLAS packs the weights before every product, so C wins at few
+# rows; on the machine it was set on they tie at 48 rows and past it BLAS wins
+# (`load/bench_engine.py` shows the step; MEASUREMENTS.md). Each path sums
 # a row's products in its own order (the C kernels: 1-3 rows as 8-lane dot products, 4-47
 # rows in plain k order; BLAS: its own blocking), so a request's logits can move in the
 # last bits with the number of rows beside it in the step; a greedy token can change only

@@ -1,12 +1,10 @@
 """Fast fp32 `exp` for MLX's CPU backend, and the two places a decode step needs it.
 
-MLX's CPU `exp` runs at about 10-16 ns per element (scalar libm): the SiLU of the MLP
-and the decode attention's softmax cost ~13 ms of a 42 ms decode step of the small
-model. Written as range reduction plus a degree-6 polynomial (relative error ~1.2e-7,
-fp32 rounding) inside `mx.compile`, it becomes one fused, vectorised loop, 3-5x faster.
-Measured on 2 cores: swiglu 0.85 -> 0.15 ms at 32 rows, 46 -> 14 ms at 2048 rows; the
-softmax of decode attention 1.3 -> 0.7 ms per layer, but for large prefill score
-matrices MLX's single-op softmax stays faster (127 vs 193 ms), so only decode uses it.
+MLX's CPU `exp` is scalar libm: the SiLU of the MLP and the decode attention's softmax
+are a large part of a small model's decode step. Written as range reduction plus a
+degree-6 polynomial (relative error ~1.2e-7, fp32 rounding) inside `mx.compile`, it
+becomes one fused, vectorised loop, several times faster; but for large prefill score
+matrices MLX's single-op softmax stays faster, so only decode uses it (MEASUREMENTS.md).
 CPU only; on Metal the native functions are fast and stay.
 """
 

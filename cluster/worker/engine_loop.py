@@ -4,7 +4,7 @@ In: small dataclass messages on a thread-safe inbox (`submit`). The thread drain
 whole inbox before every step, and blocks on it only when nothing is runnable. After a
 step that finished requests it first waits up to `finish_wait_ms` for as many new ones:
 closed-loop clients come back a few ms after their last token, and would otherwise wait
-for the whole next step (a prefill step is 0.1-0.3 s on a CPU) before joining one.
+for the whole next step (a prefill step, long on a CPU) before joining one.
 Out: after each step, one call of the event sink, `sink(timestamp, events)`, with
 everything the step produced (engine `RequestOutput`s, `Scheduled`, `Rejected`,
 `Failed`). The sink decides how to cross into its own world (the worker's service uses
@@ -255,9 +255,9 @@ class EngineLoop:
     def _next_message(self) -> AddRequest | AbortRequest | Shutdown:
         """The next message, however long it takes. Once none has come for
         IDLE_RELEASE_SECONDS, MLX's buffer cache is given back first: every buffer a step
-        freed stays in it for reuse (on a CPU, as much as the largest steps' activations),
-        and a server that is idle holds none of it (the fuzz's worker kept 10 MB more after
-        it; a long prompt's prefill, as much as its activations)."""
+        freed stays in it for reuse (on a CPU, as much as the largest steps' activations:
+        after a long prompt's prefill, its activations), and a server that is idle holds
+        none of it."""
         try:
             return self._inbox.get(timeout=IDLE_RELEASE_SECONDS)
         except queue.Empty:

@@ -1,11 +1,11 @@
 """A step of a llama-style model on the CPU, with no MLX graph around the C kernels.
 
 On the CPU, MLX runs every op on its stream's own thread: each evaluation hands the graph
-to that thread and waits to be woken, ~20 us however small the op. A step of the paged
-engine through mlx-lm's model code evaluates 6-7 times a layer (each C kernel evaluates
-what it is given: the residual add and norm before a projection, the reshape and norm
-before RoPE, ...), and on 2 cores those hand-offs were 28% of a 16-row decode step, more
-than its attention.
+to that thread and waits to be woken, however small the op. A step of the paged engine
+through mlx-lm's model code evaluates 6-7 times a layer (each C kernel evaluates what it
+is given: the residual add and norm before a projection, the reshape and norm before
+RoPE, ...), and on a CPU those hand-offs cost a small decode step more than its
+attention (MEASUREMENTS.md).
 
 For the families whose decoder block is exactly mlx-lm's llama / qwen2 / qwen3 block
 (Llama, Mistral, Qwen2, Qwen2.5, Qwen3 and what mlx-lm maps onto them) every step runs
@@ -17,15 +17,13 @@ one: MLX's `rms_norm` formula in float32). A projection of fewer than
 linear; a larger one (a prefill chunk, a step full of drafts) in OpenBLAS's sgemm, called
 from this thread with the arguments MLX's own CPU matmul passes it, on slices of the
 output columns, one per thread (`orch_sgemm_nt`): nn.Linear's product to float32
-rounding. The weights are the model's own, read in place. Measured on 2
-cores: a 16-row decode step 1.5x faster than the MLX path, 32 and 64 rows and a 512-token
-prefill step 5-10% faster.
+rounding. The weights are the model's own, read in place. Small decode steps gain the
+most, large ones a little (`load/bench_engine.py`; MEASUREMENTS.md).
 
 Calling OpenBLAS here rather than through MLX (which runs it on its stream's thread, with
-that thread's own OpenMP team and OpenBLAS's spin-waiting threads) is 5-15% faster on a
-quiet machine (a 64-row step 179 to 152 ms) and what keeps a step's time sane on a CPU
-shared with other work: beside a busy loop on each of 2 cores, a 112-row step took
-1.4-1.7 s through MLX and 0.6-0.8 s here (0.23 s quiet).
+that thread's own OpenMP team and OpenBLAS's spin-waiting threads) is faster on a quiet
+machine and what keeps a step's time sane on a CPU shared with other work, where MLX's
+threads wait on each other while unscheduled.
 
 `HostForward.build` admits a model only when every piece of it is one this file knows:
 mlx-lm's block, attention and MLP classes of those families, float32 C Linears, plain

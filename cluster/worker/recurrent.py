@@ -123,8 +123,8 @@ class RecurrentCache:
         news = [(pool, states[0][j] if len(states) == 1 else mx.concatenate([s[j] for s in states]))
                 for j, pool in enumerate(self.pools) if pool is not None]
         if self.runner.write_kv_in_c and all(p.dtype.size in (2, 4) for p, _ in news):
-            # a memcpy a slot in place (MLX's scatter moves the state element by element:
-            # 1.3 ms a layer at 32 decode rows); `out` is evaluated with the new states,
+            # a memcpy a slot in place (MLX's scatter moves the state element by element);
+            # `out` is evaluated with the new states,
             # before the pools change under the gathers it was computed from
             from cluster.worker.kernels import cpu
 
@@ -206,7 +206,7 @@ def attach(module: nn.Module) -> None:
 
 def _gated_delta_ops(q, k, v, g, beta, state=None, mask=None):
     """mlx-lm's `gated_delta_ops` (its CPU path: a compiled step of six MLX ops per token,
-    0.8 ms a layer for a 32-row decode, a Python loop over a prefill chunk's tokens) in
+    a Python loop over a prefill chunk's tokens) in
     one C call, where that is the same computation: no padding mask, float32 on the CPU.
     Anything else: mlx-lm's own."""
     from mlx_lm.models import gated_delta
@@ -232,8 +232,8 @@ def _with_c_recurrences(call):
 
 class _DepthwiseConv1d(nn.Conv1d):
     """A recurrent module's short causal convolution (depthwise: one filter a channel, on
-    an input already padded with the state), in C where MLX's CPU convolution is slow
-    (0.5 ms a layer for a 32-row decode); mlx's own anywhere else."""
+    an input already padded with the state), in C where MLX's CPU convolution is slow;
+    mlx's own anywhere else."""
 
     def __call__(self, x):
         from cluster.worker.kernels import cpu

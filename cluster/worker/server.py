@@ -64,9 +64,9 @@ class WorkerAdminServicer(pb_grpc.WorkerAdminServicer):
 
 # How long a thread may hold the GIL while another waits for it (Python's default: 5 ms).
 # The engine thread gives the GIL up at every MLX evaluation and C kernel call (a hundred
-# times a step) and must win it back from the asyncio thread each time; at 5 ms it waited
-# behind the streaming side, a served decode step took 48 ms where the engine alone takes
-# 43, and 0.2 ms gave 1.10x output tokens/s on the 16-stream load (2 cores, alternating).
+# times a step) and must win it back from the asyncio thread each time; at 5 ms it waits
+# behind the streaming side and a served step is slower than the engine's own
+# (`load/bench_worker_vs_mlx.py --only orchard`; MEASUREMENTS.md).
 GIL_SWITCH_INTERVAL_S = 0.0002
 
 

@@ -13,15 +13,12 @@ The matcher follows the sequence's output tokens, which preemption by recompute 
 it needs no rebuilding then. A request resumed on another worker (router failover)
 rebuilds it from the resumed tokens (`matcher_for(..., tokens)`).
 
-Why llguidance (measured with `load/bench_structured.py --only masks`, this machine's CPU,
-2 shared cores, the built-in model's byte-level BPE of 8,192 tokens, 2026-11-24): per
-token, llguidance's mask took 35-40 us, xgrammar 0.2.8's 1.9-2.6 us (about 15x less:
-it precomputes per-state token masks when it compiles); but that compile took 586 ms
-for a modest schema (an object with nested object, bounded string and number array)
-against llguidance's 1.5 ms, and grows with the vocabulary. Agents send a new schema
-(or tool set) with many requests, so xgrammar's compile lands on time to first token,
-while llguidance's mask, 64 rows x 40 us = 2.5 ms a step, runs on the engine thread
-while MLX computes the forward (a CPU decode step here is 80+ ms). llguidance also
+Why llguidance (`load/bench_structured.py --only masks`; MEASUREMENTS.md): xgrammar's
+per-token mask is much cheaper (it precomputes per-state token masks when it compiles),
+but that compile is hundreds of times longer than llguidance's for a modest schema and
+grows with the vocabulary. Agents send a new schema (or tool set) with many requests, so
+xgrammar's compile lands on time to first token, while llguidance's masks run on the
+engine thread while MLX computes the forward, a small part of a step. llguidance also
 takes Lark grammars, writes masks straight into a numpy bitmask with the GIL released,
 and needs no torch (xgrammar's Python package imports it).
 """
@@ -42,12 +39,12 @@ from cluster.worker.sampling_params import StructuredOutput
 from cluster.worker.vocabulary import lltokenizer
 
 _CACHE_SIZE = 256
-# A grammar whose compile took this long holds a large lexer (a regex such as a{100000}: about
-# 30 MB); at most _COSTLY_ENTRIES of those stay cached, so the cache's memory is bounded too.
+# A grammar whose compile took this long holds a large lexer (a regex such as a{100000}: tens
+# of MB); at most _COSTLY_ENTRIES of those stay cached, so the cache's memory is bounded too.
 _COSTLY_SECONDS = 0.1
 _COSTLY_ENTRIES = 4
-# llguidance builds a grammar's regexes within this much "fuel" (its default, 1,000,000, let
-# a{200000} take a second and 90 MB; 400,000 still compiles an enum of 20,000 strings).
+# llguidance builds a grammar's regexes within this much "fuel" (its default, 1,000,000, lets
+# one regex take a second and tens of MB; 400,000 still compiles an enum of 20,000 strings).
 _LEXER_FUEL = 400_000
 _PROBE_TOKENS = 256  # forced tokens a new grammar's first walk follows at most
 # OpenAI's layout, {"a": 1, "b": [2, 3]}, and no other whitespace: a model (a random one
@@ -144,7 +141,7 @@ class GrammarCompiler:
             self._remember(spec, matcher, costly=time.perf_counter() - start >= _COSTLY_SECONDS)
             return matcher
         # a new exception, raised here: the refusal's own traceback holds the frames that built
-        # and walked the matcher, and so the matcher and its copy (37 MB for a{120000}), for as
+        # and walked the matcher, and so the matcher and its copy (tens of MB), for as
         # long as the exception lives; the worker's error path leaves exceptions in reference
         # cycles that only Python's next full collection frees
         self._remember(spec, refusal)

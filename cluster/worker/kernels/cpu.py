@@ -2,8 +2,8 @@
 
 Where there is no Metal, MLX's CPU backend is slow at two things the engine does every
 step: paged attention (the pure-MLX reference gathers K/V rows and runs many tiny
-matmuls; half of a batch-32 decode step on 2 cores) and SwiGLU (a scalar `exp`; 3 ms a
-layer at 512 rows). The C attention reads the block pool in place (zero-copy through the
+matmuls: `load/bench_attention.py`) and SwiGLU (a scalar `exp`). MEASUREMENTS.md has
+the figures. The C attention reads the block pool in place (zero-copy through the
 buffer protocol) and walks each token's context through its block table with an online
 softmax, one call per layer per step; the C SwiGLU is a vectorised polynomial exp.
 

@@ -11,12 +11,10 @@ they bring. So, each step:
   per row count, interpolated between the counts measured; the worker measures a grid
   of steps at start-up, and every real step updates it). The cost is read with
   `cost_clock()`: on a GPU the wall time; on a CPU the process's CPU time, which other
-  processes' load leaves alone. Under two busy loops on this 2-core machine a 32-row
-  step's wall time went from 78 to 137-256 ms and a 48-row one's from 130 ms to 0.7-3.9 s
-  (threads spinning at barriers for ones that sat unscheduled; since cut down, see
-  `cluster/worker/__init__.py`), while their CPU time moved by
-  5-20%: a table of wall times said that whichever row count was measured at a quiet
-  moment was cheap, and kept drafts that did not pay.
+  processes' load leaves alone. Under busy loops a step's wall time grows far more than
+  its CPU time and varies from step to step (MEASUREMENTS.md): a table of wall times
+  would say that whichever row count was measured at a quiet moment was cheap, and keep
+  drafts that do not pay.
 - Each request's acceptance rate `a` (the chance a draft is accepted given the ones
   before it were) is a moving average of its own verify rounds, pulled toward the
   engine-wide rate of its proposal's kind (n-gram: continuing a copy, or a fresh match of
@@ -28,8 +26,8 @@ they bring. So, each step:
 - Where the table says drafts pay but not by much (under `SURE`), `WallCheck` asks the
   wall clock, which is what a user waits on and what CPU time cannot see: on a machine
   other processes load, a step's wall time grows with its rows far faster than its CPU
-  time (two busy loops beside 16 editing streams: the CPU time said 1.08x, the wall
-  clock 0.75x). It is a randomized trial by steps: per batch size, the decode-only steps
+  time (beside busy loops, CPU time can say drafts pay where the wall clock says they
+  lose: `load/bench_spec.py`; MEASUREMENTS.md). It is a randomized trial by steps: per batch size, the decode-only steps
   that keep their drafts against those that drop them (one in 8, chosen by lot), in
   output tokens per wall second, compared within blocks of consecutive steps; once the
   drafts lose, they are dropped, and one step in 8 (fewer, the more they lose) keeps
@@ -49,8 +47,7 @@ from cluster.worker.spec_decode.state import state_of
 
 # Row counts the step-time table keeps (a step's count snaps to the nearest): every count
 # to 48, then coarser. A step's cost jumps just past a power of two, where a kernel's
-# tiling adds a tile (SmolLM2-135M on 2 CPU cores: 16 rows 90 ms, 17 rows 125 ms, 32 rows
-# 150, 33 rows 190): the counts in between must not snap across a jump.
+# tiling adds a tile (MEASUREMENTS.md): the counts in between must not snap across a jump.
 GRID = sorted(set(list(range(1, 49)) + list(range(52, 65, 4)) + list(range(72, 129, 8))
                   + [int(128 * 1.25 ** i) for i in range(1, 20)]))
 _DOWN, _UP = 0.3, 0.05  # weight of a new step-time sample below / above the estimate
