@@ -145,3 +145,40 @@ def test_a_sole_group_survives_a_fault_mid_stream_with_nothing_lost(group, refer
     print(f"\n{fault}: seen down after {timings['seen_down'] - t0:.1f} s, serving again (the late request's "
           f"first token) after {timings['late_first_token'] - t0:.1f} s, every stream done after "
           f"{timings['done'] - t0:.1f} s; supervision: {c.supervised}")
+
+
+# -- rank 0's view of each member's part of a step (cluster/worker/group/progress.py) ------------
+
+def test_progress_times_each_members_part_and_names_the_late_one():
+    """A pipeline of 3 (rank 2 first, then 1, then 0), two steps in flight: each member's
+    part runs from when its input was there, or it finished its previous step if later,
+    to its notice; a step in flight waits on the first stage that has not done its part."""
+    from cluster.worker.group.progress import StepProgress
+
+    p = StepProgress(3, clock=lambda: 0.0)
+    p.sent(1, at=0.0)
+    p.sent(2, at=0.1)  # the second batch goes out while the first is on rank 2
+    p.finished(2, 1, at=0.5)  # rank 2: 0.0 -> 0.5
+    assert p.late(1, now=0.7).rank == 1 and abs(p.late(1, now=0.7).seconds - 0.2) < 1e-9
+    p.finished(2, 2, at=1.0)  # rank 2 began step 2 when it finished step 1: 0.5 -> 1.0
+    p.finished(1, 1, at=0.6)  # rank 1: 0.5 -> 0.6
+    p.finished(1, 2, at=1.1)  # 1.0 -> 1.1
+    assert p.parts == {1: 2, 2: 2}
+    assert abs(p.seconds[2] - 1.0) < 1e-9 and abs(p.seconds[1] - 0.2) < 1e-9
+    assert p.recent[2] > p.recent[1], "rank 2 is the slow one"
+    assert p.late(2, now=1.2) is None, "every member did its part: rank 0's turn"
+    p.sent(3, at=1.2)
+    late = p.late(3, now=4.2)
+    assert (late.rank, late.step, round(late.seconds, 6)) == (2, 3, 3.0)
+    assert sum(p.buckets[2]) == 2 and sum(p.buckets[1]) == 2
+
+
+def test_progress_forgets_what_it_no_longer_needs():
+    """Notices are kept only until the next stage has read them: a long run holds a few."""
+    from cluster.worker.group.progress import StepProgress
+
+    p = StepProgress(2)
+    for step in range(1, 5001):
+        p.sent(step, at=float(step))
+        p.finished(1, step, at=step + 0.5)
+    assert len(p._sent) == 0 and len(p._done[1]) <= 1024 and p.parts[1] == 5000

@@ -367,7 +367,7 @@ async def _health(request: web.Request) -> web.Response:
     if getattr(backend, "draining", False):
         return web.json_response({"status": "draining"}, status=503)
     if getattr(backend, "stalled", False):
-        return web.json_response({"status": "stalled"}, status=503)
+        return web.json_response({"status": "stalled", "message": getattr(backend, "stall_reason", "")}, status=503)
     if getattr(backend, "serving", True) is False:  # a router with no worker that can take a request
         return web.json_response({"status": "unavailable", "message": "no worker can take a request"}, status=503)
     try:

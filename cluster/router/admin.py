@@ -49,7 +49,8 @@ def format_workers(workers: list[pb.WorkerInfo]) -> str:
             g = w.load.group
             out.append(f"  group of {g.size}, {g.parallel} parallel: " + "; ".join(
                 f"rank {m.rank} {m.host or '?'} layers {m.first_layer}-{m.last_layer - 1}, "
-                f"weights {_gib(m.weight_bytes)}, memory {_gib(m.memory_bytes)}" for m in g.members))
+                f"weights {_gib(m.weight_bytes)}, memory {_gib(m.memory_bytes)}"
+                + (f", {m.step_seconds * 1000:.0f} ms a step" if m.step_seconds else "") for m in g.members))
     return "\n".join([lines[0], *out])
 
 

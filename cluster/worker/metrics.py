@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from cluster.api.buckets import ITL_BUCKETS, KV_USAGE_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+from cluster.worker.group.progress import STEP_BUCKETS
 
 FINISHED_REASONS = ("stop", "length", "abort")
 
@@ -174,3 +175,21 @@ class _GroupStatsCollector:
             memory.add_metric([*lv, str(m["rank"])], m["memory"])
         yield weights
         yield memory
+        if g.progress is not None:
+            yield _rank_steps(lv, g.progress)
+
+
+def _rank_steps(lv: list[str], progress) -> HistogramMetricFamily:
+    """Each member's part of each pipeline step, as rank 0 sees it (`group/progress.py`):
+    the slow Mac of a group is the rank with the longest parts."""
+    h = HistogramMetricFamily("orchard_group_rank_step_seconds",
+                              "Each member's part of each pipeline step: from when its input was there (or it "
+                              "finished its previous step) to its notice that its output is on its way, as rank 0 "
+                              "sees the notices.", labels=(*LABELS, "rank"))
+    for rank in sorted(progress.buckets):
+        counts, cumulative, buckets = list(progress.buckets[rank]), 0, []
+        for edge, n in zip((*STEP_BUCKETS, float("inf")), counts):
+            cumulative += n
+            buckets.append((repr(edge) if edge != float("inf") else "+Inf", cumulative))
+        h.add_metric([*lv, str(rank)], buckets, progress.seconds[rank])
+    return h

@@ -230,8 +230,7 @@ class WorkerServer:
             stalled = service.stalled
             if stalled != was_stalled:
                 if stalled:
-                    log.error("worker %s: the engine has made no progress for %.3g s: reporting NOT_SERVING",
-                              service.worker_id, service.engine_loop.stall_after)
+                    log.error("worker %s: %s: reporting NOT_SERVING", service.worker_id, service.stall_reason)
                     if service.metrics is not None:
                         service.metrics.stalls.inc()
                 else:

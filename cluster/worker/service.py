@@ -168,6 +168,7 @@ class WorkerService:
         self.renders: RenderPool | None = None  # set by start for a model with a Jinja chat template
         self.pooler = None  # the model's pooling (set by start)
         self.group_stats = None  # a worker group's (set by start)
+        self.group = None  # a worker group's rank 0 view (`GroupState`, set by start)
         self.tasks: tuple[str, ...] = (GENERATE,)
         self.features: tuple[str, ...] = ()  # per-request features it has (LoadReport.features)
 
@@ -193,6 +194,7 @@ class WorkerService:
         self.stats = engine.stats
         group = getattr(engine, "group", None)  # rank 0 of a worker group (cluster/worker/group/)
         self.group_stats = group.stats if group is not None else None
+        self.group = group
         self._read_formats(self.tokenizer)
         if GENERATE in self.tasks and jinja_tokenizer(self.tokenizer) is not None:
             self.renders = RenderPool(self.templates, self._probe_call())
@@ -221,6 +223,16 @@ class WorkerService:
         """The engine thread is wedged: one round of work has taken longer than its
         `stall_after` (`stall_report`, or more for a model whose steps are slow)."""
         return self.engine_loop.stalled()
+
+    @property
+    def stall_reason(self) -> str:
+        """While stalled, what it says ('' otherwise): for a worker group, which rank the
+        step waits on (rank 0 knows which member is late)."""
+        if not self.stalled:
+            return ""
+        late = self.group.late() if self.group is not None else ""
+        return f"the engine has made no progress for over {self.engine_loop.stall_after:.3g} s" + (
+            f": {late}" if late else "")
 
     @property
     def unhealthy_reason(self) -> str:
@@ -518,7 +530,7 @@ class WorkerService:
             worker_id=self.worker_id, model=self.model_name, num_running=s.num_running, num_waiting=s.num_waiting,
             kv_blocks_used=s.num_blocks_used, kv_blocks_total=s.num_blocks_total, max_num_seqs=c.max_num_seqs,
             block_size=c.block_size, max_model_len=c.max_model_len, draining=self.draining, stalled=self.stalled,
-            unhealthy_reason=self.unhealthy_reason, state_slots_used=s.state_slots_used,
+            unhealthy_reason=self.unhealthy_reason or self.stall_reason, state_slots_used=s.state_slots_used,
             state_slots_total=s.state_slots_total, tasks=self.tasks, group=self._group_info(),
             features=self.features,
         )
@@ -529,7 +541,9 @@ class WorkerService:
             return None
         return pb.GroupInfo(size=g.size, parallel=g.parallel, members=[
             pb.GroupMember(rank=m["rank"], host=m["host"], memory_bytes=m["memory"], weight_bytes=m["weights"],
-                           first_layer=m["layers"][0], last_layer=m["layers"][1]) for m in g.members])
+                           first_layer=m["layers"][0], last_layer=m["layers"][1],
+                           step_seconds=g.progress.recent.get(m["rank"], 0.0) if g.progress else 0.0)
+            for m in g.members])
 
     def set_draining(self, draining: bool) -> pb.DrainResponse:
         if draining != self.draining:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from cluster.exit_codes import EXIT_TRANSIENT
 from cluster.worker.group import wire
 from cluster.worker.group.config import GroupOptions, require_join_token
+from cluster.worker.group.progress import StepProgress
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class Leader:
         self._admitting = True
         self.ready: queue.Queue = queue.Queue()  # READY notices addressed to rank 0: (step, from)
         self.acks: dict[int, queue.Queue] = {}  # per member: ACK (step, checksum)
+        self.progress = StepProgress(size)  # each member's part of each step, from the notices
         self.bytes_sent = 0
         self._lost = threading.Event()
         self._closing = False
@@ -279,6 +281,7 @@ class Leader:
                 conn.last_heard = time.monotonic()
                 if kind == wire.READY:
                     step, src, dst = wire.READY_MSG.unpack(payload)
+                    self.progress.finished(src, step, conn.last_heard)
                     if dst == 0:
                         self.ready.put((step, src))
                     else:  # a notice between two members: passed on

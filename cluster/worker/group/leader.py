@@ -27,9 +27,10 @@ import numpy as np
 from cluster import platform
 from cluster.worker.config import EngineConfig
 from cluster.worker.group import wire
-from cluster.worker.group.channel import Leader, Watchdog
+from cluster.worker.group.channel import HEARTBEAT_S, Leader, Watchdog
 from cluster.worker.group.config import GroupOptions, Topology, parse_shares, require_join_token, topology
 from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
+from cluster.worker.group.progress import StepProgress
 from cluster.worker.group.stage import (
     Assignment,
     StageRunner,
@@ -68,12 +69,16 @@ class GroupStats:
     collective_seconds: float = 0.0  # inside MLX receives on rank 0
     mismatches: int = 0  # mirrored-state check failures (debug runs)
     checked_steps: int = 0
+    progress: StepProgress | None = None  # each member's part of each step (pipeline)
 
 
 def config_digest(path: str | Path) -> str:
     """Every rank must serve the same model: the hash of its config.json."""
     return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()
 
+
+# A member whose heartbeat answers are this late is named silent in a stall's report.
+SILENT_AFTER = 2 * HEARTBEAT_S
 
 RING_FILE_PREFIX = "orchard-ring-"  # + the writer's process id: a later start removes what a killed one left
 
@@ -180,6 +185,7 @@ class GroupState:
             mx.eval(batch.block_tables, batch.slot_mapping)
             check = wire.checksum(host_view(batch.block_tables, np.int32), host_view(batch.slot_mapping, np.int32))
         payload = self.writer.encode(self.step, scheduled, block_size, check)
+        self.leader.progress.sent(self.step)
         self.leader.broadcast(wire.STEP, payload)
         self.in_flight.append((self.step, check, batch))
         self.stats.plan_bytes += len(payload) * len(self.leader.members)
@@ -225,6 +231,32 @@ class GroupState:
             self.watchdog.arm(self.options.timeout, f"group step {self.in_flight[0][0]}")
         else:
             self.watchdog.disarm()
+
+    def late(self) -> str:
+        """What the group's oldest step in flight waits on, in words, for a stall's report
+        ('' when nothing is in flight): under pipeline parallelism the rank that has not done
+        its part yet (or rank 0 itself), and any member silent on the side channel (stopped,
+        or cut off: its heartbeats go unanswered)."""
+        try:
+            step = self.in_flight[0][0]
+        except IndexError:  # finished meanwhile (another thread pops it)
+            return ""
+        now = time.monotonic()
+        members = dict(self.leader.members)
+        parts = []
+        if self.pipeline:
+            late = self.leader.progress.late(step, now)
+            if late is None:
+                parts.append(f"rank 0 has not finished step {step}")
+            else:
+                host = members[late.rank].info.get("host", "?") if late.rank in members else "?"
+                parts.append(f"rank {late.rank} ({host}) has not finished its part of step {step} after "
+                             f"{late.seconds:.1f} s")
+        else:
+            parts.append(f"step {step} waits in a collective")
+        parts += [f"rank {r} silent for {now - c.last_heard:.1f} s" for r, c in sorted(members.items())
+                  if now - c.last_heard > SILENT_AFTER]
+        return "; ".join(parts)
 
     def close(self) -> None:
         self.watchdog.stop()
@@ -349,7 +381,8 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
         members.append({"rank": r, "host": str(info.get("host", "")), "memory": memory[r],
                         "weights": int(loaded[r]["weights"]), "layers": list(stages[r]) if stages else [0, num_layers],
                         "rss": int(loaded[r].get("rss", 0))})
-    stats = GroupStats(size=topo.size, parallel=options.parallel, members=members)
+    stats = GroupStats(size=topo.size, parallel=options.parallel, members=members,
+                       progress=leader.progress if options.parallel == "pipeline" else None)
     leader.serve()
     watchdog.stop()
     group = GroupState(leader, ring, topo, assignment, options, int(text_args(model).hidden_size), stats,

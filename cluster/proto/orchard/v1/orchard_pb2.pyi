@@ -387,20 +387,22 @@ class GroupInfo(_message.Message):
     def __init__(self, size: _Optional[int] = ..., parallel: _Optional[str] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ...) -> None: ...
 
 class GroupMember(_message.Message):
-    __slots__ = ("rank", "host", "memory_bytes", "weight_bytes", "first_layer", "last_layer")
+    __slots__ = ("rank", "host", "memory_bytes", "weight_bytes", "first_layer", "last_layer", "step_seconds")
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     host: str
     memory_bytes: int
     weight_bytes: int
     first_layer: int
     last_layer: int
-    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ...) -> None: ...
+    step_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("drain",)
