@@ -34,7 +34,7 @@ WORKER_METRICS = {
     # a worker group's (rank 0 reports them)
     "orchard_group_size", "orchard_group_steps_total", "orchard_group_collective_seconds_total",
     "orchard_group_wait_seconds_total", "orchard_group_plan_seconds_total", "orchard_group_bytes_total",
-    "orchard_group_member_weight_bytes", "orchard_group_member_memory_bytes",
+    "orchard_group_member_weight_bytes", "orchard_group_member_memory_bytes", "orchard_group_rank_step_seconds",
 }
 ROUTER_METRICS = {
     "orchard_router_requests_total", "orchard_router_time_to_first_token_seconds", "orchard_router_workers",

@@ -823,13 +823,14 @@ def test_a_group_is_one_row_with_its_members_and_its_metrics():
     from cluster.proto.orchard.v1 import orchard_pb2 as pb
     from cluster.router.admin import format_workers
     from cluster.worker.group.leader import GroupStats
+    from cluster.worker.group.progress import StepProgress
     from cluster.worker.metrics import WorkerMetrics
 
     group = pb.GroupInfo(size=2, parallel="pipeline", members=[
         pb.GroupMember(rank=0, host="studio-1", memory_bytes=96 << 30, weight_bytes=40 << 30, first_layer=30,
                        last_layer=61),
         pb.GroupMember(rank=1, host="studio-2", memory_bytes=64 << 30, weight_bytes=38 << 30, first_layer=0,
-                       last_layer=30)])
+                       last_layer=30, step_seconds=0.042)])
     rows = format_workers([
         pb.WorkerInfo(worker_id="g", address="a:1", model="m", state=pb.WORKER_STATE_HEALTHY,
                       load=pb.LoadReport(kv_blocks_total=10, group=group)),
@@ -838,16 +839,20 @@ def test_a_group_is_one_row_with_its_members_and_its_metrics():
     assert rows[1].startswith("g ") and rows[3].startswith("w ") and len(rows) == 4
     assert "group of 2, pipeline parallel" in rows[2]
     assert "rank 0 studio-1 layers 30-60, weights 40.0 GiB, memory 96.0 GiB" in rows[2]
-    assert "rank 1 studio-2 layers 0-29" in rows[2]
+    assert "rank 1 studio-2 layers 0-29, weights 38.0 GiB, memory 64.0 GiB, 42 ms a step" in rows[2]
 
     stats = GroupStats(size=2, members=[{"rank": 0, "host": "h", "memory": 5, "weights": 7, "layers": [2, 4]},
                                         {"rank": 1, "host": "h", "memory": 6, "weights": 8, "layers": [0, 2]}],
-                       steps=10, plan_bytes=1000, hidden_bytes=4096, collective_seconds=0.5)
+                       steps=10, plan_bytes=1000, hidden_bytes=4096, collective_seconds=0.5, progress=StepProgress(2))
+    stats.progress.sent(1, at=0.0)
+    stats.progress.finished(1, 1, at=0.03)
     text = WorkerMetrics("m", "w", lambda: None, group=lambda: stats).render().decode()
     assert 'orchard_group_steps_total{model="m",worker="w"} 10.0' in text
     assert 'orchard_group_bytes_total{channel="hidden",model="m",worker="w"} 4096.0' in text
     assert 'orchard_group_collective_seconds_total{model="m",worker="w"} 0.5' in text
     assert 'orchard_group_member_weight_bytes{model="m",rank="1",worker="w"} 8.0' in text
+    assert 'orchard_group_rank_step_seconds_bucket{le="0.05",model="m",rank="1",worker="w"} 1.0' in text
+    assert 'orchard_group_rank_step_seconds_count{model="m",rank="1",worker="w"} 1.0' in text
     assert "orchard_group" not in WorkerMetrics("m", "w", lambda: None).render().decode()
 
 

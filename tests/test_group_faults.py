@@ -78,9 +78,10 @@ def _continue(proc) -> None:
         os.kill(proc.pid, signal.SIGCONT)
 
 
-def _streams(c: LocalCluster, fault: str | None, timings: dict):
+def _streams(c: LocalCluster, fault: str | None, timings: dict, reasons: dict):
     """The 8 streams and the late request. With `fault`: once about 16 tokens of each
-    stream have arrived, strike; once the router sees the group down, send the late request."""
+    stream have arrived, strike; once the router sees the group down, send the late request
+    (and, for a stall, keep what the group's report says of it in `reasons`)."""
     struck = asyncio.Event()
 
     async def main():
@@ -101,6 +102,10 @@ def _streams(c: LocalCluster, fault: str | None, timings: dict):
                     await asyncio.to_thread(wait_for, lambda: list_workers(c)["worker-0"].state
                                             != pb.WORKER_STATE_HEALTHY, 60, "the router seeing the group down")
                     timings["seen_down"] = time.monotonic()
+                    if fault == "stop-member":  # stalled, not gone: its report says on what
+                        reasons["stall"] = await asyncio.to_thread(
+                            wait_for, lambda: list_workers(c)["worker-0"].load.unhealthy_reason, 15,
+                            "the stall's reason at the router")
 
                 def first(chunk):
                     if chunk.token_ids and "late_first_token" not in timings:
@@ -117,7 +122,7 @@ def _streams(c: LocalCluster, fault: str | None, timings: dict):
 
 @pytest.fixture(scope="module")
 def reference(group):
-    return run(_streams(group, None, {}), timeout=300)
+    return run(_streams(group, None, {}, {}), timeout=300)
 
 
 @pytest.mark.slow
@@ -129,7 +134,8 @@ def test_a_sole_group_survives_a_fault_mid_stream_with_nothing_lost(group, refer
     for _ in range(3):  # a try whose strike came after the group had sent every token proves nothing
         before = metric(scrape(c.metrics_address), 'orchard_router_retries_total{kind="resume"}')
         timings: dict[str, float] = {}
-        faulty = run(_streams(c, fault, timings), timeout=420)
+        reasons: dict[str, str] = {}
+        faulty = run(_streams(c, fault, timings, reasons), timeout=420)
         for (ref_toks, ref_text, _), (toks, text, chunks) in zip(reference, faulty):
             assert toks == ref_toks
             assert text == ref_text
@@ -141,8 +147,13 @@ def test_a_sole_group_survives_a_fault_mid_stream_with_nothing_lost(group, refer
             break
     else:
         pytest.fail("in 3 tries the fault never struck while the group still owed tokens")
+    if fault == "stop-member":  # rank 0 knows which member it waits for, and that it is silent
+        assert "rank 1 silent" in reasons["stall"] and "rank 0 has not finished" not in reasons["stall"], reasons
+    # each member's part of a step, as rank 0 sees it: in the group's row and its metrics
+    assert list_workers(c)["worker-0"].load.group.members[1].step_seconds > 0
+    assert metric(scrape(c.worker_metrics[0]), "orchard_group_rank_step_seconds_count") > 0
     t0 = timings["struck"]
-    print(f"\n{fault}: seen down after {timings['seen_down'] - t0:.1f} s, serving again (the late request's "
+    print(f"\n{fault}: {reasons.get('stall', '')}; seen down after {timings['seen_down'] - t0:.1f} s, serving again (the late request's "
           f"first token) after {timings['late_first_token'] - t0:.1f} s, every stream done after "
           f"{timings['done'] - t0:.1f} s; supervision: {c.supervised}")
 

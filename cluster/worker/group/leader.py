@@ -171,6 +171,7 @@ class GroupState:
         self.max_in_flight = max_in_flight
         # (step, rank 0's checksum, its batch) sent, not finished, oldest first
         self.in_flight: deque[tuple[int, int | None, object]] = deque()
+        self.receiving: tuple[int, float] | None = None  # (step, since when) while rank 1's hidden state comes
 
     @property
     def pipeline(self) -> bool:
@@ -209,8 +210,10 @@ class GroupState:
         t0 = time.perf_counter()
         self.leader.wait_ready(step, 1, self.options.timeout)
         t1 = time.perf_counter()
+        self.receiving = (step, time.monotonic())
         h = mx.distributed.recv((num_tokens, self.hidden_size), dtype, 1, group=self.ring, stream=mx.cpu)
         mx.eval(h)
+        self.receiving = None
         self.stats.wait_seconds += t1 - t0
         self.stats.collective_seconds += time.perf_counter() - t1
         self.stats.hidden_bytes += h.nbytes
@@ -246,7 +249,11 @@ class GroupState:
         parts = []
         if self.pipeline:
             late = self.leader.progress.late(step, now)
-            if late is None:
+            receiving = self.receiving
+            if late is None and receiving is not None and receiving[0] == step:  # its notice came, its data not
+                parts.append(f"rank 1 has not sent its hidden state of step {step} after "
+                             f"{now - receiving[1]:.1f} s")
+            elif late is None:
                 parts.append(f"rank 0 has not finished step {step}")
             else:
                 host = members[late.rank].info.get("host", "?") if late.rank in members else "?"
