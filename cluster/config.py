@@ -57,6 +57,32 @@ def port_of(address: str) -> int:
     return int(address.rpartition(":")[2])
 
 
+class BadSize(ValueError, argparse.ArgumentTypeError):
+    """A size that does not parse (argparse shows its message as it is)."""
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+               "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+class ByteSize(int):
+    """A setting's size in bytes, written as a number with an optional unit: 24GiB, 512MiB,
+    1.5G (K, M, G, T and KiB ... TiB are powers of 1024; KB ... TB of 1000), or bytes."""
+
+    def __new__(cls, value: int | str = 0):
+        if isinstance(value, str):
+            text = value.strip().replace(" ", "")
+            number = text.rstrip("KMGTkmgtIiBb")
+            unit = text[len(number):].lower()
+            try:
+                value = int(float(number) * _SIZE_UNITS[unit])
+            except (ValueError, KeyError, OverflowError):
+                raise BadSize(f"{value!r} is not a size (a number of bytes, or with a unit: 512MiB, 24GiB)") from None
+        if value < 0:
+            raise BadSize(f"a size cannot be negative: {value}")
+        return super().__new__(cls, value)
+
+
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

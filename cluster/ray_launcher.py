@@ -252,7 +252,7 @@ class GroupMemberActor:
         self.rank = group.rank
 
         def member() -> None:
-            end_actor(run_member(spec.model, group, spec.join_token), f"group rank {group.rank}")
+            end_actor(run_member(spec.model, group, spec.join_token, spec.engine), f"group rank {group.rank}")
 
         self.thread = threading.Thread(target=member, name="orchard-group-member", daemon=True)
         self.thread.start()

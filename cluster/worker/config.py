@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cluster.api.wire import RequestLimits
-from cluster.config import setting
+from cluster.config import ByteSize, setting
 from cluster.security import SecurityConfig
 from cluster.worker.chat_render import ChatTemplateLimits
 from cluster.worker.group.config import GroupOptions
@@ -22,8 +22,10 @@ class EngineConfig:
     # Explicit KV pool size in blocks; None derives it from `kv_cache_memory_bytes`.
     num_kv_blocks: int | None = setting(None, "KV pool size in blocks (default: from memory)")
     # Memory budget for the KV pool when `num_kv_blocks` is None; None picks a default
-    # from the device (see `model_runner.default_kv_budget`).
-    kv_cache_memory_bytes: int | None = None
+    # from the device (see `model_runner.default_kv_budget`). vLLM's name.
+    kv_cache_memory_bytes: ByteSize | None = setting(
+        None, "memory for the KV pool, e.g. 8GiB (default: a share of what the weights leave; --num-kv-blocks "
+              "wins); a worker group's member sizes its KV share by it", metavar="SIZE")
     max_num_seqs: int = setting(64, "requests in one step at most")
     # Tokens per step; None: 2048 on Metal, 512 on the CPU (platform.default_max_num_batched_tokens).
     max_num_batched_tokens: int | None = setting(None, "tokens per step (default: 2048 on Metal, 512 on the CPU)")
@@ -93,6 +95,8 @@ class EngineConfig:
             problems.append("pooling_share must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             problems.append("num_kv_blocks must be >= 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            problems.append("kv_cache_memory_bytes must be >= 1")
         try:
             SpeculativeConfig.parse(self.speculative_config)
         except ValueError as e:

@@ -119,12 +119,13 @@ def _history(entry, j: int) -> tuple[list[int], int]:
 
 class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), model_name: str = "model",
-                 pooler: Pooler | None = None, runner_factory=None):
+                 pooler: Pooler | None = None, runner_factory=None, draft=None):
         """`pooler`: the model's pooling and tasks (`Pooler.for_model`; None: a generation model,
         whose embeddings, when asked, pool its last token). `runner_factory(model, num_blocks,
         block_size, kv_dtype, num_state_slots=...)` builds the model runner (default:
         `ModelRunner`; a worker group's rank 0 gives its own, which sends each step to the
-        other ranks: `cluster/worker/group/`)."""
+        other ranks: `cluster/worker/group/`). `draft`: a draft model already loaded
+        (`spec_decode.load_draft`) that this engine shares with others instead of loading one."""
         config.validate()
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -134,7 +135,7 @@ class Engine:
         # speculative decoding (--speculative-config; None: off): spec_decode/. A draft
         # model's pool shares the KV budget, block for block.
         self.speculator = build_speculator(config, model, model_name, hybrid, tokenizer,
-                                           int(text_args(model).vocab_size), self.pooler.tasks)
+                                           int(text_args(model).vocab_size), self.pooler.tasks, draft=draft)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = config.kv_cache_memory_bytes or default_kv_budget(model)

@@ -123,22 +123,31 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype, layers: range |
                                          if s.owns_kv and (layers is None or s.layer in layers))
 
 
-def default_kv_budget(model: nn.Module) -> int:
+KV_SHARE = 0.6  # of the memory the weights leave, for the KV pool by default
+
+
+def default_kv_budget(model: nn.Module, available: int | None = None, other_weights: int = 0) -> int:
     """Bytes for the KV pool: 60% of what Metal recommends beyond the weights, or on the
-    CPU an eighth of RAM (at most 1 GiB; raise it with --num-kv-blocks)."""
+    CPU an eighth of RAM (at most 1 GiB; raise it with --num-kv-blocks or
+    --kv-cache-memory-bytes). `available`: the memory this process gives the model (a
+    worker group's rank: `group/memory.py`), of which the weights (and `other_weights`,
+    a draft model's) leave the share taken, on the CPU too."""
     from mlx.utils import tree_flatten
 
-    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters())) + other_weights
     if platform.has_metal():
+        if available is not None:
+            return int(KV_SHARE * max(0, available - weights))
         limit = mx.device_info()["max_recommended_working_set_size"]
-        return max(256 << 20, int(0.6 * (limit - weights)))
+        return max(256 << 20, int(KV_SHARE * (limit - weights)))
     try:
         import os
 
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 8 << 30
-    return min(1 << 30, ram // 8)
+    budget = min(1 << 30, ram // 8)
+    return budget if available is None else min(budget, int(KV_SHARE * max(0, available - weights)))
 
 
 def text_args(model: nn.Module):

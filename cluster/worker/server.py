@@ -338,7 +338,7 @@ def serve(options: WorkerOptions) -> int:
         if rank != 0:  # a member: no servers, it runs the steps rank 0 plans
             from cluster.worker.group.member import member_process
 
-            member_process(options.model_path, options.group, options.join_token)
+            member_process(options.model_path, options.group, options.join_token, options.engine_config)
     code = 0
     try:
         asyncio.run(run_until_signalled(options))

@@ -62,11 +62,14 @@ class _Conn:
     def send_within(self, seconds: float, kind: int, payload: bytes = b"") -> None:
         """`send`, given up (TimeoutError) past `seconds`: waiting for the lock (another
         sender stuck on a peer that reads nothing) and sending alike."""
+        self.send_frame_within(seconds, wire.frame(kind, payload))
+
+    def send_frame_within(self, seconds: float, data: bytes) -> None:
         if not self.lock.acquire(timeout=seconds):
             raise TimeoutError(f"rank {self.rank}'s connection is busy")
         try:
             self.sock.settimeout(seconds)
-            self.sock.sendall(wire.frame(kind, payload))
+            self.sock.sendall(data)
         finally:
             self.lock.release()
 
@@ -359,6 +362,23 @@ class Leader:
     @property
     def lost(self) -> bool:
         return self._lost.is_set()
+
+    def refuse(self, reason: str, permanent: bool) -> None:
+        """The group cannot start: every member is told why (an ERROR, flagged permanent
+        when starting again cannot help, so that it exits 78 as rank 0 does), each within
+        a second, then the connections close."""
+        self._closing = True
+        data = wire.error_frame(reason, permanent)
+        for conn in self.members.values():
+            try:
+                conn.send_frame_within(SHUTDOWN_SEND_S, data)
+            except OSError:
+                pass
+            conn.close()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
 
     def close(self) -> None:
         """An orderly end: members are told to stop (each within a second: a member that

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import setting
+from cluster.config import ByteSize, setting
 from cluster.net import parse_address
 
 PARALLEL_MODES = ("pipeline", "tensor")
@@ -50,6 +50,10 @@ class GroupOptions:
                                        flag="--group-handshake-timeout", metavar="SECONDS")
     check: bool = setting(False, "debug: every rank checksums its block tables and slot mapping each step and rank "
                                  "0 compares them", flag="--group-check")
+    memory_budget: ByteSize | None = setting(
+        None, "the memory this rank gives the model (its layers and its KV share), e.g. 24GiB: the layers are split "
+              "by what each rank gives, and a rank whose part does not fit is refused before any rank loads "
+              "(default: the memory free when it starts, on a Mac within Metal's working set)", metavar="SIZE")
     inflight: int = setting(0, "pipeline: batches in flight at once (0: one per stage, so every rank computes)",
                             flag="--group-inflight", metavar="N")
 
@@ -66,6 +70,8 @@ class GroupOptions:
             raise ValueError(f"--group-timeout must be in [1, 3600] seconds, not {self.timeout}")
         if not 0.1 <= self.handshake_timeout <= 300:
             raise ValueError(f"--group-handshake-timeout must be in [0.1, 300] seconds, not {self.handshake_timeout}")
+        if self.memory_budget is not None and self.memory_budget < 1:
+            raise ValueError(f"--memory-budget must be a positive size, not {self.memory_budget}")
         if self.inflight < 0:
             raise ValueError(f"--group-inflight must be >= 0, not {self.inflight}")
         if self.shares is not None:

@@ -29,6 +29,7 @@ from cluster.worker.config import EngineConfig
 from cluster.worker.group import wire
 from cluster.worker.group.channel import HEARTBEAT_S, Leader, Watchdog
 from cluster.worker.group.config import GroupOptions, Topology, parse_shares, require_join_token, topology
+from cluster.worker.group.memory import LeastKV, check_fit, draft_footprint, join_info, rank_parts
 from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
 from cluster.worker.group.progress import StepProgress
 from cluster.worker.group.stage import (
@@ -38,9 +39,9 @@ from cluster.worker.group.stage import (
     part_bytes,
     split_layers,
     stage_of_rank,
-    usable_memory,
 )
 from cluster.worker.kernels.cpu import host_view
+from cluster.worker.spec_decode import load_draft
 from cluster.worker.model_runner import (
     default_kv_budget,
     has_recurrent_layers,
@@ -321,8 +322,6 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     has joined and loaded its part (or `options.join_timeout` passes)."""
     from mlx_lm.utils import load_config, load_model, load_tokenizer
 
-    from cluster.worker.engine import Engine
-
     options.validate()
     topo = topology(options)
     if topo.rank != 0:
@@ -338,24 +337,31 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     log.info("group: rank 0 of %d (%s parallel), waiting for the members on %s:%d", topo.size, options.parallel,
              *leader.address)
     leader.admit(deadline)
-    # the split: from a lazily built model (nothing read but the files' headers)
+    # the split and the memory check: from a lazily built model (nothing read but the
+    # files' headers), before any rank loads
     lazy, _ = load_model(Path(model_path), lazy=True, strict=False)
     num_layers = len(lazy.layers)
-    memory = {0: usable_memory(), **{r: int(c.info.get("memory", 0)) for r, c in leader.members.items()}}
-    if options.parallel == "pipeline":
-        shares = parse_shares(options.shares, topo.size) if options.shares else [memory[r] or 1 for r in
-                                                                                 range(topo.size)]
-        layer_bytes, embed_bytes, head_bytes = part_bytes(lazy)
-        by_stage = split_layers(layer_bytes, [shares[topo.size - 1 - s] for s in range(topo.size)], embed_bytes,
-                                head_bytes)
-        stages = tuple((by_stage[stage_of_rank(r, topo.size)].start, by_stage[stage_of_rank(r, topo.size)].stop)
-                       for r in range(topo.size))
-    else:
-        stages = ()
+    infos = {0: {"host": socket.gethostname(), **join_info(options.memory_budget, config.kv_cache_memory_bytes)},
+             **{r: c.info for r, c in leader.members.items()}}
+    memory = {r: int(infos[r].get("memory", 0)) for r in range(topo.size)}
+    assignment = Assignment(options.parallel, topo.size, split(lazy, options, memory), num_layers)
+    # pipelined batches: the requests split over `virtual` engines, each with its share of
+    # the pool and its own state slots (pipelined.py)
+    virtual = (options.inflight or topo.size) if options.parallel == "pipeline" else 1
+    least = LeastKV.of(lazy, config, virtual)
+    try:
+        check_fit(rank_parts(lazy, assignment, config, infos, draft_footprint(config)), least, config.num_kv_blocks,
+                  num_layers)
+    except ValueError as e:  # a setting (or a draft model that is not there): no rank loads, none starts again
+        log.error("group: %s", e)
+        watchdog.stop()
+        leader.refuse(f"rank 0: {e}", permanent=True)
+        raise
     del lazy
-    assignment = Assignment(options.parallel, topo.size, stages, num_layers)
+    stages = assignment.stages
     engine_settings = {"block_size": config.block_size, "kv_cache_dtype": config.kv_cache_dtype,
-                       "cpu_dequantize": config.cpu_dequantize, "max_num_seqs": config.max_num_seqs}
+                       "cpu_dequantize": config.cpu_dequantize, "max_num_seqs": config.max_num_seqs,
+                       "least_kv_blocks": least.blocks}
     leader.broadcast(wire.ASSIGN, wire.dumps({"assignment": assignment.to_json(), "config": config_digest(model_path),
                                               "engine": engine_settings, "check": options.check}))
     leader.broadcast(wire.RING, wire.dumps({}))
@@ -366,13 +372,12 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     model = load_part(model_path, options.parallel, stage, ring, config.cpu_dequantize, num_layers)
     tokenizer = load_tokenizer(Path(model_path), None,
                                eos_token_ids=load_config(Path(model_path)).get("eos_token_id", None))
+    name = model_name or Path(model_path).name
+    draft = load_draft(config, tokenizer, int(text_args(model).vocab_size), name)  # one, whatever `virtual`
     kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
     loaded = leader.gather(wire.LOADED, deadline)
-    mine = capacity(model, stage, config, kv_dtype)
+    mine = capacity(model, stage, config, kv_dtype, memory[0], least.blocks, draft)
     capacities = [mine["blocks"]] + [int(loaded[r]["blocks"]) for r in sorted(loaded)]
-    # pipelined batches: the requests split over `virtual` engines, each with its share of
-    # the pool and its own state slots (pipelined.py)
-    virtual = (options.inflight or topo.size) if options.parallel == "pipeline" else 1
     num_blocks = config.num_kv_blocks or max(1, min(capacities))
     num_blocks -= num_blocks % virtual
     if num_blocks < virtual:
@@ -398,16 +403,47 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
              time.monotonic() - t0, "; ".join(f"rank {m['rank']} layers {m['layers'][0]}-{m['layers'][1] - 1}, "
                                               f"{m['weights'] / 2**20:.0f} MiB" for m in members), num_blocks)
 
-    name = model_name or Path(model_path).name
+    def shared_runner(num_blocks, block_size, kv_dtype, num_state_slots=0):
+        return GroupRunner(model, num_blocks, block_size, kv_dtype, num_state_slots, stage=stage, group=group)
+
+    engine = group_engine(model, tokenizer, config, name, num_blocks, virtual, shared_runner, draft, group)
+    if virtual > 1:
+        log.info("group: %d batches in flight, each over %d of the %d KV blocks", virtual, num_blocks // virtual,
+                 num_blocks)
+    return engine
+
+
+def split(model, options: GroupOptions, memory: dict[int, int]) -> tuple[tuple[int, int], ...]:
+    """Pipeline: each rank's layers [start, stop), in proportion to the memory it gives (or
+    to `--group-shares`); tensor: none (every rank holds a slice of every layer)."""
+    if options.parallel != "pipeline":
+        return ()
+    size = options.size
+    shares = parse_shares(options.shares, size) if options.shares else [memory[r] or 1 for r in range(size)]
+    layer_bytes, embed_bytes, head_bytes = part_bytes(model)
+    by_stage = split_layers(layer_bytes, [shares[size - 1 - s] for s in range(size)], embed_bytes, head_bytes)
+    return tuple((by_stage[stage_of_rank(r, size)].start, by_stage[stage_of_rank(r, size)].stop) for r in range(size))
+
+
+def group_engine(model, tokenizer, config: EngineConfig, name: str, num_blocks: int, virtual: int, shared_runner,
+                 draft=None, group=None):
+    """Rank 0's engine over a pool of `num_blocks`: an `Engine` whose runner is
+    `shared_runner(num_blocks, block_size, kv_dtype, num_state_slots=...)`, or with `virtual`
+    batches in flight a `PipelinedEngine` of that many engines, each over its share of the
+    one runner. `draft` (`spec_decode.load_draft`): the one draft model they all share."""
+    from cluster.worker.engine import Engine
+
     if virtual == 1:
         def runner_factory(model, num_blocks, block_size, kv_dtype, num_state_slots=0):
-            return GroupRunner(model, num_blocks, block_size, kv_dtype, num_state_slots, stage=stage, group=group)
+            return shared_runner(num_blocks, block_size, kv_dtype, num_state_slots)
 
         engine = Engine(model, tokenizer, replace(config, num_kv_blocks=num_blocks), model_name=name,
-                        runner_factory=runner_factory)
+                        runner_factory=runner_factory, draft=draft)
         engine.group = group
         return engine
-    shared = GroupRunner(model, num_blocks, config.block_size, kv_dtype, num_state_slots, stage=stage, group=group)
+    kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
+    num_state_slots = virtual * config.max_num_seqs if has_recurrent_layers(model) else 0
+    shared = shared_runner(num_blocks, config.block_size, kv_dtype, num_state_slots)
     share = num_blocks // virtual
     engines = []
     for v in range(virtual):
@@ -415,16 +451,27 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
             return VirtualRunner(shared, v * share, v * config.max_num_seqs)
 
         engines.append(Engine(model, tokenizer, replace(config, num_kv_blocks=share), model_name=name,
-                              runner_factory=runner_factory))
-    log.info("group: %d batches in flight, each over %d of the %d KV blocks", virtual, share, num_blocks)
+                              runner_factory=runner_factory, draft=draft))
     return PipelinedEngine(engines, group)
 
 
-def capacity(model, stage, config: EngineConfig, kv_dtype) -> dict:
-    """How many KV blocks this rank's layers fit in its budget, and its weights' bytes."""
+def capacity(model, stage, config: EngineConfig, kv_dtype, memory: int, least_blocks: int = 1, draft=None) -> dict:
+    """How many KV blocks this rank holds, and its weights' bytes: its
+    `--kv-cache-memory-bytes` over one block of its layers (rank 0: and of the `draft`
+    model's), else a share of what its weights leave of the `memory` it gives, never
+    under the group's least (`memory.LeastKV`: the check before loading made room for it)."""
     from mlx.utils import tree_flatten
 
     weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
     per_block = kv_bytes_per_block(model, config.block_size, kv_dtype, stage.layers)
-    budget = config.kv_cache_memory_bytes or default_kv_budget(model)
-    return {"blocks": budget // per_block if per_block else 1 << 30, "weights": weights}
+    draft_weights = 0
+    if draft is not None:
+        per_block += draft.kv_bytes_per_block(config.block_size, None if config.kv_cache_dtype == "auto" else kv_dtype)
+        draft_weights = draft.weight_bytes()
+    if not per_block:
+        return {"blocks": 1 << 30, "weights": weights + draft_weights}
+    if config.kv_cache_memory_bytes:
+        blocks = config.kv_cache_memory_bytes // per_block
+    else:
+        blocks = max(least_blocks, default_kv_budget(model, memory, draft_weights) // per_block)
+    return {"blocks": blocks, "weights": weights + draft_weights}

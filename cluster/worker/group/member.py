@@ -26,30 +26,28 @@ from cluster.worker.group import wire
 from cluster.worker.group.channel import EXIT_GROUP_LOST, Member, Watchdog
 from cluster.worker.group.config import GroupOptions, require_join_token, topology
 from cluster.worker.group.leader import capacity, config_digest, init_ring
-from cluster.worker.group.stage import (
-    Assignment,
-    StageRunner,
-    load_part,
-    member_batch,
-    usable_memory,
-)
+from cluster.worker.group.memory import join_info
+from cluster.worker.group.stage import Assignment, StageRunner, load_part, member_batch
 from cluster.worker.model_runner import text_args, weight_dtype
 
 log = logging.getLogger(__name__)
 
 
-def member_process(model_path: str, options: GroupOptions, join_token: str) -> NoReturn:
+def member_process(model_path: str, options: GroupOptions, join_token: str,
+                   config: EngineConfig | None = None) -> NoReturn:
     """A member process (`orchard worker serve`): `run_member`, then the process ends with
     its exit code: a member that could not start, or whose group ended, is a process gone,
     which its launcher starts again unless the code says permanent (`cluster/exit_codes.py`),
     never one left alive doing nothing. (A Ray actor's thread ends with `end_actor`.)"""
-    code = run_member(model_path, options, join_token)
+    code = run_member(model_path, options, join_token, config)
     logging.shutdown()
     os._exit(code)
 
 
-def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
-    """The member's whole life; returns the process's exit code."""
+def run_member(model_path: str, options: GroupOptions, join_token: str, config: EngineConfig | None = None) -> int:
+    """The member's whole life; returns the process's exit code. `config`: this process's
+    engine flags, of which a member takes its KV budget (`--kv-cache-memory-bytes`); rank
+    0 sets the rest."""
     try:
         options.validate()
         topo = topology(options)
@@ -59,9 +57,11 @@ def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
     except ValueError as e:  # a setting: one line, and the code that says so
         log.error("group member cannot start: %s", e)
         return EXIT_PERMANENT
+    kv_budget = config.kv_cache_memory_bytes if config is not None else None
     deadline = time.monotonic() + options.join_timeout
     member = Member(topo.control, topo.rank, topo.size, join_token, options.timeout,
-                    info={"host": socket.gethostname(), "pid": os.getpid(), "memory": usable_memory()},
+                    info={"host": socket.gethostname(), "pid": os.getpid(),
+                          **join_info(options.memory_budget, kv_budget)},
                     handshake_timeout=options.handshake_timeout)
     watchdog = Watchdog(member.on_lost)
     watchdog.arm(options.join_timeout + 60, "joining the group")
@@ -78,9 +78,10 @@ def run_member(model_path: str, options: GroupOptions, join_token: str) -> int:
         stage = assignment.stage(topo.rank)
         model = load_part(model_path, assignment.parallel, stage, ring, engine["cpu_dequantize"],
                           assignment.num_layers)
-        config = EngineConfig(block_size=int(engine["block_size"]), kv_cache_dtype=engine["kv_cache_dtype"])
+        config = EngineConfig(block_size=int(engine["block_size"]), kv_cache_dtype=engine["kv_cache_dtype"],
+                              kv_cache_memory_bytes=kv_budget)
         kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
-        mine = capacity(model, stage, config, kv_dtype)
+        mine = capacity(model, stage, config, kv_dtype, member.info["memory"], int(engine.get("least_kv_blocks", 1)))
         member.send(wire.LOADED, wire.dumps({**mine, "rss": platform.resident_bytes()}))
         start = member.receive(wire.START, deadline)
         kv_dtype = getattr(mx, start["kv_dtype"])

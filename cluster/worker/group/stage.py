@@ -1,7 +1,7 @@
 """A rank's part of the model: which layers it holds, loading only them, and running them.
 
 Pipeline parallel. The layers are split into contiguous runs, one a rank, in proportion
-to each rank's share (its usable memory, or `--group-shares`), counted in weight bytes:
+to each rank's share (the memory it gives: `memory.py`, or `--group-shares`), counted in weight bytes:
 the first stage also holds the embedding, the last the final norm and LM head. As in
 mlx-lm's `pipeline()`, the stages run in reverse rank order: rank N-1 embeds and holds
 the first layers, rank 0 holds the last ones and the head, so the logits are computed
@@ -38,7 +38,6 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from cluster import platform
 from cluster.worker import attention, recurrent
 from cluster.worker.kernels import AttentionPlan, needs_plan
 from cluster.worker.model_runner import (
@@ -100,14 +99,6 @@ def stage_of_rank(rank: int, size: int) -> int:
     return size - 1 - rank
 
 
-def usable_memory() -> int:
-    """Bytes this machine can give a model: Metal's recommended working set on a Mac, the
-    available RAM elsewhere."""
-    if platform.has_metal():
-        return int(mx.device_info()["max_recommended_working_set_size"])
-    return platform.available_memory() or 8 << 30
-
-
 # -- finding the parts of a model ------------------------------------------------------------------
 
 def _parts(model: nn.Module):
@@ -123,20 +114,24 @@ def _parts(model: nn.Module):
     raise ValueError(f"cannot find the embedding and layers of a {type(model).__module__} model")
 
 
-def _nbytes(module) -> int:
+def module_bytes(module, compute_dtype=None) -> int:
+    """Bytes of a (lazily loaded) module's weights, its floating-point ones in
+    `compute_dtype` when given (what they take once `ready_to_serve` converted them)."""
     from mlx.utils import tree_flatten
 
-    return sum(p.nbytes for _, p in tree_flatten(module.parameters()))
+    return sum(p.size * compute_dtype.size if compute_dtype is not None and mx.issubdtype(p.dtype, mx.floating)
+               else p.nbytes for _, p in tree_flatten(module.parameters()))
 
 
-def part_bytes(model: nn.Module) -> tuple[list[int], int, int]:
+def part_bytes(model: nn.Module, compute_dtype=None) -> tuple[list[int], int, int]:
     """(bytes of each layer, of the embedding, of the final norm + LM head) of a lazily
-    loaded model (nothing is evaluated). A tied head counts the embedding again: the last
-    stage keeps it for the head."""
+    loaded model (nothing is evaluated), floating-point weights in `compute_dtype` when
+    given. A tied head counts the embedding again: the last stage keeps it for the head."""
     inner, outer = _parts(model)
-    embed = _nbytes(inner["embed_tokens"])
-    head = _nbytes(inner["norm"]) + (_nbytes(outer["lm_head"]) if "lm_head" in outer else embed)
-    return [_nbytes(layer) for layer in model.layers], embed, head
+    embed = module_bytes(inner["embed_tokens"], compute_dtype)
+    head = module_bytes(inner["norm"], compute_dtype) + (module_bytes(outer["lm_head"], compute_dtype)
+                                                         if "lm_head" in outer else embed)
+    return [module_bytes(layer, compute_dtype) for layer in model.layers], embed, head
 
 
 class _ZeroEmbedding(nn.Module):

@@ -162,7 +162,8 @@ def loads(payload: bytes) -> dict:
 # -- the join handshake ---------------------------------------------------------------------------
 
 HELLO_FIELDS = {"rank": int, "size": int, "nonce": str}  # required
-HELLO_INFO = {"host": str, "pid": int, "memory": int}  # optional: what rank 0 reports and splits by
+# optional: what rank 0 reports, splits by and checks (group/memory.py's join_info)
+HELLO_INFO = {"host": str, "pid": int, "memory": int, "memory_from": str, "kv_budget": int}
 
 
 def check_hello(hello: dict) -> None:
@@ -176,8 +177,9 @@ def check_hello(hello: dict) -> None:
             raise ProtocolError(f"a HELLO whose {name} is {type(value).__name__}, not {kind.__name__}")
     if not 16 <= len(hello["nonce"]) <= MAX_NONCE:
         raise ProtocolError(f"a HELLO whose nonce has {len(hello['nonce'])} characters (16 to {MAX_NONCE})")
-    if hello.get("memory", 0) < 0:
-        raise ProtocolError(f"a HELLO whose memory is {hello['memory']}")
+    for name in ("memory", "kv_budget"):
+        if hello.get(name, 0) < 0:
+            raise ProtocolError(f"a HELLO whose {name} is {hello[name]}")
 
 
 def leader_proof(token: str, member_nonce: str, leader_nonce: str) -> str:

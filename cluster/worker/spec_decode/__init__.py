@@ -22,12 +22,13 @@ from cluster.worker.spec_decode.config import SpeculativeConfig  # noqa: F401
 
 
 def build_speculator(config, model, model_name: str, hybrid: bool, tokenizer=None, vocab_size: int = 0,
-                     tasks: tuple[str, ...] = ("generate",)):
+                     tasks: tuple[str, ...] = ("generate",), draft=None):
     """The engine's Speculator for its EngineConfig (None: speculation off), before the
     KV pool is sized (a draft model's pool takes its share: `kv_bytes_per_block`); the
     engine then calls `attach`. ValueError, naming the model, where the engine cannot
     speculate exactly, or has nothing to speculate on (`tasks`: what the model serves;
-    an embedding model or a reranker generates nothing)."""
+    an embedding model or a reranker generates nothing). `draft`: a draft model already
+    loaded (`load_draft`) whose weights this engine shares instead of loading its own."""
     spec = SpeculativeConfig.parse(config.speculative_config)
     if spec is None:
         return None
@@ -44,5 +45,17 @@ def build_speculator(config, model, model_name: str, hybrid: bool, tokenizer=Non
     if spec.method == "draft_model":
         from cluster.worker.spec_decode.draft import DraftModelProposer
 
-        proposer = DraftModelProposer.load(spec, config, tokenizer, vocab_size, model_name)
+        proposer = draft.sharing() if draft is not None else DraftModelProposer.load(spec, config, tokenizer,
+                                                                                       vocab_size, model_name)
     return Speculator(spec, proposer)
+
+
+def load_draft(config, tokenizer, vocab_size: int, model_name: str):
+    """The draft model of `config`'s `--speculative-config` (a `DraftModelProposer`, for
+    `build_speculator`'s `draft`), loaded once for engines that share it; None without one."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec is None or spec.method != "draft_model":
+        return None
+    from cluster.worker.spec_decode.draft import DraftModelProposer
+
+    return DraftModelProposer.load(spec, config, tokenizer, vocab_size, model_name)

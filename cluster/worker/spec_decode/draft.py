@@ -89,12 +89,7 @@ class DraftModelProposer:
              model_name: str) -> "DraftModelProposer":
         from cluster.worker.model_runner import has_recurrent_layers, load_model, text_args
 
-        where = Path(config.model).expanduser()
-        if not (where / "config.json").is_file():  # else mlx-lm takes it for a hub repo id
-            raise ValueError(f"--speculative-config: the draft model directory {config.model} "
-                             + ("has no config.json (not an mlx-lm model directory)" if where.is_dir() else
-                                "does not exist"))
-        model, tokenizer = load_model(str(where), engine_config.cpu_dequantize)
+        model, tokenizer = load_model(str(draft_directory(config)), engine_config.cpu_dequantize)
         vocab = int(text_args(model).vocab_size)
         if vocab != target_vocab or _vocab(tokenizer) != _vocab(target_tokenizer):
             raise ValueError(f"--speculative-config: the draft model {config.model} has another tokenizer than "
@@ -104,6 +99,16 @@ class DraftModelProposer:
             raise ValueError(f"--speculative-config: the draft model {config.model} has recurrent layers, whose "
                              "state cannot be rolled back past rejected drafts: use an attention-only draft")
         return cls(config, model, tokenizer)
+
+    def sharing(self) -> "DraftModelProposer":
+        """Another proposer over the same draft weights, for another engine (a pipelined
+        group's virtual engines: one draft model, each engine its own pool and state)."""
+        return type(self)(self.config, self.model, self.tokenizer)
+
+    def weight_bytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(p.nbytes for _, p in tree_flatten(self.model.parameters()))
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype) -> int:
         from cluster.worker.model_runner import kv_bytes_per_block, weight_dtype
@@ -217,6 +222,16 @@ class DraftModelProposer:
 
     def seconds_per_row(self) -> float:
         return self.seconds / self.rows if self.rows else 0.0
+
+
+def draft_directory(config: SpeculativeConfig) -> Path:
+    """The draft model's directory; ValueError, naming it, where it is not an mlx-lm model's."""
+    where = Path(config.model).expanduser()
+    if not (where / "config.json").is_file():  # else mlx-lm takes it for a hub repo id
+        raise ValueError(f"--speculative-config: the draft model directory {config.model} "
+                         + ("has no config.json (not an mlx-lm model directory)" if where.is_dir() else
+                            "does not exist"))
+    return where
 
 
 def _vocab(tokenizer) -> dict:
