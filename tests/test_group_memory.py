@@ -207,3 +207,33 @@ def test_a_pipelined_group_loads_one_draft_model_counted_in_rank_0s_capacity(lla
     assert with_draft["weights"] == without["weights"] + draft.weight_bytes()
     assert with_draft["blocks"] < without["blocks"]
     assert draft_footprint(config) == (draft.weight_bytes(), draft.kv_bytes_per_block(config.block_size, None))
+
+
+def test_a_request_goes_to_the_virtual_engine_that_holds_its_prefix(llama):
+    """Least-loaded placement sent a request to the idle engine although the other held
+    its prompt's prefix; now it follows the prefix while the loads are near (within one
+    request), and its tokens are the single process's. Past that, load wins."""
+    from cluster.worker.engine import Engine
+
+    path, _ = llama
+    config = EngineConfig(num_kv_blocks=64, max_num_seqs=4)
+    group = _virtual_engines(path, config)
+    first = list(range(3, 3 + 70))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    group.add_request("a", first, greedy)
+    while group.has_unfinished():
+        group.step()
+    group.add_request("busy", [7] * 20, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert group._owner("a") is None and group._owner("busy") == 0  # engine 0 holds a's prefix, and is busier
+    follow = first[:64] + [100, 101, 102]
+    group.add_request("b", follow, greedy)
+    assert group._owner("b") == 0
+    group.add_request("c", first[:64] + [200], greedy)
+    assert group._owner("c") == 1  # engine 0 has 2 requests, engine 1 none: load wins
+    out: dict[str, list[int]] = {}
+    while group.has_unfinished():
+        for o in group.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert group.engines[0].stats.prefix_hits >= 64
+    single = Engine.from_pretrained(path, config)
+    assert out["b"] == _generate(single, [follow], max_tokens=8)[0]

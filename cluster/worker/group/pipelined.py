@@ -14,6 +14,11 @@ an earlier batch), then finishes the oldest batch in flight: batches finish in t
 their plans were sent, the order the hidden states come back in. An abort of a request
 whose batch is in flight waits until that batch is done (its blocks are being written).
 
+A new request goes to the virtual engine whose prefix cache holds the longest prefix of
+its prompt, among those within one request of the least loaded (`choose`): each engine
+has a prefix cache of its own, and a request placed by load alone would miss the prefix
+another engine holds.
+
 It offers the engine's interface that the worker's engine loop and service use.
 """
 
@@ -25,6 +30,20 @@ from dataclasses import fields, replace
 
 from cluster.worker.engine import Engine, EngineStats, RequestOutput
 from cluster.worker.scheduler import SchedulerOutput
+
+
+AFFINITY_SLACK = 1  # requests more than the least loaded virtual engine that a prefix hit may cost
+
+
+class _Probe:
+    """A prompt as `BlockManager.get_computed_blocks` reads a sequence not yet admitted."""
+
+    __slots__ = ("block_hashes", "block_table", "token_ids")
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
 
 
 class _Shifted:
@@ -102,12 +121,20 @@ class PipelinedEngine:
                     resume_token_ids=()) -> None:
         if self._owner(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in use")
-        # the virtual engine with the least work takes it
-        v = min(range(len(self.engines)), key=lambda i: (len(self.engines[i].scheduler.running)
-                                                        + len(self.engines[i].scheduler.waiting), i))
+        v = self.choose(prompt_token_ids)
         self.engines[v].add_request(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time,
                                     resume_token_ids=resume_token_ids)
         self._refresh_stats()
+
+    def choose(self, prompt_token_ids) -> int:
+        """The virtual engine a new request goes to: of those within one request of the
+        least loaded (the pipeline needs every engine busy, so affinity only breaks near
+        ties), the one whose prefix cache holds the longest prefix of the prompt, then the
+        less loaded, then the first."""
+        loads = [len(e.scheduler.running) + len(e.scheduler.waiting) for e in self.engines]
+        near = [v for v, load in enumerate(loads) if load <= min(loads) + AFFINITY_SLACK]
+        probe = _Probe(list(prompt_token_ids))  # its block hashes, computed once for every engine
+        return max(near, key=lambda v: (len(self.engines[v].block_manager.get_computed_blocks(probe)), -loads[v], -v))
 
     def _owner(self, request_id: str) -> int | None:
         for i, e in enumerate(self.engines):
