@@ -16,10 +16,12 @@ Contract:
 - A plan is token ids, per-sequence positions, state slots and block-table changes, and
   the handles of sequences gone (`wire.py`: a struct header and int32 arrays, no pickle).
   Every rank uses the same block ids; the pool has the fewest blocks any rank can hold.
+  Before any rank loads, rank 0 checks that every rank's weights and KV share fit in what
+  it gives (`memory.py`); a group that does not fit is refused, permanently, on every rank.
 - Pipeline parallel (`stage.py`): contiguous runs of layers per rank, in proportion to
-  each rank's usable memory (or `--group-shares`); rank N-1 embeds, rank 0 holds the last
-  layers and the head; hidden states go rank r -> r-1 through MLX's send / recv on the
-  CPU stream. Each rank reads only its layers' weight files and evaluates only its part.
+  the memory each rank gives (`memory.py`: free memory, or `--memory-budget`; or
+  `--group-shares`); rank N-1 embeds, rank 0 holds the last layers and the head; hidden
+  states go rank r -> r-1 through MLX's send / recv on the CPU stream. Each rank reads only its layers' weight files and evaluates only its part.
   Tensor parallel: mlx-lm's `shard()`, MLX's sharded linears' all-reduces.
 - Tensors move only through `mx.distributed` (the ring backend, MLX_HOSTFILE / MLX_RANK,
   as mlx.launch sets them). Beside it a TCP side channel (`channel.py`) carries plans,
