@@ -26,6 +26,7 @@ from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.net import CHANNEL_OPTIONS
 from cluster.security import channel as secure_channel
 from cluster.up import LocalCluster, free_port
+from strike import Striker, until_one_moves
 
 HEARTBEAT = 0.2
 
@@ -194,30 +195,15 @@ def test_failover_resumes_mid_stream(cluster, sampling, fault):
             req.sampling.temperature, req.sampling.seed = 0.9, 1000 + i
         return req
 
-    killed: list[int] = []  # the victim, kept here so it is restarted even if a run fails
-
-    async def streams(kill_after_tokens: int | None):
-        """Run the 16 streams; once `kill_after_tokens` tokens have arrived in all, kill -9
-        the worker serving most of the unfinished streams."""
+    async def streams(striker: Striker):
         async with channel(cluster.router_address) as ch:
             stub = pb_grpc.GenerationStub(ch)
-            seen = {"tokens": 0}
-            serving: dict[int, str] = {}  # unfinished stream -> worker
+            return await asyncio.gather(*(collect(stub, make(i, p), striker.on_chunk(i))
+                                          for i, p in enumerate(prompts)))
 
-            def on_chunk(i):
-                def f(c):
-                    seen["tokens"] += len(c.token_ids)
-                    serving[i] = c.worker_id
-                    if c.finish_reason:
-                        serving.pop(i, None)
-                    if kill_after_tokens and not killed and seen["tokens"] >= kill_after_tokens:
-                        busiest = max(set(serving.values()), key=list(serving.values()).count)
-                        killed.append(int(busiest.split("-")[1]))
-                        os.kill(cluster.workers[killed[0]].proc.pid,
-                                signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-                return f
-
-            return await asyncio.gather(*(collect(stub, make(i, p), on_chunk(i)) for i, p in enumerate(prompts)))
+    def strike(worker_id: str) -> None:
+        os.kill(cluster.workers[int(worker_id.split("-")[1])].proc.pid,
+                signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
 
     def bring_back(victim: int) -> None:
         if fault == "stop":
@@ -229,19 +215,15 @@ def test_failover_resumes_mid_stream(cluster, sampling, fault):
             cluster.start_worker(victim)
             cluster.wait_ready(120)
 
-    reference = run(streams(None))
-    # The fault must land while the victim still owes tokens. The client decides when to
-    # strike from the tokens it has read, and a client that lags behind a fast worker (a
-    # loaded machine) may read its 256th token after the victim has sent every stream whole
-    # (it then has nothing left to lose: each stream ends unchanged, none moves). Such a
-    # try proves nothing about failover, so it is run again.
-    for _ in range(3):
-        killed.clear()
+    reference = run(streams(Striker(None, strike)))
+
+    def attempt() -> bool:
         before = metric(scrape(cluster.metrics_address), 'orchard_router_retries_total{kind="resume"}')
+        striker = Striker(16 * 16, strike)  # about 16 tokens into each stream
         try:
-            faulty = run(streams(16 * 16))  # about 16 tokens into each stream
-            assert killed
-            victim = killed[0]
+            faulty = run(streams(striker))
+            assert striker.struck
+            victim = int(striker.struck[0].split("-")[1])
             for (ref_toks, ref_text, _), (toks, text, chunks) in zip(reference, faulty):
                 assert len(toks) == max_tokens
                 assert toks == ref_toks
@@ -249,7 +231,7 @@ def test_failover_resumes_mid_stream(cluster, sampling, fault):
                 assert chunks[-1].usage.completion_tokens == max_tokens
             moved = [i for i, (_, _, chunks) in enumerate(faulty) if len({c.worker_id for c in chunks if c.token_ids}) > 1]
             if not moved:
-                continue
+                return False
             text = scrape(cluster.metrics_address)
             resumed = metric(text, 'orchard_router_retries_total{kind="resume"}') - before
             assert resumed >= len(moved), (victim, moved, [ln for ln in text.splitlines() if "retries_total" in ln])
@@ -259,12 +241,12 @@ def test_failover_resumes_mid_stream(cluster, sampling, fault):
             else:
                 assert states[f"worker-{victim}"] == pb.WORKER_STATE_UNHEALTHY
             assert states[f"worker-{1 - victim}"] == pb.WORKER_STATE_HEALTHY
-            break
-        finally:
-            for victim in killed:
-                bring_back(victim)
-    else:
-        pytest.fail("in 3 tries the fault never struck while the victim still owed tokens")
+            return True
+        finally:  # brought back even when a run fails
+            for worker_id in striker.struck:
+                bring_back(int(worker_id.split("-")[1]))
+
+    until_one_moves(attempt)
 
 
 def test_router_restart_workers_come_back(cluster):

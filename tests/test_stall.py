@@ -22,6 +22,7 @@ from cluster.security import channel as secure_channel
 from cluster.up import LocalCluster, free_port
 from cluster.worker.registration import Registration
 from fake_worker import FakeWorker
+from strike import Striker, until_one_moves_async
 
 
 def run(coro, timeout: float = 180):
@@ -113,56 +114,42 @@ def test_a_wedged_worker_is_left_within_seconds_and_placed_on_again_when_it_move
     c, faults = cluster
     prompts = [f"Stall {i}: the router keeps every token of" for i in range(6)]
     max_tokens = 400  # the tiny model is fast: the streams must still be running at the wedge
-    wedged: list[str] = []
 
-    async def streams(stub, wedge_after: int | None):
-        seen = {"tokens": 0}
-        serving: dict[int, str] = {}  # unfinished stream -> its worker
-
-        def on_chunk(i):
-            def f(chunk):
-                seen["tokens"] += len(chunk.token_ids)
-                serving[i] = chunk.worker_id
-                if chunk.finish_reason:
-                    serving.pop(i, None)
-                if wedge_after and not wedged and seen["tokens"] >= wedge_after and serving:
-                    busiest = max(set(serving.values()), key=list(serving.values()).count)
-                    (faults / f"{busiest}.wedge").touch()
-                    wedged.append(busiest)
-            return f
-
-        return await asyncio.gather(*(collect(stub, request(p, max_tokens), on_chunk(i))
+    async def streams(stub, striker: Striker):
+        return await asyncio.gather(*(collect(stub, request(p, max_tokens), striker.on_chunk(i))
                                       for i, p in enumerate(prompts)))
+
+    async def attempt(stub, reference) -> bool:
+        striker = Striker(6 * 16, lambda busiest: (faults / f"{busiest}.wedge").touch())  # ~16 tokens a stream
+        try:
+            results = await asyncio.wait_for(streams(stub, striker), 60)  # not waiting for the wedge to end
+            assert [t for t, _ in results] == [t for t, _ in reference]
+            assert striker.struck, "the streams ended before the wedge"
+            victim = striker.struck[0]
+            other = next(w for w in states(c) if w != victim)
+            if not any(workers == {victim, other} for _, workers in results):
+                return False  # the victim had sent everything before the client struck
+            await until(lambda: states(c)[victim] == pb.WORKER_STATE_UNHEALTHY,
+                        "the wedged worker unhealthy at the router", 15)
+            new = await asyncio.gather(*(collect(stub, request(f"New {i} while wedged", 8)) for i in range(4)))
+            assert all(workers == {other} for _, workers in new), (victim, new)
+        finally:
+            for f in faults.iterdir():
+                f.unlink()
+        await until(lambda: states(c)[victim] == HEALTHY, "the worker healthy once its step finished", 20)
+        for i in range(5):  # placed there again (the policy spreads concurrent requests)
+            again = await asyncio.gather(*(collect(stub, request(f"Back {i}.{j}", 8)) for j in range(8)))
+            if any(victim in workers for _, workers in again):
+                return True
+        pytest.fail(f"nothing placed on {victim} after its step finished")
 
     async def main():
         async with grpc.aio.insecure_channel(c.router_address) as ch:
             stub = pb_grpc.GenerationStub(ch)
-            reference = await streams(stub, None)
-            faulty = asyncio.ensure_future(streams(stub, 6 * 16))  # about 16 tokens into each stream
-            try:
-                await until(lambda: wedged, "the wedge", 60)
-                victim = wedged[0]
-                other = next(w for w in states(c) if w != victim)
-                await until(lambda: states(c)[victim] == pb.WORKER_STATE_UNHEALTHY,
-                                      "the wedged worker unhealthy at the router", 15)
-                new = await asyncio.gather(*(collect(stub, request(f"New {i} while wedged", 8)) for i in range(4)))
-                assert all(workers == {other} for _, workers in new), (victim, new)
-                results = await asyncio.wait_for(faulty, 60)  # they must not wait for the wedge to end
-            finally:
-                for f in faults.iterdir():
-                    f.unlink()
-            assert [t for t, _ in results] == [t for t, _ in reference]
-            moved = [i for i, (_, workers) in enumerate(results) if workers == {victim, other}]
-            assert moved, "no stream was on the wedged worker"
-            await until(lambda: states(c)[victim] == HEALTHY, "the worker healthy once its step finished", 20)
-            for attempt in range(5):  # placed there again (the policy spreads concurrent requests)
-                again = await asyncio.gather(*(collect(stub, request(f"Back {attempt}.{i}", 8)) for i in range(8)))
-                if any(victim in workers for _, workers in again):
-                    break
-            else:
-                pytest.fail(f"nothing placed on {victim} after its step finished")
+            reference = await streams(stub, Striker(None, print))
+            await until_one_moves_async(lambda: attempt(stub, reference))
 
-    run(main())
+    run(main(), 540)
 
 
 @pytest.mark.slow
@@ -173,38 +160,29 @@ def test_a_stopped_worker_has_its_streams_resumed_once_it_misses_its_heartbeats(
     c, _ = cluster
     prompts = [f"Asleep {i}: the router keeps every token of" for i in range(6)]
     max_tokens = 400
-    stopped: list[int] = []
 
-    async def streams(stub, stop_after: int | None):
-        seen = {"tokens": 0}
-        serving: dict[int, str] = {}
+    def pid(worker_id: str) -> int:
+        return c.workers[int(worker_id.split("-")[1])].proc.pid
 
-        def on_chunk(i):
-            def f(chunk):
-                seen["tokens"] += len(chunk.token_ids)
-                serving[i] = chunk.worker_id
-                if chunk.finish_reason:
-                    serving.pop(i, None)
-                if stop_after and not stopped and seen["tokens"] >= stop_after and serving:
-                    busiest = max(set(serving.values()), key=list(serving.values()).count)
-                    stopped.append(int(busiest.split("-")[1]))
-                    os.kill(c.workers[stopped[0]].proc.pid, signal.SIGSTOP)
-            return f
-
-        return await asyncio.gather(*(collect(stub, request(p, max_tokens), on_chunk(i))
+    async def streams(stub, striker: Striker):
+        return await asyncio.gather(*(collect(stub, request(p, max_tokens), striker.on_chunk(i))
                                       for i, p in enumerate(prompts)))
+
+    async def attempt(stub, reference) -> bool:
+        striker = Striker(6 * 16, lambda busiest: os.kill(pid(busiest), signal.SIGSTOP))
+        try:
+            results = await asyncio.wait_for(streams(stub, striker), 25)  # under the 30 s idle timeout
+        finally:
+            for victim in striker.struck:
+                os.kill(pid(victim), signal.SIGCONT)
+        assert [t for t, _ in results] == [t for t, _ in reference]
+        await until(lambda: list(states(c).values()) == [HEALTHY, HEALTHY], "the stopped worker back", 30)
+        return any(len(workers) == 2 for _, workers in results)
 
     async def main():
         async with grpc.aio.insecure_channel(c.router_address) as ch:
             stub = pb_grpc.GenerationStub(ch)
-            reference = await streams(stub, None)
-            try:
-                results = await asyncio.wait_for(streams(stub, 6 * 16), 25)  # under the 30 s idle timeout
-            finally:
-                for i in stopped:
-                    os.kill(c.workers[i].proc.pid, signal.SIGCONT)
-            assert [t for t, _ in results] == [t for t, _ in reference]
-            assert any(len(workers) == 2 for _, workers in results), "no stream was on the stopped worker"
-            await until(lambda: list(states(c).values()) == [HEALTHY, HEALTHY], "the stopped worker back", 30)
+            reference = await streams(stub, Striker(None, print))
+            await until_one_moves_async(lambda: attempt(stub, reference))
 
-    run(main())
+    run(main(), 400)
