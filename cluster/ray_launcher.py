@@ -21,8 +21,12 @@ Ray cluster.
   `cluster/worker/group/`): a placement group of N bundles, one per node (STRICT_SPREAD),
   rank 0 a worker actor in the first bundle (`orchard-worker-g<i>`), the other ranks
   member actors in the others (`orchard-worker-g<i>-rank<r>`), over MLX's ring on the
-  nodes' Ray IPs. When one of them dies the others exit (the group is lost) and Ray
-  restarts each actor; they find each other again.
+  nodes' Ray IPs. Each actor finds the addresses when it starts, not at launch: its own
+  from the node it runs on, rank 0's from the node that holds rank 0's bundle now; rank 0 learns each member's from the member as it joins and hands
+  the ring to every rank (`cluster/worker/group/`). When one of them dies the others exit
+  (the group is lost) and Ray restarts each actor; they find each other again, wherever
+  their bundles are by then. `--host` is the router's and the workers' gRPC address; a
+  group's ring is always on each node's own IP.
 
 Each actor runs the same server objects as the CLI (`RouterServer`, `WorkerServer`) on
 its own asyncio loop in a thread; the model directory must exist at the same path on every
@@ -65,7 +69,8 @@ class RaySpec:
     model: str = setting(help="mlx-lm model directory, at the same path on every worker node")
     workers_per_node: int = setting(1, "worker actors on each worker node")
     resource: str = setting("orchard_worker", "Ray resource that marks worker nodes")
-    host: str | None = setting(None, "bind/advertise address (default: each node's Ray IP)")
+    host: str | None = setting(None, "the router's and workers' bind/advertise address (default: each node's Ray "
+                                      "IP; a group's ring is always on each node's own)")
     router_port: int = setting(port_of(RouterConfig.grpc_address),
                                "router gRPC port (0: any free one, and a restart moves the router)")
     router_http_port: int | None = setting(port_of(RouterConfig.http_address), "OpenAI HTTP port (-1: off)", off=-1)
@@ -121,6 +126,30 @@ def _node_ip() -> str:
 
 def _addr(host: str, port: int | None) -> str | None:
     return None if port is None else f"{host}:{port}"
+
+
+def group_hosts(spec: RaySpec, g: int, rank: int) -> str:
+    """`--group-hosts` for rank `rank` of group `g`, found inside its actor (in the
+    group's placement group) as it starts, again at each restart (a bundle may have moved):
+    each rank's address is its node's as Ray lists it (the node this actor runs on, for
+    its own rank; for the others, the nodes that hold their bundles now). ConnectionError while a bundle is not placed (its node is gone and Ray has
+    not placed it again yet): starting again later can help."""
+    import ray
+    from ray.util.placement_group import get_current_placement_group, placement_group_table
+
+    pg = get_current_placement_group()
+    if pg is None:
+        raise RuntimeError("group_hosts runs in a group's actor (in its placement group)")
+    where = dict(placement_group_table(pg)["bundles_to_node_id"])
+    where[rank] = ray.get_runtime_context().get_node_id()
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    hosts = []
+    for r in range(spec.group_size):
+        ip = ips.get(where.get(r))
+        if ip is None:
+            raise ConnectionError(f"group {g}'s bundle {r} is on no live node now")
+        hosts.append(f"{ip}:{spec.group_port + g * spec.group_size + r}")
+    return ",".join(hosts)
 
 
 def back_off_if_restarted(backoff: Backoff | None = None, state_dir: str | None = None) -> float:
@@ -219,8 +248,10 @@ class WorkerActor:
         )
         back_off_if_restarted()
         self._loop = _LoopThread("orchard-worker")
-        self.server = WorkerServer(options)
         try:
+            if group is not None and not group.hosts:  # rank 0 of group `index`: where the ranks are now
+                options = replace(options, group=replace(group, hosts=group_hosts(spec, index, 0)))
+            self.server = WorkerServer(options)
             self._loop.run(self.server.start(), timeout=600)
         except Exception as e:
             code = exit_code(e.__cause__ or e)
@@ -243,7 +274,9 @@ class GroupMemberActor:
     steps it plans. When it ends (the group lost, or it could not join) the process exits
     and Ray starts it again."""
 
-    def __init__(self, spec: RaySpec, group):
+    def __init__(self, spec: RaySpec, group, g: int | None = None):
+        """`group`: the member's GroupOptions; where the ranks are is found as it starts
+        from group `g`'s placement group when `group.hosts` does not say."""
         import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
         from cluster.worker.group.member import run_member
 
@@ -252,7 +285,13 @@ class GroupMemberActor:
         self.rank = group.rank
 
         def member() -> None:
-            end_actor(run_member(spec.model, group, spec.join_token, spec.engine), f"group rank {group.rank}")
+            what = f"group rank {group.rank}"
+            try:
+                options = group if group.hosts else replace(group, hosts=group_hosts(spec, g, group.rank))
+            except ConnectionError as e:
+                log.error("%s cannot find its group (%s): %s", what, describe(EXIT_TRANSIENT), e)
+                end_actor(EXIT_TRANSIENT, what)
+            end_actor(run_member(spec.model, options, spec.join_token, spec.engine), what)
 
         self.thread = threading.Thread(target=member, name="orchard-group-member", daemon=True)
         self.thread.start()
@@ -367,7 +406,7 @@ def _launch_groups(spec: RaySpec, nodes: list[dict], router, router_addresses: d
     """Worker groups: a placement group of `group_size` bundles each (one per node under
     STRICT_SPREAD), rank 0 a WorkerActor in bundle 0, the members in the others."""
     import ray
-    from ray.util.placement_group import placement_group, placement_group_table
+    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from cluster.worker.group.config import GroupOptions
@@ -378,7 +417,6 @@ def _launch_groups(spec: RaySpec, nodes: list[dict], router, router_addresses: d
     if slots < size:
         raise RuntimeError(f"a group of {size} needs {size} nodes with the resource {spec.resource!r} "
                            f"({spec.group_strategy}); there are {slots}")
-    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     # a group never runs without a join token: with an open router (--insecure) its ranks
     # get one made here (in the actors' arguments; the router takes any token)
     spec = replace(spec, join_token=spec.join_token or secrets.token_urlsafe(24))
@@ -387,10 +425,8 @@ def _launch_groups(spec: RaySpec, nodes: list[dict], router, router_addresses: d
         pg = placement_group([{spec.resource: 1}] * size, strategy=spec.group_strategy, name=f"{GROUP_PREFIX}{g}",
                              lifetime="detached" if spec.detached else None)
         ray.get(pg.ready(), timeout=120)
-        where = placement_group_table(pg)["bundles_to_node_id"]
-        hosts = ",".join(f"{spec.host or ips[where[r]]}:{spec.group_port + g * size + r}" for r in range(size))
-        for r in range(size):
-            options = GroupOptions(size=size, parallel=spec.parallel, rank=r, hosts=hosts)
+        for r in range(size):  # where the ranks are: found by each actor as it starts (group_hosts)
+            options = GroupOptions(size=size, parallel=spec.parallel, rank=r)
             placed = dict(common, resources={spec.resource: 1},
                           scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
             if r == 0:
@@ -399,7 +435,7 @@ def _launch_groups(spec: RaySpec, nodes: list[dict], router, router_addresses: d
                     spec, router_addresses["grpc"], g, name.removeprefix("orchard-"), options)
             else:
                 name = f"{WORKER_PREFIX}g{g}-rank{r}"
-                members[name] = ray.remote(GroupMemberActor).options(name=name, **placed).remote(spec, options)
+                members[name] = ray.remote(GroupMemberActor).options(name=name, **placed).remote(spec, options, g)
     ray.get([w.addresses.remote() for w in [*members.values(), *workers.values()]], timeout=worker_timeout)
     return RayDeployment(spec, router, router_addresses, workers, members)
 

@@ -320,6 +320,8 @@ def test_a_member_tries_again_when_rank_0_resets_its_connection():
     (b'{"rank": 1, "size": 2, "nonce": 12345678901234567890}', "nonce"),
     (b'{"rank": true, "size": 2, "nonce": "' + b"n" * 32 + b'"}', "rank"),
     (b'{"rank": 1, "size": 2, "nonce": "' + b"n" * 32 + b'", "memory": "lots"}', "memory"),
+    (b'{"rank": 1, "size": 2, "nonce": "' + b"n" * 32 + b'", "ring": "nowhere"}', "ring address"),
+    (b'{"rank": 1, "size": 2, "nonce": "' + b"n" * 32 + b'", "ring": "h:99999"}', "ring address"),
     (b"[1, 2]", "object"),
     (None, "bytes"),  # a HELLO longer than a handshake may be
 ])
@@ -469,12 +471,16 @@ def start_members(model: Path, size: int, hosts: str, port: int, parallel: str =
             for r in range(1, size)]
 
 
-def run_group(model: Path, size: int, parallel: str = "pipeline", timeout: float = 600, **driver) -> dict:
-    """Rank 0 (tests/group_driver.py) and size - 1 members as processes; rank 0's result."""
+def run_group(model: Path, size: int, parallel: str = "pipeline", timeout: float = 600, stale_ring: bool = False,
+              **driver) -> dict:
+    """Rank 0 (tests/group_driver.py) and size - 1 members as processes; rank 0's result.
+    `stale_ring`: rank 0's flags have the members' ring addresses where they are not."""
     *ring, port = free_ports(size + 1)
     hosts = ",".join(f"127.0.0.1:{p}" for p in ring)
     members = start_members(model, size, hosts, port, parallel)
-    args = [sys.executable, str(ROOT / "tests" / "group_driver.py"), "--model", str(model), "--hosts", hosts,
+    rank0_hosts = ",".join([f"127.0.0.1:{ring[0]}"] + [f"127.0.0.1:{p}" for p in free_ports(size - 1)]) \
+        if stale_ring else hosts
+    args = [sys.executable, str(ROOT / "tests" / "group_driver.py"), "--model", str(model), "--hosts", rank0_hosts,
             "--port", str(port), "--parallel", parallel]
     for k, v in driver.items():
         args += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
@@ -577,6 +583,14 @@ def test_two_rank_pipeline_is_the_single_process_bit_for_bit(models):
     layers = sorted(tuple(m["layers"]) for m in group["group"]["members"])
     assert layers == [(0, 2), (2, 4)]
     assert_greedy_matches_mlx_lm(model, single)
+
+
+def test_rank_0_takes_each_members_ring_address_from_the_member(models):
+    """Rank 0's flags have rank 1 where it is not (a Ray bundle that moved since they were
+    written): the member says where it listens as it joins, rank 0 hands that ring to every
+    rank, and the group forms and is exact."""
+    model = models("qwen3", layers=4, files=2)
+    assert_same(run_group(model, 2, stale_ring=True, timeout=300), single_run(model))
 
 
 @pytest.mark.slow

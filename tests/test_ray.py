@@ -357,3 +357,34 @@ def test_ray_does_not_restart_a_member_refused_for_good():
     finally:
         ray.shutdown()
         leader.close()
+
+
+def test_a_group_actor_finds_the_ranks_where_their_bundles_are_as_it_starts():
+    """Where a group's ranks are is found inside each of its actors as it starts (again at
+    each restart): its own address from its node, the others' from the nodes that hold
+    their bundles now; never `--host` (one address for every rank, on every node)."""
+    import shutil
+    import tempfile
+
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from cluster.ray_launcher import GROUP_PREFIX, RaySpec, group_hosts
+
+    temp_dir = tempfile.mkdtemp(prefix="orayh", dir="/tmp")
+    ray.init(num_cpus=2, resources={"orchard_worker": 2}, include_dashboard=False, _node_ip_address="127.0.0.1",
+             namespace=f"orchard-test-{free_port()}", logging_level="WARNING", _temp_dir=temp_dir)
+    try:
+        spec = RaySpec(model="unused", host="10.9.8.7", group_size=2, group_port=40000)
+        pg = placement_group([{"orchard_worker": 1}] * 2, strategy="PACK", name=f"{GROUP_PREFIX}1")
+        ray.get(pg.ready(), timeout=60)
+        (node,) = ray.nodes()
+        ip = node["NodeManagerAddress"]  # what Ray lists for the node (not necessarily _node_ip_address)
+        resolve = ray.remote(num_cpus=0)(group_hosts)
+        for rank in range(2):
+            in_bundle = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            assert ray.get(resolve.options(scheduling_strategy=in_bundle).remote(spec, 1, rank),
+                           timeout=60) == f"{ip}:40002,{ip}:40003"
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)

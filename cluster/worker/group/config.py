@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.config import ByteSize, setting
@@ -107,6 +107,25 @@ class Topology:
     @property
     def size(self) -> int:
         return len(self.ring)
+
+    def joined(self, addresses: dict[int, str]) -> "Topology":
+        """The ring with each member's address as the member itself gave it (`addresses`,
+        rank -> HOST:PORT, from its HELLO) in place of this process's flags: a member knows
+        where it listens, while another rank's flags may be stale (a Ray bundle that moved).
+        A rank that gave none keeps its address from the flags."""
+        ring = list(self.ring)
+        for rank, address in addresses.items():
+            ring[rank] = parse_address(address)
+        return replace(self, ring=tuple(ring))
+
+    def with_ring(self, addresses: list[str]) -> "Topology":
+        """The ring rank 0 hands every rank (RING), in rank order."""
+        if len(addresses) != self.size:
+            raise ValueError(f"rank 0 sent {len(addresses)} ring addresses for a group of {self.size}")
+        return replace(self, ring=tuple(parse_address(a) for a in addresses))
+
+    def ring_addresses(self) -> list[str]:
+        return [f"{h}:{p}" for h, p in self.ring]
 
     def ring_hostfile(self) -> str:
         """The JSON MLX's ring backend reads from $MLX_HOSTFILE: one list of addresses a rank."""

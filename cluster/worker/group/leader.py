@@ -337,6 +337,9 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     log.info("group: rank 0 of %d (%s parallel), waiting for the members on %s:%d", topo.size, options.parallel,
              *leader.address)
     leader.admit(deadline)
+    # each member's ring address as it says, not as this rank's flags have it (a Ray
+    # bundle may have moved since they were written)
+    topo = topo.joined({r: c.info["ring"] for r, c in leader.members.items() if "ring" in c.info})
     # the split and the memory check: from a lazily built model (nothing read but the
     # files' headers), before any rank loads
     lazy, _ = load_model(Path(model_path), lazy=True, strict=False)
@@ -364,7 +367,7 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
                        "least_kv_blocks": least.blocks}
     leader.broadcast(wire.ASSIGN, wire.dumps({"assignment": assignment.to_json(), "config": config_digest(model_path),
                                               "engine": engine_settings, "check": options.check}))
-    leader.broadcast(wire.RING, wire.dumps({}))
+    leader.broadcast(wire.RING, wire.dumps({"ring": topo.ring_addresses()}))
     ring = init_ring(topo, options.backend)
     log.info("group: MLX %s group of %d up (%s)", options.backend, topo.size,
              ", ".join(f"{h}:{p}" for h, p in topo.ring))

@@ -60,7 +60,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
     kv_budget = config.kv_cache_memory_bytes if config is not None else None
     deadline = time.monotonic() + options.join_timeout
     member = Member(topo.control, topo.rank, topo.size, join_token, options.timeout,
-                    info={"host": socket.gethostname(), "pid": os.getpid(),
+                    info={"host": socket.gethostname(), "pid": os.getpid(), "ring": topo.ring_addresses()[topo.rank],
                           **join_info(options.memory_budget, kv_budget)},
                     handshake_timeout=options.handshake_timeout)
     watchdog = Watchdog(member.on_lost)
@@ -73,7 +73,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
             raise ValueError(f"the model at {model_path} is not rank 0's (its config.json differs)")
         assignment = Assignment.from_json(assign["assignment"])
         engine = assign["engine"]
-        member.receive(wire.RING, deadline)
+        topo = topo.with_ring(member.receive(wire.RING, deadline)["ring"])  # every rank's, as rank 0 learnt them
         ring = init_ring(topo, options.backend)
         stage = assignment.stage(topo.rank)
         model = load_part(model_path, assignment.parallel, stage, ring, engine["cpu_dequantize"],

@@ -162,8 +162,9 @@ def loads(payload: bytes) -> dict:
 # -- the join handshake ---------------------------------------------------------------------------
 
 HELLO_FIELDS = {"rank": int, "size": int, "nonce": str}  # required
-# optional: what rank 0 reports, splits by and checks (group/memory.py's join_info)
-HELLO_INFO = {"host": str, "pid": int, "memory": int, "memory_from": str, "kv_budget": int}
+# optional: what rank 0 reports, splits by and checks (group/memory.py's join_info), and
+# hands every rank (ring: the member's own HOST:PORT for MLX's ring)
+HELLO_INFO = {"host": str, "pid": int, "memory": int, "memory_from": str, "kv_budget": int, "ring": str}
 
 
 def check_hello(hello: dict) -> None:
@@ -180,6 +181,10 @@ def check_hello(hello: dict) -> None:
     for name in ("memory", "kv_budget"):
         if hello.get(name, 0) < 0:
             raise ProtocolError(f"a HELLO whose {name} is {hello[name]}")
+    if "ring" in hello:
+        host, _, port = hello["ring"].rpartition(":")
+        if not host or len(host) > 255 or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ProtocolError(f"a HELLO whose ring address {hello['ring'][:300]!r} is not HOST:PORT")
 
 
 def leader_proof(token: str, member_nonce: str, leader_nonce: str) -> str:
