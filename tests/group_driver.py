@@ -7,6 +7,10 @@ The workload (staggered arrivals) has long prompts under a small step budget (ch
 prefill, two partial prefills at once), a pool small enough to preempt, a prompt that
 reuses a finished one's prefix (a prefix-cache hit), a request aborted mid-output, n = 3
 seeded samples, and a structured (regex) output; every request asks for logprobs.
+
+`--poison` runs `run_beside_poison` instead: a few greedy streams on the engine thread
+(`EngineLoop`, as a worker serves them) and, once they are under way, a request whose
+prompt holds POISON_RUN, which a member's fault file makes fail (cluster/worker/faults.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import argparse
 import json
 import random
 import sys
+import threading
+import time
 
 import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 from cluster.worker.config import EngineConfig
@@ -102,6 +108,52 @@ def run_workload(engine, seed: int = 0, steps_limit: int = 5000) -> dict:
     return {"results": results, "preemptions": s.num_preemptions, "prefix_hits": s.prefix_hits, "steps": step}
 
 
+POISON_RUN = [497, 498, 499]  # token ids: a step that holds them raises on the rank whose fault file names them
+
+
+def run_beside_poison(engine_factory, seed: int = 0, poison: bool = True, timeout: float = 300) -> dict:
+    """Greedy streams on an engine thread (`engine_factory` runs there) and, once each has
+    tokens, a request whose prompt holds POISON_RUN (`poison`). Each stream's tokens, the
+    failures' messages, and the engine."""
+    from cluster.worker.engine import RequestOutput
+    from cluster.worker.engine_loop import AddRequest, EngineLoop, Failed
+
+    rng = random.Random(seed)
+    streams = {f"r{i}": [rng.randrange(3, 490) for _ in range(n)] for i, n in enumerate((20, 45, 9, 30))}
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    tokens: dict[str, list[int]] = {rid: [] for rid in streams}
+    failed: dict[str, str] = {}
+    finished: set[str] = set()
+    under_way, done = threading.Event(), threading.Event()
+
+    def sink(now, events) -> None:
+        for ev in events:
+            if isinstance(ev, Failed):
+                failed[ev.request_id] = ev.message
+            elif isinstance(ev, RequestOutput):
+                tokens.setdefault(ev.request_id, []).extend(ev.new_token_ids)
+                if ev.finished:
+                    finished.add(ev.request_id)
+        if all(len(tokens[rid]) >= 2 for rid in streams):
+            under_way.set()
+        if finished | failed.keys() >= streams.keys() | ({"poison"} if poison else set()):
+            done.set()
+
+    loop = EngineLoop(engine_factory, sink)
+    loop.start(timeout=timeout)
+    try:
+        for rid, prompt in streams.items():
+            loop.submit(AddRequest(rid, prompt, params, time.monotonic()))
+        if poison:
+            assert under_way.wait(timeout), "the streams did not start"
+            loop.submit(AddRequest("poison", [rng.randrange(3, 490) for _ in range(10)] + POISON_RUN,
+                                   SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), time.monotonic()))
+        assert done.wait(timeout), f"the streams did not finish: {tokens}, failed: {failed}"
+    finally:
+        loop.stop(60)
+    return {"results": {rid: tokens[rid] for rid in sorted(tokens)}, "failed": failed, "engine": loop.engine}
+
+
 def main() -> int:
     import logging
 
@@ -117,6 +169,7 @@ def main() -> int:
     ap.add_argument("--random-steps", type=int, default=0, help="run the randomized mirrored-state load instead")
     ap.add_argument("--speculative", action="store_true", help="n-gram speculative decoding on")
     ap.add_argument("--inflight", type=int, default=1, help="batches in flight (1: the single process's batches)")
+    ap.add_argument("--poison", action="store_true", help="run_beside_poison instead of the workload")
     args = ap.parse_args()
     from cluster.worker.group.config import GroupOptions
     from cluster.worker.group.leader import load_group_engine
@@ -128,8 +181,19 @@ def main() -> int:
     if args.speculative:
         every_draft()
     cfg["num_kv_blocks"] *= args.inflight  # each batch in flight (virtual engine) gets the single process's pool
-    engine = load_group_engine(args.model, EngineConfig(**cfg), options, "test-token")
-    engine.warm_up()
+    def load():
+        engine = load_group_engine(args.model, EngineConfig(**cfg), options, "test-token")
+        engine.warm_up()
+        return engine
+
+    if args.poison:  # the engine is built on the engine thread, as a worker builds it
+        out = run_beside_poison(load, args.seed)
+        engine = out.pop("engine")
+        out["group"] = {"failed_steps": engine.group.stats.failed_steps, "lost": engine.group.leader.lost}
+        engine.group.close()
+        print("RESULT " + json.dumps(out), flush=True)
+        return 0
+    engine = load()
     if args.random_steps:
         from group_random import run_random
 

@@ -7,13 +7,19 @@ engine thread misbehave the way real faults do, from outside the process:
                       FACTOR is the file's content, 10 if empty)
 
 and a request whose text prompt contains POISON_MARK makes every step it is part of
-raise (a poison request).
+raise (a poison request). A worker group's member (which sees token ids, not text) has
+its own file, named for its rank:
+
+    rankR.poison      a step of rank R whose token ids contain the run of ids the file
+                      lists (whitespace-separated) raises on that rank (`MemberFaults`)
 """
 
 from __future__ import annotations
 
 import os
 import time
+
+import numpy as np
 
 POISON_MARK = "ORCHARD-FAULT-POISON"
 
@@ -45,3 +51,28 @@ class FaultInjection:
                 return float(f.read().strip() or 10)
         except (OSError, ValueError):
             return 0.0
+
+
+class MemberFaults:
+    """A group member's fault hook (see the module docstring)."""
+
+    def __init__(self, directory: str, rank: int):
+        self.rank = rank
+        self.poison = os.path.join(directory, f"rank{rank}.poison")
+
+    @classmethod
+    def from_env(cls, rank: int) -> "MemberFaults | None":
+        directory = os.environ.get("ORCHARD_FAULT_DIR")
+        return cls(directory, rank) if directory else None
+
+    def before_step(self, input_ids: np.ndarray) -> None:
+        """Before this rank's part of a step: raise when its token ids hold the poison run."""
+        try:
+            with open(self.poison) as f:
+                run = np.array([int(t) for t in f.read().split()], np.int64)
+        except (OSError, ValueError):
+            return
+        if 0 < len(run) <= len(input_ids):
+            windows = np.lib.stride_tricks.sliding_window_view(np.asarray(input_ids), len(run))
+            if (windows == run).all(axis=1).any():
+                raise RuntimeError(f"a poisoned request is in this step on rank {self.rank} (fault injection)")

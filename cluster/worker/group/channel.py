@@ -4,9 +4,10 @@ the join token (`wire.py`'s handshake), beside MLX's collectives.
 It carries what is not a tensor: the start-up agreement (which layers each rank holds,
 how many KV blocks), each step's plan, the "my hidden state is on its way" notices that
 let a rank post its MLX receive only when the data is coming (a posted ring receive spins
-a core while it waits), the mirrored-state checksums in debug runs, heartbeats, and
-shutdown. A notice between two members goes through rank 0 (a star: one listening port,
-one place that checks tokens).
+a core while it waits) or say that the step failed instead (`StepFailed`: the group goes
+on), the mirrored-state checksums in debug runs, heartbeats, and shutdown. A notice
+between two members goes through rank 0 (a star: one listening port, one place that
+checks tokens).
 
 Nothing here waits for ever: every wait has a deadline, a closed connection is noticed
 at once, and a silent peer (stopped, wedged, cut off) within `timeout` seconds, through
@@ -90,6 +91,13 @@ def _exit_lost(reason: str) -> None:
 EXIT_GROUP_LOST = EXIT_TRANSIENT  # the group lost a member: start the whole group again
 
 
+class StepFailed(RuntimeError):
+    """A pipeline rank's step raised, and it said so (FAILED) in place of sending its hidden
+    state: every rank is done with that step and the ranks are still in step, so the group
+    goes on; the step's requests are the engine's to sort out, as for any failed step. The
+    message is the failing rank's cause."""
+
+
 class HandshakeSlots:
     """The handshakes under way on rank 0's join port, bounded per peer address and in
     total. A connection past a bound takes the slot of the oldest handshake of the address
@@ -160,7 +168,7 @@ class Leader:
         self.members: dict[int, _Conn] = {}
         self._joined = threading.Lock()  # members and _admitting, while admit runs
         self._admitting = True
-        self.ready: queue.Queue = queue.Queue()  # READY notices addressed to rank 0: (step, from)
+        self.ready: queue.Queue = queue.Queue()  # notices addressed to rank 0: (step, from, FAILED's cause or None)
         self.acks: dict[int, queue.Queue] = {}  # per member: ACK (step, checksum)
         self.progress = StepProgress(size)  # each member's part of each step, from the notices
         self.bytes_sent = 0
@@ -282,13 +290,13 @@ class Leader:
             while True:
                 kind, payload = wire.read_message(conn.sock)
                 conn.last_heard = time.monotonic()
-                if kind == wire.READY:
-                    step, src, dst = wire.READY_MSG.unpack(payload)
+                if kind in (wire.READY, wire.FAILED):
+                    step, src, dst, cause = wire.read_notice(kind, payload)
                     self.progress.finished(src, step, conn.last_heard)
                     if dst == 0:
-                        self.ready.put((step, src))
+                        self.ready.put((step, src, cause))
                     else:  # a notice between two members: passed on
-                        self._send(self.members[dst], wire.READY, payload)
+                        self._send(self.members[dst], kind, payload)
                 elif kind == wire.ACK:
                     self.acks[conn.rank].put(wire.ACK_MSG.unpack(payload))
                 elif kind == wire.PONG:
@@ -321,7 +329,8 @@ class Leader:
             self.lose(f"rank {conn.rank}: {e}")
 
     def wait_ready(self, step: int, src: int, timeout: float) -> None:
-        """Block until rank `src` says step `step`'s hidden state is on its way."""
+        """Block until rank `src` says step `step`'s hidden state is on its way; StepFailed
+        with the cause when it says the step failed instead."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -334,9 +343,7 @@ class Leader:
                     self.lose(f"rank {src} did not finish step {step} within {timeout:.0f} s")
                     raise ConnectionError("the group is lost") from None
                 continue
-            if got != (step, src):
-                self.lose(f"out of order: waited for step {step} from rank {src}, got {got}")
-                raise ConnectionError("the group is lost")
+            _check_notice(got, step, src, self.lose)
             return
 
     def wait_ack(self, rank: int, step: int, timeout: float) -> int:
@@ -415,7 +422,7 @@ class Member:
         self.on_lost = on_lost
         self.handshake_timeout = handshake_timeout
         self.plans: queue.Queue = queue.Queue()  # (kind, payload): STEP or SHUTDOWN
-        self.ready: queue.Queue = queue.Queue()  # READY notices for this rank: (step, from)
+        self.ready: queue.Queue = queue.Queue()  # notices for this rank: (step, from, FAILED's cause or None)
         self.last_heard = time.monotonic()
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
@@ -507,9 +514,9 @@ class Member:
                 self.last_heard = time.monotonic()
                 if kind == wire.PING:
                     self.send(wire.PONG, payload)
-                elif kind == wire.READY:
-                    step, src, _ = wire.READY_MSG.unpack(payload)
-                    self.ready.put((step, src))
+                elif kind in (wire.READY, wire.FAILED):
+                    step, src, _, cause = wire.read_notice(kind, payload)
+                    self.ready.put((step, src, cause))
                 elif kind in (wire.STEP, wire.SHUTDOWN):
                     self.plans.put((kind, payload))
                     if kind == wire.SHUTDOWN:
@@ -530,17 +537,21 @@ class Member:
             time.sleep(0.5)
 
     def wait_ready(self, step: int, src: int, timeout: float) -> None:
+        """As `Leader.wait_ready`: StepFailed when rank `src`'s step failed."""
         try:
             got = self.ready.get(timeout=timeout)
         except queue.Empty:
             self.on_lost(f"rank {src} did not finish step {step} within {timeout:.0f} s")
             raise ConnectionError("the group is lost") from None
-        if got != (step, src):
-            self.on_lost(f"out of order: waited for step {step} from rank {src}, got {got}")
-            raise ConnectionError("the group is lost")
+        _check_notice(got, step, src, self.on_lost)
 
     def notify_ready(self, step: int, dst: int) -> None:
         self.send(wire.READY, wire.READY_MSG.pack(step, self.rank, dst))
+
+    def notify_failed(self, step: int, dst: int, cause: str) -> None:
+        """In place of `notify_ready` (and the hidden state): this rank's step failed, or the
+        one before it did (`cause` passed on)."""
+        self.send(wire.FAILED, wire.failed_payload(step, self.rank, dst, cause))
 
     def close(self) -> None:
         self._done = True
@@ -549,6 +560,16 @@ class Member:
                 self.sock.close()
             except OSError:
                 pass
+
+
+def _check_notice(got: tuple[int, int, str | None], step: int, src: int, lose: Callable[[str], None]) -> None:
+    """A notice waited for: step `step` from rank `src`, or the group is lost (ConnectionError);
+    StepFailed when it is a FAILED."""
+    if got[:2] != (step, src):
+        lose(f"out of order: waited for step {step} from rank {src}, got step {got[0]} from rank {got[1]}")
+        raise ConnectionError("the group is lost")
+    if got[2] is not None:
+        raise StepFailed(got[2])
 
 
 class Watchdog:

@@ -27,7 +27,7 @@ import numpy as np
 from cluster import platform
 from cluster.worker.config import EngineConfig
 from cluster.worker.group import wire
-from cluster.worker.group.channel import HEARTBEAT_S, Leader, Watchdog
+from cluster.worker.group.channel import HEARTBEAT_S, Leader, StepFailed, Watchdog
 from cluster.worker.group.config import GroupOptions, Topology, parse_shares, require_join_token, topology
 from cluster.worker.group.memory import LeastKV, check_fit, draft_footprint, join_info, rank_parts
 from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
@@ -69,6 +69,7 @@ class GroupStats:
     wait_seconds: float = 0.0  # waiting for the previous stage's notice (its compute)
     collective_seconds: float = 0.0  # inside MLX receives on rank 0
     mismatches: int = 0  # mirrored-state check failures (debug runs)
+    failed_steps: int = 0  # steps a rank failed and the group survived (the engine failed their requests)
     checked_steps: int = 0
     progress: StepProgress | None = None  # each member's part of each step (pipeline)
 
@@ -273,7 +274,13 @@ class GroupState:
 
 class GroupRunner(StageRunner):
     """Rank 0's model runner: each step's plan goes to the members; under pipeline
-    parallelism rank 0 starts from rank 1's hidden state."""
+    parallelism rank 0 starts from rank 1's hidden state.
+
+    A pipeline step that fails on any rank (a member's FAILED, or rank 0's own layers)
+    raises from `forward` as an ordinary step error once the step is finished in order, so
+    the engine fails it as a single worker does and the group goes on. Anything that
+    leaves the ranks out of step (a tensor that did not move, any failure under tensor
+    parallelism) loses the group."""
 
     def __init__(self, model, num_blocks: int, block_size: int, kv_dtype, num_state_slots: int = 0, *,
                  stage, group: GroupState):
@@ -292,10 +299,22 @@ class GroupRunner(StageRunner):
     def forward(self, batch, hidden=None):
         g = self.group
         step = g.oldest_step(batch)
+        received = not (g.pipeline and g.topo.size > 1)  # whatever rank 0 takes from the ring for this step
         try:
-            if g.pipeline and g.topo.size > 1:
+            if not received:
                 hidden = g.receive_hidden(step, batch.num_tokens, self.dtype)
+                received = True
             out = super().forward(batch, hidden)
+        except Exception as e:
+            if not g.pipeline or not (received or isinstance(e, StepFailed)):
+                g.leader.lose(f"step {step} failed on rank 0: {type(e).__name__}: {e}")
+                raise
+            # every rank is done with this step (a member's FAILED came, or rank 0's layers
+            # failed after the hidden state did): finished in order, the group goes on
+            log.error("group step %d failed (%s: %s); the engine fails its requests", step, type(e).__name__, e)
+            g.stats.failed_steps += 1
+            g.finish_step()
+            raise
         except BaseException as e:  # the ranks are out of step now: the group cannot go on
             g.leader.lose(f"step {step} failed on rank 0: {type(e).__name__}: {e}")
             raise

@@ -7,6 +7,13 @@ the batch, and under pipeline parallelism wait for the previous stage's notice, 
 its hidden state, run the held layers, tell the next stage and send it on (the first
 stage starts from the token ids); under tensor parallelism run the whole sharded model,
 whose all-reduces meet the other ranks'.
+
+A pipeline step that raises here (its batch or its layers: a request that breaks them)
+is told to the next stage as FAILED, with the cause, in place of READY and the hidden
+state; a stage told FAILED passes it on. Rank 0 then fails that step as a single worker's
+step fails (the request that breaks it fails alone) and the group goes on. What cannot be
+survived loses the group: a plan that does not decode, a tensor that does not move, and
+any failure under tensor parallelism (the other ranks wait inside a collective).
 """
 
 from __future__ import annotations
@@ -22,8 +29,9 @@ import mlx.core as mx
 from cluster import platform
 from cluster.exit_codes import EXIT_PERMANENT, describe, exit_code, is_permanent
 from cluster.worker.config import EngineConfig
+from cluster.worker.faults import MemberFaults
 from cluster.worker.group import wire
-from cluster.worker.group.channel import EXIT_GROUP_LOST, Member, Watchdog
+from cluster.worker.group.channel import EXIT_GROUP_LOST, Member, StepFailed, Watchdog
 from cluster.worker.group.config import GroupOptions, require_join_token, topology
 from cluster.worker.group.leader import capacity, config_digest, init_ring
 from cluster.worker.group.memory import join_info
@@ -107,8 +115,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
 def _serve(member: Member, runner: StageRunner, ring, assignment: Assignment, rank: int, options: GroupOptions,
            watchdog: Watchdog, hidden_size: int) -> int:
     reader = wire.PlanReader(runner.block_size, runner.num_blocks)
-    pipeline = assignment.parallel == "pipeline"
-    first = runner.stage.embeds
+    faults = MemberFaults.from_env(rank)  # None unless ORCHARD_FAULT_DIR is set (tests)
     while True:
         kind, payload = member.plans.get()
         if kind == wire.SHUTDOWN:
@@ -119,30 +126,62 @@ def _serve(member: Member, runner: StageRunner, ring, assignment: Assignment, ra
         try:
             plan = reader.decode(payload)
             watchdog.arm(options.timeout, f"group step {plan.step}")
-            batch = member_batch(plan, runner)
             if plan.check is not None:
                 mine = plan.checksum()
                 member.send(wire.ACK, wire.ACK_MSG.pack(plan.step, mine))
                 if mine != plan.check:
                     log.error("group rank %d: step %d's block tables and slot mapping differ from rank 0's", rank,
                               plan.step)
-            if not pipeline:
-                out = runner.forward(batch)
-                mx.eval(out, *runner.pool_arrays())
+            if assignment.parallel == "pipeline":
+                _pipeline_step(member, runner, ring, plan, rank, options.timeout, hidden_size, faults)
             else:
-                hidden = None
-                if not first:
-                    member.wait_ready(plan.step, rank + 1, options.timeout)
-                    hidden = mx.distributed.recv((plan.num_tokens, hidden_size), runner.dtype, rank + 1, group=ring,
-                                                 stream=mx.cpu)
-                    mx.eval(hidden)
-                out = runner.forward(batch, hidden).astype(runner.dtype)
+                if faults is not None:
+                    faults.before_step(plan.input_ids)
+                out = runner.forward(member_batch(plan, runner))
                 mx.eval(out, *runner.pool_arrays())
-                member.notify_ready(plan.step, rank - 1)
-                mx.eval(mx.distributed.send(out, rank - 1, group=ring, stream=mx.cpu))
             watchdog.disarm()
         except Exception as e:  # this rank cannot follow rank 0 any more: the group is lost
             log.exception("group rank %d: step failed", rank)
             member.send_error(f"rank {rank}: {type(e).__name__}: {e}")
             member.on_lost(f"step failed: {e}")
             return EXIT_GROUP_LOST
+
+
+def _pipeline_step(member: Member, runner: StageRunner, ring, plan: wire.StepPlan, rank: int, timeout: float,
+                   hidden_size: int, faults: MemberFaults | None) -> None:
+    """This rank's stage of one step. Its own work failing (the batch, the layers) is told
+    downstream as FAILED; the previous stage's hidden state is received all the same (MLX's
+    ring stays in step). Moving tensors failing raises (the group is lost)."""
+    failure = None
+    batch = hidden = None
+    try:
+        if faults is not None:
+            faults.before_step(plan.input_ids)
+        batch = member_batch(plan, runner)
+    except Exception as e:  # noqa: BLE001  (told downstream, with its cause)
+        failure = _cause(rank, plan.step, e)
+    if not runner.stage.embeds:
+        try:
+            member.wait_ready(plan.step, rank + 1, timeout)
+        except StepFailed as e:  # nothing comes from it: pass its cause on
+            failure = failure or str(e)
+        else:
+            hidden = mx.distributed.recv((plan.num_tokens, hidden_size), runner.dtype, rank + 1, group=ring,
+                                         stream=mx.cpu)
+            mx.eval(hidden)
+    if failure is None:
+        try:
+            out = runner.forward(batch, hidden).astype(runner.dtype)
+            mx.eval(out, *runner.pool_arrays())
+        except Exception as e:  # noqa: BLE001
+            failure = _cause(rank, plan.step, e)
+    if failure is not None:
+        member.notify_failed(plan.step, rank - 1, failure)
+        return
+    member.notify_ready(plan.step, rank - 1)
+    mx.eval(mx.distributed.send(out, rank - 1, group=ring, stream=mx.cpu))
+
+
+def _cause(rank: int, step: int, error: Exception) -> str:
+    log.exception("group rank %d: step %d failed; rank 0 fails its requests and the group goes on", rank, step)
+    return f"rank {rank}: {type(error).__name__}: {error}"

@@ -18,6 +18,10 @@ starting again cannot help (`cluster/exit_codes.py`): the receiver then exits 78
 
 A HELLO comes from a peer not yet authenticated: `check_hello` checks its fields' types.
 
+While serving, a pipeline rank tells the next stage READY (step, from, to: its hidden
+state is on its way) or FAILED (the same, and the cause: its step raised, and no hidden
+state comes); a rank that gets FAILED passes it on in place of its own notice.
+
 A step's plan (`PlanWriter` on rank 0, `PlanReader` on each member): the step's token ids,
 and per scheduled sequence its handle (a small int naming it on every rank while it
 runs), first position, number of new tokens and recurrent-state slot; the block-table
@@ -54,14 +58,17 @@ MAX_JSON_DEPTH = 32  # the start-up messages are a few levels deep
 MAX_NONCE = 256
 
 # message kinds
-HELLO, CHALLENGE, AUTH, WELCOME, ASSIGN, LOADED, START, STEP, READY, ACK, PING, PONG, SHUTDOWN, ERROR, RING = range(1, 16)
+(HELLO, CHALLENGE, AUTH, WELCOME, ASSIGN, LOADED, START, STEP, READY, ACK, PING, PONG, SHUTDOWN, ERROR, RING,
+ FAILED) = range(1, 17)
 KIND_NAMES = {v: k for k, v in dict(HELLO=HELLO, CHALLENGE=CHALLENGE, AUTH=AUTH, WELCOME=WELCOME, ASSIGN=ASSIGN,
                                     LOADED=LOADED, START=START, STEP=STEP, READY=READY, ACK=ACK, PING=PING, PONG=PONG,
-                                    SHUTDOWN=SHUTDOWN, ERROR=ERROR, RING=RING).items()}
+                                    SHUTDOWN=SHUTDOWN, ERROR=ERROR, RING=RING, FAILED=FAILED).items()}
 
 STEP_HEAD = struct.Struct("<QIiiiiI")  # step id, flags, T, S, D (delta ints), R (drops), checksum
 STEP_CHECK = 1  # flag: the plan carries rank 0's checksum; the member answers ACK with its own
 READY_MSG = struct.Struct("<Qii")  # step id, from rank, to rank
+# FAILED: READY_MSG's fields, then the cause (UTF-8, at most MAX_CAUSE bytes)
+MAX_CAUSE = 4000
 ACK_MSG = struct.Struct("<QI")  # step id, the member's checksum
 PING_MSG = struct.Struct("<Q")
 PERMANENT = 1  # flag of an ERROR: the sender's failure is permanent (a wrong token, a model rank 0 does not share)
@@ -88,7 +95,22 @@ def frame(kind: int, payload: bytes = b"", flags: int = 0) -> bytes:
 
 def error_frame(reason: str, permanent: bool) -> bytes:
     """An ERROR saying why, flagged `PERMANENT` when starting again cannot help."""
-    return frame(ERROR, reason.encode()[:4000], PERMANENT if permanent else 0)
+    return frame(ERROR, reason.encode()[:MAX_CAUSE], PERMANENT if permanent else 0)
+
+
+def failed_payload(step: int, src: int, dst: int, cause: str) -> bytes:
+    """A FAILED notice: rank `src`'s step `step` raised (`cause`), so no hidden state comes."""
+    return READY_MSG.pack(step, src, dst) + cause.encode()[:MAX_CAUSE]
+
+
+def read_notice(kind: int, payload: bytes) -> tuple[int, int, int, str | None]:
+    """A READY or FAILED notice: (step, from rank, to rank, the cause of a FAILED or None)."""
+    if len(payload) < READY_MSG.size or (kind == READY and len(payload) != READY_MSG.size):
+        raise ProtocolError(f"a {KIND_NAMES[kind]} notice of {len(payload)} bytes")
+    step, src, dst = READY_MSG.unpack_from(payload)
+    if kind == READY:
+        return step, src, dst, None
+    return step, src, dst, payload[READY_MSG.size:].decode(errors="replace")
 
 
 def read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:

@@ -1,0 +1,125 @@
+"""Poison requests in a worker group: a request that makes a pipeline rank's step raise
+fails alone, with its cause, and the group serves the other streams on, exactly, without
+being started again (a member says FAILED in place of READY over the side channel).
+Under tensor parallelism a rank cannot be unblocked: that side is the router's
+(test_router_poison.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+from cluster.worker.group import wire
+from cluster.worker.group.channel import Leader, Member, StepFailed
+from test_group import TOKEN, models, run_group  # noqa: F401  (models: the fixture)
+
+
+def _serving_group(size: int):
+    """A leader serving `size - 1` joined members, each reading (serve()): (leader, what it
+    lost, members by rank)."""
+    lost: list[str] = []
+    leader = Leader(("127.0.0.1", 0), size, TOKEN, 30.0, on_lost=lost.append)
+    members = {r: Member(leader.address, r, size, TOKEN, 30.0, on_lost=lambda reason: None) for r in range(1, size)}
+    admit = threading.Thread(target=leader.admit, args=(time.monotonic() + 30,), daemon=True)
+    admit.start()
+    for m in members.values():
+        m.join(time.monotonic() + 30)
+    admit.join(30)
+    leader.serve()
+    for m in members.values():
+        m.serve()
+    return leader, lost, members
+
+
+def test_a_failed_step_is_passed_down_the_pipeline_and_the_group_goes_on():
+    """Rank 2's step fails: rank 1, waiting for it, gets FAILED with the cause (through
+    rank 0) and passes it on; rank 0's wait raises StepFailed with rank 2's cause, an
+    ordinary step error: the group is not lost, and the next step's notices come as before.
+    A notice out of order still loses the group."""
+    leader, lost, members = _serving_group(3)
+    try:
+        cause = "rank 2: RuntimeError: poisoned"
+        members[2].notify_failed(7, 1, cause)
+        with pytest.raises(StepFailed) as passed:
+            members[1].wait_ready(7, 2, 10)
+        assert str(passed.value) == cause
+        members[1].notify_failed(7, 0, str(passed.value))
+        with pytest.raises(StepFailed) as failed:
+            leader.wait_ready(7, 1, 10)
+        assert str(failed.value) == cause and not isinstance(failed.value, ConnectionError)
+        assert not leader.lost and lost == []
+
+        members[2].notify_ready(8, 1)
+        members[1].wait_ready(8, 2, 10)
+        members[1].notify_ready(8, 0)
+        leader.wait_ready(8, 1, 10)
+        assert lost == []
+
+        members[1].notify_failed(10, 0, cause)  # step 9 was due
+        with pytest.raises(ConnectionError):
+            leader.wait_ready(9, 1, 10)
+        assert len(lost) == 1 and "out of order" in lost[0]
+    finally:
+        for m in members.values():
+            m.close()
+        leader.close()
+
+
+def test_a_failed_notice_is_checked_as_it_is_read():
+    payload = wire.failed_payload(3, 1, 0, "rank 1: ValueError: " + "x" * 10_000)
+    step, src, dst, cause = wire.read_notice(wire.FAILED, payload)
+    assert (step, src, dst) == (3, 1, 0) and cause.startswith("rank 1: ValueError") and len(cause) == wire.MAX_CAUSE
+    assert wire.read_notice(wire.READY, wire.READY_MSG.pack(3, 1, 0)) == (3, 1, 0, None)
+    for kind, bad in ((wire.READY, wire.READY_MSG.pack(3, 1, 0) + b"x"), (wire.FAILED, b"\0" * 4)):
+        with pytest.raises(wire.ProtocolError):
+            wire.read_notice(kind, bad)
+
+
+def _single_beside_poison(model) -> dict:
+    from group_driver import config, run_beside_poison
+
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.engine import Engine
+
+    def load():
+        engine = Engine.from_pretrained(model, EngineConfig(**config()))
+        engine.warm_up()
+        return engine
+
+    out = run_beside_poison(load, poison=False)
+    del out["engine"]
+    return out
+
+
+@pytest.mark.parametrize("size, rank, inflight", [
+    (2, 1, 1),
+    (2, 1, 2),
+    # a middle stage fails: it takes the first stage's hidden state all the same
+    pytest.param(3, 1, 1, marks=pytest.mark.slow),
+    # the first stage fails: the middle one passes FAILED on
+    pytest.param(3, 2, 3, marks=pytest.mark.slow),
+])
+def test_a_request_that_breaks_a_members_step_fails_alone_and_the_group_goes_on(models, tmp_path, monkeypatch, size,
+                                                                                rank, inflight):
+    """A member's layers raise for any step holding the poison request (its fault file):
+    that request fails alone, with that rank's cause; the streams batched beside it come
+    back one at a time (rank 0's engine loop, as a single worker's) and end with exactly
+    the tokens of a single process that never saw it; the group is never lost and its
+    members end with rank 0 (exit 0). With batches in flight, those behind the failed
+    batch are seen through first."""
+    from group_driver import POISON_RUN
+
+    model = models("llama", layers=4)
+    (tmp_path / f"rank{rank}.poison").write_text(" ".join(map(str, POISON_RUN)))
+    monkeypatch.setenv("ORCHARD_FAULT_DIR", str(tmp_path))  # the members' environment (run_group's)
+    group = run_group(model, size, poison=True, inflight=inflight)
+    assert list(group["failed"]) == ["poison"]
+    assert f"rank {rank}: RuntimeError: a poisoned request is in this step on rank {rank}" in group["failed"]["poison"]
+    assert group["group"]["failed_steps"] >= 1 and not group["group"]["lost"]
+    single = _single_beside_poison(model)
+    assert {rid: t for rid, t in group["results"].items() if rid != "poison"} == single["results"]
+    assert all(len(t) == 16 for t in single["results"].values())
