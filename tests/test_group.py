@@ -606,7 +606,8 @@ def test_two_batches_in_flight_give_the_single_process_tokens(models):
     for rid, want in single["results"].items():
         got = group["results"][rid]
         if rid == "aborted/0":  # aborted after a number of steps, and a step now finishes half the requests
-            assert got["tokens"] == want["tokens"][:len(got["tokens"])] and got["finish"] == "abort"
+            n = min(len(got["tokens"]), len(want["tokens"]))  # (or, after an arrival, more: pipelined.py)
+            assert got["tokens"][:n] == want["tokens"][:n] and got["finish"] == "abort"
             continue
         assert got["tokens"] == want["tokens"], rid
         assert got["finish"] == want["finish"], rid

@@ -13,6 +13,9 @@ goes to the members at once, so the first stage starts on it while the last is s
 an earlier batch), then finishes the oldest batch in flight: batches finish in the order
 their plans were sent, the order the hidden states come back in. An abort of a request
 whose batch is in flight waits until that batch is done (its blocks are being written).
+A batch that fails (a rank's step raised) raises from `step()` as a single engine's step
+does; the engine loop then takes every request out (`abort_all`, which sees the batches
+still in flight through first) and brings them back one at a time to find the cause.
 
 A new request goes to the virtual engine whose prefix cache holds the longest prefix of
 its prompt, among those within one request of the least loaded (`choose`): each engine
@@ -24,12 +27,15 @@ It offers the engine's interface that the worker's engine loop and service use.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import deque
 from dataclasses import fields, replace
 
 from cluster.worker.engine import Engine, EngineStats, RequestOutput
 from cluster.worker.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 AFFINITY_SLACK = 1  # requests more than the least loaded virtual engine that a prefix hit may cost
@@ -94,6 +100,10 @@ class VirtualRunner:
         return getattr(self.shared, name)
 
 
+def _request_ids(pending) -> set[str]:
+    return {e.seq.group_id for e in pending.plan.scheduled}
+
+
 class PipelinedEngine:
     """P virtual engines over one group runner (see the module docstring)."""
 
@@ -113,6 +123,7 @@ class PipelinedEngine:
                               num_kv_blocks=sum(e.config.num_kv_blocks for e in engines))
         self.in_flight: deque = deque()  # (virtual engine index, PendingStep), oldest first
         self.deferred: dict[int, list[str]] = {}  # aborts waiting for a batch in flight
+        self.fresh: set[str] = set()  # requests added since the last step (`step` sees each through a batch)
         self.stats = EngineStats()
         self._refresh_stats()
 
@@ -124,6 +135,7 @@ class PipelinedEngine:
         v = self.choose(prompt_token_ids)
         self.engines[v].add_request(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time,
                                     resume_token_ids=resume_token_ids)
+        self.fresh.add(request_id)
         self._refresh_stats()
 
     def choose(self, prompt_token_ids) -> int:
@@ -159,7 +171,10 @@ class PipelinedEngine:
     def abort_all(self) -> list[str]:
         while self.in_flight:  # the members are in these steps: see them through first
             v, pending = self.in_flight.popleft()
-            self.engines[v].finish_step(pending)
+            try:
+                self.engines[v].finish_step(pending)
+            except Exception:  # (after a failed step, another may fail: its requests are aborted all the same)
+                log.exception("group: a batch in flight failed while its requests were aborted")
         self.deferred.clear()
         ids = [rid for e in self.engines for rid in e.abort_all()]
         self._refresh_stats()
@@ -188,15 +203,23 @@ class PipelinedEngine:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Begin a batch on every idle virtual engine with work, finish the oldest in
-        flight; its outputs."""
+        flight; the outputs. As a single engine's step, it returns only once each request
+        added since the last step that went into a batch has been through it (the batches
+        before it are finished first, and each one's successor begun): the engine loop
+        counts a request added back after a failed step as cleared, or as the cause, by
+        the step after it."""
+        fresh, self.fresh = self.fresh, set()
         self._begin_idle()
         outputs: list[RequestOutput] = []
-        if self.in_flight:
+        while self.in_flight:
             v, pending = self.in_flight.popleft()
-            outputs = self.engines[v].finish_step(pending)
+            fresh -= _request_ids(pending)
+            outputs += self.engines[v].finish_step(pending)
             for rid in self.deferred.pop(v, []):
                 self.engines[v].abort(rid)
             self._begin_idle()  # its next batch goes out before rank 0 waits on the next one
+            if not any(fresh & _request_ids(p) for _, p in self.in_flight):
+                break
         self._refresh_stats()
         return outputs
 
