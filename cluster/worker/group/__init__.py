@@ -28,6 +28,12 @@ Contract:
   notices and heartbeats, authenticated with the join token.
 - Exact: a group's tokens and logprobs are the single process's, bit for bit, under
   pipeline parallelism (tests/test_group.py); tensor parallelism sums in another order.
+- A pipeline step that raises on any rank (a request that breaks its layers) is not a
+  fault of the group: that rank says FAILED in place of READY (no hidden state comes, so
+  no rank waits in a collective), rank 0's step raises as a single worker's does, and its
+  engine loop fails the request that breaks it alone. Under tensor parallelism a rank
+  cannot be unblocked: the group is lost, and the router fails a request that lost two
+  workers as poison.
 - Faults: nothing waits for ever. A member that dies, stops or wedges is noticed within
   `--group-timeout` (a closed connection at once; silence or an unfinished step by
   deadline); then every process of the group exits (75), the router resumes the streams
