@@ -97,7 +97,10 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
         runner = StageRunner(model, int(start["num_blocks"]), config.block_size, kv_dtype, slots, stage)
     except Exception as e:  # told to rank 0, which stops the group's start (for good when it is permanent)
         code = exit_code(e)
-        log.exception("group rank %d could not start (%s)", topo.rank, describe(code))
+        if isinstance(e, wire.Refused):  # rank 0 said why (a setting, a group that does not fit): no traceback
+            log.error("group rank %d could not start (%s): %s", topo.rank, describe(code), e)
+        else:
+            log.exception("group rank %d could not start (%s)", topo.rank, describe(code))
         member.send_error(f"rank {topo.rank}: {type(e).__name__}: {e}", permanent=is_permanent(code))
         # nothing of this start may outlive it: the watchdog, armed for the join, would end
         # whatever process runs this later (a Ray actor's, a test's) with on_lost
