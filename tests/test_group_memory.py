@@ -104,6 +104,24 @@ def test_the_split_follows_the_memory_each_rank_gives(tmp_path):
     assert split(lazy, GroupOptions(size=2, shares="1,1"), {0: 8 * GiB, 1: GiB // 64}) == ((4, 8), (0, 4))
 
 
+def test_a_rank_reports_its_capacity_from_its_own_kv_budget(tiny_model_dir):
+    """A member sized its pool from its default budget whatever it was given; now its
+    --kv-cache-memory-bytes, else a share of what its weights leave of the memory it
+    gives, never under the group's least."""
+    from cluster.worker.group.leader import capacity
+    from cluster.worker.model_runner import Stage, kv_bytes_per_block, load_model, weight_dtype
+
+    model, _ = load_model(tiny_model_dir)
+    kv_dtype = weight_dtype(model)
+    stage = Stage(range(0, 1))
+    per_block = kv_bytes_per_block(model, 16, kv_dtype, stage.layers)
+    given = capacity(model, stage, EngineConfig(kv_cache_memory_bytes=ByteSize("3MiB")), kv_dtype, 8 * GiB)
+    assert given["blocks"] == (3 << 20) // per_block
+    lean = capacity(model, stage, EngineConfig(), kv_dtype, given["weights"] + 4 * per_block, least_blocks=7)
+    roomy = capacity(model, stage, EngineConfig(), kv_dtype, given["weights"] + (256 << 20), least_blocks=7)
+    assert lean["blocks"] == 7 < roomy["blocks"]
+
+
 # -- with real processes ----------------------------------------------------------------------------
 
 def _env():
