@@ -2,6 +2,7 @@
 
     python load/bench_group.py [--model DIR] [--requests 128] [--prompt-len 32] [--max-tokens 64]
                                [--modes one,pipeline1,pipeline2,tensor] [--repeats 3]
+    python load/bench_group.py --check-cost [--repeats 3] ...
 
 Modes (each a fresh set of processes; a group's ranks over MLX's ring on loopback):
   one        one process with 2 threads (OpenBLAS and OpenMP), the same total as a group of 2
@@ -23,6 +24,12 @@ step, the bytes per step against the theory (pipeline: hidden x 4 bytes per toke
 stage boundary; tensor: 2 all-reduces of hidden x 4 bytes per layer per token), and each
 rank's weights against its share of the split (target: within 10%) and its resident memory.
 Targets printed at the end: pipeline2 >= 1.6x pipeline1 output tokens/s.
+
+`--check-cost`: what `--group-check` (the mirrored-state check) costs. pipeline1 runs with
+the check off and on every step, alternating `--repeats` times; printed: the mean step time
+of each, rank 0's time in the check per checked step (its checksum and the wait for the
+member's), and both as a share of a step at the default rate (every `--group-check`th
+step; target: under 1%).
 
 Where Linux's /proc is there, each rank's time over the timed steps is split into CPU and
 run-queue wait (runnable, but the core was running something else: the machine's other
@@ -110,7 +117,8 @@ def run(args) -> dict:
 
         options = GroupOptions(size=2, rank=0, hosts=args.hosts, port=args.port,
                                parallel="tensor" if args.mode == "tensor" else "pipeline",
-                               inflight=2 if args.mode == "pipeline2" else 1, timeout=120)
+                               inflight=2 if args.mode == "pipeline2" else 1, timeout=120,
+                               check_every=args.check_every)
         engine = load_group_engine(args.model, config, options, TOKEN)
     engine.warm_up()
     rng = random.Random(0)
@@ -142,6 +150,8 @@ def run(args) -> dict:
                    wait_ms=1e3 * (s.wait_seconds - before["wait_seconds"]) / n,
                    hidden_bytes=(s.hidden_bytes - before["hidden_bytes"]) / n,
                    plan_bytes=(s.plan_bytes - before["plan_bytes"]) / n, members=s.members,
+                   checked=s.checked_steps - before["checked_steps"],
+                   check_ms=1e3 * (s.check_seconds - before["check_seconds"]),
                    hidden=group.hidden_size, layers=group.assignment.num_layers)
         group.close()
     return out
@@ -149,9 +159,9 @@ def run(args) -> dict:
 
 # -- the driver -------------------------------------------------------------------------------------
 
-def run_mode(mode: str, args) -> dict:
+def run_mode(mode: str, args, check_every: int = 0) -> dict:
     common = ["--model", str(args.model), "--requests", str(args.requests), "--prompt-len", str(args.prompt_len),
-              "--max-tokens", str(args.max_tokens), "--blocks", str(args.blocks)]
+              "--max-tokens", str(args.max_tokens), "--blocks", str(args.blocks), "--check-every", str(check_every)]
     members = []
     if mode == "one":
         cmd = [sys.executable, __file__, "--role", "run", "--mode", mode, *common]
@@ -197,6 +207,28 @@ def member_cpu(r: dict) -> tuple[float, str]:
     if r.get("sched1") is not None:
         return r["sched1"][0], "the timed steps"
     return r["cpu1"], "its whole life: start-up included"
+
+
+def check_cost(args) -> None:
+    """`--check-cost`: pipeline1 with the check off and on every step, alternating."""
+    from cluster.worker.group.config import GroupOptions
+
+    every = GroupOptions.check_every
+    runs: dict[int, list[dict]] = {0: [], 1: []}
+    for _ in range(args.repeats):
+        for n in runs:
+            runs[n].append(run_mode("pipeline1", args, check_every=n))
+            r = runs[n][-1]
+            print(f"  check {'every step' if n else 'off'}: {1e3 * r['wall'] / r['steps']:.2f} ms a step "
+                  f"(load average {os.getloadavg()[0]:.1f})", flush=True)
+    off, on = (sum(r["wall"] / r["steps"] for r in runs[n]) / len(runs[n]) for n in (0, 1))
+    check_ms = sum(r["check_ms"] / r["checked"] for r in runs[1]) / len(runs[1])
+    ratio = on / off
+    print(f"step: {1e3 * off:.2f} ms with the check off, {1e3 * on:.2f} ms checking every step ({ratio:.3f}x, "
+          f"means of {args.repeats})")
+    print(f"rank 0 in the check: {check_ms:.3f} ms a checked step = {check_ms / (1e3 * off):.2%} of a step")
+    print(f"at the default, every {every}th step: {check_ms / every / (1e3 * off):.3%} of a step by rank 0's time in "
+          f"the check, {(ratio - 1) / every:.3%} by the step times (target: under 1%)")
 
 
 def report(results: dict[str, dict], requests: int) -> None:
@@ -280,6 +312,8 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--repeats", type=int, default=1, help="runs of each mode, alternating; medians reported")
     ap.add_argument("--no-pin", action="store_true", help="do not pin each rank to a core of its own")
+    ap.add_argument("--check-cost", action="store_true", help="measure --group-check's cost instead (see above)")
+    ap.add_argument("--check-every", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="one", help=argparse.SUPPRESS)
     ap.add_argument("--hosts", default="", help=argparse.SUPPRESS)
@@ -294,6 +328,11 @@ def main() -> int:
     from cluster.models_cache import resolve_model
 
     args.model = resolve_model(args.model)
+    if args.check_cost:
+        print(f"model {args.model}; {args.requests} requests x {args.prompt_len} prompt tokens, {args.max_tokens} "
+              f"new tokens each; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+        check_cost(args)
+        return 0
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - set(MODES)
     if unknown:

@@ -165,7 +165,7 @@ def main() -> int:
     ap.add_argument("--parallel", default="pipeline")
     ap.add_argument("--shares", default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--check", action="store_true", help="check every step (default: --group-check's sampling)")
     ap.add_argument("--random-steps", type=int, default=0, help="run the randomized mirrored-state load instead")
     ap.add_argument("--speculative", action="store_true", help="n-gram speculative decoding on")
     ap.add_argument("--inflight", type=int, default=1, help="batches in flight (1: the single process's batches)")
@@ -176,7 +176,8 @@ def main() -> int:
 
     size = len(args.hosts.split(","))
     options = GroupOptions(size=size, rank=0, hosts=args.hosts, port=args.port, parallel=args.parallel,
-                           shares=args.shares, check=args.check, timeout=60, join_timeout=120, inflight=args.inflight)
+                           shares=args.shares, check_every=1 if args.check else GroupOptions.check_every, timeout=60,
+                           join_timeout=120, inflight=args.inflight)
     cfg = config(args.speculative)
     if args.speculative:
         every_draft()

@@ -588,9 +588,13 @@ def test_two_rank_pipeline_is_the_single_process_bit_for_bit(models):
 def test_rank_0_takes_each_members_ring_address_from_the_member(models):
     """Rank 0's flags have rank 1 where it is not (a Ray bundle that moved since they were
     written): the member says where it listens as it joins, rank 0 hands that ring to every
-    rank, and the group forms and is exact."""
+    rank, and the group forms and is exact. (The mirrored-state check runs as by default.)"""
     model = models("qwen3", layers=4, files=2)
-    assert_same(run_group(model, 2, stale_ring=True, timeout=300), single_run(model))
+    group = run_group(model, 2, stale_ring=True, timeout=300)
+    assert_same(group, single_run(model))
+    # the mirrored-state check as it runs by default: sampled, the first step included
+    g, every = group["group"], GroupOptions.check_every
+    assert every > 1 and g["mismatches"] == 0 and g["checked_steps"] == -(-g["steps"] // every)
 
 
 @pytest.mark.slow

@@ -15,6 +15,9 @@ from cluster.net import parse_address
 PARALLEL_MODES = ("pipeline", "tensor")
 MLX_LAUNCH_STARTING_PORT = 32323  # mlx.launch's --starting-port default: rank r's ring port is this + r
 CONTROL_PORT_OFFSET = 1000  # rank 0's side channel listens on its ring port + this, unless --group-port
+# --group-check's default: the cost of one checked step spread over this many stays under
+# 1% of a step (load/bench_group.py --check-cost measures it)
+CHECK_EVERY = 16
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,10 @@ class GroupOptions:
     handshake_timeout: float = setting(5.0, "a peer of rank 0's join port gets this long to prove the join token, "
                                             "or it is dropped (a member tries again until its join timeout)",
                                        flag="--group-handshake-timeout", metavar="SECONDS")
-    check: bool = setting(False, "debug: every rank checksums its block tables and slot mapping each step and rank "
-                                 "0 compares them", flag="--group-check")
+    check_every: int = setting(CHECK_EVERY, "every Nth step (the first included) each rank checksums its block "
+                                            "tables and slot mapping and rank 0 compares them, so that a mirroring "
+                                            "bug loses the group rather than giving wrong tokens (1: every step; 0: "
+                                            "never)", flag="--group-check", metavar="N")
     memory_budget: ByteSize | None = setting(
         None, "the memory this rank gives the model (its layers and its KV share), e.g. 24GiB: the layers are split "
               "by what each rank gives, and a rank whose part does not fit is refused before any rank loads "
@@ -74,6 +79,8 @@ class GroupOptions:
             raise ValueError(f"--memory-budget must be a positive size, not {self.memory_budget}")
         if self.inflight < 0:
             raise ValueError(f"--group-inflight must be >= 0, not {self.inflight}")
+        if self.check_every < 0:
+            raise ValueError(f"--group-check must be >= 0 (0: never), not {self.check_every}")
         if self.shares is not None:
             parse_shares(self.shares, self.size)
 

@@ -68,9 +68,10 @@ class GroupStats:
     plan_cpu_seconds: float = 0.0  # the same in CPU time of the engine thread (what a loaded machine does not inflate)
     wait_seconds: float = 0.0  # waiting for the previous stage's notice (its compute)
     collective_seconds: float = 0.0  # inside MLX receives on rank 0
-    mismatches: int = 0  # mirrored-state check failures (debug runs)
+    mismatches: int = 0  # mirrored-state check failures
     failed_steps: int = 0  # steps a rank failed and the group survived (the engine failed their requests)
-    checked_steps: int = 0
+    checked_steps: int = 0  # steps checked, once per member
+    check_seconds: float = 0.0  # rank 0's time in the checks: its checksums and waiting for the members'
     progress: StepProgress | None = None  # each member's part of each step (pipeline)
 
 
@@ -184,9 +185,11 @@ class GroupState:
         self.step += 1
         self.watchdog.arm(self.options.timeout, f"group step {self.in_flight[0][0] if self.in_flight else self.step}")
         check = None
-        if self.options.check:
+        if self.checked(self.step):
+            c = time.perf_counter()
             mx.eval(batch.block_tables, batch.slot_mapping)
             check = wire.checksum(host_view(batch.block_tables, np.int32), host_view(batch.slot_mapping, np.int32))
+            self.stats.check_seconds += time.perf_counter() - c
         payload = self.writer.encode(self.step, scheduled, block_size, check)
         self.leader.progress.sent(self.step)
         self.leader.broadcast(wire.STEP, payload)
@@ -194,6 +197,12 @@ class GroupState:
         self.stats.plan_bytes += len(payload) * len(self.leader.members)
         self.stats.plan_seconds += time.perf_counter() - t0
         self.stats.plan_cpu_seconds += time.thread_time() - c0
+
+    def checked(self, step: int) -> bool:
+        """Whether step `step` is one the ranks compare (`--group-check`: every Nth, the
+        first included). Rank 0 decides; the plan's flag tells the members."""
+        every = self.options.check_every
+        return every > 0 and (step - 1) % every == 0
 
     def oldest_step(self, batch) -> int:
         """The step id of `batch`, which must be the oldest step in flight: the members run
@@ -224,6 +233,7 @@ class GroupState:
     def finish_step(self) -> None:
         step, crc, _ = self.in_flight.popleft()
         if crc is not None:
+            c = time.perf_counter()
             for rank in self.leader.members:
                 theirs = self.leader.wait_ack(rank, step, self.options.timeout)
                 self.stats.checked_steps += 1
@@ -231,6 +241,7 @@ class GroupState:
                     self.stats.mismatches += 1
                     self.leader.lose(f"step {step}: rank {rank}'s block tables and slot mapping differ from "
                                      "rank 0's (mirrored state diverged)")
+            self.stats.check_seconds += time.perf_counter() - c
         self.stats.steps += 1
         if self.in_flight:
             self.watchdog.arm(self.options.timeout, f"group step {self.in_flight[0][0]}")
@@ -385,7 +396,7 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
                        "cpu_dequantize": config.cpu_dequantize, "max_num_seqs": config.max_num_seqs,
                        "least_kv_blocks": least.blocks}
     leader.broadcast(wire.ASSIGN, wire.dumps({"assignment": assignment.to_json(), "config": config_digest(model_path),
-                                              "engine": engine_settings, "check": options.check}))
+                                              "engine": engine_settings, "check_every": options.check_every}))
     leader.broadcast(wire.RING, wire.dumps({"ring": topo.ring_addresses()}))
     ring = init_ring(topo, options.backend)
     log.info("group: MLX %s group of %d up (%s)", options.backend, topo.size,
