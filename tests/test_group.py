@@ -660,9 +660,12 @@ class _NoMembers:
     """A side channel's leader with no member to send to: records what would lose the group."""
 
     def __init__(self):
+        from cluster.worker.group.progress import StepProgress
+
         self.members: dict = {}
         self.lost: list[str] = []
         self.on_lost = self.lose
+        self.progress = StepProgress(1)
 
     def lose(self, reason: str) -> None:
         self.lost.append(reason)
