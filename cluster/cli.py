@@ -5,8 +5,8 @@ each setting's default and help text; the command receives an instance of it.
 
 The command tree is built first with each command's name and help only; a command's
 flags (and so its module) are added when that command is the one run. `orchard --help`,
-the router, `orchard generate` and `orchard bench` never import the worker package, which
-loads OpenBLAS, nor MLX.
+the router, `orchard generate` and `orchard bench` never import the worker package nor
+MLX. The commands that run MLX in this process load OpenBLAS first (`RUN_MLX`).
 """
 
 from __future__ import annotations
@@ -257,10 +257,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 # Commands that launchers keep running (`orchard up`, launchd, Ray): a command line they
 # cannot parse is a permanent failure (cluster/exit_codes.py), not argparse's 2.
 SUPERVISED = {("worker", "serve"), ("router", "serve")}
+# Commands that run MLX in this process: OpenBLAS is loaded before anything imports MLX
+# (cluster/platform.py). Those that only may (`model create`, `up` making the built-in
+# model, `bench`) load it where they import MLX.
+RUN_MLX = {("worker", "serve"), ("run",)}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if _chosen(argv) in RUN_MLX:
+        from cluster import platform
+
+        platform.preload_blas()
     try:
         args = build_parser(argv).parse_args(argv)
     except SystemExit as e:

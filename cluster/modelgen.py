@@ -386,7 +386,9 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
                  files: int = ModelSpec.files, chat: str = ModelSpec.chat) -> Path:
     """Write the model; `chat` names one of `REAL_FORMATS` to carry that family's real chat
     template and special tokens instead of the architecture's own format."""
-    import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+    from cluster import platform
+
+    platform.preload_blas()  # before MLX, where this process imports it first
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes

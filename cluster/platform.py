@@ -2,11 +2,12 @@
 
 - Linux: MLX's CPU wheel links a slow reference BLAS. Loading OpenBLAS with RTLD_GLOBAL
   *before* the first `import mlx` makes MLX's fp32 matmuls about 25x faster.
-  `preload_blas()` does that; `cluster/worker/__init__.py` calls it, so `import
-  cluster.worker` before `import mlx` is enough (the SDK and the router never load it).
-  The OpenMP build (Debian's `libopenblas0-openmp`) comes first: its worker threads are
-  libgomp's, which go to sleep soon after they go idle (GOMP_SPINCOUNT, set by
-  `cluster.worker`) like the threads of Orchard's C kernels. The pthread build's workers
+  `preload_blas()` does that. Each entry point of a process that runs MLX calls it before
+  anything imports MLX: the CLI's MLX commands, `create_model`, `orchard bench`, the Ray
+  worker actors, the tests' conftest, the load/ scripts. Importing a module never does (the
+  SDK and the router never load it). The OpenMP build (Debian's `libopenblas0-openmp`)
+  comes first: its worker threads are libgomp's, which go to sleep soon after they go idle
+  (GOMP_SPINCOUNT, set by `preload_blas`) like the threads of Orchard's C kernels. The pthread build's workers
   spin after every call, taking the cores from the C kernels and MLX's own thread that
   run between the matmuls, so a decode step is slower with it (MEASUREMENTS.md).
 - On the CPU, fp16/bf16 matmuls do not go through BLAS and are slow: run fp32 there
@@ -69,15 +70,27 @@ def _ldconfig_openblas() -> list[str]:
     return []
 
 
+# The C kernels and the OpenMP build of OpenBLAS run on libgomp's threads. A thread that
+# reaches a barrier first spins before it sleeps, by default for ~300,000 turns; on a CPU
+# shared with other work it spins while the thread it waits for sits unscheduled, and
+# every step takes a core's time in spinning. 3,000 turns cover the gaps between a step's
+# parallel loops on a quiet machine and waste little where the CPU is shared; sleeping at
+# once (OMP_WAIT_POLICY=PASSIVE) slows a quiet step (`load/bench_engine.py` quiet and
+# beside busy loops; MEASUREMENTS.md).
+GOMP_SPINCOUNT = "3000"
+
+
 def preload_blas() -> str | None:
-    """Load OpenBLAS globally before MLX (Linux only). Returns the path loaded, if any."""
+    """Load OpenBLAS globally before MLX (Linux only; a no-op after the first call). Call
+    it before anything in the process imports MLX.
+    It also sets GOMP_SPINCOUNT (unless set), which libgomp reads once, when it loads.
+    Returns the path loaded, if any."""
+    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
     if _blas_state["tried"] or not sys.platform.startswith("linux"):
         return _blas_state["path"]
     _blas_state["tried"] = True
-    if os.environ.get("ORCHARD_NO_OPENBLAS"):
-        return None
     if "mlx.core" in sys.modules:
-        log.warning("mlx was imported before cluster.worker: OpenBLAS cannot speed up its matmuls now")
+        log.warning("mlx was imported before preload_blas: OpenBLAS cannot speed up its matmuls now")
         return None
     path = find_openblas()
     if path is None:
@@ -103,7 +116,7 @@ def blas_library() -> ctypes.CDLL | None:
 def warn_if_slow_blas() -> None:
     """The worker calls this at start-up: on Linux without OpenBLAS, say how to fix it."""
     if sys.platform.startswith("linux") and _blas_state["path"] is None:
-        looked = _blas_state["looked"] or "nowhere (ORCHARD_NO_OPENBLAS is set)"
+        looked = _blas_state["looked"] or "nowhere: preload_blas ran after MLX was imported, or not at all"
         log.warning(
             "OpenBLAS is not loaded (looked in %s): MLX's CPU matmuls will be ~25x slower. Install it with "
             "`apt-get install libopenblas0-openmp` (or set ORCHARD_OPENBLAS=/path/libopenblas.so.0).", looked)

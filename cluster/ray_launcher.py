@@ -48,6 +48,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn
 
+from cluster import platform
 from cluster.config import default_of, port_of, setting
 from cluster.exit_codes import EXIT_TRANSIENT, Backoff, describe, exit_code, is_permanent
 from cluster.router.config import RouterConfig, policy_names
@@ -199,7 +200,6 @@ class RouterActor:
     """`orchard router serve` inside a Ray actor."""
 
     def __init__(self, spec: RaySpec):
-        import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
         from cluster.router.server import RouterConfig, RouterServer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -232,7 +232,7 @@ class WorkerActor:
 
     def __init__(self, spec: RaySpec, router: str, index: int, worker_id: str, group=None):
         """`group`: rank 0's GroupOptions of a worker group."""
-        import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+        platform.preload_blas()  # before this actor's process imports MLX
         from cluster.worker.group.config import GroupOptions
         from cluster.worker.server import WorkerOptions, WorkerServer
 
@@ -277,7 +277,7 @@ class GroupMemberActor:
     def __init__(self, spec: RaySpec, group, g: int | None = None):
         """`group`: the member's GroupOptions; where the ranks are is found as it starts
         from group `g`'s placement group when `group.hosts` does not say."""
-        import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+        platform.preload_blas()  # before this actor's process imports MLX
         from cluster.worker.group.member import run_member
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

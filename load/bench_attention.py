@@ -22,11 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cluster.worker  # noqa: E402,F401  (OpenBLAS before MLX)
+from cluster import platform  # noqa: E402
+
+platform.preload_blas()  # before MLX is imported
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cluster import platform  # noqa: E402
 from cluster.worker.kernels import metal as km  # noqa: E402
 from cluster.worker.kernels.reference import AttentionPlan, paged_attention_reference  # noqa: E402
 

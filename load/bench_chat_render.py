@@ -26,7 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cluster.worker  # noqa: E402,F401  (OpenBLAS before MLX)
+from cluster import platform  # noqa: E402
+
+platform.preload_blas()  # before MLX is imported
 from cluster.chat_formats import template_text  # noqa: E402
 from cluster.worker.chat_render import ChatTemplateLimits, RenderPool, render_call  # noqa: E402
 from cluster.worker.service import INLINE_TOKENIZE_CHARS  # noqa: E402

@@ -41,7 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import cluster.worker  # noqa: E402,F401  (OpenBLAS before MLX)
+from cluster import platform  # noqa: E402
+
+platform.preload_blas()  # before MLX is imported
 from cluster.modelgen import create_model  # noqa: E402
 from cluster.models_cache import builtin_model  # noqa: E402
 from conftest import WorkerProcess  # noqa: E402  (the tests' `orchard worker serve` subprocess helper)

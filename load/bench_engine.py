@@ -29,12 +29,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cluster.worker  # noqa: E402,F401  (OpenBLAS before MLX)
+from cluster import platform  # noqa: E402
+
+platform.preload_blas()  # before MLX is imported
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from cluster import platform  # noqa: E402
 from cluster.models_cache import builtin_model, resolve_model  # noqa: E402
 from cluster.worker import cpu_layers  # noqa: E402
 from cluster.worker.config import EngineConfig  # noqa: E402

@@ -101,8 +101,9 @@ def pin(cpu: int | None):
 # -- one run (rank 0, or the single process) -------------------------------------------------------
 
 def run(args) -> dict:
-    import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
     from cluster import platform
+
+    platform.preload_blas()  # before MLX is imported
     from cluster.worker.config import EngineConfig
     from cluster.worker.engine import Engine
     from cluster.worker.sampling_params import SamplingParams

@@ -24,7 +24,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cluster.worker  # noqa: E402,F401  (OpenBLAS before MLX)
 from cluster.models_cache import resolve_model  # noqa: E402
 from cluster.bench.closed_loop import metric_sum, run_load, scrape, text_request  # noqa: E402
 from cluster.up import LocalCluster, free_port  # noqa: E402

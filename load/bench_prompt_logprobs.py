@@ -21,9 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cluster.worker  # noqa: E402,F401  (OpenBLAS before MLX)
-
 from cluster import platform  # noqa: E402
+
+platform.preload_blas()  # before MLX is imported
+
 from cluster.models_cache import resolve_model  # noqa: E402
 from cluster.worker.config import EngineConfig  # noqa: E402
 from cluster.worker.engine import Engine  # noqa: E402

@@ -23,7 +23,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import cluster.worker  # noqa: E402,F401  (OpenBLAS before MLX)
 from cluster.models_cache import resolve_model  # noqa: E402
 import grpc  # noqa: E402
 

@@ -49,7 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import cluster.worker  # noqa: E402,F401  (OpenBLAS before MLX)
+from cluster import platform  # noqa: E402
+
+platform.preload_blas()  # before MLX is imported
 
 # Python's own standard library: real code that stays the same from run to run
 SOURCES = ["textwrap.py", "heapq.py", "bisect.py", "fnmatch.py", "colorsys.py", "shlex.py", "sched.py", "queue.py"]

@@ -4,7 +4,7 @@
     /work/venv/bin/python load/bench_worker_vs_mlx.py --only orchard
 
 Both servers run as subprocesses on the built-in `small` model, with the same OpenBLAS
-(mlx_lm.server is started through a wrapper that does `import cluster.worker` first) and float32
+(mlx_lm.server is started through a wrapper that calls `platform.preload_blas()` first) and float32
 weights (checked: each reports the dtypes it loaded). The load: N distinct prompts of
 about P tokens, M new tokens each, C concurrent streams, temperature 0, EOS suppressed
 (Orchard: `ignore_eos`; mlx-lm: a -1e9 logit bias on the EOS ids), POST /v1/completions
@@ -37,15 +37,14 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import cluster.worker  # noqa: E402,F401  (OpenBLAS before MLX)
 from cluster.models_cache import builtin_model  # noqa: E402
 
 # mlx_lm.server, started the way the worker starts: OpenBLAS first. It reports the dtypes
 # of the weights it loaded and the BLAS it runs on, then runs mlx_lm.server's own main().
 MLX_WRAPPER = r"""
 import json, sys
-import cluster.worker  # loads OpenBLAS before MLX, exactly as `orchard worker serve` does
 from cluster import platform
+platform.preload_blas()  # OpenBLAS before MLX, exactly as `orchard worker serve` does
 import mlx_lm.server as server
 from mlx.utils import tree_flatten
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
+from cluster import platform
+
+platform.preload_blas()  # before any test imports MLX (cluster/platform.py)
 
 
 @pytest.fixture(scope="session")

@@ -22,9 +22,11 @@ import sys
 import threading
 import time
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
-from cluster.worker.config import EngineConfig
-from cluster.worker.sampling_params import SamplingParams, StructuredOutput
+from cluster import platform
+
+platform.preload_blas()  # this script is a process of its own: before MLX
+from cluster.worker.config import EngineConfig  # noqa: E402
+from cluster.worker.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
 
 CONFIG = dict(num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=8, max_num_partial_prefills=2)
 SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'

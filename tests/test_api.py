@@ -354,16 +354,3 @@ def test_importing_the_sdk_loads_neither_mlx_nor_openblas():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False", "False"]
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS is preloaded on Linux only")
-def test_importing_the_worker_loads_openblas_before_mlx():
-    from cluster import platform
-
-    if platform.find_openblas() is None:
-        pytest.skip("no OpenBLAS on this machine")
-    code = ("import cluster.worker, sys; print('openblas' in open('/proc/self/maps').read(), "
-            "'mlx.core' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "False"]

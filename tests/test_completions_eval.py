@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import numpy as np
 import openai

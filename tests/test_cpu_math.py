@@ -1,6 +1,5 @@
 """The CPU fast paths equal MLX's own functions to fp32 rounding."""
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np

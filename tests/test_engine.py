@@ -6,7 +6,6 @@ import dataclasses
 import random
 import zlib
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step

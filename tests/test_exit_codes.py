@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 from cluster.exit_codes import EXIT_PERMANENT, EXIT_TRANSIENT, Backoff, exit_code
 from cluster.up import free_ports
 from cluster.worker.group import wire

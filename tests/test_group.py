@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import pytest
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 from cluster.worker.group import wire
 from cluster.worker.group.channel import Leader, Member
 from cluster.worker.group.config import GroupOptions, read_hostfile, topology

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 from cluster.config import BadSize, ByteSize
 from cluster.exit_codes import EXIT_PERMANENT
 from cluster.up import free_ports

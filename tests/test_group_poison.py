@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 from cluster.worker.group import wire
 from cluster.worker.group.channel import Leader, Member, StepFailed
 from test_group import TOKEN, models, run_group  # noqa: F401  (models: the fixture)

@@ -9,7 +9,6 @@ import json
 import numpy as np
 import pytest
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 from cluster.modelgen import create_model
 from cluster.worker import host_forward, kernels

@@ -854,7 +854,6 @@ class GivesUp:
 def test_a_grammar_that_gives_up_mid_output_ends_with_its_reason(tiny_model_dir, monkeypatch):
     """Its mask then allows only EOS: the sequence ended "stop" with what it had, a valid-
     looking answer. Now it ends "abort" with an error that says why."""
-    import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
     from cluster.worker.config import EngineConfig
     from cluster.worker.engine import Engine
     from cluster.worker.sampling_params import SamplingParams, StructuredOutput

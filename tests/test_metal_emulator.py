@@ -7,7 +7,6 @@ same sources on a real GPU so the emulator's answers can be checked against Meta
 import numpy as np
 import pytest
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import metal_emulator as emu
 import mlx.core as mx
 

@@ -9,7 +9,6 @@ import json
 import sys
 from pathlib import Path
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import pytest
 from mlx_lm.utils import load
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import pytest
 
 from cluster.modelgen import create_model

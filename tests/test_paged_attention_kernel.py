@@ -19,7 +19,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import metal_emulator as emu
 import mlx.core as mx
 from cluster.worker import kernels

@@ -4,7 +4,6 @@ numpy, and bias that moves greedy output as OpenAI specifies."""
 
 from __future__ import annotations
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import numpy as np
 import pytest

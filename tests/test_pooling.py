@@ -11,7 +11,6 @@ import json
 import random
 import shutil
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import gguf
 import mlx.core as mx
 import numpy as np

@@ -582,7 +582,6 @@ def test_thinking_is_followed_the_same_with_speculative_decoding(family_model):
     """n-gram drafts kept several tokens a step: the thinking's tokens (what usage counts)
     are those of one token a step; a thinking with a budget does not speculate (its end is
     forced a token a step), so it ends where it does without drafts: after 5 tokens."""
-    import cluster.worker  # noqa: F401
     from cluster.worker.config import EngineConfig
     from cluster.worker.engine import Engine
     from cluster.worker.sampling_params import SamplingParams

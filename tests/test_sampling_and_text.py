@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 import numpy as np
 import pytest

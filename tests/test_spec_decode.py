@@ -14,7 +14,6 @@ import random
 import re
 from dataclasses import replace
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats

@@ -3,12 +3,14 @@
 `orchard --help`, the router, `orchard generate` and `orchard bench` import neither MLX
 nor OpenBLAS (the CLI imports a command's module when that command runs); finding
 OpenBLAS never walks a directory tree (issue 26: a recursive glob of /usr/lib ran for
-over 10 minutes on one machine).
+over 10 minutes on one machine). OpenBLAS is loaded by an explicit `preload_blas()` at
+each entry point, before MLX is imported; importing a module never loads it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,9 +112,58 @@ def test_finding_openblas_never_walks_a_tree(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS is preloaded on Linux only")
 def test_a_worker_without_openblas_says_where_it_looked(caplog):
-    code = ("import logging, cluster.worker\nfrom cluster import platform\nlogging.basicConfig()\n"
+    code = ("import logging\nfrom cluster import platform\nlogging.basicConfig()\nplatform.preload_blas()\n"
             "platform.warn_if_slow_blas()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=UNFINDABLE, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "OpenBLAS is not loaded (looked in ORCHARD_OPENBLAS=/nonexistent/libopenblas.so.0" in out.stderr
     assert "apt-get install libopenblas0-openmp" in out.stderr
+
+
+LINUX_ONLY = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS is preloaded on Linux only")
+MAPS_PROBE = "maps = open('/proc/self/maps').read()\nprint('openblas' in maps, 'mlx.core' in sys.modules)"
+
+
+@LINUX_ONLY
+def test_importing_the_worker_package_loads_neither_openblas_nor_mlx():
+    code = "import sys, cluster.worker, cluster.worker.config\n" + MAPS_PROBE
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
+
+
+@LINUX_ONLY
+def test_the_cli_loads_openblas_before_mlx_for_the_commands_that_run_mlx():
+    if platform.find_openblas() is None:
+        pytest.skip("no OpenBLAS on this machine")
+    for command, loaded in ((["run"], "True"), (["worker", "serve"], "True"), (["router", "serve"], "False")):
+        code = ("import sys\nfrom cluster import cli\ntry:\n    cli.main([*sys.argv[1:], '--help'])\n"
+                "except SystemExit:\n    pass\n" + MAPS_PROBE)
+        out = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True, cwd=ROOT,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[-1].split() == [loaded, "False"], command
+
+
+@LINUX_ONLY
+def test_a_worker_process_has_openblas_which_is_refused_once_mlx_is_imported(tiny_worker):
+    """OpenBLAS in a serving worker's memory proves it was loaded before MLX: once MLX is
+    imported, `preload_blas` does not load it (MLX has bound its own BLAS) and says so."""
+    if platform.find_openblas() is None:
+        pytest.skip("no OpenBLAS on this machine")
+    assert "openblas" in Path(f"/proc/{tiny_worker.proc.pid}/maps").read_text()
+    code = ("import logging, sys\nlogging.basicConfig()\nimport mlx.core\nfrom cluster import platform\n"
+            "print(platform.preload_blas())\n" + MAPS_PROBE)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "False", "True"]
+    assert "mlx was imported before preload_blas" in out.stderr
+
+
+def test_no_module_imports_the_worker_package_for_a_side_effect():
+    """OpenBLAS is loaded by calling `platform.preload_blas()`; a bare `import cluster.worker`
+    does nothing, and would mislead a reader into thinking it does."""
+    bare = re.compile(r"^\s*import cluster\.worker\s*(#.*)?$", re.M)
+    found = [str(p.relative_to(ROOT)) for d in ("cluster", "tests", "load") for p in (ROOT / d).rglob("*.py")
+             if bare.search(p.read_text())]
+    assert found == []

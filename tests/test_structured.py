@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import jsonschema
 import numpy as np
 import pytest

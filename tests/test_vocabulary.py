@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import jsonschema
 import llguidance
 import numpy as np

@@ -1,6 +1,5 @@
 """The latency histograms' bucket edges (vLLM's), shared by the worker's and the router's
-metrics so their dashboards line up. Plain numbers: the router imports them without the
-worker package (which loads OpenBLAS)."""
+metrics so their dashboards line up."""
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

@@ -357,8 +357,6 @@ def format_report(r: dict, args) -> str:
 
 def main(args) -> int:
     """Entry point of `orchard bench` and `load/bench_serve.py`."""
-    import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
-
     if args.num_prompts < 1:
         raise SystemExit("--num-prompts must be >= 1")
     unknown = {m.strip() for m in args.percentile_metrics.split(",") if m.strip()} - {"ttft", "tpot", "itl", "e2el"}

@@ -77,7 +77,6 @@ from pathlib import Path
 
 import numpy as np
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 import mlx.core as mx
 
 __all__ = ["metal_kernel", "config", "settings", "available", "EmulatorError", "CompileError"]
