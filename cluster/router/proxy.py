@@ -22,6 +22,12 @@ way. Past the wait, or with `max_held` requests held already, UNAVAILABLE naming
 model and the wait, with a `retry_after`. `waiting(request_id)` names the model a request
 is held for (the HTTP front keeps an SSE client connected with comments meanwhile).
 
+A poison request (one that breaks whatever serves it) is failed with INTERNAL rather than
+tried a third time: after failing on two workers with INTERNAL (a worker isolates a step
+that raises and fails its cause alone), or after two workers or groups went away under it
+before it had a token from them (a group whose rank fails inside a collective exits, and
+its streams see the connection go; streams already under way there are not suspects).
+
 A stream never ends short: a worker's stream that stops without a finish reason, or that
 sends nothing for `stream_idle_timeout` seconds once started (the worker is wedged, or
 asleep behind a live connection), is that worker failing, and the request resumes
@@ -68,6 +74,25 @@ RETRYABLE = frozenset(
 )
 # The worker itself is gone or unreachable: stop placing anything there until it reports in.
 UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
+# gRPC's words for a call whose connection ended under it (the worker's process ended while
+# it held the request), as against one that never reached the worker ("failed to connect")
+# or the worker's own answer ("draining").
+GONE_UNDER = ("stream removed", "socket closed", "connection reset", "broken pipe")
+
+
+def _went_away_under(e: grpc.aio.AioRpcError) -> bool:
+    """Whether the attempt's worker went away while it held the request."""
+    details = (e.details() or "").lower()
+    return e.code() is grpc.StatusCode.UNAVAILABLE and any(words in details for words in GONE_UNDER)
+
+
+def _poison(internal: int, took_down: int, last: str) -> str:
+    """Why a request is failed as poison: the workers it failed on (INTERNAL) and took down."""
+    if not took_down:
+        return f"the request failed on {internal} workers ({last}): not tried again"
+    failed = f"failed on {internal} worker{'s' * (internal > 1)} and " if internal else ""
+    return (f"the request {failed}took down {took_down} worker{'s' * (took_down > 1)} (each went away while "
+            f"serving it, before its first token there; last: {last}): not tried again")
 
 
 @dataclass(frozen=True)
@@ -197,7 +222,8 @@ class RouterBackend:
         wait_until = time.monotonic() + self.config.worker_wait  # for an unhealthy worker, once per request
         if deadline is not None:
             wait_until = min(wait_until, deadline)
-        internal = 0  # attempts failed with INTERNAL (two make the request a poison)
+        internal = 0  # attempts failed with INTERNAL
+        took_down = 0  # attempts whose worker went away under it before it sent a token (with internal: two, poison)
         self.budget.on_request()
         features = features_asked(request)  # placed only where a worker has them
         for attempt in range(self.config.max_attempts):
@@ -225,6 +251,7 @@ class RouterBackend:
             worker.attempts.add(stream)
             outcome = m.CANCELLED
             accepted = False
+            tokens_before = len(sent)
             try:
                 async for chunk in self._relay(call, rid, worker.worker_id):
                     if not accepted:  # the worker took it: its cache holds the prompt now
@@ -282,11 +309,13 @@ class RouterBackend:
                         self.registry.mark_failed(worker.worker_id, f"{code.name}: {e.details()}")
                     if code is grpc.StatusCode.INTERNAL:
                         internal += 1
-                        if internal >= 2:  # the same request broke two workers: it is the cause
-                            self.metrics.poison.inc()
-                            log.error("request %s failed with INTERNAL on %d workers: not tried again", rid, internal)
-                            raise errors.InternalError(
-                                f"the request failed on {internal} workers ({e.details()}): not tried again") from None
+                    elif _went_away_under(e) and len(sent) == tokens_before:
+                        took_down += 1
+                    if internal + took_down >= 2:  # the same request broke two workers: it is the cause
+                        self.metrics.poison.inc()
+                        reason = _poison(internal, took_down, e.details())
+                        log.error("request %s: %s", rid, reason)
+                        raise errors.InternalError(reason) from None
             except _WorkerFailed as e:
                 failure, outcome = e, m.FAILED
                 if e.code is grpc.StatusCode.UNAVAILABLE:
