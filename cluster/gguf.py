@@ -5,9 +5,12 @@ Contract:
   count, length and offset checked before it is used), checks the metadata's types, the
   tensors against the metadata (block_count, shapes, the vocabulary) and the memory and disk
   the import needs against what is free, all before it writes anything; then it writes an
-  mlx-lm directory: config.json, model.safetensors, tokenizer.json + tokenizer_config.json
-  (the chat template from the metadata), special_tokens_map.json, generation_config.json and
-  gguf_import.json (what was done to each tensor type). `mlx_lm.load` and everything in
+  mlx-lm directory: config.json, the weights as safetensors shards with the index Hugging
+  Face and mlx-lm write (model-00001-of-000NN.safetensors ..., model.safetensors.index.json:
+  the embedding, then one shard per layer, then the rest, so that a pipeline rank reads only
+  its layers' files), tokenizer.json + tokenizer_config.json (the chat template from the
+  metadata), special_tokens_map.json, generation_config.json and gguf_import.json (what was
+  done to each tensor type). `mlx_lm.load` and everything in
   Orchard load that directory like any other; there is no second model path.
 - Architectures (`ARCHS`): llama (and Mistral, which llama.cpp files as llama), qwen2,
   qwen3, gemma2, gemma3, phi3. Any other is refused by name (`GGUFError`).
@@ -58,7 +61,7 @@ from cluster.gguf_file import GGUFError, read_gguf, shown  # noqa: F401  (GGUFEr
 
 log = logging.getLogger(__name__)
 
-IMPORTER_VERSION = 2  # part of the cache key: a changed importer imports again
+IMPORTER_VERSION = 3  # part of the cache key: a changed importer imports again
 GROUP = 32  # MLX's affine group size that holds llama.cpp's 32-weight blocks
 IMPORT_KIND = "gguf-import"  # what owned_dir's marker says an import directory is
 
@@ -344,6 +347,45 @@ def write_safetensors(path: Path, planned: list[_Planned], produce) -> None:
                 raise RuntimeError(f"safetensors writer: {name} is {raw.nbytes} bytes, planned {p.name} "
                                    f"{want[1] - want[0]}")
             f.write(raw)
+
+
+def layer_of(name: str) -> int | None:
+    """The layer an mlx-lm tensor name belongs to (None: the embedding, the final norm,
+    the head)."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return None if m is None else int(m.group(1))
+
+
+def shard_plan(names: list[str]) -> list[list[str]]:
+    """The tensors of each shard, in file order: the embedding (and whatever else precedes
+    the layers), each layer's, then the rest (final norm, head)."""
+    shards: dict[tuple, list[str]] = {}
+    for name in names:
+        layer = layer_of(name)
+        key = (1, layer) if layer is not None else (0, 0) if "embed" in name else (2, 0)
+        shards.setdefault(key, []).append(name)
+    return [shards[k] for k in sorted(shards)]
+
+
+def write_shards(dst: Path, planned: list[_Planned], convert) -> None:
+    """The planned tensors as safetensors shards (`shard_plan`, named as Hugging Face names
+    them) and model.safetensors.index.json; `convert(name)` yields (name, bytes-like) for
+    the planned outputs of the source tensor `name`, each converted once, one at a time.
+    `planned` maps each output to its source: (source name, _Planned) pairs."""
+    by_source: dict[str, list[_Planned]] = {}
+    for source, p in planned:
+        by_source.setdefault(source, []).append(p)
+    shards = shard_plan(list(by_source))
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for file, sources in zip(names, shards):
+        outputs = [p for s in sources for p in by_source[s]]
+        write_safetensors(dst / file, outputs, lambda sources=sources: (out for s in sources for out in convert(s)))
+        for p in outputs:
+            weight_map[p.name] = file
+            total += _ST_SIZE[p.dtype] * math.prod(p.shape)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 # -- config ----------------------------------------------------------------------------------
@@ -962,9 +1004,9 @@ def import_gguf(src: str | Path, dst: str | Path, replace: bool = True) -> Path:
     check_room(plan, dst, 3 * gf.data_start)  # (the header holds the vocabulary: the tokenizer files)
 
     def fill(tmp: Path) -> None:
-        planned = [p for t in plan for p in _outputs(t)]
-        write_safetensors(tmp / "model.safetensors", planned,
-                          lambda: (out for t in plan for out in _convert(t, arch, cfg)))
+        by_name = {t.name: t for t in plan}
+        write_shards(tmp, [(t.name, p) for t in plan for p in _outputs(t)],
+                     lambda name: _convert(by_name[name], arch, cfg))
         write_tokenizer(md, tmp, cfg["max_position_embeddings"], vocab, tokenizer)
         eos = vocab.eog if len(vocab.eog) > 1 else (vocab.eog[0] if vocab.eog else None)
         cfg.update(eos_token_id=eos, bos_token_id=vocab.bos, pad_token_id=vocab.pad)

@@ -453,7 +453,7 @@ def judge(out: Outcome, root: Path, target: Path, before: dict) -> list[str]:
         bad.append(f"written outside the target: {outside[:5]}")
     if out.imported:
         done = {p.name for p in target.iterdir()} if target.is_dir() else set()
-        missing = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} - done
+        missing = {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"} - done
         if missing:
             bad.append(f"an import without {sorted(missing)}")
         if out.case.kind == "gguf" and (problem := tensor_table_problem(out.case.blob)):

@@ -131,6 +131,7 @@ def float32_twin(gguf: Path, binary: Path) -> Path:
 
     from cluster import gguf as og
     from cluster.models_cache import resolve_model
+    from gguf_export import weights_of
 
     out = CACHE / "gguf" / f"{gguf.stem}-llama.cpp-F32.gguf"
     if not out.exists():
@@ -140,7 +141,7 @@ def float32_twin(gguf: Path, binary: Path) -> Path:
     src = resolve_model(str(gguf))
     cfg = json.loads((src / "config.json").read_text())
     arch = og.ARCHS[gg.GGUFReader(str(gguf)).fields["general.architecture"].contents()]
-    weights = mx.load(str(src / "model.safetensors"))
+    weights = weights_of(src)
     n = bad = 0
     for t in gg.GGUFReader(str(out)).tensors:
         if t.name in ("rope_freqs.weight",):
@@ -173,7 +174,7 @@ def quantize(binary: Path, tokens: int) -> int:
 
     from cluster import gguf as og
     from cluster.models_cache import builtin_model
-    from gguf_export import export
+    from gguf_export import export, weights_of
 
     quantizer = binary.parent / "llama-quantize"
     if not quantizer.exists():
@@ -188,7 +189,7 @@ def quantize(binary: Path, tokens: int) -> int:
         path = out / f"llama-small-seed0-{kind}.gguf"
         subprocess.run([str(quantizer), "--pure", str(f32), str(path), kind], check=True, capture_output=True)
         dst = og.import_gguf(path, out / f"llama-small-seed0-{kind}.mlx")
-        weights = mx.load(str(dst / "model.safetensors"))
+        weights = weights_of(dst)
         counts: dict[str, int] = {}
         for t in gguf.GGUFReader(str(path)).tensors:
             name = t.tensor_type.name

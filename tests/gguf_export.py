@@ -23,6 +23,13 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
           "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+def weights_of(model_dir: Path) -> dict:
+    """Every tensor of an mlx-lm model directory (one model.safetensors, or shards)."""
+    import mlx.core as mx
+
+    return {k: v for f in sorted(Path(model_dir).glob("model*.safetensors")) for k, v in mx.load(str(f)).items()}
+
+
 def gguf_name(name: str, arch: str) -> str:
     top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     stem, kind = name.rsplit(".", 1)
@@ -97,7 +104,7 @@ def export(model_dir: Path, out: Path, quantize: dict[str, str] | None = None, r
     w.add_add_bos_token(bool(tcfg.get("add_bos_token")))
     w.add_chat_template(tcfg["chat_template"])
 
-    weights = mx.load(str(model_dir / "model.safetensors"))
+    weights = weights_of(model_dir)
     for name in sorted(weights):
         a = np.array(weights[name].astype(mx.float32))
         gname = gguf_name(name, mt)

@@ -16,7 +16,7 @@ import pytest
 import gguf
 from cluster import gguf as og
 from cluster.modelgen import create_model, synthetic_corpus
-from gguf_export import export
+from gguf_export import export, weights_of
 
 QT = gguf.GGMLQuantizationType
 
@@ -91,6 +91,36 @@ def _logits(path, ids):
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
+def test_an_import_is_sharded_by_layer_with_an_index_so_a_pipeline_rank_reads_only_its_layers(tmp_path):
+    """Shards as Hugging Face names them, the index mapping every tensor to the one that
+    holds it: the embedding's, one for each layer holding exactly that layer's tensors, the
+    final norm's and head's; a pipeline stage's files are its layers' (stage.py)."""
+    from cluster.worker.group.stage import local_weight_files
+    from cluster.worker.model_runner import Stage
+
+    src = create_model(tmp_path / "src", "llama", "tiny", seed=3, layers=4)
+    dst = og.import_gguf(export(src, tmp_path / "m.gguf", quantize={"blk.0.attn_q.weight": "Q8_0"}), tmp_path / "i")
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    weight_map = index["weight_map"]
+    files = sorted({f for f in weight_map.values()})
+    num_layers = json.loads((dst / "config.json").read_text())["num_hidden_layers"]
+    assert files == [f"model-{i:05d}-of-{num_layers + 2:05d}.safetensors" for i in range(1, num_layers + 3)]
+    assert sorted(p.name for p in dst.glob("*.safetensors")) == files
+    for f in files:  # each shard holds what the index says, nothing else
+        assert set(mx.load(str(dst / f))) == {name for name, g in weight_map.items() if g == f}
+    assert index["metadata"]["total_size"] == sum((dst / f).stat().st_size for f in files) - sum(
+        8 + int.from_bytes((dst / f).read_bytes()[:8], "little") for f in files)
+    assert weight_map["model.embed_tokens.weight"] == files[0]
+    assert {weight_map[n] for n in weight_map if "layers." not in n and "embed" not in n} == {files[-1]}
+    for layer in range(num_layers):
+        mine = {f for n, f in weight_map.items() if og.layer_of(n) == layer}
+        assert mine == {files[1 + layer]}, layer
+    assert weight_map["model.layers.0.self_attn.q_proj.scales"] == files[1]  # a quantized layer's parts together
+    assert num_layers == 4
+    assert local_weight_files(dst, Stage(range(0, 2), embeds=True, heads=False)) == files[:3]
+    assert local_weight_files(dst, Stage(range(2, 3), embeds=False, heads=False)) == [files[3]]
+
+
 @pytest.mark.parametrize("arch", og_archs())
 def test_each_architecture_reads_back_to_the_same_model(arch, tiny_models, tmp_path):
     """An mlx-lm model written as llama.cpp's converter does (names, Q/K permutation, Gemma's
@@ -100,7 +130,7 @@ def test_each_architecture_reads_back_to_the_same_model(arch, tiny_models, tmp_p
 
     src = tiny_models[arch]
     dst = og.import_gguf(export(src, tmp_path / "m.gguf"), tmp_path / "imported")
-    want, got = mx.load(str(src / "model.safetensors")), mx.load(str(dst / "model.safetensors"))
+    want, got = weights_of(src), weights_of(dst)
     assert set(got) == set(want)
     for name in want:
         np.testing.assert_array_equal(np.array(got[name]), np.array(want[name].astype(mx.float32)), err_msg=name)

@@ -129,7 +129,7 @@ def test_a_valid_file_still_imports(base_gguf, tmp_path, capsys):
     path = tmp_path / "ok.gguf"
     path.write_bytes(parse_raw(base_gguf).to_bytes())
     code, text = import_cli(path, tmp_path / "out", capsys)
-    assert code == 0 and (tmp_path / "out" / "model.safetensors").exists(), text
+    assert code == 0 and (tmp_path / "out" / "model.safetensors.index.json").exists(), text
 
 
 def test_a_million_element_array_is_read_without_an_object_per_element(base_gguf, tmp_path, capsys):

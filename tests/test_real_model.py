@@ -18,6 +18,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
 from cluster import gguf as og
+from gguf_export import weights_of
 
 PARAGRAPH = ("The city of Paris is the capital of France. It is known for its museums, its cafes and the Eiffel "
              "Tower, which was built for the World's Fair in 1889. Every year millions of people visit the city "
@@ -139,7 +140,7 @@ def test_greedy_tokens_equal_mlx_lm_on_the_quantized_layers(smollm2_worker, quan
 
 
 def test_real_blocks_dequantize_to_llama_cpps_values(reader, smollm2_dir):
-    weights = mx.load(str(smollm2_dir / "model.safetensors"))
+    weights = weights_of(smollm2_dir)
     picked = {"token_embd.weight", "blk.0.attn_q.weight", "blk.7.attn_k.weight", "blk.29.ffn_down.weight"}
     seen = set()
     for t in reader.tensors:
