@@ -122,3 +122,64 @@ def test_a_request_that_breaks_a_members_step_fails_alone_and_the_group_goes_on(
     single = _single_beside_poison(model)
     assert {rid: t for rid, t in group["results"].items() if rid != "poison"} == single["results"]
     assert all(len(t) == 16 for t in single["results"].values())
+
+
+@pytest.mark.parametrize("fails", ["member", "rank 0", "ring"])
+def test_rank_0_finishes_a_failed_pipeline_step_in_order(models, monkeypatch, fails):
+    """A pipeline step that fails on a member (its FAILED comes) or in rank 0's own layers
+    (after the hidden state came): rank 0's forward raises that error as an ordinary one,
+    the step is finished in order, and the next step is planned and run as usual; the group
+    is not lost. The hidden state not arriving (the ring failing) loses it."""
+    import mlx.core as mx
+
+    from cluster.worker.group.config import GroupOptions, Topology
+    from cluster.worker.group.leader import GroupRunner, GroupState, GroupStats
+    from cluster.worker.group.stage import Assignment, StageRunner
+    from cluster.worker.model_runner import load_model, text_args
+    from cluster.worker.sampling_params import SamplingParams
+    from cluster.worker.scheduler import ScheduledSeq, SchedulerOutput
+    from cluster.worker.sequence import Sequence
+    from test_group import _NoMembers
+
+    model, _ = load_model(models("llama", layers=2))
+    hidden_size = int(text_args(model).hidden_size)
+    assignment = Assignment("pipeline", 2, ((1, 2), (0, 1)), 2)
+    topo = Topology(0, (("127.0.0.1", 1), ("127.0.0.1", 2)), ("127.0.0.1", 1001))
+    leader = _NoMembers()
+    group = GroupState(leader, None, topo, assignment, GroupOptions(size=2), hidden_size, GroupStats())
+    runner = GroupRunner(model, 8, 16, None, stage=assignment.stage(0), group=group)
+
+    def batch(block: int):
+        seq = Sequence(f"s{block}", [5, 6, 7], SamplingParams(max_tokens=1), num_prompt_tokens=3)
+        seq.block_table = [block]
+        return runner.prepare(SchedulerOutput([ScheduledSeq(seq, 0, 3)]))
+
+    def hidden(step, num_tokens, dtype):
+        return mx.zeros((num_tokens, hidden_size), dtype)
+
+    def raising(error):
+        def fail(*args, **kwargs):
+            raise error
+        return fail
+
+    try:
+        if fails == "member":
+            monkeypatch.setattr(group, "receive_hidden", raising(StepFailed("rank 1: RuntimeError: poisoned")))
+        else:
+            monkeypatch.setattr(group, "receive_hidden", hidden if fails == "rank 0" else raising(
+                RuntimeError("[ring] the connection closed")))
+            monkeypatch.setattr(StageRunner, "forward", raising(RuntimeError("rank 0's layers")))
+        first = batch(0)
+        with pytest.raises(Exception) as failed:
+            runner.forward(first)
+        if fails == "ring":
+            assert len(leader.lost) == 1 and "the connection closed" in leader.lost[0]
+            return
+        assert str(failed.value) == ("rank 1: RuntimeError: poisoned" if fails == "member" else "rank 0's layers")
+        assert leader.lost == [] and not group.in_flight and group.stats.failed_steps == 1
+        monkeypatch.undo()
+        monkeypatch.setattr(group, "receive_hidden", hidden)
+        assert runner.forward(batch(1)).shape[0] == 1
+        assert leader.lost == [] and not group.in_flight and group.stats.steps == 2
+    finally:
+        group.close()
