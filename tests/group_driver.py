@@ -36,6 +36,10 @@ def config(speculative: bool = False) -> dict:
     return dict(CONFIG, speculative_config=SPECULATIVE) if speculative else dict(CONFIG)
 
 
+def draft_config(path: str) -> str:
+    return json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": 3})
+
+
 def every_draft() -> None:
     """Speculate at every step it can: the policy weighs drafts against this machine's
     measured step times, so the rows of a step (and the last bits of a logprob) would vary
@@ -170,6 +174,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="check every step (default: --group-check's sampling)")
     ap.add_argument("--random-steps", type=int, default=0, help="run the randomized mirrored-state load instead")
     ap.add_argument("--speculative", action="store_true", help="n-gram speculative decoding on")
+    ap.add_argument("--draft", default=None, help="speculative decoding with this draft model")
     ap.add_argument("--inflight", type=int, default=1, help="batches in flight (1: the single process's batches)")
     ap.add_argument("--poison", action="store_true", help="run_beside_poison instead of the workload")
     args = ap.parse_args()
@@ -181,7 +186,9 @@ def main() -> int:
                            shares=args.shares, check_every=1 if args.check else GroupOptions.check_every, timeout=60,
                            join_timeout=120, inflight=args.inflight)
     cfg = config(args.speculative)
-    if args.speculative:
+    if args.draft:
+        cfg["speculative_config"] = draft_config(args.draft)
+    if args.speculative or args.draft:
         every_draft()
     cfg["num_kv_blocks"] *= args.inflight  # each batch in flight (virtual engine) gets the single process's pool
     def load():
@@ -206,7 +213,9 @@ def main() -> int:
     stats = engine.group.stats
     out["group"] = {"members": stats.members, "steps": stats.steps, "mismatches": stats.mismatches,
                     "checked_steps": stats.checked_steps, "plan_bytes": stats.plan_bytes,
-                    "hidden_bytes": stats.hidden_bytes}
+                    "hidden_bytes": stats.hidden_bytes,
+                    "draft_models": len({id(e.speculator.proposer.model) for e in getattr(engine, "engines", [engine])
+                                         if e.speculator is not None and hasattr(e.speculator.proposer, "model")})}
     engine.group.close()
     print("RESULT " + json.dumps(out), flush=True)
     return 0

@@ -226,6 +226,40 @@ def test_a_pipelined_group_loads_one_draft_model_counted_in_rank_0s_capacity(lla
     assert draft_footprint(config) == (draft.weight_bytes(), draft.kv_bytes_per_block(config.block_size, None))
 
 
+@pytest.mark.slow
+def test_a_two_stage_group_with_a_draft_model_loads_it_once_and_gives_the_single_process_tokens(tmp_path):
+    """Through `load_group_engine` with a member process: two batches in flight, one draft
+    model on rank 0; every token the single process's with the same draft (logprobs may
+    move in the last bits: the batches differ, as in test_two_batches_in_flight_...)."""
+    from group_driver import config, draft_config, every_draft, run_workload
+    from test_group import run_group
+
+    from cluster.modelgen import create_model, truncated_copy
+    from cluster.worker.engine import Engine
+    from cluster.worker.spec_decode.policy import SpecPolicy
+
+    model = create_model(tmp_path / "llama", "llama", "tiny", seed=3, layers=4)
+    draft = truncated_copy(model, tmp_path / "llama-draft", 1)
+    group = run_group(model, 2, inflight=2, draft=str(draft))
+    assert group["group"]["draft_models"] == 1
+    limits = SpecPolicy.limits
+    every_draft()
+    try:
+        single = Engine.from_pretrained(model, EngineConfig(**dict(config(), speculative_config=draft_config(draft))))
+        want = run_workload(single)
+    finally:
+        SpecPolicy.limits = limits
+    assert single.speculator.stats.num_draft_tokens > 0
+    assert group["results"].keys() == want["results"].keys()
+    for rid, w in want["results"].items():
+        got = group["results"][rid]
+        if rid == "aborted/0":  # aborted after a number of steps, whose tokens differ with the batches and drafts
+            n = min(len(got["tokens"]), len(w["tokens"]))
+            assert n and got["tokens"][:n] == w["tokens"][:n]
+        else:
+            assert got["tokens"] == w["tokens"], rid
+
+
 def test_a_request_goes_to_the_virtual_engine_that_holds_its_prefix(llama):
     """Least-loaded placement sent a request to the idle engine although the other held
     its prompt's prefix; now it follows the prefix while the loads are near (within one
