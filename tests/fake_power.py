@@ -53,3 +53,52 @@ class FakePower:
         thread.start()
         thread.join(timeout)
         return not thread.is_alive()
+
+
+class FakeFrameworks:
+    """IOKit and CoreFoundation as `MacPower` calls them through ctypes (off macOS): each
+    call recorded in `calls` as (name, args); an assertion gets id 7, the registration root
+    port 99; `CFRunLoopRun` blocks until `CFRunLoopStop`. `deliver(message, argument)`
+    calls the registered callback as IOKit does."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, tuple]] = []
+        self.callback = None
+        self._stopped = threading.Event()
+
+    def __getattr__(self, name: str):
+        fn = _FakeFunction(self, name)
+        setattr(self, name, fn)
+        return fn
+
+    def called(self, name: str) -> list[tuple]:
+        return [args for n, args in self.calls if n == name]
+
+    def deliver(self, message: int, argument: int = 0) -> None:
+        self.callback(None, 0, message, argument)
+
+    def answer(self, name: str, args: tuple):
+        if name == "IOPMAssertionCreateWithName":
+            args[3]._obj.value = 7  # the IOPMAssertionID out-parameter (ctypes.byref)
+        elif name == "IORegisterForSystemPower":
+            self.callback = args[2]
+            return 99
+        elif name == "CFStringCreateWithCString":
+            return id(args[1])
+        elif name == "CFRunLoopGetCurrent":
+            return 1234
+        elif name == "CFRunLoopRun":
+            self._stopped.wait(30)
+        elif name == "CFRunLoopStop":
+            self._stopped.set()
+        return 0
+
+
+class _FakeFunction:
+    def __init__(self, owner: FakeFrameworks, name: str):
+        self.owner, self.name = owner, name
+        self.argtypes = self.restype = None  # as MacPower declares them
+
+    def __call__(self, *args):
+        self.owner.calls.append((self.name, args))
+        return self.owner.answer(self.name, args)

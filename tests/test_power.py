@@ -16,8 +16,9 @@ from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.registry import HEALTHY
 from cluster.router.server import RouterConfig, RouterServer
-from cluster.worker.power import NoPower, StayAwake, system_power
-from fake_power import FakePower
+from cluster.worker.power import (CAN_SYSTEM_SLEEP, PREVENT_IDLE_SLEEP, SYSTEM_HAS_POWERED_ON, SYSTEM_WILL_SLEEP,
+                                  MacPower, NoPower, StayAwake, system_power)
+from fake_power import FakeFrameworks, FakePower
 
 
 def run(coro, timeout: float = 180):
@@ -52,6 +53,40 @@ def test_a_drain_that_fails_still_lets_the_mac_sleep():
     power = FakePower()
     StayAwake(power, "serving", drain, lambda: None).start()
     assert power.sleep(ack_s=10)
+
+
+def test_mac_power_takes_the_assertion_and_answers_each_sleep_after_the_drain():
+    """`MacPower` over stand-ins for IOKit and CoreFoundation: the assertion is
+    PreventUserIdleSystemSleep, held until close; a will-sleep is acknowledged with its own
+    argument only once `will_sleep` has returned (and also when it raised); an idle-sleep
+    query is answered without a drain; a wake calls `did_wake`; close stops the run loop,
+    deregisters and releases the assertion."""
+    fw, events = FakeFrameworks(), []
+    power = MacPower(iokit=fw, cf=fw)
+    power._default_mode = lambda: None
+    power.keep_awake("orchard worker w0 serves m")
+    power.keep_awake("again")  # one assertion only
+    assert len(fw.called("IOPMAssertionCreateWithName")) == 1
+    made = [args[1] for args in fw.called("CFStringCreateWithCString")]
+    assert made[:2] == [PREVENT_IDLE_SLEEP, b"orchard worker w0 serves m"]
+
+    def will_sleep():
+        events.append(("drain", len(fw.called("IOAllowPowerChange"))))
+        if len(events) > 1:
+            raise RuntimeError("no event loop")
+
+    power.watch(will_sleep, lambda: events.append("wake"))
+    fw.deliver(SYSTEM_WILL_SLEEP, 42)
+    assert events == [("drain", 0)] and fw.called("IOAllowPowerChange") == [(99, 42)]
+    fw.deliver(CAN_SYSTEM_SLEEP, 43)
+    assert len(events) == 1 and fw.called("IOAllowPowerChange")[-1] == (99, 43)
+    fw.deliver(SYSTEM_HAS_POWERED_ON)
+    assert events[-1] == "wake"
+    fw.deliver(SYSTEM_WILL_SLEEP, 44)  # a drain that fails still lets the Mac sleep
+    assert fw.called("IOAllowPowerChange")[-1] == (99, 44)
+    power.close()
+    assert fw.called("CFRunLoopStop") and fw.called("IODeregisterForSystemPower") and fw.called("IOServiceClose")
+    assert fw.called("IOPMAssertionRelease") == [(7,)]
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="off macOS only")

@@ -83,9 +83,10 @@ class MacPower:
     assertion; IORegisterForSystemPower on a CFRunLoop thread for the notifications,
     each will-sleep (and idle-sleep query) answered with IOAllowPowerChange."""
 
-    def __init__(self):
-        self.iokit = iokit = ctypes.cdll.LoadLibrary(IOKIT)
-        self.cf = cf = ctypes.cdll.LoadLibrary(CORE_FOUNDATION)
+    def __init__(self, iokit=None, cf=None):
+        """`iokit`, `cf`: the frameworks (a test passes stand-ins)."""
+        self.iokit = iokit = iokit or ctypes.cdll.LoadLibrary(IOKIT)
+        self.cf = cf = cf or ctypes.cdll.LoadLibrary(CORE_FOUNDATION)
         cf.CFStringCreateWithCString.restype = ctypes.c_void_p
         cf.CFStringCreateWithCString.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint32]
         cf.CFRelease.argtypes = [ctypes.c_void_p]
@@ -173,8 +174,7 @@ class MacPower:
             started.set()
             return
         self._run_loop = cf.CFRunLoopGetCurrent()
-        mode = ctypes.c_void_p.in_dll(cf, "kCFRunLoopDefaultMode")
-        cf.CFRunLoopAddSource(self._run_loop, iokit.IONotificationPortGetRunLoopSource(port), mode)
+        cf.CFRunLoopAddSource(self._run_loop, iokit.IONotificationPortGetRunLoopSource(port), self._default_mode())
         started.set()
         try:
             cf.CFRunLoopRun()  # until close() stops it
@@ -182,6 +182,9 @@ class MacPower:
             iokit.IODeregisterForSystemPower(ctypes.byref(notifier))
             iokit.IOServiceClose(root.value)
             iokit.IONotificationPortDestroy(port)
+
+    def _default_mode(self):
+        return ctypes.c_void_p.in_dll(self.cf, "kCFRunLoopDefaultMode")
 
     def close(self) -> None:
         if self._run_loop is not None:
