@@ -142,3 +142,21 @@ def test_a_sole_worker_restarted_after_a_poison_is_taken_down_once_more_and_no_m
     assert workers.deaths == 2 and workers.starts == 3 and workers.alive == 1
     for i, got in enumerate(chunks):
         assert _tokens(got) == _expected(f"stream {i}", 80), f"stream {i}"
+
+
+def test_a_request_that_fails_alone_on_a_sole_worker_gets_its_cause():
+    """A worker that fails a request with INTERNAL (its engine found that request breaks its
+    step) and no other worker to try it on: the client gets INTERNAL with the worker's
+    cause (HTTP 500), not UNAVAILABLE (503, which says: try again)."""
+    from test_router_fake import Cluster, expected_tokens, run, tokens
+
+    async def main():
+        async with Cluster(n_workers=1) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate("poison pill")
+            assert e.value.code() == grpc.StatusCode.INTERNAL
+            assert "the engine failed: RuntimeError: poisoned" in e.value.details()
+            assert len(c.workers[0].requests) == 1
+            assert tokens(await c.generate("fine")) == expected_tokens("fine", 8)
+
+    run(main())

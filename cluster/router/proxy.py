@@ -446,6 +446,8 @@ class RouterBackend:
             error = errors.from_status(no_worker.code, str(no_worker))
             if isinstance(error, errors.InvalidRequest):
                 error.param = no_worker.param
+        elif failure.code is grpc.StatusCode.INTERNAL:  # the worker failed it alone (its engine found the cause)
+            error = errors.InternalError(f"{failure.details} (not tried elsewhere: {no_worker})")
         else:
             error = errors.Unavailable(f"worker failed ({failure.code.name}: {failure.details}) and {no_worker}")
         if isinstance(no_worker, _HoldOver):
