@@ -79,7 +79,8 @@ def init_ca(directory: str | Path, name: str = CertsInit.name, days: int = Certs
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     if (d / CA_KEY).exists():
-        raise FileExistsError(f"{d / CA_KEY} exists: a fleet has one CA (issue certificates with `orchard certs issue`)")
+        raise FileExistsError(f"{d / CA_KEY} exists: a fleet has one CA "
+                              "(issue certificates with `orchard certs issue`)")
     key = _key()
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
@@ -96,7 +97,8 @@ def init_ca(directory: str | Path, name: str = CertsInit.name, days: int = Certs
     return d / CA_CERT
 
 
-def issue(directory: str | Path, name: str, hosts: tuple[str, ...] = (), days: int = CertsIssue.days) -> tuple[Path, Path]:
+def issue(directory: str | Path, name: str, hosts: tuple[str, ...] = (),
+          days: int = CertsIssue.days) -> tuple[Path, Path]:
     """A key and a certificate for `name` (serving `hosts`), signed by the CA in `directory`:
     (certificate path, key path)."""
     from cryptography import x509

@@ -34,7 +34,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("up",), "a router and N local workers, until Ctrl-C", "cluster.cli:_up"),
     (("supervise",), "run an orchard command, started again after a backoff unless it fails for good (exit 78): "
                      "for launchd", "cluster.cli:_supervise"),
-    (("worker", "serve"), "serve a model over gRPC (+ metrics, + OpenAI HTTP with --http)", "cluster.cli:_worker_serve"),
+    (("worker", "serve"), "serve a model over gRPC (+ metrics, + OpenAI HTTP with --http)",
+     "cluster.cli:_worker_serve"),
     (("generate",), "send one request to a router or worker (through the SDK)", "cluster.cli:_generate"),
     (("bench",), "serving benchmark (vllm bench serve style) against a router or worker", "cluster.cli:_bench"),
     (("deploy", "prometheus-targets"), "write Prometheus file_sd targets (router.json, workers.json)",
@@ -186,7 +187,8 @@ def _prometheus_targets(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--router", action="append", metavar="HOST:PORT",
                         help="the router's metrics address (repeatable)")
-    parser.add_argument("--worker", action="append", metavar="HOST:PORT", help="a worker's metrics address (repeatable)")
+    parser.add_argument("--worker", action="append", metavar="HOST:PORT",
+                        help="a worker's metrics address (repeatable)")
     parser.add_argument("--out", default="deploy/prometheus/targets",
                         help="directory (default: deploy/prometheus/targets)")
     parser.set_defaults(func=run_prometheus_targets)

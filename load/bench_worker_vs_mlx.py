@@ -92,7 +92,8 @@ class Server:
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise TimeoutError(f"{self.name}: no {prefix!r} line in {timeout:.0f} s:\n" + "".join(self.log[-20:]))
+                raise TimeoutError(f"{self.name}: no {prefix!r} line in {timeout:.0f} s:\n"
+                                   + "".join(self.log[-20:])) from None
             if line is None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.wait()}:\n" + "".join(self.log[-30:]))
             if line.startswith(prefix):

@@ -28,7 +28,6 @@ import asyncio
 import os
 import random
 import signal
-import statistics
 import sys
 import tempfile
 import threading

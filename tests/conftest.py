@@ -68,7 +68,7 @@ class WorkerProcess:
                 line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 self.stop()
-                raise TimeoutError("the worker did not start in time:\n" + "".join(self.log[-30:]))
+                raise TimeoutError("the worker did not start in time:\n" + "".join(self.log[-30:])) from None
             if line is None:
                 raise RuntimeError(f"the worker exited with {self.proc.wait()}:\n" + "".join(self.log[-30:]))
             if line.startswith(self.READY):

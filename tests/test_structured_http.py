@@ -96,8 +96,6 @@ def test_langchain_json_mode_and_function_calling(tiny_worker):
     class Anything(BaseModel):
         model_config = ConfigDict(extra="allow")
 
-    llm = ChatOpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="unused", model="tiny-qwen3", temperature=0.3,
-                     max_tokens=200, max_retries=0, timeout=60, seed=2)
     # any JSON object: a random model's keys are unbounded, so a seed whose object closes
     closing = ChatOpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="unused", model="tiny-qwen3",
                          temperature=0.3, max_tokens=200, max_retries=0, timeout=60, seed=3)

@@ -202,7 +202,8 @@ def _tool_kwargs(body: dict) -> dict[str, Any]:
 # What the chat and completions endpoints read (everything else is refused by name).
 _COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "seed", "stop",
                      "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-                     "top_k", "min_p", "stop_token_ids", "ignore_eos", "repetition_penalty", "response_format", "speculative",
+                     "top_k", "min_p", "stop_token_ids", "ignore_eos", "repetition_penalty", "response_format",
+                     "speculative",
                      "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
                     ) | ACCEPTED_NO_EFFECT
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",

@@ -362,8 +362,8 @@ async def _create(request: web.Request) -> web.StreamResponse:
         if prev:
             entry = request.app[_STORE].get(prev)
             if entry is None:
-                raise NotFound(f"Previous response with id {shown(prev)} not found (responses are kept in this server's "
-                               f"memory, the last {STORE_SIZE}, and only with store: true)")
+                raise NotFound(f"Previous response with id {shown(prev)} not found (responses are kept in this "
+                               f"server's memory, the last {STORE_SIZE}, and only with store: true)")
             history = list(entry[0])
         history += input_messages(body["input"])
         instructions = body_field(body, "instructions", str)
@@ -434,7 +434,8 @@ async def _stream(request: web.Request, turn: _Turn, first, chunks) -> web.Strea
         nonlocal open_index
         open_index = index
         m = turn.items[index]
-        await send("response.output_item.added", output_index=index, item={**turn.item(m, "in_progress"), "content": []})
+        await send("response.output_item.added", output_index=index,
+                   item={**turn.item(m, "in_progress"), "content": []})
         await send("response.content_part.added", item_id=m["id"], output_index=index, content_index=0,
                    part=parts[m["type"]][0])
 

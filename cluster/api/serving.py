@@ -298,8 +298,8 @@ class Endpoints:
                              allowed_hosts=allowed_hosts(self.security, host),
                              cors_origins=tuple(o.strip() for o in (self.security.cors_origins or "").split(",")
                                                 if o.strip()))
-            runner, self.addresses["http"] = await _start_http(app, http_address, "HTTP", self.default_host, ssl_context,
-                                                               limits_of(backend))
+            runner, self.addresses["http"] = await _start_http(app, http_address, "HTTP", self.default_host,
+                                                               ssl_context, limits_of(backend))
             self._runners.append(runner)
 
     async def set_serving(self, serving: bool) -> None:

@@ -234,7 +234,8 @@ class Registry:
             what = f"model {quoted(model)}" if model else "any model"
             raise RegistryError(
                 grpc.StatusCode.NOT_FOUND if model else grpc.StatusCode.UNAVAILABLE,
-                f"no worker serves {what}" + (f" (served: {', '.join(known)})" if known else " (no workers registered)"),
+                f"no worker serves {what}"
+                + (f" (served: {', '.join(known)})" if known else " (no workers registered)"),
             )
         able = [w for w in serving if w.has(features)]
         if not able:
@@ -292,7 +293,8 @@ class Registry:
         if not self.bind_identities:
             return
         if not identity:
-            raise RegistryError(grpc.StatusCode.UNAUTHENTICATED, "registration needs a client certificate of the fleet CA")
+            raise RegistryError(grpc.StatusCode.UNAUTHENTICATED,
+                                "registration needs a client certificate of the fleet CA")
         w = self.workers.get(worker_id)
         if w is not None and w.identity is not None and w.identity != identity:
             log.warning("refused worker id %s from certificate %r: it belongs to %r", worker_id, identity, w.identity)
@@ -461,7 +463,8 @@ class Registry:
             w = WorkerRecord(worker_id=worker_id, address=address, static=static, breaker=self._breaker())
             self._open(w)
             self.workers[worker_id] = w
-            log.info("worker %s at %s joined (model %s%s)", worker_id, address, report.model, ", static" if static else "")
+            log.info("worker %s at %s joined (model %s%s)", worker_id, address, report.model,
+                     ", static" if static else "")
             self._notify()
         w.static = w.static or static
         self.record_report(w, report)

@@ -139,8 +139,8 @@ def layer_modules(model: nn.Module) -> list[list[nn.Module]]:
         if hybrid and not mods and not mixers:
             continue
         if len(mods) > 1 or not hybrid and not mods:
-            raise UnsupportedModel(f"model type {model_type(model)!r} is not served: layer {i} has "
-                                   f"{len(mods)} modules that write K/V, where the engine knows one attention per layer")
+            raise UnsupportedModel(f"model type {model_type(model)!r} is not served: layer {i} has {len(mods)} "
+                                   "modules that write K/V, where the engine knows one attention per layer")
         if len(mixers) > 1:
             raise UnsupportedModel(f"model type {model_type(model)!r} is not served: layer {i} has "
                                    f"{len(mixers)} recurrent modules, where the engine knows one state per layer")
@@ -220,8 +220,9 @@ def _features(model: nn.Module) -> list[LayerSpec]:
             other.setdefault(_cache_name(cache), []).append(i)
     if other.keys() & RECURRENT_CACHES:
         ids = sorted(i for name in other.keys() & RECURRENT_CACHES for i in other[name])
-        raise refuse(f"layers {_ranges(ids)} keep a recurrent state ({', '.join(sorted(other.keys() & RECURRENT_CACHES))}"
-                     "), which the engine serves, with state slots, only for the hybrid families checked against "
+        kinds = ", ".join(sorted(other.keys() & RECURRENT_CACHES))
+        raise refuse(f"layers {_ranges(ids)} keep a recurrent state ({kinds}), which the engine serves, with "
+                     "state slots, only for the hybrid families checked against "
                      f"mlx-lm: {', '.join(sorted(HYBRID_FAMILIES))}")
     if other:
         what = "; ".join(f"layers {_ranges(ids)} use {name} "
@@ -261,7 +262,8 @@ def _features(model: nn.Module) -> list[LayerSpec]:
                          "not apply for this family")
         if mt not in FAMILY_CALLS and not calls(type(m), "scaled_dot_product_attention"):
             raise refuse(f"layer {i}'s attention ({type(m).__name__}) computes attention in its own code rather "
-                         "than through mlx-lm's scaled_dot_product_attention, and the engine has no paged version of it")
+                         "than through mlx-lm's scaled_dot_product_attention, and the engine has no paged version "
+                         "of it")
         specs.append(LayerSpec(layer=i, kv_layer=kv_layer[i], window=windows[i], softcap=softcap, sinks=sinks,
                                latent=latent, recurrent=recurrent[i], cache_list=cache_list[i]))
     return specs
@@ -438,8 +440,9 @@ def _paged_sdpa(queries, keys, values, cache, scale, mask=None, sinks=None, **kw
 
         return scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=sinks, **kwargs)
     if kwargs or isinstance(mask, mx.array):
-        raise UnsupportedModel(f"this attention passes {'a mask array' if isinstance(mask, mx.array) else sorted(kwargs)} "
-                               "to scaled_dot_product_attention, which the paged kernels do not apply")
+        passed = "a mask array" if isinstance(mask, mx.array) else sorted(kwargs)
+        raise UnsupportedModel(f"this attention passes {passed} to scaled_dot_product_attention, which the paged "
+                               "kernels do not apply")
     return cache.attend(queries, scale, sinks)
 
 

@@ -39,8 +39,8 @@ def decode_keeping(tokenizer, ids: list[int], kept: frozenset[int] = frozenset()
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
-                 kept_special: frozenset[int] = frozenset()):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
+                 skip_special_tokens: bool = True, kept_special: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
         self.ids = list(prompt_token_ids[-_CONTEXT:])
         self.prefix_offset = 0

@@ -89,7 +89,8 @@ class _EngineStatsCollector:
         yield gauge("orchard_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", s.num_blocks_used / total)
         yield gauge("orchard_kv_cache_blocks_total", "KV blocks in the pool.", s.num_blocks_total)
         h = HistogramMetricFamily("orchard_step_kv_cache_usage_ratio",
-                                  "KV-cache usage (0..1) at each engine step, once the step is scheduled.", labels=LABELS)
+                                  "KV-cache usage (0..1) at each engine step, once the step is scheduled.",
+                                  labels=LABELS)
         counts, cumulative, buckets = list(s.kv_usage_step_counts), 0, []
         for edge, n in zip(KV_USAGE_BUCKETS, counts):
             cumulative += n
@@ -111,8 +112,8 @@ class _EngineStatsCollector:
         yield counter("orchard_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", s.prefix_hits)
         spec = getattr(s, "spec_decode", None)
         if spec is not None:  # speculative decoding: vLLM's counters (acceptance rate = accepted / draft tokens)
-            yield counter("orchard_spec_decode_num_drafts", "Verify rounds: requests that scored draft tokens in a step.",
-                          spec.num_drafts)
+            yield counter("orchard_spec_decode_num_drafts",
+                          "Verify rounds: requests that scored draft tokens in a step.", spec.num_drafts)
             yield counter("orchard_spec_decode_num_draft_tokens", "Draft tokens scored.", spec.num_draft_tokens)
             yield counter("orchard_spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)
             c = CounterMetricFamily("orchard_spec_decode_num_accepted_tokens_per_pos",

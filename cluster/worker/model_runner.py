@@ -281,7 +281,8 @@ class ModelRunner:
             logit_rows=mx.array(logit_rows, dtype=mx.int32),
             sample_index=sample_index,
             prompt_rows=prompt_rows,
-            plan=AttentionPlan.build(cu, seq_lens, block_tables, bs) if kernels.needs_plan(self.dtype, self.kv_dtype) else None,
+            plan=(AttentionPlan.build(cu, seq_lens, block_tables, bs)
+                  if kernels.needs_plan(self.dtype, self.kv_dtype) else None),
             num_tokens=cu[-1],
             recurrent=recurrent.plan_step(plan.scheduled) if self.has_recurrent else None,
         )

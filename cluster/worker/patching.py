@@ -14,7 +14,7 @@ import types
 
 def original_call(cls: type) -> types.FunctionType | None:
     """`cls.__call__` as mlx-lm wrote it (through any swap made here), or None."""
-    call = getattr(cls, "__call__", None)
+    call = getattr(cls, "__call__", None)  # noqa: B004  (the function itself, not whether cls is callable)
     return getattr(call, "_orchard_original", call) if isinstance(call, types.FunctionType) else None
 
 

@@ -93,7 +93,8 @@ class Registration:
                             timeout=max(period, 1.0),
                         )
                         if not reply.known:
-                            log.info("router %s does not know worker %s: registering again", self.router, self.worker_id)
+                            log.info("router %s does not know worker %s: registering again", self.router,
+                                     self.worker_id)
                             self.registered = False
                             continue
                 except grpc.aio.AioRpcError as e:

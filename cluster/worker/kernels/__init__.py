@@ -84,7 +84,8 @@ def check_backend() -> str:
         from cluster.worker.kernels import cpu
 
         if not cpu.available():
-            raise RuntimeError(f"ORCHARD_ATTENTION=cpu, but the CPU attention kernel cannot be built: {cpu.build_error()}")
+            raise RuntimeError("ORCHARD_ATTENTION=cpu, but the CPU attention kernel cannot be built: "
+                               f"{cpu.build_error()}")
     return name
 
 

@@ -51,7 +51,8 @@ _error: str | None = None
 def _cache_dirs() -> list[Path]:
     from cluster.models_cache import home
 
-    return [home() / "kernels", Path(tempfile.gettempdir()) / f"orchard-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"]
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return [home() / "kernels", Path(tempfile.gettempdir()) / f"orchard-kernels-{uid}"]
 
 
 # Compile flags (-ffast-math lets the dot products and the exp loop vectorise) are kept

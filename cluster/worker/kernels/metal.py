@@ -137,7 +137,8 @@ METAL_FUNC int orch_key_range(CuPtr cu, LenPtr seq_lens, int num_seqs, int row, 
   return s;
 }
 
-// Merges the simdgroups' softmax states for head g (call for g = 0, 1, ... in order): max M, sum total, rescaled outputs in tg_o.
+// Merges the simdgroups' softmax states for head g (call for g = 0, 1, ... in order): max M, sum total,
+// rescaled outputs in tg_o.
 template <int D, int QPG, int NSG>
 METAL_FUNC void orch_merge_head(
     int g, thread const float (&m)[QPG], thread const float (&l)[QPG], thread const float (&o)[QPG][(D + 31) / 32],
