@@ -102,8 +102,8 @@ def _single_beside_poison(model) -> dict:
     # the first stage fails: the middle one passes FAILED on
     pytest.param(3, 2, 3, marks=pytest.mark.slow),
 ])
-def test_a_request_that_breaks_a_members_step_fails_alone_and_the_group_goes_on(
-        models, tmp_path, monkeypatch, size, rank, inflight):  # noqa: F811  (models: the fixture imported)
+def test_a_request_that_breaks_a_members_step_fails_alone_and_the_group_goes_on(models, tmp_path, monkeypatch, size,
+                                                                                rank, inflight):
     """A member's layers raise for any step holding the poison request (its fault file):
     that request fails alone, with that rank's cause; the streams batched beside it come
     back one at a time (rank 0's engine loop, as a single worker's) and end with exactly
