@@ -193,3 +193,33 @@ def test_progress_forgets_what_it_no_longer_needs():
         p.sent(step, at=float(step))
         p.finished(1, step, at=step + 0.5)
     assert len(p._sent) == 0 and len(p._done[1]) <= 1024 and p.parts[1] == 5000
+
+
+def test_a_group_with_a_silent_member_is_stalled_at_stall_report_whatever_its_steps_take():
+    """A member silent on the side channel (a Mac stopped or asleep) for --stall-report
+    makes rank 0 report a stall naming it, though rank 0's step bar (5x its slowest recent
+    step) is longer: that member's steps cannot finish, however slow they may be."""
+    from types import SimpleNamespace
+
+    from cluster.worker.group.leader import GroupState, GroupStats
+    from cluster.worker.group.progress import StepProgress
+    from test_worker_service import run_with_service
+
+    member = SimpleNamespace(last_heard=time.monotonic(), info={"host": "mac-2"})
+    leader = SimpleNamespace(members={1: member}, progress=StepProgress(2), on_lost=lambda reason: None,
+                             close=lambda: None)
+    group = GroupState(leader, None, None, SimpleNamespace(parallel="pipeline"), None, 128, GroupStats(size=2))
+
+    async def fn(svc, engine):
+        svc.group = group
+        svc.engine_loop.full_step = 10.0  # a model whose steps may take 50 s: the engine's own bar
+        heard = (svc.stalled, svc.load_report().stalled)
+        member.last_heard = time.monotonic() - 4
+        return heard, svc.stalled, svc.load_report()
+
+    try:
+        heard, silent, report = run_with_service(fn, stall_report=3.0)
+    finally:
+        group.close()
+    assert heard == (False, False)
+    assert silent and report.stalled and report.unhealthy_reason.startswith("rank 1 silent for 4."), report

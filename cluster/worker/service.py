@@ -221,8 +221,11 @@ class WorkerService:
     @property
     def stalled(self) -> bool:
         """The engine thread is wedged: one round of work has taken longer than its
-        `stall_after` (`stall_report`, or more for a model whose steps are slow)."""
-        return self.engine_loop.stalled()
+        `stall_after` (`stall_report`, or more for a model whose steps are slow). Or, for a
+        worker group, a member has been silent for `stall_report`: its steps cannot finish
+        (a stopped Mac), however slow a step of the model may legitimately be."""
+        return self.engine_loop.stalled() or (
+            self.group is not None and bool(self.group.silent(self.engine_loop.stall_report)))
 
     @property
     def stall_reason(self) -> str:
@@ -231,6 +234,8 @@ class WorkerService:
         if not self.stalled:
             return ""
         late = self.group.late() if self.group is not None else ""
+        if not self.engine_loop.stalled():  # a member silent
+            return late
         return f"the engine has made no progress for over {self.engine_loop.stall_after:.3g} s" + (
             f": {late}" if late else "")
 

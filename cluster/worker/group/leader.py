@@ -248,19 +248,24 @@ class GroupState:
         else:
             self.watchdog.disarm()
 
+    def silent(self, after: float = 0.0) -> dict[int, float]:
+        """Members silent on the side channel (stopped, or cut off: their heartbeats go
+        unanswered) for over `after` seconds, at least SILENT_AFTER: rank -> seconds."""
+        now, after = time.monotonic(), max(after, SILENT_AFTER)
+        return {r: now - c.last_heard for r, c in sorted(dict(self.leader.members).items())
+                if now - c.last_heard > after}
+
     def late(self) -> str:
-        """What the group's oldest step in flight waits on, in words, for a stall's report
-        ('' when nothing is in flight): under pipeline parallelism the rank that has not done
-        its part yet (or rank 0 itself), and any member silent on the side channel (stopped,
-        or cut off: its heartbeats go unanswered)."""
+        """What the group waits on, in words, for a stall's report: the rank that has not
+        done its part of the oldest step in flight yet under pipeline parallelism (or rank 0
+        itself), and any member silent."""
+        parts = []
         try:
             step = self.in_flight[0][0]
-        except IndexError:  # finished meanwhile (another thread pops it)
-            return ""
-        now = time.monotonic()
-        members = dict(self.leader.members)
-        parts = []
-        if self.pipeline:
+        except IndexError:  # nothing in flight (another thread pops it)
+            step = None
+        if step is not None and self.pipeline:
+            now = time.monotonic()
             late = self.leader.progress.late(step, now)
             receiving = self.receiving
             if late is None and receiving is not None and receiving[0] == step:  # its notice came, its data not
@@ -269,13 +274,13 @@ class GroupState:
             elif late is None:
                 parts.append(f"rank 0 has not finished step {step}")
             else:
-                host = members[late.rank].info.get("host", "?") if late.rank in members else "?"
+                member = self.leader.members.get(late.rank)
+                host = member.info.get("host", "?") if member is not None else "?"
                 parts.append(f"rank {late.rank} ({host}) has not finished its part of step {step} after "
                              f"{late.seconds:.1f} s")
-        else:
+        elif step is not None:
             parts.append(f"step {step} waits in a collective")
-        parts += [f"rank {r} silent for {now - c.last_heard:.1f} s" for r, c in sorted(members.items())
-                  if now - c.last_heard > SILENT_AFTER]
+        parts += [f"rank {r} silent for {seconds:.1f} s" for r, seconds in self.silent().items()]
         return "; ".join(parts)
 
     def close(self) -> None:
