@@ -1,5 +1,6 @@
 """The chaos benchmark: one seeded load, once without faults and once per fault, through
-the SDK against local processes (2 routers, 3 workers). Nothing may be lost or changed.
+the SDK against local processes (2 routers, 3 workers of one model; worker-0 is a group
+of 2 processes, pipeline parallel). Nothing may be lost or changed.
 
     python load/chaos.py [--model DIR] [--requests 48] [--concurrency 16] [--max-tokens 128]
                          [--faults kill9-worker,sigstop-worker,...]
@@ -9,6 +10,8 @@ Each fault is injected once the load has received about a third of its tokens:
     kill9-worker    kill -9 of the worker serving most unfinished streams (restarted after)
     sigstop-worker  SIGSTOP of that worker for 20 s (a Mac asleep), then SIGCONT
     wedge-worker    its engine blocks inside a step for 20 s (a wedged engine thread)
+    sigstop-member  SIGSTOP of the group's member (rank 1) for 20 s, then SIGCONT
+    wedge-member    the group's member blocks inside a step for 20 s
     slow-worker     its steps take 5x as long for the rest of the run
     poison          one more request, whose prompt breaks any engine step it is part of
     kill9-router    kill -9 of the first router: the SDK carries on through the second
@@ -17,8 +20,10 @@ Greedy decoding with EOS ignored, so the no-fault run is the oracle: a stream "c
 when its tokens differ from that run's. Per fault it prints requests sent, completed and
 failed, streams changed, and the TTFT p99 against the no-fault run. Target: 0 failed and
 0 changed for every fault, except the poison request itself, which alone fails with its
-own error. The wedge and poison faults use the workers' test-only fault hooks
-(cluster/worker/faults.py, on only with ORCHARD_FAULT_DIR).
+own error; TTFT p99 within 2x the no-fault run under a stop or a wedge (a stalled worker
+or group is reported in seconds, and the router places nothing there meanwhile). The
+wedge and poison faults use the test-only fault hooks (cluster/worker/faults.py, on only
+with ORCHARD_FAULT_DIR). A group that loses a process is started again after the run.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ from cluster.sdk import AsyncClient, OrchardError  # noqa: E402
 from cluster.up import LocalCluster, free_port  # noqa: E402
 from cluster.worker.faults import POISON_MARK  # noqa: E402
 
-FAULTS = ("kill9-worker", "sigstop-worker", "wedge-worker", "slow-worker", "poison", "kill9-router")
+FAULTS = ("kill9-worker", "sigstop-worker", "wedge-worker", "sigstop-member", "wedge-member", "slow-worker", "poison",
+          "kill9-router")
+GROUP = 0  # worker-0 is a group of 2; its member (rank 1) is what the member faults strike
 WORDS = "apple pear plum cherry quince orchard branch root leaf blossom harvest basket ladder".split()
 STOP_FOR = 20.0  # seconds a stopped or wedged worker stays so
 
@@ -115,37 +122,65 @@ def _busiest(streams: list[Stream]) -> int:
 def inject(cluster: LocalCluster, fault: str, i: int, faults_dir: Path) -> None:
     pid = cluster.workers[i].proc.pid
     worker_id = f"worker-{i}"
-    print(f"  {fault}: {worker_id if 'worker' in fault else 'router 0'}", flush=True)
-    if fault == "kill9-worker":
+    member = cluster.members[GROUP][0]
+    print(f"  {fault}: {worker_id if 'worker' in fault else member.name if 'member' in fault else 'router 0'}",
+          flush=True)
+    if fault == "sigstop-member":
+        os.kill(member.proc.pid, signal.SIGSTOP)
+        _after(STOP_FOR, _continue, member.proc)
+    elif fault == "wedge-member":
+        wedge = faults_dir / "rank1.wedge"
+        wedge.touch()
+        _after(STOP_FOR, wedge.unlink, missing_ok=True)
+    elif fault == "kill9-worker":
         os.kill(pid, signal.SIGKILL)
     elif fault == "sigstop-worker":
         os.kill(pid, signal.SIGSTOP)
-        threading.Timer(STOP_FOR, os.kill, (pid, signal.SIGCONT)).start()
+        _after(STOP_FOR, _continue, cluster.workers[i].proc)
     elif fault == "wedge-worker":
         wedge = faults_dir / f"{worker_id}.wedge"
         wedge.touch()
-        threading.Timer(STOP_FOR, wedge.unlink, kwargs={"missing_ok": True}).start()
+        _after(STOP_FOR, wedge.unlink, missing_ok=True)
     elif fault == "slow-worker":
         (faults_dir / f"{worker_id}.slow").write_text("5")
     elif fault == "kill9-router":
         os.kill(cluster.router.proc.pid, signal.SIGKILL)
 
 
+TIMERS: list[threading.Timer] = []  # the ends of the stops and wedges under way
+
+
+def _after(seconds: float, action, *args, **kwargs) -> None:
+    timer = threading.Timer(seconds, action, args, kwargs)
+    TIMERS.append(timer)
+    timer.start()
+
+
+def _continue(proc) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
 def restore(cluster: LocalCluster, faults_dir: Path) -> None:
-    """After a fault's run (which may end before a 20 s stop is over): every process back,
-    no fault file left, every worker healthy again."""
+    """After a fault's run (which may end before a 20 s stop is over): every process back
+    (a group that lost one is started again whole, as `orchard up` does), no fault file
+    left, every worker healthy again."""
+    for timer in TIMERS:  # a stop or a wedge runs its course: a group may be lost at its end
+        timer.join()
+    TIMERS.clear()
     for f in faults_dir.iterdir():
         f.unlink()
-    for i, w in enumerate(cluster.workers):
-        try:
-            os.kill(w.proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        if w.proc.poll() is not None:
-            cluster.start_worker(i)
     if cluster.router.proc.poll() is not None:
         cluster.start_router(0)
+    settled = time.monotonic() + 2  # a group's survivors exit on their own once they see it lost
+    while time.monotonic() < settled or cluster.restart_at or _ended(cluster):
+        cluster.supervise()
+        time.sleep(0.5)
     cluster.wait_ready(300)
+
+
+def _ended(cluster: LocalCluster) -> bool:
+    return any(c.proc.poll() is not None for i in range(len(cluster.workers)) for c in cluster.group_processes(i))
 
 
 def p99(values: list[float]) -> float:
@@ -177,7 +212,7 @@ def main() -> int:
     faults_dir = work / "faults"
     faults_dir.mkdir()
     cluster = LocalCluster(
-        model, workers=3, routers=2, grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
+        model, workers=3, group_size=[2, 1, 1], routers=2, grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
         metrics_address=f"127.0.0.1:{free_port()}", worker_port_base=0, worker_metrics_port_base=0,
         log_dir=work / "logs", worker_env={"ORCHARD_FAULT_DIR": str(faults_dir)},
         router_args=["--heartbeat-interval", "0.5", "--stream-idle-timeout", "10", "--max-attempts", "6"],
@@ -187,7 +222,7 @@ def main() -> int:
     texts = prompts(args.requests, args.seed, args.prompt_words)
     rows = []
     with cluster:
-        print(f"2 routers, 3 workers ({model}); logs in {work / 'logs'}", flush=True)
+        print(f"2 routers, 3 workers, worker-0 a group of 2 ({model}); logs in {work / 'logs'}", flush=True)
         asyncio.run(run_load(cluster, prompts(args.requests, args.seed + 1, args.prompt_words), args, None,
                              faults_dir))  # warm-up: the first burst pays for first-time work
         base, _, took = asyncio.run(run_load(cluster, texts, args, None, faults_dir))

@@ -8,10 +8,11 @@ engine thread misbehave the way real faults do, from outside the process:
 
 and a request whose text prompt contains POISON_MARK makes every step it is part of
 raise (a poison request). A worker group's member (which sees token ids, not text) has
-its own file, named for its rank:
+its own files, named for its rank (`MemberFaults`):
 
     rankR.poison      a step of rank R whose token ids contain the run of ids the file
-                      lists (whitespace-separated) raises on that rank (`MemberFaults`)
+                      lists (whitespace-separated) raises on that rank
+    rankR.wedge       every step of rank R blocks while the file exists (a wedged member)
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class MemberFaults:
     def __init__(self, directory: str, rank: int):
         self.rank = rank
         self.poison = os.path.join(directory, f"rank{rank}.poison")
+        self.wedge = os.path.join(directory, f"rank{rank}.wedge")
 
     @classmethod
     def from_env(cls, rank: int) -> "MemberFaults | None":
@@ -66,7 +68,10 @@ class MemberFaults:
         return cls(directory, rank) if directory else None
 
     def before_step(self, input_ids: np.ndarray) -> None:
-        """Before this rank's part of a step: raise when its token ids hold the poison run."""
+        """Before this rank's part of a step: block while wedged; raise when its token ids
+        hold the poison run."""
+        while os.path.exists(self.wedge):
+            time.sleep(0.05)
         try:
             with open(self.poison) as f:
                 run = np.array([int(t) for t in f.read().split()], np.int64)
