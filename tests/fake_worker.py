@@ -37,6 +37,7 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
         self.hang_after_tokens: int | None = None  # total tokens streamed before going silent (a sleeping Mac)
         self.end_after_tokens: int | None = None  # total tokens streamed before ending streams without a finish
         self.stalled = False  # what its load reports say of its engine (a wedged engine's watchdog)
+        self.lagging = False  # ... of its current step: running well past its usual time
         self.fail_with: grpc.StatusCode | None = None  # fail every request at once with this status
         self.padding = 0  # characters added to each chunk's text (messages past gRPC's size limits)
         self.dead = False
@@ -71,7 +72,7 @@ class FakeWorker(pb_grpc.GenerationServicer, pb_grpc.WorkerAdminServicer):
         return pb.LoadReport(
             worker_id=self.worker_id, model=self.model, num_running=self.running + self.extra_running,
             kv_blocks_used=0, kv_blocks_total=100, max_num_seqs=64, block_size=16, max_model_len=2048,
-            draining=self.draining, stalled=self.stalled, features=self.features,
+            draining=self.draining, stalled=self.stalled, lagging=self.lagging, features=self.features,
         )
 
     async def GetLoad(self, request, context):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import grpc
 import pytest
@@ -64,6 +65,66 @@ def test_a_stall_is_pushed_to_the_router_at_once_not_at_the_next_heartbeat():
             await reg.stop()
             await router.stop(grace=0)
             await w.server.stop(0)
+
+    run(main(), 60)
+
+
+def test_a_round_past_four_times_the_usual_one_is_lagging_long_before_a_stall():
+    """The engine lags (new work is better placed elsewhere) once a round runs past 4x its
+    usual round, at least a third of --stall-report: seconds before a stall is reported."""
+    from cluster.worker.engine_loop import EngineLoop
+
+    loop = EngineLoop(lambda: None, lambda now, events: None, stall_report=3.0)
+    for _ in range(50):
+        loop._round_done(0.1)
+    assert loop.lag_after == 1.0  # 4 x 0.1 is less than a third of 3 s
+    for _ in range(200):
+        loop._round_done(0.5)
+    assert abs(loop.lag_after - 2.0) < 0.01 and loop.stall_after == 3.0
+    now = time.monotonic()
+    loop.busy_since = now - 2.5
+    assert loop.lagging(now) and not loop.stalled(now)
+    loop.busy_since = now - 1.5
+    assert not loop.lagging(now)
+    loop.busy_since = None
+    assert not loop.lagging(now)
+
+
+def test_a_lagging_worker_gets_no_new_requests_and_its_requests_with_no_output_move():
+    """A worker whose step runs well past its usual time (lagging, not yet a stall) says so
+    at once: the router moves the requests it holds that have had no output yet to another
+    worker of the model (the client sees one stream), and places new ones there too, though
+    the lagging worker looks the less loaded."""
+    async def main():
+        router = RouterServer(RouterConfig(grpc_address="127.0.0.1:0", http_address=None, metrics_address=None,
+                                           join_token="tok", heartbeat_interval=30.0))
+        await router.start()
+        w0, w1 = await FakeWorker("w0").start(), await FakeWorker("w1").start()
+        w1.extra_running = 20  # w0 looks idle: the request goes there
+        w0.hang_after_tokens = 0  # and waits there for a step that does not end
+        regs = [Registration(router.grpc_address, w.address, w.load_report, join_token="tok", worker_id=w.worker_id,
+                             interval=30.0) for w in (w0, w1)]
+        for reg in regs:
+            reg.start()
+        try:
+            await until(lambda: len([w for w in router.registry.workers.values() if w.state == HEALTHY]) == 2,
+                        "both registered", 10)
+            async with grpc.aio.insecure_channel(router.grpc_address) as ch:
+                stub = pb_grpc.GenerationStub(ch)
+                task = asyncio.ensure_future(collect(stub, request("moved", 8)))
+                await until(lambda: w0.running == 1, "the request on w0", 10)
+                w0.lagging = True
+                regs[0].report_now()
+                toks, workers = await asyncio.wait_for(task, 10)
+                new = await collect(stub, request("new", 4))
+            assert len(toks) == 8 and workers == {"w1"} and w0.cancelled == 1
+            assert new[1] == {"w1"}
+        finally:
+            for reg in regs:
+                await reg.stop()
+            await router.stop(grace=0)
+            for w in (w0, w1):
+                await w.server.stop(0)
 
     run(main(), 60)
 

@@ -109,16 +109,28 @@ class ProxyConfig:
 
 class _Attempt:
     """One stream open on a worker; the registry abandons it when the worker reports its
-    engine stalled (the call is cancelled, and the request resumes elsewhere)."""
+    engine stalled (the call is cancelled, and the request resumes elsewhere), or moves it
+    when the worker lags and the stream has had no output (`movable`: once a request)."""
 
-    def __init__(self, call):
+    def __init__(self, call, movable: bool = False):
         self.call = call
         self.abandoned: str | None = None
+        self.movable = movable
+        self.started = False  # its first chunk came
+        self.moved = False
 
     def abandon(self, reason: str) -> None:
         if self.abandoned is None:
             self.abandoned = reason
             self.call.cancel()
+
+    def move(self, reason: str) -> bool:
+        """Abandon it to be placed on another worker, if it has had no output and may move."""
+        if not self.movable or self.started or self.abandoned is not None:
+            return False
+        self.moved = True
+        self.abandon(reason)
+        return True
 
 
 def _cancelling() -> bool:
@@ -224,6 +236,7 @@ class RouterBackend:
             wait_until = min(wait_until, deadline)
         internal = 0  # attempts failed with INTERNAL
         took_down = 0  # attempts whose worker went away under it before it sent a token (with internal: two, poison)
+        moved = False  # moved off a lagging worker before its first chunk (once at most)
         self.budget.on_request()
         features = features_asked(request)  # placed only where a worker has them
         for attempt in range(self.config.max_attempts):
@@ -247,13 +260,14 @@ class RouterBackend:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             worker.inflight += 1
             call = worker.generation.Generate(upstream, timeout=remaining)
-            stream = _Attempt(call)
+            stream = _Attempt(call, movable=not moved)
             worker.attempts.add(stream)
             outcome = m.CANCELLED
             accepted = False
             tokens_before = len(sent)
             try:
                 async for chunk in self._relay(call, rid, worker.worker_id):
+                    stream.started = True
                     if not accepted:  # the worker took it: its cache holds the prompt now
                         accepted = True
                         self.policy.settled(worker.worker_id, keys, accepted=True)
@@ -292,11 +306,13 @@ class RouterBackend:
             except asyncio.CancelledError:
                 if stream.abandoned is None or _cancelling():
                     raise
-                failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, stream.abandoned), m.FAILED
+                failure = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, stream.abandoned)
+                outcome = m.CANCELLED if stream.moved else m.FAILED
             except grpc.aio.AioRpcError as e:
                 code = e.code()
-                if stream.abandoned is not None:  # we cancelled it: the worker stalled
-                    failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, stream.abandoned), m.FAILED
+                if stream.abandoned is not None:  # we cancelled it: the worker stalled (or lags)
+                    failure = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, stream.abandoned)
+                    outcome = m.CANCELLED if stream.moved else m.FAILED
                 elif code not in RETRYABLE or _too_large(e):  # the request's own error: the worker answered
                     outcome = m.ERROR
                     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -331,6 +347,10 @@ class RouterBackend:
                 # (No-op once it finished; reaches it if the client left.)
                 self._judge(worker, breaker, outcome if stream.abandoned is None else None)
                 self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
+            if stream.moved:  # not the worker failing: it may take the request again
+                moved = True
+                log.info("request %s: %s", rid, failure.details)
+                continue
             excluded[worker.worker_id] = epoch
             log.warning("request %s: worker %s failed (%s: %s)", rid, worker.worker_id, failure.code.name, failure.details)
         self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()

@@ -219,7 +219,8 @@ class Registry:
         every per-request feature in `features`. Raises NOT_FOUND when no worker serves the
         model, INVALID_ARGUMENT when its workers serve other tasks (an embedding model asked
         to generate) or none of them has a feature asked for (whatever their health: the
-        same answer every time), UNAVAILABLE when none is healthy."""
+        same answer every time), UNAVAILABLE when none is healthy. Workers lagging (a step
+        running well past its usual time) are left out while another can take requests."""
         serving = self.serving(model, task)
         others = self.serving(model) if not serving else []
         if others:
@@ -252,7 +253,8 @@ class Registry:
                 grpc.StatusCode.UNAVAILABLE,
                 f"no healthy worker for {('model ' + repr(model)) if model else 'the request'} ({states})",
             )
-        return ready
+        # a worker whose step runs long (lagging: a stall, perhaps) only when no other can take it
+        return [w for w in ready if not w.report.lagging] or ready
 
     def served_lately(self, model: str, within: float) -> bool:
         """Whether a worker serves `model` (any model when empty), in any state, or did
@@ -407,8 +409,24 @@ class Registry:
                             report.unhealthy_reason)
         elif not healthy:
             log.info("worker %s is healthy again", w.worker_id)
+        if report.lagging and not report.stalled:
+            self._move_unstarted(w)
         if w.state != state:
             self._notify()
+
+    def _move_unstarted(self, w: WorkerRecord) -> None:
+        """A worker lagging (its step runs well past its usual time: a long step, or the
+        start of a stall): its streams that have had no output yet go to another worker of
+        its model that can take them and is not lagging, each at most once (they would wait
+        for that step; nothing of theirs has reached a client)."""
+        if not any(o is not w and o.state == HEALTHY and o.breaker.allows() and not o.report.lagging
+                   for o in self.serving(w.model)):
+            return
+        moved = sum(attempt.move(f"worker {w.worker_id}'s step runs long: placed on another worker")
+                    for attempt in list(w.attempts))
+        if moved:
+            log.info("worker %s is lagging: %d requests with no output yet placed on other workers", w.worker_id,
+                     moved)
 
     def set_drained(self, w: WorkerRecord, drained: bool) -> None:
         """An operator's drain (or its undo) through the router."""

@@ -44,6 +44,10 @@ IDLE_RELEASE_SECONDS = 1.0
 # recent round): a model whose legitimate steps are slow (a big one on a Mac) gets room.
 STALL_STEP_FACTOR = 5.0
 STEP_WINDOW = 256  # rounds per window of "recent" step times
+# A round past this many times the usual one (and a third of --stall-report) is lagging:
+# not yet a stall, but new requests are better placed on another worker meanwhile.
+LAG_STEP_FACTOR = 4.0
+USUAL_WEIGHT = 0.1  # the newest round's weight in the usual round's moving average
 
 
 class EngineLoadError(RuntimeError):
@@ -123,6 +127,7 @@ class EngineLoop:
         # longest step the model may legitimately take, long after the recent ones were short.
         self.full_step = 0.0
         self._rounds = 0
+        self._usual = 0.0  # moving average of recent rounds (what the engine usually takes)
 
     # -- any thread -------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> Engine:
@@ -161,11 +166,25 @@ class EngineLoop:
         since = self.busy_since
         return since is not None and (time.monotonic() if now is None else now) - since > self.stall_after
 
+    @property
+    def lag_after(self) -> float:
+        """Seconds one round of work may take before the engine counts as lagging:
+        LAG_STEP_FACTOR x its usual round, at least a third of `stall_report`, at most
+        `stall_after`."""
+        return min(self.stall_after, max(self.stall_report / 3, LAG_STEP_FACTOR * self._usual))
+
+    def lagging(self, now: float | None = None) -> bool:
+        """Whether the current round has run past `lag_after`: new requests would wait for
+        it (a long step, or the start of a stall), so another worker should take them."""
+        since = self.busy_since
+        return since is not None and (time.monotonic() if now is None else now) - since > self.lag_after
+
     def _round_done(self, took: float) -> None:
         """Remember a round's time; one that was a stall is not a step time (a wedge must
         not make the next one take longer to see)."""
         if took > self.stall_after:
             return
+        self._usual = took if not self._usual else (1 - USUAL_WEIGHT) * self._usual + USUAL_WEIGHT * took
         current, previous = self._slowest
         self._rounds += 1
         if self._rounds % STEP_WINDOW == 0:  # a new window: the old one is remembered one window more

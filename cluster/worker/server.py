@@ -222,11 +222,16 @@ class WorkerServer:
         """gRPC health follows the engine's progress and the chat-template renders:
         NOT_SERVING while the engine is stalled or the renders are stuck (the load report
         and /health say so too), SERVING again when both move (unless draining). Each
-        change is reported to the routers at once, not at the next heartbeat."""
-        service, was_stalled, was_healthy = self.service, False, True
+        change is reported to the routers at once, not at the next heartbeat, and so is a
+        step that starts or stops lagging (the routers place new requests elsewhere)."""
+        service, was_stalled, was_healthy, was_lagging = self.service, False, True, False
         period = min(0.25, self.options.stall_report / 4)
         while True:
             await asyncio.sleep(period)
+            lagging = service.lagging
+            if lagging != was_lagging:
+                was_lagging = lagging
+                self._report_now()
             stalled = service.stalled
             if stalled != was_stalled:
                 if stalled:

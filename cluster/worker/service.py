@@ -228,6 +228,12 @@ class WorkerService:
             self.group is not None and bool(self.group.silent(self.engine_loop.stall_report)))
 
     @property
+    def lagging(self) -> bool:
+        """The engine's current step has run well past its usual time, not yet a stall: new
+        requests are better placed elsewhere (`EngineLoop.lagging`)."""
+        return not self.stalled and self.engine_loop.lagging()
+
+    @property
     def stall_reason(self) -> str:
         """While stalled, what it says ('' otherwise): for a worker group, which rank the
         step waits on (rank 0 knows which member is late)."""
@@ -535,6 +541,7 @@ class WorkerService:
             worker_id=self.worker_id, model=self.model_name, num_running=s.num_running, num_waiting=s.num_waiting,
             kv_blocks_used=s.num_blocks_used, kv_blocks_total=s.num_blocks_total, max_num_seqs=c.max_num_seqs,
             block_size=c.block_size, max_model_len=c.max_model_len, draining=self.draining, stalled=self.stalled,
+            lagging=self.lagging,
             unhealthy_reason=self.unhealthy_reason or self.stall_reason, state_slots_used=s.state_slots_used,
             state_slots_total=s.state_slots_total, tasks=self.tasks, group=self._group_info(),
             features=self.features,

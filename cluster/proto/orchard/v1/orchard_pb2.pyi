@@ -339,7 +339,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "model", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs", "block_size", "max_model_len", "draining", "stalled", "state_slots_used", "state_slots_total", "tasks", "group", "features", "unhealthy_reason")
+    __slots__ = ("worker_id", "model", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs", "block_size", "max_model_len", "draining", "stalled", "state_slots_used", "state_slots_total", "tasks", "group", "features", "unhealthy_reason", "lagging")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +357,7 @@ class LoadReport(_message.Message):
     GROUP_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     UNHEALTHY_REASON_FIELD_NUMBER: _ClassVar[int]
+    LAGGING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     num_running: int
@@ -374,7 +375,8 @@ class LoadReport(_message.Message):
     group: GroupInfo
     features: _containers.RepeatedScalarFieldContainer[str]
     unhealthy_reason: str
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., stalled: _Optional[bool] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., group: _Optional[_Union[GroupInfo, _Mapping]] = ..., features: _Optional[_Iterable[str]] = ..., unhealthy_reason: _Optional[str] = ...) -> None: ...
+    lagging: bool
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., stalled: _Optional[bool] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., group: _Optional[_Union[GroupInfo, _Mapping]] = ..., features: _Optional[_Iterable[str]] = ..., unhealthy_reason: _Optional[str] = ..., lagging: _Optional[bool] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
     __slots__ = ("size", "parallel", "members")
