@@ -236,12 +236,13 @@ class RouterBackend:
             wait_until = min(wait_until, deadline)
         internal = 0  # attempts failed with INTERNAL
         took_down = 0  # attempts whose worker went away under it before it sent a token (with internal: two, poison)
-        moved = False  # moved off a lagging worker before its first chunk (once at most)
+        moved = just_moved = False  # moved off a lagging worker before its first chunk (once at most)
         self.budget.on_request()
         features = features_asked(request)  # placed only where a worker has them
         for attempt in range(self.config.max_attempts):
             pool = await self._next_pool(rid, request.model, attempt, failure, excluded, wait_until, deadline,
-                                         features=features)
+                                         features=features, retry=not just_moved)
+            just_moved = False
             if sent and n > 1:  # n samples cannot resume where they stopped: only a retry before any token
                 raise errors.Unavailable(f"the worker failed ({failure.code.name}: {failure.details}) after tokens "
                                          "were sent, and a request with n > 1 cannot be resumed: retry it")
@@ -260,7 +261,7 @@ class RouterBackend:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             worker.inflight += 1
             call = worker.generation.Generate(upstream, timeout=remaining)
-            stream = _Attempt(call, movable=not moved)
+            stream = _Attempt(call, movable=not moved and attempt + 1 < self.config.max_attempts)
             worker.attempts.add(stream)
             outcome = m.CANCELLED
             accepted = False
@@ -347,8 +348,8 @@ class RouterBackend:
                 # (No-op once it finished; reaches it if the client left.)
                 self._judge(worker, breaker, outcome if stream.abandoned is None else None)
                 self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
-            if stream.moved:  # not the worker failing: it may take the request again
-                moved = True
+            if stream.moved:  # not the worker failing: it may take the request again, and no retry is spent
+                moved = just_moved = True
                 log.info("request %s: %s", rid, failure.details)
                 continue
             excluded[worker.worker_id] = epoch
@@ -447,12 +448,12 @@ class RouterBackend:
 
     async def _next_pool(self, rid: str, model: str, attempt: int, failure: "_WorkerFailed | None",
                          excluded: dict[str, int], wait_until: float, deadline: float | None, task: str = GENERATE,
-                         features: frozenset[str] = frozenset()):
-        """The workers attempt `attempt` may go to (a retry first spends the retry budget and
-        backs off), or the error that ends the request: no worker serves it (for `task`,
+                         features: frozenset[str] = frozenset(), retry: bool = True):
+        """The workers attempt `attempt` may go to (a `retry` first spends the retry budget
+        and backs off), or the error that ends the request: no worker serves it (for `task`,
         with `features`), the deadline passed waiting for one, or the last attempt's failure
         and why no other is left."""
-        if attempt:
+        if attempt and retry:
             await self._before_retry(attempt, failure, deadline)
         pool, no_worker = await self._pool(rid, model, excluded, wait_until, deadline, task, features)
         if pool:
