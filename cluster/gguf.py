@@ -550,7 +550,7 @@ PRE_TOKENIZERS = {
 _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
               "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<|return|>", "<|call|>", "<eos>", "</s>",
               "<end_of_utterance>"}
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4  # GGUF token types (5 unused, 6 byte: not read)
 
 
 @dataclass

@@ -58,7 +58,6 @@ QUANTIZED = [
     ("deepseek_v3", "4-bit g64", dict(q_bits=4, q_group_size=64)),
     ("llama", "mixed_3_6", dict(quant_predicate="mixed_3_6", q_group_size=64)),
 ]
-WINDOW = 32  # the tiny models' sliding window
 # a 48-token step budget chunks every prompt; 20 blocks of 16 (320 tokens) for ~900 tokens
 # of demand preempts
 ENGINE = EngineConfig(num_kv_blocks=20, block_size=16, max_num_batched_tokens=48, max_num_seqs=8,

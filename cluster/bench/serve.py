@@ -46,8 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--metrics-interval", type=float, default=0.5, help="seconds between samples during the run")
     t.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
 
+    from cluster.bench.datasets import DATASETS
+
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset", choices=("random", "prefix-repetition", "text-slices", "custom"), default="random")
+    d.add_argument("--dataset", choices=DATASETS, default="random")
     d.add_argument("--dataset-path", default=None, help="text file (text-slices) or JSONL (custom)")
     d.add_argument("--num-prompts", type=int, default=100)
     d.add_argument("--seed", type=int, default=0)
@@ -359,12 +361,13 @@ def main(args) -> int:
     """Entry point of `orchard bench` and `load/bench_serve.py`."""
     if args.num_prompts < 1:
         raise SystemExit("--num-prompts must be >= 1")
-    unknown = {m.strip() for m in args.percentile_metrics.split(",") if m.strip()} - {"ttft", "tpot", "itl", "e2el"}
+    from cluster.bench.metrics import LATENCY_METRICS, parse_goodput
+
+    unknown = {m.strip() for m in args.percentile_metrics.split(",") if m.strip()} - set(LATENCY_METRICS)
     if unknown:
-        raise SystemExit(f"--percentile-metrics: unknown {', '.join(sorted(unknown))} (ttft, tpot, itl, e2el)")
+        raise SystemExit(f"--percentile-metrics: unknown {', '.join(sorted(unknown))} ({', '.join(LATENCY_METRICS)})")
     try:
         arrival_gaps(1, args.request_rate, args.burstiness, 0)
-        from cluster.bench.metrics import parse_goodput
 
         parse_goodput(args.goodput)
     except ValueError as e:

@@ -19,22 +19,7 @@ from dataclasses import dataclass, field
 
 Key = tuple[str, tuple[tuple[str, str], ...]]  # (sample name, sorted labels)
 
-COUNTERS = (
-    "orchard_num_preemptions_total",
-    "orchard_prefix_cache_queries_total",
-    "orchard_prefix_cache_hits_total",
-    "orchard_prompt_tokens_total",
-    "orchard_generation_tokens_total",
-    "orchard_request_success_total",
-    "orchard_router_requests_total",
-    "orchard_router_retries_total",
-    "orchard_spec_decode_num_drafts_total",
-    "orchard_spec_decode_num_draft_tokens_total",
-    "orchard_spec_decode_num_accepted_tokens_total",
-    "orchard_spec_decode_num_accepted_tokens_per_pos_total",
-)
 STEP_KV_HISTOGRAM = "orchard_step_kv_cache_usage_ratio"
-GAUGES = ("orchard_kv_cache_usage_ratio", "orchard_num_requests_running", "orchard_num_requests_waiting")
 
 
 def metrics_url(address: str) -> str:

@@ -39,10 +39,6 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list = field(default_factory=list)  # [j]: drafts accepted at position j
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer=None, policy: SpecPolicy | None = None):
