@@ -1,8 +1,9 @@
 """A model's only worker is a group (`orchard up --workers 1 --group-size 2`, pipeline
 parallel), and a fault strikes mid-stream: kill -9 of the member, SIGSTOP of the member
-for 30 s, kill -9 of rank 0. The router holds the streams while `up`'s supervision starts
-the group again, and resumes them there token-exact; a request sent during the outage is
-served once the group is back (cluster/router/proxy.py, cluster/up.py).
+for 30 s, kill -9 of rank 0, or the member's step wedged for a few seconds. The router
+holds the streams while `up`'s supervision starts the group again (or the wedge ends), and
+resumes them there token-exact; a request sent during the outage is served once the group
+is back (cluster/router/proxy.py, cluster/up.py). A stall's report names the late rank.
 
 One router + one group of 2 on the tiny model for the module (`LocalCluster`, free ports,
 0.2 s heartbeats, the default --resume-wait and --group-timeout), supervised as `orchard
@@ -36,15 +37,18 @@ def group(tiny_model_dir, tmp_path_factory):
     """The cluster, under `orchard up`'s supervision; supervision's lines in `.supervised`."""
     import test_router_procs
 
+    faults = tmp_path_factory.mktemp("faults")
     c = LocalCluster(
         tiny_model_dir, workers=1, group_size=2, parallel="pipeline",
         grpc_address=f"127.0.0.1:{free_port()}", http_address=None, metrics_address=f"127.0.0.1:{free_port()}",
         worker_port_base=0, worker_metrics_port_base=0, log_dir=tmp_path_factory.mktemp("group-fault-logs"),
         router_args=["--heartbeat-interval", str(HEARTBEAT)],
         worker_args=["--max-num-seqs", "16"],
+        worker_env={"ORCHARD_FAULT_DIR": str(faults)},  # the test-only fault hooks (cluster/worker/faults.py)
     )
     stop = threading.Event()
     c.supervised = []
+    c.faults = faults
 
     def supervise():  # what `orchard up` does while it runs
         while not stop.wait(0.5):
@@ -69,6 +73,8 @@ def _strike(c: LocalCluster, fault: str) -> None:
     elif fault == "stop-member":
         os.kill(member.pid, signal.SIGSTOP)
         threading.Timer(STOP_FOR, _continue, (member,)).start()
+    elif fault == "wedge-member":  # until the stall is seen (`_streams`)
+        (c.faults / "rank1.wedge").touch()
     else:
         os.kill(rank0.pid, signal.SIGKILL)
 
@@ -102,10 +108,12 @@ def _streams(c: LocalCluster, fault: str | None, timings: dict, reasons: dict):
                     await asyncio.to_thread(wait_for, lambda: list_workers(c)["worker-0"].state
                                             != pb.WORKER_STATE_HEALTHY, 60, "the router seeing the group down")
                     timings["seen_down"] = time.monotonic()
-                    if fault == "stop-member":  # stalled, not gone: its report says on what
+                    if fault in ("stop-member", "wedge-member"):  # stalled, not gone: its report says on what
                         reasons["stall"] = await asyncio.to_thread(
                             wait_for, lambda: list_workers(c)["worker-0"].load.unhealthy_reason, 15,
                             "the stall's reason at the router")
+                    if fault == "wedge-member":  # the member moves again, before --group-timeout
+                        (c.faults / "rank1.wedge").unlink()
 
                 def first(chunk):
                     if chunk.token_ids and "late_first_token" not in timings:
@@ -126,7 +134,7 @@ def reference(group):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["kill-member", "stop-member", "kill-rank0"])
+@pytest.mark.parametrize("fault", ["kill-member", "stop-member", "wedge-member", "kill-rank0"])
 def test_a_sole_group_survives_a_fault_mid_stream_with_nothing_lost(group, reference, fault):
     """Every stream completes identical to the run without the fault, no client sees an
     error, and the request sent while the group was down is served once it is back."""
@@ -149,6 +157,8 @@ def test_a_sole_group_survives_a_fault_mid_stream_with_nothing_lost(group, refer
         pytest.fail("in 3 tries the fault never struck while the group still owed tokens")
     if fault == "stop-member":  # rank 0 knows which member it waits for, and that it is silent
         assert "rank 1 silent" in reasons["stall"] and "rank 0 has not finished" not in reasons["stall"], reasons
+    if fault == "wedge-member":  # ... and which one is late with its part, though it answers heartbeats
+        assert "rank 1 (" in reasons["stall"] and "has not finished its part of step" in reasons["stall"], reasons
     # each member's part of a step, as rank 0 sees it: in the group's row and its metrics
     assert list_workers(c)["worker-0"].load.group.members[1].step_seconds > 0
     assert metric(scrape(c.worker_metrics[0]), "orchard_group_rank_step_seconds_count") > 0
