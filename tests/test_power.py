@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import threading
+import time
 
 import grpc
 import pytest
@@ -97,6 +99,55 @@ def test_off_macos_the_notifier_is_a_no_op_that_says_so_at_debug(caplog):
         StayAwake(power, "serving", lambda s: None, lambda: None).start().stop()
     assert [r.levelno for r in caplog.records] == [logging.DEBUG, logging.DEBUG]
     assert "only macOS" in caplog.text
+
+
+def test_a_members_sleep_has_rank_0_drain_the_group_before_the_mac_sleeps():
+    """A group member's Mac about to sleep: the member asks rank 0 over the side channel,
+    rank 0 drains (its `on_sleep`), and only then does the member let the Mac sleep; on
+    wake rank 0 is told, and takes requests again."""
+    from cluster.worker.group.channel import Leader, Member
+    from cluster.worker.group.member import _drain_group
+
+    token, lost, calls = "power-test-token", [], []
+    release = threading.Event()
+    leader = Leader(("127.0.0.1", 0), 2, token, 30.0, on_lost=lost.append)
+    member = Member(leader.address, 1, 2, token, 30.0, on_lost=lost.append)
+    admit = threading.Thread(target=leader.admit, args=(time.monotonic() + 30,), daemon=True)
+    admit.start()
+    member.join(time.monotonic() + 30)
+    admit.join(30)
+
+    def on_sleep(rank: int, sleeping: bool) -> None:  # rank 0's drain
+        calls.append((rank, sleeping))
+        if sleeping:
+            release.wait(30)
+
+    leader.on_sleep(on_sleep)
+    leader.serve()
+    member.serve()
+    power = FakePower()
+    StayAwake(power, "rank 1", lambda s: _drain_group(member, s), member.awake, drain_s=10).start()
+    try:
+        slept = []
+        sleeping = threading.Thread(target=lambda: slept.append(power.sleep()), daemon=True)
+        sleeping.start()
+        deadline = time.monotonic() + 30
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert calls == [(1, True)]
+        time.sleep(0.3)
+        assert sleeping.is_alive(), "the Mac slept before rank 0 had drained the group"
+        release.set()
+        sleeping.join(30)
+        assert slept == [True]
+        assert power.wake()
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert calls == [(1, True), (1, False)] and not lost
+    finally:
+        release.set()
+        leader.close()
+        member.close()
 
 
 def test_a_worker_drains_before_sleep_its_streams_are_held_and_resume_on_wake(tiny_model_dir):

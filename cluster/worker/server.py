@@ -156,7 +156,10 @@ class WorkerServer:
                                             security=opts.security.client())
                 registration.start()
                 self._registrations.append(registration)
-        self.awake = self._stay_awake(f"orchard worker {worker_id} serves {service.model_name}").start()
+        self.awake = awake = self._stay_awake(f"orchard worker {worker_id} serves {service.model_name}").start()
+        group = getattr(service.engine_loop.engine, "group", None)
+        if group is not None:  # a member's Mac about to sleep drains the group as this one's would
+            group.leader.on_sleep(lambda rank, sleeping: awake.drain(awake.drain_s) if sleeping else awake.undrain())
         log.info("worker %s serving %s (%s): %s", worker_id, service.model_name, opts.model_path,
                  ", ".join(f"{k} {v}" for k, v in self.addresses.items()))
 

@@ -173,6 +173,7 @@ class Leader:
         self.progress = StepProgress(size)  # each member's part of each step, from the notices
         self.bytes_sent = 0
         self._lost = threading.Event()
+        self._on_sleep: Callable[[int, bool], None] | None = None  # see on_sleep
         self._closing = False
         self._listener = socket.create_server(address, reuse_port=False)
         self.address = self._listener.getsockname()[:2]
@@ -301,12 +302,35 @@ class Leader:
                     self.acks[conn.rank].put(wire.ACK_MSG.unpack(payload))
                 elif kind == wire.PONG:
                     pass
+                elif kind == wire.SLEEP:
+                    self._member_sleeps(conn, payload == wire.SLEEPING)
                 elif kind == wire.ERROR:
                     raise wire.ProtocolError(f"rank {conn.rank} failed: {payload.decode(errors='replace')}")
                 else:
                     raise wire.ProtocolError(f"rank {conn.rank} sent {wire.KIND_NAMES[kind]} while serving")
         except (OSError, wire.ProtocolError, KeyError, ValueError) as e:
             self.lose(f"rank {conn.rank}: {e}")
+
+    def on_sleep(self, callback: Callable[[int, bool], None]) -> None:
+        """`callback(rank, sleeping)` when a member's Mac is about to sleep (True: it
+        returns once the group is drained; the member is then told) or is awake again.
+        It runs on a thread of its own: the member's reader goes on meanwhile."""
+        self._on_sleep = callback
+
+    def _member_sleeps(self, conn: _Conn, sleeping: bool) -> None:
+        log.warning("group: rank %d's Mac is %s", conn.rank, "going to sleep: draining" if sleeping else "awake again")
+        callback = self._on_sleep
+
+        def run() -> None:
+            try:
+                if callback is not None:
+                    callback(conn.rank, sleeping)
+            except Exception:  # the member's sleep waits for the answer all the same
+                log.exception("group: draining for rank %d's sleep failed", conn.rank)
+            if sleeping:
+                self._send(conn, wire.SLEEP, wire.SLEEPING)
+
+        threading.Thread(target=run, name=f"orchard-group-sleep-r{conn.rank}", daemon=True).start()
 
     def _heartbeat(self) -> None:
         n = 0
@@ -427,6 +451,7 @@ class Member:
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
         self._done = False
+        self._drained = threading.Event()  # rank 0 answered SLEEP: the group is drained
 
     def join(self, deadline: float) -> None:
         """Connect and authenticate by `deadline`. Rank 0 may not listen yet, or may drop the
@@ -517,6 +542,8 @@ class Member:
                 elif kind in (wire.READY, wire.FAILED):
                     step, src, _, cause = wire.read_notice(kind, payload)
                     self.ready.put((step, src, cause))
+                elif kind == wire.SLEEP:
+                    self._drained.set()
                 elif kind in (wire.STEP, wire.SHUTDOWN):
                     self.plans.put((kind, payload))
                     if kind == wire.SHUTDOWN:
@@ -547,6 +574,16 @@ class Member:
 
     def notify_ready(self, step: int, dst: int) -> None:
         self.send(wire.READY, wire.READY_MSG.pack(step, self.rank, dst))
+
+    def sleeping(self, timeout: float) -> bool:
+        """Tell rank 0 this Mac is about to sleep; whether it drained the group within
+        `timeout` seconds."""
+        self._drained.clear()
+        self.send(wire.SLEEP, wire.SLEEPING)
+        return self._drained.wait(timeout)
+
+    def awake(self) -> None:
+        self.send(wire.SLEEP, wire.AWAKE)
 
     def notify_failed(self, step: int, dst: int, cause: str) -> None:
         """In place of `notify_ready` (and the hidden state): this rank's step failed, or the

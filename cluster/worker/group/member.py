@@ -37,6 +37,11 @@ from cluster.worker.group.leader import capacity, config_digest, init_ring
 from cluster.worker.group.memory import join_info
 from cluster.worker.group.stage import Assignment, StageRunner, load_part, member_batch
 from cluster.worker.model_runner import text_args, weight_dtype
+from cluster.worker.power import PowerNotifier, StayAwake, system_power
+
+# how much longer than rank 0's drain a member waits for its answer (macOS waits
+# power.SLEEP_ACK_S in all)
+SLEEP_ANSWER_S = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +57,13 @@ def member_process(model_path: str, options: GroupOptions, join_token: str,
     os._exit(code)
 
 
-def run_member(model_path: str, options: GroupOptions, join_token: str, config: EngineConfig | None = None) -> int:
+def run_member(model_path: str, options: GroupOptions, join_token: str, config: EngineConfig | None = None,
+               power: PowerNotifier | None = None) -> int:
     """The member's whole life; returns the process's exit code. `config`: this process's
     engine flags, of which a member takes its KV budget (`--kv-cache-memory-bytes`); rank
-    0 sets the rest."""
+    0 sets the rest. `power`: the machine's power management (None: `system_power()`):
+    the Mac is kept awake while the member holds its layers, and a sleep that comes anyway
+    has rank 0 drain the group first."""
     try:
         options.validate()
         topo = topology(options)
@@ -111,8 +119,21 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
     member.serve()
     log.info("group rank %d serving layers %d-%d (%s parallel), %d KV blocks", topo.rank, stage.layers.start,
              stage.layers.stop - 1, assignment.parallel, runner.num_blocks)
-    return _serve(member, runner, ring, assignment, topo.rank, options, watchdog,
-                  int(text_args(model).hidden_size))
+    awake = StayAwake(power or system_power(), f"orchard group rank {topo.rank} holds layers {stage.layers.start}-"
+                      f"{stage.layers.stop - 1}", lambda seconds: _drain_group(member, seconds), member.awake).start()
+    try:
+        return _serve(member, runner, ring, assignment, topo.rank, options, watchdog,
+                      int(text_args(model).hidden_size))
+    finally:
+        awake.stop()
+
+
+def _drain_group(member: Member, seconds: float) -> None:
+    """This Mac is about to sleep: rank 0 drains the group (its streams end, for the router
+    to resume or hold) before the member lets it. The group is lost once this rank is
+    silent for --group-timeout, and started again when the Mac is back."""
+    if not member.sleeping(seconds + SLEEP_ANSWER_S):
+        log.warning("group rank %d: rank 0 did not say the group was drained; sleeping anyway", member.rank)
 
 
 def _serve(member: Member, runner: StageRunner, ring, assignment: Assignment, rank: int, options: GroupOptions,

@@ -58,11 +58,15 @@ MAX_JSON_DEPTH = 32  # the start-up messages are a few levels deep
 MAX_NONCE = 256
 
 # message kinds
+# SLEEP (member -> rank 0): the member's Mac is about to sleep (payload SLEEPING: rank 0
+# drains the group and answers SLEEP once it has) or is awake again (AWAKE: it takes
+# requests again).
 (HELLO, CHALLENGE, AUTH, WELCOME, ASSIGN, LOADED, START, STEP, READY, ACK, PING, PONG, SHUTDOWN, ERROR, RING,
- FAILED) = range(1, 17)
+ FAILED, SLEEP) = range(1, 18)
 KIND_NAMES = {v: k for k, v in dict(HELLO=HELLO, CHALLENGE=CHALLENGE, AUTH=AUTH, WELCOME=WELCOME, ASSIGN=ASSIGN,
                                     LOADED=LOADED, START=START, STEP=STEP, READY=READY, ACK=ACK, PING=PING, PONG=PONG,
-                                    SHUTDOWN=SHUTDOWN, ERROR=ERROR, RING=RING, FAILED=FAILED).items()}
+                                    SHUTDOWN=SHUTDOWN, ERROR=ERROR, RING=RING, FAILED=FAILED, SLEEP=SLEEP).items()}
+SLEEPING, AWAKE = b"\x01", b"\x00"  # SLEEP's payloads
 
 STEP_HEAD = struct.Struct("<QIiiiiI")  # step id, flags, T, S, D (delta ints), R (drops), checksum
 STEP_CHECK = 1  # flag: the plan carries rank 0's checksum; the member answers ACK with its own
