@@ -183,3 +183,79 @@ def test_rank_0_finishes_a_failed_pipeline_step_in_order(models, monkeypatch, fa
         assert leader.lost == [] and not group.in_flight and group.stats.steps == 2
     finally:
         group.close()
+
+
+@pytest.mark.slow
+def test_a_poison_request_through_the_router_fails_alone_and_the_group_serves_on(models, tmp_path):
+    """`orchard up --workers 1 --group-size 2` (pipeline), 8 greedy streams through the
+    router, and mid-stream a request that makes rank 1's step raise (its fault file): that
+    request gets INTERNAL naming rank 1's error, every stream ends with the tokens of the
+    run without it, and the group is never started again (its processes are the same)."""
+    from group_driver import POISON_RUN
+    from test_group import _streams
+
+    from cluster.api.errors import InternalError
+    from cluster.sdk import Client
+    from cluster.up import LocalCluster, free_port
+
+    model = models("qwen3", layers=4)
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    (faults / "rank1.poison").write_text(" ".join(map(str, POISON_RUN)))
+    texts = [f"stream {i}: " + " ".join(["orchard", "pear", "apple", "branch"][(i + j) % 4] for j in range(i + 3))
+             for i in range(8)]
+    max_tokens = 60
+    cluster = LocalCluster(model, workers=1, group_size=2, parallel="pipeline", grpc_address=f"127.0.0.1:{free_port()}",
+                           http_address=None, metrics_address=None, worker_port_base=0, worker_metrics_port_base=0,
+                           log_dir=tmp_path / "logs", worker_env={"ORCHARD_FAULT_DIR": str(faults)})
+    with cluster:
+        baseline = _streams(cluster.router_address, texts, max_tokens)
+        pids = [c.proc.pid for c in cluster.group_processes(0)]
+        poison: list[BaseException] = []
+
+        def send_poison() -> None:
+            try:
+                with Client(cluster.router_address, timeout=300) as client:
+                    client.generate([5, 6, 7, *POISON_RUN], max_tokens=8, temperature=0.0)
+            except BaseException as e:  # noqa: BLE001  (asserted below)
+                poison.append(e)
+
+        sender = threading.Thread(target=send_poison, daemon=True)
+
+        def fault(n: int) -> None:
+            if n >= len(texts) * max_tokens // 4 and not sender.is_alive() and sender.ident is None:
+                sender.start()
+
+        got = _streams(cluster.router_address, texts, max_tokens, on_progress=fault)
+        sender.join(300)
+        assert got == baseline
+        assert len(poison) == 1 and isinstance(poison[0], InternalError), poison
+        assert "rank 1: RuntimeError: a poisoned request is in this step on rank 1" in str(poison[0])
+        assert cluster.group_restarts == 0 and [c.proc.pid for c in cluster.group_processes(0)] == pids
+        assert all(c.proc.poll() is None for c in cluster.group_processes(0))
+
+
+def test_a_pipelined_step_sees_a_request_added_to_a_busy_engine_through_its_first_batch(models):
+    """A request added to a virtual engine whose batch is in flight, while the oldest batch
+    is another engine's: `step()` returns only once the request has been through a batch,
+    as a single engine's step does (the engine loop counts a request added back after a
+    failed step as cleared by the step after it: had it not run, a later failure of its
+    own would be pinned on the next request added back)."""
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.engine import Engine
+    from cluster.worker.group.pipelined import PipelinedEngine
+    from cluster.worker.model_runner import load_model
+    from cluster.worker.sampling_params import SamplingParams
+
+    model, tokenizer = load_model(models("llama", layers=2))
+    pipelined = PipelinedEngine([Engine(model, tokenizer, EngineConfig(num_kv_blocks=32)) for _ in range(2)], None)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    pipelined.add_request("a", [5, 6, 7], params)
+    pipelined.add_request("b", [8, 9, 10], params)
+    pipelined.step()
+    pipelined.step()  # the oldest batch in flight is now b's engine's, then a's
+    (older, _), (newer, _) = pipelined.in_flight
+    assert older != newer
+    pipelined.add_request("c", [11, 12, 13], params)
+    assert pipelined._owner("c") == newer
+    assert "c" in [out.request_id for out in pipelined.step()]

@@ -218,7 +218,12 @@ class PipelinedEngine:
             for rid in self.deferred.pop(v, []):
                 self.engines[v].abort(rid)
             self._begin_idle()  # its next batch goes out before rank 0 waits on the next one
-            if not any(fresh & _request_ids(p) for _, p in self.in_flight):
+            # v's next batch was the first a request added to v while v was busy could join:
+            # one not in it could not be scheduled (as in a single engine's step: done with)
+            following = next((_request_ids(p) for i, p in self.in_flight if i == v), set())
+            fresh -= {rid for rid in fresh if rid not in following and self._owner(rid) == v}
+            busy = {i for i, _ in self.in_flight}
+            if not any(self._owner(rid) in busy for rid in fresh):
                 break
         self._refresh_stats()
         return outputs
