@@ -132,6 +132,37 @@ def test_a_lagging_worker_gets_no_new_requests_and_its_requests_with_no_output_m
     run(main(), 60)
 
 
+def test_a_sole_worker_lagging_keeps_its_requests():
+    """With no other worker of the model to take them, a lagging worker's requests stay
+    where they are (moving them would only queue them again behind the same step)."""
+    async def main():
+        router = RouterServer(RouterConfig(grpc_address="127.0.0.1:0", http_address=None, metrics_address=None,
+                                           join_token="tok", heartbeat_interval=30.0))
+        await router.start()
+        w0 = await FakeWorker("w0").start()
+        w0.hang_after_tokens = 0
+        reg = Registration(router.grpc_address, w0.address, w0.load_report, join_token="tok", worker_id="w0",
+                           interval=30.0)
+        reg.start()
+        try:
+            await until(lambda: "w0" in router.registry.workers, "w0 registered", 10)
+            async with grpc.aio.insecure_channel(router.grpc_address) as ch:
+                task = asyncio.ensure_future(collect(pb_grpc.GenerationStub(ch), request("stays", 8)))
+                await until(lambda: w0.running == 1, "the request on w0", 10)
+                w0.lagging = True
+                reg.report_now()
+                await until(lambda: router.registry.workers["w0"].report.lagging, "the report at the router", 10)
+                await asyncio.sleep(0.5)  # a cancel of its call would reach w0 by now
+                assert w0.cancelled == 0 and not task.done()
+                task.cancel()
+        finally:
+            await reg.stop()
+            await router.stop(grace=0)
+            await w0.server.stop(0)
+
+    run(main(), 60)
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
     faults = tmp_path_factory.mktemp("faults")
