@@ -121,13 +121,14 @@ class MacPower:
         with self._lock:
             if self._assertion is not None:
                 return
-            kind, name = self._cfstring(PREVENT_IDLE_SLEEP), self._cfstring(reason.encode()[:128])
+            kind, name = self._cfstring(PREVENT_IDLE_SLEEP), self._cfstring(reason[:120].encode())
             assertion = ctypes.c_uint32(0)
             try:
                 code = self.iokit.IOPMAssertionCreateWithName(kind, ASSERTION_LEVEL_ON, name, ctypes.byref(assertion))
             finally:
-                self.cf.CFRelease(kind)
-                self.cf.CFRelease(name)
+                for made in (kind, name):
+                    if made:  # (CFRelease(NULL) crashes)
+                        self.cf.CFRelease(made)
             if code != 0:
                 log.warning("power: cannot keep the Mac awake (IOPMAssertionCreateWithName: 0x%x)", code & 0xFFFFFFFF)
                 return
