@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -17,6 +18,12 @@ import pytest
 from cluster import platform
 
 platform.preload_blas()  # before any test imports MLX (cluster/platform.py)
+
+
+def run(coro, timeout: float = 180):
+    """`coro` run to its end on a new event loop; a hang fails the test after `timeout` s
+    instead of stalling the run."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 @pytest.fixture(scope="session")
@@ -114,6 +121,24 @@ def tiny_worker(tiny_model_dir, worker_process) -> WorkerProcess:
     """One worker (gRPC + HTTP + metrics) on the tiny model, shared by the worker, SDK and
     OpenAI tests. Tests that change its state (drain) must restore it."""
     return worker_process(tiny_model_dir, "--num-kv-blocks", "512", "--max-model-len", "512")
+
+
+@pytest.fixture(scope="module")
+def oai(tiny_worker):
+    """The `openai` client of `tiny_worker`'s HTTP API."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer (`tokenizers`, as it is on disk)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
 
 
 @pytest.fixture(scope="session")

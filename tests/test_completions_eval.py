@@ -19,13 +19,6 @@ PROMPT = "The orchard is quiet in the morning, and the bees are slow."
 
 
 @pytest.fixture(scope="module")
-def oai(tiny_worker):
-    client = openai.OpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="unused", max_retries=0, timeout=120)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
 def oracle(tiny_model_dir):
     """(tokenizer, dense log-softmax [len, vocab] of a token list), mlx-lm float32."""
     model, tokenizer = load(str(tiny_model_dir))

@@ -23,7 +23,8 @@ import pytest
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.up import LocalCluster, free_port
-from test_router_procs import channel, collect, list_workers, metric, request, run, scrape, wait_for
+from conftest import run
+from test_router_procs import channel, collect, list_workers, metric, request, scrape, wait_for
 
 HEARTBEAT = 0.2
 STOP_FOR = 30.0  # seconds the stopped member stays stopped

@@ -36,6 +36,7 @@ from cluster.platform import can_give_back_freed_memory
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.breaker import CLOSED
+from conftest import run
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -608,10 +609,6 @@ def test_freed_memory_is_given_back_once_the_process_has_grown(monkeypatch):
 
 
 # -- the router in process, over fake workers ----------------------------------------------------
-def run(coro, timeout: float = 60):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
 def test_grpc_message_limits_agree_end_to_end():
     """Servers took 64 MB while the router's channels to workers (and the SDK's) kept gRPC's
     4 MB default: a 5 MB chunk failed the worker (RESOURCE_EXHAUSTED, counted against it)."""

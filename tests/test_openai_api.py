@@ -21,20 +21,6 @@ from cluster.sdk import Client, GrpcBackend, InvalidRequest, Overloaded, Unavail
 IGNORE_EOS = {"ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def oai(tiny_worker):
-    client = openai.OpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-
-
 def post(address: str, path: str, body: bytes | dict, timeout: float = 30):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(f"http://{address}{path}", data=data, headers={"Content-Type": "application/json"})
@@ -45,10 +31,10 @@ def post(address: str, path: str, body: bytes | dict, timeout: float = 30):
         return e.code, e.read()
 
 
-def test_completions(oai, tiny_worker, tokenizer):
+def test_completions(oai, tiny_worker, tiny_tokenizer):
     prompt = "The orchard is quiet in the morning."
     r = oai.completions.create(model="", prompt=prompt, max_tokens=12, temperature=0, extra_body=IGNORE_EOS)
-    n_prompt = len(tokenizer.encode(prompt).ids)
+    n_prompt = len(tiny_tokenizer.encode(prompt).ids)
     assert r.object == "text_completion" and r.model and r.id.startswith("cmpl-")
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 12, n_prompt + 12)
@@ -65,7 +51,7 @@ def test_completions(oai, tiny_worker, tokenizer):
     assert chunks[-1].usage.prompt_tokens == n_prompt
     assert all(c.usage is None for c in chunks[:-1])
 
-    ids = tokenizer.encode(prompt).ids
+    ids = tiny_tokenizer.encode(prompt).ids
     by_ids = oai.completions.create(model="", prompt=ids, max_tokens=12, temperature=0, extra_body=IGNORE_EOS)
     assert by_ids.choices[0].text == r.choices[0].text
 

@@ -20,11 +20,8 @@ from cluster.router.registry import HEALTHY
 from cluster.router.server import RouterConfig, RouterServer
 from cluster.worker.power import (CAN_SYSTEM_SLEEP, PREVENT_IDLE_SLEEP, SYSTEM_HAS_POWERED_ON, SYSTEM_WILL_SLEEP,
                                   MacPower, NoPower, StayAwake, system_power)
+from conftest import run
 from fake_power import FakeFrameworks, FakePower
-
-
-def run(coro, timeout: float = 180):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 async def until(condition, what: str, timeout: float = 30.0) -> None:

@@ -17,12 +17,9 @@ from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.registry import HEALTHY
 from cluster.router.server import RouterConfig, RouterServer
+from conftest import run
 from fake_worker import FakeWorker, fake_token
 from cluster.worker.registration import Registration
-
-
-def run(coro, timeout: float = 30):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 class Cluster:

@@ -147,7 +147,8 @@ def test_a_request_that_fails_alone_on_a_sole_worker_gets_its_cause():
     """A worker that fails a request with INTERNAL (its engine found that request breaks its
     step) and no other worker to try it on: the client gets INTERNAL with the worker's
     cause (HTTP 500), not UNAVAILABLE (503, which says: try again)."""
-    from test_router_fake import Cluster, expected_tokens, run, tokens
+    from conftest import run
+    from test_router_fake import Cluster, expected_tokens, tokens
 
     async def main():
         async with Cluster(n_workers=1) as c:

@@ -26,6 +26,7 @@ from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.net import CHANNEL_OPTIONS
 from cluster.security import channel as secure_channel
 from cluster.up import LocalCluster, free_port
+from conftest import run
 from strike import Striker, until_one_moves
 
 HEARTBEAT = 0.2
@@ -74,10 +75,6 @@ def client_env(admin: bool = True) -> dict:
 def orchard(*args: str, timeout: float = 30, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=client_env() if env is None else env)
-
-
-def run(coro, timeout: float = 120):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 def request(text: str, max_tokens: int = 16, model: str = "") -> pb.GenerateRequest:

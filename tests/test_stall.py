@@ -22,12 +22,9 @@ from cluster.router.server import RouterConfig, RouterServer
 from cluster.security import channel as secure_channel
 from cluster.up import LocalCluster, free_port
 from cluster.worker.registration import Registration
+from conftest import run
 from fake_worker import FakeWorker
 from strike import Striker, until_one_moves_async
-
-
-def run(coro, timeout: float = 180):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 async def until(condition, what: str, timeout: float) -> float:

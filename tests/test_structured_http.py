@@ -21,20 +21,6 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def oai(tiny_worker):
-    client = openai.OpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-
-
 def test_response_format_json_schema_and_json_object(oai):
     for seed in range(3):
         r = oai.chat.completions.create(
@@ -152,14 +138,14 @@ def test_bad_requests_are_400_naming_the_problem(oai, kwargs, param, words):
         assert e.value.param == param
 
 
-def test_logit_bias_and_penalties_change_greedy_output(oai, tokenizer):
+def test_logit_bias_and_penalties_change_greedy_output(oai, tiny_tokenizer):
     prompt = "The orchard is quiet in the morning."
     forced = oai.completions.create(model="", prompt=prompt, max_tokens=3, temperature=0, logit_bias={"321": 100},
                                     extra_body={"ignore_eos": True})
-    assert forced.choices[0].text == tokenizer.decode([321] * 3)
+    assert forced.choices[0].text == tiny_tokenizer.decode([321] * 3)
     base = oai.completions.create(model="", prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
                                   extra_body={"ignore_eos": True})
-    first = tokenizer.encode(prompt + base.choices[0].text).ids[len(tokenizer.encode(prompt).ids):][:1]
+    first = tiny_tokenizer.encode(prompt + base.choices[0].text).ids[len(tiny_tokenizer.encode(prompt).ids):][:1]
     banned = oai.completions.create(model="", prompt=prompt, max_tokens=1, temperature=0,
                                     logit_bias={str(first[0]): -100}, extra_body={"ignore_eos": True})
     assert banned.choices[0].text != base.choices[0].text
@@ -167,7 +153,7 @@ def test_logit_bias_and_penalties_change_greedy_output(oai, tokenizer):
                                    extra_body={"ignore_eos": True}).choices[0].text
     penalised = oai.completions.create(model="", prompt=prompt, max_tokens=40, temperature=0, presence_penalty=2,
                                        frequency_penalty=2, extra_body={"ignore_eos": True}).choices[0].text
-    ids = lambda t: tokenizer.encode(t).ids  # noqa: E731
+    ids = lambda t: tiny_tokenizer.encode(t).ids  # noqa: E731
     assert len(set(ids(penalised))) > len(set(ids(plain)))
 
 
@@ -185,7 +171,8 @@ def test_sdk_takes_structured_and_sampling_kwargs(tiny_worker):
 
 
 def test_router_passes_the_fields_through_unchanged():
-    from test_router_fake import Cluster, run
+    from conftest import run
+    from test_router_fake import Cluster
 
     async def go():
         async with Cluster(n_workers=1) as c:
