@@ -221,10 +221,12 @@ def test_a_poison_request_through_the_router_fails_alone_and_the_group_serves_on
                 poison.append(e)
 
         sender = threading.Thread(target=send_poison, daemon=True)
+        once = threading.Lock()  # (the streams' threads report progress)
 
         def fault(n: int) -> None:
-            if n >= len(texts) * max_tokens // 4 and not sender.is_alive() and sender.ident is None:
-                sender.start()
+            with once:
+                if n >= len(texts) * max_tokens // 4 and sender.ident is None:
+                    sender.start()
 
         got = _streams(cluster.router_address, texts, max_tokens, on_progress=fault)
         sender.join(300)
@@ -259,3 +261,64 @@ def test_a_pipelined_step_sees_a_request_added_to_a_busy_engine_through_its_firs
     pipelined.add_request("c", [11, 12, 13], params)
     assert pipelined._owner("c") == newer
     assert "c" in [out.request_id for out in pipelined.step()]
+
+
+@pytest.mark.slow
+def test_a_poison_request_takes_down_a_tensor_group_twice_and_no_more(models, tmp_path):
+    """`orchard up --workers 1 --group-size 2 --parallel tensor`, supervised as `orchard up`
+    does: a request that makes rank 1's step raise takes the group down (rank 1 is inside a
+    collective: the group exits 75), is held until the group is back, takes it down once
+    more, and is failed as poison (INTERNAL, naming the 2 workers it took down). The
+    streams under way each time resume and complete on the next start, which serves on."""
+    from group_driver import POISON_RUN
+    from test_group import _streams
+
+    from cluster.api.errors import InternalError
+    from cluster.sdk import Client
+    from cluster.up import LocalCluster, free_port
+
+    model = models("llama", layers=2)
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    (faults / "rank1.poison").write_text(" ".join(map(str, POISON_RUN)))
+    texts = [f"stream {i}: orchard pear apple" for i in range(4)]
+    max_tokens = 40
+    cluster = LocalCluster(model, workers=1, group_size=2, parallel="tensor", grpc_address=f"127.0.0.1:{free_port()}",
+                           http_address=None, metrics_address=None, worker_port_base=0, worker_metrics_port_base=0,
+                           log_dir=tmp_path / "logs", worker_env={"ORCHARD_FAULT_DIR": str(faults)})
+    stop = threading.Event()
+
+    def supervise() -> None:  # what `orchard up` does while it runs
+        while not stop.wait(0.5):
+            cluster.supervise()
+
+    with cluster:
+        watcher = threading.Thread(target=supervise, daemon=True)
+        watcher.start()
+        try:
+            poison: list[BaseException] = []
+
+            def send_poison() -> None:
+                try:
+                    with Client(cluster.router_address, timeout=300) as client:
+                        client.generate([5, 6, 7, *POISON_RUN], max_tokens=8, temperature=0.0)
+                except BaseException as e:  # noqa: BLE001  (asserted below)
+                    poison.append(e)
+
+            sender = threading.Thread(target=send_poison, daemon=True)
+            once = threading.Lock()  # (the streams' threads report progress)
+
+            def fault(n: int) -> None:
+                with once:
+                    if n >= len(texts) * max_tokens // 4 and sender.ident is None:
+                        sender.start()
+
+            got = _streams(cluster.router_address, texts, max_tokens, on_progress=fault)
+            sender.join(300)
+            assert all(len(t) == max_tokens for t in got)
+            assert len(poison) == 1 and isinstance(poison[0], InternalError), poison
+            assert "took down 2 workers" in str(poison[0])
+            assert cluster.group_restarts == 2
+        finally:
+            stop.set()
+            watcher.join(10)
