@@ -28,6 +28,8 @@ sys.modules[_spec.name] = emu  # dataclasses look their module up
 _spec.loader.exec_module(emu)
 F32 = np.float32
 f16 = emu.f16
+# A research script's test: out of the default run (scripts/test under CI=true runs it).
+pytestmark = pytest.mark.slow
 
 
 def test_q8_1_block_rounds_ties_to_even_and_stores_fp16_d_and_s():
