@@ -238,7 +238,7 @@ def vs_mlx(args, model: Path) -> None:
     without the same draft model, over HTTP (float32 directories for both)."""
     import subprocess
 
-    import bench_worker_vs_mlx as w
+    from _common import run_load, start_mlx, start_orchard, summarize, wait_http
     from cluster.models_cache import cache_dir
     from transformers import AutoTokenizer
 
@@ -261,19 +261,12 @@ def vs_mlx(args, model: Path) -> None:
     }
     results = {}
     for name, (extra_args, body) in runs.items():
-        if name.startswith("orchard"):
-            server, url, _ = w.start_orchard(f32, extra_args)
-        else:
-            port = w.free_port()
-            argv = [sys.executable, "-c", w.MLX_WRAPPER, "--model", str(f32), "--host", "127.0.0.1", "--port",
-                    str(port), "--log-level", "WARNING", *extra_args]
-            server = w.Server(name, argv)
-            server.wait_line("BENCH_LOADED ", timeout=600)
-            url = f"http://127.0.0.1:{port}"
+        start = start_orchard if name.startswith("orchard") else lambda m, a: start_mlx(m, a, name)
+        server, url, _ = start(f32, extra_args)
         try:
-            asyncio.run(w.wait_http(url, body))
-            res, wall = asyncio.run(w.run_load(f"{url}/v1/completions", prompts, body, args.max_tokens, 1))
-            results[name] = w.summarize(res, wall, args.max_tokens)
+            asyncio.run(wait_http(url, body))
+            res, wall = asyncio.run(run_load(f"{url}/v1/completions", prompts, body, args.max_tokens, 1))
+            results[name] = summarize(res, wall, args.max_tokens)
         finally:
             server.stop()
         r = results[name]

@@ -47,12 +47,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from bench_worker_vs_mlx import (  # noqa: E402
-    Server, free_port, make_prompts, run_load, start_orchard, summarize, wait_http)
+from _common import Server, make_prompts, run_load, start_orchard, summarize, wait_http  # noqa: E402
 
 from cluster.models_cache import builtin_model, home  # noqa: E402
+from cluster.up import free_port  # noqa: E402
 
 CACHE = home() / "llama.cpp"
 LLAMA_CPP_PYTHON = "0.3.36"  # its vendored llama.cpp is commit 0c1e570

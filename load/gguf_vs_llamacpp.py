@@ -43,10 +43,10 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "tests")]
 
 from bench_vs_llamacpp import CACHE, LLAMA_CPP_PYTHON, CannotBuild, llama_server, start_llama  # noqa: E402
-from bench_worker_vs_mlx import start_orchard  # noqa: E402
+from _common import start_orchard  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "What is 2+2?", "Name three colors of the rainbow.",
              "Write a haiku about the sea.", "Who wrote Romeo and Juliet?", "How many legs does a spider have?",

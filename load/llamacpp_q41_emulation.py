@@ -568,7 +568,7 @@ def run_llama(binary: Path, gguf: Path, texts: list[str], max_tokens: int,
 
 def run_orchard(gguf: Path, runs: list[dict]) -> None:
     """Orchard's greedy tokens, and its logprobs along llama.cpp's tokens (prompt_logprobs, top 20)."""
-    from bench_worker_vs_mlx import start_orchard
+    from _common import start_orchard
 
     from cluster.sdk import Client
 
