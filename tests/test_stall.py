@@ -68,8 +68,8 @@ def test_a_stall_is_pushed_to_the_router_at_once_not_at_the_next_heartbeat():
 
 def test_a_round_past_four_times_the_usual_one_is_lagging_long_before_a_stall():
     """The engine lags (new work is better placed elsewhere) once a round runs past 4x its
-    usual round, a third of --stall-report and the slowest recent round: seconds before a
-    stall is reported."""
+    usual round, a third of --stall-report and the slowest recent round (or the warm-up's
+    full prefill step): seconds before a stall is reported."""
     from cluster.worker.engine_loop import EngineLoop
 
     loop = EngineLoop(lambda: None, lambda now, events: None, stall_report=3.0)
@@ -88,6 +88,9 @@ def test_a_round_past_four_times_the_usual_one_is_lagging_long_before_a_stall():
     assert not loop.lagging(now)
     loop._round_done(2.8)  # a step that long lately is the workload's: not lagging before it
     assert loop.lag_after >= 2.8 and loop.stall_after > 13
+    fresh = EngineLoop(lambda: None, lambda now, events: None, stall_report=3.0)
+    fresh.full_step = 1.5  # nor one as long as the warm-up's full prefill step, before any is seen
+    assert fresh.lag_after == 1.5
 
 
 def test_a_lagging_worker_gets_no_new_requests_and_its_requests_with_no_output_move():

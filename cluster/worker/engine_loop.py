@@ -44,8 +44,8 @@ IDLE_RELEASE_SECONDS = 1.0
 # recent round): a model whose legitimate steps are slow (a big one on a Mac) gets room.
 STALL_STEP_FACTOR = 5.0
 STEP_WINDOW = 256  # rounds per window of "recent" step times
-# A round past this many times the usual one, a third of --stall-report and the slowest
-# recent round is lagging: not yet a stall, but new requests are better placed on another
+# A round past this many times the usual one, a third of --stall-report and the longest
+# recent round (or the warm-up's full prefill step) is lagging: not yet a stall, but new requests are better placed on another
 # worker meanwhile (and those that have not started moved there: a step of a length seen
 # lately is the workload's, and its requests stay).
 LAG_STEP_FACTOR = 4.0
@@ -172,8 +172,10 @@ class EngineLoop:
     def lag_after(self) -> float:
         """Seconds one round of work may take before the engine counts as lagging:
         LAG_STEP_FACTOR x its usual round, or a third of `stall_report`, or the slowest
-        recent round, whichever is longest; at most `stall_after`."""
-        return min(self.stall_after, max(self.stall_report / 3, LAG_STEP_FACTOR * self._usual, *self._slowest))
+        recent round (or the warm-up's full-budget prefill step), whichever is longest; at
+        most `stall_after`."""
+        return min(self.stall_after, max(self.stall_report / 3, LAG_STEP_FACTOR * self._usual, *self._slowest,
+                                         self.full_step))
 
     def lagging(self, now: float | None = None) -> bool:
         """Whether the current round has run past `lag_after`: new requests would wait for
