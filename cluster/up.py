@@ -7,9 +7,10 @@ directory's `secrets/`, mode 0600): mutual TLS on gRPC, TLS + keys on HTTP. `up`
 of them are healthy, prints the endpoints, then watches: a worker (or a group) with a
 process gone is started again after a backoff, unless the process failed for good (exit
 78: `cluster/exit_codes.py`), which is logged and left stopped. Ctrl-C (or SIGTERM) stops the
-workers, then the router: SIGTERM by PID, SIGKILL after a grace period. Each child runs
-in its own session, so the terminal's Ctrl-C reaches only `up`, which stops them in order.
-Children's logs go to files under --log-dir.
+workers (a group's rank 0, which stops its members, before them), then the router: SIGTERM
+by PID, SIGKILL after a grace period. Each child runs in its own session, so the terminal's
+Ctrl-C reaches only `up`, which stops them in order. Children's logs go to files under
+--log-dir.
 """
 
 from __future__ import annotations
@@ -336,9 +337,12 @@ class LocalCluster:
         return [c for c in [*self.workers, *members, self.router, *self.extra_routers] if c is not None]
 
     def stop(self, grace: float = 10.0) -> None:
-        """Workers first (they finish nothing new), then the router: SIGTERM, then SIGKILL."""
+        """Workers first (they finish nothing new), then the routers: SIGTERM, then SIGKILL
+        after `grace`. A group's rank 0 before its members: it drains, its members running
+        the drain's steps, then tells them to stop (they exit 0); any still running after
+        that are stopped next."""
         members = [c for group in self.members.values() for c in group]
-        for group in (self.workers + members, [c for c in (self.router, *self.extra_routers) if c is not None]):
+        for group in (self.workers, members, [c for c in (self.router, *self.extra_routers) if c is not None]):
             for c in group:
                 if c.proc.poll() is None:
                     c.proc.send_signal(signal.SIGTERM)

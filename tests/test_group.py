@@ -210,8 +210,8 @@ def test_a_stranger_that_stalls_its_handshake_delays_no_member():
     assert set(leader.members) == {1}
     assert dropped.wait(30), "the stranger was never dropped"
     stranger.close()
+    leader.close()  # before the member: a member that leaves a formed group loses it
     member.close()
-    leader.close()
     assert lost == []
 
 
@@ -253,11 +253,11 @@ def test_strangers_that_stall_keep_no_member_out():
         member = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lost.append)
         member.join(time.monotonic() + 30)
         assert admitted.wait(30) and set(leader.members) == {1}
-        member.close()
     finally:
         for s in strangers:
             s.close()
         leader.close()
+    member.close()
     assert lost == []
 
 
@@ -350,9 +350,9 @@ def test_a_malformed_hello_closes_its_connection_and_the_join_goes_on(payload, s
         member = Member(leader.address, 1, 2, TOKEN, 30.0, on_lost=lost.append)
         member.join(time.monotonic() + 30)
         assert admitted.wait(30) and set(leader.members) == {1}
-        member.close()
     finally:
         leader.close()
+    member.close()
     assert crashed == [] and lost == []
 
 

@@ -268,6 +268,11 @@ class WorkerServer:
         return {**self.addresses, "worker_id": self.service.worker_id, "model": engine.model_name,
                 "dtypes": [str(engine.runner.dtype).removeprefix("mlx.core.")], "blas": platform.blas_path()}
 
+    @property
+    def group(self):
+        """Rank 0's `GroupState` when this worker is a group's rank 0, else None."""
+        return None if self.engine_loop is None else getattr(self.engine_loop.engine, "group", None)
+
     async def stop(self) -> None:
         """Stop taking requests, give running streams `grace_seconds`, stop the engine."""
         if self.service is not None:
@@ -281,9 +286,8 @@ class WorkerServer:
         await self.endpoints.stop(self.options.grace_seconds)
         if self.service is not None:
             await self.service.stop()
-            group = getattr(self.service.engine_loop.engine, "group", None)
-            if group is not None:  # the members stop with rank 0
-                group.close()
+            if self.group is not None:  # the members stop with rank 0
+                self.group.close()
         if self.awake is not None:  # the model is gone: the Mac may sleep
             self.awake.stop()
             self.awake = None
@@ -295,8 +299,6 @@ class WorkerServer:
 async def run_until_signalled(options: WorkerOptions, ready_line: bool = True) -> None:
     server = WorkerServer(options)
     await server.start()
-    if ready_line:
-        print(READY_PREFIX + json.dumps(server.ready_info()), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -304,6 +306,10 @@ async def run_until_signalled(options: WorkerOptions, ready_line: bool = True) -
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
+    if server.group is not None:  # a member told to stop asks for the group's stop: drained as on SIGTERM here
+        server.group.leader.on_stop(lambda reason: loop.call_soon_threadsafe(stop.set))
+    if ready_line:  # once a SIGTERM drains: whoever waits for this line may stop the worker at once
+        print(READY_PREFIX + json.dumps(server.ready_info()), flush=True)
     try:
         await stop.wait()
     finally:

@@ -45,4 +45,10 @@ Contract:
   never admitted, and its handshake holds no member up: each has a deadline of its own,
   handshakes at once are bounded per peer address and in total (a new one takes the
   oldest's slot), and a member whose try fails tries again until its join deadline.
+- Start-up: every wait has a deadline within the join timeout, and the side channel is read
+  from a member's join on (a member gone while rank 0 admits is dropped and may join
+  again; gone later, the group is lost). MLX's ring init holds the GIL, so its bound is a
+  C library timer (`deadline.py`, `--group-timeout`) that ends the process with 75.
+- Stop: rank 0's SIGTERM drains it, then SHUTDOWN tells every member to exit 0; a member's
+  SIGTERM asks rank 0 for exactly that (STOP), and a member not yet serving just exits 0.
 """

@@ -11,9 +11,12 @@ checks tokens).
 
 Nothing here waits for ever: every wait has a deadline, a closed connection is noticed
 at once, and a silent peer (stopped, wedged, cut off) within `timeout` seconds, through
-heartbeats. What to do then is the caller's `on_lost` (the group's processes exit, so
-that whatever started them starts the group again: a blocked MLX collective cannot be
-cancelled).
+heartbeats. That holds from a member's join on, not only once the group serves: each
+connection is read on a thread of its own from then, so a member that dies while the
+group starts is noticed at once too. A member gone while rank 0 still admits is dropped,
+and may join again (restarted); gone later, the group is lost. What to do then is the
+caller's `on_lost` (the group's processes exit, so that whatever started them starts the
+group again: a blocked MLX collective cannot be cancelled).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from cluster.exit_codes import EXIT_TRANSIENT
+from cluster.exit_codes import EXIT_PERMANENT, EXIT_TRANSIENT, describe
 from cluster.worker.group import wire
 from cluster.worker.group.config import GroupOptions, require_join_token
 from cluster.worker.group.progress import StepProgress
@@ -43,6 +46,7 @@ MAX_PENDING_PER_ADDRESS = 4  # of them from one peer address (strangers on a mem
 JOIN_RETRY_FIRST_S = 0.1  # a member's first wait before trying again; doubled each try, with jitter
 JOIN_RETRY_MAX_S = 2.0
 SHUTDOWN_SEND_S = 1.0  # rank 0's orderly end waits this long at most to tell each member
+START_BACKSTOP_S = 5.0  # a start's watchdog fires this long past the join deadline: the waits say why first
 
 
 class _Conn:
@@ -82,13 +86,16 @@ class _Conn:
         self.sock.close()
 
 
-def _exit_lost(reason: str) -> None:
-    log.error("worker group lost: %s; exiting so that the whole group is started again", reason)
-    logging.shutdown()
-    os._exit(EXIT_GROUP_LOST)
-
-
 EXIT_GROUP_LOST = EXIT_TRANSIENT  # the group lost a member: start the whole group again
+
+
+def _exit_lost(reason: str, code: int = EXIT_GROUP_LOST) -> None:
+    if code == EXIT_PERMANENT:
+        log.error("worker group lost: %s; exiting for good (%s)", reason, describe(code))
+    else:
+        log.error("worker group lost: %s; exiting so that the whole group is started again", reason)
+    logging.shutdown()
+    os._exit(code)
 
 
 class StepFailed(RuntimeError):
@@ -154,15 +161,18 @@ def _shut(sock: socket.socket) -> None:
 
 
 class Leader:
-    """Rank 0's end: listens, admits `size - 1` members, then serves them."""
+    """Rank 0's end: listens, admits `size - 1` members, then serves them. Each member's
+    connection is read (and pinged) from its join on."""
 
     def __init__(self, address: tuple[str, int], size: int, token: str, timeout: float,
-                 on_lost: Callable[[str], None] = _exit_lost, handshake_timeout: float = HANDSHAKE_S):
+                 on_lost: Callable[[str], None] | None = None, handshake_timeout: float = HANDSHAKE_S):
+        """`on_lost`: what to do when the group is lost (default: exit, 78 when a member
+        said its failure is permanent, else 75)."""
         require_join_token(token)
         self.size = size
         self.token = token
         self.timeout = timeout
-        self.on_lost = on_lost
+        self.on_lost = on_lost or self._exit
         self.handshake_timeout = handshake_timeout
         self.handshakes = HandshakeSlots()
         self.members: dict[int, _Conn] = {}
@@ -171,10 +181,17 @@ class Leader:
         self.ready: queue.Queue = queue.Queue()  # notices addressed to rank 0: (step, from, FAILED's cause or None)
         self.acks: dict[int, queue.Queue] = {}  # per member: ACK (step, checksum)
         self.progress = StepProgress(size)  # each member's part of each step, from the notices
+        self.startup: dict[int, queue.Queue] = {}  # per member: its start-up replies (kind, payload), or its failure
+        self.failure: wire.Refused | None = None  # a member's start failure, as it told rank 0
+        self.stop_asked: str | None = None  # a member asked for an orderly stop (STOP): which, and why
+        self._on_stop: Callable[[str], None] | None = None
         self.bytes_sent = 0
+        self.lost_reason = ""
         self._lost = threading.Event()
         self._on_sleep: Callable[[int, bool], None] | None = None  # see on_sleep
         self._closing = False
+        self._serving = False
+        self._beating = False
         self._listener = socket.create_server(address, reuse_port=False)
         self.address = self._listener.getsockname()[:2]
 
@@ -186,10 +203,12 @@ class Leader:
         a byte now and then, delays no member. A peer that fails it is dropped with one log
         line, the wait goes on; handshakes at once are bounded (`HandshakeSlots`)."""
         self._listener.settimeout(0.25)
+        self._start_heartbeat()
         try:
             while True:
-                with self._joined:
+                with self._joined:  # complete, and closed to newcomers, at once: a member dropped meanwhile is seen
                     if len(self.members) >= self.size - 1:
+                        self._admitting = False
                         return
                 if time.monotonic() > deadline:
                     with self._joined:
@@ -258,6 +277,9 @@ class Leader:
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = self.members[rank] = _Conn(sock, rank, hello)
+            self.acks[rank] = queue.Queue()
+            self.startup[rank] = queue.Queue()
+            threading.Thread(target=self._read, args=(conn,), name=f"orchard-group-r{rank}", daemon=True).start()
         return conn
 
     def broadcast(self, kind: int, payload: bytes = b"") -> None:
@@ -265,31 +287,50 @@ class Leader:
             self._send(conn, kind, payload)
 
     def gather(self, kind: int, deadline: float) -> dict[int, dict]:
-        """One start-up message of `kind` from every member (JSON), before the readers run."""
+        """One start-up message of `kind` from every member (JSON), by `deadline`: a
+        member's failure (its ERROR) is raised as it said it (`wire.Refused`), a group
+        lost meanwhile as ConnectionError."""
         out = {}
-        for rank, conn in sorted(self.members.items()):
-            conn.sock.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                out[rank] = wire.loads(wire.expect(conn.sock, kind))
-            except TimeoutError:
-                raise TimeoutError(f"group rank {rank} did not answer {wire.KIND_NAMES[kind]} in time") from None
-            finally:
-                conn.sock.settimeout(None)
+        for rank in sorted(self.members):
+            while True:
+                try:
+                    got = self.startup[rank].get(timeout=0.25)
+                    break
+                except queue.Empty:
+                    if self.lost:
+                        raise ConnectionError(f"the group is lost: {self.lost_reason}") from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"group rank {rank} did not answer {wire.KIND_NAMES[kind]} in time") from None
+            if isinstance(got, Exception):
+                raise got
+            got_kind, payload = got
+            if got_kind != kind:
+                raise wire.ProtocolError(f"rank {rank}: expected {wire.KIND_NAMES[kind]}, got {wire.KIND_NAMES[got_kind]}")
+            out[rank] = wire.loads(payload)
         return out
 
     # -- serving -------------------------------------------------------------------------------
     def serve(self) -> None:
-        """Start a reader thread per member and the heartbeat."""
-        for conn in self.members.values():
-            self.acks[conn.rank] = queue.Queue()
-            conn.last_heard = time.monotonic()
-            threading.Thread(target=self._read, args=(conn,), name=f"orchard-group-r{conn.rank}", daemon=True).start()
-        threading.Thread(target=self._heartbeat, name="orchard-group-heartbeat", daemon=True).start()
+        """The group has started: from now on a member's start-up message is a protocol
+        error, and the heartbeat runs (it does from `admit` on)."""
+        self._serving = True
+        self._start_heartbeat()
+
+    def on_stop(self, callback: Callable[[str], None]) -> None:
+        """`callback(reason)` when a member asks for an orderly stop (at once if one has)."""
+        self._on_stop = callback
+        if self.stop_asked is not None:
+            callback(self.stop_asked)
+
+    def _start_heartbeat(self) -> None:
+        if not self._beating:
+            self._beating = True
+            threading.Thread(target=self._heartbeat, name="orchard-group-heartbeat", daemon=True).start()
 
     def _read(self, conn: _Conn) -> None:
         try:
             while True:
-                kind, payload = wire.read_message(conn.sock)
+                kind, flags, payload = wire.read_frame(conn.sock)
                 conn.last_heard = time.monotonic()
                 if kind in (wire.READY, wire.FAILED):
                     step, src, dst, cause = wire.read_notice(kind, payload)
@@ -304,11 +345,22 @@ class Leader:
                     pass
                 elif kind == wire.SLEEP:
                     self._member_sleeps(conn, payload == wire.SLEEPING)
+                elif kind == wire.STOP:
+                    self._stop_asked(conn.rank, payload.decode(errors="replace"))
                 elif kind == wire.ERROR:
-                    raise wire.ProtocolError(f"rank {conn.rank} failed: {payload.decode(errors='replace')}")
+                    raise wire.Refused(f"rank {conn.rank} failed: {payload.decode(errors='replace')}",
+                                       permanent=bool(flags & wire.PERMANENT))
+                elif kind == wire.LOADED and not self._serving:
+                    self.startup[conn.rank].put((kind, payload))
                 else:
-                    raise wire.ProtocolError(f"rank {conn.rank} sent {wire.KIND_NAMES[kind]} while serving")
+                    raise wire.ProtocolError(f"rank {conn.rank} sent {wire.KIND_NAMES[kind]} "
+                                             + ("while serving" if self._serving else "while the group starts"))
         except (OSError, wire.ProtocolError, KeyError, ValueError) as e:
+            if self._drop(conn, str(e) or type(e).__name__):
+                return
+            if isinstance(e, wire.Refused) and not self._serving:  # for `gather`, and the exit code
+                self.failure = e
+                self.startup[conn.rank].put(e)
             self.lose(f"rank {conn.rank}: {e}")
 
     def on_sleep(self, callback: Callable[[int, bool], None]) -> None:
@@ -332,17 +384,45 @@ class Leader:
 
         threading.Thread(target=run, name=f"orchard-group-sleep-r{conn.rank}", daemon=True).start()
 
+    def _stop_asked(self, rank: int, why: str) -> None:
+        reason = f"rank {rank} asked the group to stop" + (f" ({why})" if why else "")
+        log.warning("group: %s: draining, then stopping every rank", reason)
+        if self.stop_asked is None:
+            self.stop_asked = reason
+            if self._on_stop is not None:
+                self._on_stop(reason)
+
+    def _drop(self, conn: _Conn, reason: str) -> bool:
+        """A member gone (closed, silent, failed) while rank 0 still admits: dropped, so
+        that it can join again (restarted). False once the group is complete: lost then."""
+        with self._joined:
+            if not self._admitting:
+                return False
+            if self.members.get(conn.rank) is conn:
+                del self.members[conn.rank]
+            else:  # dropped already
+                return True
+        conn.close()
+        log.warning("group: rank %d left before the group formed (%s); waiting for it to join again", conn.rank,
+                    reason)
+        return True
+
     def _heartbeat(self) -> None:
         n = 0
         while not self._lost.is_set() and not self._closing:
             n += 1
-            self.broadcast(wire.PING, wire.PING_MSG.pack(n))
+            with self._joined:
+                conns = list(self.members.values())
+            for conn in conns:
+                self._send(conn, wire.PING, wire.PING_MSG.pack(n))
             now = time.monotonic()
-            for conn in list(self.members.values()):
-                if now - conn.last_heard > self.timeout:
-                    self.lose(f"rank {conn.rank} has been silent for {now - conn.last_heard:.0f} s "
-                              "(stopped, wedged or cut off)")
-                    return
+            for conn in conns:
+                silent = now - conn.last_heard
+                if silent > self.timeout:
+                    reason = f"rank {conn.rank} has been silent for {silent:.0f} s (stopped, wedged or cut off)"
+                    if not self._drop(conn, reason):
+                        self.lose(reason)
+                        return
             self._lost.wait(HEARTBEAT_S)
 
     def _send(self, conn: _Conn, kind: int, payload: bytes = b"") -> None:
@@ -350,7 +430,8 @@ class Leader:
             conn.send(kind, payload)
             self.bytes_sent += wire.FRAME.size + len(payload)
         except OSError as e:
-            self.lose(f"rank {conn.rank}: {e}")
+            if not self._drop(conn, str(e)):
+                self.lose(f"rank {conn.rank}: {e}")
 
     def wait_ready(self, step: int, src: int, timeout: float) -> None:
         """Block until rank `src` says step `step`'s hidden state is on its way; StepFailed
@@ -385,10 +466,14 @@ class Leader:
     def lose(self, reason: str) -> None:
         if self._closing or self._lost.is_set():
             return
+        self.lost_reason = reason
         self._lost.set()
-        for conn in self.members.values():  # best effort: members exit on the closed connection anyway
+        for conn in list(self.members.values()):  # best effort: members exit on the closed connection anyway
             conn.close()
         self.on_lost(reason)
+
+    def _exit(self, reason: str) -> None:
+        _exit_lost(reason, EXIT_PERMANENT if self.failure is not None and self.failure.permanent else EXIT_GROUP_LOST)
 
     @property
     def lost(self) -> bool:
@@ -411,18 +496,22 @@ class Leader:
         except OSError:
             pass
 
-    def close(self) -> None:
+    def close(self, shutdown: bool = True) -> None:
         """An orderly end: members are told to stop (each within a second: a member that
-        reads nothing finds its connection closed instead), then the connections close."""
+        reads nothing finds its connection closed instead), then the connections close.
+        `shutdown=False` (a start that failed): the connections only close, and the
+        members exit as from a lost group (to be started again)."""
         if self._lost.is_set():
             return
         self._closing = True
-        for conn in self.members.values():
+        with self._joined:
+            conns = list(self.members.values())
+        for conn in conns if shutdown else ():
             try:
                 conn.send_within(SHUTDOWN_SEND_S, wire.SHUTDOWN)
             except OSError:
                 pass
-        for conn in self.members.values():
+        for conn in conns:
             conn.close()
         try:
             self._listener.close()
@@ -431,7 +520,8 @@ class Leader:
 
 
 class Member:
-    """A member's end: joins rank 0, then reads plans on a thread of its own."""
+    """A member's end: joins rank 0, then (`listen`) reads everything rank 0 sends on a
+    thread of its own: the start-up messages (`receive`), plans, notices, pings."""
 
     def __init__(self, address: tuple[str, int], rank: int, size: int, token: str, timeout: float,
                  info: dict | None = None, on_lost: Callable[[str], None] = _exit_lost,
@@ -446,12 +536,15 @@ class Member:
         self.on_lost = on_lost
         self.handshake_timeout = handshake_timeout
         self.plans: queue.Queue = queue.Queue()  # (kind, payload): STEP or SHUTDOWN
+        self.startup: queue.Queue = queue.Queue()  # (kind, payload): ASSIGN, RING, START (or SHUTDOWN)
         self.ready: queue.Queue = queue.Queue()  # notices for this rank: (step, from, FAILED's cause or None)
         self.last_heard = time.monotonic()
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
         self._done = False
         self._drained = threading.Event()  # rank 0 answered SLEEP: the group is drained
+        self._lost = False
+        self._listening = False
 
     def join(self, deadline: float) -> None:
         """Connect and authenticate by `deadline`. Rank 0 may not listen yet, or may drop the
@@ -508,7 +601,9 @@ class Member:
             self.sock.sendall(data)
 
     def send_error(self, reason: str, permanent: bool = False) -> None:
-        """Tell rank 0 why this rank cannot go on (best effort: it may be gone already)."""
+        """Tell rank 0 why this rank cannot go on (best effort: it may be gone already).
+        This rank is ending: rank 0 closing the connection now is no loss to report."""
+        self._done = True
         if self.sock is None:
             return
         try:
@@ -517,17 +612,40 @@ class Member:
         except OSError:
             pass
 
-    def receive(self, kind: int, deadline: float) -> dict:
-        """One start-up message (JSON), before `serve`."""
-        self.sock.settimeout(max(0.1, deadline - time.monotonic()))
+    def ask_to_stop(self, why: str = "") -> bool:
+        """Ask rank 0 for an orderly stop (STOP): it drains, then sends every rank SHUTDOWN.
+        False when there is no rank 0 to ask (not joined, or its connection gone)."""
+        if self.sock is None or self._done:
+            return False
         try:
-            return wire.loads(wire.expect(self.sock, kind))
-        except TimeoutError:
-            raise TimeoutError(f"rank 0 sent no {wire.KIND_NAMES[kind]} in time") from None
-        finally:
-            self.sock.settimeout(None)
+            self.send(wire.STOP, why.encode()[:1000])
+        except OSError:
+            return False
+        return True
 
-    def serve(self) -> None:
+    def receive(self, kind: int, deadline: float) -> dict:
+        """One start-up message (JSON), by `deadline` (after `listen`)."""
+        while True:
+            try:
+                got = self.startup.get(timeout=0.25)
+                break
+            except queue.Empty:
+                if self._lost:
+                    raise ConnectionError("the group is lost") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank 0 sent no {wire.KIND_NAMES[kind]} in time") from None
+        if isinstance(got, Exception):
+            raise got
+        got, payload = got
+        if got != kind:
+            raise wire.ProtocolError(f"expected {wire.KIND_NAMES[kind]}, got {wire.KIND_NAMES[got]}")
+        return wire.loads(payload)
+
+    def listen(self) -> None:
+        """Read rank 0's messages, and watch for its silence, from now on (right after `join`)."""
+        if self._listening:
+            return
+        self._listening = True
         self.last_heard = time.monotonic()
         threading.Thread(target=self._read, name="orchard-group-reader", daemon=True).start()
         threading.Thread(target=self._watch, name="orchard-group-watch", daemon=True).start()
@@ -535,7 +653,7 @@ class Member:
     def _read(self) -> None:
         try:
             while True:
-                kind, payload = wire.read_message(self.sock)
+                kind, flags, payload = wire.read_frame(self.sock)
                 self.last_heard = time.monotonic()
                 if kind == wire.PING:
                     self.send(wire.PONG, payload)
@@ -544,21 +662,30 @@ class Member:
                     self.ready.put((step, src, cause))
                 elif kind == wire.SLEEP:
                     self._drained.set()
+                elif kind in (wire.ASSIGN, wire.RING, wire.START):
+                    self.startup.put((kind, payload))
+                elif kind == wire.ERROR:  # rank 0 refused to start the group (`Leader.refuse`), saying why
+                    self.startup.put(wire.Refused(f"rank 0 failed: {payload.decode(errors='replace')}",
+                                                  permanent=bool(flags & wire.PERMANENT)))
+                    return
                 elif kind in (wire.STEP, wire.SHUTDOWN):
                     self.plans.put((kind, payload))
                     if kind == wire.SHUTDOWN:
+                        self.startup.put((kind, payload))  # rank 0 stopped before the group started
                         self._done = True
                         return
                 else:
-                    raise wire.ProtocolError(f"rank 0 sent {wire.KIND_NAMES[kind]} while serving")
+                    raise wire.ProtocolError(f"rank 0 sent {wire.KIND_NAMES[kind]}")
         except (OSError, wire.ProtocolError, ValueError) as e:
             if not self._done:
+                self._lost = True
                 self.on_lost(f"rank 0: {e}")
 
     def _watch(self) -> None:
         while not self._done:
             silent = time.monotonic() - self.last_heard
             if silent > self.timeout:
+                self._lost = True
                 self.on_lost(f"rank 0 has been silent for {silent:.0f} s (stopped, wedged or cut off)")
                 return
             time.sleep(0.5)

@@ -25,10 +25,19 @@ import mlx.core as mx
 import numpy as np
 
 from cluster import platform
+from cluster.exit_codes import exit_code, is_permanent
 from cluster.worker.config import EngineConfig
 from cluster.worker.group import wire
-from cluster.worker.group.channel import HEARTBEAT_S, Leader, StepFailed, Watchdog
+from cluster.worker.group.channel import (
+    EXIT_GROUP_LOST,
+    HEARTBEAT_S,
+    START_BACKSTOP_S,
+    Leader,
+    StepFailed,
+    Watchdog,
+)
 from cluster.worker.group.config import GroupOptions, Topology, parse_shares, require_join_token, topology
+from cluster.worker.group.deadline import exit_after
 from cluster.worker.group.memory import LeastKV, check_fit, draft_footprint, join_info, rank_parts
 from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
 from cluster.worker.group.progress import StepProgress
@@ -112,9 +121,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def init_ring(topo: Topology, backend: str = "ring"):
+def ring_timeout(options: GroupOptions) -> float:
+    """How long a rank's MLX init may take once every rank was told RING (each starts it at
+    once): `--group-timeout`, within the join timeout."""
+    return min(options.timeout, options.join_timeout)
+
+
+def init_ring(topo: Topology, backend: str = "ring", within: float | None = None):
     """MLX's group over the ranks (the variables mlx.launch would set): the ring backend
-    over the ranks' addresses, or jaccl over the RDMA devices mlx.launch names."""
+    over the ranks' addresses, or jaccl over the RDMA devices mlx.launch names. `within`:
+    past that many seconds the process exits 75 (`deadline.py`: MLX's init cannot be
+    interrupted, and waits for ever on a neighbour that died before connecting)."""
     if backend == "jaccl":
         missing = [v for v in ("MLX_IBV_DEVICES", "MLX_JACCL_COORDINATOR") if not os.environ.get(v)]
         if missing:
@@ -131,7 +148,7 @@ def init_ring(topo: Topology, backend: str = "ring"):
                 f.write(topo.ring_hostfile())
             os.environ["MLX_HOSTFILE"] = path
             os.environ["MLX_RANK"] = str(topo.rank)
-            return _init_mlx_group(topo, backend)
+            return _init_mlx_group(topo, backend, within)
         finally:
             if given is None:
                 os.environ.pop("MLX_HOSTFILE", None)
@@ -139,12 +156,16 @@ def init_ring(topo: Topology, backend: str = "ring"):
                 os.environ["MLX_HOSTFILE"] = given
             with contextlib.suppress(OSError):
                 os.unlink(path)
-    return _init_mlx_group(topo, backend)
+    return _init_mlx_group(topo, backend, within)
 
 
-def _init_mlx_group(topo: Topology, backend: str):
+def _init_mlx_group(topo: Topology, backend: str, within: float | None):
     try:
-        group = mx.distributed.init(backend=backend, strict=True)
+        if within is None:
+            group = mx.distributed.init(backend=backend, strict=True)
+        else:
+            with exit_after(within, EXIT_GROUP_LOST, f"forming MLX's {backend} group as rank {topo.rank}"):
+                group = mx.distributed.init(backend=backend, strict=True)
     except RuntimeError as e:  # a peer not there (gone, or not yet listening): starting again may find it
         raise ConnectionError(f"MLX's {backend} group did not form: {e}") from None
     if group.size() != topo.size or group.rank() != topo.rank:
@@ -355,8 +376,6 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
                       model_name: str | None = None):
     """Rank 0's engine for a group (see the module docstring). Blocks until every member
     has joined and loaded its part (or `options.join_timeout` passes)."""
-    from mlx_lm.utils import load_config, load_model, load_tokenizer
-
     options.validate()
     topo = topology(options)
     if topo.rank != 0:
@@ -364,11 +383,24 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     require_join_token(join_token)
     refuse_pooling(model_path, config)
     t0 = time.monotonic()
-    deadline = t0 + options.join_timeout
     leader = Leader(topo.control, topo.size, join_token, options.timeout,
                     handshake_timeout=options.handshake_timeout)
-    watchdog = Watchdog(leader.on_lost)
-    watchdog.arm(options.join_timeout + 60, "the group's start")
+    watchdog = Watchdog(leader.on_lost)  # a backstop for what has no deadline of its own (loading)
+    watchdog.arm(options.join_timeout + START_BACKSTOP_S, "the group's start")
+    try:
+        return _start_group(model_path, config, options, topo, leader, watchdog, t0, model_name)
+    except BaseException as e:  # the members are told (78 too where rank 0 exits 78); nothing of the start is left
+        watchdog.stop()
+        if not leader.lost:
+            leader.refuse(f"rank 0: {e}", permanent=is_permanent(exit_code(e)))
+        raise
+
+
+def _start_group(model_path: str, config: EngineConfig, options: GroupOptions, topo: Topology, leader: Leader,
+                 watchdog: Watchdog, t0: float, model_name: str | None):
+    from mlx_lm.utils import load_config, load_model, load_tokenizer
+
+    deadline = t0 + options.join_timeout
     log.info("group: rank 0 of %d (%s parallel), waiting for the members on %s:%d", topo.size, options.parallel,
              *leader.address)
     leader.admit(deadline)
@@ -392,8 +424,6 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
                   num_layers)
     except ValueError as e:  # a setting (or a draft model that is not there): no rank loads, none starts again
         log.error("group: %s", e)
-        watchdog.stop()
-        leader.refuse(f"rank 0: {e}", permanent=True)
         raise
     del lazy
     stages = assignment.stages
@@ -403,7 +433,7 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
     leader.broadcast(wire.ASSIGN, wire.dumps({"assignment": assignment.to_json(), "config": config_digest(model_path),
                                               "engine": engine_settings, "check_every": options.check_every}))
     leader.broadcast(wire.RING, wire.dumps({"ring": topo.ring_addresses()}))
-    ring = init_ring(topo, options.backend)
+    ring = init_ring(topo, options.backend, ring_timeout(options))
     log.info("group: MLX %s group of %d up (%s)", options.backend, topo.size,
              ", ".join(f"{h}:{p}" for h, p in topo.ring))
     stage = assignment.stage(0)

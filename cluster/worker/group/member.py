@@ -1,6 +1,9 @@
 """A group member (rank >= 1): joins rank 0, loads its part, then runs exactly the steps
 rank 0 plans, until rank 0 says stop (exit 0) or the group is lost (exit 75, so that
 whatever started the group starts it again). No scheduler, sampler or server here.
+Told to stop itself (SIGTERM: `orchard up` stopping, launchd booting its Mac out), a
+serving member asks rank 0 to drain and stop the whole group (STOP), and runs the steps
+of the drain until rank 0's SHUTDOWN.
 
 Each step: decode the plan against the mirrored block tables (`wire.PlanReader`), build
 the batch, and under pipeline parallelism wait for the previous stage's notice, receive
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from typing import NoReturn
 
@@ -31,9 +36,9 @@ from cluster.exit_codes import EXIT_PERMANENT, describe, exit_code, is_permanent
 from cluster.worker.config import EngineConfig
 from cluster.worker.faults import MemberFaults
 from cluster.worker.group import wire
-from cluster.worker.group.channel import EXIT_GROUP_LOST, Member, StepFailed, Watchdog
+from cluster.worker.group.channel import EXIT_GROUP_LOST, START_BACKSTOP_S, Member, StepFailed, Watchdog
 from cluster.worker.group.config import GroupOptions, require_join_token, topology
-from cluster.worker.group.leader import capacity, config_digest, init_ring
+from cluster.worker.group.leader import capacity, config_digest, init_ring, ring_timeout
 from cluster.worker.group.memory import join_info
 from cluster.worker.group.stage import Assignment, StageRunner, load_part, member_batch
 from cluster.worker.model_runner import text_args, weight_dtype
@@ -52,18 +57,22 @@ def member_process(model_path: str, options: GroupOptions, join_token: str,
     its exit code: a member that could not start, or whose group ended, is a process gone,
     which its launcher starts again unless the code says permanent (`cluster/exit_codes.py`),
     never one left alive doing nothing. (A Ray actor's thread ends with `end_actor`.)"""
-    code = run_member(model_path, options, join_token, config)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    code = run_member(model_path, options, join_token, config, stop=stop)
     logging.shutdown()
     os._exit(code)
 
 
 def run_member(model_path: str, options: GroupOptions, join_token: str, config: EngineConfig | None = None,
-               power: PowerNotifier | None = None) -> int:
+               power: PowerNotifier | None = None, stop: threading.Event | None = None) -> int:
     """The member's whole life; returns the process's exit code. `config`: this process's
     engine flags, of which a member takes its KV budget (`--kv-cache-memory-bytes`); rank
     0 sets the rest. `power`: the machine's power management (None: `system_power()`):
     the Mac is kept awake while the member holds its layers, and a sleep that comes anyway
-    has rank 0 drain the group first."""
+    has rank 0 drain the group first. `stop`: set when the process is told to stop
+    (`_stop_when_told`)."""
     try:
         options.validate()
         topo = topology(options)
@@ -79,10 +88,15 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
                     info={"host": socket.gethostname(), "pid": os.getpid(), "ring": topo.ring_addresses()[topo.rank],
                           **join_info(options.memory_budget, kv_budget)},
                     handshake_timeout=options.handshake_timeout)
-    watchdog = Watchdog(member.on_lost)
-    watchdog.arm(options.join_timeout + 60, "joining the group")
+    watchdog = Watchdog(member.on_lost)  # a backstop for what has no deadline of its own (loading)
+    watchdog.arm(options.join_timeout + START_BACKSTOP_S, "joining the group")
+    serving = threading.Event()
+    if stop is not None:
+        threading.Thread(target=_stop_when_told, args=(member, stop, serving, topo.rank), name="orchard-group-stop",
+                         daemon=True).start()
     try:
         member.join(deadline)
+        member.listen()  # rank 0 gone or silent from now on: noticed at once, wherever the start is
         log.info("group: rank %d joined rank 0 at %s:%d", topo.rank, *topo.control)
         assign = member.receive(wire.ASSIGN, deadline)
         if assign["config"] != config_digest(model_path):
@@ -90,7 +104,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
         assignment = Assignment.from_json(assign["assignment"])
         engine = assign["engine"]
         topo = topo.with_ring(member.receive(wire.RING, deadline)["ring"])  # every rank's, as rank 0 learnt them
-        ring = init_ring(topo, options.backend)
+        ring = init_ring(topo, options.backend, ring_timeout(options))
         stage = assignment.stage(topo.rank)
         model = load_part(model_path, assignment.parallel, stage, ring, engine["cpu_dequantize"],
                           assignment.num_layers)
@@ -116,7 +130,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
         member.close()
         return code
     watchdog.disarm()
-    member.serve()
+    serving.set()
     log.info("group rank %d serving layers %d-%d (%s parallel), %d KV blocks", topo.rank, stage.layers.start,
              stage.layers.stop - 1, assignment.parallel, runner.num_blocks)
     awake = StayAwake(power or system_power(), f"orchard group rank {topo.rank} holds layers {stage.layers.start}-"
@@ -134,6 +148,20 @@ def _drain_group(member: Member, seconds: float) -> None:
     silent for --group-timeout, and started again when the Mac is back."""
     if not member.sleeping(seconds + SLEEP_ANSWER_S):
         log.warning("group rank %d: rank 0 did not say the group was drained; sleeping anyway", member.rank)
+
+
+def _stop_when_told(member: Member, stop: threading.Event, serving: threading.Event, rank: int) -> None:
+    """Told to stop: a serving member asks rank 0 to drain and stop the group, and goes on
+    running steps until rank 0's SHUTDOWN (exit 0). Before the group serves (or with no
+    rank 0 to ask) there is nothing to drain: the process ends now, with 0; rank 0 notices
+    it gone (and admits it again if it comes back while the group forms)."""
+    stop.wait()
+    if serving.is_set() and member.ask_to_stop("told to stop (SIGTERM)"):
+        log.info("group rank %d: told to stop: rank 0 drains and stops the group", rank)
+        return
+    log.info("group rank %d: told to stop before the group serves: exiting", rank)
+    logging.shutdown()
+    os._exit(0)
 
 
 def _serve(member: Member, runner: StageRunner, ring, assignment: Assignment, rank: int, options: GroupOptions,

@@ -61,11 +61,14 @@ MAX_NONCE = 256
 # SLEEP (member -> rank 0): the member's Mac is about to sleep (payload SLEEPING: rank 0
 # drains the group and answers SLEEP once it has) or is awake again (AWAKE: it takes
 # requests again).
+# STOP (member -> rank 0): the member was told to stop (SIGTERM); rank 0 drains, then sends
+# every rank SHUTDOWN. Its payload: why, as text.
 (HELLO, CHALLENGE, AUTH, WELCOME, ASSIGN, LOADED, START, STEP, READY, ACK, PING, PONG, SHUTDOWN, ERROR, RING,
- FAILED, SLEEP) = range(1, 18)
+ FAILED, SLEEP, STOP) = range(1, 19)
 KIND_NAMES = {v: k for k, v in dict(HELLO=HELLO, CHALLENGE=CHALLENGE, AUTH=AUTH, WELCOME=WELCOME, ASSIGN=ASSIGN,
                                     LOADED=LOADED, START=START, STEP=STEP, READY=READY, ACK=ACK, PING=PING, PONG=PONG,
-                                    SHUTDOWN=SHUTDOWN, ERROR=ERROR, RING=RING, FAILED=FAILED, SLEEP=SLEEP).items()}
+                                    SHUTDOWN=SHUTDOWN, ERROR=ERROR, RING=RING, FAILED=FAILED, SLEEP=SLEEP,
+                                    STOP=STOP).items()}
 SLEEPING, AWAKE = b"\x01", b"\x00"  # SLEEP's payloads
 
 STEP_HEAD = struct.Struct("<QIiiiiI")  # step id, flags, T, S, D (delta ints), R (drops), checksum
