@@ -650,6 +650,10 @@ class Member:
         threading.Thread(target=self._read, name="orchard-group-reader", daemon=True).start()
         threading.Thread(target=self._watch, name="orchard-group-watch", daemon=True).start()
 
+    def serve(self) -> None:
+        """`listen`, for a member that read nothing while it started (as tests' members do)."""
+        self.listen()
+
     def _read(self) -> None:
         try:
             while True:
