@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.formats.deepseek import MARKERS as _DS
+
 
 @dataclass(frozen=True)
 class ChatFormat:
@@ -213,11 +215,6 @@ PHI3 = ChatFormat(
     ))
 
 # DeepSeek-V3: <｜User｜> / <｜Assistant｜>; tool calls and outputs between their own markers
-_DS = {k: "<\uff5c" + v.replace(" ", "\u2581") + "\uff5c>" for k, v in dict(
-    bos="begin of sentence", eos="end of sentence", user="User", assistant="Assistant",
-    calls="tool calls begin", calls_end="tool calls end", call="tool call begin", call_end="tool call end",
-    sep="tool sep", outputs="tool outputs begin", outputs_end="tool outputs end", output="tool output begin",
-    output_end="tool output end").items()}
 DEEPSEEK = ChatFormat(
     control=(_DS["bos"], _DS["eos"], _DS["user"], _DS["assistant"]),
     markers=tuple(_DS[k] for k in ("calls", "calls_end", "call", "call_end", "sep", "outputs", "outputs_end",

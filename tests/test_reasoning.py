@@ -17,11 +17,20 @@ import json
 
 import pytest
 
-from cluster.api.reasoning import (GRANITE, HARMONY, HARMONY_TOKENS, MAGISTRAL, THINK_TAGS, ThinkingSpec,
-                                   ThinkingTracker, make_splitter, prompt_state, reasoning_format)
-from cluster.api.tools import (DEEPSEEK_CALLS, GRANITE_CALLS, HARMONY_CALLS, KIMI_CALLS, LLAMA3_CALLS, MISTRAL_CALLS,
-                               MISTRAL_V3_CALLS, NEMOTRON_CALLS, Thought, call_format, parse_json_object)
 from cluster.api.tools import template_messages
+from cluster.formats.base import Thought
+from cluster.formats.calls import parse_json_object
+from cluster.formats.deepseek import DEEPSEEK_CALLS
+from cluster.formats.granite import GRANITE, GRANITE_CALLS
+from cluster.formats.harmony import HARMONY, HARMONY_CALLS, HARMONY_TOKENS
+from cluster.formats.kimi import KIMI_CALLS
+from cluster.formats.llama3 import LLAMA3_CALLS
+from cluster.formats.mistral import MAGISTRAL, MISTRAL_CALLS, MISTRAL_V3_CALLS
+from cluster.formats.nemotron import NEMOTRON_CALLS
+from cluster.formats.registry import call_format, reasoning_format
+from cluster.formats.split import make_splitter
+from cluster.formats.think import THINK_TAGS
+from cluster.formats.thinking import ThinkingSpec, ThinkingTracker, prompt_state
 from cluster.api.wire import build_request
 from cluster.chat_formats import REAL_FORMAT_ARCH, REAL_FORMATS
 from scripted_engine import ScriptedEngine, ScriptedServer

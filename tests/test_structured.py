@@ -12,11 +12,12 @@ import jsonschema
 import numpy as np
 import pytest
 
+from cluster.formats.grammar import closed_objects
 from cluster.modelgen import create_model
 from cluster.worker.config import EngineConfig
 from cluster.worker.engine import Engine
 from cluster.worker.sampling_params import SamplingParams, StructuredOutput
-from cluster.worker.structured import GrammarCompiler, InvalidGrammar, closed_objects, tool_call_constraint
+from cluster.worker.structured import GrammarCompiler, InvalidGrammar, tool_call_constraint
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},

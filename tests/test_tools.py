@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from cluster.api.tools import ToolCallStream
+from cluster.formats.calls import ToolCallStream
 from scripted_engine import ScriptedEngine, ScriptedServer
 
 WEATHER = {"type": "function", "function": {

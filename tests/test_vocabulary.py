@@ -18,7 +18,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from cluster.api.reasoning import ThinkingGrammar
+from cluster.formats.thinking import ThinkingGrammar
 from cluster.modelgen import create_model, synthetic_corpus
 from cluster.worker.config import EngineConfig
 from cluster.worker.engine import Engine

@@ -18,7 +18,7 @@ import numpy as np
 
 from cluster import platform
 from cluster.api.buckets import KV_USAGE_BUCKETS
-from cluster.api.reasoning import ThinkingTracker
+from cluster.formats.thinking import ThinkingTracker
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
 from cluster.worker.detokenizer import IncrementalDetokenizer

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from cluster.api.constraints import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY, MAX_REPETITION_PENALTY
-from cluster.api.reasoning import ThinkingSpec
+from cluster.formats.thinking import ThinkingSpec
 from cluster.worker.pooling import PoolingParams
 
 # "llguidance": a grammar already in llguidance's JSON form (the worker composes one: a

@@ -45,7 +45,7 @@ class Sequence:
     num_forwarded_tokens: int = 0  # all tokens ever forwarded (recompute included)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     matcher: object | None = None  # llguidance's LLMatcher over the output, for a structured output
-    thinking: object | None = None  # cluster.api.reasoning.ThinkingTracker, for a thinking budget
+    thinking: object | None = None  # cluster.formats.thinking.ThinkingTracker, for a thinking budget
     forced: list[int] = field(default_factory=list)  # tokens the next steps must produce (a spent thinking budget)
     # n > 1: the request this sample belongs to and its index there (`request_id` is then
     # unique per sample: the request's own id for index 0)

@@ -29,12 +29,14 @@ from cluster.api.errors import AlreadyExists, BadField, InternalError, InvalidRe
 from cluster.api.limits import quoted
 from cluster.api.pooling import (EMBED, GENERATE, SCORE, refuse_task, score_pairs, validate_embed_request,
                                  validate_score_request)
-from cluster.api.reasoning import (OutputSplitter, ReasoningFormat, ThinkingGrammar, ThinkingSpec, ThinkingTracker,
-                                   make_splitter, prompt_state, reasoning_format)
-from cluster.api.tools import CallFormat, call_format, parse_tools, split_chunk, template_messages, tool_choice_mode
+from cluster.api.tools import parse_tools, split_chunk, template_messages, tool_choice_mode
 from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, SPECULATIVE, RequestLimits, check_fits,
                               features_asked, max_tokens, prompt_chars, refuse_features, template_kwargs,
                               validate_request)
+from cluster.formats.calls import CallFormat
+from cluster.formats.registry import call_format, reasoning_format
+from cluster.formats.split import OutputSplitter, make_splitter
+from cluster.formats.thinking import ReasoningFormat, ThinkingGrammar, ThinkingSpec, ThinkingTracker, prompt_state
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.worker.chat_render import (PROBE_MESSAGES, ChatTemplateLimits, RenderPool, TemplateTypeError,
                                         jinja_tokenizer, render_call)

@@ -33,8 +33,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from cluster.api.reasoning import ThinkingGrammar
-from cluster.api.tools import DEEPSEEK_MARKERS
+from cluster.formats.calls import CallGrammar
+from cluster.formats.grammar import JSON_OPTIONS, call_schema
+from cluster.formats.thinking import ThinkingGrammar
 from cluster.worker.sampling_params import StructuredOutput
 from cluster.worker.vocabulary import lltokenizer
 
@@ -47,9 +48,6 @@ _COSTLY_ENTRIES = 4
 # one regex take a second and tens of MB; 400,000 still compiles an enum of 20,000 strings).
 _LEXER_FUEL = 400_000
 _PROBE_TOKENS = 256  # forced tokens a new grammar's first walk follows at most
-# OpenAI's layout, {"a": 1, "b": [2, 3]}, and no other whitespace: a model (a random one
-# above all) given free whitespace can spend its whole budget on it.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class InvalidGrammar(ValueError):
@@ -286,63 +284,11 @@ def fill_bitmasks(matchers: Sequence[Any], vocab_size: int, drafts: Sequence[Seq
 
 
 # -- tool calls ---------------------------------------------------------------------------
-def closed_objects(schema):
-    """`schema` with `additionalProperties: false` wherever an object lists its properties
-    and says nothing about others (xgrammar's strict mode, vLLM's default for tool calls):
-    arguments hold the declared parameters only, instead of whatever keys a model invents."""
-    if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed_objects(v) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
-    for key in _SCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            out[key] = {name: closed_objects(sub) for name, sub in schema[key].items()}
-    if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
-        out["additionalProperties"] = False
-    return out
-
-
-_SUBSCHEMA_KEYS = frozenset({"items", "prefixItems", "anyOf", "allOf", "oneOf", "not", "if", "then", "else",
-                             "additionalProperties", "contains", "propertyNames", "unevaluatedItems",
-                             "unevaluatedProperties"})
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-
-
-def rebased(schema, root: str):
-    """`schema` with each local `$ref` ("#", "#/$defs/Loc", ...) pointing at the same place
-    once the schema itself sits at `root` ("#/$defs/args_0") inside a larger one; None when
-    it has no local reference (it can be embedded as it is)."""
-    found = False
-
-    def walk(node):
-        nonlocal found
-        if isinstance(node, list):
-            return [walk(x) for x in node]
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for key, value in node.items():
-            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
-                found = True
-                out[key] = root + value[1:]
-            elif key in _SUBSCHEMA_KEYS:
-                out[key] = walk(value)
-            elif key in _SCHEMA_MAPS and isinstance(value, dict):
-                out[key] = {name: walk(sub) for name, sub in value.items()}
-            else:
-                out[key] = value
-        return out
-
-    out = walk(schema)
-    return out if found else None
-
-
 def tool_call_constraint(tools: Sequence[dict], tool_choice: str | dict = "required",
                          family_format: tuple[str, str] | None = None) -> StructuredOutput:
     """A constraint that forces one tool call as JSON, {"name": ..., "arguments": {...}},
     the arguments following the function's `parameters` schema (its objects closed to
-    undeclared keys: `closed_objects`; a schema with local references, such as pydantic's
+    undeclared keys: cluster/formats/grammar.py's `closed_objects`; a schema with local references, such as pydantic's
     `$defs` and "#/$defs/Loc", moved under the wrapper's `$defs` with them rebased): any of
     `tools` for
     `tool_choice="required"`, or the named one (`"name"`, or OpenAI's
@@ -354,7 +300,7 @@ def tool_call_constraint(tools: Sequence[dict], tool_choice: str | dict = "requi
     tokens (Hermes/Qwen, see `cluster/worker/vocabulary.py`); a marker that is a special token
     would need llguidance's token syntax instead (`call_constraint` writes it so)."""
     chosen = _chosen(tools, tool_choice)
-    schema = _call_schema(chosen)
+    schema = call_schema(chosen)
     if family_format is None:
         return StructuredOutput("json_schema", json.dumps(schema))
     schema["x-guidance"] = JSON_OPTIONS  # a Lark %json block takes its options from the schema
@@ -377,79 +323,14 @@ def _chosen(tools: Sequence[dict], tool_choice: str | dict) -> list[dict]:
     return chosen
 
 
-def _call_schema(chosen: list[dict], args_key: str = "arguments") -> dict:
-    """{"name": ..., args_key: {...}} for any of the `chosen` functions, each one's arguments
-    following its parameters schema (closed to undeclared keys; one with local references,
-    such as pydantic's `$defs` and "#/$defs/Loc", moved under the wrapper's `$defs` with
-    them rebased)."""
-    variants, defs = [], {}
-    for i, f in enumerate(chosen):
-        arguments = _arguments(f)
-        moved = rebased(arguments, f"#/$defs/arguments_{i}")
-        if moved is not None:  # its references ("#/$defs/Loc", "#") are to its own root: keep it one
-            defs[f"arguments_{i}"] = moved
-            arguments = {"$ref": f"#/$defs/arguments_{i}"}
-        variants.append({"type": "object", "properties": {"name": {"const": f["name"]}, args_key: arguments},
-                         "required": ["name", args_key], "additionalProperties": False})
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    if defs:
-        schema["$defs"] = defs
-    return schema
-
-
-def _json(schema: dict) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
-
-
-def _arguments(f: dict) -> dict:
-    return closed_objects(f.get("parameters") or {"type": "object", "properties": {}})
-
-
-def call_constraint(kind: str, tools: Sequence[dict], tool_choice: str | dict, atom: Callable[[str], str],
+def call_constraint(grammar: CallGrammar, tools: Sequence[dict], tool_choice: str | dict, atom: Callable[[str], str],
                     start: str = "", end: str = "") -> StructuredOutput:
-    """One tool call in a family's own format (`CallFormat.grammar`: "json_markers" between
-    `start` and `end`, "mistral_v11", "mistral_v3", "llama3", "harmony", "kimi", "deepseek",
-    "granite", "nemotron"), to any of `tools` (tool_choice "required") or the named one, its
-    arguments following the function's schema (closed to undeclared keys). `atom(text)`
-    is how the grammar names a marker: <[id]> for a special token, the quoted text for one
-    that decodes as text."""
-    chosen = _chosen(tools, tool_choice)
-
-    def named(args_key: str) -> str:
-        return _json(_call_schema(chosen, args_key))
-
-    def each(rule: Callable[[int, dict], str]) -> str:
-        return "fn: " + " | ".join(f"f{i}" for i in range(len(chosen))) + "\n" + "".join(
-            f"f{i}: {rule(i, f)}\n" for i, f in enumerate(chosen))
-
-    q = json.dumps
-    if kind == "json_markers":
-        lark = f'start: {atom(start)} "\\n" call "\\n" {atom(end)}\ncall: {named("arguments")}\n'
-    elif kind in ("granite", "mistral_v3"):
-        lark = f'start: {atom(start)} "[" call "]"\ncall: {named("arguments")}\n'
-    elif kind == "nemotron":
-        lark = f'start: {atom(start)} "[" call "]" {atom(end)}\ncall: {named("arguments")}\n'
-    elif kind == "llama3":
-        lark = f'start: call\ncall: {named("parameters")}\n'
-    elif kind == "mistral_v11":
-        lark = f'start: {atom("[TOOL_CALLS]")} fn\n' + each(
-            lambda i, f: f'{q(f["name"])} {atom("[ARGS]")} {_json(_arguments(f))}')
-    elif kind == "harmony":
-        lark = "start: fn\n" + each(lambda i, f: f'{atom("<|channel|>")} {q("commentary to=functions." + f["name"] + " ")} '
-                                                 f'{atom("<|constrain|>")} "json" {atom("<|message|>")} '
-                                                 f'{_json(_arguments(f))}')
-    elif kind == "kimi":
-        lark = f'start: {atom("<|tool_calls_section_begin|>")} fn {atom("<|tool_calls_section_end|>")}\n' + each(
-            lambda i, f: f'{atom("<|tool_call_begin|>")} {q("functions." + f["name"] + ":0")} '
-                         f'{atom("<|tool_call_argument_begin|>")} {_json(_arguments(f))} {atom("<|tool_call_end|>")}')
-    elif kind == "deepseek":
-        calls, calls_end, call, sep, call_end = (DEEPSEEK_MARKERS[k]
-                                                 for k in ("calls", "calls_end", "call", "sep", "call_end"))
-        lark = f"start: {atom(calls)} fn {atom(calls_end)}\n" + each(
-            lambda i, f: f"{atom(call)} {q(f['name'])} {atom(sep)} {_json(_arguments(f))} {atom(call_end)}")
-    else:
-        raise InvalidGrammar(f"no grammar for tool calls of the {kind!r} format")
-    return StructuredOutput("grammar", lark)
+    """One tool call in a family's own format (`grammar`: its `CallFormat.grammar`, given
+    the format's `start` and `end` markers; cluster/formats/), to any of `tools`
+    (tool_choice "required") or the named one, its arguments following the function's
+    schema (closed to undeclared keys). `atom(text)` is how the grammar names a marker:
+    <[id]> for a special token, the quoted text for one that decodes as text."""
+    return StructuredOutput("grammar", grammar(_chosen(tools, tool_choice), atom, start, end))
 
 
 def with_thinking(spec: StructuredOutput, thinking: ThinkingGrammar | None, answer_prefix: str = "") -> StructuredOutput:
