@@ -2,7 +2,7 @@
 
 Writes a normal mlx-lm model directory (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json) with a byte-level BPE tokenizer trained here on a synthetic
-corpus, carrying the family's chat template and special tokens (cluster/chat_formats.py). Fully offline and deterministic for a seed. Everything else in Orchard loads it
+corpus, carrying the family's chat template and special tokens (cluster/formats/). Fully offline and deterministic for a seed. Everything else in Orchard loads it
 with `mlx_lm.utils.load`, the path a real model takes on a Mac.
 
 Weights are scaled so the logits are well spread (std of a few units): greedy decoding
@@ -17,10 +17,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.chat_formats import (CHATML, COHERE, DEEPSEEK, ERNIE, EXAONE, GEMMA, GEMMA4, GLM4, GRANITE,
-                                  HARMONY, LFM2, LLAMA3, MISTRAL, NEMOTRON, PHI3, REAL_FORMAT_ARCH, REAL_FORMATS,
-                                  STARCODER2, TULU, ChatFormat)
 from cluster.config import setting
+from cluster.formats.chat import ChatFormat
+from cluster.formats.hermes import CHATML
+from cluster.formats.registry import CHAT_FORMAT, REAL_FORMAT_ARCH, REAL_FORMATS
 
 ARCHS = ("qwen3", "llama", "qwen2", "gemma3_text", "ministral3", "gemma2", "gpt_oss", "olmo3", "cohere2",
          "gemma4_text", "deepseek_v3",
@@ -67,14 +67,6 @@ class ModelSpec:
                         choices=("",) + tuple(REAL_FORMATS))
 
 
-# each family's chat format (cluster/chat_formats.py): ChatML unless the family has its own
-CHAT_FORMAT = {
-    "llama": LLAMA3, "gemma3_text": GEMMA, "gemma2": GEMMA, "gemma4_text": GEMMA4, "ministral3": MISTRAL,
-    "mistral": MISTRAL, "mixtral": MISTRAL, "gpt_oss": HARMONY, "cohere2": COHERE, "deepseek_v3": DEEPSEEK,
-    "phi3": PHI3, "starcoder2": STARCODER2, "olmo2": TULU, "olmoe": TULU, "granite": GRANITE,
-    "granitemoehybrid": GRANITE, "exaone4": EXAONE, "glm4": GLM4, "ernie4_5": ERNIE, "nemotron_h": NEMOTRON,
-    "lfm2": LFM2,
-}
 
 _GEOMETRY = {
     # tiny: well under 1M parameters, for tests. head_dim 64 as real models have.

@@ -10,7 +10,7 @@ Microseconds from a chat's messages to its prompt token ids, one chat at a time:
               thread pool, as `WorkerService` does)
 The two alternate round by round, so drift hits both alike; the texts and token ids are
 checked equal. The model: --model (its tokenizer and template), else a tiny qwen3 made
-here; --template NAME: one of cluster/chat_templates/ instead of the model's.
+here; --template NAME: one of cluster/formats/chat_templates/ instead of the model's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cluster import platform  # noqa: E402
 
 platform.preload_blas()  # before MLX is imported
-from cluster.chat_formats import template_text  # noqa: E402
+from cluster.formats.chat import template_text  # noqa: E402
 from cluster.worker.chat_render import ChatTemplateLimits, RenderPool, render_call  # noqa: E402
 from cluster.worker.service import INLINE_TOKENIZE_CHARS  # noqa: E402
 
@@ -94,7 +94,7 @@ async def bench(tokenizer, messages: list[dict], tools, rounds: int) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a model directory (default: a tiny qwen3 made here)")
-    ap.add_argument("--template", help="one of cluster/chat_templates/ (without .jinja) instead of the model's")
+    ap.add_argument("--template", help="one of cluster/formats/chat_templates/ (without .jinja) instead of the model's")
     ap.add_argument("--turns", type=int, default=4, help="user / assistant turns before the last question")
     ap.add_argument("--tools", action="store_true", help="pass a tool")
     ap.add_argument("--rounds", type=int, default=300)

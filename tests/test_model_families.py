@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load
 
-from cluster.modelgen import ARCHS, CHAT_FORMAT, create_model, num_parameters
-from cluster.chat_formats import CHATML, GENERATION_PROMPT, FORMATS
+from cluster.formats.hermes import CHATML
+from cluster.formats.registry import CHAT_FORMAT, FORMATS, GENERATION_PROMPT
+from cluster.modelgen import ARCHS, create_model, num_parameters
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object",

@@ -27,12 +27,11 @@ from cluster.formats.kimi import KIMI_CALLS
 from cluster.formats.llama3 import LLAMA3_CALLS
 from cluster.formats.mistral import MAGISTRAL, MISTRAL_CALLS, MISTRAL_V3_CALLS
 from cluster.formats.nemotron import NEMOTRON_CALLS
-from cluster.formats.registry import call_format, reasoning_format
+from cluster.formats.registry import REAL_FORMAT_ARCH, REAL_FORMATS, call_format, reasoning_format
 from cluster.formats.split import make_splitter
 from cluster.formats.think import THINK_TAGS
 from cluster.formats.thinking import ThinkingSpec, ThinkingTracker, prompt_state
 from cluster.api.wire import build_request
-from cluster.chat_formats import REAL_FORMAT_ARCH, REAL_FORMATS
 from scripted_engine import ScriptedEngine, ScriptedServer
 
 WEATHER = {"type": "function", "function": {

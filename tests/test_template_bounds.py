@@ -23,7 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.api.errors import InvalidRequest
-from cluster.chat_formats import template_text
+from cluster.formats.chat import template_text
 from cluster.platform import resident_bytes
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router.admin import format_workers
@@ -385,7 +385,7 @@ def tokenizer(tiny_model_dir):
     return load(tiny_model_dir)
 
 
-TEMPLATES = sorted(p.stem for p in (Path(__file__).parents[1] / "cluster" / "chat_templates").glob("*.jinja"))
+TEMPLATES = sorted(p.stem for p in (Path(__file__).parents[1] / "cluster" / "formats" / "chat_templates").glob("*.jinja"))
 
 
 def test_renders_are_transformers_own_byte_for_byte(tokenizer):

@@ -10,9 +10,13 @@ Contract
   mlx-lm parses, ...), exporting `FAMILY`: a `Family` (family.py) whose `calls(template,
   vocab, mlx_lm)` and `reasoning(template, vocab)` say whether a model is of it, and return
   its `CallFormat` (calls.py) and `ReasoningFormat` (thinking.py).
+  The module also holds the family's chat formats for `orchard model create` (`ChatFormat`,
+  chat.py; plain.py for families with nothing else here) and its `REAL_FORMATS`, the real
+  templates in chat_templates/.
 - `registry.FAMILIES` is the one table: `registry.call_format` and
   `registry.reasoning_format` ask its rows in order. Adding a family is one module and one
-  row.
+  row (tests/test_formats.py adds a made-up one). The registry also maps model types and
+  names to the chat formats `orchard model create` writes.
 - The generic machinery reads only those records: `ToolCallStream` (calls.py) cuts calls out
   of the output, `ThinkStream` (thinking.py) the thinking, `make_splitter` (split.py) runs
   both; a family with a stream of its own (harmony) names it in its `ReasoningFormat`.

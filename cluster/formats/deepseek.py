@@ -10,8 +10,10 @@ from typing import Any, Callable, Mapping
 
 from cluster.formats.base import MlxLmCalls
 from cluster.formats.calls import CallFormat, json_object
+from cluster.formats.chat import TOOLS_JSON, TOOL_CALL_ARGS, TOOL_CALL_NAME, ChatFormat, join, template_text
 from cluster.formats.family import Family
 from cluster.formats.grammar import arguments_schema, each_function, json_rule
+from cluster.formats.think import THINK_TOKENS
 
 MARKERS = {k: "<\uff5c" + v.replace(" ", "\u2581") + "\uff5c>" for k, v in dict(
     bos="begin of sentence", eos="end of sentence", user="User", assistant="Assistant",
@@ -56,3 +58,45 @@ def call_format(template: str, vocab: Mapping[str, int], mlx_lm: MlxLmCalls | No
 
 
 FAMILY = Family("deepseek", calls=call_format)
+
+
+# -- its chat format (`orchard model create`) -------------------------------------------------
+# the markers of tool calls and tool outputs
+_SECTIONS = tuple(MARKERS[k] for k in ("calls", "calls_end", "call", "call_end", "sep", "outputs", "outputs_end",
+                                       "output", "output_end"))
+
+# DeepSeek-V3: <｜User｜> / <｜Assistant｜>; tool calls and outputs between their own markers
+DEEPSEEK = ChatFormat(
+    control=(MARKERS["bos"], MARKERS["eos"], MARKERS["user"], MARKERS["assistant"]), markers=_SECTIONS,
+    eos=MARKERS["eos"], bos=MARKERS["bos"], pad=MARKERS["eos"], tools=True, call_marker=MARKERS["calls"],
+    template=join(
+        "{{ bos_token }}",
+        "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{%- endif %}",
+        "{%- if tools %}{{ '\\n\\n## Tools\\nYou have access to these tools:' }}", TOOLS_JSON, "{%- endif %}",
+        "{%- for message in messages %}",
+        "{%- if message['role'] == 'user' %}{{ '" + MARKERS["user"] + "' + message['content'] }}",
+        "{%- elif message['role'] == 'tool' %}",
+        "{{ '" + MARKERS["outputs"] + MARKERS["output"] + "' + message['content'] + '" + MARKERS["output_end"]
+        + MARKERS["outputs_end"] + "' }}",
+        "{%- elif message['role'] == 'assistant' %}{{ '" + MARKERS["assistant"] + "' + (message['content'] or '') }}",
+        "{%- if message.tool_calls %}{{ '" + MARKERS["calls"] + "' }}{%- for tc in message.tool_calls %}",
+        TOOL_CALL_NAME,
+        "{{ '" + MARKERS["call"] + "function" + MARKERS["sep"] + "' + tool_call.name + '\\n```json\\n' + ",
+        TOOL_CALL_ARGS,
+        " + '\\n```" + MARKERS["call_end"] + "' }}{%- endfor %}{{ '" + MARKERS["calls_end"] + "' }}{%- endif %}",
+        "{{ '" + MARKERS["eos"] + "' }}{%- endif %}{%- endfor %}",
+        "{%- if add_generation_prompt %}{{ '" + MARKERS["assistant"] + "' }}{%- endif %}",
+    ))
+
+# the real tokenizers have the section markers special, and <think> tags
+_REAL = dict(control=DEEPSEEK.control + _SECTIONS, markers=THINK_TOKENS, eos=MARKERS["eos"], bos=MARKERS["bos"],
+             pad=MARKERS["eos"], tools=True, call_marker=MARKERS["calls"])
+
+# `orchard model create --chat NAME`: the real chat templates (chat_templates/) and their tokens
+REAL_FORMATS = {
+    # DeepSeek-R1 (the distills' template): <think> opened in the prompt
+    "deepseek-r1": ChatFormat(template=template_text("deepseek-r1"), **_REAL),
+    # DeepSeek-V3.1: `thinking` opens <think> in the prompt (else </think> closes it); calls
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>...
+    "deepseek-v3.1": ChatFormat(template=template_text("deepseek-v3.1"), **_REAL),
+}

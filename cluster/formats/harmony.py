@@ -10,6 +10,7 @@ from typing import Callable, Mapping
 
 from cluster.formats.base import MlxLmCalls, Thought, partial_suffix
 from cluster.formats.calls import CallFormat, parse_json_object
+from cluster.formats.chat import TOOL_CALL_ARGS, TOOL_CALL_NAME, ChatFormat, join, template_text
 from cluster.formats.family import Family
 from cluster.formats.grammar import arguments_schema, each_function, json_rule
 from cluster.formats.thinking import ReasoningFormat
@@ -141,3 +142,49 @@ def reasoning_format(template: str, vocab: Mapping[str, int]) -> ReasoningFormat
 
 
 FAMILY = Family("harmony", calls=call_format, reasoning=reasoning_format)
+
+
+# -- its chat format (`orchard model create`) -------------------------------------------------
+# gpt-oss harmony: <|start|>role<|channel|>...<|message|>...<|end|>; tools in the developer turn,
+# calls on the commentary channel to=functions.NAME, ending <|call|>; a final answer ends <|return|>
+HARMONY_CHAT = ChatFormat(
+    control=("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+             "<|constrain|>", "<|return|>", "<|call|>"),
+    eos="<|return|>", stop=("<|call|>", "<|endoftext|>"), pad="<|endoftext|>", tools=True,
+    call_marker="<|channel|>commentary to=functions.",
+    template=join(
+        "{{ '<|start|>system<|message|>You are a helpful assistant.\\n\\nReasoning: medium\\n\\n"
+        "# Valid channels: analysis, commentary, final. Channel must be included for every message.' }}",
+        "{%- if tools %}{{ '\\nCalls to these tools must go to the commentary channel: \\'functions\\'.' }}"
+        "{%- endif %}{{ '<|end|>' }}",
+        "{%- if tools or messages[0]['role'] == 'system' %}{{ '<|start|>developer<|message|>' }}",
+        "{%- if messages[0]['role'] == 'system' %}{{ '# Instructions\\n\\n' + messages[0]['content'] + '\\n\\n' }}",
+        "{%- endif %}{%- if tools %}{{ '# Tools\\n\\n## functions\\n\\nnamespace functions {\\n' }}",
+        "{%- for tool in tools %}{%- set f = tool.function if tool.function is defined else tool %}",
+        "{{ '\\n// ' + (f.description or '') + '\\ntype ' + f.name + ' = (_: ' + (f.parameters | tojson)"
+        " + ') => any;\\n' }}{%- endfor %}{{ '\\n} // namespace functions' }}{%- endif %}{{ '<|end|>' }}",
+        "{%- endif %}",
+        "{%- for message in messages %}",
+        "{%- if message['role'] == 'system' and loop.first %}",
+        "{%- elif message['role'] == 'tool' %}{{ '<|start|>functions.' + (message.name or 'tool')"
+        " + ' to=assistant<|channel|>commentary<|message|>' + message['content'] + '<|end|>' }}",
+        "{%- elif message['role'] == 'assistant' and message.tool_calls %}",
+        "{%- for tc in message.tool_calls %}", TOOL_CALL_NAME,
+        "{{ '<|start|>assistant<|channel|>commentary to=functions.' + tool_call.name"
+        " + ' <|constrain|>json<|message|>' + ", TOOL_CALL_ARGS, " + '<|call|>' }}{%- endfor %}",
+        "{%- elif message['role'] == 'assistant' %}",
+        "{{ '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}",
+        "{%- else %}{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}",
+        "{%- endif %}{%- endfor %}",
+        "{%- if add_generation_prompt %}{{ '<|start|>assistant' }}{%- endif %}",
+    ))
+
+# `orchard model create --chat NAME`: the real chat templates (chat_templates/) and their tokens
+REAL_FORMATS = {
+    # gpt-oss: harmony channels (analysis = thinking, final = answer, commentary to=functions.NAME = a call)
+    "gpt-oss": ChatFormat(
+        control=("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                 "<|constrain|>", "<|return|>", "<|call|>"),
+        eos="<|return|>", stop=("<|call|>", "<|endoftext|>"), pad="<|endoftext|>", tools=True,
+        call_marker="to=functions.", template=template_text("gpt-oss")),
+}

@@ -10,8 +10,10 @@ from typing import Any, Callable, Mapping
 
 from cluster.formats.base import MlxLmCalls
 from cluster.formats.calls import CallFormat, json_object
+from cluster.formats.chat import ChatFormat, template_text
 from cluster.formats.family import Family
 from cluster.formats.grammar import arguments_schema, each_function, json_rule
+from cluster.formats.think import THINK_TOKENS
 
 _KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.-]+?)(?::\d+)?\s*"
                         r"<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.DOTALL)
@@ -42,3 +44,20 @@ def call_format(template: str, vocab: Mapping[str, int], mlx_lm: MlxLmCalls | No
 
 
 FAMILY = Family("kimi", calls=call_format)
+
+
+# -- its chat format (`orchard model create`) -------------------------------------------------
+_KIMI = ("[BOS]", "[EOS]", "[PAD]", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>",
+         "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+         "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|media_start|>", "<|media_content|>", "<|media_pad|>",
+         "<|media_end|>")
+
+# `orchard model create --chat NAME`: the real chat templates (chat_templates/) and their tokens
+REAL_FORMATS = {
+    # Kimi K2 (Instruct and Thinking): call sections of special tokens; Thinking's <think> too
+    "kimi-k2": ChatFormat(control=_KIMI, eos="<|im_end|>", stop=("[EOS]",), bos="[BOS]", pad="[PAD]", tools=True,
+                          call_marker="<|tool_calls_section_begin|>", template=template_text("kimi-k2")),
+    "kimi-k2-thinking": ChatFormat(control=_KIMI + THINK_TOKENS, eos="<|im_end|>", stop=("[EOS]",), bos="[BOS]",
+                                   pad="[PAD]", tools=True, call_marker="<|tool_calls_section_begin|>",
+                                   template=template_text("kimi-k2-thinking")),
+}

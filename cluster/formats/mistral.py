@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping
 
 from cluster.formats.base import MlxLmCalls
 from cluster.formats.calls import CallFormat, json_object, parse_json_calls
+from cluster.formats.chat import TOOL_CALL_ARGS, TOOL_CALL_NAME, ChatFormat, join, template_text
 from cluster.formats.family import Family
 from cluster.formats.grammar import arguments_schema, each_function, json_list, json_rule
 from cluster.formats.thinking import ReasoningFormat
@@ -69,3 +70,47 @@ def reasoning_format(template: str, vocab: Mapping[str, int]) -> ReasoningFormat
 
 
 FAMILY = Family("mistral", calls=call_format, reasoning=reasoning_format)
+
+
+# -- its chat format (`orchard model create`) -------------------------------------------------
+# Mistral: [INST] ... [/INST]; tools in [AVAILABLE_TOOLS] before the last user turn, calls after [TOOL_CALLS]
+MISTRAL = ChatFormat(
+    control=("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+             "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"),
+    markers=("[TOOL_CALLS]",), eos="</s>", bos="<s>", pad="<unk>", tools=True, call_marker="[TOOL_CALLS]",
+    template=join(
+        "{{ bos_token }}",
+        "{%- if messages[0]['role'] == 'system' %}{{ '[SYSTEM_PROMPT]' + messages[0]['content'] + '[/SYSTEM_PROMPT]' }}"
+        "{%- set messages = messages[1:] %}{%- endif %}",
+        "{%- set ns = namespace(last_user=-1) %}{%- for message in messages %}{%- if message['role'] == 'user' %}"
+        "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}",
+        "{%- for message in messages %}",
+        "{%- if message['role'] == 'user' %}",
+        "{%- if tools and loop.index0 == ns.last_user %}"
+        "{{ '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}",
+        "{{ '[INST]' + message['content'] + '[/INST]' }}",
+        "{%- elif message['role'] == 'tool' %}{{ '[TOOL_RESULTS]' + message['content'] + '[/TOOL_RESULTS]' }}",
+        "{%- elif message.tool_calls %}{{ '[TOOL_CALLS][' }}",
+        "{%- for tc in message.tool_calls %}", TOOL_CALL_NAME,
+        "{{ '{\"name\": \"' + tool_call.name + '\", \"arguments\": ' + ", TOOL_CALL_ARGS, " + '}' }}",
+        "{%- if not loop.last %}{{ ', ' }}{%- endif %}{%- endfor %}{{ ']</s>' }}",
+        "{%- else %}{{ message['content'] + '</s>' }}{%- endif %}{%- endfor %}",
+    ))
+
+_TEKKEN = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+           "[/TOOL_RESULTS]", "[TOOL_CALLS]")
+
+_TEKKEN_V11 = _TEKKEN + ("[IMG]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]", "[CALL_ID]", "[TOOL_CONTENT]")
+
+_MISTRAL = dict(eos="</s>", bos="<s>", pad="<unk>", tools=True, call_marker="[TOOL_CALLS]")
+
+# `orchard model create --chat NAME`: the real chat templates (chat_templates/) and their tokens
+REAL_FORMATS = {
+    # Magistral (2509) / Ministral 3 Reasoning: [THINK]...[/THINK], calls NAME[ARGS]{...}
+    "magistral": ChatFormat(control=_TEKKEN_V11 + ("[THINK]", "[/THINK]"), template=template_text("magistral"),
+                            **_MISTRAL),
+    # Mistral v3 tool calls (Mistral Nemo): [TOOL_CALLS][{"name": ..., "arguments": ...}]
+    "mistral-nemo": ChatFormat(control=_TEKKEN, template=template_text("mistral-nemo"), **_MISTRAL),
+    # Mistral v11 (Mistral Small 3.2, Devstral): [TOOL_CALLS]NAME[ARGS]{...}
+    "mistral-small-3.2": ChatFormat(control=_TEKKEN_V11, template=template_text("mistral-small-3.2"), **_MISTRAL),
+}

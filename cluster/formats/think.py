@@ -9,6 +9,7 @@ from cluster.formats.family import Family
 from cluster.formats.thinking import ReasoningFormat
 
 THINK_TAGS = ReasoningFormat("think", "<think>", "</think>")
+THINK_TOKENS = (THINK_TAGS.start, THINK_TAGS.end)  # the tokens a chat format adds for them
 
 
 def reasoning_format(template: str, vocab: Mapping[str, int]) -> ReasoningFormat | None:
@@ -18,3 +19,4 @@ def reasoning_format(template: str, vocab: Mapping[str, int]) -> ReasoningFormat
 
 
 FAMILY = Family("think", reasoning=reasoning_format)
+
