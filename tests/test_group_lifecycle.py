@@ -303,3 +303,80 @@ def test_orchard_up_stops_a_groups_rank_0_before_its_members(tmp_path):
     cluster.stop(grace=1)
     assert events.index(("ended", "worker-0")) < events.index(("signal", "worker-0-rank-1")), events
     assert events[-2:] == [("signal", "router"), ("ended", "router")], events
+
+
+def _streams(router: str, texts: list[str], max_tokens: int, on_tokens=None) -> list[list[int]]:
+    """Greedy streams through the router, all at once; each one's tokens. `on_tokens(n)`:
+    called with the tokens read so far, in all."""
+    from cluster.sdk import Client
+
+    out: list[list[int]] = [[] for _ in texts]
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            with Client(router, timeout=600) as client:
+                for chunk in client.stream(texts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                    with lock:
+                        out[i] += chunk.token_ids
+                        n = sum(map(len, out))
+                    if on_tokens is not None:
+                        on_tokens(n)
+        except Exception as e:  # noqa: BLE001  (reported by the assertion below)
+            errors.append(f"stream {i}: {e}")
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_member_mid_stream_loses_no_stream_and_every_rank_exits_0(tmp_path):
+    """A group that is its model's only worker, behind the router: SIGTERM to its member
+    mid-stream. Rank 0 drains (the streams that finish within its grace do; the router
+    holds the rest and resumes them once `orchard up` has started the group again), every
+    stream is the run without the fault's, and both ranks of the stopped group exit 0."""
+    from cluster.modelgen import create_model
+    from cluster.up import LocalCluster, free_port
+
+    model = create_model(tmp_path / "m", "qwen3", "tiny", seed=1, layers=4)
+    texts = [f"stream {i}: " + " ".join(["orchard", "pear", "apple"][(i + j) % 3] for j in range(i + 3))
+             for i in range(8)]
+    max_tokens = 160
+    cluster = LocalCluster(model, workers=1, group_size=2, grpc_address=f"127.0.0.1:{free_port()}",
+                           http_address=None, metrics_address=None, worker_port_base=0, worker_metrics_port_base=0,
+                           log_dir=tmp_path / "logs")
+    with cluster:
+        baseline = _streams(cluster.router_address, texts, max_tokens)
+        assert all(len(t) == max_tokens for t in baseline)
+        old = cluster.group_processes(0)
+        fired = threading.Event()
+
+        def stop_member(n: int) -> None:
+            if n >= len(texts) * max_tokens // 4 and not fired.is_set():
+                fired.set()
+                old[1].proc.send_signal(signal.SIGTERM)
+
+        done = threading.Event()
+
+        def supervise() -> None:  # what `orchard up` does every half second
+            while not done.is_set():
+                cluster.supervise()
+                time.sleep(0.5)
+
+        watcher = threading.Thread(target=supervise, daemon=True)
+        watcher.start()
+        try:
+            got = _streams(cluster.router_address, texts, max_tokens, on_tokens=stop_member)
+        finally:
+            done.set()
+            watcher.join(30)
+        assert fired.is_set()
+        assert got == baseline, "streams changed by the member's SIGTERM"
+        assert [c.proc.wait(timeout=120) for c in old] == [0, 0], "\n".join(c.tail(30) for c in old)
+        assert "rank 1 asked the group to stop" in old[0].log_path.read_text()
