@@ -150,7 +150,8 @@ def host_path_decode_ms(engine: Engine, vocab: int, rows: int = 16, context: int
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="mlx-lm model dir (default: the built-in small model)")
-    ap.add_argument("--arch", default=None, help="a `small` model of this architecture instead (e.g. qwen3_5, a hybrid)")
+    ap.add_argument("--arch", default=None,
+                    help="a `small` model of this architecture instead (e.g. qwen3_5, a hybrid)")
     ap.add_argument("--quick", action="store_true", help="a quarter of the load, for a smoke run")
     args = ap.parse_args()
     if args.model and args.arch:
@@ -177,7 +178,8 @@ def main() -> int:
         ml_s, ml_n = run_mlx_lm(model, prompts, new)
         r = run_engine(engine, prompts, new)
         ml_tps, or_tps = ml_n / ml_s, r["tokens"] / r["seconds"]
-        print(f"{name:<14} {ml_tps:13.1f} {or_tps:14.1f} {or_tps / ml_tps:6.2f}x {r['host_ms_per_step']:13.2f} {r['steps']:6d}")
+        print(f"{name:<14} {ml_tps:13.1f} {or_tps:14.1f} {or_tps / ml_tps:6.2f}x {r['host_ms_per_step']:13.2f} "
+              f"{r['steps']:6d}")
         if name == "decode-heavy":
             roof = matmul_roofline_ms(linear_weights(engine.runner.model), n)
             print(f"  decode step (median) {r['decode_step_ms']:.2f} ms at batch {n}; matmuls alone {roof:.2f} ms "

@@ -68,7 +68,8 @@ def main() -> int:
     src = (args.model or builtin_model()).resolve()
     models = {"float32": (src, "auto"), "8-bit": (quantized(src, 8), "auto"), "4-bit": (quantized(src, 4), "auto"),
               "4-bit kept quantized": (quantized(src, 4), "no")}
-    engines = {name: Engine.from_pretrained(path, EngineConfig(cpu_dequantize=dq)) for name, (path, dq) in models.items()}
+    engines = {name: Engine.from_pretrained(path, EngineConfig(cpu_dequantize=dq))
+               for name, (path, dq) in models.items()}
     for engine in engines.values():  # warm up (first-step allocations, kernel loads)
         decode_step_ms(engine, 2, 8, 4)
     runs: dict[str, list[float]] = {name: [] for name in engines}

@@ -144,7 +144,8 @@ def closed_loop(engine, prompts: list[list[int]], streams: int, max_tokens: int)
                     submit()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     generated = sum(len(t) for t in done.values())
-    result = {"tok_s": generated / wall, "wall_s": wall, "tokens": generated, "cpu_ms_per_token": 1000 * cpu / generated,
+    result = {"tok_s": generated / wall, "wall_s": wall, "tokens": generated,
+              "cpu_ms_per_token": 1000 * cpu / generated,
               "tpot_ms": 1000 * statistics.mean(tpot) if tpot else float("nan"), "outputs": done}
     if spec:
         d, a = spec.num_draft_tokens - drafts0, spec.num_accepted_tokens - accepted0
@@ -253,7 +254,8 @@ def vs_mlx(args, model: Path) -> None:
     runs = {
         "orchard": (["--num-kv-blocks", str(args.kv_blocks)], {}),
         "orchard draft": (["--num-kv-blocks", str(args.kv_blocks), "--speculative-config",
-                           json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": k})], {}),
+                           json.dumps({"method": "draft_model", "model": str(draft),
+                                       "num_speculative_tokens": k})], {}),
         "orchard ngram": (["--num-kv-blocks", str(args.kv_blocks), "--speculative-config",
                            json.dumps({"method": "ngram", "num_speculative_tokens": k})], {}),
         "mlx_lm.server": ([], {}),

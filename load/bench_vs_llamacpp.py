@@ -251,8 +251,9 @@ def main() -> int:
     med = {n: {k: statistics.median([run[k] for run in rs]) for k in rs[0] if not isinstance(rs[0][k], bool)}
            for n, rs in runs.items()}
     rows = [("output tokens/s", "output_tok_s", 1), ("TTFT mean (ms)", "ttft_mean", 1000),
-            ("TTFT p50 (ms)", "ttft_p50", 1000), ("TTFT p99 (ms)", "ttft_p99", 1000), ("ITL mean (ms)", "itl_mean", 1000),
-            ("ITL p50 (ms)", "itl_p50", 1000), ("TPOT mean (ms)", "tpot_mean", 1000),
+            ("TTFT p50 (ms)", "ttft_p50", 1000), ("TTFT p99 (ms)", "ttft_p99", 1000),
+            ("ITL mean (ms)", "itl_mean", 1000), ("ITL p50 (ms)", "itl_p50", 1000),
+            ("TPOT mean (ms)", "tpot_mean", 1000),
             ("prompt tokens (mean)", "prompt_tokens_mean", 1), ("completion tokens", "completion_tokens", 1)]
     print(f"\nmedians of {args.repeat} runs{'':8}{'orchard':>12}{'llama.cpp':>12}{'orchard/llama.cpp':>20}")
     for label, key, scale in rows:

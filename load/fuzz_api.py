@@ -156,7 +156,8 @@ class Generator:
         r = self.rng
         roll = r.random()
         if roll < 0.4:
-            return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": r.choice(SCHEMAS)}}}
+            schema = {"name": "x", "schema": r.choice(SCHEMAS)}
+            return {"response_format": {"type": "json_schema", "json_schema": schema}}
         if roll < 0.6:
             regex = r.choice(REGEXES)
             if r.random() < 0.04 and self.bombs < 40:  # a regex past llguidance's limits: ~1 s to refuse
@@ -197,8 +198,8 @@ class Generator:
     def http(self) -> tuple[str, str, dict, bytes, str]:
         """(method, path, headers, body, label)."""
         r = self.rng
-        paths = ["/v1/chat/completions"] * 5 + ["/v1/completions"] * 3 + ["/v1/responses"] * 2 + ["/v1/messages"] * 2 + [
-            "/v1/embeddings", "/v1/rerank", "/v1/score"]
+        paths = (["/v1/chat/completions"] * 5 + ["/v1/completions"] * 3 + ["/v1/responses"] * 2
+                 + ["/v1/messages"] * 2 + ["/v1/embeddings", "/v1/rerank", "/v1/score"])
         roll = r.random()
         if roll < 0.05:
             path = r.choice(["/v1/models", f"/v1/models/{r.choice(['tiny-qwen3', 'x' * 2000, '..%2f..', ''])}",
@@ -443,7 +444,8 @@ def _sse_server_error(text: str) -> str | None:
         if isinstance(err, dict) and (isinstance(err.get("code"), int) and err["code"] >= 500 or
                                       err.get("type") in ("api_error", "overloaded_error", "server_error")):
             return line[:300]
-        if isinstance(data, dict) and data.get("type") == "error" and str(data.get("code", "")).endswith("server_error"):
+        if (isinstance(data, dict) and data.get("type") == "error"
+                and str(data.get("code", "")).endswith("server_error")):
             return line[:300]
     return None
 

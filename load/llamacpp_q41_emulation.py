@@ -173,7 +173,8 @@ def v_expf(x: np.ndarray) -> np.ndarray:
     k = (e + np.asarray(F32(1)).view(np.uint32)).astype(np.uint32).view(F32)
     c = np.abs(n) > F32(126)
     u = b * b
-    j = fma(fma(fma(hexf("0x1.0e4020p-7"), b, hexf("0x1.573e2ep-5")), u, fma(hexf("0x1.555e66p-3"), b, hexf("0x1.fffdb6p-2"))),
+    j = fma(fma(fma(hexf("0x1.0e4020p-7"), b, hexf("0x1.573e2ep-5")), u,
+                fma(hexf("0x1.555e66p-3"), b, hexf("0x1.fffdb6p-2"))),
             u, hexf("0x1.ffffecp-1") * b)
     out = fma(j, k, k)
     if c.any():

@@ -39,7 +39,8 @@ from cluster.worker.engine import Engine  # noqa: E402
 from cluster.worker.model_runner import text_args  # noqa: E402
 from cluster.worker.sampling_params import SamplingParams  # noqa: E402
 
-DENSE, MOE, SLIDING, SOFTCAP, SINKS, MLA, HYBRID = "dense", "MoE", "sliding window", "soft-cap", "sinks", "MLA", "hybrid"
+DENSE, MOE, SLIDING, SOFTCAP, SINKS, MLA, HYBRID = ("dense", "MoE", "sliding window", "soft-cap", "sinks", "MLA",
+                                                    "hybrid")
 KIND = {
     "qwen3": DENSE, "llama": DENSE, "qwen2": DENSE, "phi3": DENSE, "mistral": DENSE, "starcoder2": DENSE,
     "olmo2": DENSE, "internlm3": DENSE, "granite": DENSE, "smollm3": DENSE, "glm4": DENSE, "helium": DENSE,

@@ -99,7 +99,8 @@ class ScriptedEngine:
 
 class ScriptedServer:
     """The worker service over a `ScriptedEngine`, its HTTP app (`url`) and gRPC
-    `Generation` (`grpc_address`), on 127.0.0.1 and free ports, in a thread of its own (so that sync clients can call it) until `stop()`."""
+    `Generation` (`grpc_address`), on 127.0.0.1 and free ports, in a thread of its own (so
+    that sync clients can call it) until `stop()`."""
 
     def __init__(self, engine: ScriptedEngine | Callable[[], object], *, router: bool = False, templates=None,
                  **app_kwargs):

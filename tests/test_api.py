@@ -187,8 +187,9 @@ def test_n_and_prompt_logprobs_are_served_within_bounds():
         validate_request(resumed)
 
 
-_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
 def test_tools_round_trip_through_the_wire_and_are_validated():
@@ -196,7 +197,8 @@ def test_tools_round_trip_through_the_wire_and_are_validated():
     wire; what is malformed is refused saying what to fix."""
     history = [{"role": "user", "content": "weather?"},
                {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
                {"role": "tool", "content": "12C", "tool_call_id": "call_1", "name": "get_weather"}]
     r = build_request(messages=history, tools=[_WEATHER], tool_choice="auto", parallel_tool_calls=False)
     validate_request(r)

@@ -511,7 +511,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert len(set(seq.block_table)) == len(seq.block_table)
             assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
             self.kv.check(seq, seq.num_computed_tokens)
-        for h, bid in ((h, b) for h, copies in bm.cached.items() for b in copies):  # a cached block is full, holds its tokens, follows a cached block
+        # a cached block is full, holds its tokens, follows a cached block
+        for h, bid in ((h, b) for h, copies in bm.cached.items() for b in copies):
             block = bm.blocks[bid]
             slots = [self.kv.slots.get((bid, j)) for j in range(bm.block_size)]
             assert all(slots) and block.token_ids == tuple(s[-1] for s in slots)

@@ -242,7 +242,8 @@ metric_list:
     lm = LocalCompletionsAPI(base_url=f"http://{tiny_worker.http}/v1/completions", model=tiny_model_dir.name,
                              tokenizer=str(tiny_model_dir), tokenizer_backend="huggingface", batch_size=4,
                              max_length=512, max_retries=1)
-    out = lm_eval.simple_evaluate(model=lm, tasks=["orchard_mc"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+    tasks = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["orchard_mc"], task_manager=tasks,
                                   log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                                   fewshot_random_seed=0)
     _, dense = oracle

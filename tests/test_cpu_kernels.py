@@ -159,7 +159,8 @@ def test_inconsistent_batches_are_refused_before_the_c_code_reads_them():
     for message, change in bad.items():
         args = dict(block_tables=bt, seq_lens=lens, cu_seqlens_q=cu) | change
         with pytest.raises(ValueError, match=message):
-            cpu.paged_attention_cpu(q, k, v, args["block_tables"], args["seq_lens"], args["cu_seqlens_q"], scale=b.scale)
+            cpu.paged_attention_cpu(q, k, v, args["block_tables"], args["seq_lens"], args["cu_seqlens_q"],
+                                    scale=b.scale)
 
 
 def test_largest_group_and_head_size():
@@ -227,7 +228,8 @@ def test_a_fresh_build_loads_without_flushing_denormals(monkeypatch, tmp_path):
 
 
 def test_swiglu_matches_mlx_over_the_whole_range():
-    g = mx.array(np.concatenate([np.linspace(-120, 120, 4001), [0.0, -0.0, 1e-30, -1e-30, 1e4, -1e4]]).astype(np.float32))
+    edges = [0.0, -0.0, 1e-30, -1e-30, 1e4, -1e4]
+    g = mx.array(np.concatenate([np.linspace(-120, 120, 4001), edges]).astype(np.float32))
     x = mx.array(np.random.default_rng(0).standard_normal(g.shape).astype(np.float32))
     got = np.array(cpu.swiglu(g, x), np.float64)
     g64, x64 = np.array(g, np.float64), np.array(x, np.float64)
@@ -263,7 +265,8 @@ def test_the_engine_runs_its_mlps_through_the_c_swiglu(tmp_path, monkeypatch):
     real = cpu.swiglu
     monkeypatch.setattr(cpu, "swiglu", lambda g, x: calls.append(g.shape) or real(g, x))
     monkeypatch.setattr(kernels, "_forced", None)
-    engine = Engine.from_pretrained(create_model(tmp_path / "m", "llama", "tiny", seed=3), EngineConfig(num_kv_blocks=32))
+    engine = Engine.from_pretrained(create_model(tmp_path / "m", "llama", "tiny", seed=3),
+                                    EngineConfig(num_kv_blocks=32))
     engine.runner.host = None  # the MLX path's swaps, as every family has them (test_host_forward: the other)
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0]) == 3

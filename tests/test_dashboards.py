@@ -39,7 +39,8 @@ WORKER_METRICS = {
 ROUTER_METRICS = {
     "orchard_router_requests_total", "orchard_router_time_to_first_token_seconds", "orchard_router_workers",
     "orchard_router_retries_total", "orchard_router_inflight_requests", "orchard_router_e2e_request_latency_seconds",
-    "orchard_router_circuit_open", "orchard_router_poison_requests_total", "orchard_router_retry_budget_exhausted_total",
+    "orchard_router_circuit_open", "orchard_router_poison_requests_total",
+    "orchard_router_retry_budget_exhausted_total",
     "orchard_router_deadline_exceeded_total",
 }
 PANEL_TYPES = {"row", "timeseries", "stat", "gauge", "bargauge", "table", "heatmap", "text"}

@@ -198,8 +198,8 @@ def test_rerank_and_score_order_and_top_n(dirs, workers, router, where):
         assert abs(r["relevance_score"] - want[r["index"]]) < 1e-5 and r["document"]["text"] == docs[r["index"]]
     assert body["usage"]["total_tokens"] == sum(len(tokens(dirs["rr"], yes_no_prompt(query, d))) for d in docs)
     model = dirs["rr"].name  # (the router may have two rerankers: the model says which)
-    status, body = post(address, "/v1/rerank", {"model": model, "query": query, "documents": [{"text": d} for d in docs],
-                                                "return_documents": False})
+    status, body = post(address, "/v1/rerank", {"model": model, "query": query,
+                                                "documents": [{"text": d} for d in docs], "return_documents": False})
     assert [r["index"] for r in body["results"]] == sorted(range(4), key=lambda i: -want[i])
     assert all("document" not in r for r in body["results"])
     status, body = post(address, "/v1/score", {"model": model, "text_1": query, "text_2": docs})

@@ -176,7 +176,8 @@ NESTED = {
         "messages", "'messages[1].tool_calls[0].function.arguments'"),
     "responses function_call": ("/v1/responses", json.dumps(
         {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep(5000)},
-                   {"type": "function_call_output", "call_id": "c1", "output": "ok"}], "max_output_tokens": 2}).encode(),
+                   {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+         "max_output_tokens": 2}).encode(),
         "input", "'input[0].arguments'"),
     "tools": ("/v1/chat/completions", with_deep(
         {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
@@ -395,7 +396,8 @@ def test_an_idle_keep_alive_connection_outlives_the_header_timeout(served):
             out += s.recv(65536) or b"<closed>"
             assert not out.endswith(b"<closed>"), out
         head, _, rest = out.partition(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
         while len(rest) < length:
             rest += s.recv(65536)
         return head
@@ -452,7 +454,8 @@ def test_a_refused_grpc_request_is_not_kept_until_the_next_full_collection():
     from cluster.router.server import RouterConfig, RouterServer
 
     big = 4 << 20
-    bodies = (lambda: pb.GenerateRequest(text="x" * big, sampling=pb.SamplingParams(temperature=-1)).SerializeToString(),
+    bodies = (lambda: pb.GenerateRequest(text="x" * big,
+                                         sampling=pb.SamplingParams(temperature=-1)).SerializeToString(),
               lambda: b"\xff" * big)  # a bad field; not a protobuf
 
     async def refuse_each() -> list[str]:

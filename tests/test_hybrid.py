@@ -1,5 +1,6 @@
 """Hybrid recurrent models (gated delta nets, Mamba-2, short convolutions beside attention
-layers, or, in Falcon-H1, a Mamba-2 mixer beside the attention of every layer) under continuous batching, against mlx-lm's own single-request greedy generation.
+layers, or, in Falcon-H1, a Mamba-2 mixer beside the attention of every layer) under
+continuous batching, against mlx-lm's own single-request greedy generation.
 
 Tiny random-weight models of the real mlx-lm architectures (`orchard model create`), CPU,
 float32. Prompts of different lengths (one of a single token) arrive together and one per

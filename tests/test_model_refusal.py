@@ -19,7 +19,8 @@ BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_atte
             head_dim=16, vocab_size=100, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512)
 REFUSED = {
     # a sliding-window family not yet checked against mlx-lm
-    "plamo3": (dict(sliding_window=8, sliding_window_pattern=2), "layers 0, 2 use RotatingKVCache (sliding-window attention)"),
+    "plamo3": (dict(sliding_window=8, sliding_window_pattern=2),
+               "layers 0, 2 use RotatingKVCache (sliding-window attention)"),
     # recurrent layers in a family not checked against mlx-lm (the hybrids that are: tests/test_hybrid.py)
     "mamba2": (dict(num_heads=8, head_dim=16, state_size=16, conv_kernel=4, n_groups=1, use_bias=False,
                     use_conv_bias=True, time_step_limit=(0.0, float("inf")), time_step_rank="auto",
@@ -111,7 +112,8 @@ def test_an_unknown_cache_kind_is_refused_by_name():
 
     model.make_cache = lambda: [TelepathicCache() if i == 3 else __import__("mlx_lm").models.cache.KVCache()
                                 for i in range(4)]
-    with pytest.raises(UnsupportedModel, match=r"layers 3 use TelepathicCache \(an attention the engine does not know\)"):
+    with pytest.raises(UnsupportedModel,
+                       match=r"layers 3 use TelepathicCache \(an attention the engine does not know\)"):
         check_served(model)
     model.make_cache = lambda: [__import__("mlx_lm").models.cache.KVCache() for _ in range(3)]
     with pytest.raises(UnsupportedModel, match="4 layers but 3 caches"):
@@ -148,7 +150,8 @@ def test_an_attention_computed_in_the_model_s_own_code_is_refused():
 
     model = build("llama", dict(tie_word_embeddings=True))
     model.layers[1].self_attn = ManualAttention()
-    with pytest.raises(UnsupportedModel, match=r"layer 1's attention \(ManualAttention\) computes attention in its own code"):
+    with pytest.raises(UnsupportedModel,
+                       match=r"layer 1's attention \(ManualAttention\) computes attention in its own code"):
         check_served(model)
 
 

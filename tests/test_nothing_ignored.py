@@ -88,8 +88,8 @@ def test_what_clients_send_by_default_is_accepted(server):
         "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"}, "parallel_tool_calls": True,
         "service_tier": "auto"})
     assert status == 200, out
-    status, out = call(server.url + "/v1/completions", {"model": "tiny-qwen3", "prompt": "x", "user": "u", "echo": False,
-                                                        "best_of": 1, "logprobs": None, "suffix": None})
+    status, out = call(server.url + "/v1/completions", {"model": "tiny-qwen3", "prompt": "x", "user": "u",
+                                                        "echo": False, "best_of": 1, "logprobs": None, "suffix": None})
     assert status == 200, out
 
 

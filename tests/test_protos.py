@@ -15,7 +15,8 @@ def test_generated_code_matches_proto(tmp_path):
     pytest.importorskip("grpc_tools")
     env = dict(os.environ, PYTHON=sys.executable)
     subprocess.run([str(ROOT / "scripts" / "gen_protos"), str(tmp_path)], check=True, env=env, cwd=ROOT)
-    stale = [name for name in GENERATED if (tmp_path / name).read_bytes() != (ROOT / "cluster" / "proto" / name).read_bytes()]
+    stale = [name for name in GENERATED
+             if (tmp_path / name).read_bytes() != (ROOT / "cluster" / "proto" / name).read_bytes()]
     assert not stale, f"{stale} differ from protos/: run `scripts/gen_protos` and commit the result"
 
 

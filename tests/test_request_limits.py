@@ -85,7 +85,8 @@ def test_stop_strings_match_a_naive_search(seed):
     rng = random.Random(seed)
     alphabet = "ab c"
     text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 300)))
-    stops = tuple({"".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(1, 4))})
+    stops = tuple({"".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6)))
+                   for _ in range(rng.randrange(1, 4))})
     d = IncrementalDetokenizer(CharTokenizer(), [], stops)
     streamed, hit = "", None
     for ch in text:

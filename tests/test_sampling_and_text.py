@@ -33,7 +33,8 @@ def test_greedy_rows_take_the_argmax_and_report_logprobs():
     "params, allowed",
     [
         (SamplingParams(temperature=1.0, top_k=3), lambda lg, p: np.argsort(-lg)[:3]),
-        (SamplingParams(temperature=1.0, top_p=0.5), lambda lg, p: np.argsort(-p)[: np.searchsorted(np.cumsum(np.sort(p)[::-1]), 0.5) + 1]),
+        (SamplingParams(temperature=1.0, top_p=0.5),
+         lambda lg, p: np.argsort(-p)[: np.searchsorted(np.cumsum(np.sort(p)[::-1]), 0.5) + 1]),
         (SamplingParams(temperature=1.0, min_p=0.3), lambda lg, p: np.nonzero(p >= 0.3 * p.max())[0]),
     ],
 )
@@ -56,7 +57,8 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
     logits = _logits(3, vocab=256, seed=4)
     seeded = SamplingParams(temperature=1.0, seed=42)
     a = Sampler(seed=1)(logits, [seeded, SamplingParams(temperature=1.0), SamplingParams(temperature=0)], [5, 0, 0])
-    b = Sampler(seed=2)(logits[::-1], [SamplingParams(temperature=0), SamplingParams(temperature=2.0), seeded], [0, 9, 5])
+    b = Sampler(seed=2)(logits[::-1], [SamplingParams(temperature=0), SamplingParams(temperature=2.0), seeded],
+                        [0, 9, 5])
     assert a.token_ids[0] == b.token_ids[2]
 
 

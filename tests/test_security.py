@@ -209,7 +209,8 @@ def test_a_worker_id_cannot_be_taken_by_another_certificate(fleet):
     PERMISSION_DENIED, and worker-0's address is unchanged."""
     d = fleet.secrets.dir
     issue(d, "mallory")
-    mallory = ClientSecurity(tls_ca=str(d / "ca.pem"), tls_cert=str(d / "mallory.pem"), tls_key=str(d / "mallory-key.pem"))
+    mallory = ClientSecurity(tls_ca=str(d / "ca.pem"), tls_cert=str(d / "mallory.pem"),
+                             tls_key=str(d / "mallory-key.pem"))
     before = {w.worker_id: w.address for w in fleet.healthy_workers()}
     with channel(fleet.router_address, mallory, aio=False) as ch:
         router = pb_grpc.RouterStub(ch)

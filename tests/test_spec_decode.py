@@ -795,8 +795,9 @@ def test_a_worker_speculates_over_http_and_reports_it(tiny_model_dir, worker_pro
          "--max-concurrency", "4", "--ignore-eos", "--metrics-url", spec.metrics, "--result-file", str(result)])
     assert bench_main(args) == 0
     after = parse(urllib.request.urlopen(f"http://{spec.metrics}/metrics", timeout=10).read().decode())
-    drafted, accepted = (total(after, name) - total(before, name) for name in
-                         ("orchard_spec_decode_num_draft_tokens_total", "orchard_spec_decode_num_accepted_tokens_total"))
+    drafted, accepted = (total(after, name) - total(before, name)
+                         for name in ("orchard_spec_decode_num_draft_tokens_total",
+                                      "orchard_spec_decode_num_accepted_tokens_total"))
     server = json.loads(result.read_text())["server"]
     assert drafted > 0 and server["spec_draft_tokens"] == drafted and server["spec_accepted_tokens"] == accepted
     assert server["spec_acceptance_rate"] == pytest.approx(accepted / drafted)

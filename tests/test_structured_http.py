@@ -85,7 +85,8 @@ def test_langchain_json_mode_and_function_calling(tiny_worker):
     # any JSON object: a random model's keys are unbounded, so a seed whose object closes
     closing = ChatOpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="unused", model="tiny-qwen3",
                          temperature=0.3, max_tokens=200, max_retries=0, timeout=60, seed=3)
-    out = closing.with_structured_output(Anything, method="json_mode", include_raw=True).invoke("A JSON object, please.")
+    json_mode = closing.with_structured_output(Anything, method="json_mode", include_raw=True)
+    out = json_mode.invoke("A JSON object, please.")
     assert out["parsing_error"] is None and isinstance(out["parsed"], Anything)
     assert isinstance(json.loads(out["raw"].content), dict)
     short = ChatOpenAI(base_url=f"http://{tiny_worker.http}/v1", api_key="unused", model="tiny-qwen3",

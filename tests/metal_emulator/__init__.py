@@ -16,8 +16,9 @@ thread-position attributes the source mentions. A C++ prelude (`prelude.h`) give
 address spaces (empty), vector types, `half` (`_Float16`), `bfloat` (16-bit storage,
 float arithmetic), `metal::` math incl. `fast::` / `precise::`, simdgroup functions,
 barriers and atomics, and of the utils header MLX puts in front of every custom kernel
-the common part (`float16_t`, `bfloat16_t`, `Limits<T>`, `using namespace metal`). g++ compiles it into a shared library, cached by source hash in
-`$ORCHARD_METAL_EMU_CACHE` (default: `<tmp>/orchard-metal-emu-<uid>`).
+the common part (`float16_t`, `bfloat16_t`, `Limits<T>`, `using namespace metal`). g++
+compiles it into a shared library, cached by source hash in `$ORCHARD_METAL_EMU_CACHE`
+(default: `<tmp>/orchard-metal-emu-<uid>`).
 
 Every GPU thread really runs the kernel body with its own stack; barriers are real
 barriers (see `runtime.cpp`). Backends (`config.backend`, env
