@@ -385,7 +385,8 @@ def tokenizer(tiny_model_dir):
     return load(tiny_model_dir)
 
 
-TEMPLATES = sorted(p.stem for p in (Path(__file__).parents[1] / "cluster" / "formats" / "chat_templates").glob("*.jinja"))
+TEMPLATES = sorted(p.stem for p in
+                   (Path(__file__).parents[1] / "cluster" / "formats" / "chat_templates").glob("*.jinja"))
 
 
 def test_renders_are_transformers_own_byte_for_byte(tokenizer):
