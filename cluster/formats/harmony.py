@@ -125,7 +125,9 @@ def grammar(chosen: list[dict], atom: Callable[[str], str], start: str = "", end
 
 
 HARMONY = ReasoningFormat("harmony", "<|channel|>analysis<|message|>", "<|end|>", harmony=True, kept=HARMONY_TOKENS,
-                          splitter=HarmonyStream)
+                          splitter=HarmonyStream, grammar_start=("<|channel|>", "analysis", "<|message|>"),
+                          grammar_end=("<|end|>", "<|start|>", "assistant"),
+                          answer_start=("<|channel|>", "final", "<|message|>"))
 HARMONY_CALLS = CallFormat("harmony", "to=functions.", "", parse_json_object, grammar=grammar)
 
 

@@ -47,7 +47,10 @@ class ReasoningFormat:
     texts to keep when decoding, where they are more than these markers; `splitter`: a
     stream of the family's own that splits the thinking and the calls together
     (`splitter(calls, tools, parallel, thinking=...)`; harmony), else the thinking is split
-    by `ThinkStream` and calls by the call format's stream."""
+    by `ThinkStream` and calls by the call format's stream. `grammar_start`, `grammar_end`
+    and `answer_start`: the thinking block's opening and closing and the answer's opening
+    as a grammar writes them, token texts each named by the grammar's `atom` (by default
+    `start`, `end` and nothing)."""
 
     name: str
     start: str
@@ -56,11 +59,24 @@ class ReasoningFormat:
     harmony: bool = False
     kept: tuple[str, ...] = ()
     splitter: Callable | None = field(default=None, compare=False)
+    grammar_start: tuple[str, ...] = ()
+    grammar_end: tuple[str, ...] = ()
+    answer_start: tuple[str, ...] = ()
 
     @property
     def markers(self) -> tuple[str, ...]:
         """Token texts that must survive decoding for the parser to see them."""
         return self.kept or (self.start, self.end, *self.strip)
+
+    def thinking_grammar(self, atom: Callable[[str], str], open: bool, optional: bool) -> ThinkingGrammar:
+        """The thinking block as the grammar of the answer after it sees it (see ThinkingGrammar)."""
+        start = " ".join(atom(t) for t in self.grammar_start or (self.start,))
+        end = " ".join(atom(t) for t in self.grammar_end or (self.end,))
+        return ThinkingGrammar(start, end, open=open, optional=optional, space=not self.harmony)
+
+    def answer_prefix(self, atom: Callable[[str], str]) -> str:
+        """The grammar atoms a structured answer starts with (harmony's final channel)."""
+        return " ".join(atom(t) for t in self.answer_start)
 
 
 def prompt_state(fmt: ReasoningFormat, prompt_tail: str) -> str:

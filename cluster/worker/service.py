@@ -36,7 +36,7 @@ from cluster.api.wire import (CHARS_PER_TOKEN_BOUND, FINISH_REASON_TO_PROTO, SPE
 from cluster.formats.calls import CallFormat
 from cluster.formats.registry import call_format, reasoning_format
 from cluster.formats.split import OutputSplitter, make_splitter
-from cluster.formats.thinking import ReasoningFormat, ThinkingGrammar, ThinkingSpec, ThinkingTracker, prompt_state
+from cluster.formats.thinking import ReasoningFormat, ThinkingSpec, ThinkingTracker, prompt_state
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.worker.chat_render import (PROBE_MESSAGES, ChatTemplateLimits, RenderPool, TemplateTypeError,
                                         jinja_tokenizer, render_call)
@@ -731,18 +731,10 @@ class WorkerService:
             if params.structured is not None:
                 thinking = None
                 if reading.state != "closed":
-                    if fmt.harmony:
-                        start = " ".join((self._atom("<|channel|>"), '"analysis"', self._atom("<|message|>")))
-                        end = " ".join((self._atom("<|end|>"), self._atom("<|start|>"), '"assistant"'))
-                    else:
-                        start, end = self._atom(fmt.start), self._atom(fmt.end)
                     # a model that opens its thinking itself may skip it, unless a budget asks for it
-                    thinking = ThinkingGrammar(start, end, open=reading.state == "open",
-                                               optional=reading.state == "free" and budget is None,
-                                               space=not fmt.harmony)
-                prefix = ""
-                if fmt.harmony and forced is None:  # a structured answer is the final channel's message
-                    prefix = " ".join((self._atom("<|channel|>"), '"final"', self._atom("<|message|>")))
+                    thinking = fmt.thinking_grammar(self._atom, open=reading.state == "open",
+                                                    optional=reading.state == "free" and budget is None)
+                prefix = fmt.answer_prefix(self._atom) if forced is None else ""  # a forced call has its own
                 try:
                     changes["structured"] = with_thinking(params.structured, thinking, prefix)
                 except InvalidGrammar as e:
