@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-import cluster.worker  # noqa: F401  (OpenBLAS before MLX)
 from cluster.up import free_ports
 from cluster.worker.group import wire
 from cluster.worker.group.channel import Leader, Member
@@ -109,7 +108,8 @@ def test_a_member_that_dies_while_the_group_starts_is_noticed_at_once():
 
 RING_INIT = """
 import logging, sys, time
-import cluster.worker
+from cluster import platform
+platform.preload_blas()
 logging.basicConfig(level=logging.INFO)
 from cluster.worker.group.config import Topology
 from cluster.worker.group.leader import init_ring
@@ -137,7 +137,8 @@ def test_rings_init_waiting_for_a_neighbour_that_never_comes_ends_the_process_75
 
 FAKE_MEMBER = """
 import os, signal, sys, time
-import cluster.worker
+from cluster import platform
+platform.preload_blas()
 from cluster.worker.group import wire
 from cluster.worker.group.channel import Member
 from cluster.worker.group.memory import join_info
