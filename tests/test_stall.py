@@ -97,36 +97,38 @@ def test_a_lagging_worker_gets_no_new_requests_and_its_requests_with_no_output_m
     """A worker whose step runs well past its usual time (lagging, not yet a stall) says so
     at once: the router moves the requests it holds that have had no output yet to another
     worker of the model (the client sees one stream), and places new ones there too, though
-    the lagging worker looks the less loaded."""
+    the lagging worker looks the less loaded. A request moved onto a worker that lags in
+    turn moves again."""
     async def main():
         router = RouterServer(RouterConfig(grpc_address="127.0.0.1:0", http_address=None, metrics_address=None,
                                            join_token="tok", heartbeat_interval=30.0))
         await router.start()
-        w0, w1 = await FakeWorker("w0").start(), await FakeWorker("w1").start()
-        w1.extra_running = 20  # w0 looks idle: the request goes there
-        w0.hang_after_tokens = 0  # and waits there for a step that does not end
+        w0, w1, w2 = [await FakeWorker(f"w{i}").start() for i in range(3)]
+        w1.extra_running, w2.extra_running = 10, 20  # the request goes to w0, then w1, then w2
+        w0.hang_after_tokens = w1.hang_after_tokens = 0  # each waits for a step that does not end
         regs = [Registration(router.grpc_address, w.address, w.load_report, join_token="tok", worker_id=w.worker_id,
-                             interval=30.0) for w in (w0, w1)]
+                             interval=30.0) for w in (w0, w1, w2)]
         for reg in regs:
             reg.start()
         try:
-            await until(lambda: len([w for w in router.registry.workers.values() if w.state == HEALTHY]) == 2,
-                        "both registered", 10)
+            await until(lambda: len([w for w in router.registry.workers.values() if w.state == HEALTHY]) == 3,
+                        "all registered", 10)
             async with grpc.aio.insecure_channel(router.grpc_address) as ch:
                 stub = pb_grpc.GenerationStub(ch)
                 task = asyncio.ensure_future(collect(stub, request("moved", 8)))
-                await until(lambda: w0.running == 1, "the request on w0", 10)
-                w0.lagging = True
-                regs[0].report_now()
+                for w, reg in ((w0, regs[0]), (w1, regs[1])):
+                    await until(lambda: w.running == 1, f"the request on {w.worker_id}", 10)
+                    w.lagging = True
+                    reg.report_now()
                 toks, workers = await asyncio.wait_for(task, 10)
                 new = await collect(stub, request("new", 4))
-            assert len(toks) == 8 and workers == {"w1"} and w0.cancelled == 1
-            assert new[1] == {"w1"}
+            assert len(toks) == 8 and workers == {"w2"} and w0.cancelled == w1.cancelled == 1
+            assert new[1] == {"w2"}
         finally:
             for reg in regs:
                 await reg.stop()
             await router.stop(grace=0)
-            for w in (w0, w1):
+            for w in (w0, w1, w2):
                 await w.server.stop(0)
 
     run(main(), 60)

@@ -32,7 +32,10 @@ A stream never ends short: a worker's stream that stops without a finish reason,
 sends nothing for `stream_idle_timeout` seconds once started (the worker is wedged, or
 asleep behind a live connection), is that worker failing, and the request resumes
 elsewhere. So are all the streams of a worker that reports its engine stalled (its
-watchdog), started or not. Keepalive on the channels (`cluster.net`) finds a peer that
+watchdog), started or not. A worker that reports itself lagging (a step well past its
+usual time: the start of a stall, perhaps) gets no new request while another can take it,
+and its streams with no output yet move to one that is not lagging (a move is no failure
+and no attempt; `MAX_MOVES` a request). Keepalive on the channels (`cluster.net`) finds a peer that
 stopped answering.
 """
 
@@ -167,6 +170,10 @@ def _deadline_held(timeout: float | None) -> float | None:
 # Seconds a client refused after a hold is told to wait before asking again (Retry-After):
 # it is held afresh then, so soon is enough.
 RETRY_AFTER = 5
+# Times a request may be moved off a lagging worker before its first chunk: a move is no
+# failure and no attempt, and a request moves only to a worker that is not lagging, but
+# workers that lag in turn must not pass it around for ever.
+MAX_MOVES = 2
 # A held request re-checks its model's workers at least this often: a circuit's cool-down
 # ends without any change of the workers to wake it.
 HOLD_RECHECK = 1.0
@@ -236,10 +243,11 @@ class RouterBackend:
             wait_until = min(wait_until, deadline)
         internal = 0  # attempts failed with INTERNAL
         took_down = 0  # attempts whose worker went away under it before it sent a token (with internal: two, poison)
-        moved = just_moved = False  # moved off a lagging worker before its first chunk (once at most)
+        moves, just_moved = 0, False  # times moved off a lagging worker before its first chunk (no attempts)
         self.budget.on_request()
         features = features_asked(request)  # placed only where a worker has them
-        for attempt in range(self.config.max_attempts):
+        attempt = 0
+        while attempt < self.config.max_attempts:
             pool = await self._next_pool(rid, request.model, attempt, failure, excluded, wait_until, deadline,
                                          features=features, retry=not just_moved)
             just_moved = False
@@ -261,7 +269,7 @@ class RouterBackend:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             worker.inflight += 1
             call = worker.generation.Generate(upstream, timeout=remaining)
-            stream = _Attempt(call, movable=not moved and attempt + 1 < self.config.max_attempts)
+            stream = _Attempt(call, movable=moves < MAX_MOVES)
             worker.attempts.add(stream)
             outcome = m.CANCELLED
             accepted = False
@@ -348,12 +356,13 @@ class RouterBackend:
                 # (No-op once it finished; reaches it if the client left.)
                 self._judge(worker, breaker, outcome if stream.abandoned is None else None)
                 self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
-            if stream.moved:  # not the worker failing: it may take the request again, and no retry is spent
-                moved = just_moved = True
+            if stream.moved:  # not the worker failing: it may take the request again; no attempt, no retry spent
+                moves, just_moved = moves + 1, True
                 log.info("request %s: %s", rid, failure.details)
                 continue
             excluded[worker.worker_id] = epoch
             log.warning("request %s: worker %s failed (%s: %s)", rid, worker.worker_id, failure.code.name, failure.details)
+            attempt += 1
         self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
         raise errors.Unavailable(
             f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}"

@@ -417,8 +417,8 @@ class Registry:
     def _move_unstarted(self, w: WorkerRecord) -> None:
         """A worker lagging (its step runs well past its usual time: a long step, or the
         start of a stall): its streams that have had no output yet go to another worker of
-        its model that can take them and is not lagging, each at most once (they would wait
-        for that step; nothing of theirs has reached a client)."""
+        its model that can take them and is not lagging (they would wait for that step;
+        nothing of theirs has reached a client; the proxy bounds how often one moves)."""
         if not any(o is not w and o.state == HEALTHY and o.breaker.allows() and not o.report.lagging
                    for o in self.serving(w.model)):
             return
