@@ -2,8 +2,9 @@
 
 Writes a normal mlx-lm model directory (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json) with a byte-level BPE tokenizer trained here on a synthetic
-corpus, carrying the family's chat template and special tokens (cluster/formats/). Fully offline and deterministic for a seed. Everything else in Orchard loads it
-with `mlx_lm.utils.load`, the path a real model takes on a Mac.
+corpus, carrying the family's chat template and special tokens (cluster/formats/). Fully
+offline and deterministic for a seed. Everything else in Orchard loads it with
+`mlx_lm.utils.load`, the path a real model takes on a Mac.
 
 Weights are scaled so the logits are well spread (std of a few units): greedy decoding
 then has clear winners, so engine-vs-oracle comparisons are not decided by rounding.
@@ -91,7 +92,8 @@ _ARCH = {
     "ministral3": dict(architectures=["MistralForCausalLM"], tie_word_embeddings=False, rms_norm_eps=1e-5,
                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                         "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 512}),
-    "olmo3": dict(architectures=["Olmo3ForCausalLM"], rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "olmo3": dict(architectures=["Olmo3ForCausalLM"], rope_theta=500000.0, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False),
     # cohere2: RoPE on the sliding layers only; logit_scale 1 keeps greedy winners clear
     "cohere2": dict(architectures=["Cohere2ForCausalLM"], rope_theta=50000.0, layer_norm_eps=1e-5, logit_scale=1.0,
                     sliding_window_pattern=2),
@@ -121,7 +123,8 @@ _ARCH = {
                     tie_word_embeddings=False),
     "starcoder2": dict(architectures=["Starcoder2ForCausalLM"], rope_theta=100000.0, norm_epsilon=1e-5,
                        tie_word_embeddings=False),
-    "olmo2": dict(architectures=["Olmo2ForCausalLM"], rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "olmo2": dict(architectures=["Olmo2ForCausalLM"], rope_theta=500000.0, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False),
     "internlm3": dict(architectures=["InternLM3ForCausalLM"], rope_theta=50000000.0, rms_norm_eps=1e-5,
                       tie_word_embeddings=False),
     # granite: muP-style multipliers on embeddings, attention scores, residuals and logits
