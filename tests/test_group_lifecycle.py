@@ -225,6 +225,27 @@ def test_a_member_killed_after_ring_ends_rank_0_in_seconds_and_the_group_forms_w
         _stop(rank0, member)
 
 
+def test_a_member_of_another_model_stops_both_ranks_for_good_before_the_ring(tiny_model_dir, tmp_path):
+    """A member whose model is not rank 0's: refused as it joins, before any rank waits in
+    MLX's ring init, and both ranks exit 78. The member found out on ASSIGN, with rank 0
+    already in the ring's accept() for it: rank 0 then waited there (exit 75 at the ring's
+    deadline, to be started again for ever)."""
+    from cluster.modelgen import create_model
+
+    other = create_model(tmp_path / "other", "qwen3", "tiny", seed=0, layers=3)
+    *ring, port = free_ports(3)
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ring)
+    rank0 = _rank(tiny_model_dir, 0, hosts, port)
+    member = _rank(other, 1, hosts, port)
+    try:
+        codes = [p.wait(timeout=120) for p in (rank0, member)]
+        log = rank0.stdout.read()
+        assert codes == [78, 78], log[-3000:] + member.stdout.read()[-2000:]
+        assert "rank 1 (" in log and "serves another model" in log and "forming MLX's ring" not in log
+    finally:
+        _stop(rank0, member)
+
+
 # -- an orderly stop from a member ------------------------------------------------------------------
 
 @pytest.mark.slow

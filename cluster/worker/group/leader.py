@@ -404,6 +404,11 @@ def _start_group(model_path: str, config: EngineConfig, options: GroupOptions, t
     log.info("group: rank 0 of %d (%s parallel), waiting for the members on %s:%d", topo.size, options.parallel,
              *leader.address)
     leader.admit(deadline)
+    digest = config_digest(model_path)
+    for r, c in sorted(leader.members.items()):
+        if c.info.get("config", digest) != digest:
+            raise ValueError(f"rank {r} ({c.info.get('host', '?')}) serves another model: its config.json differs "
+                             f"from rank 0's ({model_path})")
     # each member's ring address as it says, not as this rank's flags have it (a Ray
     # bundle may have moved since they were written)
     topo = topo.joined({r: c.info["ring"] for r, c in leader.members.items() if "ring" in c.info})
@@ -430,7 +435,7 @@ def _start_group(model_path: str, config: EngineConfig, options: GroupOptions, t
     engine_settings = {"block_size": config.block_size, "kv_cache_dtype": config.kv_cache_dtype,
                        "cpu_dequantize": config.cpu_dequantize, "max_num_seqs": config.max_num_seqs,
                        "least_kv_blocks": least.blocks}
-    leader.broadcast(wire.ASSIGN, wire.dumps({"assignment": assignment.to_json(), "config": config_digest(model_path),
+    leader.broadcast(wire.ASSIGN, wire.dumps({"assignment": assignment.to_json(), "config": digest,
                                               "engine": engine_settings, "check_every": options.check_every}))
     leader.broadcast(wire.RING, wire.dumps({"ring": topo.ring_addresses()}))
     ring = init_ring(topo, options.backend, ring_timeout(options))

@@ -86,7 +86,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
     deadline = time.monotonic() + options.join_timeout
     member = Member(topo.control, topo.rank, topo.size, join_token, options.timeout,
                     info={"host": socket.gethostname(), "pid": os.getpid(), "ring": topo.ring_addresses()[topo.rank],
-                          **join_info(options.memory_budget, kv_budget)},
+                          **join_info(options.memory_budget, kv_budget), **_model_digest(model_path)},
                     handshake_timeout=options.handshake_timeout)
     watchdog = Watchdog(member.on_lost)  # a backstop for what has no deadline of its own (loading)
     watchdog.arm(options.join_timeout + START_BACKSTOP_S, "joining the group")
@@ -148,6 +148,17 @@ def _drain_group(member: Member, seconds: float) -> None:
     silent for --group-timeout, and started again when the Mac is back."""
     if not member.sleeping(seconds + SLEEP_ANSWER_S):
         log.warning("group rank %d: rank 0 did not say the group was drained; sleeping anyway", member.rank)
+
+
+def _model_digest(model_path: str) -> dict:
+    """The model's config digest, told as the member joins: rank 0 refuses a group whose
+    ranks serve different models before any rank waits in MLX's ring init (where a member
+    that stops does not end rank 0's wait: it would exit 75, to be started again for
+    ever). Without a readable config.json, nothing: the member says so on ASSIGN."""
+    try:
+        return {"config": config_digest(model_path)}
+    except OSError:
+        return {}
 
 
 def _stop_when_told(member: Member, stop: threading.Event, serving: threading.Event, rank: int) -> None:

@@ -191,9 +191,11 @@ def loads(payload: bytes) -> dict:
 # -- the join handshake ---------------------------------------------------------------------------
 
 HELLO_FIELDS = {"rank": int, "size": int, "nonce": str}  # required
-# optional: what rank 0 reports, splits by and checks (group/memory.py's join_info), and
-# hands every rank (ring: the member's own HOST:PORT for MLX's ring)
-HELLO_INFO = {"host": str, "pid": int, "memory": int, "memory_from": str, "kv_budget": int, "ring": str}
+# optional: what rank 0 reports, splits by and checks (group/memory.py's join_info; config:
+# the member's model's config digest), and hands every rank (ring: the member's own
+# HOST:PORT for MLX's ring)
+HELLO_INFO = {"host": str, "pid": int, "memory": int, "memory_from": str, "kv_budget": int, "ring": str,
+              "config": str}
 
 
 def check_hello(hello: dict) -> None:
