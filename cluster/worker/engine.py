@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -22,17 +23,21 @@ from cluster.formats.thinking import ThinkingTracker
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
 from cluster.worker.detokenizer import IncrementalDetokenizer
-from cluster.worker.model_runner import (ModelRunner, default_kv_budget, has_recurrent_layers, kv_bytes_per_block,
-                                         load_model, text_args, weight_dtype)
-from cluster.worker.pooling import Pooler, PoolState, sigmoid
+from cluster.worker.model_runner import (ModelRunner, StepBatch, default_kv_budget, has_recurrent_layers,
+                                         kv_bytes_per_block, load_model, text_args, weight_dtype)
+from cluster.worker.pooling import Pooler
+from cluster.worker.pooling_requests import PooledRows, PoolingRequests
 from cluster.worker.sampler import Sampler
 from cluster.worker.sampling_params import SamplingParams
-from cluster.worker.scheduler import Scheduler
+from cluster.worker.scheduler import Scheduler, SchedulerOutput
 from cluster.worker.sequence import Sequence, SequenceStatus
 from cluster.worker.spec_decode import build_speculator
 from cluster.worker.spec_decode.verify import accept_drafts, verify_sampled_drafts
 from cluster.worker.state_slots import StateSlots
 from cluster.worker.structured import GrammarCompiler, allocate_bitmask, fill_bitmasks, grammar_error
+
+if TYPE_CHECKING:
+    from cluster.worker.spec_decode.speculator import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +96,7 @@ class EngineStats:
     # KV_USAGE_BUCKETS: a load's peak from every step, not from when a scraper looked.
     kv_usage_step_counts: list = field(default_factory=lambda: [0] * len(KV_USAGE_BUCKETS))
     kv_usage_step_sum: float = 0.0
-    spec_decode: object | None = None  # spec_decode.SpecStats when speculating (vLLM's counters)
+    spec_decode: SpecStats | None = None  # when speculating (vLLM's counters)
 
     def observe_kv_usage(self, usage: float) -> None:
         self.kv_usage_step_counts[bisect.bisect_left(KV_USAGE_BUCKETS, usage)] += 1
@@ -103,10 +108,12 @@ class PendingStep:
     """A step between `Engine.begin_step` and `Engine.finish_step`."""
 
     t0: float
-    plan: object  # SchedulerOutput
-    batch: object | None = None  # StepBatch, for a plan that is not empty
-    pooling: list = field(default_factory=list)
-    arm: tuple | None = None  # the step's lot in the speculation policy's wall-clock trial
+    plan: SchedulerOutput
+    batch: StepBatch | None = None  # for a plan that is not empty
+    pooling: PooledRows = field(default_factory=list)
+    # (batch-size bucket, drafts kept) when the speculation policy drew this step for its
+    # wall-clock trial of drafts against none (spec_decode/policy.py: WallCheck)
+    wall_trial: tuple[int, bool] | None = None
 
 
 def _history(entry, j: int) -> tuple[list[int], int]:
@@ -158,6 +165,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.block_manager, self.state_slots)
         self.runner = (runner_factory or ModelRunner)(model, num_blocks, config.block_size, kv_dtype,
                                                       num_state_slots=self.config.max_num_seqs if hybrid else 0)
+        self.pooling = PoolingRequests(self.pooler, self.runner, model_name)
         if hybrid:
             log.info("recurrent state: %d slots of %.1f KiB (%.1f MiB)", self.config.max_num_seqs,
                      self.runner.state_bytes_per_slot / 1024,
@@ -227,12 +235,11 @@ class Engine:
         if params.n > 1 and any(rid.startswith(request_id + "#") for rid in self.seqs):
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.pooling is not None:
-            self._check_pooling(params, resume_token_ids)
+            self.pooling.check(params, resume_token_ids)
         prompt = [int(t) for t in prompt_token_ids]
         seq = Sequence(request_id, prompt + [int(t) for t in resume_token_ids], params, num_prompt_tokens=len(prompt))
         if params.pooling is not None:
-            seq.pool_state = PoolState()
-            seq.skip_prefix_cache = self.pooler.needs_every_position(params.pooling)
+            self.pooling.start(seq)
         if params.structured is not None:
             seq.matcher = self.grammars.matcher_for(params.structured, resume_token_ids)
         if params.thinking is not None:
@@ -247,18 +254,6 @@ class Engine:
             self.groups[request_id] = [request_id]
             self.forks[request_id] = params.n - 1
         self.stats.prompt_tokens += len(prompt)
-
-    def _check_pooling(self, params: SamplingParams, resume_token_ids) -> None:
-        """ValueError for a pooling request this engine cannot serve."""
-        self.pooler.check(params.pooling)
-        if not self.runner.can_pool:
-            raise ValueError(f"model {self.model_name!r} cannot serve embeddings or scores: its final hidden states "
-                             "are not reachable apart from its logits (an mlx-lm family of the form head(model(x)) "
-                             "is needed: llama, qwen2, qwen3, mistral, ...)")
-        if params.pooling.task == "score" and self.pooler.score_kind == "yes_no" and self.pooler.yes_no_ids is None:
-            raise ValueError("the reranker's yes / no tokens are unknown")
-        if params.n != 1 or resume_token_ids or params.prompt_logprobs is not None or params.structured is not None:
-            raise ValueError("a pooling request takes no n, resumed tokens, prompt logprobs or structured output")
 
     def _tracker(self, params: SamplingParams) -> ThinkingTracker:
         return ThinkingTracker(params.thinking, self._piece_text)
@@ -392,16 +387,16 @@ class Engine:
         sends the plan to the other ranks here). `finish_step` does the rest; a pipelined
         group begins the next batch of another set of requests in between."""
         t0 = time.perf_counter()
-        arm = None
+        wall_trial = None
         if self.speculator is not None:
-            arm = self.speculator.propose(self.scheduler.running, self._rows_estimate())
+            wall_trial = self.speculator.propose(self.scheduler.running, self._rows_estimate())
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return PendingStep(t0, plan)
         self.stats.observe_kv_usage(self.block_manager.usage)
         batch = self.runner.prepare(plan)
         # (a model that serves no embeddings or scores never looks: its steps cost nothing more)
-        return PendingStep(t0, plan, batch, self._pooling_rows(plan, batch) if self.pooler.pools else [], arm)
+        return PendingStep(t0, plan, batch, self.pooling.pick_rows(plan, batch) if self.pooler.pools else [], wall_trial)
 
     def finish_step(self, pending: "PendingStep") -> list[RequestOutput]:
         """The second half: forward, sample, postprocess."""
@@ -412,7 +407,7 @@ class Engine:
             cost0 = self.speculator.clock() if self.speculator is not None else 0.0
             logits = self.runner.forward(batch)
             if pooling:
-                self._pool(plan, pooling)
+                self.pooling.accumulate(plan, pooling)
             sampling = ([e for e in plan.scheduled if e.sample and e.seq.sampling_params.pooling is None] if pooling
                         else [e for e in plan.scheduled if e.sample])  # (no pooling request in this step)
             if batch.prompt_rows:
@@ -441,7 +436,7 @@ class Engine:
                 if self.speculator is not None:
                     self.speculator.record(e.spec_token_ids, tokens, e.seq)
             if self.speculator is not None:
-                self.speculator.observe_step(self.speculator.clock() - cost0, batch.num_tokens, pending.arm,
+                self.speculator.observe_step(self.speculator.clock() - cost0, batch.num_tokens, pending.wall_trial,
                                              sum(len(t) for t in kept.values()), time.perf_counter() - t0)
             produced = self.scheduler.postprocess(plan, kept)
             for e in produced:  # before any finishes (and frees its blocks)
@@ -483,49 +478,10 @@ class Engine:
             [_history(e, j) for e, j in rows], bitmask, masked,
         )
 
-    # -- pooling requests (pooling.py) -----------------------------------------------------------
-    def _pooling_rows(self, plan, batch) -> list[tuple[int, int, int]]:
-        """Put the rows the step's pooling requests read into `batch.hidden_rows`; returns
-        (entry index, first of its rows there, how many) for each such entry."""
-        scheduled = plan.scheduled
-        pooled = [i for i, e in enumerate(scheduled) if e.seq.sampling_params.pooling is not None]
-        if not pooled:
-            return []
-        firsts = [0, *itertools.accumulate(e.num_new_tokens for e in scheduled)]  # each entry's first row
-        rows: list[int] = []
-        found: list[tuple[int, int, int]] = []
-        for i in pooled:
-            e = scheduled[i]
-            r = self.pooler.hidden_rows(e.seq.sampling_params.pooling, e.start, e.num_new_tokens, e.sample)
-            found.append((i, len(rows), len(r)))
-            rows += [firsts[i] + k for k in r]
-        batch.hidden_rows = mx.array(rows, dtype=mx.int32)
-        return found
-
-    def _pool(self, plan, found: list[tuple[int, int, int]]) -> None:
-        """Fold this step's final hidden states into each pooling request's state."""
-        hidden = np.array(self.runner.hidden, dtype=np.float32) if self.runner.hidden is not None else None
-        for i, first, n in found:
-            e = plan.scheduled[i]
-            rows = hidden[first : first + n] if n else np.zeros((0, 0), np.float32)
-            self.pooler.accumulate(e.seq.pool_state, e.seq.sampling_params.pooling, e.start, rows)
-
     def _finish_pooled(self, entries) -> list[RequestOutput]:
         """Pooling requests whose last chunk ran this step: their vector or score, and done."""
-        results: dict[int, np.ndarray] = {}
-        scored = []
-        for e in entries:
-            params = e.seq.sampling_params.pooling
-            pooled = self.pooler.pooled(e.seq.pool_state, params)
-            if params.task == "embed":
-                results[id(e.seq)] = self.pooler.embedding(pooled, params)
-            else:
-                scored.append((e.seq, pooled))
-        if scored:
-            for (seq, _), score in zip(scored, self._scores(np.stack([p for _, p in scored]))):
-                results[id(seq)] = np.array([score], dtype=np.float32)
         outputs = []
-        for e in entries:
+        for e, pooled in zip(entries, self.pooling.results(entries)):
             seq = e.seq
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
             self._count_finished(seq)
@@ -533,20 +489,8 @@ class Engine:
             self.detoks.pop(seq.request_id, None)
             outputs.append(RequestOutput(
                 request_id=seq.group_id, new_token_ids=[], new_text="", finished=True, finish_reason="stop",
-                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                pooled=results[id(seq)]))
+                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens, pooled=pooled))
         return outputs
-
-    def _scores(self, pooled: np.ndarray) -> list[float]:
-        """A reranker's scores from last-token hidden states [N, hidden] (pooling.py)."""
-        h = mx.array(pooled).astype(self.runner.dtype)
-        if self.pooler.score_kind == "classifier":
-            logits = np.array(self.runner.model.score(h).astype(mx.float32))
-            return [sigmoid(float(x)) for x in logits[:, 0]]
-        yes, no = self.pooler.yes_no_ids
-        logits = self.runner.head_logits(h)[:, mx.array([yes, no])].astype(mx.float32)
-        logits = np.array(logits)
-        return [sigmoid(float(y - n)) for y, n in logits]
 
     @staticmethod
     def _masks(entries, vocab_size: int) -> np.ndarray:

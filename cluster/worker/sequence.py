@@ -5,8 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cluster.worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from cluster.formats.thinking import ThinkingTracker
+    from cluster.worker.pooling import PoolState
+    from cluster.worker.spec_decode.state import SpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -44,8 +52,8 @@ class Sequence:
     num_preemptions: int = 0
     num_forwarded_tokens: int = 0  # all tokens ever forwarded (recompute included)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    matcher: object | None = None  # llguidance's LLMatcher over the output, for a structured output
-    thinking: object | None = None  # cluster.formats.thinking.ThinkingTracker, for a thinking budget
+    matcher: LLMatcher | None = None  # over the output, for a structured output (structured.py)
+    thinking: ThinkingTracker | None = None  # for a thinking budget
     forced: list[int] = field(default_factory=list)  # tokens the next steps must produce (a spent thinking budget)
     # n > 1: the request this sample belongs to and its index there (`request_id` is then
     # unique per sample: the request's own id for index 0)
@@ -57,13 +65,13 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     # a pooling request (sampling_params.pooling): what its chunks pooled so far, and whether
     # it must compute every position (no prefix-cache hit: pooling.py says why)
-    pool_state: object | None = None
+    pool_state: PoolState | None = None
     skip_prefix_cache: bool = False
     passed_by_generation: int = 0  # generation requests queued ahead of it (scheduler.py)
     # speculative decoding (spec_decode/): the draft tokens to verify in the next step (not
     # part of token_ids until kept), and the proposer's and policy's state for the request
     spec_token_ids: list[int] = field(default_factory=list)
-    spec_state: object | None = None
+    spec_state: SpecState | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.token_ids)
