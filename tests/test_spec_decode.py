@@ -391,7 +391,7 @@ def test_the_table_sees_a_steps_cost_jump_just_past_a_power_of_two():
     rows' own cost, so one sure request's 4 drafts beside 15 decodes, worth ~3.9 tokens
     for +36% of the step, are dropped; a table that only knew 16 and 24 rows would put
     them at +19% and keep them."""
-    from cluster.worker.spec_decode.speculator import CALIBRATION_ROWS
+    from cluster.worker.spec_decode.calibration import CALIBRATION_ROWS
 
     def cost(rows):
         return 0.08 + 0.0005 * rows + 0.03 * (rows > 16) + 0.03 * (rows > 32)

@@ -14,20 +14,20 @@ metrics) and feeds the policy.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cluster.worker.sequence import Sequence, SequenceStatus
 from cluster.worker.spec_decode.config import SpeculativeConfig
 from cluster.worker.spec_decode.ngram import NgramProposer
 from cluster.worker.spec_decode.policy import SpecPolicy, cost_clock
 
+if TYPE_CHECKING:
+    from cluster.worker.scheduler import ScheduledSeq, Scheduler
+
 log = logging.getLogger(__name__)
-# The step sizes the worker measures at start (warm-up): the policy interpolates between
-# them. With each power of two, the count just past it (9, 17, 33), where a kernel's tiling
-# adds a tile and the cost jumps (`policy.GRID`): interpolating 16 -> 24 rows put one draft
-# beside 16 decodes at +6% of the step where it costs +39%.
-CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 64, 96, 128)
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Speculator:
         self.policy = policy if policy is not None else SpecPolicy(self.k)
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
         self.clock = cost_clock()  # what the engine reads a step's cost with, for the policy
+        self._step_start = 0.0  # `clock` when the step's forward began
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype) -> int:
         """What the proposer adds to each KV block (a draft model's own pool)."""
@@ -126,15 +127,33 @@ class Speculator:
             s.accepted_per_pos[j] += 1
         self.policy.record(seq, len(drafts), accepted)
 
-    def calibrate(self, time_rows, max_rows: int) -> None:
-        """Measure steps of 1 .. `max_rows` rows (`time_rows(rows)` -> seconds of `clock`;
-        the best of three each) for the policy's table, before the first request."""
-        for rows in CALIBRATION_ROWS:
-            if rows <= max_rows:
-                self.policy.times.observe(rows, min(time_rows(rows) for _ in range(3)))
-
     def observe_step(self, seconds: float, num_rows: int, arm: tuple[int, bool] | None = None, tokens: int = 0,
                      wall_seconds: float = 0.0) -> None:
         """A step done: its cost in seconds of `clock`, its rows, and for one in the policy's
         wall-clock trial (`arm`, from `propose`), its output tokens and wall time."""
         self.policy.observe_step(seconds, num_rows, arm, tokens, wall_seconds)
+
+    # -- around the engine's step ------------------------------------------------------
+    def forward_started(self) -> None:
+        """The step's forward begins: its cost is read from here to `step_done`."""
+        self._step_start = self.clock()
+
+    def step_done(self, sampling: list[ScheduledSeq], kept: dict[int, list[int]], num_rows: int,
+                  wall_trial: tuple[int, bool] | None, wall_seconds: float) -> None:
+        """After verification: `kept[id(seq)]`, the tokens each of the step's sampled
+        entries keeps; `num_rows`, the step's rows; `wall_trial`, its lot from `propose`;
+        `wall_seconds`, its wall time from before it was planned."""
+        for e in sampling:
+            self.record(e.spec_token_ids, kept[id(e.seq)], e.seq)
+        self.observe_step(self.clock() - self._step_start, num_rows, wall_trial,
+                          sum(len(t) for t in kept.values()), wall_seconds)
+
+
+def next_step_rows(scheduler: Scheduler, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The next step's rows before drafts, for `Speculator.propose`: its decodes, and the
+    prefill tokens that will run beside them as far as the budget allows."""
+    decodes = sum(1 for q in scheduler.running if not q.is_prefilling)
+    pending = sum(q.num_uncomputed_tokens for q in scheduler.running if q.is_prefilling)
+    if len(scheduler.running) < max_num_seqs:
+        pending += sum(q.num_uncomputed_tokens for q in itertools.islice(scheduler.waiting, 8))
+    return decodes + min(pending, max(0, max_num_batched_tokens - decodes))
