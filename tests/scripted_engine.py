@@ -1,11 +1,14 @@
-"""A scripted engine behind the real worker service and HTTP app: the model's real
-tokenizer and chat template, an output chosen by the test.
+"""The tests' fake engines: the engine's protocol (`EngineProtocol`) with no model behind
+it, driven by the real engine loop, worker service and HTTP app.
 
-Random weights never call a tool by themselves; this engine answers each request with the
-text `reply(prompt_text)` returns, tokenized by the model's tokenizer and streamed one
-token per step through the engine's own incremental detokenizer, so everything after the
-sampler (detokenizing, stop strings, tool-call parsing, the OpenAI / Responses / Messages
-fronts) runs as it does on a real worker. It records the rendered prompts.
+`FakeEngine` emits tokens 100, 101, ... one a step, with hooks for the failures a test
+plays (a refusal, a step that raises, a step held). `ScriptedEngine` answers with text
+the test chooses: random weights never call a tool by themselves; it answers each
+request with the text `reply(prompt_text)` returns, tokenized by the model's real
+tokenizer and streamed one token per step through the engine's own incremental
+detokenizer, so everything after the sampler (detokenizing, stop strings, tool-call
+parsing, the OpenAI / Responses / Messages fronts) runs as it does on a real worker. It
+records the rendered prompts.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -21,41 +25,75 @@ from typing import Callable
 from aiohttp import web
 
 from cluster.worker.detokenizer import IncrementalDetokenizer
-from cluster.worker.engine import EngineStats, RequestOutput
+from cluster.worker.engine import EngineStats, QueueFullError, RequestOutput
+from cluster.worker.engine_protocol import EngineProtocol
+from cluster.worker.sequence import SequenceStatus
+
+BOOM = 999  # a prompt starting with this token makes a FakeEngine's step raise
 
 
-class ScriptedEngine:
-    def __init__(self, model_dir: Path, reply: Callable[[str], str] | str = "hello", step_seconds: float = 0.0):
-        from mlx_lm.tokenizer_utils import load
+@dataclass
+class FakeSeq:
+    prompt: list[int]
+    params: object
+    out: list[int] = field(default_factory=list)  # output tokens so far (resumed ones first)
+    status: SequenceStatus = SequenceStatus.WAITING
+    arrival: float = 0.0
+    script: list[int] = field(default_factory=list)  # a ScriptedEngine's reply, tokenized
+    detok: IncrementalDetokenizer | None = None
 
-        self.tokenizer = load(Path(model_dir))
-        self.model_name = Path(model_dir).name
-        self.vocab_size = len(self.tokenizer.get_vocab())
-        self.config = SimpleNamespace(max_model_len=4096, max_num_seqs=8, block_size=16, finish_wait_ms=0.0)
-        self.stats = EngineStats(num_blocks_total=64)
-        self.reply = reply
-        self.prompts: list[str] = []  # every request's rendered prompt, in order
-        self.params: list = []
-        self.seqs: dict[str, dict] = {}
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+
+class FakeEngine(EngineProtocol):
+    """Emits tokens 100, 101, ... one per step (text "<100>", ...) until max_tokens. Refuses
+    token ids past its vocabulary (500) and "queue full" past `max_waiting` waiting
+    requests (None: never); a prompt starting with BOOM makes the step raise; a step
+    blocks while `unwedged` is clear. Records what was added (`added`: request id and
+    resumed tokens), aborted (`aborted`), and the thread that added the last (`thread`)."""
+
+    def __init__(self, max_waiting: int | None = 3, step_seconds: float = 0.0):
+        self.model_name = "fake"
+        self.vocab_size = 500
+        self.config = SimpleNamespace(max_model_len=2048, max_num_seqs=4, block_size=16, finish_wait_ms=0.0)
+        self.tokenizer = SimpleNamespace(encode=lambda text: [ord(c) % 50 + 1 for c in text],
+                                         decode=lambda ids: "".join(f"<{i}>" for i in ids))
+        self.stats = EngineStats(num_blocks_total=8)
+        self.seqs: dict[str, FakeSeq] = {}
+        self.aborted: list[str] = []
+        self.added: list[tuple[str, tuple[int, ...]]] = []  # (request id, resumed tokens), in order
+        self.thread = None
+        self.unwedged = threading.Event()
+        self.unwedged.set()
+        self.max_waiting = max_waiting
         self.step_seconds = step_seconds  # a step's time, as a real model's (each step's chunk then travels alone)
 
+    poison: int | None = BOOM  # a prompt that starts with it makes the step raise
+
     def add_request(self, rid, prompt, params, arrival_time=None, resume_token_ids=()):
-        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
-        self.prompts.append(text)
-        self.params.append(params)
-        reply = self.reply(text) if callable(self.reply) else self.reply
-        resumed = list(resume_token_ids)  # the script continues after them, as a resumed request does
-        self.seqs[rid] = dict(out=self.tokenizer.encode(reply, add_special_tokens=False), i=len(resumed),
-                              prompt=list(prompt), params=params,
-                              detok=IncrementalDetokenizer(self.tokenizer, list(prompt) + resumed, params.stop,
-                                                           kept_special=params.kept_special_ids))
+        self.thread = threading.current_thread().name
+        seq = self.new_seq(list(prompt), params, list(resume_token_ids), arrival_time or 0.0)
+        waiting = sum(s.status is SequenceStatus.WAITING for s in self.seqs.values())
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests): retry later")
+        self.seqs[rid] = seq
+        self.added.append((rid, tuple(resume_token_ids)))
+
+    def new_seq(self, prompt: list[int], params, resumed: list[int], arrival: float) -> FakeSeq:
+        if any(t >= self.vocab_size and t != self.poison for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        return FakeSeq(prompt, params, resumed, arrival=arrival)
 
     def abort(self, rid):
+        self.aborted.append(rid)
         return self.seqs.pop(rid, None) is not None
 
     def abort_all(self):
         ids = list(self.seqs)
-        self.seqs.clear()
+        for rid in ids:
+            self.abort(rid)
         return ids
 
     def has_unfinished(self):
@@ -66,35 +104,86 @@ class ScriptedEngine:
 
     def request_state(self, rid):
         s = self.seqs[rid]
-        return s["prompt"], s["out"][:s["i"]], s["params"], 0.0
+        return list(s.prompt), list(s.out), s.params, s.arrival
 
-    num_waiting = 0
+    num_waiting = 0  # nothing is held back for admission here
 
     def is_waiting(self, rid):
-        return False
+        return rid in self.seqs and self.seqs[rid].status is SequenceStatus.WAITING
 
     def step(self):
+        self.unwedged.wait()  # a test-only wedge: the step blocks while it is clear
         if self.step_seconds:
             time.sleep(self.step_seconds)
+        if any(s.prompt[0] == self.poison for s in self.seqs.values()):
+            raise RuntimeError("boom")
         outs = []
         for rid, s in list(self.seqs.items()):
-            if s["i"] >= len(s["out"]):  # the script is done: the model's end of turn
-                text = s["detok"].take_delta(final=True)
-                outs.append(RequestOutput(rid, [], text, True, "stop", num_prompt_tokens=len(s["prompt"]),
-                                          num_output_tokens=s["i"]))
+            s.status = SequenceStatus.RUNNING
+            out = self.advance(rid, s)
+            outs.append(out)
+            if out.finished:
                 del self.seqs[rid]
-                continue
-            tok = s["out"][s["i"]]
-            s["i"] += 1
-            stop = s["detok"].add(tok)
-            done = stop is not None or s["i"] >= s["params"].max_tokens
-            text = s["detok"].take_delta(final=done)
-            outs.append(RequestOutput(rid, [tok], text, done, ("stop" if stop else "length") if done else None,
-                                      stop_reason=stop, num_prompt_tokens=len(s["prompt"]), num_output_tokens=s["i"]))
-            if done:
-                del self.seqs[rid]
+        self.stats.num_running = len(self.seqs)
         self.stats.num_steps += 1
         return outs
+
+    def advance(self, rid: str, s: FakeSeq) -> RequestOutput:
+        """One step of one request: its next token."""
+        tok = 100 + len(s.out)
+        s.out.append(tok)
+        done = len(s.out) >= s.max_tokens
+        return RequestOutput(rid, [tok], f"<{tok}>", done, "length" if done else None,
+                             num_prompt_tokens=len(s.prompt), num_output_tokens=len(s.out))
+
+
+class ScriptedEngine(FakeEngine):
+    """A FakeEngine with the model's real tokenizer whose requests answer `reply` (see the
+    module docstring); it takes any number of requests waiting, and no prompt fails."""
+
+    poison = None
+
+    def __init__(self, model_dir: Path, reply: Callable[[str], str] | str = "hello", step_seconds: float = 0.0):
+        from mlx_lm.tokenizer_utils import load
+
+        super().__init__(max_waiting=None, step_seconds=step_seconds)
+        self.tokenizer = load(Path(model_dir))
+        self.model_name = Path(model_dir).name
+        self.vocab_size = len(self.tokenizer.get_vocab())
+        self.config = SimpleNamespace(max_model_len=4096, max_num_seqs=8, block_size=16, finish_wait_ms=0.0)
+        self.stats = EngineStats(num_blocks_total=64)
+        self.reply = reply
+        self.prompts: list[str] = []  # every request's rendered prompt, in order
+        self.params: list = []
+
+    def new_seq(self, prompt: list[int], params, resumed: list[int], arrival: float) -> FakeSeq:
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        self.prompts.append(text)
+        self.params.append(params)
+        reply = self.reply(text) if callable(self.reply) else self.reply
+        # the script continues after the resumed tokens, as a resumed request does
+        return FakeSeq(prompt, params, resumed, arrival=arrival,
+                       script=self.tokenizer.encode(reply, add_special_tokens=False),
+                       detok=IncrementalDetokenizer(self.tokenizer, prompt + resumed, params.stop,
+                                                    kept_special=params.kept_special_ids))
+
+    def request_state(self, rid):
+        s = self.seqs[rid]
+        return s.prompt, s.script[: len(s.out)], s.params, 0.0
+
+    def advance(self, rid: str, s: FakeSeq) -> RequestOutput:
+        """The script's next token, or at its end the model's end of turn."""
+        i = len(s.out)
+        if i >= len(s.script):
+            return RequestOutput(rid, [], s.detok.take_delta(final=True), True, "stop", num_prompt_tokens=len(s.prompt),
+                                 num_output_tokens=i)
+        tok = s.script[i]
+        s.out.append(tok)
+        stop = s.detok.add(tok)
+        done = stop is not None or len(s.out) >= s.max_tokens
+        text = s.detok.take_delta(final=done)
+        return RequestOutput(rid, [tok], text, done, ("stop" if stop else "length") if done else None,
+                             stop_reason=stop, num_prompt_tokens=len(s.prompt), num_output_tokens=len(s.out))
 
 
 class ScriptedServer:

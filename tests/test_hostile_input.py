@@ -879,7 +879,8 @@ def test_the_worker_answers_a_grammar_that_gave_up_as_the_clients_error():
     """INVALID_ARGUMENT, which the router relays and never counts against the worker; not an
     "abort" finish, which it takes for the worker failing."""
     from cluster.worker.engine import RequestOutput
-    from test_worker_service import FakeEngine, collect, run_with_service
+    from scripted_engine import FakeEngine
+    from test_worker_service import collect, run_with_service
 
     class GivesUpEngine(FakeEngine):
         """Its "gives-up" requests end at their second token for what they asked."""

@@ -1,5 +1,6 @@
 """The worker's asyncio side and engine thread against a fake engine (no MLX, no sockets):
-routing, cancellation, refusals and engine failures."""
+routing, cancellation, refusals and engine failures. The fake is the tests' shared one
+(`scripted_engine.FakeEngine`)."""
 
 from __future__ import annotations
 
@@ -8,102 +9,16 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
 
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.sdk import InternalError, InvalidRequest, Overloaded, Unavailable, build_request
-from cluster.worker.engine import EngineStats, QueueFullError, RequestOutput
-from cluster.worker.sequence import SequenceStatus
+from cluster.worker.engine import RequestOutput
 from cluster.worker.service import WorkerService
 from cluster.worker.engine_loop import EngineLoop
-
-BOOM = 999  # a prompt starting with this token makes the fake engine's step raise
-
-
-@dataclass
-class FakeSeq:
-    prompt: list[int]
-    params: object
-    out: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
-    arrival: float = 0.0
-
-    @property
-    def max_tokens(self) -> int:
-        return self.params.max_tokens
-
-
-class FakeEngine:
-    """Emits tokens 100, 101, ... one per step; refuses 'queue full' past 3 waiting."""
-
-    def __init__(self):
-        self.model_name = "fake"
-        self.vocab_size = 500
-        self.config = SimpleNamespace(max_model_len=2048, max_num_seqs=4, block_size=16, finish_wait_ms=0.0)
-        self.tokenizer = SimpleNamespace(encode=lambda text: [ord(c) % 50 + 1 for c in text],
-                                         decode=lambda ids: "".join(f"<{i}>" for i in ids))
-        self.stats = EngineStats(num_blocks_total=8)
-        self.seqs: dict[str, FakeSeq] = {}
-        self.aborted: list[str] = []
-        self.added: list[tuple[str, tuple[int, ...]]] = []  # (request id, resumed tokens), in order
-        self.thread = None
-        self.unwedged = threading.Event()
-        self.unwedged.set()
-
-    def add_request(self, rid, prompt, params, arrival_time=None, resume_token_ids=()):
-        self.thread = threading.current_thread().name
-        if any(t >= 500 and t != BOOM for t in prompt):
-            raise ValueError("prompt token ids must be in [0, 500)")
-        if sum(s.status is SequenceStatus.WAITING for s in self.seqs.values()) >= 3:
-            raise QueueFullError("the waiting queue is full (3 requests): retry later")
-        self.seqs[rid] = FakeSeq(list(prompt), params, list(resume_token_ids), arrival=arrival_time or 0.0)
-        self.added.append((rid, tuple(resume_token_ids)))
-
-    def abort(self, rid):
-        self.aborted.append(rid)
-        return self.seqs.pop(rid, None) is not None
-
-    def abort_all(self):
-        ids = list(self.seqs)
-        for rid in ids:
-            self.abort(rid)
-        return ids
-
-    def has_unfinished(self):
-        return bool(self.seqs)
-
-    def live_request_ids(self):
-        return list(self.seqs)
-
-    def request_state(self, rid):
-        s = self.seqs[rid]
-        return list(s.prompt), list(s.out), s.params, s.arrival
-
-    num_waiting = 0  # nothing is held back for admission here
-
-    def is_waiting(self, rid):
-        return rid in self.seqs and self.seqs[rid].status is SequenceStatus.WAITING
-
-    def step(self):
-        self.unwedged.wait()  # a test-only wedge: the step blocks while it is clear
-        if any(s.prompt[0] == BOOM for s in self.seqs.values()):
-            raise RuntimeError("boom")
-        outs = []
-        for rid, s in list(self.seqs.items()):
-            s.status = SequenceStatus.RUNNING
-            tok = 100 + len(s.out)
-            s.out.append(tok)
-            done = len(s.out) >= s.max_tokens
-            outs.append(RequestOutput(rid, [tok], f"<{tok}>", done, "length" if done else None,
-                                      num_prompt_tokens=len(s.prompt), num_output_tokens=len(s.out)))
-            if done:
-                del self.seqs[rid]
-        self.stats.num_running = len(self.seqs)
-        self.stats.num_steps += 1
-        return outs
+from scripted_engine import BOOM, FakeEngine
 
 
 def run_with_service(fn, engine: FakeEngine | None = None, **service_kwargs):
@@ -365,12 +280,12 @@ def test_a_request_sent_right_after_a_finish_joins_the_next_step(wait_ms):
 
 def test_the_loop_learns_whether_clients_come_back():
     from cluster.worker.sampling_params import SamplingParams
-    from cluster.worker.engine_loop import AddRequest, _Comeback
+    from cluster.worker.engine_loop import AddRequest, ClosedLoopClients
 
     def add(at):
         return AddRequest(f"r{at}", [1], SamplingParams(), at)
 
-    c = _Comeback(0.010)
+    c = ClosedLoopClients(0.010)
     assert not c.worth_waiting()  # nothing finished yet
     for t in range(5):  # closed loop: both finished clients are back within 10 ms
         c.finished(float(t), 2)
@@ -537,3 +452,22 @@ def test_a_pooling_request_with_more_inputs_than_the_queue_holds_is_the_clients_
         return list(engine.added)
 
     assert run_with_service(fn, engine) == []
+
+
+def test_every_engine_implements_the_engine_protocol():
+    """The engine, the pipelined group's and the tests' fakes each define every member of
+    the protocol the service and the engine loop use (a class that declares the protocol
+    but misses a method would inherit its empty stub)."""
+    from cluster.worker.engine import Engine
+    from cluster.worker.engine_protocol import EngineProtocol
+    from cluster.worker.group.pipelined import PipelinedEngine
+    from scripted_engine import ScriptedEngine
+
+    methods = [name for name, v in vars(EngineProtocol).items()
+               if not name.startswith("_") and (callable(v) or isinstance(v, property))]
+    assert {"add_request", "abort", "step", "has_unfinished", "num_waiting", "request_state"} <= set(methods)
+    for cls in (Engine, PipelinedEngine, FakeEngine, ScriptedEngine):
+        assert EngineProtocol in cls.__mro__, cls  # (issubclass: not for a protocol with data members)
+        inherited = [name for name in methods if getattr(cls, name) is getattr(EngineProtocol, name)]
+        assert not inherited, f"{cls.__name__} does not define {inherited}"
+    assert isinstance(FakeEngine(), EngineProtocol)

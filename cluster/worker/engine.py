@@ -11,28 +11,27 @@ forks (admission.py), pooling requests (pooling_requests.py), prompt logprobs
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from cluster import platform
-from cluster.api.buckets import KV_USAGE_BUCKETS
 from cluster.worker.admission import Admission, QueueFullError
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
 from cluster.worker.detokenizer import IncrementalDetokenizer
+from cluster.worker.engine_protocol import EngineProtocol
+from cluster.worker.engine_stats import EngineStats
 from cluster.worker.model_runner import (ModelRunner, StepBatch, default_kv_budget, has_recurrent_layers,
                                          kv_bytes_per_block, load_model, text_args, weight_dtype)
 from cluster.worker.outputs import RequestOutput, pooled_output, token_output
 from cluster.worker.pooling import Pooler
 from cluster.worker.pooling_requests import PooledRows, PoolingRequests
 from cluster.worker.prompt_logprobs import add_prompt_logprobs
-from cluster.worker.sampler import Sampler
+from cluster.worker.sampler import SampleResult, Sampler
 from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from cluster.worker.sequence import Sequence, SequenceStatus
@@ -45,41 +44,8 @@ from cluster.worker.stop_checks import StopChecks
 from cluster.worker.structured import GrammarCompiler
 from cluster.worker.thinking_budget import ThinkingBudgets
 
-if TYPE_CHECKING:
-    from cluster.worker.spec_decode.speculator import SpecStats
-
 log = logging.getLogger(__name__)
 __all__ = ["Engine", "EngineStats", "PendingStep", "QueueFullError", "RequestOutput"]
-
-
-@dataclass
-class EngineStats:
-    """Counters for metrics and load reports (read from any thread: plain ints)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks_used: int = 0
-    num_blocks_total: int = 0
-    state_slots_used: int = 0  # a hybrid model's recurrent-state slots (0 / 0 otherwise)
-    state_slots_total: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    num_preemptions: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    num_steps: int = 0
-    forward_seconds: float = 0.0
-    step_seconds: float = 0.0
-    finished: dict = field(default_factory=dict)
-    # Each step's KV usage (blocks held once the step is scheduled / total), counted into
-    # KV_USAGE_BUCKETS: a load's peak from every step, not from when a scraper looked.
-    kv_usage_step_counts: list = field(default_factory=lambda: [0] * len(KV_USAGE_BUCKETS))
-    kv_usage_step_sum: float = 0.0
-    spec_decode: SpecStats | None = None  # when speculating (vLLM's counters)
-
-    def observe_kv_usage(self, usage: float) -> None:
-        self.kv_usage_step_counts[bisect.bisect_left(KV_USAGE_BUCKETS, usage)] += 1
-        self.kv_usage_step_sum += usage
 
 
 @dataclass
@@ -95,7 +61,7 @@ class PendingStep:
     wall_trial: tuple[int, bool] | None = None
 
 
-class Engine:
+class Engine(EngineProtocol):
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), model_name: str = "model",
                  pooler: Pooler | None = None, runner_factory=None, draft=None):
         """`pooler`: the model's pooling and tasks (`Pooler.for_model`; None: a generation model,
@@ -284,6 +250,8 @@ class Engine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, prepare (`begin_step`); forward, sample / verify,
+        postprocess, outputs (`finish_step`)."""
         return self.finish_step(self.begin_step())
 
     def begin_step(self) -> PendingStep:
@@ -311,8 +279,7 @@ class Engine:
             sampling = [e for e in pending.plan.scheduled if e.sample and e.seq.sampling_params.pooling is None]
             t1 = time.perf_counter()
             logits = self._forward(pending, bool(sampling))
-            drawn = sample(self.sampler, sampling, logits) if sampling else None
-            mx.eval(self.runner.pool_arrays())
+            drawn = self._sample(sampling, logits)
             self.stats.forward_seconds += time.perf_counter() - t1
             kept = verify(sampling, logits, drawn)
             if self.speculator is not None:
@@ -325,9 +292,9 @@ class Engine:
         return outputs
 
     def _forward(self, pending: PendingStep, sampled: bool) -> mx.array | None:
-        """The step's forward (lazy: it runs once the sampled rows are read), its hidden
-        states folded into its pooling requests and its prompt logprobs taken; the logits
-        of its sampled rows (None: it samples none)."""
+        """The step's forward, its final hidden states folded into its pooling requests
+        and its prompt logprobs taken; the logits of its sampled rows (None: it samples
+        none), lazy."""
         plan, batch = pending.plan, pending.batch
         if self.speculator is not None:
             self.speculator.forward_started()
@@ -338,6 +305,13 @@ class Engine:
             add_prompt_logprobs(plan, batch, logits)
             logits = logits[mx.array(batch.sample_index, dtype=mx.int32)] if sampled else None
         return logits
+
+    def _sample(self, sampling: list[ScheduledSeq], logits: mx.array | None) -> SampleResult | None:
+        """Draw the sampled rows (step_sampling.py); the forward's writes to the KV pool
+        are done when this returns."""
+        drawn = sample(self.sampler, sampling, logits) if sampling else None
+        mx.eval(self.runner.pool_arrays())
+        return drawn
 
     def _postprocess(self, pending: PendingStep, kept: KeptTokens) -> list[RequestOutput]:
         """Append the kept tokens, fork n > 1 samples whose prompt is done, stop checks;

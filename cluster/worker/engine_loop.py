@@ -9,12 +9,13 @@ Out: after each step, one call of the event sink, `sink(timestamp, events)`, wit
 everything the step produced (engine `RequestOutput`s, `Scheduled`, `Rejected`,
 `Failed`). The sink decides how to cross into its own world (the worker's service uses
 `call_soon_threadsafe`). Nothing here knows about gRPC or asyncio, and the engine is used
-only through its public methods (`add_request`, `abort`, `abort_all`, `step`,
+only through its protocol (`EngineProtocol`: `add_request`, `abort`, `abort_all`, `step`,
 `has_unfinished`, `num_waiting`, `is_waiting`, `live_request_ids`, `request_state`).
+What the thread keeps between rounds of work is one `LoopState`.
 
 A failed step does not fail its whole batch: its requests come back one at a time, each
 resumed exactly after the tokens its client has, until one fails a step on its own (the
-cause, failed alone) or all went through (see `_Isolation`).
+cause, failed alone) or all went through (see `CulpritSearch`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import mlx.core as mx
 
 from cluster.platform import give_back_freed_memory
 from cluster.worker.config import WorkerOptions
-from cluster.worker.engine import Engine, QueueFullError, RequestOutput
+from cluster.worker.engine import QueueFullError, RequestOutput
+from cluster.worker.engine_protocol import EngineProtocol
 from cluster.worker.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -107,7 +109,7 @@ EventSink = Callable[[float, list[Event]], None]
 
 
 class EngineLoop:
-    def __init__(self, engine_factory: Callable[[], Engine], sink: EventSink, faults=None,
+    def __init__(self, engine_factory: Callable[[], EngineProtocol], sink: EventSink, faults=None,
                  stall_report: float = WorkerOptions.stall_report):
         self._factory = engine_factory
         self._sink = sink
@@ -116,7 +118,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
-        self.engine: Engine | None = None  # set once loaded; read-only for other threads
+        self.engine: EngineProtocol | None = None  # set once loaded; read-only for other threads
         # time.monotonic() when the current round of work (messages, a step) began; None
         # while the thread waits for work. Written by the engine thread, read by a watchdog.
         self.busy_since: float | None = None
@@ -132,7 +134,7 @@ class EngineLoop:
         self._usual = 0.0  # moving average of recent rounds (what the engine usually takes)
 
     # -- any thread -------------------------------------------------------------------
-    def start(self, timeout: float | None = None) -> Engine:
+    def start(self, timeout: float | None = None) -> EngineProtocol:
         """Build the engine on the engine thread; return it once ready (or raise)."""
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -206,74 +208,37 @@ class EngineLoop:
             return
         finally:
             self._ready.set()
-        engine = self.engine
-        queued: dict[str, float] = {}  # request id -> arrival, until first scheduled
-        sent: dict[str, int] = {}  # request id -> output tokens its client has (resumed + emitted)
-        iso = _Isolation()
-        comeback = _Comeback(engine.config.finish_wait_ms / 1000)
+        state = LoopState(self.engine, self.faults)
         while True:
-            msgs = [] if engine.has_unfinished() or iso.suspects else [self._next_message()]
-            if comeback.worth_waiting() and not engine.num_waiting:
-                self._wait_for_comebacks(msgs, comeback)
-            while True:
-                try:
-                    msgs.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
+            msgs = self._take_messages(state)
             self.busy_since = now = time.monotonic()
-            comeback.observe(msgs, now)
+            state.clients.observe(msgs, now)
             events: list[Event] = []
             try:
-                stop = False
-                for msg in msgs:
-                    stop = self._handle(engine, msg, events, queued, sent, iso) or stop
-                if stop:
-                    gone = engine.abort_all() + iso.drop_all()
-                    events += [RequestOutput(rid, [], "", True, "abort") for rid in gone]
+                if state.handle_all(msgs, events):
+                    events += state.shut_down()
                     self._emit(time.monotonic(), events)
                     return
-                for msg in iso.next_adds():  # isolating: the next suspect, or at the end what was held
-                    self._add(engine, msg, events, queued, sent, probe=iso.probe == msg.request_id)
-                if iso.probe is not None and iso.probe not in engine.live_request_ids():
-                    iso.probe = None  # it could not be added again (failed above): on to the next
-                if engine.has_unfinished():
-                    self._step(engine, events, queued, sent)
-                    iso.probe = None  # it went through a step: not the cause
-                    comeback.finished(time.monotonic(), sum(
-                        1 for e in events if isinstance(e, RequestOutput) and e.finished and e.finish_reason != "abort"))
+                state.work(events)
             except Exception as e:  # keep serving: isolate the cause, recompute the rest
-                events += self._isolate(engine, e, iso, sent)
+                events += state.isolate(e)
             if events:
                 self._emit(time.monotonic(), events)
             self._round_done(time.monotonic() - now)
             self.busy_since = None
 
-    def _isolate(self, engine: Engine, error: Exception, iso: "_Isolation", sent: dict[str, int]) -> list[Event]:
-        """After a failed step: fail the request on probation if there was one (it failed
-        with only cleared requests beside it: it is the cause); take every other live
-        request out, to come back one at a time, each resumed after the tokens its client
-        has, so it continues exactly (the same path as a router's resume)."""
-        message = f"the engine failed: {type(error).__name__}: {error}"
-        culprit, iso.probe = iso.probe, None
-        failed: list[Event] = []
-        if culprit is not None:
-            log.error("engine: request %s failed a step on probation: failing it (%s)", culprit, message)
-            failed.append(Failed(culprit, message))
-        else:
-            log.exception("engine step failed; its requests come back one at a time to find the cause")
-        for rid in engine.live_request_ids():
-            if rid == culprit:
-                continue
+    def _take_messages(self, state: LoopState) -> list:
+        """The messages of the next round: with nothing to run, it waits for one; after a
+        step that finished requests, for as many new ones, a while (`ClosedLoopClients`);
+        then whatever else the inbox holds."""
+        msgs = [] if state.has_work() else [self._next_message()]
+        if state.clients.worth_waiting() and not state.engine.num_waiting:
+            self._wait_for_comebacks(msgs, state.clients)
+        while True:
             try:
-                prompt, output, params, arrival = engine.request_state(rid)
-            except Exception:
-                failed.append(Failed(rid, message))
-                continue
-            iso.suspects.append(AddRequest(rid, prompt, params, arrival, tuple(output[: sent.get(rid, 0)])))
-        engine.abort_all()
-        for ev in failed:
-            sent.pop(ev.request_id, None)
-        return failed
+                msgs.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return msgs
 
     def _next_message(self) -> AddRequest | AbortRequest | Shutdown:
         """The next message, however long it takes. Once none has come for
@@ -289,11 +254,11 @@ class EngineLoop:
         give_back_freed_memory()  # what the cache held is free in this thread's heap: to the system
         return self._inbox.get()
 
-    def _wait_for_comebacks(self, msgs: list, comeback: "_Comeback") -> None:
+    def _wait_for_comebacks(self, msgs: list, clients: ClosedLoopClients) -> None:
         """Take inbox messages until as many new requests arrived as the last step
         finished, a Shutdown comes, or the wait is over."""
         adds = 0
-        while adds < comeback.expected and (left := comeback.deadline - time.monotonic()) > 0:
+        while adds < clients.expected and (left := clients.deadline - time.monotonic()) > 0:
             try:
                 msg = self._inbox.get(timeout=left)
             except queue.Empty:
@@ -303,60 +268,6 @@ class EngineLoop:
                 return
             adds += isinstance(msg, AddRequest)
 
-    def _step(self, engine: Engine, events: list[Event], queued: dict[str, float], sent: dict[str, int]) -> None:
-        start = time.monotonic()
-        slower = self.faults.before_step(engine.live_request_ids()) if self.faults is not None else 0.0
-        outputs = engine.step()
-        if slower:
-            time.sleep((time.monotonic() - start) * (slower - 1))
-        for rid, arrival in list(queued.items()):  # only requests not yet scheduled
-            if not engine.is_waiting(rid):
-                events.append(Scheduled(rid, max(0.0, start - arrival)))
-                del queued[rid]
-        for out in outputs:
-            if out.finished:
-                sent.pop(out.request_id, None)
-            elif out.request_id in sent:
-                sent[out.request_id] += len(out.new_token_ids)
-        events += outputs
-
-    def _add(self, engine: Engine, msg: AddRequest, events: list[Event], queued: dict[str, float],
-             sent: dict[str, int], probe: bool = False) -> None:
-        """Add a request (`probe`: one coming back after a failed step; its queue time and
-        its refusal were dealt with the first time)."""
-        try:
-            engine.add_request(
-                msg.request_id, msg.prompt_token_ids, msg.params,
-                arrival_time=msg.arrival_time, resume_token_ids=msg.resume_token_ids,
-            )
-            sent[msg.request_id] = len(msg.resume_token_ids)
-            if not probe:
-                queued[msg.request_id] = msg.arrival_time
-        except (ValueError, QueueFullError) as e:
-            events.append(Rejected(msg.request_id, e) if not probe else Failed(msg.request_id, str(e)))
-        except Exception as e:
-            log.exception("add_request failed for %s", msg.request_id)
-            events.append(Failed(msg.request_id, f"the engine could not take the request: {type(e).__name__}: {e}"))
-
-    def _handle(self, engine: Engine, msg, events: list[Event], queued: dict[str, float], sent: dict[str, int],
-                iso: "_Isolation") -> bool:
-        """One dispatch point for inbox messages. True means shut down."""
-        if isinstance(msg, AddRequest):
-            if iso.active:
-                iso.held.append(msg)  # new work waits until the cause of a failed step is found
-            else:
-                self._add(engine, msg, events, queued, sent)
-        elif isinstance(msg, AbortRequest):
-            queued.pop(msg.request_id, None)
-            sent.pop(msg.request_id, None)
-            iso.drop(msg.request_id)
-            engine.abort(msg.request_id)
-        elif isinstance(msg, Shutdown):
-            return True
-        else:
-            log.error("engine loop: unknown message %r", msg)
-        return False
-
     def _emit(self, now: float, events: list[Event]) -> None:
         try:
             self._sink(now, events)
@@ -364,28 +275,154 @@ class EngineLoop:
             log.debug("engine loop: could not deliver %d events", len(events), exc_info=True)
 
 
-class _Isolation:
-    """After a failed step, its requests come back one at a time (`suspects`): each is on
-    probation (`probe`) until it has gone through one step, with only cleared requests
-    beside it. New requests are held meanwhile, so a failure is pinned on the one that
-    came back last. When no suspect is left, the held requests are added."""
+class LoopState:
+    """What the engine thread keeps from one round of work to the next, and the round's
+    work: the engine, each request's queue and sent counts, the search for the cause of
+    a failed step, and whether clients come back as requests finish."""
+
+    def __init__(self, engine: EngineProtocol, faults=None):
+        self.engine = engine
+        self.faults = faults  # cluster.worker.faults.FaultInjection, in fault tests only
+        self.queued: dict[str, float] = {}  # request id -> arrival, until first scheduled (`Scheduled`)
+        self.sent: dict[str, int] = {}  # request id -> output tokens its client has (resumed + emitted)
+        self.culprits = CulpritSearch()
+        self.clients = ClosedLoopClients(engine.config.finish_wait_ms / 1000)
+
+    def has_work(self) -> bool:
+        """Something to run without a new message: a live request, or one still to come
+        back after a failed step."""
+        return self.engine.has_unfinished() or bool(self.culprits.suspects)
+
+    def handle_all(self, msgs: list, events: list[Event]) -> bool:
+        """Every inbox message of the round, in order. True means shut down."""
+        stop = False
+        for msg in msgs:
+            stop = self.handle(msg, events) or stop
+        return stop
+
+    def handle(self, msg, events: list[Event]) -> bool:
+        """One dispatch point for inbox messages. True means shut down."""
+        if isinstance(msg, AddRequest):
+            if self.culprits.active:
+                self.culprits.held.append(msg)  # new work waits until the cause of a failed step is found
+            else:
+                self.add(msg, events)
+        elif isinstance(msg, AbortRequest):
+            self.queued.pop(msg.request_id, None)
+            self.sent.pop(msg.request_id, None)
+            self.culprits.drop(msg.request_id)
+            self.engine.abort(msg.request_id)
+        elif isinstance(msg, Shutdown):
+            return True
+        else:
+            log.error("engine loop: unknown message %r", msg)
+        return False
+
+    def work(self, events: list[Event]) -> None:
+        """After the messages: add what comes back after a failed step, then one step."""
+        culprits, engine = self.culprits, self.engine
+        for msg in culprits.next_adds():  # searching: the next suspect, or at the end what was held
+            self.add(msg, events, returning=culprits.on_probation == msg.request_id)
+        if culprits.on_probation is not None and culprits.on_probation not in engine.live_request_ids():
+            culprits.on_probation = None  # it could not be added again (failed above): on to the next
+        if engine.has_unfinished():
+            self.step(events)
+            culprits.on_probation = None  # it went through a step: not the cause
+            self.clients.finished(time.monotonic(), sum(
+                1 for e in events if isinstance(e, RequestOutput) and e.finished and e.finish_reason != "abort"))
+
+    def add(self, msg: AddRequest, events: list[Event], returning: bool = False) -> None:
+        """Add a request (`returning`: one coming back after a failed step; its queue time and
+        its refusal were dealt with the first time)."""
+        try:
+            self.engine.add_request(
+                msg.request_id, msg.prompt_token_ids, msg.params,
+                arrival_time=msg.arrival_time, resume_token_ids=msg.resume_token_ids,
+            )
+            self.sent[msg.request_id] = len(msg.resume_token_ids)
+            if not returning:
+                self.queued[msg.request_id] = msg.arrival_time
+        except (ValueError, QueueFullError) as e:
+            events.append(Rejected(msg.request_id, e) if not returning else Failed(msg.request_id, str(e)))
+        except Exception as e:
+            log.exception("add_request failed for %s", msg.request_id)
+            events.append(Failed(msg.request_id, f"the engine could not take the request: {type(e).__name__}: {e}"))
+
+    def step(self, events: list[Event]) -> None:
+        engine = self.engine
+        start = time.monotonic()
+        slower = self.faults.before_step(engine.live_request_ids()) if self.faults is not None else 0.0
+        outputs = engine.step()
+        if slower:
+            time.sleep((time.monotonic() - start) * (slower - 1))
+        for rid, arrival in list(self.queued.items()):  # only requests not yet scheduled
+            if not engine.is_waiting(rid):
+                events.append(Scheduled(rid, max(0.0, start - arrival)))
+                del self.queued[rid]
+        for out in outputs:
+            if out.finished:
+                self.sent.pop(out.request_id, None)
+            elif out.request_id in self.sent:
+                self.sent[out.request_id] += len(out.new_token_ids)
+        events += outputs
+
+    def shut_down(self) -> list[Event]:
+        """Every live request, and every one held or still to come back, ends as aborted."""
+        gone = self.engine.abort_all() + self.culprits.drop_all()
+        return [RequestOutput(rid, [], "", True, "abort") for rid in gone]
+
+    def isolate(self, error: Exception) -> list[Event]:
+        """After a failed step: fail the request on probation if there was one (it failed
+        with only cleared requests beside it: it is the cause); take every other live
+        request out, to come back one at a time, each resumed after the tokens its client
+        has, so it continues exactly (the same path as a router's resume)."""
+        engine, culprits = self.engine, self.culprits
+        message = f"the engine failed: {type(error).__name__}: {error}"
+        culprit, culprits.on_probation = culprits.on_probation, None
+        failed: list[Event] = []
+        if culprit is not None:
+            log.error("engine: request %s failed a step on probation: failing it (%s)", culprit, message)
+            failed.append(Failed(culprit, message))
+        else:
+            log.exception("engine step failed; its requests come back one at a time to find the cause")
+        for rid in engine.live_request_ids():
+            if rid == culprit:
+                continue
+            try:
+                prompt, output, params, arrival = engine.request_state(rid)
+            except Exception:
+                failed.append(Failed(rid, message))
+                continue
+            culprits.suspects.append(AddRequest(rid, prompt, params, arrival, tuple(output[: self.sent.get(rid, 0)])))
+        engine.abort_all()
+        for ev in failed:
+            self.sent.pop(ev.request_id, None)
+        return failed
+
+
+class CulpritSearch:
+    """The search for the request that made a step fail: the step's requests come back one
+    at a time (`suspects`), each on probation (`on_probation`) until it has gone through
+    one step with only cleared requests beside it. New requests are held meanwhile, so a
+    failure is pinned on the one that came back last. When no suspect is left, the held
+    requests are added."""
 
     def __init__(self):
         self.suspects: deque[AddRequest] = deque()
         self.held: list[AddRequest] = []
-        self.probe: str | None = None
+        self.on_probation: str | None = None  # the request id that came back last, until it passes a step
 
     @property
     def active(self) -> bool:
-        return bool(self.suspects) or self.probe is not None
+        return bool(self.suspects) or self.on_probation is not None
 
     def next_adds(self) -> list[AddRequest]:
         """What to add before the next step."""
-        if self.probe is not None:
+        if self.on_probation is not None:
             return []
         if self.suspects:
             msg = self.suspects.popleft()
-            self.probe = msg.request_id
+            self.on_probation = msg.request_id
             return [msg]
         held, self.held = self.held, []
         return held
@@ -402,13 +439,14 @@ class _Isolation:
         return ids
 
 
-class _Comeback:
+class ClosedLoopClients:
     """Whether this worker's clients send a new request right after one finishes (a
-    closed loop: benchmarks, agents, batch jobs). Each step that finished requests opens a
-    window of `wait` seconds; requests arriving in it count as comebacks (measured whether
-    or not the loop waited), and a moving average of comebacks per finished request
-    decides whether waiting pays. With clients that do not come back (open-loop traffic)
-    it stops waiting, so running streams do not pay for nothing."""
+    closed loop: benchmarks, agents, batch jobs), and so whether the loop waits for them
+    after a step that finished requests. Each such step opens a window of `wait` seconds;
+    requests arriving in it count as comebacks (measured whether or not the loop waited),
+    and a moving average of comebacks per finished request decides whether waiting pays.
+    With clients that do not come back (open-loop traffic) it stops waiting, so running
+    streams do not pay for nothing."""
 
     def __init__(self, wait: float):
         self.wait = wait

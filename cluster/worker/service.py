@@ -42,8 +42,9 @@ from cluster.worker.chat_render import (PROBE_MESSAGES, ChatTemplateLimits, Rend
                                         jinja_tokenizer, render_call)
 from cluster.worker.config import WorkerOptions
 from cluster.worker.detokenizer import decode_keeping, token_bytes
-from cluster.worker.engine import Engine, EngineStats, QueueFullError, RequestOutput
+from cluster.worker.engine import EngineStats, QueueFullError, RequestOutput
 from cluster.worker.engine_loop import AbortRequest, AddRequest, EngineLoop, Failed, Rejected, Scheduled
+from cluster.worker.engine_protocol import EngineProtocol
 from cluster.worker.faults import FaultInjection
 from cluster.worker.metrics import WorkerMetrics
 from cluster.worker.pooling import PoolingParams, yes_no_prompt
@@ -141,7 +142,7 @@ class WorkerService:
     takes the engine's read-only facts; `stop()` stops the engine thread. With
     `metrics`, it observes the Prometheus metrics (`self.metrics`) as events pass."""
 
-    def __init__(self, worker_id: str, engine_factory: Callable[[], Engine], *, metrics: bool = True,
+    def __init__(self, worker_id: str, engine_factory: Callable[[], EngineProtocol], *, metrics: bool = True,
                  stall_report: float = WorkerOptions.stall_report, limits: RequestLimits = RequestLimits(),
                  templates: ChatTemplateLimits = ChatTemplateLimits()):
         self.worker_id = worker_id

@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import fields, replace
 
 from cluster.worker.engine import Engine, EngineStats, RequestOutput
+from cluster.worker.engine_protocol import EngineProtocol
 from cluster.worker.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def _request_ids(pending) -> set[str]:
     return {e.seq.group_id for e in pending.plan.scheduled}
 
 
-class PipelinedEngine:
+class PipelinedEngine(EngineProtocol):
     """P virtual engines over one group runner (see the module docstring)."""
 
     def __init__(self, engines: list[Engine], group):
