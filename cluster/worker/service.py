@@ -681,7 +681,8 @@ class WorkerService:
         return self.calls
 
     def _atom(self, text: str) -> str:
-        """A marker as a grammar names it: <[id]> for a special token, else its quoted text."""
+        """A marker as a grammar atom (a terminal of the grammar): <[id]> for a special token,
+        else its quoted text."""
         i = self._special.get(text)
         return f"<[{i}]>" if i is not None else json.dumps(text)
 
@@ -804,21 +805,17 @@ class WorkerService:
         its own bytes, "bytes:\\xe2\\x80" (as OpenAI does), not as U+FFFD."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self._spell(token_id)
+            text = self.tokenizer.decode([token_id])
+            raw = token_bytes(self.tokenizer, token_id) if "\ufffd" in text else None
+            if raw is not None and raw.decode("utf-8", "replace") == text:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._token_texts[token_id] = text
         return text
 
     def _piece_text(self, token_id: int) -> str:
         text = self._piece_texts.get(token_id)
         if text is None:
             text = self._piece_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
-
-    def _spell(self, token_id: int) -> str:
-        text = self.tokenizer.decode([token_id])
-        if "\ufffd" in text:
-            raw = token_bytes(self.tokenizer, token_id)
-            if raw is not None and raw.decode("utf-8", "replace") == text:
-                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
         return text
 
     def _dispatch(self, now: float, events: list) -> None:
