@@ -13,9 +13,12 @@ stop conditions, logprobs, penalties and structured outputs see only kept tokens
 `policy.py` decides, from measured step times and each request's acceptance, how many
 drafts pay at the current batch size. `config.py` parses `--speculative-config`.
 
-The engine's hooks: `Speculator.propose` before the scheduler plans a step, the
-scheduler's drafts-aware decode entries and rollback (`ScheduledSeq.spec_token_ids`,
-`BlockManager.trim`), the runner's extra sampled rows, and `Speculator.record` after.
+The engine's hooks: `Speculator.propose` before the scheduler plans a step (with
+`next_step_rows`), the scheduler's drafts-aware decode entries and rollback
+(`ScheduledSeq.spec_token_ids`, `BlockManager.trim`), the runner's extra sampled rows,
+verification in the step's sample / verify (`step_sampling.verify`), then
+`Speculator.step_done` (counts and the policy's step times); at start-up, the policy's
+step times measured (`calibration.py`).
 """
 
 from cluster.worker.spec_decode.config import SpeculativeConfig  # noqa: F401

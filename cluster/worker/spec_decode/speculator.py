@@ -8,8 +8,9 @@ decode with drafts into one entry of 1 + k rows (or 1 when the budget or the blo
 fall short: drafts never preempt anyone); the runner sends all 1 + k rows to the LM head;
 the engine samples each row as a plain decode would and keeps the drafts that match
 (`verify.accept_drafts`); the scheduler rolls `num_computed_tokens` back to the kept
-tokens and frees the blocks past them; `record` counts drafts and acceptances (vLLM's
-metrics) and feeds the policy.
+tokens and frees the blocks past them; `step_done` counts drafts and acceptances
+(`record`: vLLM's metrics, and the policy's acceptance rates) and the step's cost (the
+policy's step times, and its wall-clock trial).
 """
 
 from __future__ import annotations
