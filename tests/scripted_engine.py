@@ -27,6 +27,7 @@ from aiohttp import web
 from cluster.worker.detokenizer import IncrementalDetokenizer
 from cluster.worker.engine import EngineStats, QueueFullError, RequestOutput
 from cluster.worker.engine_protocol import EngineProtocol
+from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.sequence import SequenceStatus
 
 BOOM = 999  # a prompt starting with this token makes a FakeEngine's step raise
@@ -35,7 +36,7 @@ BOOM = 999  # a prompt starting with this token makes a FakeEngine's step raise
 @dataclass
 class FakeSeq:
     prompt: list[int]
-    params: object
+    params: SamplingParams
     out: list[int] = field(default_factory=list)  # output tokens so far (resumed ones first)
     status: SequenceStatus = SequenceStatus.WAITING
     arrival: float = 0.0
