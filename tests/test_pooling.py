@@ -296,7 +296,11 @@ def test_a_generation_model_steps_without_looking_for_pooling_rows(models, monke
     plan is never walked for pooling requests (there can be none)."""
     engine = Engine.from_pretrained(models["last"], EngineConfig(num_kv_blocks=32, task="generate"))
     assert not engine.pooler.pools
-    monkeypatch.setattr(engine.pooling, "pick_rows", lambda *a: pytest.fail("a generation model looked for pooling rows"))
+
+    def looked(*args):
+        pytest.fail("a generation model looked for pooling rows")
+
+    monkeypatch.setattr(engine.pooling, "pick_rows", looked)
     assert len(engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, temperature=0))[1]) == 3
     with pytest.raises(ValueError, match="does not serve embed"):
         engine.add_request("e", [5, 6, 7], embed())
