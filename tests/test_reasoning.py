@@ -53,8 +53,8 @@ SAMPLES = {
               '{"city": "Oslo"}}\n</tool_call>', "I should call.", "Sure.", [OSLO]),
     "deepseek-r1": (THINK_TAGS, "open", DEEPSEEK_CALLS,
                     f"Let me see.\n</think>\n\nChecking.{DS['calls']}{DS['call']}function{DS['sep']}get_weather\n"
-                    f"```json\n{{\"city\": \"Oslo\"}}\n```{DS['call_end']}{DS['calls_end']}", "Let me see.", "Checking.",
-                    [OSLO]),
+                    f"```json\n{{\"city\": \"Oslo\"}}\n```{DS['call_end']}{DS['calls_end']}", "Let me see.",
+                    "Checking.", [OSLO]),
     "deepseek-v3.1": (THINK_TAGS, "open", DEEPSEEK_CALLS,
                       f"hmm</think>ok{DS['calls']}{DS['call']}get_weather{DS['sep']}{{\"city\": \"Oslo\"}}"
                       f"{DS['call_end']}{DS['calls_end']}", "hmm", "ok", [OSLO]),
@@ -69,8 +69,8 @@ SAMPLES = {
                          "<think>x</think>y<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
                          '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>',
                          "x", "y", [OSLO]),
-    "magistral": (MAGISTRAL, "free", MISTRAL_CALLS, '[THINK]plan[/THINK]Ok.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}',
-                  "plan", "Ok.", [OSLO]),
+    "magistral": (MAGISTRAL, "free", MISTRAL_CALLS,
+                  '[THINK]plan[/THINK]Ok.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', "plan", "Ok.", [OSLO]),
     "mistral-nemo": (None, "free", MISTRAL_V3_CALLS,
                      'Ok.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "", "Ok.", [OSLO]),
     "mistral-small-3.2": (None, "free", MISTRAL_CALLS,
@@ -90,8 +90,8 @@ SAMPLES = {
     "nemotron-nano-2": (THINK_TAGS, "open", NEMOTRON_CALLS,
                         'thought\n</think>\nanswer<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
                         "</TOOLCALL>", "thought", "answer", [OSLO]),
-    "never-closed": (THINK_TAGS, "open", None, "still thinking when max_tokens came ", "still thinking when max_tokens came",
-                     "", []),
+    "never-closed": (THINK_TAGS, "open", None, "still thinking when max_tokens came ",
+                     "still thinking when max_tokens came", "", []),
     "stray-marker": (THINK_TAGS, "closed", None, "answer</think> more", "", "answer more", []),
 }
 
@@ -114,7 +114,8 @@ def test_each_familys_output_splits_the_same_at_any_chunking(family):
     held back until it is known); no marker survives in any of them."""
     fmt, state, calls, text, thinking, content, want = SAMPLES[family]
     markers = set(HARMONY_TOKENS) | {"<think>", "</think>", "[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]",
-                                     "<tool_call>", "<|python_tag|>", "<response>", "<TOOLCALL>", DS["calls"], DS["call"]}
+                                     "<tool_call>", "<|python_tag|>", "<response>", "<TOOLCALL>", DS["calls"],
+                                     DS["call"]}
     for step in (len(text), 1, 2, 3, 5, 7, 11):
         got = _split(make_splitter(fmt, state, calls, [WEATHER]), text, step)
         assert got[:3] == (thinking, content, want), step
@@ -301,7 +302,8 @@ FORCED = {
     "nemotron-nano-2": ({}, ("<think>", "</think>", "<TOOLCALL>", "</TOOLCALL>")),
 }
 XML_CALLS = {
-    "glm-4.5": '"<tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>" /[a-z]{1,8}/ "</arg_value>\\n</tool_call>"',
+    "glm-4.5": '"<tool_call>get_weather\\n<arg_key>city</arg_key>\\n<arg_value>" /[a-z]{1,8}/ '
+               '"</arg_value>\\n</tool_call>"',
     "qwen3-coder": '"<tool_call>\\n<function=get_weather>\\n<parameter=city>\\n" /[a-z]{1,8}/ '
                    '"\\n</parameter>\\n</function>\\n</tool_call>"',
 }
@@ -411,7 +413,8 @@ def _check_forced(family, model_dir):
                            logit_bias={str(k): v for k, v in bias.items()}, **forcing)
             r = client.chat.completions.create(**request)
             m = r.choices[0].message
-            assert (getattr(m, "reasoning_content", None) or "") == done.reasoning == (getattr(m, "reasoning", None) or "")
+            assert ((getattr(m, "reasoning_content", None) or "") == done.reasoning
+                    == (getattr(m, "reasoning", None) or ""))
             assert (m.content or "") == done.text and r.choices[0].finish_reason == "tool_calls"
             assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == [(name, args)]
             assert r.usage.completion_tokens_details.reasoning_tokens == done.usage.reasoning_tokens
@@ -483,8 +486,9 @@ def test_enable_thinking_false_renders_qwen3_without_thinking(engines):
     assert off.reasoning == "" and off.usage.reasoning_tokens == 0
 
 
-@pytest.mark.parametrize("kwargs", [{"truncation": True, "max_length": 4}, {"padding": "max_length", "max_length": 3000},
-                                    {"return_tensors": "np"}, {"tokenizer_kwargs": {"truncation": True}},
+@pytest.mark.parametrize("kwargs", [{"truncation": True, "max_length": 4},
+                                    {"padding": "max_length", "max_length": 3000}, {"return_tensors": "np"},
+                                    {"tokenizer_kwargs": {"truncation": True}},
                                     {"tools": []}])
 def test_chat_template_kwargs_cannot_set_how_the_template_is_applied(qwen3_scripted, kwargs):
     """Only template variables get through: apply_chat_template's own parameters would cut
@@ -604,7 +608,8 @@ def test_thinking_is_followed_the_same_with_speculative_decoding(family_model):
     bias = _bias(tok, ("</think>",), tok.eos_token_ids)
     runs = {}
     for budget in (None, 5):
-        thinking = None if budget is None else ThinkingSpec("<think>", "</think>", open=True, budget=budget, end_ids=end)
+        thinking = (None if budget is None
+                    else ThinkingSpec("<think>", "</think>", open=True, budget=budget, end_ids=end))
         params = SamplingParams(max_tokens=40, temperature=0, logit_bias=bias, thinking=thinking)
         for name, engine in (("plain", plain), ("spec", spec)):
             engine.add_request(f"{name}-{budget}", list(prompt), params)
@@ -624,8 +629,8 @@ def test_thinking_is_followed_the_same_with_speculative_decoding(family_model):
 
 
 # -- client packages ------------------------------------------------------------------------------------------
-THINK_CALL = '<think>\nI need the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' \
-             '\n</tool_call>'
+THINK_CALL = ('<think>\nI need the weather.\n</think>\n\n'
+              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
 THINK_ANSWER = "<think>\nThe tool said sunny.\n</think>\n\nIt is sunny in Oslo."
 
 
@@ -755,7 +760,8 @@ def test_langchain_gets_tool_calls_from_special_token_formats(family_model, fami
 
     srv = ScriptedServer(ScriptedEngine(family_model(family), reply=reply))
     try:
-        llm = ChatOpenAI(base_url=srv.url + "/v1", api_key="none", model=family, max_retries=0).bind_tools([get_weather])
+        llm = ChatOpenAI(base_url=srv.url + "/v1", api_key="none", model=family,
+                         max_retries=0).bind_tools([get_weather])
         msg = llm.invoke("Weather in Oslo?")
         assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("get_weather", OSLO)]
         assert not any(m in msg.content for m in ("[TOOL_CALLS]", "[ARGS]", "<|channel|>", "<|message|>"))
@@ -769,7 +775,8 @@ def test_langchain_gets_tool_calls_from_special_token_formats(family_model, fami
 
 
 @pytest.mark.parametrize("family, reply, markers", [
-    ("mistral-small-3.2", 'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo, Norway"}', ("[TOOL_CALLS]", "[ARGS]")),
+    ("mistral-small-3.2", 'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo, Norway"}',
+     ("[TOOL_CALLS]", "[ARGS]")),
     ("mistral-nemo", 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo, Norway"}}]',
      ("[TOOL_CALLS]",)),
     ("qwen3", 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo, Norway"}}\n</tool_call>',

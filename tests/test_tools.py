@@ -200,8 +200,8 @@ def test_langchain_with_structured_output_by_function_calling(long_worker):
         to: str = Field(max_length=12)
         nights: int = Field(ge=1, le=14)
 
-    llm = ChatOpenAI(base_url=f"http://{long_worker.http}/v1", api_key="none", model="tiny-qwen3", max_tokens=256, temperature=0,
-                     max_retries=0)
+    llm = ChatOpenAI(base_url=f"http://{long_worker.http}/v1", api_key="none", model="tiny-qwen3", max_tokens=256,
+                     temperature=0, max_retries=0)
     trip = llm.with_structured_output(Trip, method="function_calling").invoke("Plan a trip")
     assert isinstance(trip, Trip) and 1 <= trip.nights <= 14
 
@@ -217,7 +217,8 @@ def test_a_model_without_tool_calling_refuses_tools(tmp_path):
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="has no tool calling"):
             c.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
-        assert c.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}]).choices[0].message.content == "hi"
+        r = c.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].message.content == "hi"
     finally:
         srv.stop()
 
@@ -360,7 +361,8 @@ def test_split_chunk_keeps_the_models_order():
 
     s = ToolCallStream(jt.tool_call_start, jt.tool_call_end, jt.parse_tool_call, [WEATHER])
     chunk = pb.GenerateResponse(request_id="r", token_ids=[1, 2, 3], text="a" + CALL + "b",
-                                finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage(prompt_tokens=4, completion_tokens=3))
+                                finish_reason=pb.FINISH_REASON_STOP,
+                                usage=pb.Usage(prompt_tokens=4, completion_tokens=3))
     first, second = split_chunk(s, chunk)
     assert (first.text, [c.name for c in first.tool_calls], list(first.token_ids)) == ("a", ["get_weather"], [1, 2, 3])
     assert not first.finish_reason and not first.HasField("usage")
@@ -389,7 +391,8 @@ def test_through_the_router(tiny_model_dir):
         with pytest.raises(openai.BadRequestError, match="which is not in tools"):
             c.chat.completions.create(model="tiny-qwen3", messages=HISTORY[:1], tools=[WEATHER],
                                       tool_choice={"type": "function", "function": {"name": "book_trip"}})
-        resp = c.responses.create(model="tiny-qwen3", input="Weather?", tools=[{"type": "function", **WEATHER["function"]}])
+        resp = c.responses.create(model="tiny-qwen3", input="Weather?",
+                                  tools=[{"type": "function", **WEATHER["function"]}])
         assert [o.type for o in resp.output] == ["message", "function_call"]
         msg = anthropic.Anthropic(base_url=srv.router_url, api_key="none", max_retries=0).messages.create(
             model="tiny-qwen3", max_tokens=400, messages=[{"role": "user", "content": "Weather?"}],
