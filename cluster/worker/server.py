@@ -306,8 +306,12 @@ async def run_until_signalled(options: WorkerOptions, ready_line: bool = True) -
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
+    def stop_soon(reason: str) -> None:  # from the side channel's reader thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed: stopping already
+            loop.call_soon_threadsafe(stop.set)
+
     if server.group is not None:  # a member told to stop asks for the group's stop: drained as on SIGTERM here
-        server.group.leader.on_stop(lambda reason: loop.call_soon_threadsafe(stop.set))
+        server.group.leader.on_stop(stop_soon)
     if ready_line:  # once a SIGTERM drains: whoever waits for this line may stop the worker at once
         print(READY_PREFIX + json.dumps(server.ready_info()), flush=True)
     try:

@@ -160,6 +160,27 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
+def _take(inbox: queue.Queue, kind: int, deadline: float, lost: Callable[[], str], late: str) -> dict:
+    """A start-up message of `kind` (JSON) from `inbox`, which a reader thread fills with
+    (kind, payload) or the peer's failure (raised): by `deadline` (TimeoutError, `late`),
+    unless the group is lost first (ConnectionError; `lost()` says why, "" while it is not)."""
+    while True:
+        try:
+            got = inbox.get(timeout=0.25)
+            break
+        except queue.Empty:
+            if lost():
+                raise ConnectionError(f"the group is lost: {lost()}") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(late) from None
+    if isinstance(got, Exception):
+        raise got
+    got_kind, payload = got
+    if got_kind != kind:
+        raise wire.ProtocolError(f"expected {wire.KIND_NAMES[kind]}, got {wire.KIND_NAMES[got_kind]}")
+    return wire.loads(payload)
+
+
 class Leader:
     """Rank 0's end: listens, admits `size - 1` members, then serves them. Each member's
     connection is read (and pinged) from its join on."""
@@ -290,24 +311,9 @@ class Leader:
         """One start-up message of `kind` from every member (JSON), by `deadline`: a
         member's failure (its ERROR) is raised as it said it (`wire.Refused`), a group
         lost meanwhile as ConnectionError."""
-        out = {}
-        for rank in sorted(self.members):
-            while True:
-                try:
-                    got = self.startup[rank].get(timeout=0.25)
-                    break
-                except queue.Empty:
-                    if self.lost:
-                        raise ConnectionError(f"the group is lost: {self.lost_reason}") from None
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"group rank {rank} did not answer {wire.KIND_NAMES[kind]} in time") from None
-            if isinstance(got, Exception):
-                raise got
-            got_kind, payload = got
-            if got_kind != kind:
-                raise wire.ProtocolError(f"rank {rank}: expected {wire.KIND_NAMES[kind]}, got {wire.KIND_NAMES[got_kind]}")
-            out[rank] = wire.loads(payload)
-        return out
+        return {rank: _take(self.startup[rank], kind, deadline, lambda: self.lost_reason,
+                            f"group rank {rank} did not answer {wire.KIND_NAMES[kind]} in time")
+                for rank in sorted(self.members)}
 
     # -- serving -------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -543,7 +549,7 @@ class Member:
         self.lock = threading.Lock()
         self._done = False
         self._drained = threading.Event()  # rank 0 answered SLEEP: the group is drained
-        self._lost = False
+        self.lost_reason = ""  # why rank 0 is gone, once it is
         self._listening = False
 
     def join(self, deadline: float) -> None:
@@ -625,21 +631,8 @@ class Member:
 
     def receive(self, kind: int, deadline: float) -> dict:
         """One start-up message (JSON), by `deadline` (after `listen`)."""
-        while True:
-            try:
-                got = self.startup.get(timeout=0.25)
-                break
-            except queue.Empty:
-                if self._lost:
-                    raise ConnectionError("the group is lost") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank 0 sent no {wire.KIND_NAMES[kind]} in time") from None
-        if isinstance(got, Exception):
-            raise got
-        got, payload = got
-        if got != kind:
-            raise wire.ProtocolError(f"expected {wire.KIND_NAMES[kind]}, got {wire.KIND_NAMES[got]}")
-        return wire.loads(payload)
+        return _take(self.startup, kind, deadline, lambda: self.lost_reason,
+                     f"rank 0 sent no {wire.KIND_NAMES[kind]} in time")
 
     def listen(self) -> None:
         """Read rank 0's messages, and watch for its silence, from now on (right after `join`)."""
@@ -682,17 +675,19 @@ class Member:
                     raise wire.ProtocolError(f"rank 0 sent {wire.KIND_NAMES[kind]}")
         except (OSError, wire.ProtocolError, ValueError) as e:
             if not self._done:
-                self._lost = True
-                self.on_lost(f"rank 0: {e}")
+                self._lose(f"rank 0: {e}")
 
     def _watch(self) -> None:
         while not self._done:
             silent = time.monotonic() - self.last_heard
             if silent > self.timeout:
-                self._lost = True
-                self.on_lost(f"rank 0 has been silent for {silent:.0f} s (stopped, wedged or cut off)")
+                self._lose(f"rank 0 has been silent for {silent:.0f} s (stopped, wedged or cut off)")
                 return
             time.sleep(0.5)
+
+    def _lose(self, reason: str) -> None:
+        self.lost_reason = reason
+        self.on_lost(reason)
 
     def wait_ready(self, step: int, src: int, timeout: float) -> None:
         """As `Leader.wait_ready`: StepFailed when rank `src`'s step failed."""
