@@ -142,7 +142,8 @@ def split_chunk(stream, chunk: pb.GenerateResponse) -> list[pb.GenerateResponse]
         if stream.num_calls and chunk.finish_reason == pb.FINISH_REASON_STOP:
             chunk.finish_reason = pb.FINISH_REASON_TOOL_CALLS
     out = [chunk]
-    finish, usage, stop_reason = chunk.finish_reason, chunk.usage if chunk.HasField("usage") else None, chunk.stop_reason
+    usage = chunk.usage if chunk.HasField("usage") else None
+    finish, stop_reason = chunk.finish_reason, chunk.stop_reason
     chunk.text = ""
     for seg in segments:
         last = out[-1]

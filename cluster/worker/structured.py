@@ -248,7 +248,8 @@ _PARALLEL_ROWS = 8  # from this many constrained rows, llguidance's thread pool 
 _executor = None
 
 
-def fill_bitmasks(matchers: Sequence[Any], vocab_size: int, drafts: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+def fill_bitmasks(matchers: Sequence[Any], vocab_size: int,
+                  drafts: Sequence[Sequence[int]] | None = None) -> np.ndarray:
     """One allowed-token bitmask row per matcher (llguidance writes straight into it, with
     the GIL released, so this can run while MLX computes the forward). With `drafts`
     (speculative decoding), matcher i gets 1 + len(drafts[i]) rows: row j is its mask
@@ -333,7 +334,8 @@ def call_constraint(grammar: CallGrammar, tools: Sequence[dict], tool_choice: st
     return StructuredOutput("grammar", grammar(_chosen(tools, tool_choice), atom, start, end))
 
 
-def with_thinking(spec: StructuredOutput, thinking: ThinkingGrammar | None, answer_prefix: str = "") -> StructuredOutput:
+def with_thinking(spec: StructuredOutput, thinking: ThinkingGrammar | None,
+                  answer_prefix: str = "") -> StructuredOutput:
     """`spec` applied to the answer after a thinking block (free text up to the end marker:
     the thinking itself is never constrained), as one llguidance grammar: the block comes
     first when the prompt left it open, may come first when `thinking.optional`.
