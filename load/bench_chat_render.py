@@ -31,7 +31,7 @@ from cluster import platform  # noqa: E402
 platform.preload_blas()  # before MLX is imported
 from cluster.formats.chat import template_text  # noqa: E402
 from cluster.worker.chat_render import ChatTemplateLimits, RenderPool, render_call  # noqa: E402
-from cluster.worker.service import INLINE_TOKENIZE_CHARS  # noqa: E402
+from cluster.worker.prompt import INLINE_TOKENIZE_CHARS  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object",

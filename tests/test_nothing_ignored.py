@@ -109,13 +109,11 @@ def test_chat_logprob_bytes_are_the_tokens_own(tiny_model_dir):
     from mlx_lm.tokenizer_utils import load
 
     from cluster.api.openai import token_bytes
-    from cluster.worker.service import WorkerService
+    from cluster.worker.stream import TokenTexts
 
-    svc = WorkerService.__new__(WorkerService)
-    svc.tokenizer = load(Path(tiny_model_dir))
-    svc._token_texts = {}
+    texts = TokenTexts(load(Path(tiny_model_dir)))
     text = "€ héllo 日本語 ✓"
-    tokens = [svc._token_text(t) for t in svc.tokenizer.encode(text)]
+    tokens = [texts.logprob_text(t) for t in texts.tokenizer.encode(text)]
     assert any(t.startswith("bytes:") for t in tokens) and not any("\ufffd" in t for t in tokens)
     assert bytes(b for t in tokens for b in token_bytes(t)) == text.encode()
 

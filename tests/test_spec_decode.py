@@ -602,7 +602,7 @@ def test_the_api_carries_the_per_request_switch():
     from cluster.api.openai import make_request
     from cluster.api.errors import InvalidRequest
     from cluster.sdk import build_request
-    from cluster.worker.service import sampling_params_from_proto
+    from cluster.worker.prompt import sampling_params_from_proto
 
     r = make_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "speculative": False}, True, "x")
     assert r.sampling.HasField("speculative") and r.sampling.speculative is False

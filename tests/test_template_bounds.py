@@ -30,7 +30,8 @@ from cluster.router.admin import format_workers
 from cluster.router.registry import HEALTHY, UNHEALTHY, Registry
 from cluster.sdk import build_request
 from cluster.worker.chat_render import PLAIN_PROBE, ChatTemplateLimits, RenderPool, check_renderer, render_call
-from cluster.worker.service import INLINE_TOKENIZE_CHARS, WorkerService
+from cluster.worker.prompt import INLINE_TOKENIZE_CHARS
+from cluster.worker.service import WorkerService
 from scripted_engine import ScriptedEngine
 from test_embeddings_api import post
 
