@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from cluster.api.errors import InvalidRequest
+from cluster.api.limits import DEFAULT_MAX_TOKENS
 from cluster.api.tools import tool_choice_mode
 from cluster.api.wire import (
-    DEFAULT_MAX_TOKENS,
     FINISH_REASON_NAMES,
     FINISH_REASON_TO_PROTO,
     build_request,

@@ -24,7 +24,7 @@ from aiohttp import web
 from cluster.api.errors import OrchardError
 from cluster.api.http import (BACKEND, ERROR_TYPES, LIMITS, BadField, body_field, error_of, int_field,
                               read_body, request_timeout, served_model, sse, within)
-from cluster.api.limits import MAX_LOGPROBS, RequestLimits
+from cluster.api.limits import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_TOKENS_HIGH, RequestLimits
 from cluster.api.openai import Exchange, make_request, n_field, sampling_kwargs
 from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices, validate_request
@@ -84,10 +84,11 @@ def _params(body: dict, limits: RequestLimits) -> _Params:
     echo = body_field(body, "echo", bool, False)
     logprobs = int_field(body, "logprobs", low=0, high=MAX_LOGPROBS)
     prompt_logprobs = int_field(body, "prompt_logprobs", low=0, high=MAX_LOGPROBS)
-    max_tokens = int_field(body, "max_tokens", low=0, high=2**32 - 1)
+    max_tokens = int_field(body, "max_tokens", low=0, high=MAX_TOKENS_HIGH)  # 0: echo only (below)
     if max_tokens == 0 and not echo:
         raise BadField("max_tokens", "max_tokens=0 generates nothing: it is allowed only with echo=true")
-    return _Params(n, echo, logprobs, prompt_logprobs, 16 if max_tokens is None else max_tokens)
+    return _Params(n, echo, logprobs, prompt_logprobs,
+                   COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
 
 
 def _requests(body: dict, p: _Params, request_id: str, limits: RequestLimits) -> list[pb.GenerateRequest]:

@@ -37,6 +37,15 @@ MAX_SHOWN_CHARS = 80  # of a value quoted back in an error message
 # 30 properties deep.
 MAX_JSON_DEPTH = 64
 
+# max_tokens: its range, and what an unset one means in each API, here and nowhere else.
+MAX_TOKENS_LOW, MAX_TOKENS_HIGH = 1, 2**32 - 1  # at least one token; the wire's uint32
+# A text or token prompt over gRPC or the SDK; a chat there, and OpenAI's chat, run to the
+# end of the context (as OpenAI's and vLLM's chat do; the .proto says so too).
+DEFAULT_MAX_TOKENS = 256
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# (Anthropic's Messages API requires max_tokens; the Responses API's max_output_tokens, unset,
+# runs a chat to the end of the context.)
+
 
 @dataclass(frozen=True)
 class RequestLimits:

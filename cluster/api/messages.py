@@ -27,7 +27,7 @@ from aiohttp import web
 from cluster.api.errors import BadField, OrchardError
 from cluster.api.http import (ANTHROPIC_ERROR_TYPES, BACKEND, LIMITS, anthropic_error, read_body, renamed,
                               request_timeout, served_model, within)
-from cluster.api.limits import MAX_INT32, RequestLimits, quoted, shown
+from cluster.api.limits import MAX_INT32, MAX_TOKENS_HIGH, MAX_TOKENS_LOW, RequestLimits, quoted, shown
 from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -176,7 +176,7 @@ def _request(body: dict, limits: RequestLimits) -> pb.GenerateRequest:
                                         "server)")
     template, budget = _thinking(body.get("thinking"))
     max_tokens = _get(body, "max_tokens", int, required=True)
-    if not 1 <= max_tokens < 2**32:
+    if not MAX_TOKENS_LOW <= max_tokens <= MAX_TOKENS_HIGH:
         raise BadField("max_tokens", f"max_tokens: Input should be greater than or equal to 1, got {shown(max_tokens)}")
     stop = _get(body, "stop_sequences", list) or []
     if not all(isinstance(s, str) for s in stop):

@@ -40,14 +40,14 @@ from cluster.api.errors import OrchardError
 from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, ERROR_TYPES, LIMITS, BadField, body_field, check_params,
                               error_of, error_response, int_field, keepalive, read_body, request_timeout, served_model,
                               sse, sse_comment, within)
-from cluster.api.limits import MAX_INT32, MAX_LOGPROBS, RequestLimits, quoted, shown
+from cluster.api.limits import (COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_INT32, MAX_LOGPROBS, MAX_TOKENS_HIGH,
+                                MAX_TOKENS_LOW, RequestLimits, quoted, shown)
 from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def add_routes(app: web.Application) -> None:
@@ -89,9 +89,9 @@ def sampling_kwargs(body: dict, chat: bool, limits: RequestLimits = RequestLimit
         raise BadField("best_of", "best_of is not supported")
     if body.get("echo"):
         raise BadField("echo", "echo is not supported")
-    max_tokens = int_field(body, "max_completion_tokens", low=1, high=2**32 - 1) if chat else None
+    max_tokens = int_field(body, "max_completion_tokens", low=MAX_TOKENS_LOW, high=MAX_TOKENS_HIGH) if chat else None
     if max_tokens is None:
-        max_tokens = int_field(body, "max_tokens", low=1, high=2**32 - 1)
+        max_tokens = int_field(body, "max_tokens", low=MAX_TOKENS_LOW, high=MAX_TOKENS_HIGH)
     if max_tokens is None and not chat:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     seed = int_field(body, "seed", low=-2**63, high=2**64 - 1)

@@ -31,7 +31,7 @@ from cluster.api.errors import NotFound, OrchardError
 from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, ERROR_TYPES, LIMITS, BadField, body_field,
                               check_metadata, error_response, int_field, read_body, renamed, request_timeout,
                               served_model, within)
-from cluster.api.limits import parse_json, quoted, shown
+from cluster.api.limits import MAX_TOKENS_HIGH, MAX_TOKENS_LOW, parse_json, quoted, shown
 from cluster.api.servicer import finished
 from cluster.api.wire import FINISH_REASON_NAMES, build_request, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -372,7 +372,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
         body_field(body, "store", bool)
         proto = build_request(
             messages=messages, model=body_field(body, "model", str, ""),
-            max_tokens=int_field(body, "max_output_tokens", low=1, high=2**32 - 1),
+            max_tokens=int_field(body, "max_output_tokens", low=MAX_TOKENS_LOW, high=MAX_TOKENS_HIGH),
             temperature=body_field(body, "temperature", float), top_p=body_field(body, "top_p", float),
             seed=int_field(body, "seed", low=0, high=2**64 - 1), tools=_tools(body), tool_choice=_tool_choice(body),
             parallel_tool_calls=body_field(body, "parallel_tool_calls", bool),

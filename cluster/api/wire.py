@@ -16,15 +16,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from cluster.api.constraints import check_sampling, structured_proto
 from cluster.api.errors import BadField, InvalidRequest
-from cluster.api.limits import (MAX_ID_CHARS, MAX_INT32, MAX_LOGPROBS, MAX_NAME_CHARS, RequestLimits, check_json_depth,
-                                parse_json, quoted, shown)
+from cluster.api.limits import (DEFAULT_MAX_TOKENS, MAX_ID_CHARS, MAX_INT32, MAX_LOGPROBS, MAX_NAME_CHARS,
+                                MAX_TOKENS_HIGH, MAX_TOKENS_LOW, RequestLimits, check_json_depth, parse_json, quoted,
+                                shown)
 from cluster.api.tools import validate_tools
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
-
-# What an unset `sampling.max_tokens` means for a text or token prompt (a chat runs to the
-# end of the context; the .proto says so too).
-DEFAULT_MAX_TOKENS = 256
 
 # The engine's finish reasons and the wire's, both ways.
 FINISH_REASON_TO_PROTO = {
@@ -37,7 +34,7 @@ FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASON_TO_PROTO.items()} | {pb.FI
 
 _MAX_TOKENS_MESSAGE = "{} must be an integer >= 1, got {}"
 # The range of each integer field of SamplingParams on the wire.
-_INT_RANGES = {"max_tokens": (0, 2**32 - 1), "top_k": (-2**31, MAX_INT32), "seed": (0, 2**64 - 1),
+_INT_RANGES = {"max_tokens": (0, MAX_TOKENS_HIGH), "top_k": (-2**31, MAX_INT32), "seed": (0, 2**64 - 1),
                "logprobs": (0, 2**32 - 1), "prompt_logprobs": (0, 2**32 - 1), "n": (0, 2**32 - 1)}
 
 Message = Mapping[str, str] | tuple[str, str]
@@ -276,7 +273,7 @@ def validate_request(request: pb.GenerateRequest, limits: RequestLimits = Reques
     if which == "chat" and not request.chat.messages:
         raise BadField(named("messages"), "the chat has no messages: send at least one")
     s = request.sampling
-    if s.HasField("max_tokens") and s.max_tokens < 1:
+    if s.HasField("max_tokens") and s.max_tokens < MAX_TOKENS_LOW:
         raise BadField(named("max_tokens"), _MAX_TOKENS_MESSAGE.format(named("max_tokens"), s.max_tokens))
     stop = named("stop")
     if len(s.stop) > limits.max_stop_strings:

@@ -300,7 +300,8 @@ class PromptBuilder:
                                  f"model {self.model_name!r} ({calls.name}) does not allow: use tool_choice 'auto'")
         choice = "required" if mode == "required" else request.tool_choice.function
         try:
-            spec = call_constraint(calls.grammar, parse_tools(request.tools), choice, self._atom, calls.start, calls.end)
+            spec = call_constraint(calls.grammar, parse_tools(request.tools), choice, self._atom, calls.start,
+                                   calls.end)
         except InvalidGrammar as e:
             raise InvalidRequest(str(e)) from None
         request.sampling.structured.grammar = spec.spec
