@@ -185,6 +185,26 @@ class _WorkerFailed(Exception):
         self.code, self.details = code, details
 
 
+class _Tries:
+    """One request's attempts: its id and deadline, and what the failed ones have taught
+    (the workers excluded, the last failure, the attempts that broke a worker)."""
+
+    def __init__(self, rid: str, timeout: float | None, worker_wait: float):
+        self.rid = rid
+        self.t0 = time.perf_counter()
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait_until = time.monotonic() + worker_wait  # for an unhealthy worker, once per request
+        if self.deadline is not None:
+            self.wait_until = min(self.wait_until, self.deadline)
+        self.excluded: dict[str, int] = {}  # worker id -> its epoch when it failed the request
+        self.failure: _WorkerFailed | None = None
+        self.internal = 0  # attempts failed with INTERNAL
+        self.took_down = 0  # attempts whose worker went away under it before it sent a token
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+
 class RouterBackend:
     """The router's `cluster.api.servicer.Backend` (as `WorkerService` is the worker's):
     `generate(request)` yields chunks and raises `cluster.api.errors` exceptions. The gRPC
@@ -218,40 +238,22 @@ class RouterBackend:
         return pb.ListModelsResponse(models=self.registry.models())
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
-        try:
-            validate_request(request, self.config.limits)  # refused here, before any placement
-        except errors.InvalidRequest:
-            self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
-            raise
-        timeout = _deadline_held(timeout)
-        t0 = time.perf_counter()
-        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        tries, upstream = self._begin(request, validate_request, timeout)  # refused there, before any placement
+        rid, t0 = tries.rid, tries.t0
         keys = prompt_keys(request) if isinstance(self.policy, PrefixAware) else []
-        upstream = pb.GenerateRequest()
-        upstream.CopyFrom(request)
-        upstream.request_id = rid
         base_resume = list(request.resume_token_ids)
         sent: list[int] = []  # tokens relayed to the client so far
         n = num_choices(request)
         finishes = 0  # samples finished (n > 1 streams carry one finish chunk per sample)
-        excluded: dict[str, int] = {}  # worker id -> its epoch when it failed the request
-        failure: _WorkerFailed | None = None
         first_token_at = None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        wait_until = time.monotonic() + self.config.worker_wait  # for an unhealthy worker, once per request
-        if deadline is not None:
-            wait_until = min(wait_until, deadline)
-        internal = 0  # attempts failed with INTERNAL
-        took_down = 0  # attempts whose worker went away under it before it sent a token (with internal: two, poison)
         moves, just_moved = 0, False  # times moved off a lagging worker before its first chunk (no attempts)
-        self.budget.on_request()
         features = features_asked(request)  # placed only where a worker has them
         attempt = 0
         while attempt < self.config.max_attempts:
-            pool = await self._next_pool(rid, request.model, attempt, failure, excluded, wait_until, deadline,
-                                         features=features, retry=not just_moved)
+            pool = await self._next_pool(tries, request.model, attempt, features=features, retry=not just_moved)
             just_moved = False
             if sent and n > 1:  # n samples cannot resume where they stopped: only a retry before any token
+                failure = tries.failure
                 raise errors.Unavailable(f"the worker failed ({failure.code.name}: {failure.details}) after tokens "
                                          "were sent, and a request with n > 1 cannot be resumed: retry it")
             worker = self.policy.choose(pool, keys)  # settled below, whatever happens to the attempt
@@ -266,9 +268,8 @@ class RouterBackend:
                 upstream.sampling.echo = False
             del upstream.resume_token_ids[:]
             upstream.resume_token_ids.extend(base_resume + sent)
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             worker.inflight += 1
-            call = worker.generation.Generate(upstream, timeout=remaining)
+            call = worker.generation.Generate(upstream, timeout=tries.remaining())
             stream = _Attempt(call, movable=moves < MAX_MOVES)
             worker.attempts.add(stream)
             outcome = m.CANCELLED
@@ -312,39 +313,12 @@ class RouterBackend:
                 # Never end a client's stream short: a worker's stream that stops without a
                 # finish reason (its channel closed under it) is a failed worker.
                 raise _WorkerFailed(grpc.StatusCode.UNAVAILABLE, "the worker's stream ended before the request finished")
-            except asyncio.CancelledError:
-                if stream.abandoned is None or _cancelling():
+            except (asyncio.CancelledError, grpc.aio.AioRpcError, _WorkerFailed) as e:
+                outcome, error = self._outcome(e, stream, worker, tries, fresh=len(sent) == tokens_before)
+                if error is e:
                     raise
-                failure = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, stream.abandoned)
-                outcome = m.CANCELLED if stream.moved else m.FAILED
-            except grpc.aio.AioRpcError as e:
-                code = e.code()
-                if stream.abandoned is not None:  # we cancelled it: the worker stalled (or lags)
-                    failure = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, stream.abandoned)
-                    outcome = m.CANCELLED if stream.moved else m.FAILED
-                elif code not in RETRYABLE or _too_large(e):  # the request's own error: the worker answered
-                    outcome = m.ERROR
-                    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                        self.metrics.deadline_exceeded.inc()
-                    raise _client_error(e) from None
-                else:
-                    failure = _WorkerFailed(code, e.details() or code.name)
-                    outcome = m.FAILED
-                    if code in UNREACHABLE:
-                        self.registry.mark_failed(worker.worker_id, f"{code.name}: {e.details()}")
-                    if code is grpc.StatusCode.INTERNAL:
-                        internal += 1
-                    elif _went_away_under(e) and len(sent) == tokens_before:
-                        took_down += 1
-                    if internal + took_down >= 2:  # the same request broke two workers: it is the cause
-                        self.metrics.poison.inc()
-                        reason = _poison(internal, took_down, e.details())
-                        log.error("request %s: %s", rid, reason)
-                        raise errors.InternalError(reason) from None
-            except _WorkerFailed as e:
-                failure, outcome = e, m.FAILED
-                if e.code is grpc.StatusCode.UNAVAILABLE:
-                    self.registry.mark_failed(worker.worker_id, e.details)
+                if error is not None:
+                    raise error from None
             finally:
                 if not accepted:  # refused, failed or left before its first chunk: nothing to learn
                     self.policy.settled(worker.worker_id, keys, accepted=False)
@@ -358,15 +332,11 @@ class RouterBackend:
                 self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
             if stream.moved:  # not the worker failing: it may take the request again; no attempt, no retry spent
                 moves, just_moved = moves + 1, True
-                log.info("request %s: %s", rid, failure.details)
+                log.info("request %s: %s", rid, tries.failure.details)
                 continue
-            excluded[worker.worker_id] = epoch
-            log.warning("request %s: worker %s failed (%s: %s)", rid, worker.worker_id, failure.code.name, failure.details)
+            self._exclude(tries, worker, epoch)
             attempt += 1
-        self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
-        raise errors.Unavailable(
-            f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}"
-        )
+        raise self._gave_up(tries)
 
     async def embed(self, request: pb.EmbedRequest, timeout: float | None = None) -> pb.EmbedResponse:
         """An embedding request, placed by load on a worker whose model serves embeddings;
@@ -382,89 +352,115 @@ class RouterBackend:
         failover as a stream before its first token: a worker that fails (unreachable,
         INTERNAL, queue full, stalled) is excluded and the request placed again, within
         `max_attempts`, the retry budget and the deadline."""
-        try:
-            validate(request, self.config.limits)
-        except errors.InvalidRequest:
-            self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
-            raise
-        timeout = _deadline_held(timeout)
-        t0 = time.perf_counter()
-        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
-        upstream = type(request)()
-        upstream.CopyFrom(request)
-        upstream.request_id = rid
-        excluded: dict[str, int] = {}  # worker id -> its epoch when it failed the request
-        failure: _WorkerFailed | None = None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        wait_until = time.monotonic() + self.config.worker_wait
-        if deadline is not None:
-            wait_until = min(wait_until, deadline)
-        internal = 0
-        self.budget.on_request()
+        tries, upstream = self._begin(request, validate, timeout)
         for attempt in range(self.config.max_attempts):
-            pool = await self._next_pool(rid, request.model, attempt, failure, excluded, wait_until, deadline, task)
+            pool = await self._next_pool(tries, request.model, attempt, task)
             worker = self.policy.choose(pool, [])
             epoch, breaker = worker.epoch, worker.breaker
             breaker.on_start()
             if attempt:
                 self.metrics.retries.labels(kind="retry").inc()
-                log.info("request %s: retrying on %s", rid, worker.worker_id)
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                log.info("request %s: retrying on %s", tries.rid, worker.worker_id)
             worker.inflight += 1
-            call = method(worker)(upstream, timeout=remaining)
+            call = method(worker)(upstream, timeout=tries.remaining())
             pending = _Attempt(call)
             worker.attempts.add(pending)
             outcome = m.CANCELLED
             try:
                 response = await call
                 outcome = m.SUCCESS
-                self.metrics.e2e.observe(time.perf_counter() - t0)
+                self.metrics.e2e.observe(time.perf_counter() - tries.t0)
                 return response
-            except asyncio.CancelledError:
-                if pending.abandoned is None or _cancelling():
+            except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
+                outcome, error = self._outcome(e, pending, worker, tries)
+                if error is e:
                     raise
-                failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, pending.abandoned), m.FAILED
-            except grpc.aio.AioRpcError as e:
-                code = e.code()
-                if pending.abandoned is not None:
-                    failure, outcome = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, pending.abandoned), m.FAILED
-                elif code not in RETRYABLE or _too_large(e):  # the request's own error
-                    outcome = m.ERROR
-                    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                        self.metrics.deadline_exceeded.inc()
-                    raise _client_error(e) from None
-                else:
-                    failure, outcome = _WorkerFailed(code, e.details() or code.name), m.FAILED
-                    if code in UNREACHABLE:
-                        self.registry.mark_failed(worker.worker_id, f"{code.name}: {e.details()}")
-                    if code is grpc.StatusCode.INTERNAL:
-                        internal += 1
-                        if internal >= 2:
-                            self.metrics.poison.inc()
-                            raise errors.InternalError(
-                                f"the request failed on {internal} workers ({e.details()}): not tried again") from None
+                if error is not None:
+                    raise error from None
             finally:
                 worker.inflight -= 1
                 worker.attempts.discard(pending)
                 call.cancel()
                 self._judge(worker, breaker, outcome)
                 self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
-            excluded[worker.worker_id] = epoch
-            log.warning("request %s: worker %s failed (%s: %s)", rid, worker.worker_id, failure.code.name, failure.details)
-        self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
-        raise errors.Unavailable(
-            f"gave up after {self.config.max_attempts} attempts; last: {failure.code.name}: {failure.details}")
+            self._exclude(tries, worker, epoch)
+        raise self._gave_up(tries)
 
-    async def _next_pool(self, rid: str, model: str, attempt: int, failure: "_WorkerFailed | None",
-                         excluded: dict[str, int], wait_until: float, deadline: float | None, task: str = GENERATE,
+    def _begin(self, request, validate, timeout: float | None):
+        """A request's attempts begun: `validate(request, limits)` (an error is refused here,
+        before any placement), its id, and the copy sent upstream (with that id)."""
+        try:
+            validate(request, self.config.limits)
+        except errors.InvalidRequest:
+            self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
+            raise
+        tries = _Tries(request.request_id or f"req-{uuid.uuid4().hex[:16]}", _deadline_held(timeout),
+                       self.config.worker_wait)
+        upstream = type(request)()
+        upstream.CopyFrom(request)
+        upstream.request_id = tries.rid
+        self.budget.on_request()
+        return tries, upstream
+
+    def _outcome(self, e: BaseException, attempt: _Attempt, worker, tries: _Tries,
+                 fresh: bool = False) -> tuple[str, BaseException | None]:
+        """How an attempt that raised `e` ended: its outcome (the metrics', the breaker's)
+        and the error that ends the request, or None where it may be placed again
+        (`tries.failure` says why). `fresh`: the attempt sent no token, so a worker that went
+        away under it counts toward poison (a stream's; a one-answer request's never does)."""
+        if isinstance(e, asyncio.CancelledError):
+            if attempt.abandoned is None or _cancelling():
+                return m.CANCELLED, e
+            tries.failure = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, attempt.abandoned)
+            return (m.CANCELLED if attempt.moved else m.FAILED), None
+        if isinstance(e, _WorkerFailed):
+            tries.failure = e
+            if e.code is grpc.StatusCode.UNAVAILABLE:
+                self.registry.mark_failed(worker.worker_id, e.details)
+            return m.FAILED, None
+        code = e.code()
+        if attempt.abandoned is not None:  # we cancelled it: the worker stalled (or lags)
+            tries.failure = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, attempt.abandoned)
+            return (m.CANCELLED if attempt.moved else m.FAILED), None
+        if code not in RETRYABLE or _too_large(e):  # the request's own error: the worker answered
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.metrics.deadline_exceeded.inc()
+            return m.ERROR, _client_error(e)
+        tries.failure = _WorkerFailed(code, e.details() or code.name)
+        if code in UNREACHABLE:
+            self.registry.mark_failed(worker.worker_id, f"{code.name}: {e.details()}")
+        if code is grpc.StatusCode.INTERNAL:
+            tries.internal += 1
+        elif fresh and _went_away_under(e):
+            tries.took_down += 1
+        if tries.internal + tries.took_down >= 2:  # the same request broke two workers: it is the cause
+            self.metrics.poison.inc()
+            reason = _poison(tries.internal, tries.took_down, e.details())
+            log.error("request %s: %s", tries.rid, reason)
+            return m.FAILED, errors.InternalError(reason)
+        return m.FAILED, None
+
+    def _exclude(self, tries: _Tries, worker, epoch: int) -> None:
+        """The worker failed the request: not placed there again (while it is this process)."""
+        tries.excluded[worker.worker_id] = epoch
+        log.warning("request %s: worker %s failed (%s: %s)", tries.rid, worker.worker_id, tries.failure.code.name,
+                    tries.failure.details)
+
+    def _gave_up(self, tries: _Tries) -> errors.OrchardError:
+        self.metrics.requests.labels(worker="none", outcome=m.ERROR).inc()
+        return errors.Unavailable(f"gave up after {self.config.max_attempts} attempts; last: "
+                                  f"{tries.failure.code.name}: {tries.failure.details}")
+
+    async def _next_pool(self, tries: _Tries, model: str, attempt: int, task: str = GENERATE,
                          features: frozenset[str] = frozenset(), retry: bool = True):
         """The workers attempt `attempt` may go to (a `retry` first spends the retry budget
         and backs off), or the error that ends the request: no worker serves it (for `task`,
         with `features`), the deadline passed waiting for one, or the last attempt's failure
         and why no other is left."""
+        failure, deadline = tries.failure, tries.deadline
         if attempt and retry:
             await self._before_retry(attempt, failure, deadline)
-        pool, no_worker = await self._pool(rid, model, excluded, wait_until, deadline, task, features)
+        pool, no_worker = await self._pool(tries.rid, model, tries.excluded, tries.wait_until, deadline, task, features)
         if pool:
             return pool
         self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
