@@ -45,6 +45,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -205,6 +206,45 @@ class _Tries:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
+@dataclass
+class _Progress:
+    """What a stream has relayed to its client, across its attempts."""
+
+    n: int  # samples asked for (n > 1 streams carry one finish chunk per sample)
+    base_resume: list[int]  # tokens the client resumed from, if it did
+    t0: float
+    sent: list[int] = field(default_factory=list)  # tokens relayed so far
+    finishes: int = 0  # samples finished
+    first_token_at: float | None = None
+    done: bool = False  # the last sample finished: the request is served
+
+    def took(self, token_ids, metrics: m.RouterMetrics) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+            metrics.ttft.observe(self.first_token_at - self.t0)
+        self.sent.extend(token_ids)
+
+    def finished(self, chunk: pb.GenerateResponse) -> bool:
+        """A sample's finish chunk: whether it is the request's last (its usage then counts
+        every token, those of earlier attempts too)."""
+        self.finishes += 1
+        if self.finishes < self.n:
+            return False
+        if self.n == 1:
+            chunk.usage.completion_tokens = max(chunk.usage.completion_tokens, len(self.base_resume) + len(self.sent))
+        self.done = True
+        return True
+
+
+def _resume_after(upstream: pb.GenerateRequest, progress: _Progress) -> None:
+    """The request as the next attempt sends it: resumed after every token the client has."""
+    if progress.sent:  # the first chunk (prompt logprobs, echo) reached the client already
+        upstream.sampling.ClearField("prompt_logprobs")
+        upstream.sampling.echo = False
+    del upstream.resume_token_ids[:]
+    upstream.resume_token_ids.extend(progress.base_resume + progress.sent)
+
+
 class RouterBackend:
     """The router's `cluster.api.servicer.Backend` (as `WorkerService` is the worker's):
     `generate(request)` yields chunks and raises `cluster.api.errors` exceptions. The gRPC
@@ -239,104 +279,92 @@ class RouterBackend:
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         tries, upstream = self._begin(request, validate_request, timeout)  # refused there, before any placement
-        rid, t0 = tries.rid, tries.t0
         keys = prompt_keys(request) if isinstance(self.policy, PrefixAware) else []
-        base_resume = list(request.resume_token_ids)
-        sent: list[int] = []  # tokens relayed to the client so far
-        n = num_choices(request)
-        finishes = 0  # samples finished (n > 1 streams carry one finish chunk per sample)
-        first_token_at = None
+        progress = _Progress(num_choices(request), list(request.resume_token_ids), tries.t0)
         moves, just_moved = 0, False  # times moved off a lagging worker before its first chunk (no attempts)
         features = features_asked(request)  # placed only where a worker has them
         attempt = 0
         while attempt < self.config.max_attempts:
             pool = await self._next_pool(tries, request.model, attempt, features=features, retry=not just_moved)
             just_moved = False
-            if sent and n > 1:  # n samples cannot resume where they stopped: only a retry before any token
+            if progress.sent and progress.n > 1:  # n samples cannot resume where they stopped: only a retry before any token
                 failure = tries.failure
                 raise errors.Unavailable(f"the worker failed ({failure.code.name}: {failure.details}) after tokens "
                                          "were sent, and a request with n > 1 cannot be resumed: retry it")
-            worker = self.policy.choose(pool, keys)  # settled below, whatever happens to the attempt
+            worker = self.policy.choose(pool, keys)  # settled by the attempt, whatever happens to it
             epoch, breaker = worker.epoch, worker.breaker  # this process's (a restart gets new ones)
             breaker.on_start()
             if attempt:
-                self.metrics.retries.labels(kind="resume" if sent else "retry").inc()
-                log.info("request %s: %s on %s after %d tokens", rid, "resuming" if sent else "retrying",
-                         worker.worker_id, len(sent))
-            if sent:  # the first chunk (prompt logprobs, echo) reached the client already
-                upstream.sampling.ClearField("prompt_logprobs")
-                upstream.sampling.echo = False
-            del upstream.resume_token_ids[:]
-            upstream.resume_token_ids.extend(base_resume + sent)
+                self.metrics.retries.labels(kind="resume" if progress.sent else "retry").inc()
+                log.info("request %s: %s on %s after %d tokens", tries.rid, "resuming" if progress.sent else "retrying",
+                         worker.worker_id, len(progress.sent))
+            _resume_after(upstream, progress)
             worker.inflight += 1
-            call = worker.generation.Generate(upstream, timeout=tries.remaining())
-            stream = _Attempt(call, movable=moves < MAX_MOVES)
+            stream = _Attempt(worker.generation.Generate(upstream, timeout=tries.remaining()), movable=moves < MAX_MOVES)
             worker.attempts.add(stream)
-            outcome = m.CANCELLED
-            accepted = False
-            tokens_before = len(sent)
-            try:
-                async for chunk in self._relay(call, rid, worker.worker_id):
-                    stream.started = True
-                    if not accepted:  # the worker took it: its cache holds the prompt now
-                        accepted = True
-                        self.policy.settled(worker.worker_id, keys, accepted=True)
-                    if chunk.token_ids:
-                        if first_token_at is None:
-                            first_token_at = time.perf_counter()
-                            self.metrics.ttft.observe(first_token_at - t0)
-                        sent.extend(chunk.token_ids)
-                    if chunk.finish_reason:
-                        if chunk.finish_reason == pb.FINISH_REASON_ABORT:
-                            # The worker gave up on it (stopping): continue elsewhere.
-                            if chunk.token_ids or chunk.text or chunk.reasoning or chunk.tool_calls:
-                                chunk.finish_reason = pb.FINISH_REASON_UNSPECIFIED
-                                chunk.ClearField("usage")
-                                yield chunk
-                            raise _WorkerFailed(grpc.StatusCode.ABORTED, "the worker aborted the request")
-                        finishes += 1
-                        if finishes < n:
-                            yield chunk
-                            continue
-                        if n > 1:
-                            outcome = m.SUCCESS
-                            self.metrics.e2e.observe(time.perf_counter() - t0)
-                            yield chunk
-                            return
-                        chunk.usage.completion_tokens = max(chunk.usage.completion_tokens, len(base_resume) + len(sent))
-                        # counted before the last yield: the consumer may stop reading at it
-                        outcome = m.SUCCESS
-                        self.metrics.e2e.observe(time.perf_counter() - t0)
-                        yield chunk
-                        return
+            async with aclosing(self._attempt(stream, worker, breaker, progress, tries, keys)) as chunks:
+                async for chunk in chunks:
                     yield chunk
-                # Never end a client's stream short: a worker's stream that stops without a
-                # finish reason (its channel closed under it) is a failed worker.
-                raise _WorkerFailed(grpc.StatusCode.UNAVAILABLE, "the worker's stream ended before the request finished")
-            except (asyncio.CancelledError, grpc.aio.AioRpcError, _WorkerFailed) as e:
-                outcome, error = self._outcome(e, stream, worker, tries, fresh=len(sent) == tokens_before)
-                if error is e:
-                    raise
-                if error is not None:
-                    raise error from None
-            finally:
-                if not accepted:  # refused, failed or left before its first chunk: nothing to learn
-                    self.policy.settled(worker.worker_id, keys, accepted=False)
-                worker.inflight -= 1
-                worker.attempts.discard(stream)
-                call.cancel()
-                # A stream the router abandoned (its worker reported a stall, or went silent) is
-                # no verdict for the breaker: the worker's own reports say when it serves again.
-                # (No-op once it finished; reaches it if the client left.)
-                self._judge(worker, breaker, outcome if stream.abandoned is None else None)
-                self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
+            if progress.done:
+                return
             if stream.moved:  # not the worker failing: it may take the request again; no attempt, no retry spent
                 moves, just_moved = moves + 1, True
-                log.info("request %s: %s", rid, tries.failure.details)
+                log.info("request %s: %s", tries.rid, tries.failure.details)
                 continue
             self._exclude(tries, worker, epoch)
             attempt += 1
         raise self._gave_up(tries)
+
+    async def _attempt(self, stream: _Attempt, worker, breaker, progress: _Progress, tries: _Tries,
+                       keys) -> AsyncIterator[pb.GenerateResponse]:
+        """One attempt of a stream on `worker`: relays its chunks and sets `progress.done`
+        once the request finished there. A failure after which the request may be placed
+        again ends it quietly (`tries.failure` says why); any other raises. Whatever
+        happens, the worker's counts, the policy, the breaker and the metrics learn of it."""
+        outcome = m.CANCELLED
+        accepted = False
+        tokens_before = len(progress.sent)
+        try:
+            async for chunk in self._relay(stream.call, tries.rid, worker.worker_id):
+                stream.started = True
+                if not accepted:  # the worker took it: its cache holds the prompt now
+                    accepted = True
+                    self.policy.settled(worker.worker_id, keys, accepted=True)
+                if chunk.token_ids:
+                    progress.took(chunk.token_ids, self.metrics)
+                if chunk.finish_reason == pb.FINISH_REASON_ABORT:  # the worker gave up on it (stopping)
+                    if chunk.token_ids or chunk.text or chunk.reasoning or chunk.tool_calls:
+                        chunk.finish_reason = pb.FINISH_REASON_UNSPECIFIED
+                        chunk.ClearField("usage")
+                        yield chunk
+                    raise _WorkerFailed(grpc.StatusCode.ABORTED, "the worker aborted the request")
+                if chunk.finish_reason and progress.finished(chunk):
+                    # counted before the last yield: the consumer may stop reading at it
+                    outcome = m.SUCCESS
+                    self.metrics.e2e.observe(time.perf_counter() - progress.t0)
+                    yield chunk
+                    return
+                yield chunk
+            # Never end a client's stream short: a worker's stream that stops without a
+            # finish reason (its channel closed under it) is a failed worker.
+            raise _WorkerFailed(grpc.StatusCode.UNAVAILABLE, "the worker's stream ended before the request finished")
+        except (asyncio.CancelledError, grpc.aio.AioRpcError, _WorkerFailed) as e:
+            outcome, error = self._outcome(e, stream, worker, tries, fresh=len(progress.sent) == tokens_before)
+            if error is e:
+                raise
+            if error is not None:
+                raise error from None
+        finally:
+            if not accepted:  # refused, failed or left before its first chunk: nothing to learn
+                self.policy.settled(worker.worker_id, keys, accepted=False)
+            worker.inflight -= 1
+            worker.attempts.discard(stream)
+            stream.call.cancel()
+            # A stream the router abandoned (its worker reported a stall, or went silent) is
+            # no verdict for the breaker: the worker's own reports say when it serves again.
+            # (No-op once it finished; reaches it if the client left.)
+            self._judge(worker, breaker, outcome if stream.abandoned is None else None)
+            self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
 
     async def embed(self, request: pb.EmbedRequest, timeout: float | None = None) -> pb.EmbedResponse:
         """An embedding request, placed by load on a worker whose model serves embeddings;
