@@ -91,77 +91,105 @@ def build_request(
         raise InvalidRequest("pass exactly one of a prompt (text or token ids) or messages")
     try:
         req = pb.GenerateRequest(request_id=request_id, model=model)
-        if messages is not None:
-            for m in messages:
-                if isinstance(m, Mapping):
-                    _add_message(req.chat.messages, m)
-                else:
-                    role, content = m
-                    req.chat.messages.add(role=role, content=content)
-            req.chat.SetInParent()
-        elif isinstance(prompt, str):
-            req.text = prompt
-        else:
-            req.token_ids.ids.extend(checked_token_ids("prompt", prompt))
-            req.token_ids.SetInParent()
-        s = req.sampling
-        for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                            ("top_k", top_k), ("min_p", min_p), ("seed", seed), ("logprobs", logprobs),
-                            ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-                            ("repetition_penalty", repetition_penalty),
-                            ("prompt_logprobs", prompt_logprobs), ("n", None if n == 1 else n)):
-            if value is None:
-                continue
-            if name == "max_tokens" and isinstance(value, int) and value < 0:
-                raise BadField(name, _MAX_TOKENS_MESSAGE.format(name, value))
-            low, high = _INT_RANGES.get(name, (None, None))
-            if low is not None and isinstance(value, int) and not low <= value <= high:
-                raise BadField(name, f"{name} must be an integer between {low} and {high}, got {value}")
-            try:
-                setattr(s, name, value)
-            except (ValueError, TypeError):
-                raise BadField(name, f"{name} must be a number, got {shown(value)}") from None
-        if stop:
-            s.stop.extend([stop] if isinstance(stop, str) else list(stop))
-        if stop_token_ids:
-            s.stop_token_ids.extend(checked_token_ids("stop_token_ids", stop_token_ids))
-        s.ignore_eos = bool(ignore_eos)
-        for token, bias in (logit_bias or {}).items():
-            s.logit_bias[checked_token_ids("logit_bias", [token])[0]] = float(bias)
-        if structured is not None:
-            s.structured.CopyFrom(structured_proto(structured))
-        s.echo = bool(echo)
-        if speculative is not None:
-            s.speculative = bool(speculative)
+        _set_prompt(req, prompt, messages)
+        _set_sampling_numbers(req.sampling, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              min_p=min_p, seed=seed, logprobs=logprobs, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                              prompt_logprobs=prompt_logprobs, n=None if n == 1 else n)
+        _set_sampling_options(req.sampling, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                              logit_bias=logit_bias, structured=structured, echo=echo, speculative=speculative)
         if resume_token_ids:
             req.resume_token_ids.extend(checked_token_ids("resume_token_ids", resume_token_ids))
-        if tools:
-            if not isinstance(tools, str):
-                check_json_depth(list(tools), "tools")
-            req.tools = tools if isinstance(tools, str) else json.dumps(list(tools), ensure_ascii=False)
-        if tool_choice is not None:
-            _set_tool_choice(req.tool_choice, tool_choice)
-        if parallel_tool_calls is not None:
-            req.parallel_tool_calls = bool(parallel_tool_calls)
-        if chat_template_kwargs:
-            if not isinstance(chat_template_kwargs, Mapping):
-                raise BadField("chat_template_kwargs", "chat_template_kwargs must be an object of template variables, "
-                                                       f"got {shown(chat_template_kwargs)}")
-            check_json_depth(dict(chat_template_kwargs), "chat_template_kwargs")
-            req.chat_template_kwargs = json.dumps(dict(chat_template_kwargs), ensure_ascii=False)
-        if reasoning_effort is not None:
-            req.reasoning_effort = reasoning_effort
-        if thinking_token_budget is not None:
-            if isinstance(thinking_token_budget, bool) or not isinstance(thinking_token_budget, int) \
-                    or not 0 <= thinking_token_budget <= 2**32 - 1:
-                raise BadField("thinking_token_budget", f"thinking_token_budget must be an integer between 0 and "
-                                                        f"{2**32 - 1}, got {shown(thinking_token_budget)}")
-            req.thinking_token_budget = thinking_token_budget
+        _set_tools(req, tools, tool_choice, parallel_tool_calls)
+        _set_template_options(req, chat_template_kwargs, reasoning_effort, thinking_token_budget)
     except InvalidRequest:
         raise
     except (ValueError, TypeError) as e:  # out of the wire types' range
         raise InvalidRequest(f"invalid request: {e}") from None
     return req
+
+
+def _set_prompt(req: pb.GenerateRequest, prompt: str | Sequence[int] | None,
+                messages: Iterable[Message] | None) -> None:
+    """The request's one prompt: chat messages, a text, or token ids."""
+    if messages is not None:
+        for m in messages:
+            if isinstance(m, Mapping):
+                _add_message(req.chat.messages, m)
+            else:
+                role, content = m
+                req.chat.messages.add(role=role, content=content)
+        req.chat.SetInParent()
+    elif isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(checked_token_ids("prompt", prompt))
+        req.token_ids.SetInParent()
+
+
+def _set_sampling_numbers(s: pb.SamplingParams, **numbers: int | float | None) -> None:
+    """Each given number onto `s`, in order, or BadField naming the first the wire cannot hold."""
+    for name, value in numbers.items():
+        if value is None:
+            continue
+        if name == "max_tokens" and isinstance(value, int) and value < 0:
+            raise BadField(name, _MAX_TOKENS_MESSAGE.format(name, value))
+        low, high = _INT_RANGES.get(name, (None, None))
+        if low is not None and isinstance(value, int) and not low <= value <= high:
+            raise BadField(name, f"{name} must be an integer between {low} and {high}, got {value}")
+        try:
+            setattr(s, name, value)
+        except (ValueError, TypeError):
+            raise BadField(name, f"{name} must be a number, got {shown(value)}") from None
+
+
+def _set_sampling_options(s: pb.SamplingParams, *, stop, stop_token_ids, ignore_eos, logit_bias, structured, echo,
+                          speculative) -> None:
+    """The sampling fields beyond the numbers: stops, biases, a structured-output constraint, flags."""
+    if stop:
+        s.stop.extend([stop] if isinstance(stop, str) else list(stop))
+    if stop_token_ids:
+        s.stop_token_ids.extend(checked_token_ids("stop_token_ids", stop_token_ids))
+    s.ignore_eos = bool(ignore_eos)
+    for token, bias in (logit_bias or {}).items():
+        s.logit_bias[checked_token_ids("logit_bias", [token])[0]] = float(bias)
+    if structured is not None:
+        s.structured.CopyFrom(structured_proto(structured))
+    s.echo = bool(echo)
+    if speculative is not None:
+        s.speculative = bool(speculative)
+
+
+def _set_tools(req: pb.GenerateRequest, tools: Sequence[Mapping] | str | None, tool_choice: str | Mapping | None,
+               parallel_tool_calls: bool | None) -> None:
+    """The function tools (as JSON text) and how the model may call them."""
+    if tools:
+        if not isinstance(tools, str):
+            check_json_depth(list(tools), "tools")
+        req.tools = tools if isinstance(tools, str) else json.dumps(list(tools), ensure_ascii=False)
+    if tool_choice is not None:
+        _set_tool_choice(req.tool_choice, tool_choice)
+    if parallel_tool_calls is not None:
+        req.parallel_tool_calls = bool(parallel_tool_calls)
+
+
+def _set_template_options(req: pb.GenerateRequest, chat_template_kwargs: Mapping[str, Any] | None,
+                          reasoning_effort: str | None, thinking_token_budget: int | None) -> None:
+    """What reaches the chat template (its variables, a reasoning effort) and the thinking budget."""
+    if chat_template_kwargs:
+        if not isinstance(chat_template_kwargs, Mapping):
+            raise BadField("chat_template_kwargs", "chat_template_kwargs must be an object of template variables, "
+                                                   f"got {shown(chat_template_kwargs)}")
+        check_json_depth(dict(chat_template_kwargs), "chat_template_kwargs")
+        req.chat_template_kwargs = json.dumps(dict(chat_template_kwargs), ensure_ascii=False)
+    if reasoning_effort is not None:
+        req.reasoning_effort = reasoning_effort
+    if thinking_token_budget is not None:
+        if isinstance(thinking_token_budget, bool) or not isinstance(thinking_token_budget, int) \
+                or not 0 <= thinking_token_budget <= 2**32 - 1:
+            raise BadField("thinking_token_budget", f"thinking_token_budget must be an integer between 0 and "
+                                                    f"{2**32 - 1}, got {shown(thinking_token_budget)}")
+        req.thinking_token_budget = thinking_token_budget
 
 
 def checked_token_ids(name: str, ids: Iterable) -> list[int]:
