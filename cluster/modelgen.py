@@ -384,12 +384,30 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
     from cluster import platform
 
     platform.preload_blas()  # before MLX, where this process imports it first
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
     path = Path(path)
-    geo_vocab = _GEOMETRY.get(size, {}).get("vocab_size")
+    _check_spec(arch, size, kind, chat, layers, files)
+    chat = REAL_FORMATS[chat] if chat else CHAT_FORMAT.get(arch, CHATML)
+    tok = train_tokenizer(_GEOMETRY.get(size, {}).get("vocab_size"), seed, chat,
+                          words=("yes", "no") if kind == "reranker" else ())
+    ids = {t: tok.token_to_id(t) for t in chat.control + chat.markers}
+    config = _kind_config(model_config(arch, size, ids, chat, layers), kind)
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    _init_weights(model, config, seed)
+
+    path.mkdir(parents=True, exist_ok=True)
+    _save_weights(path, _kind_weights(model, config, kind, seed), files)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_tokenizer_files(path, tok, chat, config)
+    if kind == "embedding":
+        _write_embedding_files(path, tok, config)
+    return path
+
+
+def _check_spec(arch: str, size: str, kind: str, chat: str, layers: int, files: int) -> None:
+    """ValueError naming the first argument of `create_model` that names nothing it can make."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}: choose one of {', '.join(SIZES)}")
     if arch not in ARCHS:
@@ -403,12 +421,12 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
         raise ValueError(f"a classifier is made of qwen3, qwen2, llama or mistral, not {arch}")
     if chat and chat not in REAL_FORMATS:
         raise ValueError(f"unknown chat format {chat!r}: choose one of {', '.join(REAL_FORMATS)}")
-    chat = REAL_FORMATS[chat] if chat else CHAT_FORMAT.get(arch, CHATML)
-    tok = train_tokenizer(geo_vocab, seed, chat, words=("yes", "no") if kind == "reranker" else ())
-    ids = {t: tok.token_to_id(t) for t in chat.control + chat.markers}
     if layers < 0 or files < 1:
         raise ValueError(f"layers must be >= 0 and files >= 1, not {layers} and {files}")
-    config = model_config(arch, size, ids, chat, layers)
+
+
+def _kind_config(config: dict, kind: str) -> dict:
+    """`config` with the keys that make its model an embedding model, a reranker or a classifier."""
     if kind == "embedding":
         config["is_matryoshka"] = True  # vLLM's key: `dimensions` may truncate
     elif kind == "reranker":
@@ -417,19 +435,26 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
     elif kind == "classifier":
         config.update(architectures=[config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")],
                       num_labels=1)
+    return config
 
-    model_cls, args_cls = _get_classes(config)
-    model = model_cls(args_cls.from_dict(config))
-    _init_weights(model, config, seed)
 
-    path.mkdir(parents=True, exist_ok=True)
+def _kind_weights(model, config: dict, kind: str, seed: int) -> dict:
+    """The model's weights by name; a classifier's hold transformers' sequence-classification
+    head and no LM head (untied or not)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
     weights = dict(tree_flatten(model.parameters()))
-    if kind == "classifier":  # transformers' sequence-classification head, and no LM head (untied or not)
+    if kind == "classifier":
         weights["score.weight"] = mx.random.normal((1, config["hidden_size"]), key=mx.random.key(seed + 7)) / math.sqrt(
             config["hidden_size"])
         weights.pop("lm_head.weight", None)
-    _save_weights(path, weights, files)
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return weights
+
+
+def _write_tokenizer_files(path: Path, tok, chat: ChatFormat, config: dict) -> None:
+    """The tokenizer and what transformers reads beside it: its config (with the chat
+    template), the special tokens, the generation config's eos."""
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -448,16 +473,18 @@ def create_model(path: str | Path, arch: str = ModelSpec.arch, size: str = Model
         "additional_special_tokens": special,
     }, indent=2) + "\n")
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}) + "\n")
-    if kind == "embedding":
-        _sentence_transformers_files(path, config["hidden_size"], config["max_position_embeddings"])
-        # as Qwen3-Embedding's tokenizer: every input ends with <|endoftext|>, the token it pools
-        from tokenizers import processors
 
-        eot = "<|endoftext|>"
-        tok.post_processor = processors.TemplateProcessing(single=f"$A {eot}", pair=f"$A {eot} $B {eot}",
-                                                           special_tokens=[(eot, tok.token_to_id(eot))])
-        tok.save(str(path / "tokenizer.json"))
-    return path
+
+def _write_embedding_files(path: Path, tok, config: dict) -> None:
+    """sentence-transformers' files, and a tokenizer that ends every input with
+    <|endoftext|>, the token it pools (as Qwen3-Embedding's)."""
+    from tokenizers import processors
+
+    _sentence_transformers_files(path, config["hidden_size"], config["max_position_embeddings"])
+    eot = "<|endoftext|>"
+    tok.post_processor = processors.TemplateProcessing(single=f"$A {eot}", pair=f"$A {eot} $B {eot}",
+                                                       special_tokens=[(eot, tok.token_to_id(eot))])
+    tok.save(str(path / "tokenizer.json"))
 
 
 def _sentence_transformers_files(path: Path, hidden: int, max_len: int, pooling: str = "lasttoken") -> None:
