@@ -414,86 +414,107 @@ def _take(turn: _Turn, r: pb.GenerateResponse) -> None:
         turn.usage = r.usage
 
 
+# Each streamed item kind's empty content part, and the name its text events go by.
+_PARTS = {"message": ({"type": "output_text", "text": "", "annotations": [], "logprobs": []}, "output_text"),
+          "reasoning": ({"type": "reasoning_text", "text": ""}, "reasoning_text")}
+
+
+class _Events:
+    """A turn's server-sent events as its chunks come: each numbered in order, at most one
+    message or reasoning item open at a time, a function call sent whole."""
+
+    def __init__(self, response: web.StreamResponse, turn: _Turn):
+        self.response = response
+        self.turn = turn
+        self.seq = 0
+        self.open_index: int | None = None  # the message or reasoning item being streamed
+
+    async def send(self, event: str, **data) -> None:
+        await self.response.write(_sse(event, {"type": event, "sequence_number": self.seq, **data}))
+        self.seq += 1
+
+    async def open_item(self, index: int) -> None:
+        self.open_index = index
+        m = self.turn.items[index]
+        await self.send("response.output_item.added", output_index=index,
+                        item={**self.turn.item(m, "in_progress"), "content": []})
+        await self.send("response.content_part.added", item_id=m["id"], output_index=index, content_index=0,
+                        part=_PARTS[m["type"]][0])
+
+    async def close_item(self) -> None:
+        if self.open_index is None:
+            return
+        index, self.open_index = self.open_index, None
+        m = self.turn.items[index]
+        part, name = _PARTS[m["type"]]
+        extra = {"logprobs": []} if m["type"] == "message" else {}
+        await self.send(f"response.{name}.done", item_id=m["id"], output_index=index, content_index=0,
+                        text=m["text"], **extra)
+        await self.send("response.content_part.done", item_id=m["id"], output_index=index, content_index=0,
+                        part=dict(part, text=m["text"]))
+        await self.send("response.output_item.done", output_index=index, item=self.turn.item(m, "completed"))
+
+    async def add_text(self, text: str, kind: str) -> None:
+        index, opened = self.turn.add_text(text, kind)
+        if opened:
+            await self.close_item()
+            await self.open_item(index)
+        extra = {"logprobs": []} if kind == "message" else {}
+        await self.send(f"response.{_PARTS[kind][1]}.delta", item_id=self.turn.items[index]["id"],
+                        output_index=index, content_index=0, delta=text, **extra)
+
+    async def add_call(self, c: pb.ToolCall) -> None:
+        await self.close_item()
+        index, item = self.turn.add_call(c), self.turn.call_item(c)
+        await self.send("response.output_item.added", output_index=index,
+                        item={**item, "arguments": "", "status": "in_progress"})
+        await self.send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                        delta=c.arguments)
+        await self.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        arguments=c.arguments, name=c.name)
+        await self.send("response.output_item.done", output_index=index, item=item)
+
+    async def add_chunk(self, r: pb.GenerateResponse) -> None:
+        """As `_take`, sending each step's events."""
+        if r.reasoning:
+            await self.add_text(r.reasoning, "reasoning")
+        if r.text:
+            await self.add_text(r.text, "message")
+        for c in r.tool_calls:
+            await self.add_call(c)
+        if r.finish_reason:
+            self.turn.finish = FINISH_REASON_NAMES.get(r.finish_reason)
+            self.turn.usage = r.usage
+
+    async def close_output(self) -> None:
+        """Close the open item; an answer with no message and no call still has one (empty) message."""
+        if not any(isinstance(i, pb.ToolCall) or i["type"] == "message" for i in self.turn.items):
+            await self.close_item()
+            await self.open_item(self.turn.add_text("")[0])
+        await self.close_item()
+
+
 async def _stream(request: web.Request, turn: _Turn, first, chunks) -> web.StreamResponse:
+    """The turn as server-sent events: created, in progress, its items as the chunks from
+    `first` on come, then completed or incomplete; an error event if the backend fails."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    seq = 0
-
-    async def send(event: str, **data):
-        nonlocal seq
-        await response.write(_sse(event, {"type": event, "sequence_number": seq, **data}))
-        seq += 1
-
-    await send("response.created", response=turn.obj("in_progress"))
-    await send("response.in_progress", response=turn.obj("in_progress"))
-    parts = {"message": ({"type": "output_text", "text": "", "annotations": [], "logprobs": []}, "output_text"),
-             "reasoning": ({"type": "reasoning_text", "text": ""}, "reasoning_text")}
-    open_index: int | None = None  # the message or reasoning item being streamed
-
-    async def open_item(index: int):
-        nonlocal open_index
-        open_index = index
-        m = turn.items[index]
-        await send("response.output_item.added", output_index=index,
-                   item={**turn.item(m, "in_progress"), "content": []})
-        await send("response.content_part.added", item_id=m["id"], output_index=index, content_index=0,
-                   part=parts[m["type"]][0])
-
-    async def close_item():
-        nonlocal open_index
-        if open_index is None:
-            return
-        index, open_index = open_index, None
-        m = turn.items[index]
-        part, name = parts[m["type"]]
-        extra = {"logprobs": []} if m["type"] == "message" else {}
-        await send(f"response.{name}.done", item_id=m["id"], output_index=index, content_index=0, text=m["text"],
-                   **extra)
-        await send("response.content_part.done", item_id=m["id"], output_index=index, content_index=0,
-                   part=dict(part, text=m["text"]))
-        await send("response.output_item.done", output_index=index, item=turn.item(m, "completed"))
-
-    async def add(text: str, kind: str):
-        index, opened = turn.add_text(text, kind)
-        if opened:
-            await close_item()
-            await open_item(index)
-        extra = {"logprobs": []} if kind == "message" else {}
-        await send(f"response.{parts[kind][1]}.delta", item_id=turn.items[index]["id"], output_index=index,
-                   content_index=0, delta=text, **extra)
-
+    events = _Events(response, turn)
+    await events.send("response.created", response=turn.obj("in_progress"))
+    await events.send("response.in_progress", response=turn.obj("in_progress"))
     try:
         r = first
         while r is not None:
-            if r.reasoning:
-                await add(r.reasoning, "reasoning")
-            if r.text:
-                await add(r.text, "message")
-            for c in r.tool_calls:
-                await close_item()
-                index, item = turn.add_call(c), turn.call_item(c)
-                await send("response.output_item.added", output_index=index,
-                           item={**item, "arguments": "", "status": "in_progress"})
-                await send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                           delta=c.arguments)
-                await send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                           arguments=c.arguments, name=c.name)
-                await send("response.output_item.done", output_index=index, item=item)
-            if r.finish_reason:
-                turn.finish = FINISH_REASON_NAMES.get(r.finish_reason)
-                turn.usage = r.usage
+            await events.add_chunk(r)
             r = await anext(chunks, None)
-        if not any(isinstance(i, pb.ToolCall) or i["type"] == "message" for i in turn.items):
-            await close_item()  # an answer with no message and no call still has one (empty) message
-            await open_item(turn.add_text("")[0])
-        await close_item()
+        await events.close_output()
         _remember(request.app, turn)
         status = turn.status
-        await send("response.completed" if status == "completed" else "response.incomplete",
-                   response=turn.obj(status))
+        await events.send("response.completed" if status == "completed" else "response.incomplete",
+                          response=turn.obj(status))
     except OrchardError as e:
-        await send("error", code=ERROR_TYPES.get(e.http_status, "server_error"), message=renamed(e.message, NAMES),
-                   param=None)
+        await events.send("error", code=ERROR_TYPES.get(e.http_status, "server_error"),
+                          message=renamed(e.message, NAMES), param=None)
     await response.write_eof()
     return response
 
