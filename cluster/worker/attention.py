@@ -183,26 +183,58 @@ def _layer_specs(model: nn.Module) -> tuple[LayerSpec, ...]:
 def _features(model: nn.Module) -> list[LayerSpec]:
     """Each layer's window, softcap, sinks, shared K/V and MLA, from the model; geometry 0."""
     mt = model_type(model)
-    n = len(model.layers)
-    refuse = lambda what: UnsupportedModel(f"model type {mt!r} is not served: {what}")  # noqa: E731
-    # K/V shared with earlier layers
-    kv_layer = list(range(n))
     make_cache = getattr(model, "make_cache", None)
     caches = make_cache() if make_cache is not None else None
-    hybrid = mt in HYBRID_FAMILIES
-    if hybrid and caches is not None:
+    n, kv_layer = _kv_layers(model, mt, caches)
+    windows, recurrent, attends, cache_list = _cache_features(mt, caches, n)
+    modules = _attention_modules(model, mt, caches, recurrent, attends)
+    latent = any(getattr(m, "kv_lora_rank", None) for m in modules)
+    if latent and mt not in MLA_FAMILIES:
+        raise _refused(mt, "it uses multi-head latent attention (MLA, kv_lora_rank), which the engine serves for "
+                           f"{', '.join(sorted(MLA_FAMILIES))} only")
+    for i in range(n):
+        if kv_layer[i] != i:
+            windows[i] = windows[kv_layer[i]]
+    specs = []
+    for i, m in enumerate(modules):
+        if not attends[i]:
+            specs.append(LayerSpec(layer=i, kv_layer=i, recurrent=True, attention=False))
+            continue
+        softcap, sinks = _module_features(mt, i, m)
+        specs.append(LayerSpec(layer=i, kv_layer=kv_layer[i], window=windows[i], softcap=softcap, sinks=sinks,
+                               latent=latent, recurrent=recurrent[i], cache_list=cache_list[i]))
+    return specs
+
+
+def _refused(mt: str, what: str) -> UnsupportedModel:
+    return UnsupportedModel(f"model type {mt!r} is not served: {what}")
+
+
+def _kv_layers(model: nn.Module, mt: str, caches: list | None) -> tuple[int, list[int]]:
+    """The number of layers that hold state, and the layer whose K/V each reads: its own,
+    or, in a family that shares K/V, an earlier one's."""
+    n = len(model.layers)
+    kv_layer = list(range(n))
+    if mt in HYBRID_FAMILIES and caches is not None:
         n = len(caches)  # a hybrid's layers without a cache (MLP blocks) hold no state
     if caches is not None and len(caches) != n:
         previous = getattr(getattr(model, "model", None), "previous_kvs", None)
         if mt not in SHARED_KV_FAMILIES or previous is None or len(caches) > n:
-            raise refuse(f"it has {n} layers but {len(caches)} caches: a layer without a cache of its own is "
-                         "served only where it reads an earlier layer's K/V, in "
-                         + ", ".join(sorted(SHARED_KV_FAMILIES)))
+            raise _refused(mt, f"it has {n} layers but {len(caches)} caches: a layer without a cache of its own is "
+                               "served only where it reads an earlier layer's K/V, in "
+                               + ", ".join(sorted(SHARED_KV_FAMILIES)))
         kv_layer = [int(p) for p in previous]
         owners = len(caches)  # layers 0 .. owners-1 write K/V; the rest read one of them
         if any(kv_layer[i] != i for i in range(owners)) or any(kv_layer[i] >= owners for i in range(owners, n)):
-            raise refuse(f"its layers' K/V sources {kv_layer} are not the first {owners} layers")
-    # sliding windows, from the caches mlx-lm makes
+            raise _refused(mt, f"its layers' K/V sources {kv_layer} are not the first {owners} layers")
+    return n, kv_layer
+
+
+def _cache_features(mt: str, caches: list | None, n: int) -> tuple[list[int], list[bool], list[bool], list[tuple]]:
+    """Per layer, from the caches mlx-lm makes: its sliding window (-1: none), whether it
+    keeps a recurrent state, whether it attends, and a hybrid CacheList's state entries;
+    UnsupportedModel for a cache the paged engine would serve wrongly."""
+    hybrid = mt in HYBRID_FAMILIES
     windows, other, recurrent, attends, cache_list = [-1] * n, {}, [False] * n, [True] * n, [()] * n
     for i, cache in enumerate(caches or []):
         name = type(cache).__name__
@@ -221,52 +253,49 @@ def _features(model: nn.Module) -> list[LayerSpec]:
     if other.keys() & RECURRENT_CACHES:
         ids = sorted(i for name in other.keys() & RECURRENT_CACHES for i in other[name])
         kinds = ", ".join(sorted(other.keys() & RECURRENT_CACHES))
-        raise refuse(f"layers {_ranges(ids)} keep a recurrent state ({kinds}), which the engine serves, with "
-                     "state slots, only for the hybrid families checked against "
-                     f"mlx-lm: {', '.join(sorted(HYBRID_FAMILIES))}")
+        raise _refused(mt, f"layers {_ranges(ids)} keep a recurrent state ({kinds}), which the engine serves, with "
+                           "state slots, only for the hybrid families checked against "
+                           f"mlx-lm: {', '.join(sorted(HYBRID_FAMILIES))}")
     if other:
         what = "; ".join(f"layers {_ranges(ids)} use {name} "
                          f"({_CACHE_MEANING.get(name.split('(')[0], 'an attention the engine does not know')})"
                          for name, ids in other.items())
-        raise refuse(f"{what}. The paged engine would give those layers full attention and generate the wrong "
-                     "tokens, so it refuses the model")
+        raise _refused(mt, f"{what}. The paged engine would give those layers full attention and generate the "
+                           "wrong tokens, so it refuses the model")
+    return windows, recurrent, attends, cache_list
+
+
+def _attention_modules(model: nn.Module, mt: str, caches: list | None, recurrent: list[bool],
+                       attends: list[bool]) -> list[nn.Module]:
+    """Each layer's attention module (its recurrent one where it has none), once its
+    modules agree with the caches it makes."""
     modules = layer_modules(model)
     kinds = [(any(map(is_recurrent, ms)), not all(map(is_recurrent, ms))) for ms in modules]
-    if len(modules) != n or kinds != list(zip(recurrent, attends)):
-        raise refuse(f"its layers' attention and recurrent modules do not match the caches it makes "
-                     f"({', '.join(_cache_name(c) for c in caches or [])})")
-    modules = [next((m for m in ms if not is_recurrent(m)), ms[0]) for ms in modules]  # the attention, if any
-    latent = any(getattr(m, "kv_lora_rank", None) for m in modules)
-    if latent and mt not in MLA_FAMILIES:
-        raise refuse("it uses multi-head latent attention (MLA, kv_lora_rank), which the engine serves for "
-                     f"{', '.join(sorted(MLA_FAMILIES))} only")
-    for i in range(n):
-        if kv_layer[i] != i:
-            windows[i] = windows[kv_layer[i]]
-    # features of the attention modules themselves
+    if len(modules) != len(recurrent) or kinds != list(zip(recurrent, attends)):
+        raise _refused(mt, f"its layers' attention and recurrent modules do not match the caches it makes "
+                           f"({', '.join(_cache_name(c) for c in caches or [])})")
+    return [next((m for m in ms if not is_recurrent(m)), ms[0]) for ms in modules]
+
+
+def _module_features(mt: str, i: int, m: nn.Module) -> tuple[float, bool]:
+    """Layer `i`'s attention module's softcap and sinks; UnsupportedModel for a feature the
+    engine does not apply for this family, or attention it computes in its own code."""
     softcap_attr = SOFTCAP_FAMILIES.get(mt)
-    specs = []
-    for i, m in enumerate(modules):
-        if not attends[i]:
-            specs.append(LayerSpec(layer=i, kv_layer=i, recurrent=True, attention=False))
+    softcap = float(getattr(m, softcap_attr) or 0.0) if softcap_attr else 0.0
+    sinks = mt in SINK_FAMILIES and getattr(m, "sinks", None) is not None
+    for attr, meaning in _MODULE_FEATURES.items():
+        value = getattr(m, attr, None)
+        if value is None or value is False or attr == softcap_attr or (attr == "sinks" and sinks):
             continue
-        softcap = float(getattr(m, softcap_attr) or 0.0) if softcap_attr else 0.0
-        sinks = mt in SINK_FAMILIES and getattr(m, "sinks", None) is not None
-        for attr, meaning in _MODULE_FEATURES.items():
-            value = getattr(m, attr, None)
-            if value is None or value is False or attr == softcap_attr or (attr == "sinks" and sinks):
-                continue
-            if isinstance(value, (int, float)) and value == 0:
-                continue
-            raise refuse(f"layer {i}'s attention ({type(m).__name__}) has {meaning} ({attr}), which the engine does "
-                         "not apply for this family")
-        if mt not in FAMILY_CALLS and not calls(type(m), "scaled_dot_product_attention"):
-            raise refuse(f"layer {i}'s attention ({type(m).__name__}) computes attention in its own code rather "
-                         "than through mlx-lm's scaled_dot_product_attention, and the engine has no paged version "
-                         "of it")
-        specs.append(LayerSpec(layer=i, kv_layer=kv_layer[i], window=windows[i], softcap=softcap, sinks=sinks,
-                               latent=latent, recurrent=recurrent[i], cache_list=cache_list[i]))
-    return specs
+        if isinstance(value, (int, float)) and value == 0:
+            continue
+        raise _refused(mt, f"layer {i}'s attention ({type(m).__name__}) has {meaning} ({attr}), which the engine "
+                           "does not apply for this family")
+    if mt not in FAMILY_CALLS and not calls(type(m), "scaled_dot_product_attention"):
+        raise _refused(mt, f"layer {i}'s attention ({type(m).__name__}) computes attention in its own code rather "
+                           "than through mlx-lm's scaled_dot_product_attention, and the engine has no paged "
+                           "version of it")
+    return softcap, sinks
 
 
 def _cache_name(cache) -> str:
