@@ -216,41 +216,23 @@ class Scheduler:
 
     # -- the plan -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        cfg = self.config
+        """The next step's plan, in the module's order: decodes, running prefills, waiting
+        requests, then what budget is left to the prompts still mid-prefill."""
         out = SchedulerOutput()
         scheduled: dict[int, ScheduledSeq] = {}  # id(seq) -> entry, in scheduling order
-        budget = cfg.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         self._prompt_rows_left = MAX_PROMPT_LOGPROB_ROWS
         self._pooling_left = self._pooling_share(budget)
+        budget = self._schedule_decodes(budget, scheduled, out)
+        budget = self._schedule_prefills(budget, scheduled, out)
+        budget = self._admit(budget, scheduled)
+        self._extend_prefills(budget, scheduled)
+        out.scheduled = list(scheduled.values())
+        return out
 
-        def preempt_newest(current: Sequence) -> Sequence:
-            nonlocal budget
-            victim = self._victim()
-            self.running.remove(victim)
-            entry = scheduled.pop(id(victim), None)
-            if entry is not None:
-                budget += entry.num_new_tokens
-            self.block_manager.free(victim)
-            self._free_state(victim)
-            victim.num_computed_tokens = 0
-            victim.spec_token_ids = []
-            victim.status = SequenceStatus.WAITING
-            victim.num_preemptions += 1
-            self.num_preemptions += 1
-            self.waiting.appendleft(victim)
-            out.preempted.append(victim)
-            return victim
-
-        def schedule_running(seq: Sequence, n: int) -> None:
-            nonlocal budget
-            while not self.block_manager.allocate_slots(seq, n):
-                if preempt_newest(seq) is seq:
-                    return
-            scheduled[id(seq)] = ScheduledSeq(seq, seq.num_computed_tokens, n)
-            budget -= n
-
-        # 1. decodes (with their draft tokens, speculating, while budget and blocks allow:
-        #    drafts never preempt anyone)
+    def _schedule_decodes(self, budget: int, scheduled: dict[int, ScheduledSeq], out: SchedulerOutput) -> int:
+        """1. Each running decode, with its draft tokens (speculating) while budget and blocks
+        allow: drafts never preempt anyone. Returns the budget left."""
         for seq in [s for s in self.running if not s.is_prefilling]:
             drafts, seq.spec_token_ids = seq.spec_token_ids[: max(0, budget - 1)], []
             if budget <= 0 or seq.status is not SequenceStatus.RUNNING:
@@ -259,10 +241,12 @@ class Scheduler:
                 scheduled[id(seq)] = ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(drafts), drafts)
                 budget -= 1 + len(drafts)
             else:
-                schedule_running(seq, 1)
+                budget = self._schedule_running(seq, 1, budget, scheduled, out)
+        return budget
 
-        # 2. running partial prefills: short ones finish, long ones share what the short
-        #    waiting prompts leave
+    def _schedule_prefills(self, budget: int, scheduled: dict[int, ScheduledSeq], out: SchedulerOutput) -> int:
+        """2. Running partial prefills: short ones finish, long ones share what the short
+        waiting prompts leave. Returns the budget left."""
         prefilling = [s for s in self.running if s.is_prefilling]
         reserve = self._short_waiting_reserve(budget // 2)
         for i, seq in enumerate(prefilling):
@@ -275,12 +259,12 @@ class Scheduler:
                 n = min(n, max(1, (budget - reserve) // (len(prefilling) - i)))
             n = self._cap_pooling(seq, min(n, budget))
             if n > 0:  # (a pooling request past its share waits a step)
-                schedule_running(seq, self._cap_prompt_rows(seq, n))
+                budget = self._schedule_running(seq, self._cap_prompt_rows(seq, n), budget, scheduled, out)
+        return budget
 
-        # 3. admit waiting requests
-        budget = self._admit(budget, scheduled)
-
-        # 4. what is left goes to the prompts still mid-prefill
+    def _extend_prefills(self, budget: int, scheduled: dict[int, ScheduledSeq]) -> None:
+        """4. What budget is left goes to the prompts still mid-prefill, in plan order, as
+        far as free KV blocks allow."""
         for entry in scheduled.values():
             if budget <= 0:
                 break
@@ -296,8 +280,35 @@ class Scheduler:
             if extra > 0 and self.block_manager.allocate_slots(seq, entry.num_new_tokens + extra):
                 entry.num_new_tokens += extra
                 budget -= extra
-        out.scheduled = list(scheduled.values())
-        return out
+
+    def _schedule_running(self, seq: Sequence, n: int, budget: int, scheduled: dict[int, ScheduledSeq],
+                          out: SchedulerOutput) -> int:
+        """Plan `n` tokens of a running request, preempting the newest running requests for
+        their blocks until they fit (or it is preempted itself). Returns the budget left."""
+        while not self.block_manager.allocate_slots(seq, n):
+            victim, freed = self._preempt_newest(scheduled, out)
+            budget += freed
+            if victim is seq:
+                return budget
+        scheduled[id(seq)] = ScheduledSeq(seq, seq.num_computed_tokens, n)
+        return budget - n
+
+    def _preempt_newest(self, scheduled: dict[int, ScheduledSeq], out: SchedulerOutput) -> tuple[Sequence, int]:
+        """Preempt the `_victim`: its blocks and state freed, back to the front of the queue
+        to be recomputed, out of the plan. Returns it and the tokens it had planned."""
+        victim = self._victim()
+        self.running.remove(victim)
+        entry = scheduled.pop(id(victim), None)
+        self.block_manager.free(victim)
+        self._free_state(victim)
+        victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        return victim, entry.num_new_tokens if entry is not None else 0
 
     def _victim(self) -> Sequence:
         """The running request to preempt: the newest, or with generation_first the newest
