@@ -22,10 +22,11 @@ Ray cluster.
   rank 0 a worker actor in the first bundle (`orchard-worker-g<i>`), the other ranks
   member actors in the others (`orchard-worker-g<i>-rank<r>`), over MLX's ring on the
   nodes' Ray IPs. Each actor finds the addresses when it starts, not at launch: its own
-  from the node it runs on, rank 0's from the node that holds rank 0's bundle now; rank 0 learns each member's from the member as it joins and hands
-  the ring to every rank (`cluster/worker/group/`). When one of them dies the others exit
-  (the group is lost) and Ray restarts each actor; they find each other again, wherever
-  their bundles are by then. `--host` is the router's and the workers' gRPC address; a
+  from the node it runs on, rank 0's from the node that holds rank 0's bundle now; rank 0
+  learns each member's from the member as it joins and hands the ring to every rank
+  (`cluster/worker/group/`). When one of them dies the others exit (the group is lost)
+  and Ray restarts each actor; they find each other again, wherever their bundles are by
+  then. `--host` is the router's and the workers' gRPC address; a
   group's ring is always on each node's own IP.
 
 Each actor runs the same server objects as the CLI (`RouterServer`, `WorkerServer`) on
@@ -75,7 +76,8 @@ class RaySpec:
     router_port: int = setting(port_of(RouterConfig.grpc_address),
                                "router gRPC port (0: any free one, and a restart moves the router)")
     router_http_port: int | None = setting(port_of(RouterConfig.http_address), "OpenAI HTTP port (-1: off)", off=-1)
-    router_metrics_port: int | None = setting(port_of(RouterConfig.metrics_address), "router metrics port (-1: off)", off=-1)
+    router_metrics_port: int | None = setting(port_of(RouterConfig.metrics_address), "router metrics port (-1: off)",
+                                              off=-1)
     worker_port: int = setting(port_of(WorkerOptions.grpc_address), "worker i on a node: port+i (0: free ports)")
     worker_metrics_port: int | None = setting(port_of(WorkerOptions.metrics_address),
                                               "worker i: port+i (0: free, -1: off)", off=-1)
@@ -133,8 +135,9 @@ def group_hosts(spec: RaySpec, g: int, rank: int) -> str:
     """`--group-hosts` for rank `rank` of group `g`, found inside its actor (in the
     group's placement group) as it starts, again at each restart (a bundle may have moved):
     each rank's address is its node's as Ray lists it (the node this actor runs on, for
-    its own rank; for the others, the nodes that hold their bundles now). ConnectionError while a bundle is not placed (its node is gone and Ray has
-    not placed it again yet): starting again later can help."""
+    its own rank; for the others, the nodes that hold their bundles now). ConnectionError
+    while a bundle is not placed (its node is gone and Ray has not placed it again yet):
+    starting again later can help."""
     import ray
     from ray.util.placement_group import get_current_placement_group, placement_group_table
 

@@ -323,7 +323,8 @@ class LocalCluster:
             dead = self.dead_children()
             if dead:
                 c = dead[0]
-                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}; its log ({c.log_path}):\n{c.tail()}")
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}; "
+                                   f"its log ({c.log_path}):\n{c.tail()}")
             if all(len(self.healthy_workers(r)) >= n for r in self.router_addresses):
                 return
             time.sleep(0.2)
@@ -403,7 +404,8 @@ class Secrets:
         d = self.dir
         if not (d / f"{name}.pem").exists():
             issue(d, name)
-        return ["--tls-cert", str(d / f"{name}.pem"), "--tls-key", str(d / f"{name}-key.pem"), "--tls-ca", str(d / "ca.pem")]
+        return ["--tls-cert", str(d / f"{name}.pem"), "--tls-key", str(d / f"{name}-key.pem"),
+                "--tls-ca", str(d / "ca.pem")]
 
     def client(self, admin: bool = False):
         from cluster.security import ClientSecurity
@@ -486,5 +488,5 @@ def _secure_notes(d: Path) -> str:
     return (f"  secured: keys and certificates in {d} (mode 0600). Clients:\n"
             f"    export ORCHARD_API_KEY=$(cat {d}/api-key) ORCHARD_TLS_CA={d}/ca.pem \\\n"
             f"           ORCHARD_TLS_CERT={d}/client.pem ORCHARD_TLS_KEY={d}/client-key.pem\n"
-            f"    (admin commands: ORCHARD_ADMIN_KEY=$(cat {d}/admin-key); HTTP: Authorization: Bearer $ORCHARD_API_KEY,"
-            f" --cacert {d}/ca.pem)\n")
+            f"    (admin commands: ORCHARD_ADMIN_KEY=$(cat {d}/admin-key); "
+            f"HTTP: Authorization: Bearer $ORCHARD_API_KEY, --cacert {d}/ca.pem)\n")

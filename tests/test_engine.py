@@ -242,7 +242,8 @@ def test_seeded_sampling_is_independent_of_the_batch(model_dirs):
                 got += out.new_token_ids
     assert got == alone
     different = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=99, ignore_eos=True)
-    runs = [Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64)).generate([prompt], different)[0] for _ in range(2)]
+    runs = [Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64)).generate([prompt], different)[0]
+            for _ in range(2)]
     assert runs[0] == runs[1] and runs[0] != alone  # another seed: its own, also reproducible
 
 
@@ -317,7 +318,8 @@ def test_stop_strings_and_stop_tokens(model_dirs):
             break
     assert "\ufffd" not in text
     # stop on the 4th generated token id
-    got = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[free[3]]))[0]
+    got = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                   stop_token_ids=[free[3]]))[0]
     assert got == free[: free.index(free[3]) + 1]
     # a stop string taken from the middle of the text: output text ends before it
     stop = text[len(text) // 2 : len(text) // 2 + 3]

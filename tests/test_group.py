@@ -70,7 +70,8 @@ def test_plan_round_trip_mirrors_tables_through_growth_preemption_and_drops():
         assert plan.positions.tolist() == positions
         assert plan.slot_mapping.tolist() == slots
         assert plan.block_tables.tolist() == tables
-        assert plan.input_ids.tolist() == [t for e in entries for t in e.seq.token_ids[e.start:e.start + e.num_new_tokens]]
+        assert plan.input_ids.tolist() == [t for e in entries
+                                           for t in e.seq.token_ids[e.start:e.start + e.num_new_tokens]]
         assert plan.check == 1234 and plan.state_slots.tolist() == [e.seq.state_slot for e in entries]
     # a preempted sequence loses its blocks; readmitted it gets others: the members follow
     b.status.value = "waiting"

@@ -164,9 +164,9 @@ def test_a_sole_group_survives_a_fault_mid_stream_with_nothing_lost(group, refer
     assert list_workers(c)["worker-0"].load.group.members[1].step_seconds > 0
     assert metric(scrape(c.worker_metrics[0]), "orchard_group_rank_step_seconds_count") > 0
     t0 = timings["struck"]
-    print(f"\n{fault}: {reasons.get('stall', '')}; seen down after {timings['seen_down'] - t0:.1f} s, serving again (the late request's "
-          f"first token) after {timings['late_first_token'] - t0:.1f} s, every stream done after "
-          f"{timings['done'] - t0:.1f} s; supervision: {c.supervised}")
+    print(f"\n{fault}: {reasons.get('stall', '')}; seen down after {timings['seen_down'] - t0:.1f} s, "
+          f"serving again (the late request's first token) after {timings['late_first_token'] - t0:.1f} s, "
+          f"every stream done after {timings['done'] - t0:.1f} s; supervision: {c.supervised}")
 
 
 # -- rank 0's view of each member's part of a step (cluster/worker/group/progress.py) ------------

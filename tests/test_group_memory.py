@@ -150,7 +150,8 @@ def test_a_member_with_too_little_memory_is_refused_before_any_rank_loads(tiny_m
     assert rank0.returncode == EXIT_PERMANENT, rank0.stderr[-3000:]
     assert member.returncode == EXIT_PERMANENT, member_log[-3000:]
     said = " ".join(rank0.stderr.split())
-    assert "does not fit the group's memory: rank 1 (" in said and "but gives 0.000977 GiB (its --memory-budget)" in said
+    assert "does not fit the group's memory: rank 1 (" in said
+    assert "but gives 0.000977 GiB (its --memory-budget)" in said
     assert "exit 78: permanent" in said and "Traceback" not in rank0.stderr
     assert "does not fit" in member_log and "Traceback" not in member_log
     # nothing loaded: the ring never formed, no rank reached its weights

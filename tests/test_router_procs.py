@@ -226,7 +226,8 @@ def test_failover_resumes_mid_stream(cluster, sampling, fault):
                 assert toks == ref_toks
                 assert text == ref_text
                 assert chunks[-1].usage.completion_tokens == max_tokens
-            moved = [i for i, (_, _, chunks) in enumerate(faulty) if len({c.worker_id for c in chunks if c.token_ids}) > 1]
+            moved = [i for i, (_, _, chunks) in enumerate(faulty)
+                     if len({c.worker_id for c in chunks if c.token_ids}) > 1]
             if not moved:
                 return False
             text = scrape(cluster.metrics_address)
@@ -309,7 +310,8 @@ def test_drain_no_worker_and_unavailable(cluster):
             done, _ = await asyncio.wait({held}, timeout=1.0)
             assert not done, held.result()
             for w in (on, other):
-                out = await asyncio.to_thread(orchard, "router", "drain", "--undo", "--router", cluster.router_address, w)
+                out = await asyncio.to_thread(orchard, "router", "drain", "--undo", "--router",
+                                              cluster.router_address, w)
                 assert out.returncode == 0, out.stderr
             _, _, chunks = await asyncio.wait_for(held, 30)
             assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH

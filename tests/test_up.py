@@ -70,7 +70,8 @@ def test_up_starts_serves_and_stops(tmp_path, tiny_model_dir):
         with grpc.insecure_channel(grpc_addr) as ch:
             listed = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers
             assert sorted(w.state for w in listed) == [pb.WORKER_STATE_HEALTHY] * 2
-            req = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+            req = pb.GenerateRequest(text="hi",
+                                     sampling=pb.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
             chunks = list(pb_grpc.GenerationStub(ch).Generate(req, timeout=30))
             assert sum(len(c.token_ids) for c in chunks) == 3
 

@@ -258,7 +258,8 @@ def test_a_request_sent_right_after_a_finish_joins_the_next_step(wait_ms):
         for e in events:
             if isinstance(e, RequestOutput) and e.request_id == "A" and e.finished:
                 seen["finish_step"] = engine.stats.num_steps
-                threading.Timer(0.05, lambda: loop.submit(AddRequest("B", [1], SamplingParams(max_tokens=1), 0.0))).start()
+                later = AddRequest("B", [1], SamplingParams(max_tokens=1), 0.0)
+                threading.Timer(0.05, lambda: loop.submit(later)).start()
             if isinstance(e, RequestOutput) and e.request_id == "B":
                 seen["b_step"] = engine.stats.num_steps
                 done.set()

@@ -250,7 +250,8 @@ class RouterBackend:
     `generate(request)` yields chunks and raises `cluster.api.errors` exceptions. The gRPC
     servicer and the OpenAI HTTP front both sit on it."""
 
-    def __init__(self, registry: Registry, policy: Policy, metrics: m.RouterMetrics, config: ProxyConfig = ProxyConfig()):
+    def __init__(self, registry: Registry, policy: Policy, metrics: m.RouterMetrics,
+                 config: ProxyConfig = ProxyConfig()):
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
@@ -277,7 +278,8 @@ class RouterBackend:
     async def list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=self.registry.models())
 
-    async def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, request: pb.GenerateRequest,
+                       timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         tries, upstream = self._begin(request, validate_request, timeout)  # refused there, before any placement
         keys = prompt_keys(request) if isinstance(self.policy, PrefixAware) else []
         progress = _Progress(num_choices(request), list(request.resume_token_ids), tries.t0)
@@ -287,7 +289,8 @@ class RouterBackend:
         while attempt < self.config.max_attempts:
             pool = await self._next_pool(tries, request.model, attempt, features=features, retry=not just_moved)
             just_moved = False
-            if progress.sent and progress.n > 1:  # n samples cannot resume where they stopped: only a retry before any token
+            # n samples cannot resume where they stopped: only a retry before any token
+            if progress.sent and progress.n > 1:
                 failure = tries.failure
                 raise errors.Unavailable(f"the worker failed ({failure.code.name}: {failure.details}) after tokens "
                                          "were sent, and a request with n > 1 cannot be resumed: retry it")
@@ -300,7 +303,8 @@ class RouterBackend:
                          worker.worker_id, len(progress.sent))
             _resume_after(upstream, progress)
             worker.inflight += 1
-            stream = _Attempt(worker.generation.Generate(upstream, timeout=tries.remaining()), movable=moves < MAX_MOVES)
+            stream = _Attempt(worker.generation.Generate(upstream, timeout=tries.remaining()),
+                              movable=moves < MAX_MOVES)
             worker.attempts.add(stream)
             async with aclosing(self._attempt(stream, worker, breaker, progress, tries, keys)) as chunks:
                 async for chunk in chunks:

@@ -47,9 +47,9 @@ IDLE_RELEASE_SECONDS = 1.0
 STALL_STEP_FACTOR = 5.0
 STEP_WINDOW = 256  # rounds per window of "recent" step times
 # A round past this many times the usual one, a third of --stall-report and the longest
-# recent round (or the warm-up's full prefill step) is lagging: not yet a stall, but new requests are better placed on another
-# worker meanwhile (and those that have not started moved there: a step of a length seen
-# lately is the workload's, and its requests stay).
+# recent round (or the warm-up's full prefill step) is lagging: not yet a stall, but new
+# requests are better placed on another worker meanwhile (and those that have not started
+# moved there: a step of a length seen lately is the workload's, and its requests stay).
 LAG_STEP_FACTOR = 4.0
 USUAL_WEIGHT = 0.1  # the newest round's weight in the usual round's moving average
 

@@ -21,7 +21,8 @@ Contract:
 - Pipeline parallel (`stage.py`): contiguous runs of layers per rank, in proportion to
   the memory each rank gives (`memory.py`: free memory, or `--memory-budget`; or
   `--group-shares`); rank N-1 embeds, rank 0 holds the last layers and the head; hidden
-  states go rank r -> r-1 through MLX's send / recv on the CPU stream. Each rank reads only its layers' weight files and evaluates only its part.
+  states go rank r -> r-1 through MLX's send / recv on the CPU stream. Each rank reads
+  only its layers' weight files and evaluates only its part.
   Tensor parallel: mlx-lm's `shard()`, MLX's sharded linears' all-reduces.
 - Tensors move only through `mx.distributed` (the ring backend, MLX_HOSTFILE / MLX_RANK,
   as mlx.launch sets them). Beside it a TCP side channel (`channel.py`) carries plans,
@@ -41,10 +42,11 @@ Contract:
   after a backoff. A rank that cannot start exits as `cluster/exit_codes.py` says: 78 for
   what starting again cannot fix (a setting, a wrong join token, a model that does not
   load or that rank 0 does not share; a member tells rank 0 so, which exits 78 too), 75
-  otherwise (a member late or gone, a busy port); no launcher restarts a 78. No rank starts without a join token. A peer that does not prove it is
-  never admitted, and its handshake holds no member up: each has a deadline of its own,
-  handshakes at once are bounded per peer address and in total (a new one takes the
-  oldest's slot), and a member whose try fails tries again until its join deadline.
+  otherwise (a member late or gone, a busy port); no launcher restarts a 78. No rank starts
+  without a join token. A peer that does not prove it is never admitted, and its handshake
+  holds no member up: each has a deadline of its own, handshakes at once are bounded per
+  peer address and in total (a new one takes the oldest's slot), and a member whose try
+  fails tries again until its join deadline.
 - Start-up: every wait has a deadline within the join timeout, and the side channel is read
   from a member's join on (a member gone while rank 0 admits is dropped and may join
   again; gone later, the group is lost). MLX's ring init holds the GIL, so its bound is a

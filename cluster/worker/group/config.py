@@ -41,8 +41,8 @@ class GroupOptions:
     port: int = setting(0, "rank 0's side-channel port (plans, heartbeats; authenticated with the join token; "
                            "0: its ring port + 1000)", flag="--group-port")
     shares: str | None = setting(None, "pipeline: each rank's relative share of the layers, e.g. 1,2 (default: "
-                                       "in proportion to the memory each rank gives: --memory-budget, or its free memory)", flag="--group-shares",
-                                 metavar="W,W...")
+                                       "in proportion to the memory each rank gives: --memory-budget, or its free "
+                                       "memory)", flag="--group-shares", metavar="W,W...")
     timeout: float = setting(20.0, "a member silent or a step unfinished this long means the group is lost: its "
                                    "processes exit so that the group is started again", flag="--group-timeout",
                              metavar="SECONDS")

@@ -348,7 +348,8 @@ class PlanReader:
             raise ProtocolError(f"a STEP message of {len(payload)} bytes for T={T} S={S} D={D} R={R}")
         body = np.frombuffer(payload, np.int32, offset=STEP_HEAD.size)
         ids, body = body[:T], body[T:]
-        handles, starts, counts, slots, body = body[:S], body[S:2 * S], body[2 * S:3 * S], body[3 * S:4 * S], body[4 * S:]
+        handles, starts, counts, slots = body[:S], body[S:2 * S], body[2 * S:3 * S], body[3 * S:4 * S]
+        body = body[4 * S:]
         deltas, drops = body[:D], body[D:]
         self._apply(deltas.tolist(), drops.tolist())
         bs = self.block_size
