@@ -43,6 +43,7 @@ from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
 from cluster.worker.group.progress import StepProgress
 from cluster.worker.group.stage import (
     Assignment,
+    Stage,
     StageRunner,
     load_part,
     part_bytes,
@@ -398,40 +399,15 @@ def load_group_engine(model_path: str, config: EngineConfig, options: GroupOptio
 
 def _start_group(model_path: str, config: EngineConfig, options: GroupOptions, topo: Topology, leader: Leader,
                  watchdog: Watchdog, t0: float, model_name: str | None):
-    from mlx_lm.utils import load_config, load_model, load_tokenizer
-
+    """Rank 0's start: admit the members serving this model, plan the split and check it
+    fits before any rank loads, send the plan and the ring, load this rank's part, agree
+    the KV pool with the members, then serve."""
     deadline = t0 + options.join_timeout
-    log.info("group: rank 0 of %d (%s parallel), waiting for the members on %s:%d", topo.size, options.parallel,
-             *leader.address)
-    leader.admit(deadline)
-    digest = config_digest(model_path)
-    for r, c in sorted(leader.members.items()):
-        if c.info.get("config", digest) != digest:
-            raise ValueError(f"rank {r} ({c.info.get('host', '?')}) serves another model: its config.json differs "
-                             f"from rank 0's ({model_path})")
+    digest = _admit_members(leader, topo, options, model_path, deadline)
     # each member's ring address as it says, not as this rank's flags have it (a Ray
     # bundle may have moved since they were written)
     topo = topo.joined({r: c.info["ring"] for r, c in leader.members.items() if "ring" in c.info})
-    # the split and the memory check: from a lazily built model (nothing read but the
-    # files' headers), before any rank loads
-    lazy, _ = load_model(Path(model_path), lazy=True, strict=False)
-    num_layers = len(lazy.layers)
-    infos = {0: {"host": socket.gethostname(), **join_info(options.memory_budget, config.kv_cache_memory_bytes)},
-             **{r: c.info for r, c in leader.members.items()}}
-    memory = {r: int(infos[r].get("memory", 0)) for r in range(topo.size)}
-    assignment = Assignment(options.parallel, topo.size, split(lazy, options, memory), num_layers)
-    # pipelined batches: the requests split over `virtual` engines, each with its share of
-    # the pool and its own state slots (pipelined.py)
-    virtual = (options.inflight or topo.size) if options.parallel == "pipeline" else 1
-    least = LeastKV.of(lazy, config, virtual)
-    try:
-        check_fit(rank_parts(lazy, assignment, config, infos, draft_footprint(config)), least, config.num_kv_blocks,
-                  num_layers)
-    except ValueError as e:  # a setting (or a draft model that is not there): no rank loads, none starts again
-        log.error("group: %s", e)
-        raise
-    del lazy
-    stages = assignment.stages
+    assignment, memory, least, virtual = _plan(model_path, config, options, topo, leader)
     engine_settings = {"block_size": config.block_size, "kv_cache_dtype": config.kv_cache_dtype,
                        "cpu_dequantize": config.cpu_dequantize, "max_num_seqs": config.max_num_seqs,
                        "least_kv_blocks": least.blocks}
@@ -442,30 +418,16 @@ def _start_group(model_path: str, config: EngineConfig, options: GroupOptions, t
     log.info("group: MLX %s group of %d up (%s)", options.backend, topo.size,
              ", ".join(f"{h}:{p}" for h, p in topo.ring))
     stage = assignment.stage(0)
-    model = load_part(model_path, options.parallel, stage, ring, config.cpu_dequantize, num_layers)
-    tokenizer = load_tokenizer(Path(model_path), None,
-                               eos_token_ids=load_config(Path(model_path)).get("eos_token_id", None))
-    name = model_name or Path(model_path).name
-    draft = load_draft(config, tokenizer, int(text_args(model).vocab_size), name)  # one, whatever `virtual`
+    model, tokenizer, name, draft = _load_own_part(model_path, config, options, stage, ring, assignment.num_layers,
+                                                   model_name)
     kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
     loaded = leader.gather(wire.LOADED, deadline)
     mine = capacity(model, stage, config, kv_dtype, memory[0], least.blocks, draft)
-    capacities = [mine["blocks"]] + [int(loaded[r]["blocks"]) for r in sorted(loaded)]
-    num_blocks = config.num_kv_blocks or max(1, min(capacities))
-    num_blocks -= num_blocks % virtual
-    if num_blocks < virtual:
-        raise ValueError(f"{num_blocks} KV blocks cannot be shared by {virtual} batches in flight")
-    hybrid = has_recurrent_layers(model)
-    num_state_slots = virtual * config.max_num_seqs if hybrid else 0
+    num_blocks = _pool_blocks(config, [mine["blocks"]] + [int(loaded[r]["blocks"]) for r in sorted(loaded)], virtual)
+    num_state_slots = virtual * config.max_num_seqs if has_recurrent_layers(model) else 0
     leader.broadcast(wire.START, wire.dumps({"num_blocks": num_blocks, "kv_dtype": str(kv_dtype).split(".")[-1],
                                              "num_state_slots": num_state_slots}))
-    members = [{"rank": 0, "host": socket.gethostname(), "memory": memory[0], "weights": mine["weights"],
-                "layers": list(stages[0]) if stages else [0, num_layers], "rss": platform.resident_bytes()}]
-    for r in sorted(loaded):
-        info = leader.members[r].info
-        members.append({"rank": r, "host": str(info.get("host", "")), "memory": memory[r],
-                        "weights": int(loaded[r]["weights"]), "layers": list(stages[r]) if stages else [0, num_layers],
-                        "rss": int(loaded[r].get("rss", 0))})
+    members = _member_stats(leader, assignment, memory, mine, loaded)
     stats = GroupStats(size=topo.size, parallel=options.parallel, members=members,
                        progress=leader.progress if options.parallel == "pipeline" else None)
     leader.serve()
@@ -484,6 +446,82 @@ def _start_group(model_path: str, config: EngineConfig, options: GroupOptions, t
         log.info("group: %d batches in flight, each over %d of the %d KV blocks", virtual, num_blocks // virtual,
                  num_blocks)
     return engine
+
+
+def _admit_members(leader: Leader, topo: Topology, options: GroupOptions, model_path: str, deadline: float) -> str:
+    """Wait for every member, and refuse one serving another model: this model's config digest."""
+    log.info("group: rank 0 of %d (%s parallel), waiting for the members on %s:%d", topo.size, options.parallel,
+             *leader.address)
+    leader.admit(deadline)
+    digest = config_digest(model_path)
+    for r, c in sorted(leader.members.items()):
+        if c.info.get("config", digest) != digest:
+            raise ValueError(f"rank {r} ({c.info.get('host', '?')}) serves another model: its config.json differs "
+                             f"from rank 0's ({model_path})")
+    return digest
+
+
+def _plan(model_path: str, config: EngineConfig, options: GroupOptions, topo: Topology,
+          leader: Leader) -> tuple[Assignment, dict[int, int], LeastKV, int]:
+    """Each rank's part, the memory each gives, the fewest KV blocks to serve with, and the
+    batches in flight; ValueError, before any rank loads, where the parts do not fit."""
+    from mlx_lm.utils import load_model
+
+    # from a lazily built model: nothing read but the files' headers
+    lazy, _ = load_model(Path(model_path), lazy=True, strict=False)
+    num_layers = len(lazy.layers)
+    infos = {0: {"host": socket.gethostname(), **join_info(options.memory_budget, config.kv_cache_memory_bytes)},
+             **{r: c.info for r, c in leader.members.items()}}
+    memory = {r: int(infos[r].get("memory", 0)) for r in range(topo.size)}
+    assignment = Assignment(options.parallel, topo.size, split(lazy, options, memory), num_layers)
+    # pipelined batches: the requests split over `virtual` engines, each with its share of
+    # the pool and its own state slots (pipelined.py)
+    virtual = (options.inflight or topo.size) if options.parallel == "pipeline" else 1
+    least = LeastKV.of(lazy, config, virtual)
+    try:
+        check_fit(rank_parts(lazy, assignment, config, infos, draft_footprint(config)), least, config.num_kv_blocks,
+                  num_layers)
+    except ValueError as e:  # a setting (or a draft model that is not there): no rank loads, none starts again
+        log.error("group: %s", e)
+        raise
+    return assignment, memory, least, virtual
+
+
+def _load_own_part(model_path: str, config: EngineConfig, options: GroupOptions, stage: Stage, ring, num_layers: int,
+                   model_name: str | None):
+    """Rank 0's part of the model, the tokenizer, the served name and the draft model (one,
+    whatever the batches in flight)."""
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    model = load_part(model_path, options.parallel, stage, ring, config.cpu_dequantize, num_layers)
+    tokenizer = load_tokenizer(Path(model_path), None,
+                               eos_token_ids=load_config(Path(model_path)).get("eos_token_id", None))
+    name = model_name or Path(model_path).name
+    return model, tokenizer, name, load_draft(config, tokenizer, int(text_args(model).vocab_size), name)
+
+
+def _pool_blocks(config: EngineConfig, capacities: list[int], virtual: int) -> int:
+    """The KV blocks every rank holds: the setting, or the fewest any rank has room for, a
+    multiple of the batches in flight."""
+    num_blocks = config.num_kv_blocks or max(1, min(capacities))
+    num_blocks -= num_blocks % virtual
+    if num_blocks < virtual:
+        raise ValueError(f"{num_blocks} KV blocks cannot be shared by {virtual} batches in flight")
+    return num_blocks
+
+
+def _member_stats(leader: Leader, assignment: Assignment, memory: dict[int, int], mine: dict,
+                  loaded: dict) -> list[dict]:
+    """Each rank's host, memory, weights, layers and resident bytes, for the group's stats."""
+    stages, num_layers = assignment.stages, assignment.num_layers
+    members = [{"rank": 0, "host": socket.gethostname(), "memory": memory[0], "weights": mine["weights"],
+                "layers": list(stages[0]) if stages else [0, num_layers], "rss": platform.resident_bytes()}]
+    for r in sorted(loaded):
+        info = leader.members[r].info
+        members.append({"rank": r, "host": str(info.get("host", "")), "memory": memory[r],
+                        "weights": int(loaded[r]["weights"]), "layers": list(stages[r]) if stages else [0, num_layers],
+                        "rss": int(loaded[r].get("rss", 0))})
+    return members
 
 
 def split(model, options: GroupOptions, memory: dict[int, int]) -> tuple[tuple[int, int], ...]:
