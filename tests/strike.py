@@ -8,6 +8,7 @@ none moves. Such a try proves nothing about failover, so `until_one_moves` runs 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -58,3 +59,36 @@ async def until_one_moves_async(attempt: Callable[[], Awaitable[bool]], tries: i
         if await attempt():
             return
     pytest.fail(NEVER.format(tries=tries))
+
+
+def greedy_streams(router: str, texts: list[str], max_tokens: int, on_progress=None) -> list[list[int]]:
+    """Greedy streams through the router (the SDK), all at once; each one's tokens.
+    `on_progress(n)` is called with the tokens read so far, in all (from the streams'
+    threads). Any stream's error fails the caller's test."""
+    from cluster.sdk import Client
+
+    out: list[list[int]] = [[] for _ in texts]
+    errors: list[str] = []
+    lock = threading.Lock()
+    total = [0]
+
+    def one(i: int) -> None:
+        try:
+            with Client(router, timeout=600) as client:
+                for chunk in client.stream(texts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                    with lock:
+                        out[i] += chunk.token_ids
+                        total[0] += len(chunk.token_ids)
+                        n = total[0]
+                    if on_progress is not None:
+                        on_progress(n)
+        except Exception as e:  # noqa: BLE001  (reported by the assertion below)
+            errors.append(f"stream {i}: {e}")
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    assert not errors, errors
+    return out

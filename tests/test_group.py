@@ -23,6 +23,7 @@ from cluster.worker.group.channel import Leader, Member
 from cluster.worker.group.config import GroupOptions, read_hostfile, topology
 from cluster.up import free_ports
 from cluster.worker.group.stage import split_layers
+from strike import greedy_streams
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-token"
@@ -733,38 +734,6 @@ def test_pipelined_engine_generates_as_the_engine_does(models):
 
 # -- faults, with real processes through the router ------------------------------------------------
 
-def _streams(router: str, texts: list[str], max_tokens: int, on_progress=None) -> list[list[int]]:
-    """Greedy streams through the router, all at once; each one's tokens. `on_progress(n)`
-    is called with the tokens received so far (from the streams' threads)."""
-    from cluster.sdk import Client
-
-    out: list[list[int]] = [[] for _ in texts]
-    errors: list[str] = []
-    lock = threading.Lock()
-    total = [0]
-
-    def one(i: int) -> None:
-        try:
-            with Client(router, timeout=300) as client:
-                for chunk in client.stream(texts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
-                    out[i] += chunk.token_ids
-                    with lock:
-                        total[0] += len(chunk.token_ids)
-                        n = total[0]
-                    if on_progress is not None:
-                        on_progress(n)
-        except Exception as e:  # noqa: BLE001  (reported by the assertion below)
-            errors.append(f"stream {i}: {e}")
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(texts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert not errors, errors
-    return out
-
-
 @pytest.mark.slow
 def test_a_group_that_loses_a_member_is_resumed_elsewhere_and_started_again(models, tmp_path):
     """16 greedy streams through the router on a 2-rank group beside a single worker: kill -9
@@ -784,7 +753,7 @@ def test_a_group_that_loses_a_member_is_resumed_elsewhere_and_started_again(mode
                            http_address=None, metrics_address=None, worker_port_base=0, worker_metrics_port_base=0,
                            log_dir=tmp_path / "logs", worker_args=["--group-timeout", "10"])
     with cluster:
-        baseline = _streams(cluster.router_address, texts, max_tokens)
+        baseline = greedy_streams(cluster.router_address, texts, max_tokens)
         assert all(len(t) == max_tokens for t in baseline)
         workers = {w.worker_id: w for w in cluster.healthy_workers()}
         group = workers["worker-0"].load.group
@@ -800,7 +769,7 @@ def test_a_group_that_loses_a_member_is_resumed_elsewhere_and_started_again(mode
                     fired.set()
                     os.kill(member, sig)
 
-            got = _streams(cluster.router_address, texts, max_tokens, on_progress=fault)
+            got = greedy_streams(cluster.router_address, texts, max_tokens, on_progress=fault)
             assert fired.is_set()
             assert got == baseline, f"streams changed by {signal.Signals(sig).name} of the group's member"
             deadline = time.monotonic() + 60

@@ -18,6 +18,7 @@ import pytest
 from cluster.up import free_ports
 from cluster.worker.group import wire
 from cluster.worker.group.channel import Leader, Member
+from strike import greedy_streams
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-token"
@@ -327,36 +328,6 @@ def test_orchard_up_stops_a_groups_rank_0_before_its_members(tmp_path):
     assert events[-2:] == [("signal", "router"), ("ended", "router")], events
 
 
-def _streams(router: str, texts: list[str], max_tokens: int, on_tokens=None) -> list[list[int]]:
-    """Greedy streams through the router, all at once; each one's tokens. `on_tokens(n)`:
-    called with the tokens read so far, in all."""
-    from cluster.sdk import Client
-
-    out: list[list[int]] = [[] for _ in texts]
-    errors: list[str] = []
-    lock = threading.Lock()
-
-    def one(i: int) -> None:
-        try:
-            with Client(router, timeout=600) as client:
-                for chunk in client.stream(texts[i], max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
-                    with lock:
-                        out[i] += chunk.token_ids
-                        n = sum(map(len, out))
-                    if on_tokens is not None:
-                        on_tokens(n)
-        except Exception as e:  # noqa: BLE001  (reported by the assertion below)
-            errors.append(f"stream {i}: {e}")
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(texts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(900)
-    assert not errors, errors
-    return out
-
-
 @pytest.mark.slow
 def test_sigterm_to_a_member_mid_stream_loses_no_stream_and_every_rank_exits_0(tmp_path):
     """A group that is its model's only worker, behind the router: SIGTERM to its member
@@ -374,7 +345,7 @@ def test_sigterm_to_a_member_mid_stream_loses_no_stream_and_every_rank_exits_0(t
                            http_address=None, metrics_address=None, worker_port_base=0, worker_metrics_port_base=0,
                            log_dir=tmp_path / "logs")
     with cluster:
-        baseline = _streams(cluster.router_address, texts, max_tokens)
+        baseline = greedy_streams(cluster.router_address, texts, max_tokens)
         assert all(len(t) == max_tokens for t in baseline)
         old = cluster.group_processes(0)
         fired = threading.Event()
@@ -394,7 +365,7 @@ def test_sigterm_to_a_member_mid_stream_loses_no_stream_and_every_rank_exits_0(t
         watcher = threading.Thread(target=supervise, daemon=True)
         watcher.start()
         try:
-            got = _streams(cluster.router_address, texts, max_tokens, on_tokens=stop_member)
+            got = greedy_streams(cluster.router_address, texts, max_tokens, on_progress=stop_member)
         finally:
             done.set()
             watcher.join(30)

@@ -15,6 +15,7 @@ import pytest
 from cluster.worker.group import wire
 from cluster.worker.group.channel import Leader, Member, StepFailed
 from test_group import TOKEN, models, run_group  # noqa: F401  (models: the fixture)
+from strike import greedy_streams
 
 
 def _serving_group(size: int):
@@ -192,7 +193,6 @@ def test_a_poison_request_through_the_router_fails_alone_and_the_group_serves_on
     request gets INTERNAL naming rank 1's error, every stream ends with the tokens of the
     run without it, and the group is never started again (its processes are the same)."""
     from group_driver import POISON_RUN
-    from test_group import _streams
 
     from cluster.api.errors import InternalError
     from cluster.sdk import Client
@@ -209,7 +209,7 @@ def test_a_poison_request_through_the_router_fails_alone_and_the_group_serves_on
                            http_address=None, metrics_address=None, worker_port_base=0, worker_metrics_port_base=0,
                            log_dir=tmp_path / "logs", worker_env={"ORCHARD_FAULT_DIR": str(faults)})
     with cluster:
-        baseline = _streams(cluster.router_address, texts, max_tokens)
+        baseline = greedy_streams(cluster.router_address, texts, max_tokens)
         pids = [c.proc.pid for c in cluster.group_processes(0)]
         poison: list[BaseException] = []
 
@@ -228,7 +228,7 @@ def test_a_poison_request_through_the_router_fails_alone_and_the_group_serves_on
                 if n >= len(texts) * max_tokens // 4 and sender.ident is None:
                     sender.start()
 
-        got = _streams(cluster.router_address, texts, max_tokens, on_progress=fault)
+        got = greedy_streams(cluster.router_address, texts, max_tokens, on_progress=fault)
         sender.join(300)
         assert got == baseline
         assert len(poison) == 1 and isinstance(poison[0], InternalError), poison
@@ -271,7 +271,6 @@ def test_a_poison_request_takes_down_a_tensor_group_twice_and_no_more(models, tm
     more, and is failed as poison (INTERNAL, naming the 2 workers it took down). The
     streams under way each time resume and complete on the next start, which serves on."""
     from group_driver import POISON_RUN
-    from test_group import _streams
 
     from cluster.api.errors import InternalError
     from cluster.sdk import Client
@@ -313,7 +312,7 @@ def test_a_poison_request_takes_down_a_tensor_group_twice_and_no_more(models, tm
                     if n >= len(texts) * max_tokens // 4 and sender.ident is None:
                         sender.start()
 
-            got = _streams(cluster.router_address, texts, max_tokens, on_progress=fault)
+            got = greedy_streams(cluster.router_address, texts, max_tokens, on_progress=fault)
             sender.join(300)
             assert all(len(t) == max_tokens for t in got)
             assert len(poison) == 1 and isinstance(poison[0], InternalError), poison
