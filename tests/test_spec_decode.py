@@ -729,7 +729,7 @@ def test_sampled_ngram_drafts_keep_the_distribution(models, every_draft, monkeyp
     draft fails at p < 0.001. The prompt is a phrase followed by 8 of the model's own
     sampled continuations of it, then the phrase again (answering from a document): the
     continuation drawn now is often one of those, so drafts are kept and rejected."""
-    from cluster.worker import engine as engine_module
+    from cluster.worker import step_sampling
 
     path = models["llama"]
     phrase = repetitive_prompts(1, seed=37)[0][:12]
@@ -739,7 +739,7 @@ def test_sampled_ngram_drafts_keep_the_distribution(models, every_draft, monkeyp
     prompt = [t for s in seen for t in phrase + s] + phrase
     ngram = json.dumps({"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     if bug is not None:
-        monkeypatch.setattr(engine_module, "accept_drafts", lambda drafts, drawn: list(drafts) + [drawn[len(drafts)]])
+        monkeypatch.setattr(step_sampling, "accept_drafts", lambda drafts, drawn: list(drafts) + [drawn[len(drafts)]])
     base = _outcomes(path, None, params, prompt, 3000)
     spec = _outcomes(path, ngram, params, prompt, 3000, rejects=bug is None)
     p = _same_distribution_p(base, spec)
