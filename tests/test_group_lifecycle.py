@@ -19,6 +19,7 @@ from cluster.up import free_ports
 from cluster.worker.group import wire
 from cluster.worker.group.channel import Leader, Member
 from strike import greedy_streams
+from test_group import _admitting, _wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-token"
@@ -28,21 +29,6 @@ READY = "ORCHARD_WORKER_READY "
 def _env(**extra) -> dict:
     return dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", PYTHONUNBUFFERED="1",
                 ORCHARD_JOIN_TOKEN=TOKEN, **extra)
-
-
-def _wait_for(predicate, seconds: float = 30) -> bool:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _admitting(leader: Leader, seconds: float = 60) -> threading.Event:
-    admitted = threading.Event()
-    threading.Thread(target=lambda: (leader.admit(time.monotonic() + seconds), admitted.set()), daemon=True).start()
-    return admitted
 
 
 # -- the side channel while the group starts ---------------------------------------------------------

@@ -186,6 +186,35 @@ def test_rank_0_finishes_a_failed_pipeline_step_in_order(models, monkeypatch, fa
         group.close()
 
 
+def _streams_and_poison(router: str, texts: list[str], max_tokens: int) -> tuple[list[list[int]], list]:
+    """`greedy_streams`, and a quarter of the way through them a request carrying the
+    poison run: the streams' tokens, and what the poison request raised (one error)."""
+    from group_driver import POISON_RUN
+
+    from cluster.sdk import Client
+
+    poison: list[BaseException] = []
+
+    def send_poison() -> None:
+        try:
+            with Client(router, timeout=300) as client:
+                client.generate([5, 6, 7, *POISON_RUN], max_tokens=8, temperature=0.0)
+        except BaseException as e:  # noqa: BLE001  (asserted by the caller)
+            poison.append(e)
+
+    sender = threading.Thread(target=send_poison, daemon=True)
+    once = threading.Lock()  # (the streams' threads report progress)
+
+    def fault(n: int) -> None:
+        with once:
+            if n >= len(texts) * max_tokens // 4 and sender.ident is None:
+                sender.start()
+
+    got = greedy_streams(router, texts, max_tokens, on_progress=fault)
+    sender.join(300)
+    return got, poison
+
+
 @pytest.mark.slow
 def test_a_poison_request_through_the_router_fails_alone_and_the_group_serves_on(models, tmp_path):
     """`orchard up --workers 1 --group-size 2` (pipeline), 8 greedy streams through the
@@ -195,7 +224,6 @@ def test_a_poison_request_through_the_router_fails_alone_and_the_group_serves_on
     from group_driver import POISON_RUN
 
     from cluster.api.errors import InternalError
-    from cluster.sdk import Client
     from cluster.up import LocalCluster, free_port
 
     model = models("qwen3", layers=4)
@@ -211,25 +239,7 @@ def test_a_poison_request_through_the_router_fails_alone_and_the_group_serves_on
     with cluster:
         baseline = greedy_streams(cluster.router_address, texts, max_tokens)
         pids = [c.proc.pid for c in cluster.group_processes(0)]
-        poison: list[BaseException] = []
-
-        def send_poison() -> None:
-            try:
-                with Client(cluster.router_address, timeout=300) as client:
-                    client.generate([5, 6, 7, *POISON_RUN], max_tokens=8, temperature=0.0)
-            except BaseException as e:  # noqa: BLE001  (asserted below)
-                poison.append(e)
-
-        sender = threading.Thread(target=send_poison, daemon=True)
-        once = threading.Lock()  # (the streams' threads report progress)
-
-        def fault(n: int) -> None:
-            with once:
-                if n >= len(texts) * max_tokens // 4 and sender.ident is None:
-                    sender.start()
-
-        got = greedy_streams(cluster.router_address, texts, max_tokens, on_progress=fault)
-        sender.join(300)
+        got, poison = _streams_and_poison(cluster.router_address, texts, max_tokens)
         assert got == baseline
         assert len(poison) == 1 and isinstance(poison[0], InternalError), poison
         assert "rank 1: RuntimeError: a poisoned request is in this step on rank 1" in str(poison[0])
@@ -273,7 +283,6 @@ def test_a_poison_request_takes_down_a_tensor_group_twice_and_no_more(models, tm
     from group_driver import POISON_RUN
 
     from cluster.api.errors import InternalError
-    from cluster.sdk import Client
     from cluster.up import LocalCluster, free_port
 
     model = models("llama", layers=2)
@@ -295,25 +304,7 @@ def test_a_poison_request_takes_down_a_tensor_group_twice_and_no_more(models, tm
         watcher = threading.Thread(target=supervise, daemon=True)
         watcher.start()
         try:
-            poison: list[BaseException] = []
-
-            def send_poison() -> None:
-                try:
-                    with Client(cluster.router_address, timeout=300) as client:
-                        client.generate([5, 6, 7, *POISON_RUN], max_tokens=8, temperature=0.0)
-                except BaseException as e:  # noqa: BLE001  (asserted below)
-                    poison.append(e)
-
-            sender = threading.Thread(target=send_poison, daemon=True)
-            once = threading.Lock()  # (the streams' threads report progress)
-
-            def fault(n: int) -> None:
-                with once:
-                    if n >= len(texts) * max_tokens // 4 and sender.ident is None:
-                        sender.start()
-
-            got = greedy_streams(cluster.router_address, texts, max_tokens, on_progress=fault)
-            sender.join(300)
+            got, poison = _streams_and_poison(cluster.router_address, texts, max_tokens)
             assert all(len(t) == max_tokens for t in got)
             assert len(poison) == 1 and isinstance(poison[0], InternalError), poison
             assert "took down 2 workers" in str(poison[0])

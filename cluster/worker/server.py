@@ -64,7 +64,7 @@ class WorkerAdminServicer(pb_grpc.WorkerAdminServicer):
 
 # How long a thread may hold the GIL while another waits for it (Python's default: 5 ms).
 # The engine thread gives the GIL up at every MLX evaluation and C kernel call (a hundred
-# times a step) and must win it back from the asyncio thread each time; at 5 ms it waits
+# times a step) and must win it back from the asyncio thread each time; at the default it waits
 # behind the streaming side and a served step is slower than the engine's own
 # (`load/bench_worker_vs_mlx.py --only orchard`; MEASUREMENTS.md).
 GIL_SWITCH_INTERVAL_S = 0.0002
