@@ -149,7 +149,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., echo: _Optional[bool] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "resume_token_ids", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "thinking_token_budget")
+    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "sampling", "resume_token_ids", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "thinking_token_budget", "keep_alive_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class GenerateRequest(_message.Message):
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
     THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -176,7 +177,8 @@ class GenerateRequest(_message.Message):
     chat_template_kwargs: str
     reasoning_effort: str
     thinking_token_budget: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., reasoning_effort: _Optional[str] = ..., thinking_token_budget: _Optional[int] = ...) -> None: ...
+    keep_alive_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., reasoning_effort: _Optional[str] = ..., thinking_token_budget: _Optional[int] = ..., keep_alive_seconds: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token")
@@ -249,16 +251,20 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "max_model_len", "owned_by", "tasks")
+    __slots__ = ("id", "max_model_len", "owned_by", "tasks", "state", "status")
     ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     OWNED_BY_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     id: str
     max_model_len: int
     owned_by: str
     tasks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., owned_by: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ...) -> None: ...
+    state: str
+    status: str
+    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., owned_by: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., state: _Optional[str] = ..., status: _Optional[str] = ...) -> None: ...
 
 class EmbedInput(_message.Message):
     __slots__ = ("text", "token_ids")
@@ -339,7 +345,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "model", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs", "block_size", "max_model_len", "draining", "stalled", "state_slots_used", "state_slots_total", "tasks", "group", "features", "unhealthy_reason", "lagging")
+    __slots__ = ("worker_id", "model", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs", "block_size", "max_model_len", "draining", "stalled", "state_slots_used", "state_slots_total", "tasks", "group", "features", "unhealthy_reason", "lagging", "resident_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +364,7 @@ class LoadReport(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     UNHEALTHY_REASON_FIELD_NUMBER: _ClassVar[int]
     LAGGING_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     num_running: int
@@ -376,7 +383,8 @@ class LoadReport(_message.Message):
     features: _containers.RepeatedScalarFieldContainer[str]
     unhealthy_reason: str
     lagging: bool
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., stalled: _Optional[bool] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., group: _Optional[_Union[GroupInfo, _Mapping]] = ..., features: _Optional[_Iterable[str]] = ..., unhealthy_reason: _Optional[str] = ..., lagging: _Optional[bool] = ...) -> None: ...
+    resident_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., stalled: _Optional[bool] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., group: _Optional[_Union[GroupInfo, _Mapping]] = ..., features: _Optional[_Iterable[str]] = ..., unhealthy_reason: _Optional[str] = ..., lagging: _Optional[bool] = ..., resident_bytes: _Optional[int] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
     __slots__ = ("size", "parallel", "members")
@@ -487,7 +495,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "model", "state", "load", "inflight", "static", "circuit", "failure")
+    __slots__ = ("worker_id", "address", "model", "state", "load", "inflight", "static", "circuit", "failure", "node_id", "catalog_model")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -497,6 +505,8 @@ class WorkerInfo(_message.Message):
     STATIC_FIELD_NUMBER: _ClassVar[int]
     CIRCUIT_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_MODEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model: str
@@ -506,7 +516,9 @@ class WorkerInfo(_message.Message):
     static: bool
     circuit: str
     failure: WorkerFailure
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., inflight: _Optional[int] = ..., static: _Optional[bool] = ..., circuit: _Optional[str] = ..., failure: _Optional[_Union[WorkerFailure, _Mapping]] = ...) -> None: ...
+    node_id: str
+    catalog_model: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., inflight: _Optional[int] = ..., static: _Optional[bool] = ..., circuit: _Optional[str] = ..., failure: _Optional[_Union[WorkerFailure, _Mapping]] = ..., node_id: _Optional[str] = ..., catalog_model: _Optional[str] = ...) -> None: ...
 
 class WorkerFailure(_message.Message):
     __slots__ = ("reason", "exit_code", "permanent", "age_seconds")
@@ -559,3 +571,269 @@ class DrainWorkerResponse(_message.Message):
     WORKER_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerInfo
     def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class DiskModel(_message.Message):
+    __slots__ = ("name", "file_bytes", "weight_bytes", "kv_bytes_per_token", "num_layers", "max_context", "tasks", "error")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    file_bytes: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    num_layers: int
+    max_context: int
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    error: str
+    def __init__(self, name: _Optional[str] = ..., file_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ManagedWorker(_message.Message):
+    __slots__ = ("worker_id", "model", "state", "reserved_bytes", "group_size", "group_rank", "exit_code", "reason", "progress", "address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    model: str
+    state: str
+    reserved_bytes: int
+    group_size: int
+    group_rank: int
+    exit_code: int
+    reason: str
+    progress: float
+    address: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., group_size: _Optional[int] = ..., group_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., progress: _Optional[float] = ..., address: _Optional[str] = ...) -> None: ...
+
+class NodeReport(_message.Message):
+    __slots__ = ("node_id", "address", "advertise_host", "memory_budget_bytes", "memory_reserved_bytes", "memory_available_bytes", "disk_free_bytes", "models", "workers", "platform", "max_loaded", "instance_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_HOST_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOADED_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    advertise_host: str
+    memory_budget_bytes: int
+    memory_reserved_bytes: int
+    memory_available_bytes: int
+    disk_free_bytes: int
+    models: _containers.RepeatedCompositeFieldContainer[DiskModel]
+    workers: _containers.RepeatedCompositeFieldContainer[ManagedWorker]
+    platform: str
+    max_loaded: int
+    instance_id: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., advertise_host: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., models: _Optional[_Iterable[_Union[DiskModel, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[ManagedWorker, _Mapping]]] = ..., platform: _Optional[str] = ..., max_loaded: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("join_token", "report")
+    JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    join_token: str
+    report: NodeReport
+    def __init__(self, join_token: _Optional[str] = ..., report: _Optional[_Union[NodeReport, _Mapping]] = ...) -> None: ...
+
+class RegisterNodeResponse(_message.Message):
+    __slots__ = ("node_id", "heartbeat_interval_ms")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    heartbeat_interval_ms: int
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+
+class NodeHeartbeatRequest(_message.Message):
+    __slots__ = ("join_token", "report")
+    JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    join_token: str
+    report: NodeReport
+    def __init__(self, join_token: _Optional[str] = ..., report: _Optional[_Union[NodeReport, _Mapping]] = ...) -> None: ...
+
+class NodeHeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("report", "state", "age_seconds")
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    report: NodeReport
+    state: str
+    age_seconds: float
+    def __init__(self, report: _Optional[_Union[NodeReport, _Mapping]] = ..., state: _Optional[str] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class CatalogModel(_message.Message):
+    __slots__ = ("name", "source", "pin", "keep_alive_seconds", "max_nodes", "context", "engine_args", "replace", "state", "status", "placements", "footprint_bytes", "measured_bytes", "idle_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ARGS_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    FOOTPRINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    pin: bool
+    keep_alive_seconds: float
+    max_nodes: int
+    context: int
+    engine_args: _containers.RepeatedScalarFieldContainer[str]
+    replace: bool
+    state: str
+    status: str
+    placements: _containers.RepeatedCompositeFieldContainer[ModelPlacement]
+    footprint_bytes: int
+    measured_bytes: int
+    idle_seconds: float
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., pin: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., max_nodes: _Optional[int] = ..., context: _Optional[int] = ..., engine_args: _Optional[_Iterable[str]] = ..., replace: _Optional[bool] = ..., state: _Optional[str] = ..., status: _Optional[str] = ..., placements: _Optional[_Iterable[_Union[ModelPlacement, _Mapping]]] = ..., footprint_bytes: _Optional[int] = ..., measured_bytes: _Optional[int] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
+
+class ModelPlacement(_message.Message):
+    __slots__ = ("node_id", "worker_id", "state", "group_rank", "group_size", "reserved_bytes", "progress")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    worker_id: str
+    state: str
+    group_rank: int
+    group_size: int
+    reserved_bytes: int
+    progress: float
+    def __init__(self, node_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., state: _Optional[str] = ..., group_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., progress: _Optional[float] = ...) -> None: ...
+
+class RemoveModelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RemoveModelResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListCatalogRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListCatalogResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[CatalogModel]
+    def __init__(self, models: _Optional[_Iterable[_Union[CatalogModel, _Mapping]]] = ...) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadModelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ReservePortsRequest(_message.Message):
+    __slots__ = ("count",)
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    def __init__(self, count: _Optional[int] = ...) -> None: ...
+
+class ReservePortsResponse(_message.Message):
+    __slots__ = ("ports",)
+    PORTS_FIELD_NUMBER: _ClassVar[int]
+    ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ports: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WorkerSpec(_message.Message):
+    __slots__ = ("worker_id", "model", "source", "context", "kv_cache_bytes", "reserved_bytes", "engine_args", "port", "group_size", "group_rank", "group_hosts", "group_port", "group_shares", "memory_budget_bytes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ARGS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SHARES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    model: str
+    source: str
+    context: int
+    kv_cache_bytes: int
+    reserved_bytes: int
+    engine_args: _containers.RepeatedScalarFieldContainer[str]
+    port: int
+    group_size: int
+    group_rank: int
+    group_hosts: _containers.RepeatedScalarFieldContainer[str]
+    group_port: int
+    group_shares: str
+    memory_budget_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., source: _Optional[str] = ..., context: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., engine_args: _Optional[_Iterable[str]] = ..., port: _Optional[int] = ..., group_size: _Optional[int] = ..., group_rank: _Optional[int] = ..., group_hosts: _Optional[_Iterable[str]] = ..., group_port: _Optional[int] = ..., group_shares: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ...) -> None: ...
+
+class StartWorkerRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: WorkerSpec
+    def __init__(self, spec: _Optional[_Union[WorkerSpec, _Mapping]] = ...) -> None: ...
+
+class StopWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "drain_timeout_seconds")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    drain_timeout_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., drain_timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class GetNodeReportRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -708,3 +708,613 @@ class Router:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class FleetStub:
+    """---------------------------------------------------------------------------------
+    Fleet: node agents and the model catalog, served by the router. Node agents register
+    and report like workers (join token; with mutual TLS a node's id is bound to its
+    certificate); the catalog is changed with the admin key.
+    ---------------------------------------------------------------------------------
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RegisterNode = channel.unary_unary(
+                '/orchard.v1.Fleet/RegisterNode',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.RegisterNodeRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.RegisterNodeResponse.FromString,
+                _registered_method=True)
+        self.NodeHeartbeat = channel.unary_unary(
+                '/orchard.v1.Fleet/NodeHeartbeat',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.NodeHeartbeatRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.NodeHeartbeatResponse.FromString,
+                _registered_method=True)
+        self.ListNodes = channel.unary_unary(
+                '/orchard.v1.Fleet/ListNodes',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.ListNodesRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.ListNodesResponse.FromString,
+                _registered_method=True)
+        self.AddModel = channel.unary_unary(
+                '/orchard.v1.Fleet/AddModel',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.CatalogModel.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.CatalogModel.FromString,
+                _registered_method=True)
+        self.RemoveModel = channel.unary_unary(
+                '/orchard.v1.Fleet/RemoveModel',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.RemoveModelRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.RemoveModelResponse.FromString,
+                _registered_method=True)
+        self.ListCatalog = channel.unary_unary(
+                '/orchard.v1.Fleet/ListCatalog',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.ListCatalogRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.ListCatalogResponse.FromString,
+                _registered_method=True)
+        self.LoadModel = channel.unary_unary(
+                '/orchard.v1.Fleet/LoadModel',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.CatalogModel.FromString,
+                _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/orchard.v1.Fleet/UnloadModel',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.UnloadModelRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.CatalogModel.FromString,
+                _registered_method=True)
+
+
+class FleetServicer:
+    """---------------------------------------------------------------------------------
+    Fleet: node agents and the model catalog, served by the router. Node agents register
+    and report like workers (join token; with mutual TLS a node's id is bound to its
+    certificate); the catalog is changed with the admin key.
+    ---------------------------------------------------------------------------------
+    """
+
+    def RegisterNode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NodeHeartbeat(self, request, context):
+        """Periodic report; known=false tells the agent to register again (router restart).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListNodes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddModel(self, request, context):
+        """ALREADY_EXISTS unless replace
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveModel(self, request, context):
+        """unloads it first
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCatalog(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadModel(self, request, context):
+        """Load now (returns when serving, or the load's error) / unload now (drains first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadModel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_FleetServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RegisterNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterNode,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.RegisterNodeRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.RegisterNodeResponse.SerializeToString,
+            ),
+            'NodeHeartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.NodeHeartbeat,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.NodeHeartbeatRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.NodeHeartbeatResponse.SerializeToString,
+            ),
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.ListNodesRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'AddModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddModel,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.CatalogModel.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.CatalogModel.SerializeToString,
+            ),
+            'RemoveModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveModel,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.RemoveModelRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.RemoveModelResponse.SerializeToString,
+            ),
+            'ListCatalog': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCatalog,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.ListCatalogRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.ListCatalogResponse.SerializeToString,
+            ),
+            'LoadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.LoadModelRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.CatalogModel.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.UnloadModelRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.CatalogModel.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'orchard.v1.Fleet', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('orchard.v1.Fleet', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Fleet:
+    """---------------------------------------------------------------------------------
+    Fleet: node agents and the model catalog, served by the router. Node agents register
+    and report like workers (join token; with mutual TLS a node's id is bound to its
+    certificate); the catalog is changed with the admin key.
+    ---------------------------------------------------------------------------------
+    """
+
+    @staticmethod
+    def RegisterNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Fleet/RegisterNode',
+            orchard_dot_v1_dot_orchard__pb2.RegisterNodeRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.RegisterNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NodeHeartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Fleet/NodeHeartbeat',
+            orchard_dot_v1_dot_orchard__pb2.NodeHeartbeatRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.NodeHeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Fleet/ListNodes',
+            orchard_dot_v1_dot_orchard__pb2.ListNodesRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Fleet/AddModel',
+            orchard_dot_v1_dot_orchard__pb2.CatalogModel.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.CatalogModel.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Fleet/RemoveModel',
+            orchard_dot_v1_dot_orchard__pb2.RemoveModelRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.RemoveModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCatalog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Fleet/ListCatalog',
+            orchard_dot_v1_dot_orchard__pb2.ListCatalogRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.ListCatalogResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Fleet/LoadModel',
+            orchard_dot_v1_dot_orchard__pb2.LoadModelRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.CatalogModel.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Fleet/UnloadModel',
+            orchard_dot_v1_dot_orchard__pb2.UnloadModelRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.CatalogModel.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class NodeStub:
+    """---------------------------------------------------------------------------------
+    Node: served by each node agent (`orchard node serve`), called by the router's fleet
+    controller (join token as `authorization` metadata; mutual TLS where configured).
+    ---------------------------------------------------------------------------------
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ReservePorts = channel.unary_unary(
+                '/orchard.v1.Node/ReservePorts',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.ReservePortsRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.ReservePortsResponse.FromString,
+                _registered_method=True)
+        self.StartWorker = channel.unary_unary(
+                '/orchard.v1.Node/StartWorker',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.StartWorkerRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.ManagedWorker.FromString,
+                _registered_method=True)
+        self.StopWorker = channel.unary_unary(
+                '/orchard.v1.Node/StopWorker',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.StopWorkerRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.ManagedWorker.FromString,
+                _registered_method=True)
+        self.GetNodeReport = channel.unary_unary(
+                '/orchard.v1.Node/GetNodeReport',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.GetNodeReportRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.NodeReport.FromString,
+                _registered_method=True)
+
+
+class NodeServicer:
+    """---------------------------------------------------------------------------------
+    Node: served by each node agent (`orchard node serve`), called by the router's fleet
+    controller (join token as `authorization` metadata; mutual TLS where configured).
+    ---------------------------------------------------------------------------------
+    """
+
+    def ReservePorts(self, request, context):
+        """Free TCP ports on this node, held for the caller for a while (a group's ring and
+        side-channel ports must be known to every rank before any starts).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartWorker(self, request, context):
+        """Start a worker or a group member: RESOURCE_EXHAUSTED (with the numbers) when its
+        reservation does not fit the node's budget, NOT_FOUND when the model is not on disk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopWorker(self, request, context):
+        """Drain it (in-flight requests finish), then stop it; a group member stops with its group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetNodeReport(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_NodeServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ReservePorts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReservePorts,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.ReservePortsRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.ReservePortsResponse.SerializeToString,
+            ),
+            'StartWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartWorker,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.StartWorkerRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.ManagedWorker.SerializeToString,
+            ),
+            'StopWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopWorker,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.StopWorkerRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.ManagedWorker.SerializeToString,
+            ),
+            'GetNodeReport': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetNodeReport,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.GetNodeReportRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.NodeReport.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'orchard.v1.Node', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('orchard.v1.Node', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Node:
+    """---------------------------------------------------------------------------------
+    Node: served by each node agent (`orchard node serve`), called by the router's fleet
+    controller (join token as `authorization` metadata; mutual TLS where configured).
+    ---------------------------------------------------------------------------------
+    """
+
+    @staticmethod
+    def ReservePorts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Node/ReservePorts',
+            orchard_dot_v1_dot_orchard__pb2.ReservePortsRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.ReservePortsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Node/StartWorker',
+            orchard_dot_v1_dot_orchard__pb2.StartWorkerRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.ManagedWorker.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Node/StopWorker',
+            orchard_dot_v1_dot_orchard__pb2.StopWorkerRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.ManagedWorker.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetNodeReport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Node/GetNodeReport',
+            orchard_dot_v1_dot_orchard__pb2.GetNodeReportRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.NodeReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
