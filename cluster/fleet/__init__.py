@@ -1,0 +1,38 @@
+"""The fleet: many models served on demand over the Macs of a fleet (issue 40).
+
+A node agent per Mac (`orchard node serve`) registers with the router and reports its
+memory budget, free disk and the models it holds on disk; it starts and stops ordinary
+`orchard worker serve` processes (and group members) when the router asks. In the router,
+the FleetController keeps a catalog (SQLite, shared by the routers of a fleet, which claim a
+load so only one of them starts it), loads a model when a request names it, and places it
+by memory: a footprint (weights + the KV pool it is given + the runtime's overhead) against
+each node's budget, preferring nodes that hold the weights, evicting idle unpinned models
+fleet-wide or spanning a pipeline group over several nodes when no node has room.
+
+    facts.py       DiskModel facts of a model on disk (node side; no MLX)
+    footprint.py   memory a worker of a model will hold: weights, KV pool, overhead (pure)
+    catalog.py     the catalog and single-flight load claims (SQLite)
+    placement.py   the placement policy (pure)
+    nodes.py       NodeRegistry and the NodeSide the controller drives (agents over gRPC)
+    agent.py       `orchard node serve`
+    controller.py  FleetController: loads, unloads, keep-alive, the catalog RPCs
+
+No module here imports MLX: the router and the agent run without it.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class FleetError(Exception):
+    """A fleet operation's failure: `code` is the gRPC status the caller sees, `message`
+    says what failed and, for bad input, names the field, the limit and the value."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
