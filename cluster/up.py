@@ -83,6 +83,20 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def stop_children(children: list["Child"], grace: float) -> None:
+    """SIGTERM to each that runs, then SIGKILL to those still running after `grace`."""
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
 @dataclass
 class Child:
     name: str
@@ -344,16 +358,7 @@ class LocalCluster:
         that are stopped next."""
         members = [c for group in self.members.values() for c in group]
         for group in (self.workers, members, [c for c in (self.router, *self.extra_routers) if c is not None]):
-            for c in group:
-                if c.proc.poll() is None:
-                    c.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            for c in group:
-                try:
-                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    c.proc.kill()
-                    c.proc.wait()
+            stop_children(group, grace)
 
     def __enter__(self) -> "LocalCluster":
         try:
