@@ -41,7 +41,12 @@ METHOD_ROLES = {
     "/orchard.v1.Router/RegisterWorker": FLEET,  # the join token, in the request
     "/orchard.v1.Router/Heartbeat": FLEET,
     "/orchard.v1.Router/ReportFailure": FLEET,
+    "/orchard.v1.Fleet/RegisterNode": FLEET,  # node agents: the join token, in the request
+    "/orchard.v1.Fleet/NodeHeartbeat": FLEET,
 }
+# A node agent's own service: the router presents the join token as its bearer key, which
+# the agent checks itself (cluster/fleet/agent.py).
+FLEET_SERVICES = ("/orchard.v1.Node/",)
 ADMIN_SERVICES = ("/orchard.v1.Router/", "/orchard.v1.WorkerAdmin/")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 
@@ -49,6 +54,8 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 def role_of(method: str) -> str:
     if method in METHOD_ROLES:
         return METHOD_ROLES[method]
+    if method.startswith(FLEET_SERVICES):
+        return FLEET
     if method.startswith(ADMIN_SERVICES):
         return ADMIN
     if method.startswith("/orchard."):

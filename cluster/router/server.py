@@ -17,6 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cluster.api.servicer import GenerationServicer
 from cluster.api.serving import GENERATION_SERVICE, Endpoints, MetricsEndpoint
+from cluster.fleet.nodes import AgentNodes, NodeRegistry
+from cluster.fleet.service import FleetServicer
 from cluster.net import check_addresses, parse_address
 from cluster.platform import give_back_large_blocks_when_freed
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
@@ -50,6 +52,10 @@ class RouterServer:
             security=config.security.client(),
             bind_identities=config.security.mutual,
         )
+        # the fleet's node agents (cluster/fleet): the controller places models through `agent_nodes`
+        self.nodes = NodeRegistry(self.registry.config, bind_identities=config.security.mutual)
+        self.agent_nodes = AgentNodes(self.nodes, config.security.client(), config.join_token)
+        self.fleet = FleetServicer(self.nodes)
         self.metrics = RouterMetrics(self.registry)
         self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(
             config.max_attempts, config.worker_wait, config.stream_idle_timeout, config.resume_wait,
@@ -59,6 +65,7 @@ class RouterServer:
         self._stop = asyncio.Event()
         self._health_task = None
         self._serving_task = None
+        self._nodes_task = None
 
     async def start(self) -> None:
         """Bind and start everything; on any failure, stop what already started (gRPC
@@ -73,6 +80,7 @@ class RouterServer:
         def add_services(server) -> None:
             pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.backend), server)
             pb_grpc.add_RouterServicer_to_server(RouterControl(self.registry), server)
+            pb_grpc.add_FleetServicer_to_server(self.fleet, server)
 
         registry = self.metrics.prometheus
         self.endpoints.bind_grpc(self.config.grpc_address)
@@ -86,6 +94,7 @@ class RouterServer:
         for address in self.config.static_workers:
             self.registry.add_static(address)
         self._health_task = asyncio.create_task(self.registry.run(self._stop))
+        self._nodes_task = asyncio.create_task(self.nodes.run(self._stop))
         self._serving_task = asyncio.create_task(self._follow_serving())
         log.info(
             "router (%s) on gRPC %s, HTTP %s, metrics %s", self.policy.name, self.grpc_address,
@@ -129,6 +138,10 @@ class RouterServer:
         if self._health_task is not None:
             await self._health_task
             self._health_task = None
+        if self._nodes_task is not None:
+            await self._nodes_task
+            self._nodes_task = None
+        await self.agent_nodes.close()
         await self.registry.close()
 
     async def wait(self) -> None:
