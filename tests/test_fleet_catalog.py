@@ -72,6 +72,15 @@ def test_format_duration_reads_back():
 
 # -- validation -------------------------------------------------------------------------------------
 
+def test_keep_alive_not_given_stays_unset(path):
+    assert not validate(pb.CatalogModel(name="chat")).HasField("keep_alive_seconds")
+    with Catalog(path) as c:
+        c.add(pb.CatalogModel(name="chat"))
+        c.add(pb.CatalogModel(name="now", keep_alive_seconds=0))
+        assert not c.get("chat").HasField("keep_alive_seconds")
+        assert c.get("now").HasField("keep_alive_seconds") and c.get("now").keep_alive_seconds == 0
+
+
 def test_validate_normalises():
     e = validate(entry("chat", source="", keep_alive_seconds=-30, state="serving", footprint_bytes=5, replace=True))
     assert (e.source, e.keep_alive_seconds, e.state, e.footprint_bytes, e.replace) == ("chat", -1.0, "", 0, False)

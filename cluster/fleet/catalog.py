@@ -199,7 +199,8 @@ def _parse_worker_flags(args: list[str]) -> None:
 
 def validate(entry: pb.CatalogModel) -> pb.CatalogModel:
     """A copy of `entry` with its configuration checked and normalised (an empty source is
-    the name itself; a negative keep-alive is -1), the fields ListCatalog fills cleared.
+    the name itself; a negative keep-alive is -1; none given stays unset: the router's
+    default applies), the fields ListCatalog fills cleared.
     INVALID_ARGUMENT names the field, the limit and the value."""
     name = check_name(entry.name)
     if entry.source:
@@ -210,10 +211,12 @@ def validate(entry: pb.CatalogModel) -> pb.CatalogModel:
         except CatalogError:
             raise _invalid(f"source: not given, and the name {quoted(name)} cannot stand for it; give a directory or "
                            "FILE.gguf name under each node's --models-dir, or ollama:NAME:TAG") from None
-    keep_alive = entry.keep_alive_seconds
-    if not math.isfinite(keep_alive):
+    keep_alive = entry.keep_alive_seconds if entry.HasField("keep_alive_seconds") else None
+    if keep_alive is None:
+        pass  # not given: the router's --default-keep-alive applies
+    elif not math.isfinite(keep_alive):
         raise _invalid(f"keep_alive: {keep_alive} is not a duration ({DURATION_EXAMPLES})")
-    if keep_alive > MAX_KEEP_ALIVE_SECONDS:
+    elif keep_alive > MAX_KEEP_ALIVE_SECONDS:
         raise _invalid(f"keep_alive: {format_duration(keep_alive)} is more than "
                        f"{format_duration(MAX_KEEP_ALIVE_SECONDS)}; a negative keep_alive (-1) never unloads")
     if entry.context and not MIN_CONTEXT <= entry.context <= MAX_CONTEXT:
@@ -221,8 +224,9 @@ def validate(entry: pb.CatalogModel) -> pb.CatalogModel:
                        "(0: the model's own)")
     if entry.max_nodes > MAX_NODES:
         raise _invalid(f"max_nodes: {entry.max_nodes}, at most {MAX_NODES} (0: any; 1: never a group)")
-    return pb.CatalogModel(name=name, source=source, pin=entry.pin, keep_alive_seconds=-1.0 if keep_alive < 0
-                           else keep_alive, max_nodes=entry.max_nodes, context=entry.context,
+    return pb.CatalogModel(name=name, source=source, pin=entry.pin,
+                           keep_alive_seconds=None if keep_alive is None else -1.0 if keep_alive < 0 else keep_alive,
+                           max_nodes=entry.max_nodes, context=entry.context,
                            engine_args=check_engine_args(list(entry.engine_args)))
 
 
@@ -258,7 +262,7 @@ CREATE TABLE IF NOT EXISTS entries (
     name TEXT PRIMARY KEY,
     source TEXT NOT NULL,
     pin INTEGER NOT NULL DEFAULT 0,
-    keep_alive REAL NOT NULL,
+    keep_alive REAL,  -- NULL: not given (the router's default)
     max_nodes INTEGER NOT NULL DEFAULT 0,
     context INTEGER NOT NULL DEFAULT 0,
     engine_args TEXT NOT NULL DEFAULT '[]',
@@ -371,7 +375,8 @@ class Catalog:
                 raise CatalogError(grpc.StatusCode.ALREADY_EXISTS,
                                    f"model {quoted(entry.name)} is in the catalog already (source {quoted(old[0])}); "
                                    "add it with --replace to change it")
-            values = (entry.name, entry.source, int(entry.pin), entry.keep_alive_seconds, entry.max_nodes,
+            keep_alive = entry.keep_alive_seconds if entry.HasField("keep_alive_seconds") else None
+            values = (entry.name, entry.source, int(entry.pin), keep_alive, entry.max_nodes,
                       entry.context, json.dumps(list(entry.engine_args)))
             if old is None:
                 db.execute(f"INSERT INTO entries ({_ENTRY_COLUMNS}, added_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
