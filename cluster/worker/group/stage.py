@@ -48,6 +48,7 @@ from cluster.worker.model_runner import (
     ready_to_serve,
     text_args,
 )
+from cluster.worker.group.split import split_layers  # noqa: F401  (re-exported)
 from cluster.worker.patching import original_call
 
 log = logging.getLogger(__name__)
@@ -67,32 +68,6 @@ class StageOutput(Exception):
 
 
 # -- the split -----------------------------------------------------------------------------------
-
-def split_layers(layer_bytes: list[int], shares: list[float], embed_bytes: int = 0, head_bytes: int = 0) -> list[range]:
-    """Per stage (first stage first), its run of layers: stage s's weights (its layers, the
-    embedding on stage 0, the head on the last) as close as the layer boundaries allow to
-    its share of the whole. Every stage gets at least one layer."""
-    n, stages = len(layer_bytes), len(shares)
-    if n < stages:
-        raise ValueError(f"{n} layers cannot be split over {stages} stages")
-    total = sum(layer_bytes) + embed_bytes + head_bytes
-    weights = [s / sum(shares) for s in shares]
-    bounds, start, done = [], 0, embed_bytes
-    target = 0.0
-    for s in range(stages - 1):
-        target += weights[s] * total
-        best, best_err, acc = start + 1, None, done
-        for end in range(start + 1, n - (stages - 1 - s) + 1):
-            acc += layer_bytes[end - 1]
-            err = abs(acc - target)
-            if best_err is None or err < best_err:
-                best, best_err = end, err
-        done += sum(layer_bytes[start:best])
-        bounds.append(range(start, best))
-        start = best
-    bounds.append(range(start, n))
-    return bounds
-
 
 def stage_of_rank(rank: int, size: int) -> int:
     """Stages run in reverse rank order (mlx-lm's convention): rank size-1 is the first."""
