@@ -371,3 +371,14 @@ def test_processes_racing_for_claims_one_wins_each(path, inherit):
     holders = {m: parent.claim_of(m).router_id for m in models}
     assert all(m in won[r] for m, r in holders.items())
     assert parent.get("warm") is not None
+
+
+@pytest.mark.parametrize("kind", ["missing dir", "not a database"])
+def test_a_file_that_cannot_be_a_catalog_is_refused_naming_it(tmp_path, kind):
+    path = tmp_path / "nowhere" / "catalog.db"
+    if kind == "not a database":
+        path = tmp_path / "catalog.db"
+        path.write_bytes(b"not sqlite at all, " * 100)
+    with pytest.raises(CatalogError) as e:
+        Catalog(path)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and str(path) in e.value.message
