@@ -42,6 +42,10 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
      "cluster.cli:_prometheus_targets"),
     (("certs", "init"), "create the fleet CA in DIR", "cluster.cli:_certs_init"),
     (("certs", "issue"), "a key and certificate for a router or worker Mac", "cluster.cli:_certs_issue"),
+    (("node", "serve"), "run the node agent: the fleet's routers start and stop workers on this Mac through it",
+     "cluster.cli:_node_serve"),
+    (("nodes", "list"), "list the fleet's node agents: memory, disk, models on disk, workers",
+     "cluster.cli:_nodes_list"),
     (("ray", "up"), "start the router (this node) and workers (nodes with --resource)", "cluster.cli:_ray_up"),
     (("ray", "down"), "kill the orchard actors", "cluster.cli:_ray_down"),
     (("ray", "status"), "list the orchard actors and their addresses", "cluster.cli:_ray_status"),
@@ -49,7 +53,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
 GROUPS = {"model": "model utilities", "router": "the router: serve, register workers, list, drain",
           "worker": "worker commands", "deploy": "deployment helpers",
           "certs": "a CA for the fleet and certificates for its Macs (TLS, mutual TLS)",
-          "ray": "run Orchard as Ray actors on an existing Ray cluster"}
+          "ray": "run Orchard as Ray actors on an existing Ray cluster",
+          "node": "the node agent of a fleet (one per Mac)", "nodes": "the fleet's node agents"}
 
 
 def _configs(parser: argparse.ArgumentParser, run: Callable, *configs: type) -> None:
@@ -206,6 +211,31 @@ def _certs_issue(parser: argparse.ArgumentParser) -> None:
     _configs(parser, run_issue, CertsIssue)
 
 
+def _node_serve(parser: argparse.ArgumentParser) -> None:
+    from cluster.fleet.node_config import NodeConfig
+
+    def serve(config: NodeConfig) -> int:
+        from cluster.fleet.agent import run
+
+        return run(config)
+
+    _configs(parser, serve, NodeConfig)
+
+
+def _nodes_list(parser: argparse.ArgumentParser) -> None:
+    from cluster.router.config import RouterConfig
+    from cluster.security import add_client_flags
+
+    def run(args) -> int:
+        from cluster.fleet.nodes import run_list
+
+        return run_list(args)
+
+    parser.add_argument("--router", default=RouterConfig.grpc_address, help="the router's gRPC address")
+    add_client_flags(parser, admin=True)
+    parser.set_defaults(func=run)
+
+
 def _ray_up(parser: argparse.ArgumentParser) -> None:
     from cluster.ray_launcher import RayAddress, RaySpec, run_up
 
@@ -258,7 +288,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 # Commands that launchers keep running (`orchard up`, launchd, Ray): a command line they
 # cannot parse is a permanent failure (cluster/exit_codes.py), not argparse's 2.
-SUPERVISED = {("worker", "serve"), ("router", "serve")}
+SUPERVISED = {("worker", "serve"), ("router", "serve"), ("node", "serve")}
 # Commands that run MLX in this process: OpenBLAS is loaded before anything imports MLX
 # (cluster/platform.py). Those that only may (`model create`, `up` making the built-in
 # model, `bench`) load it where they import MLX.

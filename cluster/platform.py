@@ -146,6 +146,25 @@ def available_memory() -> int:
     return 0
 
 
+METAL_PROBE_TIMEOUT_S = 60.0  # importing MLX for the first time after an install compiles its caches
+
+
+def metal_working_set() -> int | None:
+    """Metal's recommended working set (`max_recommended_working_set_size`: the memory the
+    GPU can use) on a Mac with Metal, else None. Asked of a short-lived Python, so that the
+    caller (the node agent) never imports MLX."""
+    if sys.platform != "darwin":
+        return None
+    probe = ("import mlx.core as mx; print(int(mx.device_info()['max_recommended_working_set_size']) "
+             "if mx.metal.is_available() else 0)")
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=METAL_PROBE_TIMEOUT_S, check=True).stdout
+        return int(out.strip()) or None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
 def darwin_sysctl(name: str) -> int | None:
     """An integer sysctl of macOS (sysctlbyname), None where it is not there."""
     import ctypes.util

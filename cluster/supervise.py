@@ -27,6 +27,15 @@ def _log(line: str) -> None:
     print(f"orchard supervise: {line}", file=sys.stderr, flush=True)
 
 
+def restart_delay(code: int | None, ran_for: float, backoff: Backoff) -> float | None:
+    """How long to wait before starting again a process that ended with `code` after
+    `ran_for` seconds; None: never (a permanent failure). Every launcher that restarts
+    Orchard processes by this rule (`orchard supervise`, the node agent) asks here."""
+    if is_permanent(code):
+        return None
+    return backoff.next_delay(ran_for)
+
+
 def supervise(argv: list[str], *, spawn: Callable[[list[str]], subprocess.Popen] = _spawn,
               backoff: Backoff | None = None, clock: Callable[[], float] = time.monotonic,
               stop: threading.Event | None = None, log: Callable[[str], None] = _log) -> int:
@@ -47,11 +56,11 @@ def supervise(argv: list[str], *, spawn: Callable[[list[str]], subprocess.Popen]
         code = running[0].wait()
         if stop.is_set():
             break
-        if is_permanent(code):
+        delay = restart_delay(code, clock() - started, backoff)
+        if delay is None:
             log(f"{name} exited ({describe(code)}): not started again; its log says why. Fix that, then start "
                 "the job again (launchctl kickstart)")
             return 0
-        delay = backoff.next_delay(clock() - started)
         log(f"{name} exited ({describe(code)}): starting it again in {delay:g} s")
         stop.wait(delay)
     return 0

@@ -17,7 +17,8 @@ PLISTS = sorted(LAUNCHD.glob("*.plist"))
 FILLED = {"__ORCHARD__": "/Users/me/orchard/.venv/bin/orchard", "__HOME__": "/Users/me",
           "__MODEL__": "/Users/me/models/m",
           "__ROUTER__": "router-mac.local:50051", "__ADVERTISE__": "mac-2.local", "__JOIN_TOKEN__": "s3cret",
-          "__GROUP_SIZE__": "3", "__RANK__": "2", "__GROUP_HOSTS__": "10.0.0.1:32323,10.0.0.2:32323,10.0.0.3:32323"}
+          "__GROUP_SIZE__": "3", "__RANK__": "2", "__GROUP_HOSTS__": "10.0.0.1:32323,10.0.0.2:32323,10.0.0.3:32323",
+          "__MEMORY_BUDGET__": "48GiB"}
 
 
 def _fill(path: Path) -> dict:
@@ -30,7 +31,7 @@ def _fill(path: Path) -> dict:
 
 def test_router_and_worker_templates_exist():
     assert {p.name for p in PLISTS} == {"ai.orchard.router.plist", "ai.orchard.worker.plist",
-                                        "ai.orchard.group-member.plist"}
+                                        "ai.orchard.group-member.plist", "ai.orchard.node.plist"}
 
 
 @pytest.mark.parametrize("path", PLISTS, ids=lambda p: p.name)
@@ -74,7 +75,8 @@ def _launchd_restarts(plist: dict, code: int) -> bool:
     return keep is True or (isinstance(keep, dict) and keep.get("SuccessfulExit") is False and code != 0)
 
 
-@pytest.mark.parametrize("name", ["ai.orchard.worker.plist", "ai.orchard.group-member.plist"])
+@pytest.mark.parametrize("name", ["ai.orchard.worker.plist", "ai.orchard.group-member.plist",
+                                  "ai.orchard.node.plist"])
 def test_a_permanent_failure_stops_the_job_and_a_transient_one_backs_off(name):
     """launchd cannot tell 75 from 78: under the template, a worker exiting 75 is started
     again by `orchard supervise` after growing delays, and one exiting 78 makes supervise
@@ -141,6 +143,16 @@ def test_command_line_is_one_orchard_accepts(path):
         t = topology(options.group, environ={})
         assert options.group.size == 3 and t.rank == 2 and t.control == ("10.0.0.1", 33323)
         assert not options.router, "a member serves nothing itself: rank 0 registers for the group"
+    elif "node" in path.name:
+        from cluster.config import from_args
+        from cluster.fleet.node_config import NodeConfig
+
+        assert args.command == "node" and args.node_command == "serve"
+        config = from_args(NodeConfig, args)
+        config.validate()
+        assert config.router == "router-mac.local:50051" and config.advertise == "mac-2.local"
+        assert config.memory_budget == 48 << 30 and config.models_dir == "/Users/me/models"
+        assert p["ExitTimeOut"] > config.stop_grace, "the agent's workers get their grace before launchd's SIGKILL"
     else:
         assert args.command == "worker" and args.worker_command == "serve"
         assert args.router == "router-mac.local:50051" and args.advertise == "mac-2.local:50061"

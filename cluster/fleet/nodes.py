@@ -256,3 +256,62 @@ class AgentNodes:
         agents, self._agents = list(self._agents.values()), {}
         for agent in agents:
             await agent.channel.close(grace=None)
+
+
+# -- `orchard nodes list` ----------------------------------------------------------------------
+def human_bytes(n: int) -> str:
+    """A size for people: GiB with one decimal from 1 GiB, else MiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def format_nodes(nodes: list[pb.NodeInfo]) -> str:
+    """One row per node: its state, platform, memory (budget, reserved for its workers,
+    free of the budget), free disk and how many models it holds and runs; beneath it the
+    models on its disk and each worker it runs."""
+    header = ("NODE", "STATE", "PLATFORM", "BUDGET", "RESERVED", "FREE", "DISK FREE", "MODELS", "WORKERS")
+    rows = [header]
+    for n in nodes:
+        r = n.report
+        state = n.state if n.state == HEALTHY else f"{n.state} ({n.age_seconds:.0f} s silent)"
+        rows.append((r.node_id, state, r.platform or "-", human_bytes(r.memory_budget_bytes),
+                     human_bytes(r.memory_reserved_bytes),
+                     human_bytes(max(0, r.memory_budget_bytes - r.memory_reserved_bytes)),
+                     human_bytes(r.disk_free_bytes), str(len(r.models)), str(len(r.workers))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    right = {3, 4, 5, 6, 7, 8}
+    lines = ["  ".join(c.rjust(wd) if i in right else c.ljust(wd) for i, (c, wd) in enumerate(zip(row, widths)))
+             .rstrip() for row in rows]
+    out = [lines[0]]
+    for line, n in zip(lines[1:], nodes):
+        out.append(line)
+        r = n.report
+        if r.models:
+            out.append("  on disk: " + ", ".join(
+                f"{m.name} ({human_bytes(m.weight_bytes)})" if not m.error else f"{m.name} (unreadable: {m.error})"
+                for m in r.models))
+        for w in r.workers:
+            group = f", rank {w.group_rank} of {w.group_size}" if w.group_size > 1 else ""
+            ended = f", exit {w.exit_code}: {w.reason}" if w.state == "exited" else ""
+            out.append(f"  worker {w.worker_id}: {w.model} {w.state}{group}, reserved "
+                       f"{human_bytes(w.reserved_bytes)}{' at ' + w.address if w.address else ''}{ended}")
+    return "\n".join(out)
+
+
+def list_nodes(router: str, security: ClientSecurity = NO_SECURITY, timeout: float = 10.0) -> list[pb.NodeInfo]:
+    with channel(router, security, aio=False) as ch:
+        return list(pb_grpc.FleetStub(ch).ListNodes(pb.ListNodesRequest(), timeout=timeout).nodes)
+
+
+def run_list(args) -> int:
+    """`orchard nodes list`."""
+    import sys
+
+    from cluster.security import client_from_args
+
+    try:
+        nodes = list_nodes(args.router, client_from_args(args, admin=True))
+    except grpc.RpcError as e:
+        print(f"orchard nodes list: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(format_nodes(nodes) if nodes else "no nodes")
+    return 0

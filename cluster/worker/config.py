@@ -141,6 +141,9 @@ class WorkerOptions:
     http_address: str | None = setting(None, "OpenAI-compatible HTTP address (default: off)", flag="--http",
                                        metavar="HOST:PORT", off="off")
     worker_id: str | None = setting(None, "default: HOSTNAME-GRPCPORT")
+    served_model_name: str | None = setting(
+        None, "the name clients and the router call the model by (default: its directory's or file's name)",
+        metavar="NAME")
     router: str | None = setting(None, "register with this router (or these routers) and send heartbeats",
                                  metavar="HOST:PORT[,HOST:PORT...]")
     join_token: str = setting("", "the router's join token", env="ORCHARD_JOIN_TOKEN")

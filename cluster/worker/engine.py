@@ -128,12 +128,14 @@ class Engine(EngineProtocol):
             self.stats.spec_decode = self.speculator.stats
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig()) -> "Engine":
+    def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig(),
+                        model_name: str | None = None) -> "Engine":
+        """`model_name`: what clients call it (default: the directory's or file's name)."""
         platform.warn_if_slow_blas()
         model, tokenizer = load_model(path, config.cpu_dequantize)
         pooler = Pooler.for_model(path, int(text_args(model).hidden_size), tokenizer, config.task, config.embeddings)
         log.info("%s serves: %s", Path(path).name, pooler.describe())
-        return cls(model, tokenizer, config, model_name=Path(path).name, pooler=pooler)
+        return cls(model, tokenizer, config, model_name=model_name or Path(path).name, pooler=pooler)
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -13,6 +13,9 @@ load report every interval.
 - A wrong join token (PERMISSION_DENIED) stops the loop with an error logged; `denied`
   says so. The worker keeps serving direct clients.
 
+A node agent registers itself and sends its node report the same way: its subclass
+(`fleet/agent.py`) replaces `stub`, `join` and `beat`.
+
 Usage from the worker's event loop:
     reg = Registration(router, advertise_address, load_report_fn, join_token=token)
     reg.start()  ...  await reg.stop()
@@ -81,26 +84,21 @@ class Registration:
         loop = asyncio.get_running_loop()
         period = self.interval
         async with channel(self.router, self.security, options=CHANNEL_OPTIONS) as ch:
-            stub = pb_grpc.RouterStub(ch)
+            stub = self.stub(ch)
             next_at = loop.time()
             while True:
                 try:
                     if not self.registered:
                         period = await self._register(stub)
-                    else:
-                        reply = await stub.Heartbeat(
-                            pb.HeartbeatRequest(worker_id=self.worker_id, join_token=self.join_token, load=self.load()),
-                            timeout=max(period, 1.0),
-                        )
-                        if not reply.known:
-                            log.info("router %s does not know worker %s: registering again", self.router,
-                                     self.worker_id)
-                            self.registered = False
-                            continue
+                    elif not await self.beat(stub, timeout=max(period, 1.0)):
+                        log.info("router %s does not know %s %s: registering again", self.router, self.what,
+                                 self.worker_id)
+                        self.registered = False
+                        continue
                 except grpc.aio.AioRpcError as e:
                     if e.code() == grpc.StatusCode.PERMISSION_DENIED:
                         self.denied = True
-                        log.error("router %s refused worker %s: %s", self.router, self.address, e.details())
+                        log.error("router %s refused %s %s: %s", self.router, self.what, self.address, e.details())
                         return
                     if self.registered:
                         log.warning("heartbeat to router %s failed: %s", self.router, e.code().name)
@@ -116,17 +114,35 @@ class Registration:
                     pass
                 self._wake.clear()
 
-    async def _register(self, stub) -> float:
+    # -- what a subclass registering something else (a node agent) replaces --------------------
+    what = "worker"
+
+    def stub(self, ch):
+        return pb_grpc.RouterStub(ch)
+
+    async def join(self, stub, timeout: float) -> tuple[str, int]:
+        """Register: (the id the router gave, its heartbeat interval in ms)."""
         reply = await stub.RegisterWorker(
             pb.RegisterWorkerRequest(
                 worker_id=self.worker_id, address=self.address, join_token=self.join_token, load=self.load(),
                 instance_id=self.instance_id,
             ),
-            timeout=max(2 * self.interval, 2.0),
+            timeout=timeout,
         )
-        self.worker_id = reply.worker_id
+        return reply.worker_id, reply.heartbeat_interval_ms
+
+    async def beat(self, stub, timeout: float) -> bool:
+        """One heartbeat; False: the router does not know this process (register again)."""
+        reply = await stub.Heartbeat(
+            pb.HeartbeatRequest(worker_id=self.worker_id, join_token=self.join_token, load=self.load()),
+            timeout=timeout,
+        )
+        return reply.known
+
+    async def _register(self, stub) -> float:
+        self.worker_id, interval_ms = await self.join(stub, timeout=max(2 * self.interval, 2.0))
         self.registered = True
         self.registrations += 1
         log.info("registered with router %s as %s (at %s)", self.router, self.worker_id, self.address)
-        router_interval = reply.heartbeat_interval_ms / 1000.0
+        router_interval = interval_ms / 1000.0
         return min(self.interval, router_interval) if router_interval > 0 else self.interval

@@ -118,9 +118,10 @@ class WorkerServer:
             if opts.group.enabled:  # rank 0 of a worker group: the members join, then it serves for all
                 from cluster.worker.group.leader import load_group_engine
 
-                engine = load_group_engine(opts.model_path, opts.engine_config, opts.group, opts.join_token)
+                engine = load_group_engine(opts.model_path, opts.engine_config, opts.group, opts.join_token,
+                                           model_name=opts.served_model_name)
             else:
-                engine = Engine.from_pretrained(opts.model_path, opts.engine_config)
+                engine = Engine.from_pretrained(opts.model_path, opts.engine_config, opts.served_model_name)
             warmed.append(engine.warm_up())
             log.info("engine warmed up in %.2f s", warmed[-1])
             return engine
@@ -170,9 +171,9 @@ class WorkerServer:
 
         opts = self.options
         code = exit_code(error.__cause__ or error)
-        request = pb.ReportFailureRequest(worker_id=worker_id, join_token=opts.join_token,
-                                          model=Path(opts.model_path).name, reason=failure_reason(error),
-                                          exit_code=code, permanent=is_permanent(code))
+        model = opts.served_model_name or Path(opts.model_path).name
+        request = pb.ReportFailureRequest(worker_id=worker_id, join_token=opts.join_token, model=model,
+                                          reason=failure_reason(error), exit_code=code, permanent=is_permanent(code))
         for router in routers(opts.router):
             try:
                 async with channel(router, opts.security.client()) as ch:

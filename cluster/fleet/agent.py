@@ -1,0 +1,607 @@
+"""`orchard node serve`: the node agent, one per Mac.
+
+It registers with each router (`Fleet.RegisterNode`, the join token; mutual TLS where
+configured) and reports every heartbeat: its memory budget (`--memory-budget`, at most what
+the machine can give: on a Mac Metal's recommended working set, on Linux the memory
+available when it starts), what it has set aside for its workers, the free disk, the models
+under `--models-dir` (`facts.scan`) and its workers. It serves the `Node` service, whose
+every call must carry the join token as `authorization: Bearer TOKEN`:
+
+- `StartWorker(spec)`: the model must be under `--models-dir` by name (NOT_FOUND naming it
+  and the directory), its reservation must fit the budget and `--max-loaded` must allow it
+  (RESOURCE_EXHAUSTED with the numbers); then it runs `python -m cluster worker serve` with
+  the worker id, served model name, routers, address, context, KV pool and group flags the
+  spec gives (the worker registers with the routers itself), its output in a log under
+  `--state-dir`. A worker that exits is started again after a backoff, unless its exit says
+  the failure is permanent (78, `cluster/exit_codes.py`): then it stays exited, the last
+  line of its log its reason (`supervise.restart_delay`, the rule every launcher follows).
+- `StopWorker`: drains it (`WorkerAdmin.Drain`; its requests in flight finish, up to the
+  drain timeout), then SIGTERM, then SIGKILL after `--stop-grace`. A group member stops
+  the same way; the controller stops a group by stopping each member.
+
+When the agent stops, it stops its workers. Each worker's process id is kept in a file
+under `--state-dir` while it runs, so that an agent started after a crash of the last one
+(launchd starts it again) first stops the workers that one left running; on Linux a worker
+also gets SIGTERM when its agent dies. No MLX here (the agent asks a short-lived Python for
+Metal's working set, `platform.metal_working_set`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import hmac
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from cluster import platform
+from cluster.api.serving import Endpoints
+from cluster.exit_codes import EXIT_PERMANENT, EXIT_TRANSIENT, Backoff, describe
+from cluster.fleet import FleetError
+from cluster.fleet.node_config import NodeConfig
+from cluster.fleet.nodes import human_bytes as human
+from cluster.net import CHANNEL_OPTIONS, check_addresses, parse_address
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.security import channel
+from cluster.supervise import restart_delay
+from cluster.worker.registration import Registration
+
+log = logging.getLogger(__name__)
+
+STARTING, LOADING, RUNNING, STOPPING, EXITED = "starting", "loading", "running", "stopping", "exited"
+ALL_INTERFACES = ("0.0.0.0", "::", "")
+OLLAMA_PREFIX = "ollama:"
+PORT_HOLD_S = 120.0  # a reserved port is not handed out again for this long
+MAX_PORTS = 64  # per ReservePorts call
+POLL_S = 0.5  # a loading worker's readiness, a draining worker's requests
+MODELS_REFRESH_S = 2.0  # the models on disk are looked at again this often
+LOG_TAIL_BYTES = 8192  # read of a worker's log for its last line
+
+
+# -- a worker's command line -----------------------------------------------------------------
+def find_model(models_dir: Path, source: str) -> str:
+    """What `--model` a worker of catalog source `source` gets on this node: a directory
+    (with config.json) or a .gguf file named `source` under `models_dir`, or an
+    `ollama:NAME:TAG` reference as it is (the worker imports it from Ollama's store)."""
+    from cluster.fleet import facts
+
+    if source.startswith(OLLAMA_PREFIX):
+        return source
+    if not source or source.startswith(".") or "/" in source or "\\" in source:
+        raise FleetError(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"source {source!r} must be a model's name under --models-dir (a directory or a .gguf "
+                         "file), not a path")
+    for candidate in (models_dir / source, models_dir / f"{source}.gguf"):
+        if facts.is_model(candidate):
+            return str(candidate)
+    raise FleetError(grpc.StatusCode.NOT_FOUND,
+                     f"model {source!r} is not on this node: {models_dir} has no directory {source} with a "
+                     f"config.json nor a file {source if source.endswith('.gguf') else source + '.gguf'}")
+
+
+def worker_argv(spec: pb.WorkerSpec, model: str, routers: str, host: str, advertise_host: str,
+                port: int) -> list[str]:
+    """`python -m cluster worker serve ...` for `spec` (secrets go in the environment)."""
+    argv = [sys.executable, "-m", "cluster", "worker", "serve", "--model", model, "--worker-id", spec.worker_id,
+            "--served-model-name", spec.model, "--router", routers, "--grpc", f"{host}:{port}",
+            "--advertise", f"{advertise_host}:{port}", "--metrics", f"{host}:0"]
+    if spec.context:
+        argv += ["--max-model-len", str(spec.context)]
+    if spec.kv_cache_bytes:
+        argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_bytes)]
+    if spec.group_size > 1:
+        argv += ["--group-size", str(spec.group_size), "--group-rank", str(spec.group_rank),
+                 "--group-hosts", ",".join(spec.group_hosts)]
+        if spec.group_port:
+            argv += ["--group-port", str(spec.group_port)]
+        if spec.group_shares:
+            argv += ["--group-shares", spec.group_shares]
+        if spec.memory_budget_bytes:
+            argv += ["--memory-budget", str(spec.memory_budget_bytes)]
+    return argv + list(spec.engine_args)
+
+
+def last_line(path: Path) -> str:
+    """The last non-empty line of a log: where a process that stops for good says why."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def _die_with_parent():
+    """In a worker before it runs (Linux): SIGTERM when the agent dies, however it dies."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+
+
+# -- the workers -----------------------------------------------------------------------------
+@dataclass(eq=False)
+class ManagedProcess:
+    """A worker (or group member) this agent runs, started again while it fails transiently."""
+
+    spec: pb.WorkerSpec
+    argv: list[str]
+    log_path: Path
+    pid_path: Path
+    address: str  # its gRPC address, for the drain (empty: a group member, which serves none)
+    backoff: Backoff = field(default_factory=Backoff)
+    state: str = STARTING
+    proc: asyncio.subprocess.Process | None = None
+    exit_code: int = 0
+    reason: str = ""
+    stopping: bool = False
+    task: asyncio.Task | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # ends a backoff's wait when it is stopped
+
+    @property
+    def live(self) -> bool:
+        return self.state != EXITED
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
+
+    def info(self) -> pb.ManagedWorker:
+        s = self.spec
+        return pb.ManagedWorker(worker_id=s.worker_id, model=s.model, state=self.state,
+                                reserved_bytes=s.reserved_bytes if self.live else 0, group_size=max(1, s.group_size),
+                                group_rank=s.group_rank, exit_code=self.exit_code, reason=self.reason,
+                                address=self.address)
+
+
+def stop_leftovers(pids_dir: Path, grace: float) -> list[int]:
+    """Stop the workers a previous agent left running (it crashed), by the process ids it
+    kept; only processes that are still `cluster worker serve`. Returns those stopped."""
+    stopped = []
+    for pid_path in sorted(pids_dir.glob("*.pid")):
+        try:
+            pid = int(pid_path.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pid = 0
+        if pid > 0 and "cluster worker serve" in _command_of(pid):
+            log.warning("stopping worker process %d that an earlier agent left running (%s)", pid, pid_path.stem)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+                deadline = time.monotonic() + grace
+                while time.monotonic() < deadline and _command_of(pid):
+                    time.sleep(0.1)
+                if _command_of(pid):
+                    os.kill(pid, signal.SIGKILL)
+            stopped.append(pid)
+        pid_path.unlink(missing_ok=True)
+    return stopped
+
+
+def _command_of(pid: int) -> str:
+    """A running process's command line ('' when it is gone); `ps` works on macOS and Linux."""
+    try:
+        out = subprocess.run(["ps", "-o", "command=", "-p", str(pid)], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    command = out.stdout.strip()
+    return "" if "<defunct>" in command else command
+
+
+# -- registration with the routers -----------------------------------------------------------
+class NodeRegistration(Registration):
+    """The worker's registration loop, registering this node (`Fleet.RegisterNode`) and
+    sending its `NodeReport` as its heartbeat."""
+
+    what = "node"
+
+    def stub(self, ch):
+        return pb_grpc.FleetStub(ch)
+
+    async def join(self, stub, timeout: float) -> tuple[str, int]:
+        reply = await stub.RegisterNode(pb.RegisterNodeRequest(join_token=self.join_token, report=self.load()),
+                                        timeout=timeout)
+        return reply.node_id, reply.heartbeat_interval_ms
+
+    async def beat(self, stub, timeout: float) -> bool:
+        reply = await stub.NodeHeartbeat(pb.NodeHeartbeatRequest(join_token=self.join_token, report=self.load()),
+                                         timeout=timeout)
+        return reply.known
+
+
+# -- the agent -------------------------------------------------------------------------------
+def machine_memory() -> tuple[str, int]:
+    """(platform, bytes the machine can give models): on a Mac with Metal, Metal's
+    recommended working set; elsewhere the memory available now."""
+    working_set = platform.metal_working_set()
+    if working_set:
+        return "metal", min(working_set, platform.available_memory() or working_set)
+    return "cpu", platform.available_memory()
+
+
+class NodeAgent:
+    """The agent's state and its operations (`NodeServicer` serves them over gRPC)."""
+
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.models_dir = Path(config.models_dir).expanduser()
+        self.state_dir = Path(config.state_dir).expanduser()
+        self.routers = [r.strip() for r in config.router.split(",") if r.strip()]
+        self.host = parse_address(config.grpc_address)[0]
+        self.advertise_host = config.advertise or (socket.getfqdn() if self.host in ALL_INTERFACES else self.host)
+        self.node_id = config.node_id or self._default_node_id()
+        self.instance_id = uuid.uuid4().hex
+        self.platform, self.budget = "cpu", 0
+        self.models: list[pb.DiskModel] = []
+        self.workers: dict[str, ManagedProcess] = {}
+        self.held_ports: dict[int, float] = {}  # port -> until when (monotonic)
+        self.endpoints = Endpoints(default_host=self.host, health_services=("",), security=config.security)
+        self.address = ""
+        self.registrations: list[NodeRegistration] = []
+        self.stopped = asyncio.Event()  # set when the agent should end (a signal, or every router refused it)
+        self.denied = False
+        self._tasks: list[asyncio.Task] = []
+
+    def _default_node_id(self) -> str:
+        if self.config.security.mutual:
+            from cluster.certs import common_name
+
+            return common_name(self.config.security.tls_cert)
+        return socket.gethostname()
+
+    # -- start and stop ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.platform, machine = machine_memory()
+        budget = self.config.memory_budget
+        self.budget = int(min(budget, machine) if budget and machine else budget or machine)
+        if budget and machine and budget > machine:
+            log.warning("--memory-budget %s is more than this machine can give models (%s): using %s",
+                        human(budget), human(machine), human(machine))
+        (self.state_dir / "workers").mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(stop_leftovers, self.state_dir / "workers", self.config.stop_grace)
+        await self.refresh_models()
+        port = self.endpoints.bind_grpc(self.config.grpc_address)
+        self.address = f"{self.advertise_host}:{port}"
+        await self.endpoints.start(lambda server: pb_grpc.add_NodeServicer_to_server(NodeServicer(self), server))
+        for router in self.routers:
+            registration = NodeRegistration(router, self.address, self.report, join_token=self.config.join_token,
+                                            worker_id=self.node_id, interval=self.config.heartbeat_interval,
+                                            security=self.config.security.client())
+            registration.instance_id = self.instance_id
+            registration.start()
+            self.registrations.append(registration)
+        self._tasks = [asyncio.create_task(self._refresh_models_loop()), asyncio.create_task(self._watch_refusals())]
+        log.info("node %s (%s, budget %s, %d models in %s) serving Node on %s", self.node_id, self.platform,
+                 human(self.budget), len(self.models), self.models_dir, self.address)
+
+    async def stop(self) -> None:
+        """Stop every worker (SIGTERM: each finishes its streams; SIGKILL after the grace),
+        then the registrations and the gRPC server."""
+        await asyncio.gather(*(self._end(w) for w in list(self.workers.values())))
+        for task in self._tasks:
+            task.cancel()
+        for registration in self.registrations:
+            await registration.stop()
+        await self.endpoints.stop(grace=1.0)
+
+    async def _watch_refusals(self) -> None:
+        """Every router refused this node (a wrong join token): nothing to do here but say so."""
+        await asyncio.gather(*(r._task for r in self.registrations), return_exceptions=True)
+        if self.registrations and all(r.denied for r in self.registrations):
+            self.denied = True
+            self.stopped.set()
+
+    # -- what it reports ---------------------------------------------------------------------
+    async def refresh_models(self) -> None:
+        from cluster.fleet import facts
+
+        self.models = await asyncio.to_thread(facts.scan, self.models_dir, self.platform)
+
+    async def _refresh_models_loop(self) -> None:
+        while True:
+            await asyncio.sleep(MODELS_REFRESH_S)
+            try:
+                await self.refresh_models()
+            except Exception:  # noqa: BLE001  (a bug in a scan must not end the agent's reports)
+                log.exception("could not look at the models in %s", self.models_dir)
+
+    @property
+    def reserved(self) -> int:
+        return sum(w.spec.reserved_bytes for w in self.workers.values() if w.live)
+
+    def report(self) -> pb.NodeReport:
+        try:
+            disk_free = shutil.disk_usage(self.models_dir).free
+        except OSError:
+            disk_free = 0
+        return pb.NodeReport(
+            node_id=self.node_id, address=self.address, advertise_host=self.advertise_host,
+            memory_budget_bytes=self.budget, memory_reserved_bytes=self.reserved,
+            memory_available_bytes=platform.available_memory(), disk_free_bytes=disk_free, models=self.models,
+            workers=[w.info() for w in self.workers.values()], platform=self.platform,
+            max_loaded=self.config.max_loaded, instance_id=self.instance_id)
+
+    def _report_now(self) -> None:
+        for registration in self.registrations:
+            registration.report_now()
+
+    # -- ports -------------------------------------------------------------------------------
+    def reserve_ports(self, count: int) -> list[int]:
+        if not 1 <= count <= MAX_PORTS:
+            raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, f"count must be in [1, {MAX_PORTS}], not {count}")
+        from cluster.up import free_ports
+
+        now = time.monotonic()
+        self.held_ports = {p: until for p, until in self.held_ports.items() if until > now}
+        host = "0.0.0.0" if self.host in ALL_INTERFACES else self.host
+        for _ in range(20):  # the OS may hand out a port held here: ask again
+            ports = free_ports(count, host)
+            if not set(ports) & set(self.held_ports):
+                break
+        for p in ports:
+            self.held_ports[p] = now + PORT_HOLD_S
+        return ports
+
+    # -- workers -----------------------------------------------------------------------------
+    def _check_room(self, spec: pb.WorkerSpec) -> None:
+        free = self.budget - self.reserved
+        if spec.reserved_bytes > free:
+            raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"worker {spec.worker_id} of {spec.model} needs {human(spec.reserved_bytes)}, node "
+                             f"{self.node_id} has {human(max(0, free))} of {human(self.budget)} free")
+        loaded = {w.spec.model for w in self.workers.values() if w.live}
+        if self.config.max_loaded and spec.model not in loaded and len(loaded) >= self.config.max_loaded:
+            raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"node {self.node_id} runs {len(loaded)} models ({', '.join(sorted(loaded))}), its "
+                             f"--max-loaded {self.config.max_loaded}: cannot start {spec.model}")
+
+    async def start_worker(self, spec: pb.WorkerSpec) -> pb.ManagedWorker:
+        for name in ("worker_id", "model", "source"):
+            if not getattr(spec, name):
+                raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, f"spec.{name} is required")
+        if "/" in spec.worker_id or spec.worker_id.startswith("."):
+            raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, f"spec.worker_id {spec.worker_id!r} may not hold '/'")
+        known = self.workers.get(spec.worker_id)
+        if known is not None and known.live:
+            raise FleetError(grpc.StatusCode.ALREADY_EXISTS, f"worker {spec.worker_id} already runs on node "
+                                                             f"{self.node_id} ({known.state})")
+        if spec.group_size > 1 and (spec.group_rank >= spec.group_size or len(spec.group_hosts) != spec.group_size):
+            raise FleetError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"a group member needs group_rank < group_size ({spec.group_rank} of {spec.group_size}) "
+                             f"and one group_hosts address per rank ({len(spec.group_hosts)} given)")
+        model = find_model(self.models_dir, spec.source)
+        self._check_room(spec)
+        port = spec.port or self.reserve_ports(1)[0]
+        member = spec.group_size > 1 and spec.group_rank > 0
+        w = ManagedProcess(
+            spec, worker_argv(spec, model, ",".join(self.routers), self.host, self.advertise_host, port),
+            self.state_dir / f"{spec.worker_id}.log", self.state_dir / "workers" / f"{spec.worker_id}.pid",
+            address="" if member else f"{'127.0.0.1' if self.host in ALL_INTERFACES else self.host}:{port}")
+        self.workers[spec.worker_id] = w
+        w.task = asyncio.create_task(self._supervise(w), name=f"orchard-node-{spec.worker_id}")
+        log.info("starting worker %s of %s (%s, reserved %s): %s", spec.worker_id, spec.model, model,
+                 human(spec.reserved_bytes), w.log_path)
+        self._report_now()
+        return w.info()
+
+    def _environment(self) -> dict[str, str]:
+        """The worker's secrets, from the agent's settings: never on its command line."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", ORCHARD_JOIN_TOKEN=self.config.join_token)
+        sec = self.config.security
+        if sec.admin_key:
+            env["ORCHARD_ADMIN_KEY"] = sec.admin_key
+        keys = sec.keys().inference
+        if keys:
+            env["ORCHARD_API_KEY"] = ",".join(k.decode() for k in keys)
+        return env
+
+    def _security_flags(self) -> list[str]:
+        sec = self.config.security
+        return [flag for name in ("tls_cert", "tls_key", "tls_ca") if getattr(sec, name)
+                for flag in (f"--{name.replace('_', '-')}", str(getattr(sec, name)))]
+
+    async def _spawn(self, w: ManagedProcess) -> None:
+        with open(w.log_path, "ab") as out:
+            w.proc = await asyncio.create_subprocess_exec(
+                *w.argv, *self._security_flags(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=self._environment(), start_new_session=True, preexec_fn=_die_with_parent)
+        w.pid_path.write_text(f"{w.proc.pid}\n")
+        w.state = RUNNING if not w.address else LOADING
+
+    async def _supervise(self, w: ManagedProcess) -> None:
+        """Run the worker; start it again after a backoff when it exits, unless it was
+        stopped or its failure is permanent."""
+        while not w.stopping:
+            started = time.monotonic()
+            try:
+                await self._spawn(w)
+            except OSError as e:
+                w.state, w.exit_code, w.reason = EXITED, EXIT_PERMANENT, f"could not start: {e}"
+                self._report_now()
+                return
+            if w.stopping:  # stopped while it was being started
+                w.proc.send_signal(signal.SIGTERM)
+            self._report_now()
+            waiter = asyncio.create_task(w.proc.wait())
+            if w.address:
+                await self._follow_loading(w, waiter)
+            code = await waiter
+            w.pid_path.unlink(missing_ok=True)
+            w.exit_code, w.reason = code, last_line(w.log_path)
+            if w.stopping:
+                break
+            delay = restart_delay(code, time.monotonic() - started, w.backoff)
+            if delay is None:
+                log.error("worker %s exited (%s): not started again: %s", w.spec.worker_id, describe(code), w.reason)
+                w.state = EXITED
+                self._report_now()
+                return
+            log.warning("worker %s exited (%s): starting it again in %g s: %s", w.spec.worker_id, describe(code),
+                        delay, w.reason)
+            w.state = STARTING
+            self._report_now()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(w.wake.wait(), delay)
+        w.state = EXITED
+
+    async def _follow_loading(self, w: ManagedProcess, exited: asyncio.Task) -> None:
+        """`loading` until the worker answers GetLoad (its model loaded), then `running`."""
+        async with channel(w.address, self.config.security.client(), options=CHANNEL_OPTIONS) as ch:
+            admin = pb_grpc.WorkerAdminStub(ch)
+            while not exited.done() and w.state == LOADING:
+                try:
+                    await admin.GetLoad(pb.GetLoadRequest(), timeout=POLL_S * 4)
+                except grpc.aio.AioRpcError:
+                    await asyncio.wait({exited}, timeout=POLL_S)
+                    continue
+                w.state = RUNNING
+                self._report_now()
+
+    async def stop_worker(self, worker_id: str, drain_timeout: float = 0.0) -> pb.ManagedWorker:
+        w = self.workers.get(worker_id)
+        if w is None:
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"no worker {worker_id!r} on node {self.node_id}")
+        if w.live and not w.stopping:
+            w.stopping, w.state = True, STOPPING
+            self._report_now()
+            await self._drain(w, drain_timeout or self.config.drain_timeout)
+        await self._end(w)
+        if self.workers.get(worker_id) is w:
+            del self.workers[worker_id]
+        self._report_now()
+        return w.info()
+
+    async def _drain(self, w: ManagedProcess, timeout: float) -> None:
+        """Take no new requests; wait (at most `timeout`) for those it has to finish."""
+        if not w.address or w.pid is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with channel(w.address, self.config.security.client(), options=CHANNEL_OPTIONS) as ch:
+            admin = pb_grpc.WorkerAdminStub(ch)
+            try:
+                await admin.Drain(pb.DrainRequest(drain=True), timeout=max(1.0, min(10.0, timeout)))
+                while loop.time() < deadline and w.pid is not None:
+                    load = await admin.GetLoad(pb.GetLoadRequest(), timeout=max(1.0, min(10.0, timeout)))
+                    if load.num_running + load.num_waiting == 0:
+                        return
+                    await asyncio.sleep(POLL_S)
+                log.warning("worker %s still had requests after its %g s drain: stopping it", w.spec.worker_id,
+                            timeout)
+            except grpc.aio.AioRpcError as e:
+                log.info("worker %s did not answer its drain (%s): stopping it", w.spec.worker_id, e.code().name)
+
+    async def _end(self, w: ManagedProcess) -> None:
+        """SIGTERM (the worker finishes its streams), SIGKILL after the grace; no restart."""
+        w.stopping = True
+        w.wake.set()
+        proc = w.proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), self.config.stop_grace)
+            except asyncio.TimeoutError:
+                log.warning("worker %s did not exit %g s after SIGTERM: killing it", w.spec.worker_id,
+                            self.config.stop_grace)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        if w.task is not None:
+            await asyncio.gather(w.task, return_exceptions=True)
+        w.pid_path.unlink(missing_ok=True)
+        w.state = EXITED
+
+
+class NodeServicer(pb_grpc.NodeServicer):
+    """The `Node` service: every call carries the join token as its bearer key."""
+
+    def __init__(self, agent: NodeAgent):
+        self.agent = agent
+
+    async def _authorize(self, context) -> None:
+        expected = self.agent.config.join_token
+        if not expected:
+            return
+        scheme, _, token = (dict(context.invocation_metadata() or ()).get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "wrong join token: send the fleet's as 'authorization: Bearer TOKEN'")
+
+    async def ReservePorts(self, request, context):
+        await self._authorize(context)
+        try:
+            return pb.ReservePortsResponse(ports=self.agent.reserve_ports(request.count))
+        except FleetError as e:
+            await context.abort(e.code, e.message)
+
+    async def StartWorker(self, request, context):
+        await self._authorize(context)
+        try:
+            return await self.agent.start_worker(request.spec)
+        except FleetError as e:
+            await context.abort(e.code, e.message)
+
+    async def StopWorker(self, request, context):
+        await self._authorize(context)
+        try:
+            return await self.agent.stop_worker(request.worker_id, request.drain_timeout_seconds)
+        except FleetError as e:
+            await context.abort(e.code, e.message)
+
+    async def GetNodeReport(self, request, context):
+        await self._authorize(context)
+        return self.agent.report()
+
+
+# -- the command -----------------------------------------------------------------------------
+async def serve(config: NodeConfig) -> int:
+    agent = NodeAgent(config)
+    try:
+        await agent.start()
+    except BaseException:
+        await agent.stop()
+        raise
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, agent.stopped.set)
+    print(f"orchard node: {agent.node_id} on {agent.address}, budget {human(agent.budget)}, "
+          f"{len(agent.models)} models in {agent.models_dir}", flush=True)
+    await agent.stopped.wait()
+    log.info("node agent stopping: stopping its %d workers", len(agent.workers))
+    await agent.stop()
+    if agent.denied:
+        print(f"orchard node serve: every router refused this node (wrong join token? set ORCHARD_JOIN_TOKEN) "
+              f"({describe(EXIT_PERMANENT)})", file=sys.stderr)
+        return EXIT_PERMANENT
+    return 0
+
+
+def run(config: NodeConfig) -> int:
+    """Entry point of `orchard node serve`: a setting that is wrong is permanent (78), an
+    address in use transient (75), as for a worker (`cluster/exit_codes.py`)."""
+    try:
+        config.validate()
+        check_addresses(config.grpc_address, *config.router.split(","))
+    except ValueError as e:
+        print(f"orchard node serve: {e}", file=sys.stderr)
+        return EXIT_PERMANENT
+    try:
+        return asyncio.run(serve(config))
+    except OSError as e:
+        print(f"orchard node serve: {e} ({describe(EXIT_TRANSIENT)})", file=sys.stderr)
+        return EXIT_TRANSIENT

@@ -1,0 +1,58 @@
+"""`orchard node serve`'s settings (the flags are generated from them, cluster/config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.config import ByteSize, setting
+from cluster.security import SecurityConfig
+
+DEFAULT_MODELS_DIR = "~/.orchard/models"
+DEFAULT_STATE_DIR = "~/.orchard/node"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    router: str = setting("127.0.0.1:50051", "register with this router (or these routers) and report every "
+                                             "heartbeat", metavar="HOST:PORT[,HOST:PORT...]")
+    grpc_address: str = setting("127.0.0.1:50071", "the Node service's gRPC address (the routers start and stop "
+                                                   "workers through it; port 0: any free)", flag="--grpc",
+                                metavar="HOST:PORT")
+    advertise: str | None = setting(None, "the host the routers and the other Macs reach this one at: its Node "
+                                          "service's and its workers' addresses (default: the --grpc host, or "
+                                          "this machine's name when that is 0.0.0.0)", metavar="HOST")
+    node_id: str | None = setting(None, "this node's name in the fleet (default: the host name; under mutual TLS "
+                                        "its certificate's name)")
+    memory_budget: ByteSize | None = setting(
+        None, "the memory this node gives models, e.g. 48GiB: at most what the machine can (on a Mac Metal's "
+              "recommended working set, on Linux the memory available when the agent starts; default: that)",
+        metavar="SIZE")
+    models_dir: str = setting(DEFAULT_MODELS_DIR, "where the models are: a catalog source names a directory "
+                                                  "(with config.json) or a .gguf file in it", metavar="DIR")
+    state_dir: str = setting(DEFAULT_STATE_DIR, "the agent's workers' logs and process ids", metavar="DIR")
+    max_loaded: int = setting(0, "models this node runs at once at most (0: no limit but memory)", metavar="N")
+    join_token: str = setting("", "the routers' join token", env="ORCHARD_JOIN_TOKEN")
+    heartbeat_interval: float = setting(
+        1.0, "report to the routers every SECONDS (a router's interval, if shorter, wins)", metavar="SECONDS")
+    drain_timeout: float = setting(
+        60.0, "a worker being stopped gets this long to finish its requests in flight (unless the router says)",
+        metavar="SECONDS")
+    stop_grace: float = setting(
+        15.0, "after its drain (or when the agent stops), a worker gets this long to exit after SIGTERM before "
+              "SIGKILL", metavar="SECONDS")
+    security: SecurityConfig = setting(default_factory=SecurityConfig, group="security")
+
+    def validate(self) -> None:
+        """ValueError naming the flag, its limit and its value."""
+        if self.memory_budget is not None and self.memory_budget < 1:
+            raise ValueError(f"--memory-budget must be a positive size, not {self.memory_budget}")
+        if self.max_loaded < 0:
+            raise ValueError(f"--max-loaded must be >= 0, not {self.max_loaded}")
+        if not 0.05 <= self.heartbeat_interval <= 60:
+            raise ValueError(f"--heartbeat-interval must be in [0.05, 60] seconds, not {self.heartbeat_interval}")
+        for flag, value in (("--drain-timeout", self.drain_timeout), ("--stop-grace", self.stop_grace)):
+            if not 0 <= value <= 3600:
+                raise ValueError(f"{flag} must be in [0, 3600] seconds, not {value}")
+        if not [r for r in self.router.split(",") if r.strip()]:
+            raise ValueError("--router names no router")
+        self.security.check()

@@ -1,0 +1,339 @@
+"""`orchard node serve` (cluster/fleet/agent.py) against a real router, as processes on
+127.0.0.1: the agent joins and reports its budget and models (ListNodes, `orchard nodes
+list`); the Node service refuses a wrong join token, a model not on disk, a reservation over
+budget; a silent agent turns unhealthy; a worker it starts registers with the router and
+serves what a statically started worker does; StopWorker drains it (a request in flight
+finishes) before it stops it; a stopped or killed agent leaves no worker running."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.fleet.agent import stop_leftovers
+from cluster.net import CHANNEL_OPTIONS
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+from cluster.security import ClientSecurity, channel
+from cluster.up import LocalCluster, free_port
+from conftest import run
+
+HERE = Path(__file__).resolve().parent
+HEARTBEAT = 0.2
+BUDGET = 1 << 30
+SERVED = "tiny-chat"  # the catalog name the worker serves its model under
+
+
+class AgentProcess:
+    """`orchard node serve` (through tests/node_agent_main.py) on a free port."""
+
+    def __init__(self, router: str, models_dir: Path, state_dir: Path, token: str, node_id: str = "node-a",
+                 budget: int = BUDGET):
+        self.address = f"127.0.0.1:{free_port()}"
+        self.state_dir = state_dir
+        self.log_path = state_dir / "agent.log"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        args = [sys.executable, str(HERE / "node_agent_main.py"), "--router", router, "--grpc", self.address,
+                "--node-id", node_id, "--memory-budget", str(budget), "--models-dir", str(models_dir),
+                "--state-dir", str(state_dir), "--heartbeat-interval", str(HEARTBEAT), "--stop-grace", "20"]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=dict(os.environ, ORCHARD_JOIN_TOKEN=token, PYTHONUNBUFFERED="1"))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def worker_pids(self) -> dict[str, int]:
+        return {p.stem: int(p.read_text()) for p in (self.state_dir / "workers").glob("*.pid")}
+
+    def stop(self) -> None:
+        """SIGTERM (it stops its workers), SIGKILL if it hangs; then any worker it left, by PID."""
+        pids = self.worker_pids() if (self.state_dir / "workers").is_dir() else {}
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fleet-router")
+    cluster = LocalCluster("", workers=0, grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
+                           metrics_address=None, log_dir=d, router_args=["--heartbeat-interval", str(HEARTBEAT)])
+    cluster.start_router(0)
+    try:
+        yield cluster
+    finally:
+        cluster.stop(grace=5)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("node-models")
+    (d / "tiny").symlink_to(tiny_model_dir, target_is_directory=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def agent(router, models_dir, tmp_path_factory):
+    a = AgentProcess(router.router_address, models_dir, tmp_path_factory.mktemp("node-a"), router.join_token)
+    try:
+        yield a
+    finally:
+        a.stop()
+
+
+def list_nodes(router: LocalCluster) -> dict[str, pb.NodeInfo]:
+    try:
+        with channel(router.router_address, aio=False) as ch:
+            return {n.report.node_id: n for n in
+                    pb_grpc.FleetStub(ch).ListNodes(pb.ListNodesRequest(), timeout=5).nodes}
+    except grpc.RpcError:
+        return {}
+
+
+def node_state(router: LocalCluster, node_id: str = "node-a") -> str:
+    node = list_nodes(router).get(node_id)
+    return node.state if node is not None else ""
+
+
+def healthy(router: LocalCluster, agent: AgentProcess, node_id: str = "node-a") -> pb.NodeInfo:
+    def check():
+        assert agent.proc.poll() is None, f"the agent exited with {agent.proc.returncode}:\n{agent.log()}"
+        node = list_nodes(router).get(node_id)
+        return node if node is not None and node.state == "healthy" and node.report.address == agent.address else None
+
+    return wait_for(check, 120, f"{node_id} healthy on the router")
+
+
+def node_stub(ch) -> pb_grpc.NodeStub:
+    return pb_grpc.NodeStub(ch)
+
+
+def spec(worker_id: str = "w-1", source: str = "tiny", reserved: int = 256 << 20, **kw) -> pb.WorkerSpec:
+    return pb.WorkerSpec(worker_id=worker_id, model=SERVED, source=source, context=512, kv_cache_bytes=32 << 20,
+                         reserved_bytes=reserved, **kw)
+
+
+def test_an_agent_joins_reports_and_refuses_what_it_cannot_do(router, agent, models_dir):
+    node = healthy(router, agent)
+    r = node.report
+    assert (r.address, r.advertise_host, r.platform) == (agent.address, "127.0.0.1", "cpu")
+    assert r.memory_budget_bytes == BUDGET and r.memory_reserved_bytes == 0 and r.disk_free_bytes > 0
+    assert [m.name for m in r.models] == ["tiny"] and not r.workers
+
+    table = subprocess.run([sys.executable, "-m", "cluster", "nodes", "list", "--router", router.router_address],
+                           capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stderr
+    assert "NODE" in table.stdout and "node-a" in table.stdout and "healthy" in table.stdout
+    assert "1.0 GiB" in table.stdout and "on disk: tiny" in table.stdout
+
+    async def refusals():
+        async with channel(agent.address, ClientSecurity(api_key="wrong"), options=CHANNEL_OPTIONS) as bad, \
+                channel(agent.address, ClientSecurity(api_key=router.join_token), options=CHANNEL_OPTIONS) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await node_stub(bad).StartWorker(pb.StartWorkerRequest(spec=spec()))
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "join token" in e.value.details()
+            stub = node_stub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.StartWorker(pb.StartWorkerRequest(spec=spec(source="nope")))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "'nope'" in e.value.details() and str(models_dir) in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.StartWorker(pb.StartWorkerRequest(spec=spec(source="../tiny")))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a path" in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.StartWorker(pb.StartWorkerRequest(spec=spec(reserved=2 << 30)))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "needs 2.0 GiB, node node-a has 1.0 GiB of 1.0 GiB free" in e.value.details()
+            report = await stub.GetNodeReport(pb.GetNodeReportRequest())
+            assert not report.workers and report.memory_reserved_bytes == 0  # nothing started
+            ports = (await stub.ReservePorts(pb.ReservePortsRequest(count=3))).ports
+            assert len(set(ports)) == 3 and all(p > 0 for p in ports)
+
+    run(refusals())
+    assert not agent.worker_pids()
+
+    os.kill(agent.proc.pid, signal.SIGSTOP)  # its heartbeats stop
+    try:
+        wait_for(lambda: node_state(router) == "unhealthy", 60, "the silent node unhealthy")
+    finally:
+        os.kill(agent.proc.pid, signal.SIGCONT)
+    healthy(router, agent)
+
+
+def test_an_agent_with_a_wrong_join_token_is_refused_for_good(router, models_dir, tmp_path):
+    bad = AgentProcess(router.router_address, models_dir, tmp_path / "node-bad", "not-the-token", node_id="node-bad")
+    try:
+        assert bad.proc.wait(120) == 78, bad.log()
+        assert "refused" in bad.log()
+        assert "node-bad" not in list_nodes(router)
+    finally:
+        bad.stop()
+
+
+def test_stop_leftovers_ends_only_workers_an_earlier_agent_left(tmp_path):
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    worker = subprocess.Popen([*sleeper, "cluster worker serve"])
+    other = subprocess.Popen(sleeper)
+    try:
+        (tmp_path / "w-1.pid").write_text(f"{worker.pid}\n")
+        (tmp_path / "w-2.pid").write_text(f"{other.pid}\n")  # its PID now some other program's
+        assert stop_leftovers(tmp_path, grace=10) == [worker.pid]
+        assert worker.wait(10) == -signal.SIGTERM and other.poll() is None
+        assert not list(tmp_path.glob("*.pid"))
+    finally:
+        for p in (worker, other):
+            p.kill()
+            p.wait()
+
+
+async def _generate(target: str, model: str, max_tokens: int, on_chunk=None) -> tuple[list[int], str]:
+    request = pb.GenerateRequest(text="The fleet serves many models", model=model,
+                                 sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    tokens, text = [], ""
+    async with channel(target, options=CHANNEL_OPTIONS) as ch:
+        async for chunk in pb_grpc.GenerationStub(ch).Generate(request, timeout=300):
+            tokens += chunk.token_ids
+            text += chunk.text
+            if on_chunk is not None:
+                on_chunk()
+    return tokens, text
+
+
+def _registered(router: LocalCluster, worker_id: str) -> pb.WorkerInfo | None:
+    with channel(router.router_address, aio=False) as ch:
+        workers = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers
+    return next((w for w in workers if w.worker_id == worker_id and w.state == pb.WORKER_STATE_HEALTHY), None)
+
+
+@pytest.mark.slow
+def test_a_started_worker_serves_like_a_static_one_and_drains_before_it_stops(router, agent, tiny_model_dir,
+                                                                           worker_process):
+    healthy(router, agent)
+    static = worker_process(tiny_model_dir, "--max-model-len", "512", http=False)
+
+    async def go():
+        async with channel(agent.address, ClientSecurity(api_key=router.join_token), options=CHANNEL_OPTIONS) as ch:
+            stub = node_stub(ch)
+            started = await stub.StartWorker(pb.StartWorkerRequest(spec=spec()))
+            assert started.worker_id == "w-1" and started.model == SERVED and started.reserved_bytes == 256 << 20
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.StartWorker(pb.StartWorkerRequest(spec=spec()))
+            assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            pid = agent.worker_pids()["w-1"]
+            worker = await asyncio.to_thread(wait_for, lambda: _registered(router, "w-1"), 180,
+                                             "the agent's worker registered with the router")
+            assert worker.model == SERVED
+            deadline = asyncio.get_running_loop().time() + 60
+            while (report := await stub.GetNodeReport(pb.GetNodeReportRequest())).workers[0].state != "running":
+                assert report.workers[0].state == "loading"
+                assert asyncio.get_running_loop().time() < deadline, "the agent did not see its worker loaded"
+                await asyncio.sleep(0.1)
+            assert report.memory_reserved_bytes == 256 << 20 and report.workers[0].address
+
+            expected = await _generate(static.grpc, "", 24)
+            assert await _generate(router.router_address, SERVED, 24) == expected
+
+            first = asyncio.Event()
+            long_stream = asyncio.create_task(_generate(router.router_address, SERVED, 200, first.set))
+            await asyncio.wait_for(first.wait(), 120)
+            stopped = await stub.StopWorker(pb.StopWorkerRequest(worker_id="w-1", drain_timeout_seconds=120))
+            tokens, _ = await long_stream
+            assert len(tokens) == 200  # finished where it ran, not cut by the stop
+            assert stopped.state == "exited" and not alive(pid)
+            report = await stub.GetNodeReport(pb.GetNodeReportRequest())
+            assert not report.workers and report.memory_reserved_bytes == 0
+
+    run(go(), timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
+def test_an_agent_that_ends_leaves_no_worker_running(router, models_dir, tmp_path, how):
+    if how == signal.SIGKILL and not sys.platform.startswith("linux"):
+        pytest.skip("a killed agent's workers end with it on Linux; elsewhere its next start stops them")
+    a = AgentProcess(router.router_address, models_dir, tmp_path / "node-k", router.join_token, node_id="node-k")
+    pid = None
+    try:
+        healthy(router, a, "node-k")
+
+        async def start():
+            async with channel(a.address, ClientSecurity(api_key=router.join_token)) as ch:
+                await node_stub(ch).StartWorker(pb.StartWorkerRequest(spec=spec(worker_id="k-1")))
+
+        run(start())
+        pid = wait_for(lambda: a.worker_pids().get("k-1"), 60, "the worker's pid file")
+        assert alive(pid)
+        a.proc.send_signal(how)
+        a.proc.wait(120)
+        wait_for(lambda: not alive(pid), 60, "the worker ended with its agent")
+    finally:
+        a.stop()
+        if pid is not None and alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_worker_command_line_is_one_orchard_worker_serve_takes(tmp_path):
+    """The flags the agent gives a group member parse as the worker's own options say."""
+    from cluster.cli import build_parser
+    from cluster.config import from_args
+    from cluster.fleet.agent import worker_argv
+    from cluster.worker.config import WorkerOptions
+
+    member = spec(group_size=2, group_rank=1, group_hosts=["10.0.0.1:7000", "10.0.0.2:7001"], group_port=7100,
+                  group_shares="2,1", memory_budget_bytes=3 << 30, engine_args=["--max-num-seqs", "8"])
+    argv = worker_argv(member, str(tmp_path), "r1:50051,r2:50051", "0.0.0.0", "mac-2.local", 50123)
+    assert argv[:5] == [sys.executable, "-m", "cluster", "worker", "serve"]
+    options = from_args(WorkerOptions, build_parser(argv[3:]).parse_args(argv[3:]))
+    assert (options.model_path, options.worker_id, options.served_model_name) == (str(tmp_path), "w-1", SERVED)
+    assert (options.router, options.grpc_address, options.advertise_address) == (
+        "r1:50051,r2:50051", "0.0.0.0:50123", "mac-2.local:50123")
+    e, g = options.engine_config, options.group
+    assert (e.max_model_len, e.kv_cache_memory_bytes, e.max_num_seqs) == (512, 32 << 20, 8)
+    assert (g.size, g.rank, g.hosts, g.port, g.shares, g.memory_budget) == (
+        2, 1, "10.0.0.1:7000,10.0.0.2:7001", 7100, "2,1", 3 << 30)
+
+
+def test_the_agent_and_the_routers_node_side_import_no_mlx():
+    code = ("import sys\nsys.modules['mlx'] = None  # any import of MLX fails\n"
+            "import cluster.fleet.agent, cluster.fleet.nodes, cluster.fleet.service, cluster.router.server\n"
+            "print('mlx' in sys.modules and sys.modules['mlx'] is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr
