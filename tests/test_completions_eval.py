@@ -84,6 +84,15 @@ def test_a_list_of_prompts_with_n_gives_choices_prompt_by_prompt(oai):
     assert r.usage.prompt_tokens == prompt_tokens
 
 
+def test_every_prompt_of_a_list_is_constrained_as_the_body_asks(oai):
+    """The body's structured output (and its penalties and logit_bias, read in the same
+    pass) reach every prompt of a list, not only the first."""
+    choices = ["ripe apples", "green pears"]
+    r = oai.completions.create(model="", prompt=["An apple", "A pear tree in the", "Blossoms"], max_tokens=8,
+                               temperature=1.0, seed=5, extra_body={"guided_choice": choices})
+    assert [c.text in choices for c in r.choices] == [True] * 3, [c.text for c in r.choices]
+
+
 def test_token_id_prompt_lists_and_greedy_n(oai, oracle):
     tokenizer, _ = oracle
     batch = [tokenizer.encode(p) for p in ("one two three", "four five")]

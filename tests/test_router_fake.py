@@ -798,9 +798,9 @@ def test_an_openai_stream_stays_connected_through_a_hold(monkeypatch):
     import aiohttp
     import openai
 
-    from cluster.api import http as http_front
+    from cluster.api import streams
 
-    monkeypatch.setattr(http_front, "KEEPALIVE_SECONDS", 0.1)
+    monkeypatch.setattr(streams, "KEEPALIVE_SECONDS", 0.1)
 
     async def main():
         async with Cluster(n_workers=1, http=True, resume_wait=30) as c:

@@ -599,10 +599,14 @@ def test_rejection_sampling_chi_square_catches_planted_bugs(monkeypatch, bug):
 
 
 def test_the_api_carries_the_per_request_switch():
-    from cluster.api.openai import make_request
+    from cluster.api.bodies import ChatBody, CompletionBody
     from cluster.api.errors import InvalidRequest
+    from cluster.api.limits import RequestLimits
     from cluster.sdk import build_request
     from cluster.worker.prompt import sampling_params_from_proto
+
+    def make_request(body, chat, request_id):
+        return (ChatBody if chat else CompletionBody).parse(body, RequestLimits()).request(request_id, RequestLimits())
 
     r = make_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "speculative": False}, True, "x")
     assert r.sampling.HasField("speculative") and r.sampling.speculative is False

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from cluster.api.errors import OrchardError
-from cluster.api.http import (BACKEND, ERROR_TYPES, LIMITS, BadField, body_field, error_of, int_field,
-                              read_body, request_timeout, served_model, sse, within)
+from cluster.api.bodies import CompletionBody, body_field, int_field, n_field
+from cluster.api.http import (BACKEND, ERROR_TYPES, LIMITS, BadField, error_of, read_body,
+                              request_timeout, served_model, sse)
 from cluster.api.limits import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_TOKENS_HIGH, RequestLimits
-from cluster.api.openai import Exchange, make_request, n_field, sampling_kwargs
-from cluster.api.servicer import finished
-from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices, validate_request
+from cluster.api.openai import Exchange
+from cluster.api.streams import generation
+from cluster.api.wire import FINISH_REASON_NAMES, build_request, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 MAX_PROMPTS = 64  # prompts in one request at most
@@ -96,11 +97,11 @@ def _requests(body: dict, p: _Params, request_id: str, limits: RequestLimits) ->
     if p.max_tokens == 0:
         rest["max_tokens"] = 1  # the prompt's forward needs one sampled token: dropped here
     prompts = _prompts(body)
-    first = make_request({**rest, "prompt": prompts[0]}, False, request_id, limits)  # every plain field checked once
-    kwargs = sampling_kwargs(rest, False, limits)
-    out = [first]
+    plain = CompletionBody.parse({**rest, "prompt": prompts[0]}, limits)  # every plain field checked once
+    out = [plain.request(request_id, limits)]
     for i, prompt in enumerate(prompts[1:], 1):
-        out.append(build_request(prompt, model=first.model, request_id=f"{request_id}-{i}", **kwargs))
+        out.append(build_request(prompt, model=plain.model, request_id=f"{request_id}-{i}",
+                                 **plain.sampling.kwargs()))
     for r in out:
         r.sampling.n = p.n if p.n > 1 else 0
         r.sampling.echo = p.echo
@@ -228,7 +229,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, proto: pb.GenerateRequest) -> None:
-        chunks = finished(within(backend.generate(proto, timeout=timeout), timeout), num_choices(proto))
+        chunks = generation(backend, proto, timeout)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 await queue.put((i, chunk))

@@ -26,9 +26,9 @@ import uuid
 from aiohttp import web
 
 from cluster.api.errors import DeadlineExceeded, NotFound, OrchardError
+from cluster.api.bodies import ACCEPTED_NO_EFFECT, body_field, check_params
 from cluster.api.limits import shown
-from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, BadField, body_field, check_params, error_response,
-                              read_body, request_timeout, served_model)
+from cluster.api.http import BACKEND, BadField, error_response, read_body, request_timeout, served_model
 from cluster.api.pooling import build_embed_request, build_score_request
 
 EMBEDDING_PARAMS = frozenset({"model", "input", "encoding_format", "dimensions", "normalize"}) | ACCEPTED_NO_EFFECT

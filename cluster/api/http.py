@@ -1,6 +1,6 @@
 """The HTTP base every API module builds on: the app and its guard (keys, allowed hosts,
-CORS), the backend handle, error shapes (OpenAI's and Anthropic's), JSON bodies and typed
-fields, per-request timeouts, SSE framing.
+CORS), the backend handle, error shapes (OpenAI's and Anthropic's), JSON bodies (their
+fields: `cluster.api.bodies`), per-request timeouts, SSE framing.
 
 `new_app` makes an app with no routes; `cluster.api.app.create_app` puts each API's routes
 on it (openai.py: chat, models, health; completions.py; responses.py; messages.py). Those
@@ -10,7 +10,6 @@ modules import this one and never each other's private names.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -22,7 +21,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from cluster.api.errors import BadField, DeadlineExceeded, InvalidRequest, OrchardError
+from cluster.api.errors import BadField, InvalidRequest, OrchardError
 from cluster.api.limits import (HTTP_MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_SHOWN_CHARS, MAX_TIMEOUT_SECONDS,
                                 RequestLimits, check_json_depth, loads_strict, quoted, shown)
 from cluster.api.servicer import Backend
@@ -43,16 +42,7 @@ TIMEOUT_HEADER = "X-Request-Timeout"  # seconds, per request (at most the server
 MODEL_CACHE = web.AppKey("model_cache", list)
 # set on a request whose body could not be read: its answer closes the connection
 CLOSE = web.RequestKey("close_connection", bool) if hasattr(web, "RequestKey") else "orchard.close_connection"
-# Seconds without a chunk after which a stream the backend holds (no worker of its model
-# can take it now: the router's hold) gets an SSE comment: clients and proxies that drop an
-# idle connection keep it.
-KEEPALIVE_SECONDS = 5.0
 LIMITS = web.AppKey("limits", RequestLimits)  # the backend's (`limits_of`): the same on HTTP and gRPC
-
-# Sent by real clients and changing no output: every API accepts them. Any other
-# parameter an endpoint does not read is refused by name (400), never silently ignored.
-ACCEPTED_NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key",
-                                "safety_identifier"})
 
 
 def new_app(backend: Backend, request_timeout: float | None = None, *, keys: Keys | None = None,
@@ -98,70 +88,6 @@ def anthropic_error(status: int, message: str) -> web.Response:
                                                          "message": message}}, status=status)
 
 
-_KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",
-               list: "an array"}
-
-
-def body_field(body: dict, name: str, kind: type | tuple, default=None, *, param: str | None = None):
-    """`body[name]` if it is of `kind` (None: `default`), else BadField naming the field
-    (`param`, when the client knows it by another name), the kind and the value."""
-    value = body.get(name, default)
-    if value is None:
-        return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) and bool not in kinds:
-        ok = False
-    else:
-        ok = isinstance(value, kinds) or (float in kinds and isinstance(value, int))
-    if not ok:
-        field = param or name
-        raise BadField(field, f"'{field}' must be {' or '.join(_KIND_NAMES.get(k, k.__name__) for k in kinds)}, "
-                              f"got {shown(value)}")
-    return value
-
-
-def int_field(body: dict, name: str, default: int | None = None, *, low: int | None = None, high: int | None = None,
-              param: str | None = None) -> int | None:
-    """An integer field within [low, high] (either end open when None), else BadField
-    that names the field, the range and the value."""
-    value = body_field(body, name, int, default, param=param)
-    if value is not None and ((low is not None and value < low) or (high is not None and value > high)):
-        field = param or name
-        what = (f"between {low} and {high}" if low is not None and high is not None else
-                f">= {low}" if low is not None else f"<= {high}")
-        raise BadField(field, f"'{field}' must be {what}, got {shown(value)}")
-    return value
-
-
-def check_params(body: dict, known: frozenset[str]) -> None:
-    unknown = sorted(k for k in body if k not in known)
-    if unknown:
-        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        raise BadField(unknown[0][:80], f"unknown parameter{'s' if len(unknown) > 1 else ''} "
-                                          f"{', '.join(map(quoted, unknown[:5]))}{more}: not supported by this server")
-
-
-# A JSON escape of half a surrogate pair: not Unicode text; a string holding one cannot be
-# encoded again (into a proto, a response), so the body is refused where it is read.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-def check_metadata(body: dict) -> None:
-    """OpenAI's bounds on `metadata` (where a response echoes it back and keeps it): at most
-    16 pairs, keys of at most 64 characters, string values of at most 512."""
-    metadata = body.get("metadata")
-    if metadata is None:
-        return
-    if not isinstance(metadata, dict):
-        raise BadField("metadata", f"'metadata' must be an object of strings, got {shown(metadata)}")
-    if len(metadata) > 16:
-        raise BadField("metadata", f"'metadata' has {len(metadata)} keys: at most 16 are allowed")
-    for key, value in metadata.items():
-        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
-            raise BadField("metadata", f"metadata[{shown(key)}]: keys are at most 64 characters and values strings "
-                                       f"of at most 512, got {shown(value)}")
-
-
 def renamed(message: str, names: dict[str, str]) -> str:
     """A backend's message with the wire's field names written as this API's client knows
     them (`names`: wire -> client). Only names with an underscore are rewritten: they
@@ -170,6 +96,11 @@ def renamed(message: str, names: dict[str, str]) -> str:
         if "_" in wire:
             message = re.sub(rf"\b{re.escape(wire)}\b", client, message)
     return message
+
+
+# A JSON escape of half a surrogate pair: not Unicode text; a string holding one cannot be
+# encoded again (into a proto, a response), so the body is refused where it is read.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 async def read_body(request: web.Request) -> dict:
@@ -253,56 +184,6 @@ def request_timeout(request: web.Request) -> float | None:
         if asked < MAX_TIMEOUT_SECONDS:
             limit = asked if limit is None else min(limit, asked)
     return limit
-
-
-async def within(chunks, timeout: float | None):
-    """`chunks`, or DeadlineExceeded once `timeout` seconds have passed (closing `chunks`:
-    the request is cancelled wherever it runs)."""
-    async with contextlib.aclosing(chunks):
-        if timeout is None:
-            async for chunk in chunks:
-                yield chunk
-            return
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - time.monotonic()))
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded(f"the request took longer than its {timeout:g} s timeout") from None
-            yield chunk
-
-
-async def keepalive(chunks, backend: Backend, request_id: str):
-    """`chunks`, and between them, while the backend holds the request (its `waiting`
-    names the model it waits for a worker of), that model's name (a str) every
-    `KEEPALIVE_SECONDS` without a chunk: the SSE loop writes it as a comment
-    (`sse_comment`). A backend that never holds a request: `chunks` as they are."""
-    waiting = getattr(backend, "waiting", None)
-    async with contextlib.aclosing(chunks):
-        if waiting is None:
-            async for chunk in chunks:
-                yield chunk
-            return
-        pending = None
-        try:
-            while True:
-                # the next chunk in a task of its own: a timeout must not cancel it
-                pending = asyncio.ensure_future(anext(chunks))
-                while not (await asyncio.wait({pending}, timeout=KEEPALIVE_SECONDS))[0]:
-                    if (model := waiting(request_id)) is not None:
-                        yield model
-                try:
-                    chunk = pending.result()
-                except StopAsyncIteration:
-                    return
-                pending = None
-                yield chunk
-        finally:
-            if pending is not None and not pending.done():  # the client left: the request ends
-                pending.cancel()
-                await asyncio.wait({pending})
 
 
 def sse_comment(text: str) -> bytes:

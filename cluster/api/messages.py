@@ -25,10 +25,10 @@ from typing import Any
 from aiohttp import web
 
 from cluster.api.errors import BadField, OrchardError
-from cluster.api.http import (ANTHROPIC_ERROR_TYPES, BACKEND, LIMITS, anthropic_error, read_body, renamed,
-                              request_timeout, served_model, within)
+from cluster.api.http import (ANTHROPIC_ERROR_TYPES, BACKEND, LIMITS, anthropic_error, read_body,
+                              renamed, request_timeout, served_model)
 from cluster.api.limits import MAX_INT32, MAX_TOKENS_HIGH, MAX_TOKENS_LOW, RequestLimits, quoted, shown
-from cluster.api.servicer import finished
+from cluster.api.streams import generation
 from cluster.api.wire import FINISH_REASON_NAMES, build_request, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
@@ -244,7 +244,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
         stream = bool(_get(body, "stream", bool))
         model = await served_model(request.app, proto.model)
         timeout = request_timeout(request)
-        chunks = finished(within(request.app[BACKEND].generate(proto, timeout=timeout), timeout))
+        chunks = generation(request.app[BACKEND], proto, timeout)
     except OrchardError as e:
         return anthropic_error(e.http_status, renamed(e.message, NAMES))
     stop = list(proto.sampling.stop)

@@ -8,7 +8,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions (SSE streaming or not),
 GET /v1/models, GET /v1/models/{id}, GET /health, and on the same app /v1/responses
 (responses.py) and /v1/messages (messages.py); /v1/completions' evaluation features
 (echo, prompt lists, n, prompt_logprobs) are in completions.py; `cluster.api.app` puts them
-all on one app over the shared base (`cluster.api.http`). Sampling fields:
+all on one app over the shared base (`cluster.api.http`). Sampling fields (read and
+checked in one pass by `cluster.api.bodies`):
 max_tokens (max_completion_tokens; a chat without it runs to the end of the context),
 temperature, top_p, n, seed, stop, stream_options.include_usage, logprobs (top_logprobs
 for chat), presence_penalty, frequency_penalty, logit_bias, response_format, tools,
@@ -31,19 +32,16 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any
 
 from aiohttp import web
 
-from cluster.api.constraints import openai_extras
+from cluster.api.bodies import ChatBody
 from cluster.api.errors import OrchardError
-from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, ERROR_TYPES, LIMITS, BadField, body_field, check_params,
-                              error_of, error_response, int_field, keepalive, read_body, request_timeout, served_model,
-                              sse, sse_comment, within)
-from cluster.api.limits import (COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_INT32, MAX_LOGPROBS, MAX_TOKENS_HIGH,
-                                MAX_TOKENS_LOW, RequestLimits, quoted, shown)
-from cluster.api.servicer import finished
-from cluster.api.wire import FINISH_REASON_NAMES, build_request, num_choices, validate_request
+from cluster.api.http import (BACKEND, ERROR_TYPES, LIMITS, error_of, error_response, read_body,
+                              request_timeout, served_model, sse, sse_comment)
+from cluster.api.limits import shown
+from cluster.api.streams import generation
+from cluster.api.wire import FINISH_REASON_NAMES
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -55,182 +53,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model_id:.+}", _model)
     app.router.add_get("/health", _health)
-
-
-# -- request parsing ----------------------------------------------------------------------
-def _stop(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise BadField("stop", f"'stop' must be a string or an array of strings, got {shown(stop)}")
-
-
-def n_field(body: dict, limits: RequestLimits) -> int:
-    """`n`, checked against the server's max_n before anything is built for its samples."""
-    n = body_field(body, "n", int, 1)
-    if n < 1:
-        raise BadField("n", f"n must be >= 1, got {n}")
-    if n > limits.max_n:
-        raise BadField("n", f"n={shown(n)}: at most {limits.max_n} samples per request are allowed (max_n)")
-    return n
-
-
-def sampling_kwargs(body: dict, chat: bool, limits: RequestLimits = RequestLimits()) -> dict[str, Any]:
-    """`build_request` keyword arguments for the sampling fields, each checked by the name
-    the client sent."""
-    n = n_field(body, limits)
-    if n != 1 and not chat:  # completions.py takes n off the body and sets it per prompt
-        raise BadField("n", "n is set per prompt by the completions endpoint")
-    if body_field(body, "best_of", int, 1) != 1:
-        raise BadField("best_of", "best_of is not supported")
-    if body.get("echo"):
-        raise BadField("echo", "echo is not supported")
-    max_tokens = int_field(body, "max_completion_tokens", low=MAX_TOKENS_LOW, high=MAX_TOKENS_HIGH) if chat else None
-    if max_tokens is None:
-        max_tokens = int_field(body, "max_tokens", low=MAX_TOKENS_LOW, high=MAX_TOKENS_HIGH)
-    if max_tokens is None and not chat:
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    seed = int_field(body, "seed", low=-2**63, high=2**64 - 1)
-    if seed is not None and seed < 0:
-        seed &= 0xFFFF_FFFF_FFFF_FFFF  # OpenAI accepts negative seeds: keep them distinct
-    if chat:
-        want = body_field(body, "logprobs", bool, False)
-        top = int_field(body, "top_logprobs", 0, low=0, high=MAX_LOGPROBS)
-        logprobs = top if want else None
-    else:
-        logprobs = int_field(body, "logprobs", low=0, high=MAX_LOGPROBS)
-    stop_token_ids = body_field(body, "stop_token_ids", list, [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids):
-        raise BadField("stop_token_ids", "'stop_token_ids' must be an array of integers")
-    extra = {"n": n} if n != 1 else {}
-    return dict(
-        max_tokens=max_tokens,
-        temperature=body_field(body, "temperature", float),
-        top_p=body_field(body, "top_p", float),
-        top_k=int_field(body, "top_k", low=0, high=MAX_INT32),
-        min_p=body_field(body, "min_p", float),
-        seed=seed,
-        stop=_stop(body),
-        stop_token_ids=stop_token_ids,
-        ignore_eos=body_field(body, "ignore_eos", bool, False),
-        logprobs=logprobs,
-        speculative=body_field(body, "speculative", bool),
-        **extra,
-    )
-
-
-def _completion_prompt(body: dict) -> str | list[int]:
-    if "prompt" not in body:
-        raise BadField("prompt", "'prompt' is required")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise BadField("prompt", "'prompt' must be a string or a list of token ids (one prompt per request)")
-
-
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal",  # refusal: null only
-                           "reasoning_content", "reasoning"})  # an assistant's thinking, for templates that keep it
-
-
-def _chat_messages(body: dict) -> list[dict]:
-    """OpenAI's messages as the wire takes them: text content (parts joined), an
-    assistant's `tool_calls`, a tool result's `tool_call_id` and `name`."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadField("messages", "'messages' must be a non-empty list of {role, content} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadField("messages", f"messages[{i}] must be an object with a string 'role'")
-        if m["role"] not in _ROLES:
-            raise BadField("messages", f"messages[{i}].role {shown(m['role'])} is not one of {', '.join(_ROLES)}")
-        extra = sorted(k for k in m if k not in _MESSAGE_KEYS or (k == "refusal" and m[k] is not None))
-        if extra:
-            raise BadField("messages", f"messages[{i}]: {', '.join(map(quoted, extra[:5]))} not supported by this "
-                                        "server")
-        content = m.get("content") or ""
-        if isinstance(content, list):  # content parts: keep the text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise BadField("messages", f"messages[{i}]: only text content parts are supported")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
-            raise BadField("messages", f"messages[{i}].content must be a string or a list of text parts")
-        msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
-        calls = m.get("tool_calls")
-        if calls is not None:
-            if not isinstance(calls, list) or not all(
-                    isinstance(c, dict) and isinstance(c.get("function"), dict)
-                    and isinstance(c["function"].get("name"), str) and isinstance(c.get("id", ""), (str, type(None)))
-                    and isinstance(c["function"].get("arguments", ""), (str, dict, type(None))) for c in calls):
-                raise BadField("messages", f"messages[{i}].tool_calls must be a list of "
-                                            "{id, type: function, function: {name, arguments}}")
-            msg["tool_calls"] = calls
-        for key in ("tool_call_id", "name", "reasoning_content", "reasoning"):
-            if m.get(key) is not None:
-                if not isinstance(m[key], str):
-                    raise BadField("messages", f"messages[{i}].{key} must be a string")
-                msg[key] = m[key]
-        out.append(msg)
-    return out
-
-
-def _reasoning_kwargs(body: dict) -> dict[str, Any]:
-    """chat_template_kwargs (vLLM's), reasoning_effort and thinking_token_budget."""
-    return dict(chat_template_kwargs=body_field(body, "chat_template_kwargs", dict),
-                reasoning_effort=body_field(body, "reasoning_effort", str),
-                thinking_token_budget=body_field(body, "thinking_token_budget", int))  # its range: build_request's
-
-
-def _tool_kwargs(body: dict) -> dict[str, Any]:
-    tools = body_field(body, "tools", list)
-    choice = body.get("tool_choice")
-    if choice is not None and not isinstance(choice, (str, dict)):
-        raise BadField("tool_choice", "'tool_choice' must be a string or an object")
-    return dict(tools=tools or None, tool_choice=choice,
-                parallel_tool_calls=body_field(body, "parallel_tool_calls", bool))
-
-
-# What the chat and completions endpoints read (everything else is refused by name).
-_COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "seed", "stop",
-                     "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-                     "top_k", "min_p", "stop_token_ids", "ignore_eos", "repetition_penalty", "response_format",
-                     "speculative",
-                     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
-                    ) | ACCEPTED_NO_EFFECT
-CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                         "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "thinking_token_budget",
-                         "include_reasoning"}
-# best_of and suffix are read to be refused by name (completions.py)
-COMPLETION_PARAMS = _COMMON | {"prompt", "echo", "best_of", "suffix", "prompt_logprobs"}
-
-
-def make_request(body: dict, chat: bool, request_id: str, limits: RequestLimits = RequestLimits()
-                 ) -> pb.GenerateRequest:
-    """The request of a chat or completions body, checked as every backend will check it,
-    with the errors naming the body's fields."""
-    check_params(body, CHAT_PARAMS if chat else COMPLETION_PARAMS)
-    model = body_field(body, "model", str, "")
-    kwargs = sampling_kwargs(body, chat, limits) | openai_extras(body)  # penalties, logit_bias, structured outputs
-    if chat:
-        request = build_request(messages=_chat_messages(body), model=model, request_id=request_id, **kwargs,
-                                **_tool_kwargs(body), **_reasoning_kwargs(body))
-        names = {"logprobs": "top_logprobs", "prompt": "messages",
-                 "max_tokens": "max_completion_tokens" if body.get("max_completion_tokens") is not None else
-                 "max_tokens"}
-    else:
-        request = build_request(_completion_prompt(body), model=model, request_id=request_id, **kwargs)
-        names = {"messages": "prompt"}
-    validate_request(request, limits, names)
-    return request
 
 
 # -- response building --------------------------------------------------------------------
@@ -265,13 +87,19 @@ def _chat_logprobs(lps) -> dict:
                         for lp in lps]}
 
 
+def new_id(chat: bool) -> str:
+    """A new request's id, in OpenAI's shape."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
 class Exchange:
     """One HTTP request: its ids, and how its chunks become OpenAI JSON."""
 
-    def __init__(self, chat: bool, model: str, want_logprobs: bool, include_reasoning: bool = True):
+    def __init__(self, chat: bool, model: str, want_logprobs: bool, include_reasoning: bool = True,
+                 request_id: str = ""):
         self.chat = chat
         self.include_reasoning = include_reasoning  # vLLM's include_reasoning: false drops the thinking
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = request_id or new_id(chat)
         self.created = int(time.time())
         self.model = model
         self.want_logprobs = want_logprobs
@@ -383,23 +211,23 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
-    """A chat completion, whole or streamed."""
+    """A chat completion, whole or streamed: the body read (http) and checked in one pass
+    (`ChatBody`), its wire request built, the model and timeout picked, the backend's
+    chunks (`generation`) answered in OpenAI's shape."""
     backend = request.app[BACKEND]
     try:
-        body = await read_body(request)
-        stream = body_field(body, "stream", bool, False)
-        stream_options = body_field(body, "stream_options", dict, {})
-        include_usage = bool(stream_options.get("include_usage")) and stream
-        ex = Exchange(True, "", bool(body.get("logprobs")), body_field(body, "include_reasoning", bool, True))
-        proto = make_request(body, True, ex.id, request.app[LIMITS])
-        ex.model = await served_model(request.app, proto.model)
+        raw = await read_body(request)
+        body = ChatBody.parse(raw, request.app[LIMITS])
+        proto = body.request(new_id(chat=True), request.app[LIMITS])
+        model = await served_model(request.app, proto.model)
         timeout = request_timeout(request)
-        chunks = finished(within(backend.generate(proto, timeout=timeout), timeout), num_choices(proto))
+        chunks = generation(backend, proto, timeout, held=body.stream)
     except OrchardError as e:
         return error_of(e)
+    ex = Exchange(True, model, body.want_logprobs, body.include_reasoning, proto.request_id)
     async with contextlib.aclosing(chunks):
         try:
-            if not stream:
+            if not body.stream:
                 return web.json_response(ex.full([c async for c in chunks]))
             # Wait for the first chunk before sending headers, so that refusals (queue
             # full, bad input found by the engine) still get their HTTP status.
@@ -408,27 +236,33 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             first = None
         except OrchardError as e:  # a request held past the router's --resume-wait too: 503, Retry-After
             return error_of(e)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        usage = None
-        async with contextlib.aclosing(keepalive(chunks, backend, proto.request_id)) as rest:
-            try:
-                r = first
-                while r is not None:
-                    if isinstance(r, str):  # held mid-stream: no worker of model `r` can take it yet
-                        await response.write(sse_comment(f"waiting for a worker of {r or 'any model'}"))
-                    else:
-                        if (body := ex.stream_chunk(r)) is not None:
-                            await response.write(sse(body))
-                        if r.HasField("usage"):
-                            usage = r.usage
-                    r = await anext(rest, None)
-            except OrchardError as e:
-                kind = ERROR_TYPES.get(e.http_status, "server_error")
-                await response.write(sse({"error": {"message": e.message, "type": kind, "param": None,
-                                                     "code": e.http_status}}))
-        if include_usage and usage is not None:
-            await response.write(sse(ex.usage_chunk(usage)))
-        await response.write(sse("[DONE]"))
-        await response.write_eof()
-        return response
+        return await _stream(request, ex, first, chunks, body.include_usage)
+
+
+async def _stream(request: web.Request, ex: Exchange, first: pb.GenerateResponse | None, rest,
+                  include_usage: bool) -> web.StreamResponse:
+    """The answer as SSE: `first` and then `rest`'s chunks, a held stream's waits as
+    comments, an error mid-stream as an error event, then the usage if asked and [DONE]."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    usage = None
+    try:
+        r = first
+        while r is not None:
+            if isinstance(r, str):  # held mid-stream: no worker of model `r` can take it yet
+                await response.write(sse_comment(f"waiting for a worker of {r or 'any model'}"))
+            else:
+                if (body := ex.stream_chunk(r)) is not None:
+                    await response.write(sse(body))
+                if r.HasField("usage"):
+                    usage = r.usage
+            r = await anext(rest, None)
+    except OrchardError as e:
+        kind = ERROR_TYPES.get(e.http_status, "server_error")
+        await response.write(sse({"error": {"message": e.message, "type": kind, "param": None,
+                                             "code": e.http_status}}))
+    if include_usage and usage is not None:
+        await response.write(sse(ex.usage_chunk(usage)))
+    await response.write(sse("[DONE]"))
+    await response.write_eof()
+    return response

@@ -28,11 +28,11 @@ from typing import Any
 from aiohttp import web
 
 from cluster.api.errors import NotFound, OrchardError
-from cluster.api.http import (ACCEPTED_NO_EFFECT, BACKEND, ERROR_TYPES, LIMITS, BadField, body_field,
-                              check_metadata, error_response, int_field, read_body, renamed, request_timeout,
-                              served_model, within)
+from cluster.api.bodies import ACCEPTED_NO_EFFECT, body_field, check_metadata, int_field
+from cluster.api.http import (BACKEND, ERROR_TYPES, LIMITS, BadField, error_response, read_body, renamed,
+                              request_timeout, served_model)
 from cluster.api.limits import MAX_TOKENS_HIGH, MAX_TOKENS_LOW, parse_json, quoted, shown
-from cluster.api.servicer import finished
+from cluster.api.streams import generation
 from cluster.api.wire import FINISH_REASON_NAMES, build_request, validate_request
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
@@ -381,7 +381,7 @@ async def _create(request: web.Request) -> web.StreamResponse:
         turn = _Turn(body, await served_model(request.app, proto.model), history)
         proto.request_id = turn.id
         timeout = request_timeout(request)
-        chunks = finished(within(request.app[BACKEND].generate(proto, timeout=timeout), timeout))
+        chunks = generation(request.app[BACKEND], proto, timeout)
     except OrchardError as e:
         return _error(e)
     async with contextlib.aclosing(chunks):
