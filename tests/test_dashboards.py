@@ -43,6 +43,12 @@ ROUTER_METRICS = {
     "orchard_router_retry_budget_exhausted_total",
     "orchard_router_deadline_exceeded_total",
 }
+# a router with a catalog (`--catalog`): the fleet's
+FLEET_METRICS = {
+    "orchard_fleet_models_loaded", "orchard_fleet_loads_total", "orchard_fleet_unloads_total",
+    "orchard_fleet_load_seconds", "orchard_fleet_load_wait_seconds", "orchard_fleet_footprint_error_ratio",
+    "orchard_fleet_node_memory_bytes",
+}
 PANEL_TYPES = {"row", "timeseries", "stat", "gauge", "bargauge", "table", "heatmap", "text"}
 
 
@@ -101,18 +107,21 @@ def test_dashboard_has_what_grafana_needs_to_import_it(path):
 
 def test_readme_documents_the_metric_contract():
     """The README's Metrics section names exactly the metrics the contract has (the
-    router's written without their `orchard_router_` prefix)."""
+    router's and the fleet's written without their `orchard_router_` / `orchard_fleet_`
+    prefix)."""
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Metrics"):readme.index("## Develop")]
     worker_table, router_text = section.split("The router's", 1)
+    router_text, fleet_text = router_text.split("A fleet router's", 1)
     assert set(re.findall(r"`(orchard_\w+)", worker_table)) == WORKER_METRICS
     assert {f"orchard_router_{n}" for n in re.findall(r"`(\w+)[`{]", router_text)} == ROUTER_METRICS
+    assert {f"orchard_fleet_{n}" for n in re.findall(r"`(\w+)[`{]", fleet_text)} == FLEET_METRICS
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
 def test_dashboards_use_only_contract_metrics(path):
     for title, ref, expr in dashboard_queries(_load(path)):
-        unknown = _metric_names(expr) - WORKER_METRICS - ROUTER_METRICS
+        unknown = _metric_names(expr) - WORKER_METRICS - ROUTER_METRICS - FLEET_METRICS
         assert not unknown, f"{path.name} / {title} / {ref}: not in the metric contract: {unknown}"
         assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}")
 
@@ -128,6 +137,7 @@ def test_dashboards_cover_what_operators_look_at():
             "orchard_router_workers"} <= used(overview)
     assert {"orchard_router_requests_total", "orchard_router_retries_total", "orchard_router_inflight_requests",
             "orchard_router_time_to_first_token_seconds"} <= used(router)
+    assert FLEET_METRICS <= used(router)
     exprs = " ".join(e for _, _, e in dashboard_queries(overview))
     for q in ("0.5", "0.9", "0.99"):
         assert f"histogram_quantile({q}, sum by (le) (rate(orchard_time_to_first_token_seconds_bucket" in exprs
