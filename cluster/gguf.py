@@ -858,6 +858,33 @@ def _convert(t: _Tensor, arch: Arch, cfg: dict):
         yield p.name, w.astype(np.float32, copy=False)
 
 
+def quantization_config(plan: list[_Tensor]) -> dict:
+    """config.json's quantization entries for the tensors that stay quantized (none: {})."""
+    quantized = {t.name[: -len(".weight")]: {"group_size": GROUP, "bits": EXACT[t.type_name].bits,
+                                              **({"mode": "mxfp4"} if EXACT[t.type_name].mode == "mxfp4" else {})}
+                 for t in plan if t.how == "quantized"}
+    if not quantized:
+        return {}
+    first = next(iter(quantized.values()))
+    entry = {"group_size": GROUP, "bits": first["bits"], **quantized}
+    return {"quantization": entry, "quantization_config": entry}
+
+
+def imported_tensors(src: str | Path) -> tuple[dict, list[tuple[str, str, tuple[int, ...]]]]:
+    """What `import_gguf` makes of `src`, from its metadata and tensor table alone (no
+    tensor's data is read): config.json's model fields with its quantization entries, and
+    each safetensors tensor it writes as (name, safetensors dtype, shape). GGUFError for a
+    file it would refuse."""
+    gf = read_gguf(src)
+    tensors = {t.name: (t.shape, t.type_name) for t in gf.tensors}
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"{Path(src).name}: no token_embd.weight tensor")
+    cfg = model_config(gf.metadata, tensors)
+    plan = _plan(gf, ARCHS[gf.metadata["general.architecture"]])
+    cfg.update(quantization_config(plan))
+    return cfg, [(p.name, p.dtype, tuple(p.shape)) for t in plan for p in _outputs(t)]
+
+
 def expected_shapes(cfg: dict, arch: Arch, n_vocab: int) -> dict[str, tuple[int, ...]]:
     """The shape (rows first) the metadata implies for each kind of weight (a bias: its rows)."""
     h, ff, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
@@ -982,13 +1009,7 @@ def import_gguf(src: str | Path, dst: str | Path, replace: bool = True) -> Path:
                                "short_factor": factors.get("rope_factors_short.weight",
                                                            factors["rope_factors_long.weight"])}
     plan = _plan(gf, arch)
-    quantized = {t.name[: -len(".weight")]: {"group_size": GROUP, "bits": EXACT[t.type_name].bits,
-                                              **({"mode": "mxfp4"} if EXACT[t.type_name].mode == "mxfp4" else {})}
-                 for t in plan if t.how == "quantized"}
-    if quantized:
-        first = next(iter(quantized.values()))
-        cfg["quantization"] = {"group_size": GROUP, "bits": first["bits"], **quantized}
-        cfg["quantization_config"] = cfg["quantization"]
+    cfg.update(quantization_config(plan))
     cfg["torch_dtype"] = "float32"
     summary: dict[str, dict] = {}
     for t in plan:
