@@ -1,0 +1,144 @@
+"""cluster/fleet/facts.py: a model's facts from its files alone, checked against what the
+worker holds once `model_runner.load_model` loaded it (the oracle: MLX's parameters and
+`kv_bytes_per_block`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster import platform
+from cluster.fleet import facts
+
+BLOCK = 16
+
+
+def held_by_worker(path: Path) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) of the model as the worker loads it here."""
+    from mlx.utils import tree_flatten
+
+    from cluster.worker.model_runner import kv_bytes_per_block, load_model, weight_dtype
+
+    model, _ = load_model(path, cpu_dequantize="yes")
+    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    return weights, kv_bytes_per_block(model, BLOCK, weight_dtype(model)) // BLOCK
+
+
+def here() -> str:
+    return "metal" if platform.has_metal() else "cpu"
+
+
+def assert_facts_are_the_workers(path: Path) -> facts.pb.DiskModel:
+    disk = facts.disk_model(path, here())
+    assert not disk.error
+    assert (disk.weight_bytes, disk.kv_bytes_per_token) == held_by_worker(path)
+    return disk
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """Tiny models made once for this module: name -> directory."""
+    from cluster.modelgen import create_model
+
+    root = tmp_path_factory.mktemp("facts")
+    return {name: create_model(root / name, arch, "tiny", kind=kind) for name, arch, kind in
+            [("llama", "llama", "generate"), ("moe", "qwen3_moe", "generate"), ("emb", "qwen3", "embedding"),
+             ("gemma4", "gemma4_text", "generate"), ("mla", "deepseek_v3", "generate"),
+             ("hybrid", "qwen3_next", "generate"), ("helium", "helium", "generate")]}
+
+
+@pytest.mark.parametrize("name", ["llama", "moe", "gemma4", "mla", "hybrid", "helium"])
+def test_weights_and_kv_per_token_are_what_the_worker_holds(made, name):
+    """Dense, MoE, shared K/V (Gemma 4), latent K/V (MLA), a hybrid's recurrent layers
+    without K/V, and a family whose head size is not its config's head_dim (helium)."""
+    disk = assert_facts_are_the_workers(made[name])
+    assert disk.name == name and disk.tasks == ["generate"]
+    config = json.loads((made[name] / "config.json").read_text())
+    assert disk.num_layers == config["num_hidden_layers"] and disk.max_context == config["max_position_embeddings"]
+    assert disk.file_bytes >= sum(f.stat().st_size for f in made[name].glob("*.safetensors"))
+
+
+def test_an_embedding_model_serves_embed(made):
+    assert list(assert_facts_are_the_workers(made["emb"]).tasks) == ["embed"]
+
+
+def test_a_quantized_model_is_held_dequantized_on_a_cpu_and_as_stored_on_metal(made, tmp_path):
+    from mlx_lm import convert
+
+    q = tmp_path / "q4"
+    convert(str(made["moe"]), mlx_path=str(q), quantize=True, q_bits=4, q_group_size=32)
+    assert_facts_are_the_workers(q)
+    stored = sum(t.nbytes for t in facts.checkpoint_tensors(q).values())
+    assert facts.disk_model(q, "metal").weight_bytes == stored
+    assert facts.disk_model(q, "cpu").weight_bytes > 4 * stored  # 4-bit -> float32
+
+
+def test_mixed_bits_read_each_layers_own_group_size(made, tmp_path):
+    from mlx_lm import convert
+
+    q = tmp_path / "mixed"
+    convert(str(made["llama"]), mlx_path=str(q), quantize=True, quant_predicate="mixed_3_6", q_group_size=64)
+    assert facts.disk_model(q, "cpu").weight_bytes == facts.disk_model(made["llama"], "cpu").weight_bytes
+
+
+def test_a_gguf_file_is_what_its_import_holds(made, tmp_path):
+    from tests.gguf_export import export
+
+    from cluster import gguf
+
+    path = export(made["llama"], tmp_path / "m.gguf", quantize={r"blk\.0\.attn_q\.weight": "Q8_0",
+                                                                 r"blk\.1\.ffn_down\.weight": "Q4_0"})
+    disk = facts.disk_model(path, here())
+    assert disk.name == "m.gguf" and not disk.error and disk.file_bytes == path.stat().st_size
+    imported = gguf.import_gguf(path, tmp_path / "imported")
+    assert (disk.weight_bytes, disk.kv_bytes_per_token) == held_by_worker(imported)
+    assert disk.num_layers == 2 and list(disk.tasks) == ["generate"]
+
+
+def test_unreadable_models_say_why_and_scan_finds_the_rest(made, tmp_path):
+    import shutil
+
+    shutil.copytree(made["llama"], tmp_path / "good")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 30)
+    (tmp_path / "headerless").mkdir()
+    (tmp_path / "headerless" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "headerless" / "model.safetensors").write_bytes((1 << 40).to_bytes(8, "little"))
+    (tmp_path / "notes").mkdir()  # no config.json: not a model
+    found = {m.name: m for m in facts.scan(tmp_path, "cpu")}
+    assert sorted(found) == ["bad.gguf", "broken", "good", "headerless"]
+    assert not found["good"].error and found["good"].weight_bytes
+    assert "config.json" in found["broken"].error
+    assert found["bad.gguf"].error
+    assert "header of 1099511627776 bytes" in found["headerless"].error
+    assert facts.scan(tmp_path / "absent", "cpu") == []
+
+
+def test_scan_reads_a_model_again_only_when_its_files_change(made, tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(made["llama"], tmp_path / "m")
+    reads = []
+    real = facts.disk_model
+    monkeypatch.setattr(facts, "disk_model", lambda path, p: reads.append(path) or real(path, p))
+    first = facts.scan(tmp_path, "cpu")
+    assert facts.scan(tmp_path, "cpu") == first and len(reads) == 1
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    assert facts.scan(tmp_path, "cpu")[0].max_context == 4096 and len(reads) == 2
+
+
+def test_facts_import_no_mlx(made):
+    """The node agent runs without MLX: reading facts must not import it."""
+    code = ("import sys; sys.modules['mlx'] = None; from cluster.fleet import facts, footprint; "
+            f"m = facts.disk_model(__import__('pathlib').Path({str(made['llama'])!r}), 'cpu'); "
+            "assert not m.error, m.error; print(m.weight_bytes)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == facts.disk_model(made["llama"], "cpu").weight_bytes
