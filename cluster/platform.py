@@ -191,6 +191,26 @@ def resident_bytes(pid: int | str = "self") -> int:
     return 0
 
 
+def process_memory() -> int:
+    """This process's resident memory now, for its load report: its RSS on Linux
+    (/proc/self/statm). macOS has no portable call for the current RSS: there, its peak RSS
+    (getrusage), plus, on Metal, MLX's active memory, which lives in Metal buffers outside
+    it. 0: unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
+    if sys.platform == "darwin" and has_metal():
+        import mlx.core as mx
+
+        peak += mx.get_active_memory()
+    return peak
+
+
 def _glibc_function(name: str, argtypes: list):
     try:
         function = getattr(ctypes.CDLL(None), name)

@@ -28,6 +28,7 @@ from cluster.api.errors import AlreadyExists, NotFound, Unavailable
 from cluster.api.limits import RequestLimits, quoted
 from cluster.api.pooling import EMBED, GENERATE, SCORE, refuse_task
 from cluster.api.wire import SPECULATIVE, features_asked, refuse_features, validate_request
+from cluster.platform import process_memory
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.worker.chat_render import ChatTemplateLimits, RenderPool, jinja_tokenizer
 from cluster.worker.config import WorkerOptions
@@ -42,6 +43,7 @@ from cluster.worker.sampling_params import SamplingParams
 from cluster.worker.stream import Stream, StreamAssembler, TokenTexts, engine_verdict
 
 log = logging.getLogger(__name__)
+RESIDENT_READ_SECONDS = 1.0  # the least time between two reads of the process's memory (load_report)
 
 
 class WorkerService:
@@ -83,6 +85,8 @@ class WorkerService:
         self.group = None  # a worker group's rank 0 view (`GroupState`, set by start)
         self.tasks: tuple[str, ...] = (GENERATE,)
         self.features: tuple[str, ...] = ()  # per-request features it has (LoadReport.features)
+        self._loaded = False  # its model is loaded (start)
+        self._resident = (0.0, 0)  # (when read, bytes): the process's memory, read at most once a second
 
     async def start(self, timeout: float | None = None) -> None:
         """Load the engine (on its thread) and route its events into the running loop."""
@@ -101,6 +105,7 @@ class WorkerService:
         self.tasks = self.pooler.tasks if self.pooler is not None else (GENERATE,)
         self.features = (SPECULATIVE,) if getattr(engine, "speculator", None) is not None else ()
         self.stats = engine.stats
+        self._loaded = True
         group = getattr(engine, "group", None)  # rank 0 of a worker group (cluster/worker/group/)
         self.group_stats = group.stats if group is not None else None
         self.group = group
@@ -296,8 +301,21 @@ class WorkerService:
             lagging=self.lagging,
             unhealthy_reason=self.unhealthy_reason or self.stall_reason, state_slots_used=s.state_slots_used,
             state_slots_total=s.state_slots_total, tasks=self.tasks, group=self._group_info(),
-            features=self.features,
+            features=self.features, resident_bytes=self.resident_bytes(),
         )
+
+    def resident_bytes(self) -> int:
+        """The process's resident memory once its model is loaded (0 before), what the
+        fleet's footprint estimate is checked against; read at most once a second, since
+        every heartbeat and GetLoad asks."""
+        if not self._loaded:
+            return 0
+        when, value = self._resident
+        now = time.monotonic()
+        if now - when >= RESIDENT_READ_SECONDS or not value:
+            value = process_memory()
+            self._resident = (now, value)
+        return value
 
     def _group_info(self) -> pb.GroupInfo | None:
         g = self.group_stats
