@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,17 +37,18 @@ class AgentProcess:
     """`orchard node serve` (through tests/node_agent_main.py) on a free port."""
 
     def __init__(self, router: str, models_dir: Path, state_dir: Path, token: str, node_id: str = "node-a",
-                 budget: int = BUDGET):
+                 budget: int = BUDGET, extra: tuple[str, ...] = (), env: dict | None = None):
         self.address = f"127.0.0.1:{free_port()}"
         self.state_dir = state_dir
         self.log_path = state_dir / "agent.log"
         state_dir.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, str(HERE / "node_agent_main.py"), "--router", router, "--grpc", self.address,
                 "--node-id", node_id, "--memory-budget", str(budget), "--models-dir", str(models_dir),
-                "--state-dir", str(state_dir), "--heartbeat-interval", str(HEARTBEAT), "--stop-grace", "20"]
+                "--state-dir", str(state_dir), "--heartbeat-interval", str(HEARTBEAT), "--stop-grace", "20", *extra]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, ORCHARD_JOIN_TOKEN=token, PYTHONUNBUFFERED="1"))
+                                         env=dict(os.environ, ORCHARD_JOIN_TOKEN=token, PYTHONUNBUFFERED="1",
+                                                  **(env or {})))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -337,3 +339,90 @@ def test_the_agent_and_the_routers_node_side_import_no_mlx():
             "print('mlx' in sys.modules and sys.modules['mlx'] is not None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr
+
+
+def _report(agent: AgentProcess, token: str) -> pb.NodeReport:
+    with channel(agent.address, ClientSecurity(api_key=token), aio=False) as ch:
+        return pb_grpc.NodeStub(ch).GetNodeReport(pb.GetNodeReportRequest(), timeout=10)
+
+
+@pytest.mark.slow
+def test_a_failed_worker_is_started_again_unless_it_failed_for_good(router, agent):
+    """Exit 78 (a flag the worker refuses) leaves it exited with its log's last line as the
+    reason and its memory given back; exit 75 (its port taken) starts it again."""
+    healthy(router, agent)
+    token = router.join_token
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with channel(agent.address, ClientSecurity(api_key=token), aio=False) as ch:
+            stub = pb_grpc.NodeStub(ch)
+            stub.StartWorker(pb.StartWorkerRequest(spec=spec("bad-flag", engine_args=["--max-num-seqs", "many"])),
+                             timeout=30)
+            stub.StartWorker(pb.StartWorkerRequest(spec=spec("busy-port", port=taken.getsockname()[1])), timeout=30)
+            try:
+                def worker(worker_id: str) -> pb.ManagedWorker:
+                    return next(w for w in _report(agent, token).workers if w.worker_id == worker_id)
+
+                wait_for(lambda: worker("bad-flag").state == "exited", 120, "the permanent failure exited")
+                bad = worker("bad-flag")
+                assert bad.exit_code == 78 and "invalid int value: 'many'" in bad.reason and bad.reserved_bytes == 0
+                wait_for(lambda: worker("busy-port").exit_code == 75, 120, "the transient failure seen")
+                assert worker("busy-port").state != "exited"  # started again after its backoff
+                assert _report(agent, token).memory_reserved_bytes == 256 << 20  # only busy-port's
+                table = subprocess.run([sys.executable, "-m", "cluster", "nodes", "list", "--router",
+                                        router.router_address], capture_output=True, text=True, timeout=60).stdout
+                assert "worker bad-flag: tiny-chat exited" in table and "exit 78" in table
+            finally:
+                for worker_id in ("bad-flag", "busy-port"):
+                    stub.StopWorker(pb.StopWorkerRequest(worker_id=worker_id, drain_timeout_seconds=1), timeout=60)
+    assert not _report(agent, token).workers and not agent.worker_pids()
+
+
+@pytest.mark.slow
+def test_a_secured_fleet_places_through_mutual_tls(models_dir, tmp_path):
+    """`orchard up --secure`'s set-up (keys, TLS, mutual TLS): the agent registers with its
+    certificate, the router reaches its Node service with its own, and the worker it starts
+    gets the agent's certificate and keys, registers and serves over TLS."""
+    router = LocalCluster("", workers=0, grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
+                          metrics_address=None, log_dir=tmp_path / "router", secure=True,
+                          router_args=["--heartbeat-interval", str(HEARTBEAT)])
+    router.start_router(0)
+    s = router.secrets
+    a = AgentProcess(router.router_address, models_dir, tmp_path / "node-s", router.join_token, node_id="node-s",
+                     extra=tuple(s.server_flags("node-s")),
+                     env={"ORCHARD_ADMIN_KEY": s.admin_key, "ORCHARD_API_KEY": s.api_key})
+    admin = s.client(admin=True)
+    node_security = ClientSecurity(api_key=router.join_token, tls_ca=admin.tls_ca, tls_cert=admin.tls_cert,
+                                   tls_key=admin.tls_key)
+
+    def nodes() -> dict[str, pb.NodeInfo]:
+        try:
+            with channel(router.router_address, admin, aio=False) as ch:
+                return {n.report.node_id: n for n in pb_grpc.FleetStub(ch).ListNodes(pb.ListNodesRequest(),
+                                                                                     timeout=5).nodes}
+        except grpc.RpcError:
+            return {}
+
+    def registered() -> bool:
+        with channel(router.router_address, admin, aio=False) as ch:
+            workers = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers
+        return any(w.worker_id == "s-1" and w.state == pb.WORKER_STATE_HEALTHY for w in workers)
+
+    try:
+        wait_for(lambda: a.proc.poll() is None and nodes().get("node-s", pb.NodeInfo()).state == "healthy", 120,
+                 "the secured node healthy")
+        with channel(a.address, ClientSecurity(api_key=router.join_token), aio=False) as plain:
+            with pytest.raises(grpc.RpcError):  # no TLS, no certificate: no Node service
+                pb_grpc.NodeStub(plain).GetNodeReport(pb.GetNodeReportRequest(), timeout=5)
+        with channel(a.address, node_security, aio=False) as ch:
+            pb_grpc.NodeStub(ch).StartWorker(pb.StartWorkerRequest(spec=spec("s-1")), timeout=30)
+        wait_for(registered, 180, "the secured worker registered")
+        request = pb.GenerateRequest(text="hello", model=SERVED,
+                                     sampling=pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        with channel(router.router_address, s.client(), aio=False) as ch:
+            tokens = [t for c in pb_grpc.GenerationStub(ch).Generate(request, timeout=120) for t in c.token_ids]
+        assert len(tokens) == 4
+    finally:
+        a.stop()
+        router.stop(grace=5)
