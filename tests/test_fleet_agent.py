@@ -97,8 +97,10 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
 def router(tmp_path_factory):
     d = tmp_path_factory.mktemp("fleet-router")
     cluster = LocalCluster("", workers=0, grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
-                           metrics_address=None, log_dir=d, router_args=["--heartbeat-interval", str(HEARTBEAT)])
+                           metrics_address=None, log_dir=d, router_args=["--heartbeat-interval", str(HEARTBEAT)],
+                           routers=2)  # a fleet may run two: an agent joins each
     cluster.start_router(0)
+    cluster.start_router(1)
     try:
         yield cluster
     finally:
@@ -114,16 +116,17 @@ def models_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def agent(router, models_dir, tmp_path_factory):
-    a = AgentProcess(router.router_address, models_dir, tmp_path_factory.mktemp("node-a"), router.join_token)
+    a = AgentProcess(",".join(router.router_addresses), models_dir, tmp_path_factory.mktemp("node-a"),
+                     router.join_token)
     try:
         yield a
     finally:
         a.stop()
 
 
-def list_nodes(router: LocalCluster) -> dict[str, pb.NodeInfo]:
+def list_nodes(router: LocalCluster, address: str | None = None) -> dict[str, pb.NodeInfo]:
     try:
-        with channel(router.router_address, aio=False) as ch:
+        with channel(address or router.router_address, aio=False) as ch:
             return {n.report.node_id: n for n in
                     pb_grpc.FleetStub(ch).ListNodes(pb.ListNodesRequest(), timeout=5).nodes}
     except grpc.RpcError:
@@ -159,6 +162,8 @@ def test_an_agent_joins_reports_and_refuses_what_it_cannot_do(router, agent, mod
     assert (r.address, r.advertise_host, r.platform) == (agent.address, "127.0.0.1", "cpu")
     assert r.memory_budget_bytes == BUDGET and r.memory_reserved_bytes == 0 and r.disk_free_bytes > 0
     assert [m.name for m in r.models] == ["tiny"] and not r.workers
+    wait_for(lambda: list_nodes(router, router.router_addresses[1]).get("node-a", pb.NodeInfo()).state == "healthy",
+             60, "node-a healthy on the second router")
 
     table = subprocess.run([sys.executable, "-m", "cluster", "nodes", "list", "--router", router.router_address],
                            capture_output=True, text=True, timeout=60)
@@ -186,6 +191,9 @@ def test_an_agent_joins_reports_and_refuses_what_it_cannot_do(router, agent, mod
             assert "needs 2.0 GiB, node node-a has 1.0 GiB of 1.0 GiB free" in e.value.details()
             report = await stub.GetNodeReport(pb.GetNodeReportRequest())
             assert not report.workers and report.memory_reserved_bytes == 0  # nothing started
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.StopWorker(pb.StopWorkerRequest(worker_id="w-9"))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "w-9" in e.value.details()
             ports = (await stub.ReservePorts(pb.ReservePortsRequest(count=3))).ports
             assert len(set(ports)) == 3 and all(p > 0 for p in ports)
 
@@ -259,9 +267,9 @@ def test_a_started_worker_serves_like_a_static_one_and_drains_before_it_stops(ro
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.StartWorker(pb.StartWorkerRequest(spec=spec()))
             assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
-            pid = agent.worker_pids()["w-1"]
             worker = await asyncio.to_thread(wait_for, lambda: _registered(router, "w-1"), 180,
                                              "the agent's worker registered with the router")
+            pid = agent.worker_pids()["w-1"]
             assert worker.model == SERVED
             deadline = asyncio.get_running_loop().time() + 60
             while (report := await stub.GetNodeReport(pb.GetNodeReportRequest())).workers[0].state != "running":
@@ -426,3 +434,35 @@ def test_a_secured_fleet_places_through_mutual_tls(models_dir, tmp_path):
     finally:
         a.stop()
         router.stop(grace=5)
+
+
+@pytest.mark.slow
+def test_a_group_the_agent_starts_member_by_member_serves_and_stops_whole(router, agent, tiny_model_dir,
+                                                                        worker_process):
+    """Rank 0 and rank 1 of a pipeline group, each a StartWorker with the group's ring
+    addresses and side-channel port, serve as one worker; stopping each member stops it."""
+    healthy(router, agent)
+    static = worker_process(tiny_model_dir, "--max-model-len", "512", http=False)
+
+    async def go():
+        async with channel(agent.address, ClientSecurity(api_key=router.join_token), options=CHANNEL_OPTIONS) as ch:
+            stub = node_stub(ch)
+            ring0, ring1, side, port = (await stub.ReservePorts(pb.ReservePortsRequest(count=4))).ports
+            group = dict(group_size=2, group_hosts=[f"127.0.0.1:{ring0}", f"127.0.0.1:{ring1}"], group_port=side,
+                         memory_budget_bytes=512 << 20)
+            await stub.StartWorker(pb.StartWorkerRequest(spec=spec("g-1", group_rank=1, **group)))
+            rank0 = await stub.StartWorker(pb.StartWorkerRequest(spec=spec("g-0", group_rank=0, port=port, **group)))
+            assert rank0.address == f"127.0.0.1:{port}" and rank0.group_size == 2
+            worker = await asyncio.to_thread(wait_for, lambda: _registered(router, "g-0"), 300,
+                                             "the group registered with the router")
+            pids = agent.worker_pids()
+            assert worker.load.group.size == 2
+            assert await _generate(router.router_address, SERVED, 16) == await _generate(static.grpc, "", 16)
+            report = await stub.GetNodeReport(pb.GetNodeReportRequest())
+            assert report.memory_reserved_bytes == 2 * (256 << 20)
+            for worker_id in ("g-0", "g-1"):
+                stopped = await stub.StopWorker(pb.StopWorkerRequest(worker_id=worker_id, drain_timeout_seconds=30))
+                assert stopped.state == "exited"
+            assert not any(alive(pids[w]) for w in ("g-0", "g-1"))
+
+    run(go(), timeout=600)

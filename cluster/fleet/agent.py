@@ -282,9 +282,10 @@ class NodeAgent:
                                             worker_id=self.node_id, interval=self.config.heartbeat_interval,
                                             security=self.config.security.client())
             registration.instance_id = self.instance_id
-            registration.start()
             self.registrations.append(registration)
-        self._tasks = [asyncio.create_task(self._refresh_models_loop()), asyncio.create_task(self._watch_refusals())]
+        registering = [registration.start() for registration in self.registrations]
+        self._tasks = [asyncio.create_task(self._refresh_models_loop()),
+                       asyncio.create_task(self._watch_refusals(registering))]
         log.info("node %s (%s, budget %s, %d models in %s) serving Node on %s", self.node_id, self.platform,
                  human(self.budget), len(self.models), self.models_dir, self.address)
 
@@ -298,9 +299,10 @@ class NodeAgent:
             await registration.stop()
         await self.endpoints.stop(grace=1.0)
 
-    async def _watch_refusals(self) -> None:
-        """Every router refused this node (a wrong join token): nothing to do here but say so."""
-        await asyncio.gather(*(r._task for r in self.registrations), return_exceptions=True)
+    async def _watch_refusals(self, registering: list[asyncio.Task]) -> None:
+        """Every router refused this node (a wrong join token): nothing to do here but say so.
+        A registration's task ends only when its router refuses it."""
+        await asyncio.gather(*registering, return_exceptions=True)
         if self.registrations and all(r.denied for r in self.registrations):
             self.denied = True
             self.stopped.set()
