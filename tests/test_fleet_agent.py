@@ -27,14 +27,13 @@ from cluster.security import ClientSecurity, channel
 from cluster.up import LocalCluster, free_port
 from conftest import run
 
-HERE = Path(__file__).resolve().parent
 HEARTBEAT = 0.2
 BUDGET = 1 << 30
 SERVED = "tiny-chat"  # the catalog name the worker serves its model under
 
 
 class AgentProcess:
-    """`orchard node serve` (through tests/node_agent_main.py) on a free port."""
+    """`orchard node serve` on a free port."""
 
     def __init__(self, router: str, models_dir: Path, state_dir: Path, token: str, node_id: str = "node-a",
                  budget: int = BUDGET, extra: tuple[str, ...] = (), env: dict | None = None):
@@ -42,7 +41,7 @@ class AgentProcess:
         self.state_dir = state_dir
         self.log_path = state_dir / "agent.log"
         state_dir.mkdir(parents=True, exist_ok=True)
-        args = [sys.executable, str(HERE / "node_agent_main.py"), "--router", router, "--grpc", self.address,
+        args = [sys.executable, "-m", "cluster", "node", "serve", "--router", router, "--grpc", self.address,
                 "--node-id", node_id, "--memory-budget", str(budget), "--models-dir", str(models_dir),
                 "--state-dir", str(state_dir), "--heartbeat-interval", str(HEARTBEAT), "--stop-grace", "20", *extra]
         with open(self.log_path, "ab") as log:
@@ -162,6 +161,7 @@ def test_an_agent_joins_reports_and_refuses_what_it_cannot_do(router, agent, mod
     assert (r.address, r.advertise_host, r.platform) == (agent.address, "127.0.0.1", "cpu")
     assert r.memory_budget_bytes == BUDGET and r.memory_reserved_bytes == 0 and r.disk_free_bytes > 0
     assert [m.name for m in r.models] == ["tiny"] and not r.workers
+    assert r.models[0].weight_bytes > 0 and r.models[0].num_layers > 0 and not r.models[0].error  # facts.scan's
     wait_for(lambda: list_nodes(router, router.router_addresses[1]).get("node-a", pb.NodeInfo()).state == "healthy",
              60, "node-a healthy on the second router")
 
