@@ -573,7 +573,7 @@ class DrainWorkerResponse(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class DiskModel(_message.Message):
-    __slots__ = ("name", "file_bytes", "weight_bytes", "kv_bytes_per_token", "num_layers", "max_context", "tasks", "error")
+    __slots__ = ("name", "file_bytes", "weight_bytes", "kv_bytes_per_token", "num_layers", "max_context", "tasks", "error", "state_bytes_per_seq")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -582,6 +582,7 @@ class DiskModel(_message.Message):
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_PER_SEQ_FIELD_NUMBER: _ClassVar[int]
     name: str
     file_bytes: int
     weight_bytes: int
@@ -590,7 +591,8 @@ class DiskModel(_message.Message):
     max_context: int
     tasks: _containers.RepeatedScalarFieldContainer[str]
     error: str
-    def __init__(self, name: _Optional[str] = ..., file_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ...) -> None: ...
+    state_bytes_per_seq: int
+    def __init__(self, name: _Optional[str] = ..., file_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., state_bytes_per_seq: _Optional[int] = ...) -> None: ...
 
 class ManagedWorker(_message.Message):
     __slots__ = ("worker_id", "model", "state", "reserved_bytes", "group_size", "group_rank", "exit_code", "reason", "progress", "address")
