@@ -1,6 +1,6 @@
 """cluster/fleet/facts.py: a model's facts from its files alone, checked against what the
-worker holds once `model_runner.load_model` loaded it (the oracle: MLX's parameters and
-`kv_bytes_per_block`)."""
+worker holds once `model_runner.load_model` loaded it (the oracle: MLX's parameters, and
+the KV pools and state slots a `ModelRunner` allocates)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,19 @@ from cluster.fleet import facts
 BLOCK = 16
 
 
-def held_by_worker(path: Path) -> tuple[int, int]:
-    """(weight bytes, KV bytes per token) of the model as the worker loads it here."""
+def held_by_worker(path: Path) -> tuple[int, int, int]:
+    """(weight bytes, KV bytes per token, recurrent state bytes per request) of the model as
+    the worker loads it here."""
     from mlx.utils import tree_flatten
 
-    from cluster.worker.model_runner import kv_bytes_per_block, load_model, weight_dtype
+    from cluster.worker.model_runner import ModelRunner, load_model
 
     model, _ = load_model(path, cpu_dequantize="yes")
     weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
-    return weights, kv_bytes_per_block(model, BLOCK, weight_dtype(model)) // BLOCK
+    runner = ModelRunner(model, num_blocks=2, block_size=BLOCK, num_state_slots=1)
+    pools = {id(a): a for a in runner.k_pool + runner.v_pool if a is not None}  # an MLA layer's K and V are one
+    kv_per_token = sum(a.nbytes for a in pools.values()) // (runner.num_blocks * BLOCK)
+    return weights, kv_per_token, runner.state_bytes_per_slot
 
 
 def here() -> str:
@@ -35,7 +39,7 @@ def here() -> str:
 def assert_facts_are_the_workers(path: Path) -> facts.pb.DiskModel:
     disk = facts.disk_model(path, here())
     assert not disk.error
-    assert (disk.weight_bytes, disk.kv_bytes_per_token) == held_by_worker(path)
+    assert (disk.weight_bytes, disk.kv_bytes_per_token, disk.state_bytes_per_seq) == held_by_worker(path)
     return disk
 
 
@@ -95,7 +99,7 @@ def test_a_gguf_file_is_what_its_import_holds(made, tmp_path):
     disk = facts.disk_model(path, here())
     assert disk.name == "m.gguf" and not disk.error and disk.file_bytes == path.stat().st_size
     imported = gguf.import_gguf(path, tmp_path / "imported")
-    assert (disk.weight_bytes, disk.kv_bytes_per_token) == held_by_worker(imported)
+    assert (disk.weight_bytes, disk.kv_bytes_per_token, disk.state_bytes_per_seq) == held_by_worker(imported)
     assert disk.num_layers == 2 and list(disk.tasks) == ["generate"]
 
 
@@ -142,3 +146,17 @@ def test_facts_import_no_mlx(made):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == facts.disk_model(made["llama"], "cpu").weight_bytes
+
+
+@pytest.mark.slow
+def test_every_family_modelgen_makes_is_read_as_the_worker_holds_it(tmp_path):
+    from cluster.modelgen import ARCHS, create_model
+
+    wrong = {}
+    for arch in ARCHS:
+        path = create_model(tmp_path / arch, arch, "tiny")
+        disk = facts.disk_model(path, here())
+        got = (disk.weight_bytes, disk.kv_bytes_per_token, disk.state_bytes_per_seq)
+        if disk.error or got != held_by_worker(path):
+            wrong[arch] = disk.error or (got, held_by_worker(path))
+    assert not wrong

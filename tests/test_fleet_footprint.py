@@ -33,6 +33,14 @@ def test_the_estimate_adds_weights_pool_and_the_platforms_overhead():
         assert f.total == f.weights + f.kv + f.overhead
 
 
+def test_a_hybrid_holds_a_state_slot_for_each_request_it_runs():
+    hybrid = pb.DiskModel(name="h", weight_bytes=GiB, kv_bytes_per_token=4096, state_bytes_per_seq=75 << 20,
+                          num_layers=48)
+    f = estimate(hybrid, 4096, 64, "metal")
+    assert f.state == 64 * (75 << 20) and f.total == f.weights + f.kv + f.overhead + f.state
+    assert sum(n - f.overhead for _, _, n in rank_shares(hybrid, [1, 1], f)) >= f.weights + f.kv + f.state
+
+
 @pytest.mark.parametrize("args, code, words", [
     ((DISK, 0, 4, "cpu"), grpc.StatusCode.INVALID_ARGUMENT, "context must be at least 1 token, not 0"),
     ((DISK, 512, 0, "cpu"), grpc.StatusCode.INVALID_ARGUMENT, "max_num_seqs must be at least 1, not 0"),

@@ -16,7 +16,9 @@ what the worker will load is the import of that file).
   Metal): what `model_runner.kv_bytes_per_block` gives per block, divided by the block
   size. A sliding-window layer holds a full pool (the engine's pools are not windowed); a
   layer that reads an earlier layer's K/V (Gemma 4) none; an MLA layer one row of latent +
-  RoPE key; a hybrid's recurrent layers none (their state is per request, not per token).
+  RoPE key; a hybrid's recurrent layers none: their state is per request, not per token.
+- state_bytes_per_seq: that state (a hybrid's; the worker holds one per `--max-num-seqs`),
+  from the family's config as mlx-lm's caches hold it.
 - tasks: what the worker serves with it (`pooling.Pooler.for_model`: an embedding model
   "embed", a reranker or classifier "score", else "generate").
 """
@@ -245,6 +247,59 @@ def kv_bytes_per_token(config: dict, tensors: dict[str, Tensor], dtype_bytes: in
     return dtype_bytes * sum(kv_row_elements(config, tensors))
 
 
+def recurrent_layers(config: dict) -> list[int]:
+    """A hybrid family's layers that keep a recurrent state per request (none elsewhere)."""
+    c, n = text_config(config), num_layers(config)
+    mt = c.get("model_type")
+    if mt in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2"):
+        attends = set(attention_layers(config))
+        return [i for i in range(n) if i not in attends]
+    if mt == "nemotron_h":
+        return [i for i, b in enumerate(str(c.get("hybrid_override_pattern") or "")) if b == "M"]
+    if mt == "granitemoehybrid":
+        return [i for i, t in enumerate(c.get("layer_types") or []) if t == "mamba"]
+    if mt == "falcon_h1":
+        return list(range(n))
+    return []
+
+
+def _state_elements(c: dict) -> tuple[int, int]:
+    """(convolution state, recurrent state) elements of one recurrent layer for one request,
+    as mlx-lm's caches hold them: the last kernel - 1 inputs of its convolution, and the
+    linear attention's or Mamba-2's state."""
+    mt = c.get("model_type")
+    if mt in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):  # gated DeltaNet
+        nk, dk = int(c["linear_num_key_heads"]), int(c["linear_key_head_dim"])
+        nv, dv = int(c["linear_num_value_heads"]), int(c["linear_value_head_dim"])
+        return (int(c["linear_conv_kernel_dim"]) - 1) * (2 * nk * dk + nv * dv), nv * dk * dv
+    if mt == "lfm2":  # a short convolution, no other state
+        return (int(c["conv_L_cache"]) - 1) * int(c["hidden_size"]), 0
+    if mt == "nemotron_h":  # Mamba-2
+        heads, head_dim, kernel = int(c["mamba_num_heads"]), int(c["mamba_head_dim"]), int(c["conv_kernel"])
+        groups, state = int(c.get("n_groups") or 1), int(c["ssm_state_size"])
+        inner = heads * head_dim
+    elif mt == "falcon_h1":
+        heads, head_dim, kernel = int(c["mamba_n_heads"]), int(c["mamba_d_head"]), int(c["mamba_d_conv"])
+        groups, state = int(c.get("mamba_n_groups") or 1), int(c["mamba_d_state"])
+        inner = int(c.get("mamba_d_ssm") or heads * head_dim)
+    else:  # granitemoehybrid
+        heads, head_dim, kernel = int(c["mamba_n_heads"]), int(c["mamba_d_head"]), int(c["mamba_d_conv"])
+        groups, state = int(c.get("mamba_n_groups") or 1), int(c["mamba_d_state"])
+        inner = heads * head_dim
+    return (kernel - 1) * (inner + 2 * groups * state), heads * head_dim * state
+
+
+def state_bytes_per_seq(config: dict, dtype_bytes: int) -> int:
+    """A hybrid's recurrent state for one running request (`ModelRunner.state_bytes_per_slot`):
+    the convolution's inputs in the compute dtype, the recurrent state in float32 (mlx-lm
+    keeps it so)."""
+    layers = recurrent_layers(config)
+    if not layers:
+        return 0
+    conv, state = _state_elements(text_config(config))
+    return len(layers) * (conv * dtype_bytes + state * 4)
+
+
 def max_context(config: dict) -> int:
     c = text_config(config)
     for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
@@ -269,6 +324,7 @@ def disk_model(path: Path, platform: str) -> pb.DiskModel:
         raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, not {platform!r}")
     path = Path(path)
     out = pb.DiskModel(name=path.name)
+    config: dict = {}
     try:
         out.file_bytes = _file_bytes(path)
         if path.is_file():
@@ -281,10 +337,14 @@ def disk_model(path: Path, platform: str) -> pb.DiskModel:
             config, tensors = read_config(path), checkpoint_tensors(path)
             model_tasks = tasks(path, config)
         out.weight_bytes = weight_bytes(tensors, config, platform)
-        out.kv_bytes_per_token = kv_bytes_per_token(config, tensors, compute_dtype_bytes(tensors, platform))
+        dtype_bytes = compute_dtype_bytes(tensors, platform)
+        out.kv_bytes_per_token = kv_bytes_per_token(config, tensors, dtype_bytes)
+        out.state_bytes_per_seq = state_bytes_per_seq(config, dtype_bytes)
         out.num_layers = num_layers(config)
         out.max_context = max_context(config)
         out.tasks.extend(model_tasks)
+    except KeyError as e:  # a config.json without a key its family needs
+        out.error = f"config.json has no {e.args[0]!r}, which a {config.get('model_type')} model needs"
     except Exception as e:  # noqa: BLE001  (any unreadable model is reported, never fatal to the node)
         log.debug("cannot read %s", path, exc_info=True)
         out.error = str(e) or type(e).__name__

@@ -1,6 +1,6 @@
 """The memory a worker of a model holds, estimated before it loads (router side; pure).
 
-    footprint = weights + KV pool + overhead
+    footprint = weights + KV pool + recurrent state + overhead
 
 - weights: `DiskModel.weight_bytes`, as the worker holds them on the node's platform
   (`facts.py`).
@@ -18,9 +18,12 @@
   cannot be measured here: METAL_OVERHEAD_BYTES is an allowance (the same process plus
   Metal's command buffers and library), to be checked against `resident_bytes` on a Mac.
 
-A hybrid model's recurrent state slots (one per running request) are not in a DiskModel
-and not counted; nor are a step's activations, which MLX's buffer cache gives back when
-the worker is idle.
+- recurrent state: a hybrid model's, one slot per request the worker runs at once (its
+  `--max-num-seqs`): `DiskModel.state_bytes_per_seq` each.
+
+Not counted: a step's activations (MLX's buffer cache gives them back when the worker is
+idle) and the worker's chat-template render processes (processes of their own, sharing
+most of their pages with their fork server).
 """
 
 from __future__ import annotations
@@ -43,15 +46,17 @@ OVERHEAD_BYTES = {"cpu": CPU_OVERHEAD_BYTES, "metal": METAL_OVERHEAD_BYTES}
 
 @dataclass(frozen=True)
 class Footprint:
-    """Bytes a worker holds: its weights, its KV pool, the process's own overhead."""
+    """Bytes a worker holds: its weights, its KV pool, the process's own overhead, and a
+    hybrid model's recurrent state slots."""
 
     weights: int
     kv: int
     overhead: int
+    state: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.overhead
+        return self.weights + self.kv + self.overhead + self.state
 
 
 def concurrent_contexts(max_num_seqs: int) -> int:
@@ -81,19 +86,20 @@ def _check(disk: pb.DiskModel, context: int, max_num_seqs: int, platform: str) -
 
 def estimate(disk: pb.DiskModel, context: int, max_num_seqs: int, platform: str) -> Footprint:
     """The footprint of a worker of `disk` on `platform` ("cpu" or "metal") serving
-    `context` tokens a request with at most `max_num_seqs` requests at once. FleetError:
+    `context` tokens a request with at most `max_num_seqs` requests at once (the worker's
+    --max-num-seqs: a hybrid holds a state slot for each). FleetError:
     a model whose files could not be read (FAILED_PRECONDITION), an argument out of range
     (INVALID_ARGUMENT)."""
     _check(disk, context, max_num_seqs, platform)
     return Footprint(weights=disk.weight_bytes, kv=kv_pool_bytes(disk, context, concurrent_contexts(max_num_seqs)),
-                     overhead=OVERHEAD_BYTES[platform])
+                     overhead=OVERHEAD_BYTES[platform], state=max_num_seqs * disk.state_bytes_per_seq)
 
 
 def rank_shares(disk: pb.DiskModel, nodes_budgets: list[int], footprint: Footprint | None = None
                 ) -> list[tuple[int, int, int]]:
     """A pipeline group's split of the model over nodes in proportion to their budgets, the
     first layers on the first node: per node (first layer, last layer, bytes), bytes being
-    its layers' share of the model's weights and KV pool (`footprint`: the whole model's;
+    its layers' share of the model's weights, KV pool and state (`footprint`: the whole model's;
     default: its weights alone) and a whole process's overhead. Layers are taken to weigh
     alike (a DiskModel has no per-layer sizes); the group splits by its real layer sizes
     in the same proportion (`worker/group/split.py`), so a rank's part is close to this."""
@@ -104,6 +110,6 @@ def rank_shares(disk: pb.DiskModel, nodes_budgets: list[int], footprint: Footpri
                          f"a group of model {disk.name!r} ({disk.num_layers} layers) needs 1 to {disk.num_layers} "
                          f"nodes with a budget above 0, not {list(nodes_budgets)}")
     whole = footprint or Footprint(disk.weight_bytes, 0, 0)
-    per_layer = (whole.weights + whole.kv) / disk.num_layers
+    per_layer = (whole.weights + whole.kv + whole.state) / disk.num_layers
     stages = split_layers([1] * disk.num_layers, [float(b) for b in nodes_budgets])
     return [(r.start, r.stop - 1, math.ceil(per_layer * len(r)) + whole.overhead) for r in stages]
