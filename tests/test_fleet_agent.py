@@ -466,3 +466,26 @@ def test_a_group_the_agent_starts_member_by_member_serves_and_stops_whole(router
             assert not any(alive(pids[w]) for w in ("g-0", "g-1"))
 
     run(go(), timeout=600)
+
+
+def test_the_budget_is_at_most_what_the_machine_can_give(monkeypatch, tmp_path):
+    from cluster.fleet import agent as agent_module
+    from cluster.fleet.agent import NodeAgent
+    from cluster.fleet.node_config import NodeConfig
+
+    monkeypatch.setattr(agent_module, "machine_memory", lambda: ("metal", 3 << 30))
+
+    async def budget(asked: int | None) -> int:
+        node = NodeAgent(NodeConfig(router=f"127.0.0.1:{free_port()}", grpc_address="127.0.0.1:0",
+                                    memory_budget=asked, models_dir=str(tmp_path), state_dir=str(tmp_path / "s")))
+        await node.start()
+        try:
+            report = node.report()
+            assert report.platform == "metal" and report.address == node.address
+            return report.memory_budget_bytes
+        finally:
+            await node.stop()
+
+    assert run(budget(8 << 30)) == 3 << 30  # capped by the machine
+    assert run(budget(1 << 30)) == 1 << 30
+    assert run(budget(None)) == 3 << 30

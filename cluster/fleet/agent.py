@@ -265,14 +265,15 @@ class NodeAgent:
 
     # -- start and stop ------------------------------------------------------------------------
     async def start(self) -> None:
+        (self.state_dir / "workers").mkdir(parents=True, exist_ok=True)
+        # before the memory is measured: what an earlier agent's workers hold is this one's to give
+        await asyncio.to_thread(stop_leftovers, self.state_dir / "workers", self.config.stop_grace)
         self.platform, machine = machine_memory()
         budget = self.config.memory_budget
         self.budget = int(min(budget, machine) if budget and machine else budget or machine)
         if budget and machine and budget > machine:
             log.warning("--memory-budget %s is more than this machine can give models (%s): using %s",
                         human(budget), human(machine), human(machine))
-        (self.state_dir / "workers").mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(stop_leftovers, self.state_dir / "workers", self.config.stop_grace)
         await self.refresh_models()
         port = self.endpoints.bind_grpc(self.config.grpc_address)
         self.address = f"{self.advertise_host}:{port}"
