@@ -113,13 +113,18 @@ def test_unreadable_models_say_why_and_scan_finds_the_rest(made, tmp_path):
     (tmp_path / "headerless").mkdir()
     (tmp_path / "headerless" / "config.json").write_text('{"model_type": "llama"}')
     (tmp_path / "headerless" / "model.safetensors").write_bytes((1 << 40).to_bytes(8, "little"))
+    (tmp_path / "negative").mkdir()
+    (tmp_path / "negative" / "config.json").write_text('{"model_type": "llama"}')
+    header = b'{"w": {"dtype": "F32", "shape": [-4, 2], "data_offsets": [0, 0]}}'
+    (tmp_path / "negative" / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     (tmp_path / "notes").mkdir()  # no config.json: not a model
     found = {m.name: m for m in facts.scan(tmp_path, "cpu")}
-    assert sorted(found) == ["bad.gguf", "broken", "good", "headerless"]
+    assert sorted(found) == ["bad.gguf", "broken", "good", "headerless", "negative"]
     assert not found["good"].error and found["good"].weight_bytes
     assert "config.json" in found["broken"].error
     assert found["bad.gguf"].error
     assert "header of 1099511627776 bytes" in found["headerless"].error
+    assert "tensor w has a negative dimension (-4, 2)" in found["negative"].error
     assert facts.scan(tmp_path / "absent", "cpu") == []
 
 
@@ -136,6 +141,8 @@ def test_scan_reads_a_model_again_only_when_its_files_change(made, tmp_path, mon
     config["max_position_embeddings"] = 4096
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     assert facts.scan(tmp_path, "cpu")[0].max_context == 4096 and len(reads) == 2
+    shutil.rmtree(tmp_path / "m")
+    assert facts.scan(tmp_path, "cpu") == [] and facts._cache[(str(tmp_path), "cpu")] == {}
 
 
 def test_facts_import_no_mlx(made):

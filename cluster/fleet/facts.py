@@ -87,6 +87,9 @@ def safetensors_header(path: Path) -> dict[str, Tensor]:
     odd = sorted({t.dtype for t in tensors.values()} - DTYPE_BYTES.keys())
     if odd:
         raise ModelFilesError(f"{path.name}: tensor dtype {odd[0]} is not one Orchard knows")
+    negative = next((name for name, t in tensors.items() if any(d < 0 for d in t.shape)), None)
+    if negative is not None:
+        raise ModelFilesError(f"{path.name}: tensor {negative} has a negative dimension {tensors[negative].shape}")
     return tensors
 
 
@@ -364,7 +367,7 @@ def _signature(path: Path) -> tuple:
     return tuple((f.name, s.st_size, s.st_mtime_ns) for f in files for s in [f.stat()])
 
 
-_cache: dict[tuple[str, str], tuple[tuple, pb.DiskModel]] = {}
+_cache: dict[tuple[str, str], dict[str, tuple[tuple, pb.DiskModel]]] = {}  # (dir, platform) -> name -> (files, facts)
 
 
 def is_model(path: Path) -> bool:
@@ -380,15 +383,14 @@ def scan(models_dir: Path, platform: str) -> list[pb.DiskModel]:
         entries = sorted(p for p in models_dir.iterdir() if not p.name.startswith(".") and is_model(p))
     except OSError:
         return []
-    found = []
+    before = _cache.get((str(models_dir), platform), {})
+    now: dict[str, tuple[tuple, pb.DiskModel]] = {}
     for path in entries:
-        key = (str(path), platform)
         try:
             sig = _signature(path)
         except OSError:
             continue  # removed while we looked
-        cached = _cache.get(key)
-        if cached is None or cached[0] != sig:
-            cached = _cache[key] = (sig, disk_model(path, platform))
-        found.append(cached[1])
-    return found
+        cached = before.get(path.name)
+        now[path.name] = cached if cached is not None and cached[0] == sig else (sig, disk_model(path, platform))
+    _cache[(str(models_dir), platform)] = now  # a model removed from the directory is forgotten
+    return [facts for _, facts in now.values()]
