@@ -290,7 +290,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 # cannot parse is a permanent failure (cluster/exit_codes.py), not argparse's 2.
 SUPERVISED = {("worker", "serve"), ("router", "serve"), ("node", "serve")}
 # Commands that run MLX in this process: OpenBLAS is loaded before anything imports MLX
-# (cluster/platform.py). Those that only may (`model create`, `up` making the built-in
+# (cluster/platform.py). Those that only may (`model create`, `up` making or importing its
 # model, `bench`) load it where they import MLX.
 RUN_MLX = {("worker", "serve"), ("run",)}
 

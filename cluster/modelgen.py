@@ -50,8 +50,8 @@ class ModelSpec:
 
     path: str = setting(help="where to write the mlx-lm model directory", flag="dir")
     arch: str = setting("qwen3", "mlx-lm architecture", choices=ARCHS)
-    size: str = setting("tiny", "tiny: 2 layers, hidden 128 (tests); small: 8 layers, hidden 512 (benchmarks, "
-                                "`orchard up`)", choices=SIZES)
+    size: str = setting("tiny", "tiny: 2 layers, hidden 128 (tests); small: 8 layers, hidden 512 (benchmarks; "
+                                "`--model small` serves it)", choices=SIZES)
     seed: int = setting(0, "seed of the weights and the tokenizer's corpus")
     kind: str = setting("generate", "generate: a causal LM; embedding: a Qwen3-Embedding-style model "
                                     "(sentence-transformers pooling config, qwen3 only); reranker: a "

@@ -149,7 +149,7 @@ def host_path_decode_ms(engine: Engine, vocab: int, rows: int = 16, context: int
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="mlx-lm model dir (default: the built-in small model)")
+    ap.add_argument("--model", default="small", help="mlx-lm model dir or name (default: small, random weights)")
     ap.add_argument("--arch", default=None,
                     help="a `small` model of this architecture instead (e.g. qwen3_5, a hybrid)")
     ap.add_argument("--quick", action="store_true", help="a quarter of the load, for a smoke run")

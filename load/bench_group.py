@@ -305,7 +305,7 @@ def report(results: dict[str, dict], requests: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="mlx-lm model directory (default: the built-in small model)")
+    ap.add_argument("--model", default="small", help="mlx-lm model directory or name (default: small, random weights)")
     ap.add_argument("--requests", type=int, default=128, help="at once: 64 run in each batch in flight")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)

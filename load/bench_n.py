@@ -78,7 +78,7 @@ def run(model, tokenizer, how: str, prompt: list[int], n: int, max_tokens: int) 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="mlx-lm model dir (default: the built-in small model)")
+    ap.add_argument("--model", default="small", help="mlx-lm model dir or name (default: small, random weights)")
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--prompt-lens", default="96,1024", help="comma-separated prompt lengths")
     ap.add_argument("--max-tokens", type=int, default=32)

@@ -74,7 +74,7 @@ def run_policy(policy: str, model: Path, texts: list[str], args, kv_blocks: int)
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default="small", help="mlx-lm model directory or name (default: small, random weights)")
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--per-group", type=int, default=16)
     p.add_argument("--prefix-words", type=int, default=200)

@@ -49,7 +49,7 @@ def run(model, tokenizer, prompts: list[list[int]], params: SamplingParams) -> f
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="mlx-lm model dir (default: the built-in small model)")
+    ap.add_argument("--model", default="small", help="mlx-lm model dir or name (default: small, random weights)")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=8)

@@ -54,7 +54,7 @@ async def paired_ttft(worker: str, router: str, texts: list[str]) -> tuple[list[
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default="small", help="mlx-lm model directory or name (default: small, random weights)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--latency-requests", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=16)

@@ -80,7 +80,7 @@ def phase(c: LocalCluster, n: int, seed: int, args) -> tuple[float, dict[str, fl
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default="small", help="mlx-lm model directory or name (default: small, random weights)")
     p.add_argument("--per-worker-concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)

@@ -211,7 +211,7 @@ def bench_sampler(model: Path, quick: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="an mlx-lm model directory (default: the built-in model)")
+    ap.add_argument("--model", default="small", help="mlx-lm model directory or name (default: small, random weights)")
     ap.add_argument("--quick", action="store_true", help="smaller loads")
     ap.add_argument("--only", choices=("engine", "masks", "sampler"))
     args = ap.parse_args()

@@ -145,7 +145,7 @@ def test_cache_writes_never_remove_a_directory_without_the_marker(gguf_file, tmp
     builtin.mkdir(parents=True)
     (builtin / "keep.txt").write_text("keep")
     with pytest.raises(SystemExit, match="refusing to write .*not an earlier Orchard import"):
-        models_cache.resolve_model(None)
+        models_cache.resolve_model(models_cache.BUILTIN_SIZE)
     assert tree(builtin) == {"keep.txt": b"keep"}
     # a GGUF import's cache place likewise
     dst = models_cache.cache_dir() / "gguf" / og.cache_key(gguf_file) / "tiny"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -31,6 +33,22 @@ def _lines(proc: subprocess.Popen) -> queue.Queue:
     return q
 
 
+def _until_up(lines: queue.Queue, timeout: float) -> str:
+    """What `orchard up` printed until it said it is up (within `timeout` seconds)."""
+    out = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        assert line is not None, "orchard up exited early:\n" + "".join(out)
+        out.append(line)
+        if "Ctrl-C stops them all" in line:
+            return "".join(out)
+    raise TimeoutError("orchard up did not come up:\n" + "".join(out))
+
+
 def _listening(address: str) -> bool:
     host, _, port = address.rpartition(":")
     with socket.socket() as s:
@@ -48,21 +66,8 @@ def test_up_starts_serves_and_stops(tmp_path, tiny_model_dir):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     lines = _lines(proc)
-    out = []
     try:
-        deadline = time.monotonic() + 150
-        while time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            assert line is not None, "orchard up exited early:\n" + "".join(out)
-            out.append(line)
-            if "Ctrl-C stops them all" in line:
-                break
-        else:
-            raise TimeoutError("orchard up did not come up:\n" + "".join(out))
-        text = "".join(out)
+        text = _until_up(lines, 150)
         assert grpc_addr in text and f"http://{http_addr}/v1" in text and f"http://{metrics_addr}/metrics" in text
         workers = re.findall(r"worker-\d+\s+gRPC (\S+)", text)
         assert len(workers) == 2
@@ -79,6 +84,37 @@ def test_up_starts_serves_and_stops(tmp_path, tiny_model_dir):
         assert proc.wait(timeout=60) == 0
         for address in [grpc_addr, http_addr, metrics_addr, *workers]:
             assert not _listening(address), f"{address} still open after orchard up stopped"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_up_with_no_model_serves_a_real_model_that_knows_the_capital_of_france(tmp_path, smollm2_gguf):
+    """The first five minutes: `orchard up` with no --model (as `scripts/up` runs it) serves
+    SmolLM2-135M-Instruct (the fixture fetched it once into the cache `orchard up` reads),
+    and the README's first request, through the router's OpenAI HTTP, answers Paris."""
+    grpc_addr, http_addr, metrics_addr = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "up", "--workers", "1", "--grpc", grpc_addr, "--http", http_addr,
+         "--metrics", metrics_addr, "--worker-port-base", "0", "--worker-metrics-port-base", "0",
+         "--log-dir", str(tmp_path / "logs"), "--timeout", "240"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        text = _until_up(_lines(proc), 300)
+        assert "no --model: serving smollm2-135m-instruct" in text
+        assert "serving SmolLM2-135M-Instruct.Q4_1" in text
+        body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                           "temperature": 0, "max_tokens": 32}).encode()
+        request = urllib.request.Request(f"http://{http_addr}/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            answer = json.load(r)["choices"][0]["message"]["content"]
+        assert "Paris" in answer, answer
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

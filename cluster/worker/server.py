@@ -330,7 +330,7 @@ def failure_reason(error: EngineLoadError) -> str:
 
 
 def serve(options: WorkerOptions) -> int:
-    """Entry point of `orchard worker serve` (no model path: the built-in small model)."""
+    """Entry point of `orchard worker serve` (no model path: models_cache.DEFAULT_MODEL)."""
     from cluster.models_cache import resolve_model
 
     try:
