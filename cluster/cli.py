@@ -31,6 +31,13 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("router", "workers"), "list the workers", "cluster.cli:_router_admin"),
     (("router", "drain"), "stop new placements on a worker; it finishes what it has", "cluster.cli:_router_admin"),
     (("router", "remove"), "forget a worker", "cluster.cli:_router_admin"),
+    (("models", "add"), "add a model to the fleet's catalog (loaded on demand on the nodes)",
+     "cluster.cli:_models_admin"),
+    (("models", "list"), "the catalog: each model's state and where it is loaded", "cluster.cli:_models_admin"),
+    (("models", "remove"), "unload a model and remove it from the catalog", "cluster.cli:_models_admin"),
+    (("models", "load"), "load a catalog model now (returns once it serves)", "cluster.cli:_models_admin"),
+    (("models", "unload"), "unload a catalog model now (its requests in flight finish first)",
+     "cluster.cli:_models_admin"),
     (("up",), "a router and N local workers, until Ctrl-C", "cluster.cli:_up"),
     (("supervise",), "run an orchard command, started again after a backoff unless it fails for good (exit 78): "
                      "for launchd", "cluster.cli:_supervise"),
@@ -51,7 +58,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("ray", "status"), "list the orchard actors and their addresses", "cluster.cli:_ray_status"),
 ]
 GROUPS = {"model": "model utilities", "router": "the router: serve, register workers, list, drain",
-          "worker": "worker commands", "deploy": "deployment helpers",
+          "worker": "worker commands", "models": "the fleet's model catalog on a router (--catalog)",
+          "deploy": "deployment helpers",
           "certs": "a CA for the fleet and certificates for its Macs (TLS, mutual TLS)",
           "ray": "run Orchard as Ray actors on an existing Ray cluster",
           "node": "the node agent of a fleet (one per Mac)", "nodes": "the fleet's node agents"}
@@ -128,6 +136,18 @@ def _router_admin(parser: argparse.ArgumentParser) -> None:
     if name == "drain":
         parser.add_argument("--undo", action="store_true", help="take requests again")
     add_client_flags(parser, admin=True)
+    parser.set_defaults(func=run)
+
+
+def _models_admin(parser: argparse.ArgumentParser) -> None:
+    from cluster.fleet.models_cli import add_arguments
+
+    def run(args) -> int:
+        from cluster.fleet.models_cli import run
+
+        return run(args)
+
+    add_arguments(parser, parser.prog.split()[-1])
     parser.set_defaults(func=run)
 
 

@@ -90,7 +90,7 @@ def check_metadata(body: dict) -> None:
 _COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "seed", "stop",
                      "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
                      "top_k", "min_p", "stop_token_ids", "ignore_eos", "repetition_penalty", "response_format",
-                     "speculative",
+                     "speculative", "keep_alive",
                      "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
                     ) | ACCEPTED_NO_EFFECT
 CHAT_PARAMS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -164,6 +164,7 @@ class Sampling:
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
     structured: pb.StructuredOutput | None = None
+    keep_alive: float | None = None  # Ollama's (a router's fleet: how long its catalog model stays loaded)
 
     @classmethod
     def parse(cls, body: dict, chat: bool, limits: RequestLimits) -> Sampling:
@@ -188,12 +189,34 @@ class Sampling:
                        top_k=int_field(body, "top_k", low=0, high=MAX_INT32), min_p=body_field(body, "min_p", float))
         return cls(max_tokens=max_tokens, seed=seed, stop=_stop(body), stop_token_ids=stop_token_ids,
                    ignore_eos=body_field(body, "ignore_eos", bool, False), logprobs=logprobs,
-                   speculative=body_field(body, "speculative", bool), n=n, **numbers,
+                   speculative=body_field(body, "speculative", bool), n=n, keep_alive=_keep_alive(body), **numbers,
                    **openai_extras(body))  # penalties, logit_bias, structured outputs
 
     def kwargs(self) -> dict[str, Any]:
         """The `build_request` keyword arguments."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _keep_alive(body: dict) -> float | None:
+    """Ollama's keep_alive: seconds, or a duration such as "5m"; 0 unloads the model after
+    the request, negative never."""
+    from cluster.fleet import FleetError
+    from cluster.fleet.catalog import MAX_KEEP_ALIVE_SECONDS, parse_duration
+
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise BadField("keep_alive", f"'keep_alive' must be a duration (\"5m\", \"1h30m\") or a number of seconds, "
+                                     f"got {shown(value)}")
+    try:
+        seconds = parse_duration(value)
+    except FleetError as e:
+        raise BadField("keep_alive", e.message) from None
+    if seconds > MAX_KEEP_ALIVE_SECONDS:
+        raise BadField("keep_alive", f"keep_alive: {shown(value)} is more than {MAX_KEEP_ALIVE_SECONDS:g} seconds; a "
+                                     "negative keep_alive never unloads")
+    return seconds
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")

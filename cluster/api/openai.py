@@ -14,8 +14,9 @@ max_tokens (max_completion_tokens; a chat without it runs to the end of the cont
 temperature, top_p, n, seed, stop, stream_options.include_usage, logprobs (top_logprobs
 for chat), presence_penalty, frequency_penalty, logit_bias, response_format, tools,
 tool_choice, parallel_tool_calls (chat), reasoning_effort (chat), and the extensions
-ignore_eos, top_k, min_p, speculative, stop_token_ids, repetition_penalty, vLLM's guided_*
-and structured_outputs (`cluster.api.constraints`), and for chat vLLM's
+keep_alive (Ollama's: a router's fleet model stays loaded that long after it), ignore_eos,
+top_k, min_p, speculative, stop_token_ids, repetition_penalty, vLLM's guided_* and
+structured_outputs (`cluster.api.constraints`), and for chat vLLM's
 chat_template_kwargs, thinking_token_budget and include_reasoning. A thinking model's
 thinking comes back apart from its answer, as vLLM returns it: `message.reasoning_content`
 (and `reasoning`, which newer clients read), streamed as deltas of the same names, counted
@@ -174,9 +175,13 @@ async def _models(request: web.Request) -> web.Response:
 
 
 def _model_json(m: pb.ModelInfo) -> dict:
-    """A model as /v1/models lists it; `tasks` says what it serves (generate, embed, score)."""
-    return {"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by or "orchard",
-            "max_model_len": m.max_model_len, "tasks": list(m.tasks) or ["generate"]}
+    """A model as /v1/models lists it; `tasks` says what it serves (generate, embed, score);
+    a fleet's catalog model also its `state` and `status` ("serving on mac-1 and mac-3")."""
+    out = {"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by or "orchard",
+           "max_model_len": m.max_model_len, "tasks": list(m.tasks) or ["generate"]}
+    if m.state:
+        out |= {"state": m.state, "status": m.status}
+    return out
 
 
 async def _model(request: web.Request) -> web.Response:
@@ -230,7 +235,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             if not body.stream:
                 return web.json_response(ex.full([c async for c in chunks]))
             # Wait for the first chunk before sending headers, so that refusals (queue
-            # full, bad input found by the engine) still get their HTTP status.
+            # full, bad input found by the engine) still get their HTTP status (a request
+            # held while a fleet loads its model starts its stream: `keepalive`).
             first = await chunks.__anext__()
         except StopAsyncIteration:
             first = None
@@ -249,8 +255,9 @@ async def _stream(request: web.Request, ex: Exchange, first: pb.GenerateResponse
     try:
         r = first
         while r is not None:
-            if isinstance(r, str):  # held mid-stream: no worker of model `r` can take it yet
-                await response.write(sse_comment(f"waiting for a worker of {r or 'any model'}"))
+            if isinstance(r, str):  # held: no worker of model `r` can take it yet (or it is being loaded)
+                status = getattr(request.app[BACKEND], "hold_status", lambda _: None)(ex.id)
+                await response.write(sse_comment(status or f"waiting for a worker of {r or 'any model'}"))
             else:
                 if (body := ex.stream_chunk(r)) is not None:
                     await response.write(sse(body))

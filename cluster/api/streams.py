@@ -55,31 +55,31 @@ async def keepalive(chunks, backend: Backend, request_id: str):
     that a refusal keeps its HTTP status), while the backend holds the request (its
     `waiting` names the model it waits for a worker of), that model's name (a str) every
     `KEEPALIVE_SECONDS` without a chunk: the SSE loop writes it as a comment
-    (`sse_comment`). A backend that never holds a request: `chunks` as they are."""
+    (`sse_comment`). Before the first chunk too while a router's fleet loads the request's
+    model (the backend's `loading` holds its id): a load takes minutes, and the client
+    hears how it goes. A backend that never holds a request: `chunks` as they are."""
     waiting = getattr(backend, "waiting", None)
     async with contextlib.aclosing(chunks):
         if waiting is None:
             async for chunk in chunks:
                 yield chunk
             return
-        try:
-            first = await anext(chunks)
-        except StopAsyncIteration:
-            return
-        yield first
+        loading = getattr(backend, "loading", ())
+        started = False
         pending = None
         try:
             while True:
                 # the next chunk in a task of its own: a timeout must not cancel it
                 pending = asyncio.ensure_future(anext(chunks))
                 while not (await asyncio.wait({pending}, timeout=KEEPALIVE_SECONDS))[0]:
-                    if (model := waiting(request_id)) is not None:
+                    if (model := waiting(request_id)) is not None and (started or request_id in loading):
                         yield model
                 try:
                     chunk = pending.result()
                 except StopAsyncIteration:
                     return
                 pending = None
+                started = True
                 yield chunk
         finally:
             if pending is not None and not pending.done():  # the client left: the request ends

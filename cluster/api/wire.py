@@ -72,6 +72,7 @@ def build_request(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     reasoning_effort: str | None = None,
     thinking_token_budget: int | None = None,
+    keep_alive: float | None = None,
 ) -> pb.GenerateRequest:
     """A `GenerateRequest` from keyword arguments: exactly one of a text prompt, a list of
     token ids, or chat `messages` ({"role", "content"} dicts or (role, content) pairs; a
@@ -84,7 +85,8 @@ def build_request(
     A chat's `chat_template_kwargs` reach its chat template (Qwen3: {"enable_thinking":
     False}), as does `reasoning_effort` (gpt-oss's system message); a thinking model's
     thinking ends after `thinking_token_budget` tokens. An assistant message dict may hold
-    its thinking as `reasoning_content` (or `reasoning`).
+    its thinking as `reasoning_content` (or `reasoning`). `keep_alive` (seconds, Ollama's
+    meaning) is how long a router's fleet keeps a catalog model loaded after the request.
     Values the wire types cannot hold (a negative max_tokens, a seed past 64 bits) are
     InvalidRequest; everything else is the server's to judge (`validate_request`)."""
     if (prompt is None) == (messages is None):
@@ -102,6 +104,8 @@ def build_request(
             req.resume_token_ids.extend(checked_token_ids("resume_token_ids", resume_token_ids))
         _set_tools(req, tools, tool_choice, parallel_tool_calls)
         _set_template_options(req, chat_template_kwargs, reasoning_effort, thinking_token_budget)
+        if keep_alive is not None:
+            req.keep_alive_seconds = keep_alive
     except InvalidRequest:
         raise
     except (ValueError, TypeError) as e:  # out of the wire types' range

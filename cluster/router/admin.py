@@ -43,6 +43,8 @@ def format_workers(workers: list[pb.WorkerInfo]) -> str:
             f = w.failure
             then = "not started again until that is fixed" if f.permanent else "being started again"
             out.append(f"  could not start {f.age_seconds:.0f} s ago (exit {f.exit_code}; {then}): {f.reason}")
+        if w.node_id:  # started by the fleet for a catalog entry
+            out.append(f"  fleet: catalog model {w.catalog_model or '?'} on node {w.node_id}")
         if w.load.unhealthy_reason:  # what the worker says keeps it from taking requests
             out.append(f"  unhealthy: {w.load.unhealthy_reason}")
         if w.load.HasField("group"):  # a worker group: one row, its members beneath

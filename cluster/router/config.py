@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from cluster.api.wire import RequestLimits
 from cluster.config import setting
+from cluster.fleet.config import FleetConfig
 from cluster.security import SecurityConfig
 
 
@@ -56,3 +57,4 @@ class RouterConfig:
                                               metavar="ADDR", repeat=True)
     limits: RequestLimits = setting(default_factory=RequestLimits, group="request limits")
     security: SecurityConfig = setting(default_factory=SecurityConfig, group="security")
+    fleet: FleetConfig = setting(default_factory=FleetConfig, group="fleet (models loaded on demand on node agents)")

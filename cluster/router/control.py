@@ -16,9 +16,10 @@ log = logging.getLogger(__name__)
 
 
 class RouterControl(pb_grpc.RouterServicer):
-    def __init__(self, registry: Registry, add_timeout: float = 5.0):
+    def __init__(self, registry: Registry, add_timeout: float = 5.0, fleet=None):
         self.registry = registry
         self.add_timeout = add_timeout
+        self.fleet = fleet  # the FleetController: which node and catalog entry a placed worker is of
 
     async def RegisterWorker(self, request, context):
         try:
@@ -70,6 +71,8 @@ class RouterControl(pb_grpc.RouterServicer):
     async def ListWorkers(self, request, context):
         rows = [w.info() for w in self.registry.snapshot()]
         rows += [f.info() for f in list(self.registry.failures.values())]
+        if self.fleet is not None:
+            self.fleet.annotate(rows)
         return pb.ListWorkersResponse(workers=sorted(rows, key=lambda w: w.worker_id))
 
     async def DrainWorker(self, request, context):

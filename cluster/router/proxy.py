@@ -22,6 +22,12 @@ way. Past the wait, or with `max_held` requests held already, UNAVAILABLE naming
 model and the wait, with a `retry_after`. `waiting(request_id)` names the model a request
 is held for (the HTTP front keeps an SSE client connected with comments meanwhile).
 
+With a fleet (`cluster.fleet.controller`), a request for a catalog model that no worker
+can take asks the controller to load it (one load, however many ask) and is held the same
+way, for up to the router's --load-timeout and its deadline; a failed load fails the
+requests held for it at once with the reason (503, Retry-After). A model neither served
+nor in the catalog is NOT_FOUND naming the catalog's models.
+
 A poison request (one that breaks whatever serves it) is failed with INTERNAL rather than
 tried a third time: after failing on two workers with INTERNAL (a worker isolates a step
 that raises and fails its cause alone), or after two workers or groups went away under it
@@ -45,9 +51,9 @@ import asyncio
 import logging
 import time
 import uuid
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
 
@@ -62,6 +68,9 @@ from cluster.router.config import RouterConfig
 from cluster.router.policy import Policy, PrefixAware
 from cluster.router.prefix_index import prompt_keys
 from cluster.router.registry import HEALTHY, Registry, RegistryError
+
+if TYPE_CHECKING:
+    from cluster.fleet.controller import FleetController
 
 log = logging.getLogger(__name__)
 
@@ -251,13 +260,15 @@ class RouterBackend:
     servicer and the OpenAI HTTP front both sit on it."""
 
     def __init__(self, registry: Registry, policy: Policy, metrics: m.RouterMetrics,
-                 config: ProxyConfig = ProxyConfig()):
+                 config: ProxyConfig = ProxyConfig(), fleet: FleetController | None = None):
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
         self.config = config
+        self.fleet = fleet  # loads catalog models on demand (None: no fleet)
         self.budget = RetryBudget()
         self.held: dict[str, str] = {}  # request id -> the model it is held for (a hold)
+        self.loading: set[str] = set()  # ... of those, the ids held for a fleet load of their model
         self.holding = 0  # requests held now (ids may repeat: this is what `max_held` bounds)
 
     @property
@@ -275,11 +286,50 @@ class RouterBackend:
         None: it runs or queues on a worker."""
         return self.held.get(request_id)
 
+    def hold_status(self, request_id: str) -> str | None:
+        """What a held request waits for, in words (an SSE comment while it waits), or None."""
+        model = self.held.get(request_id)
+        if model is None:
+            return None
+        if request_id in self.loading:
+            return f"loading {_model_named(model)}: {self.fleet.describe(model).status}"
+        return f"waiting for a worker of {model or 'any model'}"
+
     async def list_models(self) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=self.registry.models())
+        served = self.registry.models()
+        if self.fleet is None:
+            return pb.ListModelsResponse(models=served)
+        catalog = {info.id: info for info in self.fleet.model_infos()}
+        for info in served:  # a catalog model served: what its workers report, with the catalog's state
+            entry = catalog.pop(info.id, None)
+            if entry is not None:
+                info.state, info.status = entry.state, entry.status
+        return pb.ListModelsResponse(models=sorted([*served, *catalog.values()], key=lambda i: i.id))
 
     async def generate(self, request: pb.GenerateRequest,
                        timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        with self._in_use(request):
+            async with aclosing(self._generate(request, timeout)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    @contextmanager
+    def _in_use(self, request):
+        """A request for a catalog model, counted by the fleet while it runs (its model's
+        idle time and keep-alive: the request's `keep_alive_seconds`, when it has one)."""
+        fleet, model = self.fleet, request.model
+        if fleet is None or not fleet.knows(model):
+            yield
+            return
+        keep_alive = (request.keep_alive_seconds if "keep_alive_seconds" in request.DESCRIPTOR.fields_by_name
+                      and request.HasField("keep_alive_seconds") else None)
+        fleet.request_started(model, keep_alive)
+        try:
+            yield
+        finally:
+            fleet.request_finished(model)
+
+    async def _generate(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
         tries, upstream = self._begin(request, validate_request, timeout)  # refused there, before any placement
         keys = prompt_keys(request) if isinstance(self.policy, PrefixAware) else []
         progress = _Progress(num_choices(request), list(request.resume_token_ids), tries.t0)
@@ -373,11 +423,13 @@ class RouterBackend:
     async def embed(self, request: pb.EmbedRequest, timeout: float | None = None) -> pb.EmbedResponse:
         """An embedding request, placed by load on a worker whose model serves embeddings;
         another worker if that one fails before it answers."""
-        return await self._unary(EMBED, request, validate_embed_request, lambda w: w.generation.Embed, timeout)
+        with self._in_use(request):
+            return await self._unary(EMBED, request, validate_embed_request, lambda w: w.generation.Embed, timeout)
 
     async def score(self, request: pb.ScoreRequest, timeout: float | None = None) -> pb.ScoreResponse:
         """A rerank / score request, placed as `embed` is, on a reranker's worker."""
-        return await self._unary(SCORE, request, validate_score_request, lambda w: w.generation.Score, timeout)
+        with self._in_use(request):
+            return await self._unary(SCORE, request, validate_score_request, lambda w: w.generation.Score, timeout)
 
     async def _unary(self, task: str, request, validate, method, timeout: float | None):
         """Place a one-answer request (`method(worker)` is the worker's RPC) with the same
@@ -566,12 +618,13 @@ class RouterBackend:
         held (`_hold_until`) instead. Every wait re-checks at each change of the workers."""
         waited = False
         held_until = None
+        held_at = 0.0  # when it began to wait for a fleet load
         try:
             while True:
                 try:
                     ready = self.registry.candidates(model, task, features)
                 except RegistryError as e:
-                    ready, no_worker = [], e
+                    ready, no_worker = [], self._not_in_catalog(model, e)
                 else:
                     no_worker = RegistryError(grpc.StatusCode.UNAVAILABLE, "no other healthy worker")
                 fresh = [w for w in ready if w.worker_id not in excluded]
@@ -579,7 +632,20 @@ class RouterBackend:
                     if waited:
                         log.info("request %s: placed after the wait", rid)
                     return fresh, no_worker
-                if not ready and self._may_hold(model, no_worker):
+                if not ready and self._fleet_loads(model, no_worker):
+                    if (failed := self.fleet.load_error(model)) is not None:
+                        return [], _HoldOver(f"{_model_named(model)} could not be loaded: {failed.message}")
+                    self.fleet.ensure_loaded(model)
+                    if held_until is None:
+                        held_until = self._hold_until(rid, model, deadline, self.fleet.config.load_timeout)
+                        self.loading.add(rid)
+                        held_at = time.monotonic()
+                    left = held_until - time.monotonic()
+                    if left <= 0:
+                        return [], _HoldOver(f"{_model_named(model)} was not loaded within "
+                                             f"{self.fleet.config.load_timeout:g} s (the router's --load-timeout)")
+                    left = min(left, HOLD_RECHECK)
+                elif not ready and self._may_hold(model, no_worker):
                     if held_until is None:
                         held_until = self._hold_until(rid, model, deadline)
                     left = held_until - time.monotonic()
@@ -610,6 +676,26 @@ class RouterBackend:
             if held_until is not None:
                 self.holding -= 1
                 self.held.pop(rid, None)
+            if rid in self.loading:
+                self.loading.discard(rid)
+                self.fleet.waited(time.monotonic() - held_at)
+
+    def _not_in_catalog(self, model: str, no_worker: RegistryError) -> RegistryError:
+        """With a fleet, a model that no worker serves and the catalog does not list is
+        NOT_FOUND naming the catalog's models."""
+        if (self.fleet is None or not model or no_worker.code is not grpc.StatusCode.NOT_FOUND
+                or self.fleet.knows(model)):
+            return no_worker
+        return RegistryError(grpc.StatusCode.NOT_FOUND, self.fleet.unknown(model))
+
+    def _fleet_loads(self, model: str, no_worker: RegistryError) -> bool:
+        """Whether a request that no worker can take now waits for the fleet to load its
+        model: a catalog model none of whose workers can take any request (as `_may_hold`
+        says), whether it was served lately or never."""
+        return (self.fleet is not None
+                and no_worker.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+                and self.fleet.knows(model)
+                and not any(w.state == HEALTHY and not w.breaker.allows() for w in self.registry.serving(model)))
 
     def _may_hold(self, model: str, no_worker: RegistryError) -> bool:
         """Whether a request that no worker can take now may be held for one: none can take
@@ -624,9 +710,10 @@ class RouterBackend:
                 and self.registry.failed_for_good(model) is None
                 and not any(w.state == HEALTHY and not w.breaker.allows() for w in self.registry.serving(model)))
 
-    def _hold_until(self, rid: str, model: str, deadline: float | None) -> float:
-        """Start holding request `rid`: when its hold ends. UNAVAILABLE at once when
-        `max_held` requests are held already (what a hold may cost is bounded)."""
+    def _hold_until(self, rid: str, model: str, deadline: float | None, wait: float | None = None) -> float:
+        """Start holding request `rid`: when its hold ends (after `wait` seconds, by default
+        `resume_wait`, or at its deadline). UNAVAILABLE at once when `max_held` requests are
+        held already (what a hold may cost is bounded)."""
         if self.holding >= self.config.max_held:
             self.metrics.requests.labels(worker="none", outcome=m.NO_WORKER).inc()
             error = errors.Unavailable(f"no worker of {_model_named(model)} can take the request, and "
@@ -636,9 +723,9 @@ class RouterBackend:
             raise error
         self.held[rid] = model
         self.holding += 1
-        until = time.monotonic() + self.config.resume_wait
-        log.info("request %s: no worker of %s can take it; held up to %g s for one to come back", rid,
-                 _model_named(model), self.config.resume_wait)
+        wait = self.config.resume_wait if wait is None else wait
+        until = time.monotonic() + wait
+        log.info("request %s: no worker of %s can take it; held up to %g s for one", rid, _model_named(model), wait)
         return until if deadline is None else min(until, deadline)
 
 

@@ -438,6 +438,11 @@ class Registry:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def notify(self) -> None:
+        """Wake whoever waits on a change (`wait_changed`) for a reason outside the registry:
+        a fleet load failed, so the requests held for its model fail now."""
+        self._notify()
+
     def may_come_back(self, model: str, excluded: set[str], task: str = GENERATE,
                       features: frozenset[str] = frozenset()) -> list[WorkerRecord]:
         """Workers for `model`, `task` and `features`, not in `excluded`, that are unhealthy

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 import sys
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cluster.api.servicer import GenerationServicer
 from cluster.api.serving import GENERATION_SERVICE, Endpoints, MetricsEndpoint
+from cluster.fleet import FleetError
 from cluster.fleet.nodes import AgentNodes, NodeRegistry
 from cluster.fleet.service import FleetServicer
 from cluster.net import check_addresses, parse_address
@@ -55,17 +58,31 @@ class RouterServer:
         # the fleet's node agents (cluster/fleet): the controller places models through `agent_nodes`
         self.nodes = NodeRegistry(self.registry.config, bind_identities=config.security.mutual)
         self.agent_nodes = AgentNodes(self.nodes, config.security.client(), config.join_token)
-        self.fleet = FleetServicer(self.nodes)
         self.metrics = RouterMetrics(self.registry)
+        self.controller = self._controller(config)
+        self.fleet = FleetServicer(self.nodes, None if self.controller is None else self.controller.rpcs())
         self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(
             config.max_attempts, config.worker_wait, config.stream_idle_timeout, config.resume_wait,
-            config.max_held, config.limits))
+            config.max_held, config.limits), fleet=self.controller)
         self.endpoints = Endpoints(default_host=ALL_INTERFACES, health_services=("", GENERATION_SERVICE),
                                    security=config.security)
         self._stop = asyncio.Event()
         self._health_task = None
         self._serving_task = None
         self._nodes_task = None
+        self._fleet_task = None
+
+    def _controller(self, config: RouterConfig):
+        """The fleet's FleetController over the catalog file (--catalog), or None: no fleet."""
+        if not config.fleet.enabled:
+            return None
+        from cluster.fleet.catalog import Catalog
+        from cluster.fleet.controller import FleetController
+        from cluster.fleet.metrics import FleetMetrics
+
+        return FleetController(Catalog(config.fleet.catalog), self.agent_nodes, self.registry,
+                               FleetMetrics(self.metrics.prometheus), config.fleet,
+                               router_id=f"{socket.gethostname()}-{os.getpid()}")
 
     async def start(self) -> None:
         """Bind and start everything; on any failure, stop what already started (gRPC
@@ -79,7 +96,7 @@ class RouterServer:
     async def _start(self) -> None:
         def add_services(server) -> None:
             pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.backend), server)
-            pb_grpc.add_RouterServicer_to_server(RouterControl(self.registry), server)
+            pb_grpc.add_RouterServicer_to_server(RouterControl(self.registry, fleet=self.controller), server)
             pb_grpc.add_FleetServicer_to_server(self.fleet, server)
 
         registry = self.metrics.prometheus
@@ -95,6 +112,10 @@ class RouterServer:
             self.registry.add_static(address)
         self._health_task = asyncio.create_task(self.registry.run(self._stop))
         self._nodes_task = asyncio.create_task(self.nodes.run(self._stop))
+        if self.controller is not None:
+            # one id per router of a fleet: its claims on loads are its own (the host and its bound port)
+            self.controller.router_id = f"{socket.gethostname()}:{self.grpc_port}"
+            self._fleet_task = asyncio.create_task(self.controller.run(self._stop))
         self._serving_task = asyncio.create_task(self._follow_serving())
         log.info(
             "router (%s) on gRPC %s, HTTP %s, metrics %s", self.policy.name, self.grpc_address,
@@ -141,7 +162,12 @@ class RouterServer:
         if self._nodes_task is not None:
             await self._nodes_task
             self._nodes_task = None
+        if self._fleet_task is not None:
+            await self._fleet_task
+            self._fleet_task = None
         await self.agent_nodes.close()
+        if self.controller is not None:
+            self.controller.catalog.close()
         await self.registry.close()
 
     async def wait(self) -> None:
@@ -170,13 +196,14 @@ def run(config: RouterConfig) -> int:
     try:
         check_addresses(config.grpc_address, config.http_address, config.metrics_address, *config.static_workers)
         config.security.check()
+        config.fleet.check()
     except ValueError as e:
         print(f"orchard router serve: {e}", file=sys.stderr)
         return 2
     give_back_large_blocks_when_freed()  # a router relays messages of up to 64 MiB: none may stay
     try:
         asyncio.run(serve(config))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, FleetError) as e:
         print(f"orchard router serve: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,0 +1,726 @@
+"""FleetController: the router's part of the fleet. It loads catalog models on the fleet's
+nodes when requests name them, unloads them when their keep-alive runs out or another
+model needs their room, and keeps the catalog's record of what runs where.
+
+Loading a model (`ensure_loaded`, never blocking; `load`, awaited):
+- **Single flight.** One load task per model in this router, and the catalog's claim
+  (`Catalog.claim`, a row per model in the shared SQLite file) across routers: a router
+  that cannot take the claim starts nothing and waits for the worker the other one starts
+  (workers register with every router). A model already placed (a node reports a worker
+  of it, or the catalog records one on a node not heard from yet) is never started again:
+  its requests wait for that worker.
+- **Placement** (`cluster.fleet.placement`, the one policy): a footprint per node from the
+  node's facts of the model's files (`cluster.fleet.footprint`) with the entry's context
+  and `--fleet-concurrency` requests of it in the KV pool. Evictions go first, each by
+  draining (`NodeSide.stop` drains: a request in flight finishes); then one worker, or a
+  pipeline group whose ring ports and side-channel port are reserved on its nodes before
+  any rank starts. The load ends when the worker (a group's rank 0) registers healthy with
+  this router, bounded by `--load-timeout`; its placement is recorded in the catalog.
+- **Failure** (no room: the message says what is needed and what each node has; a start
+  refused; a worker that exited or never registered) is kept as `load_error(model)` for
+  `LOAD_RETRY_AFTER` seconds: requests held for the model fail at once with it, and new
+  ones too until a new load may be tried. Workers started for a failed load are stopped.
+
+Keep-alive (Ollama's meaning): the entry's, or `--default-keep-alive`, or the latest
+request's `keep_alive`, counted from when the model's last request finished; 0 unloads
+after the request, negative never. A pinned model is never unloaded for its keep-alive nor
+evicted, and no model is unloaded while this router has requests of it in flight or its
+workers report any running (another router's). The proxy tells the controller of each
+request (`request_started` / `request_finished`).
+
+After a router restart (`run`), the controller takes the nodes' reports as the truth: a
+placement the catalog records whose worker no node reports is forgotten, a worker a node
+runs for a catalog model is the model's (nothing is loaded twice), and one it runs for a
+model no longer in the catalog is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
+
+import grpc
+
+from cluster.fleet import FleetError, footprint, placement
+from cluster.fleet.catalog import Placement, parse_duration
+from cluster.fleet.config import FleetConfig
+from cluster.fleet.metrics import FOUND, LOADED
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.router.registry import HEALTHY
+
+if TYPE_CHECKING:
+    from cluster.fleet.catalog import Catalog
+    from cluster.fleet.metrics import FleetMetrics
+    from cluster.fleet.nodes import NodeSide
+    from cluster.router.registry import Registry
+
+log = logging.getLogger(__name__)
+
+# A failed load's error answers the model's requests this long before another load is
+# tried: a burst of requests for a model that cannot fit gets one answer, not one load each.
+LOAD_RETRY_AFTER = 5.0
+# The run loop's period: keep-alive expiry and the reconcile with the nodes' reports.
+TICK = 1.0
+# How long an eviction or unload lets a worker's requests in flight finish before it stops.
+DRAIN_TIMEOUT = 120.0
+STOP_GRACE = 60.0  # ... and then to stop (SIGTERM, SIGKILL after a grace)
+# A placement the catalog records on a node not heard from since this router started is
+# waited for this long (the node's first report after a router restart) before it is forgotten.
+NODE_GRACE = 10.0
+LIVE = ("starting", "loading", "running")  # ManagedWorker states of a worker that serves or will
+
+
+def source_name(source: str) -> str:
+    """The name a node's `--models-dir` holds a catalog source under (`DiskModel.name`)."""
+    if source.startswith("ollama:"):
+        return source
+    return PurePosixPath(source.rstrip("/")).name
+
+
+@dataclass
+class _Use:
+    """This router's use of a loaded model."""
+
+    active: int = 0  # requests in flight here
+    idle_since: float = 0.0  # when the last one finished (or the model was found loaded)
+    keep_alive: float | None = None  # the latest request's keep_alive, seconds (None: the entry's)
+    uses: float = 0.0  # its recent requests as of idle_since, decayed (`placement.used`)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One worker of a placed model, as a node reports it."""
+
+    node_id: str
+    worker: pb.ManagedWorker
+
+    @property
+    def live(self) -> bool:
+        return self.worker.state in LIVE
+
+
+@dataclass
+class _Placed:
+    """What the controller knows of a model placed on the fleet (from the nodes' reports)."""
+
+    members: list[Member] = field(default_factory=list)
+
+    @property
+    def node_ids(self) -> list[str]:
+        return sorted({m.node_id for m in self.members})
+
+
+class FleetController:
+    def __init__(self, catalog: Catalog, nodes: NodeSide, registry: Registry, metrics: FleetMetrics | None,
+                 config: FleetConfig, router_id: str, clock=time.monotonic):
+        self.catalog = catalog
+        self.nodes = nodes
+        self.registry = registry
+        self.metrics = metrics
+        self.config = config
+        self.router_id = router_id
+        self.clock = clock
+        self.default_keep_alive = parse_duration(config.default_keep_alive)
+        self._loads: dict[str, asyncio.Task] = {}
+        self._unloads: dict[str, asyncio.Task] = {}
+        self._errors: dict[str, tuple[FleetError, float]] = {}
+        self._use: dict[str, _Use] = {}
+        self._estimates: dict[str, int] = {}  # worker id -> the footprint it was started with
+        self._load_seconds: dict[str, float] = {}  # model -> its last load's time
+        self._started = clock()
+        if metrics is not None:
+            metrics.watch(self)
+
+    # -- what the proxy asks ----------------------------------------------------------------------
+    def knows(self, model: str) -> bool:
+        """Whether `model` is a catalog entry."""
+        return bool(model) and self.catalog.get(model) is not None
+
+    def names(self) -> list[str]:
+        return sorted(e.name for e in self.catalog.entries())
+
+    def ensure_loaded(self, model: str) -> None:
+        """Start loading `model` unless a load of it runs (here or, by the catalog's claim, on
+        another router), its last load failed less than `LOAD_RETRY_AFTER` seconds ago, or it
+        is being unloaded (the load then follows the unload). Never blocks."""
+        task = self._loads.get(model)
+        if task is not None and not task.done():
+            return
+        failed = self._errors.get(model)
+        if failed is not None:
+            if self.clock() - failed[1] < LOAD_RETRY_AFTER:
+                return
+            del self._errors[model]
+        self._loads[model] = asyncio.create_task(self._load_task(model), name=f"fleet load {model}")
+
+    def load_error(self, model: str) -> FleetError | None:
+        """The failure of the model's last load, while it answers requests (`LOAD_RETRY_AFTER`)."""
+        failed = self._errors.get(model)
+        if failed is None or self.clock() - failed[1] >= LOAD_RETRY_AFTER:
+            return None
+        return failed[0]
+
+    def loading(self, model: str) -> bool:
+        task = self._loads.get(model)
+        return task is not None and not task.done()
+
+    def waited(self, seconds: float) -> None:
+        """A request was held this long for its model to load."""
+        if self.metrics is not None:
+            self.metrics.load_wait_seconds.observe(seconds)
+
+    def request_started(self, model: str, keep_alive: float | None = None) -> None:
+        use = self._use.setdefault(model, _Use(idle_since=self.clock()))
+        use.active += 1
+        if keep_alive is not None:
+            use.keep_alive = keep_alive
+
+    def request_finished(self, model: str) -> None:
+        use = self._use.get(model)
+        if use is None or use.active == 0:
+            return
+        use.active -= 1
+        now = self.clock()
+        use.uses = placement.used(use.uses, use.idle_since, now)
+        use.idle_since = now
+        if use.active == 0:
+            self.catalog.touch(model)  # what another router on the catalog counts the model's idle time from
+            if self._keep_alive(model) == 0:  # Ollama's keep_alive 0: unloaded once its request is done
+                self._start_unload(model, "keep_alive")
+
+    # -- the operator's ---------------------------------------------------------------------------
+    async def load(self, model: str) -> pb.CatalogModel:
+        """Load `model` now (a no-op when it serves): returns once it serves, or raises the
+        load's FleetError."""
+        self._entry(model)
+        self._errors.pop(model, None)
+        self.ensure_loaded(model)
+        await asyncio.shield(self._loads[model])
+        error = self.load_error(model)
+        if error is not None:
+            raise error
+        return self.describe(model)
+
+    async def unload(self, model: str, reason: str = "operator") -> pb.CatalogModel:
+        """Unload `model` now: its workers drain (requests in flight finish), then stop."""
+        self._entry(model)
+        task = self._loads.get(model)
+        if task is not None and not task.done():
+            await asyncio.shield(task)
+        self._start_unload(model, reason)
+        await asyncio.shield(self._unloads[model])
+        return self.describe(model)
+
+    def _entry(self, model: str) -> pb.CatalogModel:
+        entry = self.catalog.get(model)
+        if entry is None:
+            raise FleetError(grpc.StatusCode.NOT_FOUND, self.unknown(model))
+        return entry
+
+    def unknown(self, model: str) -> str:
+        """A NOT_FOUND message for a model neither served nor in the catalog."""
+        names = self.names()
+        served = sorted({w.model for w in self.registry.snapshot() if w.model and w.model not in names})
+        return (f"model {model!r} is not in the fleet's catalog (catalog: {', '.join(names) or 'empty'}"
+                + (f"; also served: {', '.join(served)}" if served else "") + ")")
+
+    # -- placed models, from the nodes' reports ---------------------------------------------------
+    def placed(self) -> dict[str, _Placed]:
+        """Catalog model -> its workers the nodes report (exited ones included)."""
+        out: dict[str, _Placed] = {}
+        for info in self.nodes.nodes():
+            for w in info.report.workers:
+                out.setdefault(w.model, _Placed()).members.append(Member(info.report.node_id, w))
+        return out
+
+    def _live_members(self, model: str) -> list[Member]:
+        return [m for m in self.placed().get(model, _Placed()).members if m.live]
+
+    def _awaited_nodes(self, model: str) -> list[str]:
+        """Nodes the catalog records a placement of `model` on that have not reported since
+        this router started (within `NODE_GRACE`): the model may be running there."""
+        if self.clock() - self._started > NODE_GRACE:
+            return []
+        known = {info.report.node_id for info in self.nodes.nodes()}
+        return sorted({p.node_id for p in self.catalog.placements(model) if p.node_id not in known})
+
+    def serving(self, model: str) -> bool:
+        """Some worker of `model` takes requests here (healthy, not draining)."""
+        return any(w.state == HEALTHY for w in self.registry.serving(model))
+
+    # -- loading ----------------------------------------------------------------------------------
+    async def _load_task(self, model: str) -> None:
+        t0 = self.clock()
+        outcome = "error"
+        try:
+            unloading = self._unloads.get(model)
+            if unloading is not None and not unloading.done():
+                await asyncio.shield(unloading)
+            outcome = await asyncio.wait_for(self._load(model), self.config.load_timeout)
+        except asyncio.TimeoutError:
+            self._fail(model, FleetError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         f"model {model!r} did not load within {self.config.load_timeout:g} s "
+                                         "(the router's --load-timeout)"))
+            outcome = "timeout"
+        except FleetError as e:
+            self._fail(model, e)
+            outcome = "no_room" if e.code is grpc.StatusCode.RESOURCE_EXHAUSTED else "error"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except Exception as e:  # a bug must not leave held requests waiting out the timeout
+            log.exception("load of %s failed", model)
+            self._fail(model, FleetError(grpc.StatusCode.INTERNAL, f"loading model {model!r} failed: {e}"))
+        finally:
+            if self.metrics is not None:
+                self.metrics.loads.labels(model=model, outcome=outcome).inc()
+                if outcome == LOADED:
+                    self.metrics.load_seconds.observe(self.clock() - t0)
+
+    def _fail(self, model: str, error: FleetError) -> None:
+        log.warning("fleet: load of %s failed: %s", model, error.message)
+        self._errors[model] = (error, self.clock())
+        self.registry.notify()  # the requests held for it fail now
+
+    async def _load(self, model: str) -> str:
+        """One load: "loaded" (this router started it) or "found" (it was placed already, or
+        another router loaded it: its worker registers here too)."""
+        ttl = self.config.load_timeout + 30.0
+        while True:
+            if self.serving(model):
+                return FOUND
+            if not (self._live_members(model) or self._awaited_nodes(model)) \
+                    and self.catalog.claim(model, self.router_id, ttl):
+                break
+            await self._tick()  # its worker, placed already or by another router, registers here
+        try:
+            if self._live_members(model):  # the router that held the claim placed it meanwhile
+                await self._wait_serving(model)
+                return FOUND
+            t0 = self.clock()
+            await self._place_and_start(model)
+            self._load_seconds[model] = self.clock() - t0
+            self._use.setdefault(model, _Use()).idle_since = self.clock()
+            return LOADED
+        finally:
+            self.catalog.release(model, self.router_id)
+
+    async def _tick(self) -> None:
+        """Until the workers or the nodes change, at most `TICK` seconds."""
+        await _either(self.registry.wait_changed(TICK), self.nodes.wait_changed(TICK))
+
+    async def _wait_serving(self, model: str, worker_id: str | None = None) -> None:
+        """Until a worker of `model` (`worker_id`, when given: raises when it exits or
+        fails to start) registers healthy."""
+        while not any(w.state == HEALTHY and (worker_id is None or w.worker_id == worker_id)
+                      for w in self.registry.serving(model)):
+            if worker_id is not None:
+                self._check_started(model, worker_id)
+            await self._tick()
+
+    def _check_started(self, model: str, worker_id: str) -> None:
+        """FleetError when the worker started for `model` exited (or failed to start)."""
+        for m in self.placed().get(model, _Placed()).members:
+            if m.worker.worker_id == worker_id and m.worker.state == "exited":
+                raise FleetError(grpc.StatusCode.UNAVAILABLE,
+                                 f"model {model!r}'s worker on {m.node_id} exited (code {m.worker.exit_code}) "
+                                 f"while loading: {m.worker.reason or 'no reason given'}")
+        failure = self.registry.failures.get(worker_id)
+        if failure is not None and failure.permanent:
+            raise FleetError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"model {model!r}'s worker could not start: {failure.reason}")
+
+    async def _place_and_start(self, model: str) -> None:
+        entry = self._entry(model)
+        nodes = self.nodes.nodes()
+        name = source_name(entry.source)
+        footprints = self._footprints(entry, [n for n in nodes if n.state == "healthy"])
+        layers = max((d.num_layers for n in nodes if (d := _disk_model(n.report, name))), default=0)
+        want = placement.ToPlace(model, name, footprints, num_layers=layers, max_nodes=entry.max_nodes)
+        plan = placement.plan(want, [placement.node_view(n) for n in nodes], self._loaded(), self.clock())
+        if isinstance(plan, placement.NoRoom):
+            raise plan.error()
+        log.info("fleet: placing %s: %s", model, plan.why)
+        for victim in plan.evict:
+            log.info("fleet: evicting %s for %s", victim, model)
+            self._start_unload(victim, "evicted")
+            await asyncio.shield(self._unloads[victim])
+        if isinstance(plan, placement.Single):
+            await self._start_single(entry, plan.node_id, footprints[plan.node_id])
+        else:
+            await self._start_group(entry, plan, footprints)
+
+    def _context(self, entry: pb.CatalogModel, disk: pb.DiskModel) -> int:
+        """The context its workers get: the entry's, else the fleet's default, within the model's own."""
+        context = entry.context or self.config.fleet_context
+        return min(context, disk.max_context) if disk.max_context else context
+
+    def _footprints(self, entry: pb.CatalogModel, nodes: list[pb.NodeInfo]) -> dict[str, footprint.Footprint]:
+        """Node id -> the model's footprint there, for the nodes that hold its files."""
+        name = source_name(entry.source)
+        out = {}
+        for info in nodes:
+            disk = _disk_model(info.report, name)
+            if disk is not None:
+                out[info.report.node_id] = footprint.estimate(disk, self._context(entry, disk),
+                                                              self.config.fleet_concurrency, _platform(info.report))
+        return out
+
+    def _loaded(self) -> list[placement.Loaded]:
+        """The models placed on the fleet, as the policy weighs them."""
+        out = []
+        for model, placed in self.placed().items():
+            live = [m for m in placed.members if m.live]
+            if not live:
+                continue
+            entry = self.catalog.get(model)
+            use = self._use.get(model) or _Use(idle_since=self._started)
+            reserved: dict[str, int] = {}
+            for m in live:
+                reserved[m.node_id] = reserved.get(m.node_id, 0) + m.worker.reserved_bytes
+            # requests here, and those its workers report (another router's too)
+            busy = use.active + sum(w.report.num_running + w.report.num_waiting for w in self.registry.serving(model))
+            out.append(placement.Loaded(
+                model=model, reserved=reserved,
+                pinned=entry is None or entry.pin,  # a worker of no catalog entry is not the fleet's to move
+                in_flight=busy, loading=self._busy(model) or any(m.worker.state != "running" for m in live),
+                idle_since=self._idle_since(model, use), keep_alive=self._keep_alive(model),
+                load_seconds=self._load_seconds.get(model) or self._reload_seconds(entry, live), uses=use.uses))
+        return out
+
+    def _reload_seconds(self, entry: pb.CatalogModel | None, live: list[Member]) -> float:
+        """A model's time to load again, not measured yet: its weights read from disk."""
+        if entry is None:
+            return 0.0
+        name = source_name(entry.source)
+        nodes = {n.report.node_id: n.report for n in self.nodes.nodes()}
+        weights = sum(d.weight_bytes for m in live if m.node_id in nodes
+                      and (d := _disk_model(nodes[m.node_id], name)) is not None and m.worker.group_rank == 0)
+        return placement.Costs().load_seconds(weights)
+
+    async def _start_single(self, entry: pb.CatalogModel, node_id: str, fp: footprint.Footprint) -> None:
+        worker_id = _worker_id(entry.name, node_id)
+        disk = _disk_model(self._report(node_id), source_name(entry.source))
+        spec = pb.WorkerSpec(worker_id=worker_id, model=entry.name, source=entry.source,
+                             context=self._context(entry, disk), kv_cache_bytes=fp.kv, reserved_bytes=fp.total,
+                             engine_args=entry.engine_args)
+        log.info("fleet: starting %s on %s as %s (%.2f GiB reserved)", entry.name, node_id, worker_id,
+                 fp.total / 2**30)
+        await self._start_all(entry.name, [(node_id, spec)])
+
+    async def _start_group(self, entry: pb.CatalogModel, plan: placement.Group, footprints: dict) -> None:
+        """A pipeline group over the plan's ranks: each rank's ring port (and rank 0's
+        side-channel port) reserved on its node first, then every rank started."""
+        size = len(plan.ranks)
+        reports = {n.report.node_id: n.report for n in self.nodes.nodes()}
+        ports = [await self.nodes.reserve_ports(rank.node_id, 2 if r == 0 else 1) for r, rank in enumerate(plan.ranks)]
+        hosts = [f"{_host(reports[rank.node_id])}:{ports[r][0]}" for r, rank in enumerate(plan.ranks)]
+        group_id = _worker_id(entry.name, "group")
+        specs = []
+        for r, rank in enumerate(plan.ranks):
+            fp = footprints[rank.node_id]
+            disk = _disk_model(reports[rank.node_id], source_name(entry.source))
+            layers = rank.last_layer - rank.first_layer + 1
+            specs.append((rank.node_id, pb.WorkerSpec(
+                worker_id=group_id if r == 0 else f"{group_id}-rank-{r}", model=entry.name, source=entry.source,
+                context=self._context(entry, disk), kv_cache_bytes=fp.kv * layers // max(1, disk.num_layers),
+                reserved_bytes=rank.bytes, engine_args=entry.engine_args, group_size=size, group_rank=r,
+                group_hosts=hosts, group_port=ports[0][1], group_shares=plan.shares, memory_budget_bytes=rank.bytes)))
+        log.info("fleet: starting %s as a group of %d over %s", entry.name, size,
+                 ", ".join(rank.node_id for rank in plan.ranks))
+        await self._start_all(entry.name, specs)
+
+    async def _start_all(self, model: str, specs: list[tuple[str, pb.WorkerSpec]]) -> None:
+        """Start the workers (a group's ranks, rank 0 first) and wait until the first one
+        registers healthy; on any failure, stop those started."""
+        started: list[tuple[str, str]] = []
+        try:
+            for node_id, spec in specs:
+                await self.nodes.start(node_id, spec)
+                started.append((node_id, spec.worker_id))
+                if spec.group_rank == 0:
+                    self._estimates[spec.worker_id] = spec.reserved_bytes
+            self._record(model, specs)
+            await self._wait_serving(model, specs[0][1].worker_id)
+        except BaseException:
+            await self._stop_quietly(model, started)
+            raise
+
+    def _report(self, node_id: str) -> pb.NodeReport:
+        return next(n.report for n in self.nodes.nodes() if n.report.node_id == node_id)
+
+    def _record(self, model: str, specs: list[tuple[str, pb.WorkerSpec]]) -> None:
+        for node_id, s in specs:
+            self.catalog.record_placement(Placement(model, node_id, s.worker_id, rank=s.group_rank,
+                                                    size=s.group_size or 1, reserved_bytes=s.reserved_bytes,
+                                                    router_id=self.router_id))
+
+    def _forget(self, model: str) -> None:
+        """The catalog forgets where `model` was placed (its workers stopped, or never ran)."""
+        for p in self.catalog.placements(model):
+            self.catalog.forget_placement(p.worker_id)
+
+    async def _stop_quietly(self, model: str, workers: list[tuple[str, str]]) -> None:
+        """Stop the workers a failed load started (nothing of theirs is in flight)."""
+        for node_id, worker_id in workers:
+            try:
+                await self.nodes.stop(node_id, worker_id, 0.0)
+            except Exception as e:  # the node is gone: so is its worker
+                log.warning("fleet: could not stop %s on %s: %s", worker_id, node_id, e)
+            self._estimates.pop(worker_id, None)
+        self._forget(model)
+
+    # -- unloading --------------------------------------------------------------------------------
+    def _start_unload(self, model: str, reason: str) -> None:
+        task = self._unloads.get(model)
+        if task is None or task.done():
+            self._unloads[model] = asyncio.create_task(self._unload(model, reason), name=f"fleet unload {model}")
+
+    async def _unload(self, model: str, reason: str) -> None:
+        """Drain and stop the model's workers (a group's members with it), under the
+        model's claim: two routers whose keep-alives run out together stop it once, and no
+        router loads it while it stops. An operator's unload that another router holds the
+        claim for is refused (UNAVAILABLE); any other is left to that router."""
+        members = self._live_members(model)
+        if not members:
+            return
+        if not self.catalog.claim(model, self.router_id, DRAIN_TIMEOUT + STOP_GRACE):
+            if reason == "operator":
+                raise FleetError(grpc.StatusCode.UNAVAILABLE, f"another router is loading or unloading model "
+                                                              f"{model!r} now: try again when it is done")
+            return
+        try:
+            log.info("fleet: unloading %s (%s) from %s", model, reason, _and(sorted({m.node_id for m in members})))
+            results = await asyncio.gather(*(self.nodes.stop(m.node_id, m.worker.worker_id, DRAIN_TIMEOUT)
+                                             for m in members), return_exceptions=True)
+            for m, result in zip(members, results):
+                if isinstance(result, BaseException):
+                    log.warning("fleet: stopping %s on %s: %s", m.worker.worker_id, m.node_id, result)
+                self._estimates.pop(m.worker.worker_id, None)
+            self._forget(model)
+        finally:
+            self.catalog.release(model, self.router_id)
+        use = self._use.get(model)
+        if use is not None:  # a request's keep_alive held for the model while it was loaded
+            use.keep_alive = None
+        if self.metrics is not None:
+            self.metrics.unloads.labels(model=model, reason=reason).inc()
+
+    def _idle_since(self, model: str, use: _Use) -> float:
+        """When `model`'s last request finished, on this router or (the catalog's record)
+        another one, in `clock`'s time."""
+        last_used = self.catalog.last_used(model)
+        if last_used is None:
+            return use.idle_since
+        return max(use.idle_since, self.clock() - max(0.0, self.catalog.clock() - last_used))
+
+    def _keep_alive(self, model: str) -> float:
+        use = self._use.get(model)
+        if use is not None and use.keep_alive is not None:
+            return use.keep_alive
+        entry = self.catalog.get(model)
+        if entry is None or not entry.HasField("keep_alive_seconds"):
+            return self.default_keep_alive
+        return entry.keep_alive_seconds
+
+    def expire(self) -> list[str]:
+        """Unload the models idle past their keep-alive (never pinned, never busy): their names."""
+        gone = placement.expired(self._loaded(), self.clock())
+        for model in gone:
+            self._start_unload(model, "keep_alive")
+        return gone
+
+    def _busy(self, model: str) -> bool:
+        task = self._unloads.get(model)
+        return (task is not None and not task.done()) or self.loading(model)
+
+    # -- after a restart, and every tick ----------------------------------------------------------
+    def reconcile(self) -> None:
+        """The nodes' reports are the truth: placements of workers no node runs are
+        forgotten; a worker of a model no longer in the catalog is stopped; a model found
+        loaded starts its idle time now."""
+        placed = self.placed()
+        names = set(self.names())
+        reported = {info.report.node_id for info in self.nodes.nodes()}
+        for model in names:
+            live = [m for m in placed.get(model, _Placed()).members if m.live]
+            if live:
+                self._use.setdefault(model, _Use(idle_since=self.clock()))
+                continue
+            recorded = self.catalog.placements(model)
+            waiting = self.clock() - self._started <= NODE_GRACE and any(p.node_id not in reported for p in recorded)
+            if recorded and not waiting and not self.loading(model):
+                self._forget(model)
+        for model, p in placed.items():
+            if model not in names and any(m.live for m in p.members) and not self._busy(model):
+                log.info("fleet: %s runs on %s but is no longer in the catalog: stopping it", model,
+                         ", ".join(p.node_ids))
+                self._start_unload(model, "operator")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Reconcile with the nodes and expire keep-alives every `TICK` until `stop` is set."""
+        while not stop.is_set():
+            try:
+                self.reconcile()
+                self.expire()
+            except Exception:  # the catalog file unreadable for a moment: try again next tick
+                log.exception("fleet: reconcile failed")
+            try:
+                await asyncio.wait_for(stop.wait(), TICK)
+            except asyncio.TimeoutError:
+                pass
+        for task in [*self._loads.values(), *self._unloads.values()]:
+            task.cancel()
+
+    # -- what the catalog shows -------------------------------------------------------------------
+    def describe(self, model: str) -> pb.CatalogModel:
+        """The catalog entry with its state, status in words, placements and footprint."""
+        entry = pb.CatalogModel()
+        entry.CopyFrom(self._entry(model))
+        placed = self.placed().get(model, _Placed())
+        live = sorted((m for m in placed.members if m.live), key=lambda m: (m.worker.group_rank, m.node_id))
+        for m in live:
+            entry.placements.add(node_id=m.node_id, worker_id=m.worker.worker_id, state=m.worker.state,
+                                 group_rank=m.worker.group_rank, group_size=m.worker.group_size or 1,
+                                 reserved_bytes=m.worker.reserved_bytes, progress=m.worker.progress)
+        entry.footprint_bytes = sum(m.worker.reserved_bytes for m in live)
+        entry.measured_bytes = sum(w.report.resident_bytes for w in self.registry.serving(model))
+        use = self._use.get(model)
+        if use is not None and use.active == 0 and live:
+            entry.idle_seconds = self.clock() - use.idle_since
+        nodes = [m.node_id for m in live]
+        unloading = self._unloads.get(model)
+        if unloading is not None and not unloading.done():
+            entry.state, entry.status = "unloading", "unloading from " + _and(nodes)
+        elif live and all(m.worker.state == "running" for m in live) and self.serving(model):
+            entry.state, entry.status = "serving", "serving on " + _and(nodes)
+        elif live or self.loading(model):
+            entry.state = "loading"
+            progress = [m for m in live if m.worker.progress]
+            entry.status = ("loading on " + _and(nodes) if nodes else "loading") + (
+                f" {100 * min(m.worker.progress for m in progress):.0f}%" if progress else "")
+        else:
+            holders = [n.report.node_id for n in self.nodes.nodes()
+                       if _disk_model(n.report, source_name(entry.source)) is not None]
+            entry.state = "on disk" if holders else "not on disk"
+            entry.status = ("on disk on " + _and(holders)) if holders else "on no node's --models-dir"
+            error = self.load_error(model)
+            if error is not None:
+                entry.status += f"; last load failed: {error.message}"
+        return entry
+
+    def catalog_models(self) -> list[pb.CatalogModel]:
+        return [self.describe(e.name) for e in sorted(self.catalog.entries(), key=lambda e: e.name)]
+
+    def model_infos(self) -> list[pb.ModelInfo]:
+        """The catalog's entries as /v1/models lists them (beside the models served)."""
+        out = []
+        for entry in self.catalog_models():
+            served = [w for w in self.registry.serving(entry.name) if w.healthy]
+            info = pb.ModelInfo(id=entry.name, owned_by="orchard", state=entry.state, status=entry.status)
+            info.max_model_len = max((w.report.max_model_len for w in served), default=0)
+            disk = next((d for n in self.nodes.nodes() if (d := _disk_model(n.report, source_name(entry.source)))),
+                        None)
+            if not info.max_model_len and disk is not None:
+                info.max_model_len = self._context(entry, disk)
+            info.tasks.extend(sorted({t for w in served for t in w.report.tasks}) or (list(disk.tasks) if disk else []))
+            out.append(info)
+        return out
+
+    def rpcs(self) -> CatalogRPCs:
+        """The catalog RPCs over this controller (the `Fleet` service hands them here)."""
+        return CatalogRPCs(self)
+
+    def annotate(self, workers: list[pb.WorkerInfo]) -> None:
+        """Fill each fleet-placed worker's node_id and catalog_model (`orchard router workers`)."""
+        where = {m.worker.worker_id: (m.node_id, model) for model, p in self.placed().items() for m in p.members}
+        for w in workers:
+            if w.worker_id in where:
+                w.node_id, w.catalog_model = where[w.worker_id]
+
+    def footprint_errors(self) -> dict[str, float]:
+        """Model -> measured resident memory / the footprint estimate - 1, for loaded models
+        whose worker reported its resident memory."""
+        out = {}
+        for w in self.registry.snapshot():
+            estimate = self._estimates.get(w.worker_id)
+            if estimate and w.report.resident_bytes:
+                out[w.model] = w.report.resident_bytes / estimate - 1.0
+        return out
+
+
+def _disk_model(report: pb.NodeReport, name: str) -> pb.DiskModel | None:
+    return next((m for m in report.models if m.name == name and not m.error), None)
+
+
+def _worker_id(model: str, where: str) -> str:
+    return f"{model}@{where}-{uuid.uuid4().hex[:6]}"
+
+
+def _platform(report: pb.NodeReport) -> str:
+    return report.platform or "metal"
+
+
+def _host(report: pb.NodeReport) -> str:
+    return report.advertise_host or report.address.rpartition(":")[0] or "127.0.0.1"
+
+
+def _and(names: list[str]) -> str:
+    names = list(dict.fromkeys(names))
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1] if names else "no node"
+
+
+async def _either(*waits) -> None:
+    """Until the first of `waits` is done (the others are cancelled)."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class CatalogRPCs:
+    """The `Fleet` service's catalog RPCs, which `FleetServicer` hands here: each takes
+    `(request, context)` and aborts the call with a FleetError's code and message. The
+    server's AuthInterceptor asks for the admin key first, as for the router's other
+    admin RPCs."""
+
+    def __init__(self, controller: FleetController):
+        self.controller = controller
+
+    async def _answer(self, context, work):
+        try:
+            return await work()
+        except FleetError as e:
+            await context.abort(e.code, e.message)
+
+    async def AddModel(self, request: pb.CatalogModel, context) -> pb.CatalogModel:
+        async def add():
+            added = self.controller.catalog.add(request)
+            log.info("fleet: catalog %s %s (source %s)", "changed" if request.replace else "added", added.name,
+                     added.source)
+            return self.controller.describe(added.name)
+        return await self._answer(context, add)
+
+    async def RemoveModel(self, request: pb.RemoveModelRequest, context) -> pb.RemoveModelResponse:
+        async def remove():
+            await self.controller.unload(request.name, "operator")
+            self.controller.catalog.remove(request.name)
+            log.info("fleet: catalog removed %s", request.name)
+            return pb.RemoveModelResponse()
+        return await self._answer(context, remove)
+
+    async def ListCatalog(self, request: pb.ListCatalogRequest, context) -> pb.ListCatalogResponse:
+        return pb.ListCatalogResponse(models=self.controller.catalog_models())
+
+    async def LoadModel(self, request: pb.LoadModelRequest, context) -> pb.CatalogModel:
+        return await self._answer(context, lambda: self.controller.load(request.name))
+
+    async def UnloadModel(self, request: pb.UnloadModelRequest, context) -> pb.CatalogModel:
+        return await self._answer(context, lambda: self.controller.unload(request.name, "operator"))

@@ -1,0 +1,166 @@
+"""A fleet's node side in process (`cluster.fleet.nodes.NodeSide`), for controller tests.
+
+Nodes have a memory budget and models on disk (`DiskModel`s). `start` reserves the spec's
+bytes (RESOURCE_EXHAUSTED past the budget, NOT_FOUND for a model not on disk), lists the
+worker as "loading" in the node's report, and after `load_delay` seconds brings it up: a
+group member is "running"; a worker (a group's rank 0) registers with every router's
+`Registry`, as a real worker does. With `serve`, it is a `FakeWorker` answering gRPC
+(the router's real proxy path); else a registry record only. `stop` drains: it waits until
+no router has requests in flight on the worker, then removes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from cluster.fleet import FleetError
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.router.registry import Registry
+from cluster.up import free_port
+from tests.fake_worker import FakeWorker
+
+GiB = 2**30
+
+
+def disk_model(name: str, weight_gib: float, layers: int = 8, kv_bytes_per_token: int = 1024,
+               max_context: int = 4096) -> pb.DiskModel:
+    weights = int(weight_gib * GiB)
+    return pb.DiskModel(name=name, file_bytes=weights, weight_bytes=weights, kv_bytes_per_token=kv_bytes_per_token,
+                        num_layers=layers, max_context=max_context, tasks=["generate"])
+
+
+class FakeNodes:
+    def __init__(self, registries: list[Registry], load_delay: float = 0.05, serve: bool = False):
+        self.registries = registries
+        self.load_delay = load_delay
+        self.serve = serve
+        self.reports: dict[str, pb.NodeReport] = {}
+        self.healthy: dict[str, bool] = {}
+        self.started: list[tuple[str, pb.WorkerSpec]] = []
+        self.stopped: list[str] = []
+        self.served: dict[str, FakeWorker] = {}
+        self.exit_on_start: str | None = None  # a worker started exits at once with this reason
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    def add_node(self, node_id: str, budget_gib: float, models: list[pb.DiskModel], platform: str = "cpu") -> None:
+        self.reports[node_id] = pb.NodeReport(
+            node_id=node_id, address=f"127.0.0.1:{free_port()}", advertise_host="127.0.0.1",
+            memory_budget_bytes=int(budget_gib * GiB), memory_available_bytes=int(budget_gib * GiB),
+            models=models, platform=platform)
+        self.healthy[node_id] = True
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- NodeSide ---------------------------------------------------------------------------------
+    def nodes(self) -> list[pb.NodeInfo]:
+        return [pb.NodeInfo(report=r, state="healthy" if self.healthy[n] else "unhealthy")
+                for n, r in sorted(self.reports.items())]
+
+    async def wait_changed(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def reserve_ports(self, node_id: str, count: int) -> list[int]:
+        return [free_port() for _ in range(count)]
+
+    async def start(self, node_id: str, spec: pb.WorkerSpec) -> pb.ManagedWorker:
+        report = self.reports.get(node_id)
+        if report is None:
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"no node {node_id!r}")
+        if not any(m.name == spec.source for m in report.models):
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"{spec.source} is not on node {node_id}")
+        free = report.memory_budget_bytes - report.memory_reserved_bytes
+        if spec.reserved_bytes > free:
+            raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"needs {spec.reserved_bytes / GiB:.2f} GiB, node has {free / GiB:.2f} GiB free")
+        self.started.append((node_id, spec))
+        worker = report.workers.add(worker_id=spec.worker_id, model=spec.model, state="loading",
+                                    reserved_bytes=spec.reserved_bytes, group_size=spec.group_size or 1,
+                                    group_rank=spec.group_rank)
+        report.memory_reserved_bytes += spec.reserved_bytes
+        self._notify()
+        task = asyncio.create_task(self._come_up(node_id, spec))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return worker
+
+    async def _come_up(self, node_id: str, spec: pb.WorkerSpec) -> None:
+        await asyncio.sleep(self.load_delay)
+        worker = self._worker(node_id, spec.worker_id)
+        if worker is None:  # stopped while loading
+            return
+        if self.exit_on_start is not None:
+            worker.state, worker.exit_code, worker.reason = "exited", 78, self.exit_on_start
+            self._notify()
+            return
+        worker.state = "running"
+        if spec.group_rank == 0:
+            self.register(spec.worker_id, spec.model)
+        self._notify()
+
+    def register(self, worker_id: str, model: str) -> None:
+        """The worker registers with every router (again after a router restart)."""
+        address = f"fake-{worker_id}"
+        if self.serve:
+            fake = self.served.get(worker_id)
+            if fake is None:
+                raise RuntimeError("serve=True: call register_served")
+            address = fake.address
+        for registry in self.registries:
+            registry.register(worker_id, address, "", pb.LoadReport(worker_id=worker_id, model=model,
+                                                                     max_model_len=2048, kv_blocks_total=100))
+
+    def _worker(self, node_id: str, worker_id: str) -> pb.ManagedWorker | None:
+        return next((w for w in self.reports[node_id].workers if w.worker_id == worker_id), None)
+
+    async def stop(self, node_id: str, worker_id: str, drain_timeout: float) -> pb.ManagedWorker:
+        worker = self._worker(node_id, worker_id)
+        if worker is None:
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"no worker {worker_id!r} on {node_id}")
+        worker.state = "stopping"
+        loop = asyncio.get_running_loop()
+        until = loop.time() + drain_timeout
+        while loop.time() < until and any(r.workers[worker_id].inflight for r in self.registries
+                                           if worker_id in r.workers):
+            await asyncio.sleep(0.01)
+        self.stopped.append(worker_id)
+        report = self.reports[node_id]
+        report.memory_reserved_bytes -= worker.reserved_bytes
+        gone = pb.ManagedWorker()
+        gone.CopyFrom(worker)
+        gone.state = "exited"
+        report.workers.remove(worker)
+        for registry in self.registries:
+            registry.remove(worker_id)
+        fake = self.served.pop(worker_id, None)
+        if fake is not None:
+            await fake.server.stop(grace=None)
+        self._notify()
+        return gone
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for fake in self.served.values():
+            await fake.server.stop(grace=None)
+
+
+class ServingNodes(FakeNodes):
+    """FakeNodes whose workers answer gRPC: a `FakeWorker` started for each worker."""
+
+    def __init__(self, registries: list[Registry], load_delay: float = 0.05):
+        super().__init__(registries, load_delay, serve=True)
+
+    async def _come_up(self, node_id: str, spec: pb.WorkerSpec) -> None:
+        if spec.group_rank == 0:
+            self.served[spec.worker_id] = await FakeWorker(spec.worker_id, model=spec.model).start()
+        await super()._come_up(node_id, spec)

@@ -1,0 +1,521 @@
+"""The fleet controller (cluster/fleet/controller.py) against an in-process node side
+(tests/fake_nodes.py) and the router's real Registry and proxy: single-flight loads (one
+router, two routers on one catalog file), keep-alive, eviction (never a model in flight,
+never a pinned one), load failures reaching held requests at once, an unknown model's
+404, a router restart, and a request for a cold model served through the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from cluster.api import errors
+from cluster.fleet import FleetError
+from cluster.fleet.catalog import Catalog
+from cluster.fleet.config import FleetConfig
+from cluster.fleet.controller import CatalogRPCs, FleetController
+from cluster.fleet.metrics import FleetMetrics
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.router.metrics import RouterMetrics
+from cluster.router.policy import make_policy
+from cluster.router.proxy import ProxyConfig, RouterBackend
+from cluster.router.registry import Registry
+from tests.conftest import run
+from tests.fake_nodes import FakeNodes, ServingNodes, disk_model
+
+
+class Clock:
+    """A hand-moved clock (the controller's monotonic one and the catalog's wall clock)."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Router:
+    """One router's fleet parts: a registry, a controller on the catalog file, a backend."""
+
+    def __init__(self, tmp_path, nodes_cls=FakeNodes, router_id: str = "r1", nodes: FakeNodes | None = None,
+                 clock: Clock | None = None, connect: bool = False, **config):
+        self.registry = Registry(connect=connect)
+        self.clock = clock or Clock()
+        self.catalog = Catalog(tmp_path / "catalog.db", clock=self.clock)
+        self.nodes = nodes if nodes is not None else nodes_cls([self.registry])
+        if nodes is not None:
+            nodes.registries.append(self.registry)
+        self.metrics = RouterMetrics(self.registry)
+        self.fleet_metrics = FleetMetrics(self.metrics.prometheus)
+        self.controller = FleetController(self.catalog, self.nodes, self.registry, self.fleet_metrics,
+                                          FleetConfig(catalog=str(tmp_path / "catalog.db"), **config), router_id,
+                                          clock=self.clock)
+        self.backend = RouterBackend(self.registry, make_policy("least_loaded"), self.metrics, ProxyConfig(),
+                                     fleet=self.controller)
+
+    def add(self, name: str, source: str | None = None, **fields) -> None:
+        self.catalog.add(pb.CatalogModel(name=name, source=source or name, **fields))
+
+    def sample(self, name: str, **labels) -> float:
+        return self.metrics.prometheus.get_sample_value(name, labels) or 0.0
+
+    async def pool(self, model: str, rid: str = "r", timeout: float | None = None):
+        """The workers a request for `model` may go to (after its hold, if it is held)."""
+        from cluster.router.proxy import _Tries
+
+        tries = _Tries(rid, timeout, 5.0)
+        return await self.backend._next_pool(tries, model, 0)
+
+
+async def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout
+    while not predicate():
+        if loop.time() > until:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def fleet(tmp_path, budgets=(5.0,), models=(("small", 3.0), ("other", 3.0)), **kw) -> Router:
+    r = Router(tmp_path, **kw)
+    for i, budget in enumerate(budgets):
+        r.nodes.add_node(f"mac-{i + 1}", budget, [disk_model(name, gib) for name, gib in models])
+    for name, _ in models:
+        r.add(name, keep_alive_seconds=300)
+    return r
+
+
+def test_fifty_concurrent_requests_for_a_cold_model_start_one_load(tmp_path):
+    async def main():
+        r = fleet(tmp_path)
+        pools = await asyncio.wait_for(asyncio.gather(*(r.pool("small", f"req-{i}") for i in range(50))), 60)
+        assert all(len(p) == 1 and p[0].model == "small" for p in pools)
+        assert [spec.model for _, spec in r.nodes.started] == ["small"]
+        await wait_for(lambda: not r.controller.loading("small"), "the load's end")
+        assert r.sample("orchard_fleet_loads_total", model="small", outcome="loaded") == 1
+        assert r.sample("orchard_fleet_load_wait_seconds_count") == 50
+        placed = r.catalog.placements("small")
+        assert [(p.node_id, p.worker_id) for p in placed] == [("mac-1", r.nodes.started[0][1].worker_id)]
+        assert r.controller.describe("small").state == "serving"
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_two_routers_on_one_catalog_file_start_one_load(tmp_path):
+    """Each router's requests trigger its own controller; the catalog's claim lets one
+    start the model, the other waits for the worker to register with it too."""
+
+    async def main():
+        a = fleet(tmp_path, router_id="router-a")
+        b = Router(tmp_path, router_id="router-b", nodes=a.nodes, clock=a.clock)
+        requests = [a.pool("small", f"a-{i}") for i in range(10)] + [b.pool("small", f"b-{i}") for i in range(10)]
+        pools = await asyncio.wait_for(asyncio.gather(*requests), 60)
+        assert all(len(p) == 1 for p in pools)
+        assert len(a.nodes.started) == 1
+        await wait_for(lambda: not (a.controller.loading("small") or b.controller.loading("small")), "the loads' end")
+        outcomes = {o: a.sample("orchard_fleet_loads_total", model="small", outcome=o)
+                    + b.sample("orchard_fleet_loads_total", model="small", outcome=o) for o in ("loaded", "found")}
+        assert outcomes == {"loaded": 1, "found": 1}
+        assert a.catalog.claim_of("small") is None  # released once loaded
+        await a.nodes.close()
+
+    run(main())
+
+
+def test_keep_alive_zero_unloads_after_the_request(tmp_path):
+    async def main():
+        r = fleet(tmp_path)
+        await r.controller.load("small")
+        worker_id = r.nodes.started[0][1].worker_id
+        r.controller.request_started("small", keep_alive=0)
+        await asyncio.sleep(0.05)
+        assert r.nodes.stopped == []  # not while its request runs
+        r.controller.request_finished("small")
+        await wait_for(lambda: r.nodes.stopped == [worker_id], "the unload")
+        assert r.sample("orchard_fleet_unloads_total", model="small", reason="keep_alive") == 1
+        assert r.catalog.placements("small") == []
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_an_idle_model_is_unloaded_when_its_keep_alive_runs_out(tmp_path):
+    async def main():
+        r = fleet(tmp_path)
+        await r.controller.load("small")
+        r.controller.request_started("small")
+        r.controller.request_finished("small")
+        r.clock.now += 299
+        assert r.controller.expire() == []
+        r.clock.now += 2
+        assert r.controller.expire() == ["small"]
+        await wait_for(lambda: len(r.nodes.stopped) == 1, "the unload")
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_pinned_or_busy_model_outlives_its_keep_alive(tmp_path):
+    async def main():
+        r = fleet(tmp_path, budgets=(8.0,))
+        r.add("small", keep_alive_seconds=10, pin=True, replace=True)
+        r.add("other", keep_alive_seconds=10, replace=True)
+        await r.controller.load("small")
+        await r.controller.load("other")
+        r.controller.request_started("other")
+        r.clock.now += 3600
+        assert r.controller.expire() == []
+        r.controller.request_finished("other")
+        r.clock.now += 11
+        assert r.controller.expire() == ["other"]
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_an_idle_model_is_evicted_for_another_never_one_in_flight_nor_pinned(tmp_path):
+    async def main():
+        r = fleet(tmp_path)  # one node: room for one of the two models
+        await r.controller.load("small")
+        small = r.nodes.started[0][1].worker_id
+        # in flight: "other" cannot have its room
+        r.controller.request_started("small")
+        with pytest.raises(FleetError) as e:
+            await r.controller.load("other")
+        assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and r.nodes.stopped == []
+        r.controller.request_finished("small")
+        # pinned: neither
+        r.add("small", keep_alive_seconds=300, pin=True, replace=True)
+        r.controller._errors.clear()
+        with pytest.raises(FleetError):
+            await r.controller.load("other")
+        assert r.nodes.stopped == []
+        # idle and not pinned: evicted for "other"
+        r.add("small", keep_alive_seconds=300, replace=True)
+        await r.controller.load("other")
+        assert r.nodes.stopped == [small]
+        assert [spec.model for _, spec in r.nodes.started] == ["small", "other"]
+        assert r.sample("orchard_fleet_unloads_total", model="small", reason="evicted") == 1
+        assert r.controller.describe("small").state == "on disk"
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_no_room_reaches_held_requests_at_once(tmp_path):
+    """A model bigger than every node: the held requests fail at once (not after
+    --load-timeout) with what it needs and what each node has; so do new ones."""
+
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0, 4.0), models=(("huge", 30.0),))
+        t0 = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*(r.pool("huge", f"q{i}") for i in range(5)),
+                                                        return_exceptions=True), 30)
+        assert time.monotonic() - t0 < 20  # the load timeout is 600 s
+        for e in results:
+            assert isinstance(e, errors.Unavailable), e
+            assert e.retry_after and "could not be loaded" in e.message and "mac-1" in e.message
+            assert "mac-2" in e.message
+        assert r.nodes.started == []
+        with pytest.raises(errors.Unavailable):
+            await asyncio.wait_for(r.pool("huge", "later"), 5)
+        assert "last load failed" in r.controller.describe("huge").status
+        assert r.sample("orchard_fleet_loads_total", model="huge", outcome="no_room") == 1
+
+    run(main())
+
+
+def test_a_worker_that_exits_while_loading_fails_the_load(tmp_path):
+    async def main():
+        r = fleet(tmp_path)
+        r.nodes.exit_on_start = "unsupported model family"
+        with pytest.raises(errors.Unavailable) as e:
+            await asyncio.wait_for(r.pool("small"), 30)
+        assert "unsupported model family" in e.value.message
+        assert r.catalog.placements("small") == []
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_model_neither_served_nor_in_the_catalog_is_not_found_listing_the_catalog(tmp_path):
+    async def main():
+        r = fleet(tmp_path)
+        with pytest.raises(errors.NotFound) as e:
+            await asyncio.wait_for(r.pool("nope"), 5)
+        assert "other" in e.value.message and "small" in e.value.message
+        request = pb.GenerateRequest(model="nope", text="hi")
+        with pytest.raises(errors.NotFound):
+            await anext(r.backend.generate(request))
+
+    run(main())
+
+
+def test_a_restarted_router_finds_what_is_loaded_and_loads_nothing_twice(tmp_path):
+    async def main():
+        before = fleet(tmp_path, budgets=(8.0,), models=(("small", 3.0), ("other", 3.0), ("gone", 1.0)))
+        await before.controller.load("small")
+        await before.controller.load("gone")
+        small = before.nodes.started[0][1].worker_id
+        nodes = before.nodes
+        nodes.registries.clear()
+        # the router restarts: a new registry and controller on the same catalog file and nodes;
+        # meanwhile "gone" left the catalog, and the catalog records a worker no node runs
+        after = Router(tmp_path, router_id="r1", nodes=nodes)
+        after.catalog.remove("gone")
+        from cluster.fleet.catalog import Placement
+        after.catalog.record_placement(Placement("other", "mac-1", "other@lost", router_id="r1"))
+        nodes.register(small, "small")  # the worker registers again
+        after.controller.reconcile()
+        await wait_for(lambda: len(nodes.stopped) == 1, "the stop of the model no longer in the catalog")
+        assert after.catalog.placements("other") == []
+        pool = await asyncio.wait_for(after.pool("small"), 10)
+        assert [w.worker_id for w in pool] == [small]
+        assert [spec.model for _, spec in nodes.started] == ["small", "gone"]
+        await nodes.close()
+
+    run(main())
+
+
+def test_a_restarted_router_waits_for_a_worker_placed_before(tmp_path):
+    """A request right after the restart, before the worker registered again: held for
+    it, not loaded a second time."""
+
+    async def main():
+        before = fleet(tmp_path)
+        await before.controller.load("small")
+        small = before.nodes.started[0][1].worker_id
+        nodes = before.nodes
+        nodes.registries.clear()
+        after = Router(tmp_path, nodes=nodes)
+        asyncio.get_running_loop().call_later(0.3, nodes.register, small, "small")
+        pool = await asyncio.wait_for(after.pool("small"), 10)
+        assert [w.worker_id for w in pool] == [small] and len(nodes.started) == 1
+        await nodes.close()
+
+    run(main())
+
+
+def test_catalog_rpcs(tmp_path):
+    class Context:
+        async def abort(self, code, message):
+            raise FleetError(code, message)
+
+    async def main():
+        r = fleet(tmp_path, models=(("small", 3.0),))
+        rpcs, ctx = CatalogRPCs(r.controller), Context()
+        added = await rpcs.AddModel(pb.CatalogModel(name="chat", source="small"), ctx)
+        assert not added.HasField("keep_alive_seconds") and added.state == "on disk"
+        assert r.controller._keep_alive("chat") == 300  # --default-keep-alive 5m
+        zero = await rpcs.AddModel(pb.CatalogModel(name="once", source="small", keep_alive_seconds=0), ctx)
+        assert zero.keep_alive_seconds == 0
+        with pytest.raises(FleetError) as e:
+            await rpcs.AddModel(pb.CatalogModel(name="chat", source="small"), ctx)
+        assert e.value.code is grpc.StatusCode.ALREADY_EXISTS
+        loaded = await rpcs.LoadModel(pb.LoadModelRequest(name="chat"), ctx)
+        assert loaded.state == "serving" and loaded.placements[0].node_id == "mac-1"
+        listed = await rpcs.ListCatalog(pb.ListCatalogRequest(), ctx)
+        assert [(m.name, m.state) for m in listed.models] == [("chat", "serving"), ("once", "on disk"),
+                                                              ("small", "on disk")]
+        models = (await r.backend.list_models()).models
+        assert [(m.id, m.state) for m in models] == [("chat", "serving"), ("once", "on disk"), ("small", "on disk")]
+        workers = [w.info() for w in r.registry.snapshot()]
+        r.controller.annotate(workers)
+        assert [(w.node_id, w.catalog_model) for w in workers] == [("mac-1", "chat")]
+        unloaded = await rpcs.UnloadModel(pb.UnloadModelRequest(name="chat"), ctx)
+        assert unloaded.state == "on disk" and r.sample("orchard_fleet_unloads_total", model="chat",
+                                                        reason="operator") == 1
+        await rpcs.RemoveModel(pb.RemoveModelRequest(name="chat"), ctx)
+        with pytest.raises(FleetError) as e:
+            await rpcs.LoadModel(pb.LoadModelRequest(name="chat"), ctx)
+        assert e.value.code is grpc.StatusCode.NOT_FOUND and "once" in e.value.message
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_request_for_a_cold_catalog_model_is_held_and_served_through_the_proxy(tmp_path):
+    """The real proxy path: the request is held while the node "starts" a worker (a fake
+    worker answering gRPC), then relayed from it."""
+
+    async def main():
+        r = fleet(tmp_path, nodes_cls=ServingNodes, connect=True)
+        from cluster.api.wire import build_request
+
+        request = build_request("hello", model="small", max_tokens=5, keep_alive=0)  # the SDK's keep_alive=0
+        chunks = [c async for c in r.backend.generate(request, timeout=60)]
+        assert chunks[-1].finish_reason and sum(len(c.token_ids) for c in chunks) == 5
+        assert len(r.nodes.started) == 1
+        await wait_for(lambda: len(r.nodes.stopped) == 1, "keep_alive 0: the unload after the request")
+        await r.nodes.close()
+        await r.registry.close()
+
+    run(main())
+
+
+def test_keep_alive_in_openai_bodies():
+    from cluster.api.bodies import ChatBody, CompletionBody
+    from cluster.api.limits import RequestLimits
+
+    def chat(body):
+        return ChatBody.parse(body, RequestLimits()).request("r", RequestLimits())
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert not chat(body).HasField("keep_alive_seconds")
+    for given, seconds in (("5m", 300), ("1h30m", 5400), (0, 0), ("-1", -1), (90, 90), ("30s", 30)):
+        assert chat(body | {"keep_alive": given}).keep_alive_seconds == seconds
+    completion = CompletionBody.parse({"model": "m", "prompt": "hi", "keep_alive": "2m"}, RequestLimits())
+    assert completion.request("r", RequestLimits()).keep_alive_seconds == 120
+    for bad in ("soon", True, [], {"m": 5}, "9999999h"):
+        with pytest.raises(errors.InvalidRequest) as e:
+            chat(body | {"keep_alive": bad})
+        assert e.value.param == "keep_alive"
+
+
+def test_a_router_with_a_catalog_serves_the_fleet_over_grpc_and_http(tmp_path, capsys, monkeypatch):
+    """`orchard router serve --catalog`: the catalog commands (with the admin key),
+    /v1/models with each entry's state, a chat for a cold catalog model held, loaded and
+    served (a stream told of the load in SSE comments meanwhile; keep_alive 0 unloads it
+    after), an unknown model's 404 listing the catalog, and `orchard router workers`
+    naming the node and catalog entry of a placed worker."""
+    import aiohttp
+
+    from cluster.api import streams
+
+    monkeypatch.setattr(streams, "KEEPALIVE_SECONDS", 0.1)
+
+    from cluster.fleet import models_cli
+    from cluster.router import admin
+    from cluster.router.config import RouterConfig
+    from cluster.router.server import RouterServer
+    from cluster.security import SecurityConfig
+
+    def cli(*argv) -> int:
+        from cluster.cli import build_parser
+
+        args = build_parser(["models", *argv]).parse_args(["models", *argv])
+        return models_cli.run(args)
+
+    async def main():
+        config = RouterConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", metrics_address=None,
+                              security=SecurityConfig(admin_key="sekret"),
+                              fleet=FleetConfig(catalog=str(tmp_path / "catalog.db")))
+        router = RouterServer(config)
+        nodes = router.controller.nodes = ServingNodes([router.registry])
+        nodes.add_node("mac-1", 5.0, [disk_model("small", 3.0)])
+        await router.start()
+        try:
+            grpc_address, http = router.grpc_address, f"http://{router.http_address}"
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, cli, "add", "chat", "--source", "small", "--router",
+                                              grpc_address, "--admin-key", "sekret", "--keep-alive", "10m") == 0
+            assert "chat" in capsys.readouterr().out
+            assert await loop.run_in_executor(None, cli, "list", "--router", grpc_address) == 1  # no admin key
+            assert "UNAUTHENTICATED" in capsys.readouterr().err
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{http}/v1/models") as r:
+                    listed = (await r.json())["data"]
+                assert [(m["id"], m["state"]) for m in listed] == [("chat", "on disk")]
+                body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                        "keep_alive": 0}
+                nodes.load_delay = 1.0
+                comments, events = [], []
+                async with session.post(f"{http}/v1/chat/completions", json=body | {"stream": True}) as r:
+                    assert r.status == 200, await r.text()
+                    async for line in r.content:
+                        (comments if line.startswith(b":") else events).append(line.decode().strip())
+                assert comments and all(c.startswith(": loading model 'chat': loading") for c in comments), comments
+                assert "data: [DONE]" in events
+                await wait_for(lambda: len(nodes.stopped) == 1, "keep_alive 0: the unload")
+                nodes.load_delay = 0.05
+                async with session.post(f"{http}/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    assert (await r.json())["choices"][0]["finish_reason"]
+                await wait_for(lambda: len(nodes.stopped) == 2, "keep_alive 0: the unload")
+                async with session.post(f"{http}/v1/chat/completions", json=body | {"model": "nope"}) as r:
+                    assert r.status == 404
+                    assert "catalog: chat" in (await r.json())["error"]["message"]
+            assert await loop.run_in_executor(None, cli, "load", "chat", "--router", grpc_address,
+                                              "--admin-key", "sekret") == 0
+            assert "serving on mac-1" in capsys.readouterr().out
+            workers = await loop.run_in_executor(None, lambda: admin.list_workers(
+                grpc_address, config.security.client()))
+            assert "fleet: catalog model chat on node mac-1" in admin.format_workers(workers)
+            assert await loop.run_in_executor(None, cli, "remove", "chat", "--router", grpc_address,
+                                              "--admin-key", "sekret") == 0
+            assert len(nodes.stopped) == 3 and router.controller.catalog.entries() == []
+        finally:
+            await router.stop(grace=0)
+            await nodes.close()
+
+    run(main())
+
+
+def test_orchard_models_refuses_bad_flags_in_one_line(capsys):
+    from cluster.cli import main
+
+    for argv, words in ((["models", "add", "m", "--keep-alive", "soon"], "--keep-alive"),
+                        (["models", "add", "m", "--context", "-5"], "--context must be >= 0"),
+                        (["models", "add", "m", "--engine-arg", "'unclosed"], "--engine-arg")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_model_bigger_than_any_node_is_served_by_a_group_the_controller_forms(tmp_path):
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0, 5.0), models=(("big", 7.0),))
+        pool = await asyncio.wait_for(r.pool("big"), 30)
+        specs = [spec for _, spec in r.nodes.started]
+        assert [(node, spec.group_rank, spec.group_size) for node, spec in r.nodes.started] == [
+            (r.nodes.started[0][0], 0, 2), (r.nodes.started[1][0], 1, 2)]
+        assert {node for node, _ in r.nodes.started} == {"mac-1", "mac-2"}
+        hosts = list(specs[0].group_hosts)
+        assert len(hosts) == 2 and all(list(s.group_hosts) == hosts for s in specs)
+        assert all(s.group_port == specs[0].group_port > 0 for s in specs)
+        shares = [int(x) for x in specs[0].group_shares.split(",")]
+        assert sum(shares) == 8 and all(s.group_shares == specs[0].group_shares for s in specs)
+        assert all(s.reserved_bytes <= 5 * 2**30 for s in specs)
+        assert [w.worker_id for w in pool] == [specs[0].worker_id]  # rank 0 is the worker the router sees
+        described = r.controller.describe("big")
+        assert described.state == "serving" and {p.node_id for p in described.placements} == {"mac-1", "mac-2"}
+        await r.controller.unload("big")
+        assert sorted(r.nodes.stopped) == sorted(s.worker_id for s in specs)
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_fleet_metrics(tmp_path):
+    async def main():
+        r = fleet(tmp_path)
+        await r.controller.load("small")
+        worker_id = r.nodes.started[0][1].worker_id
+        estimate = r.nodes.started[0][1].reserved_bytes
+        r.registry.workers[worker_id].report.resident_bytes = int(estimate * 1.05)
+        assert r.sample("orchard_fleet_models_loaded", node="mac-1") == 1
+        assert r.sample("orchard_fleet_node_memory_bytes", node="mac-1", kind="budget") == 5 * 2**30
+        assert r.sample("orchard_fleet_node_memory_bytes", node="mac-1", kind="reserved") == estimate
+        assert abs(r.sample("orchard_fleet_footprint_error_ratio", model="small") - 0.05) < 1e-6
+        assert r.sample("orchard_fleet_load_seconds_count") == 1
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_router_serve_refuses_bad_fleet_flags_in_one_line(tmp_path, capsys):
+    from cluster.router.config import RouterConfig
+    from cluster.router.server import run as serve
+
+    catalog = str(tmp_path / "c.db")
+    for fleet_config, words in ((FleetConfig(catalog=catalog, default_keep_alive="soon"), "--default-keep-alive"),
+                                (FleetConfig(catalog=catalog, load_timeout=0), "--load-timeout must be > 0"),
+                                (FleetConfig(catalog=catalog, fleet_context=0), "--fleet-context must be >= 1")):
+        assert serve(RouterConfig(grpc_address="127.0.0.1:0", http_address=None, metrics_address=None,
+                                  fleet=fleet_config)) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1
