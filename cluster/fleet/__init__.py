@@ -16,6 +16,9 @@ fleet-wide or spanning a pipeline group over several nodes when no node has room
     nodes.py       NodeRegistry and the NodeSide the controller drives (agents over gRPC)
     agent.py       `orchard node serve`
     controller.py  FleetController: loads, unloads, keep-alive, the catalog RPCs
+    config.py      the router's fleet flags (--catalog, --load-timeout, --default-keep-alive, ...)
+    metrics.py     orchard_fleet_* metrics
+    models_cli.py  `orchard models add|list|remove|load|unload`
 
 No module here imports MLX: the router and the agent run without it.
 """
