@@ -310,6 +310,7 @@ def test_catalog_rpcs(tmp_path):
         rpcs, ctx = CatalogRPCs(r.controller), Context()
         added = await rpcs.AddModel(pb.CatalogModel(name="chat", source="small"), ctx)
         assert not added.HasField("keep_alive_seconds") and added.state == "on disk"
+        assert 3 * 2**30 < added.footprint_bytes < 4 * 2**30  # the estimate, before it is loaded
         assert r.controller._keep_alive("chat") == 300  # --default-keep-alive 5m
         zero = await rpcs.AddModel(pb.CatalogModel(name="once", source="small", keep_alive_seconds=0), ctx)
         assert zero.keep_alive_seconds == 0
@@ -519,3 +520,26 @@ def test_router_serve_refuses_bad_fleet_flags_in_one_line(tmp_path, capsys):
                                   fleet=fleet_config)) == 2
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1
+
+
+def test_two_routers_whose_keep_alives_run_out_together_unload_once(tmp_path):
+    async def main():
+        a = fleet(tmp_path, router_id="router-a")
+        b = Router(tmp_path, router_id="router-b", nodes=a.nodes, clock=a.clock)
+        await a.controller.load("small")
+        b.controller.reconcile()  # b finds it loaded
+        a.clock.now += 301
+        assert a.controller.expire() == ["small"] and b.controller.expire() == ["small"]
+        await wait_for(lambda: not (a.controller._busy("small") or b.controller._busy("small")), "the unloads")
+        assert len(a.nodes.stopped) == 1
+        unloads = sum(r.sample("orchard_fleet_unloads_total", model="small", reason="keep_alive") for r in (a, b))
+        assert unloads == 1
+        # an operator's unload while the other router holds the model's claim is refused, not ignored
+        await a.controller.load("small")
+        assert a.catalog.claim("small", "router-a", 60)
+        with pytest.raises(FleetError) as e:
+            await b.controller.unload("small")
+        assert e.value.code is grpc.StatusCode.UNAVAILABLE and len(a.nodes.stopped) == 1
+        await a.nodes.close()
+
+    run(main())

@@ -588,7 +588,7 @@ class FleetController:
             entry.placements.add(node_id=m.node_id, worker_id=m.worker.worker_id, state=m.worker.state,
                                  group_rank=m.worker.group_rank, group_size=m.worker.group_size or 1,
                                  reserved_bytes=m.worker.reserved_bytes, progress=m.worker.progress)
-        entry.footprint_bytes = sum(m.worker.reserved_bytes for m in live)
+        entry.footprint_bytes = sum(m.worker.reserved_bytes for m in live) or self._estimate(entry)
         entry.measured_bytes = sum(w.report.resident_bytes for w in self.registry.serving(model))
         use = self._use.get(model)
         if use is not None and use.active == 0 and live:
@@ -613,6 +613,14 @@ class FleetController:
             if error is not None:
                 entry.status += f"; last load failed: {error.message}"
         return entry
+
+    def _estimate(self, entry: pb.CatalogModel) -> int:
+        """The footprint a worker of `entry` would have on the nodes that hold it (the least;
+        0: none holds it, or its files cannot be served)."""
+        try:
+            return min((fp.total for fp in self._footprints(entry, self.nodes.nodes()).values()), default=0)
+        except FleetError:
+            return 0
 
     def catalog_models(self) -> list[pb.CatalogModel]:
         return [self.describe(e.name) for e in sorted(self.catalog.entries(), key=lambda e: e.name)]
