@@ -237,9 +237,8 @@ class WorkerActor:
         """`group`: rank 0's GroupOptions of a worker group."""
         platform.preload_blas()  # before this actor's process imports MLX
         from cluster.worker.group.config import GroupOptions
-        from cluster.worker.server import WorkerOptions, WorkerServer
+        from cluster.worker.server import WorkerOptions
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         host = spec.host or _node_ip()
         port = spec.worker_port + index if spec.worker_port else 0
         mport = None if spec.worker_metrics_port is None else (
@@ -249,11 +248,25 @@ class WorkerActor:
             metrics_address=_addr(host, mport), worker_id=worker_id, router=router, join_token=spec.join_token,
             security=spec.security, group=group or GroupOptions(),
         )
+
+        def where(options):
+            if group is not None and not group.hosts:  # rank 0 of group `index`: where the ranks are now
+                return replace(options, group=replace(group, hosts=group_hosts(spec, index, 0)))
+            return options
+
+        self._serve(options, where)
+
+    def _serve(self, options, where=lambda options: options) -> None:
+        """Start serving `options` (WorkerOptions) after the restart backoff; `where`
+        completes them as the actor starts. A failure ends the actor as its exit code says."""
+        from cluster.worker.server import WorkerServer
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        worker_id = options.worker_id
         back_off_if_restarted()
         self._loop = _LoopThread("orchard-worker")
         try:
-            if group is not None and not group.hosts:  # rank 0 of group `index`: where the ranks are now
-                options = replace(options, group=replace(group, hosts=group_hosts(spec, index, 0)))
+            options = where(options)
             self.server = WorkerServer(options)
             self._loop.run(self.server.start(), timeout=600)
         except Exception as e:

@@ -1,0 +1,505 @@
+"""`RayNodes`: the fleet's node side over Ray (`orchard ray up --catalog FILE`), the same
+`NodeSide` the controller drives over node agents (`fleet/nodes.py`).
+
+- A node is an alive Ray node that carries the worker resource (`--resource`, as
+  `cluster/ray_launcher.py` uses it). Its memory budget is its Ray `memory` resource,
+  capped by `--memory-budget`; what it holds under `--models-dir` (the same path on every
+  node), its free disk and its free memory come from a probe: a Ray task pinned to the node
+  that runs `facts.scan`. Reports are refreshed every `refresh_interval`, and after each
+  start or stop; `nodes()` answers from the last refresh.
+- `start` creates a worker actor (a group's rank 0, or a plain worker: `FleetWorkerActor`,
+  the launcher's `WorkerActor` serving the spec's `orchard worker serve` flags) or a group
+  member (the launcher's `GroupMemberActor`) pinned to the node (hard node affinity), with
+  the spec's reservation as its Ray `memory`, and `max_restarts`: Ray restarts it where it
+  was, and it registers with the router again under the same worker id. The reservation is
+  checked against the node's budget first, and the model against what the node holds.
+- `stop` drains a worker (it takes no new requests; those it has finish, bounded by the
+  drain timeout), stops its server, and kills the actor with no restart; a member is
+  killed (it goes with its group).
+
+The fleet's actors are named `orchard-worker-fleet-<worker id>` in the `orchard`
+namespace, so `orchard ray down` ends them with the rest. This module imports Ray only
+when used, and never MLX (it runs in the router).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import logging
+import shutil
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from cluster.exit_codes import EXIT_PERMANENT
+from cluster.fleet import FleetError
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.ray_launcher import NAMESPACE, WORKER_PREFIX, GroupMemberActor, RaySpec, WorkerActor, worker_nodes
+from cluster.worker.config import WorkerOptions
+
+log = logging.getLogger(__name__)
+
+FLEET_PREFIX = f"{WORKER_PREFIX}fleet-"  # the fleet's actors: `orchard ray down` ends them too
+# whether workers take --served-model-name (the node agent's part adds it); without it a
+# worker serves its model under its directory's name
+_SERVED_NAME = "served_model_name" in WorkerOptions.__dataclass_fields__
+GiB = 1 << 30
+PING_TIMEOUT = 2.0  # a serving worker's actor answers at once; one loading answers when loaded
+
+
+def node_platform() -> str:
+    """What a worker on this machine computes on, as `facts.scan` and the footprint name
+    it: "metal" on Apple silicon, else "cpu"."""
+    import platform
+
+    return "metal" if sys.platform == "darwin" and platform.machine() == "arm64" else "cpu"
+
+
+def probe(models_dir: str, scan: Callable | None = None) -> bytes:
+    """Run on a node (a Ray task pinned there): what it holds under `models_dir`, its free
+    disk and memory and its platform, as a serialized NodeReport (the rest is the router's)."""
+    from cluster.platform import available_memory
+
+    if scan is None:
+        from cluster.fleet.facts import scan
+    where = Path(models_dir)
+    kind = node_platform()
+    report = pb.NodeReport(platform=kind, memory_available_bytes=available_memory())
+    if where.is_dir():
+        report.disk_free_bytes = shutil.disk_usage(where).free
+        report.models.extend(scan(where, kind))
+    return report.SerializeToString()
+
+
+def free_ports_here(count: int, host: str) -> list[int]:
+    """Run on a node: `count` ports free there now."""
+    from cluster.up import free_ports
+
+    return free_ports(count, host)
+
+
+class _WorkerFlags(argparse.ArgumentParser):
+    """`orchard worker serve`'s flags, parsed for a fleet worker: a bad one is an error."""
+
+    def error(self, message: str):
+        raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, f"worker flags: {message}")
+
+
+def worker_options(argv: list[str]):
+    """WorkerOptions from `orchard worker serve` flags (FleetError INVALID_ARGUMENT)."""
+    from cluster.config import add_flags, from_args
+
+    parser = _WorkerFlags(prog="orchard worker serve", add_help=False)
+    add_flags(parser, WorkerOptions)
+    return from_args(WorkerOptions, parser.parse_args(argv))
+
+
+def _placed_spec(spec: bytes) -> tuple[str, bytes]:
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), spec
+
+
+class FleetWorkerActor(WorkerActor):
+    """A fleet worker (plain, or a group's rank 0) in a Ray actor: the launcher's
+    WorkerActor serving the WorkerOptions the controller's spec made; Ray's restart re-runs
+    the constructor, which serves again."""
+
+    def __init__(self, options, spec: bytes):
+        """`spec`: the serialized WorkerSpec (Ray does not pickle protobuf classes)."""
+        from cluster import platform
+
+        platform.preload_blas()  # before this actor's process imports MLX
+        self._spec = spec
+        self._serve(options)
+
+    def spec(self) -> tuple[str, bytes]:
+        """(its Ray node, its serialized spec): a restarted router finds its workers again."""
+        return _placed_spec(self._spec)
+
+    def drain(self) -> tuple[int, int]:
+        """Take no new requests: (running, waiting) left."""
+        response = self._loop.run(self.server.set_draining(True), timeout=30)
+        return response.num_running, response.num_waiting
+
+    def stop(self, timeout: float) -> None:
+        """Stop serving (the streams left get the server's grace), before the actor is killed."""
+        self._loop.run(self.server.stop(), timeout=timeout)
+
+
+class FleetMemberActor(GroupMemberActor):
+    """A fleet group's member (rank >= 1): the launcher's GroupMemberActor, with its spec."""
+
+    def __init__(self, member: RaySpec, group, spec: bytes):
+        self._spec = spec
+        super().__init__(member, group)
+
+    def spec(self) -> tuple[str, bytes]:
+        return _placed_spec(self._spec)
+
+
+@dataclass
+class _Worker:
+    node_id: str
+    spec: pb.WorkerSpec
+    handle: object  # the actor
+    state: str = "starting"
+    reason: str = ""
+    exit_code: int = 0
+    address: str = ""
+    ping: object = None  # an ObjectRef: its `addresses()` call, while unanswered
+
+    def managed(self) -> pb.ManagedWorker:
+        s = self.spec
+        return pb.ManagedWorker(worker_id=s.worker_id, model=s.model, state=self.state,
+                                reserved_bytes=s.reserved_bytes, group_size=s.group_size or 1,
+                                group_rank=s.group_rank, exit_code=self.exit_code, reason=self.reason,
+                                address=self.address)
+
+
+@dataclass
+class _Node:
+    ray_id: str  # Ray's NodeID (hex)
+    ip: str
+    budget: int
+    report: pb.NodeReport | None = None  # the last probe's
+    reported_at: float = 0.0
+    alive: bool = True
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+@functools.cache
+def _remote(function: Callable):
+    """`function` as a Ray task (made once: each `ray.remote` exports it anew)."""
+    import ray
+
+    return ray.remote(num_cpus=0)(function)
+
+
+async def _get(ref, timeout: float):
+    import ray
+
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+    except asyncio.TimeoutError:
+        ray.cancel(ref, force=True)
+        raise
+
+
+class RayNodes:
+    """The fleet's `NodeSide` over Ray (see the module docstring). Needs Ray connected
+    (`ray.init`, or running in an actor). `router`: the router's gRPC address(es) the
+    workers register with, or a function giving them (known once the router is bound)."""
+
+    def __init__(self, spec: RaySpec, router: str | Callable[[], str], models_dir: str,
+                 memory_budget: int | None = None, refresh_interval: float = 10.0, probe_timeout: float = 60.0,
+                 drain_timeout: float = 120.0, scan: Callable | None = None, clock=time.monotonic):
+        self.spec = spec
+        self._router = router
+        self.models_dir = str(Path(models_dir).expanduser().absolute())
+        self.memory_budget = memory_budget
+        self.refresh_interval = refresh_interval
+        self.probe_timeout = probe_timeout
+        self.drain_timeout = drain_timeout
+        self._scan = scan
+        self._clock = clock
+        self._nodes: dict[str, _Node] = {}
+        self._workers: dict[str, _Worker] = {}
+        self._adopting: dict[str, tuple] = {}  # actor name -> (handle, its spec() call)
+        self._stopped: set[str] = set()  # actor names killed here (listed a while after)
+        self._refreshed_at: float | None = None
+        self._changed = asyncio.Event()
+        self._refreshing: asyncio.Task | None = None
+
+    # -- NodeSide ----------------------------------------------------------------------------
+    def nodes(self) -> list[pb.NodeInfo]:
+        """The nodes' latest reports (refreshed every `refresh_interval`); a node Ray lists
+        as dead, or whose probe failed, is unhealthy."""
+        self._refresh_if_due()
+        now = self._clock()
+        infos = []
+        for node_id, node in sorted(self._nodes.items()):
+            if node.report is None:
+                continue
+            healthy = node.alive and now - node.reported_at <= max(3 * self.refresh_interval, self.probe_timeout)
+            infos.append(pb.NodeInfo(report=self._report(node_id, node), state="healthy" if healthy else "unhealthy",
+                                     age_seconds=now - node.reported_at))
+        return infos
+
+    async def reserve_ports(self, node_id: str, count: int) -> list[int]:
+        node = self._node(node_id)
+        task = _remote(free_ports_here).options(scheduling_strategy=self._on(node))
+        return list(await _get(task.remote(count, self._host(node)), self.probe_timeout))
+
+    async def start(self, node_id: str, spec: pb.WorkerSpec) -> pb.ManagedWorker:
+        """Start the spec's worker or group member on the node; returns at once ("starting"):
+        it registers with the router when it has loaded. FleetError: NOT_FOUND (the node, the
+        model on it), ALREADY_EXISTS (the worker id), RESOURCE_EXHAUSTED (the reservation
+        does not fit the node's budget), INVALID_ARGUMENT (its flags)."""
+        import ray
+
+        node = self._node(node_id)
+        if spec.worker_id in self._workers:
+            raise FleetError(grpc.StatusCode.ALREADY_EXISTS, f"worker {spec.worker_id} is running on "
+                                                             f"{self._workers[spec.worker_id].node_id}")
+        self._check_on_disk(node_id, node, spec.source)
+        free = node.budget - self._reserved(node_id)
+        if spec.reserved_bytes > free:
+            raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"{spec.model} needs {_gib(spec.reserved_bytes)}, node {node_id} has {free / GiB:.2f} of "
+                             f"{_gib(node.budget)} free")
+        options = worker_options(self.worker_argv(spec, self._host(node)))
+        options = replace(options, join_token=self.spec.join_token, security=self.spec.security)
+        placed = dict(name=f"{FLEET_PREFIX}{spec.worker_id}", namespace=NAMESPACE, num_cpus=0,
+                      memory=spec.reserved_bytes or None, max_restarts=self.spec.max_restarts, max_task_retries=0,
+                      lifetime="detached" if self.spec.detached else None, scheduling_strategy=self._on(node))
+        serialized = spec.SerializeToString()  # Ray does not pickle protobuf classes
+        if spec.group_size > 1 and spec.group_rank > 0:
+            member = replace(self.spec, model=options.model_path, engine=options.engine_config)
+            handle = ray.remote(FleetMemberActor).options(**placed).remote(member, options.group, serialized)
+        else:
+            handle = ray.remote(FleetWorkerActor).options(**placed).remote(options, serialized)
+        worker = self._workers[spec.worker_id] = _Worker(node_id, pb.WorkerSpec(), handle)
+        worker.spec.CopyFrom(spec)
+        self._changed.set()
+        log.info("fleet: started %s (%s) on %s, %s reserved", spec.worker_id, spec.model, node_id,
+                 _gib(spec.reserved_bytes))
+        return worker.managed()
+
+    async def stop(self, node_id: str, worker_id: str, drain_timeout: float) -> pb.ManagedWorker:
+        """Drain the worker (its requests finish, for at most `drain_timeout` s; 0: the
+        default), stop it and kill its actor with no restart."""
+        import ray
+
+        worker = self._workers.get(worker_id)
+        if worker is None or worker.node_id != node_id:
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"no fleet worker {worker_id} on node {node_id}")
+        worker.state = "stopping"
+        timeout = drain_timeout or self.drain_timeout
+        if worker.spec.group_rank == 0:  # a member goes with its group
+            await self._drain(worker, timeout)
+        ray.kill(worker.handle, no_restart=True)
+        self._stopped.add(f"{FLEET_PREFIX}{worker_id}")
+        del self._workers[worker_id]
+        worker.state, worker.reason = "exited", "stopped"
+        self._changed.set()
+        log.info("fleet: stopped %s on %s", worker_id, node_id)
+        return worker.managed()
+
+    async def wait_changed(self, timeout: float) -> bool:
+        """True when the reports changed (a refresh, a start, a stop) since the last call,
+        or do within `timeout` s. Refreshes run in their own task: a caller that gives up
+        waiting does not cancel one."""
+        deadline = self._clock() + timeout
+        while not self._changed.is_set():
+            self._refresh_if_due()
+            left = deadline - self._clock()
+            if left <= 0:
+                return False
+            if self._refreshing is None or self._refreshing.done():  # until the next refresh is due
+                left = min(left, max(0.05, self._refreshed_at + self.refresh_interval - self._clock()))
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        self._changed.clear()
+        return True
+
+    # -- reports -------------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Probe every worker node (concurrently) and look at every fleet actor."""
+        import ray
+
+        alive = await asyncio.to_thread(worker_nodes, self.spec.resource)
+        seen = set()
+        for n in alive:
+            node_id = self.node_id(n["NodeID"])
+            seen.add(node_id)
+            budget = int(n["Resources"].get("memory", 0))
+            if self.memory_budget:
+                budget = min(budget, self.memory_budget) if budget else self.memory_budget
+            node = self._nodes.setdefault(node_id, _Node(n["NodeID"], n["NodeManagerAddress"], budget))
+            node.ip, node.budget, node.alive = n["NodeManagerAddress"], budget, True
+        for node_id, node in self._nodes.items():
+            node.alive = node_id in seen
+        probes = {node_id: _remote(probe).options(scheduling_strategy=self._on(node)).remote(
+            self.models_dir, self._scan) for node_id, node in self._nodes.items() if node.alive}
+        for node_id, ref in probes.items():
+            try:
+                report = pb.NodeReport.FromString(await _get(ref, self.probe_timeout))
+            except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
+                log.warning("fleet: node %s did not report: %s", node_id, _last_line(e))
+                continue
+            self._nodes[node_id].report, self._nodes[node_id].reported_at = report, self._clock()
+        await self._find_ours()
+        await self._look_at_workers()
+        self._refreshed_at = self._clock()
+        self._changed.set()
+
+    def _refresh_if_due(self) -> None:
+        due = self._refreshed_at is None or self._clock() - self._refreshed_at >= self.refresh_interval
+        if due and (self._refreshing is None or self._refreshing.done()):
+            try:
+                self._refreshing = asyncio.get_running_loop().create_task(self.refresh(), name="ray nodes refresh")
+            except RuntimeError:  # no loop here (a caller outside the router's): the next call in one refreshes
+                pass
+
+    async def _find_ours(self) -> None:
+        """The fleet's actors started before this router was (it restarted): each is the
+        fleet's again once it says where it runs and what (after it has loaded)."""
+        import ray
+
+        listed = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        known = {f"{FLEET_PREFIX}{w}" for w in self._workers} | self._stopped
+        for a in listed:
+            name = a["name"]
+            if a.get("namespace") == NAMESPACE and name.startswith(FLEET_PREFIX) and name not in known \
+                    and name not in self._adopting:
+                handle = ray.get_actor(name, namespace=NAMESPACE)
+                self._adopting[name] = (handle, handle.spec.remote())
+        for name, (handle, ref) in list(self._adopting.items()):
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            del self._adopting[name]
+            try:
+                ray_id, serialized = ray.get(ref)
+            except ray.exceptions.RayError:  # gone meanwhile
+                continue
+            spec = pb.WorkerSpec.FromString(serialized)
+            if spec.worker_id not in self._workers and name not in self._stopped:
+                self._workers[spec.worker_id] = _Worker(self.node_id(ray_id), spec, handle)
+                log.info("fleet: found %s (%s) on %s", spec.worker_id, spec.model, self.node_id(ray_id))
+
+    async def _look_at_workers(self) -> None:
+        """Each worker's state from its actor: "running" when it answers (within
+        PING_TIMEOUT), "starting" while it loads (or Ray restarts it: an actor answers
+        once its constructor is done), "exited" when Ray will not start it again."""
+        import ray
+
+        looked = [w for w in self._workers.values() if w.state not in ("stopping", "exited")]
+        for w in looked:
+            if w.ping is None:
+                w.ping = w.handle.addresses.remote()
+        if looked:
+            await asyncio.to_thread(ray.wait, [w.ping for w in looked], num_returns=len(looked),
+                                    timeout=PING_TIMEOUT)
+        for w in looked:
+            if not ray.wait([w.ping], timeout=0)[0]:
+                w.state = "starting"
+                continue
+            ping, w.ping = w.ping, None
+            try:
+                addresses = ray.get(ping)
+            except ray.exceptions.ActorDiedError as e:
+                w.state, w.exit_code, w.reason = "exited", EXIT_PERMANENT, _last_line(e)
+            except ray.exceptions.RayError:  # being restarted
+                w.state = "starting"
+            else:
+                w.state, w.address = "running", addresses.get("grpc", "")
+
+    def _report(self, node_id: str, node: _Node) -> pb.NodeReport:
+        report = pb.NodeReport()
+        report.CopyFrom(node.report)
+        report.node_id, report.address, report.instance_id = node_id, node.ip, node.ray_id
+        report.advertise_host = self._host(node)
+        report.memory_budget_bytes = node.budget
+        report.memory_reserved_bytes = self._reserved(node_id)
+        report.workers.extend(w.managed() for w in self._workers.values() if w.node_id == node_id)
+        return report
+
+    # -- helpers -------------------------------------------------------------------------------
+    @staticmethod
+    def node_id(ray_node_id: str) -> str:
+        """The fleet's name of a Ray node: short, as `orchard nodes list` shows it."""
+        return f"ray-{ray_node_id[:8]}"
+
+    def worker_argv(self, spec: pb.WorkerSpec, host: str) -> list[str]:
+        """The `orchard worker serve` flags of a spec, on a node whose address is `host`."""
+        source = spec.source or spec.model
+        model = source if source.startswith("ollama:") else str(Path(self.models_dir) / source)
+        metrics = "off" if self.spec.worker_metrics_port is None else f"{host}:0"
+        argv = ["--model", model, "--worker-id", spec.worker_id, "--router", self.router,
+                "--grpc", f"{host}:{spec.port}", "--metrics", metrics]
+        if _SERVED_NAME:
+            argv += ["--served-model-name", spec.model]
+        if spec.context:
+            argv += ["--max-model-len", str(spec.context)]
+        if spec.kv_cache_bytes:
+            argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_bytes)]
+        if spec.group_size > 1:
+            argv += ["--group-size", str(spec.group_size), "--group-rank", str(spec.group_rank),
+                     "--group-hosts", ",".join(spec.group_hosts)]
+            if spec.group_port:
+                argv += ["--group-port", str(spec.group_port)]
+            if spec.group_shares:
+                argv += ["--group-shares", spec.group_shares]
+            if spec.memory_budget_bytes:
+                argv += ["--memory-budget", str(spec.memory_budget_bytes)]
+        return [*argv, *spec.engine_args]
+
+    @property
+    def router(self) -> str:
+        return self._router() if callable(self._router) else self._router
+
+    def _node(self, node_id: str) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is None or node.report is None:
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"no Ray node {node_id} (nodes: "
+                                                        f"{', '.join(sorted(self._nodes)) or 'none yet'})")
+        if not node.alive:
+            raise FleetError(grpc.StatusCode.UNAVAILABLE, f"Ray node {node_id} is not alive")
+        return node
+
+    def _host(self, node: _Node) -> str:
+        return self.spec.host or node.ip
+
+    @staticmethod
+    def _on(node: _Node):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return NodeAffinitySchedulingStrategy(node.ray_id, soft=False)
+
+    def _reserved(self, node_id: str) -> int:
+        return sum(w.spec.reserved_bytes for w in self._workers.values() if w.node_id == node_id)
+
+    def _check_on_disk(self, node_id: str, node: _Node, source: str) -> None:
+        if not source or source.startswith("ollama:"):
+            return  # the worker imports an ollama model itself
+        if not any(m.name == source and not m.error for m in node.report.models):
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source} is not on node {node_id} under "
+                                                        f"{self.models_dir}")
+
+    async def _drain(self, worker: _Worker, timeout: float) -> None:
+        """Until the worker has no requests (bounded by `timeout`), then stop its server."""
+        import ray
+
+        deadline = self._clock() + timeout
+        try:
+            while True:
+                running, waiting = await _get(worker.handle.drain.remote(), 30)
+                if running + waiting == 0 or self._clock() >= deadline:
+                    break
+                await asyncio.sleep(0.5)
+            if running + waiting:
+                log.warning("fleet: %s still has %d request(s) after %g s of draining: stopping it",
+                            worker.spec.worker_id, running + waiting, timeout)
+            await _get(worker.handle.stop.remote(30.0), 45)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as e:  # dead or wedged: killed anyway
+            log.warning("fleet: %s did not drain: %s", worker.spec.worker_id, _last_line(e))
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+__all__ = ["RayNodes", "FleetWorkerActor", "FLEET_PREFIX", "probe", "worker_options", "node_platform"]

@@ -1,0 +1,222 @@
+"""`RayNodes` (cluster/fleet/ray_nodes.py), the fleet's node side over Ray, on one local
+Ray instance shared by the module: it lists the node with its memory and the models on
+its disk; `start` makes a worker actor that registers with a router and serves, is
+restarted by Ray when it dies, and `stop` drains it and kills it for good.
+
+Skipped when Ray is not installed (`.venv/bin/pip install -e '.[ray]'`)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+
+import grpc
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (.venv/bin/pip install -e '.[ray]')")
+
+from cluster.fleet import FleetError  # noqa: E402
+from cluster.fleet.ray_nodes import FLEET_PREFIX, RayNodes  # noqa: E402
+from cluster.proto.orchard.v1 import orchard_pb2 as pb  # noqa: E402
+from cluster.ray_launcher import NAMESPACE, RaySpec, _LoopThread  # noqa: E402
+from cluster.router.registry import HEALTHY  # noqa: E402
+from cluster.up import free_port  # noqa: E402
+
+GiB = 1 << 30
+RAY_MEMORY = 6 * GiB  # the node's Ray `memory` resource here
+TOKEN = "ray-nodes-token"
+
+
+def stand_in_scan():
+    """`facts.scan` where it is not there yet: a DiskModel per directory with a config.json
+    (a closure, so that Ray ships it by value to the node)."""
+    try:
+        from cluster.fleet.facts import scan
+        return scan
+    except ImportError:
+        pass
+
+    def scan(models_dir, platform):
+        return [pb.DiskModel(name=d.name, file_bytes=sum(f.stat().st_size for f in d.iterdir()), num_layers=2)
+                for d in sorted(models_dir.iterdir()) if (d / "config.json").is_file()]
+
+    return scan
+
+
+@pytest.fixture(scope="module")
+def ray_node():
+    temp_dir = tempfile.mkdtemp(prefix="orayn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    ray.init(num_cpus=2, resources={"orchard_worker": 1}, include_dashboard=False, _node_ip_address="127.0.0.1",
+             namespace=f"orchard-test-{free_port()}", logging_level="WARNING", _temp_dir=temp_dir,
+             _memory=RAY_MEMORY)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """The asyncio loop the router (and so RayNodes) runs on."""
+    thread = _LoopThread("test-ray-nodes")
+    yield thread
+    thread.loop.call_soon_threadsafe(thread.loop.stop)
+
+
+def _nodes(models_dir, router="127.0.0.1:1", **kw) -> RayNodes:
+    spec = RaySpec(model="unused", host="127.0.0.1", join_token=TOKEN, max_restarts=3, worker_metrics_port=None,
+                   detached=False)
+    return RayNodes(spec, router, str(models_dir), scan=stand_in_scan(), **kw)
+
+
+def test_nodes_lists_the_ray_node_with_its_memory_and_the_models_on_its_disk(ray_node, loop, tiny_model_dir):
+    nodes = _nodes(tiny_model_dir.parent)
+    assert nodes.nodes() == []  # nothing probed yet (and no loop here to probe on)
+    loop.run(nodes.refresh(), timeout=120)
+    (info,) = nodes.nodes()
+    report = info.report
+    assert info.state == "healthy"
+    assert report.node_id == RayNodes.node_id(ray.get_runtime_context().get_node_id())
+    assert report.memory_budget_bytes == RAY_MEMORY and report.memory_reserved_bytes == 0
+    assert report.memory_available_bytes > 0 and report.disk_free_bytes > 0
+    assert report.platform in ("cpu", "metal") and report.advertise_host == "127.0.0.1"
+    assert [m.name for m in report.models] == [tiny_model_dir.name]
+    assert list(report.workers) == []
+
+    capped = _nodes(tiny_model_dir.parent, memory_budget=GiB)  # --memory-budget caps Ray's memory resource
+    loop.run(capped.refresh(), timeout=120)
+    assert capped.nodes()[0].report.memory_budget_bytes == GiB
+
+
+def test_wait_changed_says_when_a_refresh_came(ray_node, loop, tiny_model_dir):
+    nodes = _nodes(tiny_model_dir.parent, refresh_interval=0.5)
+    assert loop.run(nodes.wait_changed(60), timeout=90)  # the first refresh
+    assert nodes.nodes()
+    assert loop.run(nodes.wait_changed(60), timeout=90)  # the next, an interval later
+
+
+def test_start_refuses_with_the_reason_before_starting_anything(ray_node, loop, tiny_model_dir):
+    nodes = _nodes(tiny_model_dir.parent)
+    loop.run(nodes.refresh(), timeout=120)
+    node_id = nodes.nodes()[0].report.node_id
+
+    def refused(node, **spec) -> FleetError:
+        with pytest.raises(FleetError) as e:
+            loop.run(nodes.start(node, pb.WorkerSpec(worker_id="w1", model="tiny", **spec)), timeout=60)
+        return e.value
+
+    e = refused("ray-nowhere", source=tiny_model_dir.name)
+    assert e.code == grpc.StatusCode.NOT_FOUND and "ray-nowhere" in e.message and node_id in e.message
+    e = refused(node_id, source="not-here")
+    assert e.code == grpc.StatusCode.NOT_FOUND and "not-here" in e.message and str(tiny_model_dir.parent) in e.message
+    e = refused(node_id, source=tiny_model_dir.name, reserved_bytes=7 * GiB)
+    assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "needs 7.00 GiB" in e.message and "6.00 of 6.00 GiB free" in e.message
+    e = refused(node_id, source=tiny_model_dir.name, reserved_bytes=GiB, engine_args=["--no-such-flag"])
+    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "--no-such-flag" in e.message
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(FLEET_PREFIX)]
+    with pytest.raises(FleetError) as stopped:
+        loop.run(nodes.stop(node_id, "w1", 1.0), timeout=60)
+    assert stopped.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def _until(what: str, check, timeout: float = 240.0, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    pytest.fail(f"not within {timeout:g} s: {what}")
+
+
+def _pid(handle):
+    try:
+        return ray.get(handle.pid.remote(), timeout=10)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
+@pytest.mark.slow
+def test_a_started_worker_serves_is_restarted_by_ray_and_stops_drained(ray_node, loop, tiny_model_dir):
+    """start -> the actor registers with the router and serves; killed, Ray restarts it and
+    it registers again; stop with a stream in flight -> the stream finishes, then the actor
+    is gone for good and its memory is free again."""
+    from cluster.router.config import RouterConfig
+    from cluster.router.server import RouterServer
+    from cluster.sdk import Client
+
+    async def start_router():
+        server = RouterServer(RouterConfig(grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
+                                           metrics_address=None, join_token=TOKEN, heartbeat_interval=0.5))
+        await server.start()
+        return server
+
+    router = loop.run(start_router(), timeout=60)
+    nodes = _nodes(tiny_model_dir.parent, router=router.grpc_address)
+    try:
+        loop.run(nodes.refresh(), timeout=120)
+        node_id = nodes.nodes()[0].report.node_id
+        spec = pb.WorkerSpec(worker_id="tiny-1", model=tiny_model_dir.name, source=tiny_model_dir.name,
+                             context=512, kv_cache_bytes=8 << 20, reserved_bytes=GiB)
+        started = loop.run(nodes.start(node_id, spec), timeout=60)
+        assert started.worker_id == "tiny-1" and started.state == "starting" and started.reserved_bytes == GiB
+        report = nodes.nodes()[0].report
+        assert report.memory_reserved_bytes == GiB and [w.worker_id for w in report.workers] == ["tiny-1"]
+
+        def healthy():
+            return [w for w in router.registry.serving(tiny_model_dir.name)
+                    if w.worker_id == "tiny-1" and w.state == HEALTHY]
+
+        first = _until("the worker registers with the router", healthy)[0]
+        with Client(router.grpc_address, timeout=60) as c:
+            r = c.generate("The orchard", max_tokens=8, temperature=0, ignore_eos=True)
+        assert r.worker_id == "tiny-1" and len(r.token_ids) == 8
+        loop.run(nodes.refresh(), timeout=120)
+        (w,) = nodes.nodes()[0].report.workers
+        assert w.state == "running" and w.address == first.address
+
+        # the process dies: Ray starts it again where it was, and it registers again
+        actor = ray.get_actor(f"{FLEET_PREFIX}tiny-1", namespace=NAMESPACE)
+        old_pid = _pid(actor)
+        ray.kill(actor, no_restart=False)
+        _until("Ray restarts the actor", lambda: (_pid(actor) or old_pid) != old_pid)
+        _until("the restarted worker registers again",
+               lambda: [w for w in healthy() if w.address != first.address])
+        with Client(router.grpc_address, timeout=60) as c:
+            assert c.generate("The orchard", max_tokens=8, temperature=0, ignore_eos=True).token_ids == r.token_ids
+
+        # stop with a stream in flight: it is drained first, then killed with no restart
+        got, errors, first_chunk = [], [], threading.Event()
+
+        def stream():
+            try:
+                with Client(router.grpc_address, timeout=120) as c:
+                    for chunk in c.stream("Once upon a time", max_tokens=96, temperature=0, ignore_eos=True):
+                        got.extend(chunk.token_ids)
+                        first_chunk.set()
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+                first_chunk.set()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert first_chunk.wait(120)
+        stopped = loop.run(nodes.stop(node_id, "tiny-1", 120.0), timeout=200)
+        reader.join(120)
+        assert not errors and len(got) == 96  # the request in flight finished on it
+        assert stopped.state == "exited" and stopped.worker_id == "tiny-1"
+        _until("the actor is gone", lambda: _pid(actor) is None)
+        time.sleep(3)  # a restart (after its backoff) would have answered by now
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.pid.remote(), timeout=30)
+        report = nodes.nodes()[0].report
+        assert report.memory_reserved_bytes == 0 and list(report.workers) == []
+    finally:
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["name"].startswith(FLEET_PREFIX):
+                ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+        loop.run(router.stop(grace=0), timeout=60)
