@@ -67,8 +67,7 @@ def loop():
 
 
 def _nodes(models_dir, router="127.0.0.1:1", **kw) -> RayNodes:
-    spec = RaySpec(model="unused", host="127.0.0.1", join_token=TOKEN, max_restarts=3, worker_metrics_port=None,
-                   detached=False)
+    spec = RaySpec(model="unused", host="127.0.0.1", join_token=TOKEN, max_restarts=3, detached=False)
     return RayNodes(spec, router, str(models_dir), scan=stand_in_scan(), **kw)
 
 
@@ -114,7 +113,7 @@ def test_start_refuses_with_the_reason_before_starting_anything(ray_node, loop, 
     assert e.code == grpc.StatusCode.NOT_FOUND and "not-here" in e.message and str(tiny_model_dir.parent) in e.message
     e = refused(node_id, source=tiny_model_dir.name, reserved_bytes=7 * GiB)
     assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "needs 7.00 GiB" in e.message and "6.00 of 6.00 GiB free" in e.message
+    assert "needs 7.0 GiB" in e.message and "has 6.0 GiB of 6.0 GiB free" in e.message
     e = refused(node_id, source=tiny_model_dir.name, reserved_bytes=GiB, engine_args=["--no-such-flag"])
     assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "--no-such-flag" in e.message
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(FLEET_PREFIX)]
@@ -143,7 +142,7 @@ def _pid(handle):
 @pytest.mark.slow
 def test_a_started_worker_serves_is_restarted_by_ray_and_stops_drained(ray_node, loop, tiny_model_dir):
     """start -> the actor registers with the router and serves; killed, Ray restarts it and
-    it registers again; stop with a stream in flight -> the stream finishes, then the actor
+    it registers again (same id, same port); stop with a stream in flight -> the stream finishes, then the actor
     is gone for good and its memory is free again."""
     from cluster.router.config import RouterConfig
     from cluster.router.server import RouterServer
@@ -160,7 +159,7 @@ def test_a_started_worker_serves_is_restarted_by_ray_and_stops_drained(ray_node,
     try:
         loop.run(nodes.refresh(), timeout=120)
         node_id = nodes.nodes()[0].report.node_id
-        spec = pb.WorkerSpec(worker_id="tiny-1", model=tiny_model_dir.name, source=tiny_model_dir.name,
+        spec = pb.WorkerSpec(worker_id="tiny-1", model="chat", source=tiny_model_dir.name,
                              context=512, kv_cache_bytes=8 << 20, reserved_bytes=GiB)
         started = loop.run(nodes.start(node_id, spec), timeout=60)
         assert started.worker_id == "tiny-1" and started.state == "starting" and started.reserved_bytes == GiB
@@ -168,24 +167,25 @@ def test_a_started_worker_serves_is_restarted_by_ray_and_stops_drained(ray_node,
         assert report.memory_reserved_bytes == GiB and [w.worker_id for w in report.workers] == ["tiny-1"]
 
         def healthy():
-            return [w for w in router.registry.serving(tiny_model_dir.name)
+            return [w for w in router.registry.serving("chat")
                     if w.worker_id == "tiny-1" and w.state == HEALTHY]
 
         first = _until("the worker registers with the router", healthy)[0]
+        address, instance = first.address, first.instance  # (the registry updates its record in place)
         with Client(router.grpc_address, timeout=60) as c:
-            r = c.generate("The orchard", max_tokens=8, temperature=0, ignore_eos=True)
+            r = c.generate("The orchard", model="chat", max_tokens=8, temperature=0, ignore_eos=True)
         assert r.worker_id == "tiny-1" and len(r.token_ids) == 8
         loop.run(nodes.refresh(), timeout=120)
         (w,) = nodes.nodes()[0].report.workers
-        assert w.state == "running" and w.address == first.address
+        assert w.state == "running" and w.address == address
 
         # the process dies: Ray starts it again where it was, and it registers again
         actor = ray.get_actor(f"{FLEET_PREFIX}tiny-1", namespace=NAMESPACE)
         old_pid = _pid(actor)
         ray.kill(actor, no_restart=False)
         _until("Ray restarts the actor", lambda: (_pid(actor) or old_pid) != old_pid)
-        _until("the restarted worker registers again",
-               lambda: [w for w in healthy() if w.address != first.address])
+        _until("the restarted worker registers again",  # the same id and port, from its new process
+               lambda: [w for w in healthy() if w.instance != instance])
         with Client(router.grpc_address, timeout=60) as c:
             assert c.generate("The orchard", max_tokens=8, temperature=0, ignore_eos=True).token_ids == r.token_ids
 

@@ -39,17 +39,14 @@ import grpc
 
 from cluster.exit_codes import EXIT_PERMANENT
 from cluster.fleet import FleetError
+from cluster.fleet.agent import OLLAMA_PREFIX, worker_argv
+from cluster.fleet.nodes import human_bytes
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.ray_launcher import NAMESPACE, WORKER_PREFIX, GroupMemberActor, RaySpec, WorkerActor, worker_nodes
-from cluster.worker.config import WorkerOptions
 
 log = logging.getLogger(__name__)
 
 FLEET_PREFIX = f"{WORKER_PREFIX}fleet-"  # the fleet's actors: `orchard ray down` ends them too
-# whether workers take --served-model-name (the node agent's part adds it); without it a
-# worker serves its model under its directory's name
-_SERVED_NAME = "served_model_name" in WorkerOptions.__dataclass_fields__
-GiB = 1 << 30
 PING_TIMEOUT = 2.0  # a serving worker's actor answers at once; one loading answers when loaded
 
 
@@ -94,6 +91,7 @@ class _WorkerFlags(argparse.ArgumentParser):
 def worker_options(argv: list[str]):
     """WorkerOptions from `orchard worker serve` flags (FleetError INVALID_ARGUMENT)."""
     from cluster.config import add_flags, from_args
+    from cluster.worker.config import WorkerOptions
 
     parser = _WorkerFlags(prog="orchard worker serve", add_help=False)
     add_flags(parser, WorkerOptions)
@@ -171,10 +169,6 @@ class _Node:
     report: pb.NodeReport | None = None  # the last probe's
     reported_at: float = 0.0
     alive: bool = True
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB"
 
 
 @functools.cache
@@ -255,9 +249,10 @@ class RayNodes:
         free = node.budget - self._reserved(node_id)
         if spec.reserved_bytes > free:
             raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"{spec.model} needs {_gib(spec.reserved_bytes)}, node {node_id} has {free / GiB:.2f} of "
-                             f"{_gib(node.budget)} free")
-        options = worker_options(self.worker_argv(spec, self._host(node)))
+                             f"worker {spec.worker_id} of {spec.model} needs {human_bytes(spec.reserved_bytes)}, "
+                             f"node {node_id} has {human_bytes(max(0, free))} of {human_bytes(node.budget)} free")
+        port = spec.port or (await self.reserve_ports(node_id, 1))[0]
+        options = worker_options(self.worker_flags(spec, self._host(node), port))
         options = replace(options, join_token=self.spec.join_token, security=self.spec.security)
         placed = dict(name=f"{FLEET_PREFIX}{spec.worker_id}", namespace=NAMESPACE, num_cpus=0,
                       memory=spec.reserved_bytes or None, max_restarts=self.spec.max_restarts, max_task_retries=0,
@@ -272,7 +267,7 @@ class RayNodes:
         worker.spec.CopyFrom(spec)
         self._changed.set()
         log.info("fleet: started %s (%s) on %s, %s reserved", spec.worker_id, spec.model, node_id,
-                 _gib(spec.reserved_bytes))
+                 human_bytes(spec.reserved_bytes))
         return worker.managed()
 
     async def stop(self, node_id: str, worker_id: str, drain_timeout: float) -> pb.ManagedWorker:
@@ -422,29 +417,13 @@ class RayNodes:
         """The fleet's name of a Ray node: short, as `orchard nodes list` shows it."""
         return f"ray-{ray_node_id[:8]}"
 
-    def worker_argv(self, spec: pb.WorkerSpec, host: str) -> list[str]:
-        """The `orchard worker serve` flags of a spec, on a node whose address is `host`."""
+    def worker_flags(self, spec: pb.WorkerSpec, host: str, port: int) -> list[str]:
+        """The `orchard worker serve` flags of a spec, as the node agent gives them, on a
+        node whose address is `host`."""
         source = spec.source or spec.model
-        model = source if source.startswith("ollama:") else str(Path(self.models_dir) / source)
-        metrics = "off" if self.spec.worker_metrics_port is None else f"{host}:0"
-        argv = ["--model", model, "--worker-id", spec.worker_id, "--router", self.router,
-                "--grpc", f"{host}:{spec.port}", "--metrics", metrics]
-        if _SERVED_NAME:
-            argv += ["--served-model-name", spec.model]
-        if spec.context:
-            argv += ["--max-model-len", str(spec.context)]
-        if spec.kv_cache_bytes:
-            argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_bytes)]
-        if spec.group_size > 1:
-            argv += ["--group-size", str(spec.group_size), "--group-rank", str(spec.group_rank),
-                     "--group-hosts", ",".join(spec.group_hosts)]
-            if spec.group_port:
-                argv += ["--group-port", str(spec.group_port)]
-            if spec.group_shares:
-                argv += ["--group-shares", spec.group_shares]
-            if spec.memory_budget_bytes:
-                argv += ["--memory-budget", str(spec.memory_budget_bytes)]
-        return [*argv, *spec.engine_args]
+        model = source if source.startswith(OLLAMA_PREFIX) else str(Path(self.models_dir) / source)
+        argv = worker_argv(spec, model, self.router, host, host, port)
+        return argv[argv.index("serve") + 1:]
 
     @property
     def router(self) -> str:
@@ -472,7 +451,7 @@ class RayNodes:
         return sum(w.spec.reserved_bytes for w in self._workers.values() if w.node_id == node_id)
 
     def _check_on_disk(self, node_id: str, node: _Node, source: str) -> None:
-        if not source or source.startswith("ollama:"):
+        if not source or source.startswith(OLLAMA_PREFIX):
             return  # the worker imports an ollama model itself
         if not any(m.name == source and not m.error for m in node.report.models):
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source} is not on node {node_id} under "
