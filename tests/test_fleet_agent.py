@@ -38,7 +38,7 @@ class AgentProcess:
     def __init__(self, router: str, models_dir: Path, state_dir: Path, token: str, node_id: str = "node-a",
                  budget: int = BUDGET, extra: tuple[str, ...] = (), env: dict | None = None):
         self.address = f"127.0.0.1:{free_port()}"
-        self.state_dir = state_dir
+        self.state_dir = state_dir / node_id  # where the agent keeps its workers' logs and pids
         self.log_path = state_dir / "agent.log"
         state_dir.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "cluster", "node", "serve", "--router", router, "--grpc", self.address,
@@ -489,3 +489,18 @@ def test_the_budget_is_at_most_what_the_machine_can_give(monkeypatch, tmp_path):
     assert run(budget(8 << 30)) == 3 << 30  # capped by the machine
     assert run(budget(1 << 30)) == 1 << 30
     assert run(budget(None)) == 3 << 30
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--memory-budget", "0"], "--memory-budget must be a positive size, not 0"),
+    (["--max-loaded", "-1"], "--max-loaded must be >= 0, not -1"),
+    (["--node-id", "../x"], "--node-id must be 1 to 128 characters, no '/', not starting with '.': '../x'"),
+    (["--router", ","], "--router names no router"),
+    (["--heartbeat-interval", "0"], "--heartbeat-interval must be in [0.05, 60] seconds, not 0.0"),
+])
+def test_a_bad_setting_is_one_line_and_permanent(flags, message, tmp_path, capsys):
+    from cluster.cli import main
+
+    assert main(["node", "serve", "--state-dir", str(tmp_path), *flags]) == 78
+    assert capsys.readouterr().err.strip() == f"orchard node serve: {message}"
+    assert not list(tmp_path.iterdir())  # refused before anything was done

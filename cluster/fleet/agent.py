@@ -239,11 +239,13 @@ class NodeAgent:
     def __init__(self, config: NodeConfig):
         self.config = config
         self.models_dir = Path(config.models_dir).expanduser()
-        self.state_dir = Path(config.state_dir).expanduser()
         self.routers = [r.strip() for r in config.router.split(",") if r.strip()]
         self.host = parse_address(config.grpc_address)[0]
         self.advertise_host = config.advertise or (socket.getfqdn() if self.host in ALL_INTERFACES else self.host)
         self.node_id = config.node_id or self._default_node_id()
+        # a folder per node: agents of several nodes on one machine (a local fleet) never
+        # take each other's workers for leftovers
+        self.state_dir = Path(config.state_dir).expanduser() / self.node_id
         self.instance_id = uuid.uuid4().hex
         self.platform, self.budget = "cpu", 0
         self.models: list[pb.DiskModel] = []

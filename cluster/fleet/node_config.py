@@ -29,7 +29,8 @@ class NodeConfig:
         metavar="SIZE")
     models_dir: str = setting(DEFAULT_MODELS_DIR, "where the models are: a catalog source names a directory "
                                                   "(with config.json) or a .gguf file in it", metavar="DIR")
-    state_dir: str = setting(DEFAULT_STATE_DIR, "the agent's workers' logs and process ids", metavar="DIR")
+    state_dir: str = setting(DEFAULT_STATE_DIR, "the agent's workers' logs and process ids, in a folder named "
+                                                 "after the node id", metavar="DIR")
     max_loaded: int = setting(0, "models this node runs at once at most (0: no limit but memory)", metavar="N")
     join_token: str = setting("", "the routers' join token", env="ORCHARD_JOIN_TOKEN")
     heartbeat_interval: float = setting(
@@ -53,6 +54,10 @@ class NodeConfig:
         for flag, value in (("--drain-timeout", self.drain_timeout), ("--stop-grace", self.stop_grace)):
             if not 0 <= value <= 3600:
                 raise ValueError(f"{flag} must be in [0, 3600] seconds, not {value}")
+        if self.node_id is not None and not (0 < len(self.node_id) <= 128 and "/" not in self.node_id
+                                             and not self.node_id.startswith(".")):
+            raise ValueError(f"--node-id must be 1 to 128 characters, no '/', not starting with '.': "
+                             f"{self.node_id!r}")
         if not [r for r in self.router.split(",") if r.strip()]:
             raise ValueError("--router names no router")
         self.security.check()
