@@ -155,6 +155,11 @@ def test_agent_nodes_call_the_agent_with_the_join_token():
             assert "needs 9.0 GiB" in e.value.message
             stopped = await side.stop("mac-1", "w", drain_timeout=1.0)
             assert stopped.state == "exited"
+            nodes.sweep(now=nodes.clock() + 60)  # silent: nothing new goes there, a stop is still tried
+            with pytest.raises(FleetError) as e:
+                await side.reserve_ports("mac-1", 1)
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE and "unhealthy" in e.value.message
+            assert (await side.stop("mac-1", "w", drain_timeout=1.0)).state == "exited"
         finally:
             await side.close()
             await server.stop(0)

@@ -206,6 +206,7 @@ class AgentNodes:
         self.security = dataclasses.replace(security, api_key=join_token)
         self.rpc_timeout = rpc_timeout
         self._agents: dict[str, _Agent] = {}
+        self._closing: set[asyncio.Future] = set()
 
     def nodes(self) -> list[pb.NodeInfo]:
         return self.registry.nodes()
@@ -213,22 +214,26 @@ class AgentNodes:
     async def wait_changed(self, timeout: float) -> bool:
         return await self.registry.wait_changed(timeout)
 
-    def _stub(self, node_id: str) -> pb_grpc.NodeStub:
+    def _stub(self, node_id: str, healthy: bool) -> pb_grpc.NodeStub:
+        """The node's stub; with `healthy`, only while it reports (nothing new is placed on
+        a node that missed its heartbeats; a stop is still tried)."""
         record = self.registry.get(node_id)
         if record is None:
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"no node {node_id!r} registered")
-        if not record.healthy:
+        if healthy and not record.healthy:
             raise FleetError(grpc.StatusCode.UNAVAILABLE, f"node {node_id} is unhealthy (missed heartbeats)")
         agent = self._agents.get(node_id)
         if agent is None or agent.address != record.report.address:
             if agent is not None:  # the agent moved: a channel to its new address
-                asyncio.ensure_future(agent.channel.close(grace=None))
+                closing = asyncio.ensure_future(agent.channel.close(grace=None))
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
             ch = channel(record.report.address, self.security, options=CHANNEL_OPTIONS)
             agent = self._agents[node_id] = _Agent(record.report.address, ch, pb_grpc.NodeStub(ch))
         return agent.stub
 
-    async def _call(self, node_id: str, method: str, request, timeout: float):
-        stub = self._stub(node_id)
+    async def _call(self, node_id: str, method: str, request, timeout: float, healthy: bool = True):
+        stub = self._stub(node_id, healthy)
         try:
             return await getattr(stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as e:
@@ -246,16 +251,19 @@ class AgentNodes:
 
     async def stop(self, node_id: str, worker_id: str, drain_timeout: float) -> pb.ManagedWorker:
         request = pb.StopWorkerRequest(worker_id=worker_id, drain_timeout_seconds=drain_timeout)
-        return await self._call(node_id, "StopWorker", request, drain_timeout + STOP_GRACE_S)
+        return await self._call(node_id, "StopWorker", request, drain_timeout + STOP_GRACE_S, healthy=False)
 
     async def report(self, node_id: str) -> pb.NodeReport:
         """The node's report now (not its last heartbeat's)."""
-        return await self._call(node_id, "GetNodeReport", pb.GetNodeReportRequest(), self.rpc_timeout)
+        return await self._call(node_id, "GetNodeReport", pb.GetNodeReportRequest(), self.rpc_timeout,
+                                healthy=False)
 
     async def close(self) -> None:
         agents, self._agents = list(self._agents.values()), {}
         for agent in agents:
             await agent.channel.close(grace=None)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 # -- `orchard nodes list` ----------------------------------------------------------------------
