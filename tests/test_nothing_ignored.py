@@ -167,8 +167,8 @@ def test_router_reflection_and_health_follow_its_workers():
         worker = reg = None
         try:
             assert await _services(router.grpc_address) == [
-                "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "orchard.v1.Generation",
-                "orchard.v1.Router"]
+                "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "orchard.v1.Fleet",
+                "orchard.v1.Generation", "orchard.v1.Router"]
             async with grpc.aio.insecure_channel(router.grpc_address) as ch:
                 health = health_pb2_grpc.HealthStub(ch)
 

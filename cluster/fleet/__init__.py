@@ -13,8 +13,10 @@ fleet-wide or spanning a pipeline group over several nodes when no node has room
     footprint.py   memory a worker of a model will hold: weights, KV pool, overhead (pure)
     catalog.py     the catalog and single-flight load claims (SQLite)
     placement.py   the placement policy (pure)
-    nodes.py       NodeRegistry and the NodeSide the controller drives (agents over gRPC)
-    agent.py       `orchard node serve`
+    nodes.py       NodeRegistry and the NodeSide the controller drives (agents over gRPC);
+                   `orchard nodes list`
+    service.py     the router's Fleet service: nodes register and report; the catalog RPCs
+    agent.py       `orchard node serve`: the node agent (node_config.py: its flags)
     controller.py  FleetController: loads, unloads, keep-alive, the catalog RPCs
     config.py      the router's fleet flags (--catalog, --load-timeout, --default-keep-alive, ...)
     metrics.py     orchard_fleet_* metrics
