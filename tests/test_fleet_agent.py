@@ -504,3 +504,16 @@ def test_a_bad_setting_is_one_line_and_permanent(flags, message, tmp_path, capsy
     assert main(["node", "serve", "--state-dir", str(tmp_path), *flags]) == 78
     assert capsys.readouterr().err.strip() == f"orchard node serve: {message}"
     assert not list(tmp_path.iterdir())  # refused before anything was done
+
+
+def test_a_busy_port_is_one_line_and_transient(tmp_path, capsys):
+    from cluster.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["node", "serve", "--grpc", f"127.0.0.1:{port}", "--router", f"127.0.0.1:{free_port()}",
+                     "--state-dir", str(tmp_path), "--models-dir", str(tmp_path)]) == 75
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"orchard node serve: cannot listen on 127.0.0.1:{port} for gRPC (in use?) (exit 75: transient)"
