@@ -203,6 +203,10 @@ class EngineLoop:
         _name_os_thread("orchard-engine")
         try:
             self.engine = self._factory()
+            # what loading freed (dtype conversions, dequantized layers, aligned copies) goes
+            # back before serving, so the process's resident memory is its working size
+            mx.clear_cache()
+            give_back_freed_memory()
         except BaseException as e:  # reported by start()
             self._load_error = e
             return
