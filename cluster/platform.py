@@ -192,23 +192,52 @@ def resident_bytes(pid: int | str = "self") -> int:
 
 
 def process_memory() -> int:
-    """This process's resident memory now, for its load report: its RSS on Linux
-    (/proc/self/statm). macOS has no portable call for the current RSS: there, its peak RSS
-    (getrusage), plus, on Metal, MLX's active memory, which lives in Metal buffers outside
-    it. 0: unknown."""
+    """This process's resident memory now, for its load report: its RSS (Linux:
+    /proc/self/statm; macOS: the task's resident size), plus, on Metal, MLX's active
+    memory, which lives in Metal buffers outside it. 0: unknown."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         pass
-    import resource
+    if sys.platform != "darwin":
+        return 0
+    rss = _darwin_resident_bytes()
+    if not rss:  # the peak, where the current size cannot be read
+        import resource
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
-    if sys.platform == "darwin" and has_metal():
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
+    if has_metal():
         import mlx.core as mx
 
-        peak += mx.get_active_memory()
-    return peak
+        rss += mx.get_active_memory()
+    return rss
+
+
+class _MachTaskBasicInfo(ctypes.Structure):  # <mach/task_info.h>'s mach_task_basic_info
+    _fields_ = [("virtual_size", ctypes.c_uint64), ("resident_size", ctypes.c_uint64),
+                ("resident_size_max", ctypes.c_uint64), ("user_time", ctypes.c_int32 * 2),
+                ("system_time", ctypes.c_int32 * 2), ("policy", ctypes.c_int32), ("suspend_count", ctypes.c_int32)]
+
+
+MACH_TASK_BASIC_INFO = 20  # the flavor of task_info that fills it
+
+
+def _darwin_resident_bytes() -> int:
+    """macOS: this task's resident size now (task_info, as `ps` and psutil read it); 0 where
+    it cannot be read."""
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        task = ctypes.c_uint32.in_dll(libc, "mach_task_self_")  # what mach_task_self() returns
+        info = _MachTaskBasicInfo()
+        count = ctypes.c_uint32(ctypes.sizeof(info) // 4)
+        if libc.task_info(task, MACH_TASK_BASIC_INFO, ctypes.byref(info), ctypes.byref(count)):
+            return 0
+    except (OSError, AttributeError, ValueError):
+        return 0
+    return int(info.resident_size)
 
 
 def _glibc_function(name: str, argtypes: list):
