@@ -152,6 +152,7 @@ class ManagedProcess:
     stopping: bool = False
     task: asyncio.Task | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # ends a backoff's wait when it is stopped
+    stop_task: asyncio.Task | None = None  # StopWorker's drain and stop, once
 
     @property
     def live(self) -> bool:
@@ -477,18 +478,25 @@ class NodeAgent:
                 self._report_now()
 
     async def stop_worker(self, worker_id: str, drain_timeout: float = 0.0) -> pb.ManagedWorker:
+        """Drain, then stop. One stop per worker: a second call waits for the first (its drain
+        is not cut short), and a caller that gives up does not cancel it."""
         w = self.workers.get(worker_id)
         if w is None:
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"no worker {worker_id!r} on node {self.node_id}")
+        if w.stop_task is None:
+            w.stop_task = asyncio.create_task(self._stop(w, drain_timeout or self.config.drain_timeout))
+        await asyncio.shield(w.stop_task)
+        return w.info()
+
+    async def _stop(self, w: ManagedProcess, drain_timeout: float) -> None:
         if w.live and not w.stopping:
             w.stopping, w.state = True, STOPPING
             self._report_now()
-            await self._drain(w, drain_timeout or self.config.drain_timeout)
+            await self._drain(w, drain_timeout)
         await self._end(w)
-        if self.workers.get(worker_id) is w:
-            del self.workers[worker_id]
+        if self.workers.get(w.spec.worker_id) is w:
+            del self.workers[w.spec.worker_id]
         self._report_now()
-        return w.info()
 
     async def _drain(self, w: ManagedProcess, timeout: float) -> None:
         """Take no new requests; wait (at most `timeout`) for those it has to finish."""
