@@ -167,3 +167,38 @@ def test_every_family_modelgen_makes_is_read_as_the_worker_holds_it(tmp_path):
         if disk.error or got != held_by_worker(path):
             wrong[arch] = disk.error or (got, held_by_worker(path))
     assert not wrong
+
+
+def write_checkpoint(path: Path, config: dict, tensors: dict[str, tuple[str, list[int]]]) -> Path:
+    """A model directory whose safetensors file is its header alone: all facts.py reads."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    header = json.dumps({name: {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]}
+                         for name, (dtype, shape) in tensors.items()}).encode()
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    return path
+
+
+def test_tensors_mlx_lm_drops_at_load_are_not_counted(tmp_path):
+    """A tied model's stray lm_head, multi-token-prediction heads, a multimodal checkpoint's
+    towers: mlx-lm's sanitize drops them, so the worker never holds them."""
+    config = {"model_type": "qwen3", "tie_word_embeddings": True, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "hidden_size": 16}
+    kept = {"model.embed_tokens.weight": ("BF16", [32, 16]),
+            "model.layers.0.self_attn.k_proj.weight": ("BF16", [8, 16])}
+    dropped = {"lm_head.weight": ("BF16", [32, 16]), "mtp.layers.0.mlp.weight": ("BF16", [16, 16]),
+               "model.visual.blocks.0.attn.qkv.weight": ("BF16", [48, 16]),
+               "vision_tower.encoder.layers.0.weight": ("F32", [16, 16]),
+               "model.layers.0.self_attn.rotary_emb.inv_freq": ("F32", [4])}
+    path = write_checkpoint(tmp_path / "m", config, {**kept, **dropped})
+    assert not facts.disk_model(path, "metal").error
+    assert facts.disk_model(path, "metal").weight_bytes == 2 * (32 * 16 + 8 * 16)
+    assert facts.disk_model(path, "cpu").weight_bytes == 4 * (32 * 16 + 8 * 16)
+
+
+def test_a_config_without_a_key_its_family_needs_says_which(tmp_path):
+    config = {"model_type": "qwen3_next", "num_hidden_layers": 4, "full_attention_interval": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "hidden_size": 16}
+    path = write_checkpoint(tmp_path / "m", config, {"model.embed_tokens.weight": ("F32", [32, 16])})
+    assert facts.disk_model(path, "cpu").error == (
+        "config.json has no 'linear_num_key_heads', which a qwen3_next model needs")

@@ -122,9 +122,15 @@ def text_config(config: dict) -> dict:
 
 # -- weights ---------------------------------------------------------------------------------------
 
+# a multimodal checkpoint's towers, which mlx-lm's text models drop
+_NOT_TEXT = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|visual|audio_tower|multi_modal_projector|"
+                       r"embed_vision|embed_audio)\.")
+
+
 def dropped_at_load(name: str, config: dict) -> bool:
     """Whether mlx-lm's loaders drop this tensor (their `sanitize`): never held."""
     return ("rotary_emb.inv_freq" in name or name.startswith("mtp.") or ".mtp." in name
+            or _NOT_TEXT.search(name) is not None
             or (name.startswith("lm_head.") and text_config(config).get("tie_word_embeddings") is True))
 
 
