@@ -28,6 +28,9 @@ Ray cluster.
   and Ray restarts each actor; they find each other again, wherever their bundles are by
   then. `--host` is the router's and the workers' gRPC address; a
   group's ring is always on each node's own IP.
+- `--catalog FILE` (instead of `--model`): a fleet. Only the router starts; its fleet
+  controller loads the catalog's models on demand as worker actors (and groups) on the
+  resource's nodes, from `--models-dir`, by memory (`cluster/fleet/ray_nodes.py`).
 
 Each actor runs the same server objects as the CLI (`RouterServer`, `WorkerServer`) on
 its own asyncio loop in a thread; the model directory must exist at the same path on every
@@ -50,8 +53,10 @@ from pathlib import Path
 from typing import NoReturn
 
 from cluster import platform
-from cluster.config import default_of, port_of, setting
+from cluster.config import ByteSize, default_of, port_of, setting
 from cluster.exit_codes import EXIT_TRANSIENT, Backoff, describe, exit_code, is_permanent
+from cluster.fleet.config import FleetConfig
+from cluster.fleet.node_config import DEFAULT_MODELS_DIR
 from cluster.router.config import RouterConfig, policy_names
 from cluster.security import SecurityConfig, inference_keys
 from cluster.worker.config import EngineConfig, WorkerOptions
@@ -68,7 +73,8 @@ class RaySpec:
     """`orchard ray up`: what the router and worker actors run. Ports default to the
     router's and the worker's own default addresses; the other settings are theirs."""
 
-    model: str = setting(help="mlx-lm model directory, at the same path on every worker node")
+    model: str | None = setting(None, "mlx-lm model directory, at the same path on every worker node (none with "
+                                      "--catalog)")
     workers_per_node: int = setting(1, "worker actors on each worker node")
     resource: str = setting("orchard_worker", "Ray resource that marks worker nodes")
     host: str | None = setting(None, "the router's and workers' bind/advertise address (default: each node's Ray "
@@ -96,6 +102,13 @@ class RaySpec:
                                   choices=("STRICT_SPREAD", "SPREAD", "PACK"))
     detached: bool = True
     engine: EngineConfig = setting(default_factory=lambda: default_of(WorkerOptions, "engine_config"), group="engine")
+    # --catalog FILE: no workers at start; the router's fleet controller loads the catalog's
+    # models on demand as worker actors on the resource's nodes (cluster/fleet/ray_nodes.py)
+    fleet: FleetConfig = setting(default_factory=FleetConfig, group="fleet (models loaded on demand on the Ray nodes)")
+    models_dir: str = setting(DEFAULT_MODELS_DIR, "with --catalog: where the nodes hold the catalog's models (the same "
+                                                  "path on every node)", metavar="DIR")
+    memory_budget: ByteSize | None = setting(None, "with --catalog: the memory a node gives models at most (default: "
+                                                   "its Ray memory resource)", metavar="SIZE")
     # keys and TLS for the router and every worker (certificate files at the same paths on
     # every node; with --tls-ca, one certificate serves them all, so worker ids are not
     # bound to per-Mac names: issue one per Mac and use launchd for that)
@@ -210,12 +223,18 @@ class RouterActor:
         config = RouterConfig(
             grpc_address=f"{host}:{spec.router_port}", http_address=_addr(host, spec.router_http_port),
             metrics_address=_addr(host, spec.router_metrics_port), policy=spec.policy, join_token=spec.join_token,
-            security=spec.security,
+            security=spec.security, fleet=spec.fleet,
         )
         self._loop = _LoopThread("orchard-router")
 
         async def start():
-            server = RouterServer(config)
+            nodes = None
+            if spec.fleet.enabled:  # the fleet's workers: actors on the Ray nodes, registering here
+                from cluster.fleet.ray_nodes import RayNodes
+
+                nodes = RayNodes(spec, lambda: server.grpc_address, spec.models_dir, spec.memory_budget)
+                await nodes.refresh()  # the first request finds the nodes
+            server = RouterServer(config, nodes)
             await server.start()
             return server
 
@@ -398,6 +417,8 @@ def launch(spec: RaySpec, worker_timeout: float | None = None) -> RayDeployment:
         name=ROUTER_NAME, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False), **common,
     ).remote(spec)
     router_addresses = ray.get(router.addresses.remote(), timeout=120)
+    if spec.fleet.enabled:  # the router starts the workers as requests name models
+        return RayDeployment(spec, router, router_addresses, {})
     if spec.group_size > 1:
         return _launch_groups(spec, nodes, router, router_addresses, common, worker_timeout)
     workers = {}
@@ -488,11 +509,42 @@ def _init(address: str):
     return ray
 
 
+def _check_what_serves(spec: RaySpec) -> str | None:
+    """What is wrong with what `ray up` is asked to serve (--model, or --catalog and its flags)."""
+    if spec.fleet.enabled:
+        if spec.model:
+            return "--model and --catalog: one or the other (a catalog's models are loaded on demand)"
+        if spec.group_size > 1:
+            return "--group-size with --catalog: the fleet forms the groups a model needs itself"
+        if spec.memory_budget is not None and spec.memory_budget < 1:
+            return f"--memory-budget must be a positive size, not {spec.memory_budget}"
+        try:
+            spec.fleet.check()
+        except ValueError as e:
+            return str(e)
+    elif not spec.model:
+        return "nothing to serve: --model DIR (a worker of it per node), or --catalog FILE (models on demand)"
+    return None
+
+
+def _absolute_paths(spec: RaySpec) -> RaySpec:
+    """The paths the actors get, made absolute here (the router's actor runs on this node;
+    the workers' paths are the same on every node)."""
+    if spec.fleet.enabled:
+        return replace(spec, fleet=replace(spec.fleet, catalog=os.path.abspath(spec.fleet.catalog)),
+                       models_dir=os.path.abspath(os.path.expanduser(spec.models_dir)))
+    return replace(spec, model=os.path.abspath(spec.model))
+
+
 def run_up(spec: RaySpec, ray_address: RayAddress) -> int:
     if not spec.join_token and not spec.insecure:
         print("orchard ray up: no join token: anyone on the network could register a worker and receive prompts. "
               "Set $ORCHARD_JOIN_TOKEN (e.g. `export ORCHARD_JOIN_TOKEN=$(openssl rand -hex 16)`), or pass "
               "--insecure for a trusted network", flush=True)
+        return 2
+    problem = _check_what_serves(spec)
+    if problem:
+        print(f"orchard ray up: {problem}", flush=True)
         return 2
     # The actors run elsewhere, without this shell's environment: resolve the keys here.
     sec = spec.security
@@ -503,7 +555,7 @@ def run_up(spec: RaySpec, ray_address: RayAddress) -> int:
         print(f"orchard is already running on this Ray cluster ({', '.join(existing_actors())}); "
               "`orchard ray down` first", flush=True)
         return 1
-    spec = replace(spec, model=os.path.abspath(spec.model))
+    spec = _absolute_paths(spec)
     try:
         dep = launch(spec)
         dep.wait_ready()
@@ -511,7 +563,10 @@ def run_up(spec: RaySpec, ray_address: RayAddress) -> int:
         print(f"orchard ray up: {e}", flush=True)
         return 1
     a = dep.router_addresses
-    print(f"Orchard is up on Ray: {len(dep.workers)} worker(s) serving {os.path.basename(spec.model)}\n"
+    serving = (f"a fleet: the models of {spec.fleet.catalog} loaded on demand from {spec.models_dir} on the nodes "
+               f"with {spec.resource}" if spec.fleet.enabled
+               else f"{len(dep.workers)} worker(s) serving {os.path.basename(spec.model)}")
+    print(f"Orchard is up on Ray: {serving}\n"
           f"  router gRPC  {a['grpc']}\n  HTTP         {a['http'] or 'off'}\n  metrics      {a['metrics'] or 'off'}\n"
           + "".join(f"  {name}\n" for name in dep.workers)
           + "".join(f"  {name} (a group member)\n" for name in dep.members)

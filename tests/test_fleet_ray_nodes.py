@@ -29,22 +29,6 @@ RAY_MEMORY = 6 * GiB  # the node's Ray `memory` resource here
 TOKEN = "ray-nodes-token"
 
 
-def stand_in_scan():
-    """`facts.scan` where it is not there yet: a DiskModel per directory with a config.json
-    (a closure, so that Ray ships it by value to the node)."""
-    try:
-        from cluster.fleet.facts import scan
-        return scan
-    except ImportError:
-        pass
-
-    def scan(models_dir, platform):
-        return [pb.DiskModel(name=d.name, file_bytes=sum(f.stat().st_size for f in d.iterdir()), num_layers=2)
-                for d in sorted(models_dir.iterdir()) if (d / "config.json").is_file()]
-
-    return scan
-
-
 @pytest.fixture(scope="module")
 def ray_node():
     temp_dir = tempfile.mkdtemp(prefix="orayn", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
@@ -68,7 +52,7 @@ def loop():
 
 def _nodes(models_dir, router="127.0.0.1:1", **kw) -> RayNodes:
     spec = RaySpec(model="unused", host="127.0.0.1", join_token=TOKEN, max_restarts=3, detached=False)
-    return RayNodes(spec, router, str(models_dir), scan=stand_in_scan(), **kw)
+    return RayNodes(spec, router, str(models_dir), **kw)
 
 
 def test_nodes_lists_the_ray_node_with_its_memory_and_the_models_on_its_disk(ray_node, loop, tiny_model_dir):
@@ -82,7 +66,8 @@ def test_nodes_lists_the_ray_node_with_its_memory_and_the_models_on_its_disk(ray
     assert report.memory_budget_bytes == RAY_MEMORY and report.memory_reserved_bytes == 0
     assert report.memory_available_bytes > 0 and report.disk_free_bytes > 0
     assert report.platform in ("cpu", "metal") and report.advertise_host == "127.0.0.1"
-    assert [m.name for m in report.models] == [tiny_model_dir.name]
+    (model,) = report.models  # facts.scan's, run on the node
+    assert model.name == tiny_model_dir.name and model.weight_bytes > 0 and model.num_layers > 0
     assert list(report.workers) == []
 
     capped = _nodes(tiny_model_dir.parent, memory_budget=GiB)  # --memory-budget caps Ray's memory resource
@@ -110,7 +95,8 @@ def test_start_refuses_with_the_reason_before_starting_anything(ray_node, loop, 
     e = refused("ray-nowhere", source=tiny_model_dir.name)
     assert e.code == grpc.StatusCode.NOT_FOUND and "ray-nowhere" in e.message and node_id in e.message
     e = refused(node_id, source="not-here")
-    assert e.code == grpc.StatusCode.NOT_FOUND and "not-here" in e.message and str(tiny_model_dir.parent) in e.message
+    assert e.code == grpc.StatusCode.NOT_FOUND and "'not-here'" in e.message
+    assert str(tiny_model_dir.parent) in e.message
     e = refused(node_id, source=tiny_model_dir.name, reserved_bytes=7 * GiB)
     assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "needs 7.0 GiB" in e.message and "has 6.0 GiB of 6.0 GiB free" in e.message
@@ -220,3 +206,53 @@ def test_a_started_worker_serves_is_restarted_by_ray_and_stops_drained(ray_node,
             if a["name"].startswith(FLEET_PREFIX):
                 ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
         loop.run(router.stop(grace=0), timeout=60)
+
+
+@pytest.mark.parametrize("argv, says", [
+    ([], "nothing to serve: --model DIR"),
+    (["--model", "m", "--catalog", "c.db"], "--model and --catalog: one or the other"),
+    (["--catalog", "c.db", "--group-size", "2"], "--group-size with --catalog"),
+    (["--catalog", "c.db", "--load-timeout", "0"], "--load-timeout must be > 0"),
+])
+def test_ray_up_says_what_is_wrong_with_what_it_serves_before_joining_ray(argv, says, monkeypatch, capsys):
+    from cluster.cli import main
+
+    monkeypatch.setenv("ORCHARD_JOIN_TOKEN", TOKEN)
+    monkeypatch.setattr("cluster.ray_launcher._init", lambda address: pytest.fail("joined Ray"))
+    assert main(["ray", "up", *argv]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("orchard ray up: ") and says in out and len(out.strip().splitlines()) == 1
+
+
+def test_ray_up_with_a_catalog_loads_a_model_on_a_ray_node_when_a_request_names_it(ray_node, tiny_model_dir,
+                                                                                  tmp_path, monkeypatch):
+    """`orchard ray up --catalog FILE`: the router alone at first; `orchard models add`, then
+    a request for the model: the router's fleet controller starts one worker actor for it on
+    the Ray node, and it serves; `orchard ray down` ends it with the router."""
+    from cluster.cli import main
+    from cluster.ray_launcher import ROUTER_NAME, existing_actors
+    from cluster.sdk import Client
+
+    monkeypatch.setenv("ORCHARD_JOIN_TOKEN", TOKEN)
+    models_dir = tmp_path / "models"
+    models_dir.mkdir()
+    (models_dir / "tiny").symlink_to(tiny_model_dir, target_is_directory=True)
+    try:
+        assert main(["ray", "up", "--catalog", str(tmp_path / "catalog.db"), "--models-dir", str(models_dir),
+                     "--host", "127.0.0.1", "--router-port", str(free_port()), "--router-http-port", "-1",
+                     "--router-metrics-port", "-1", "--max-restarts", "3", "--fleet-context", "512",
+                     "--timeout", "180"]) == 0
+        assert existing_actors() == [ROUTER_NAME]  # no worker until a model is asked for
+        router = ray.get(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE).addresses.remote(), timeout=30)["grpc"]
+        assert main(["models", "add", "chat", "--source", "tiny", "--router", router]) == 0
+        with Client(router, timeout=300) as c:
+            r = c.generate("The orchard", model="chat", max_tokens=8, temperature=0, ignore_eos=True)
+        assert len(r.token_ids) == 8
+        (worker,) = [n for n in existing_actors() if n.startswith(FLEET_PREFIX)]
+        assert worker == f"{FLEET_PREFIX}{r.worker_id}"
+        assert main(["ray", "down"]) == 0
+        _until("orchard ray down ends the router and the fleet's workers", lambda: existing_actors() == [],
+               timeout=60)
+    finally:
+        for name in existing_actors():
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)

@@ -29,7 +29,6 @@ import asyncio
 import functools
 import logging
 import shutil
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,24 +49,25 @@ FLEET_PREFIX = f"{WORKER_PREFIX}fleet-"  # the fleet's actors: `orchard ray down
 PING_TIMEOUT = 2.0  # a serving worker's actor answers at once; one loading answers when loaded
 
 
-def node_platform() -> str:
-    """What a worker on this machine computes on, as `facts.scan` and the footprint name
-    it: "metal" on Apple silicon, else "cpu"."""
-    import platform
+@functools.cache
+def _metal_working_set() -> int | None:
+    from cluster.platform import metal_working_set
 
-    return "metal" if sys.platform == "darwin" and platform.machine() == "arm64" else "cpu"
+    return metal_working_set()  # a machine's, asked once per process (it starts a Python)
 
 
-def probe(models_dir: str, scan: Callable | None = None) -> bytes:
+def probe(models_dir: str) -> bytes:
     """Run on a node (a Ray task pinned there): what it holds under `models_dir`, its free
-    disk and memory and its platform, as a serialized NodeReport (the rest is the router's)."""
+    disk and memory, its platform and (on a Mac) Metal's working set as its budget, as a
+    serialized NodeReport (the rest is the router's)."""
+    from cluster.fleet.facts import scan
     from cluster.platform import available_memory
 
-    if scan is None:
-        from cluster.fleet.facts import scan
+    working_set = _metal_working_set()
+    kind = "metal" if working_set else "cpu"
+    report = pb.NodeReport(platform=kind, memory_available_bytes=available_memory(),
+                           memory_budget_bytes=working_set or 0)
     where = Path(models_dir)
-    kind = node_platform()
-    report = pb.NodeReport(platform=kind, memory_available_bytes=available_memory())
     if where.is_dir():
         report.disk_free_bytes = shutil.disk_usage(where).free
         report.models.extend(scan(where, kind))
@@ -165,7 +165,7 @@ class _Worker:
 class _Node:
     ray_id: str  # Ray's NodeID (hex)
     ip: str
-    budget: int
+    ray_memory: int  # its Ray `memory` resource
     report: pb.NodeReport | None = None  # the last probe's
     reported_at: float = 0.0
     alive: bool = True
@@ -196,7 +196,7 @@ class RayNodes:
 
     def __init__(self, spec: RaySpec, router: str | Callable[[], str], models_dir: str,
                  memory_budget: int | None = None, refresh_interval: float = 10.0, probe_timeout: float = 60.0,
-                 drain_timeout: float = 120.0, scan: Callable | None = None, clock=time.monotonic):
+                 drain_timeout: float = 120.0, clock=time.monotonic):
         self.spec = spec
         self._router = router
         self.models_dir = str(Path(models_dir).expanduser().absolute())
@@ -204,7 +204,6 @@ class RayNodes:
         self.refresh_interval = refresh_interval
         self.probe_timeout = probe_timeout
         self.drain_timeout = drain_timeout
-        self._scan = scan
         self._clock = clock
         self._nodes: dict[str, _Node] = {}
         self._workers: dict[str, _Worker] = {}
@@ -245,14 +244,15 @@ class RayNodes:
         if spec.worker_id in self._workers:
             raise FleetError(grpc.StatusCode.ALREADY_EXISTS, f"worker {spec.worker_id} is running on "
                                                              f"{self._workers[spec.worker_id].node_id}")
-        self._check_on_disk(node_id, node, spec.source)
-        free = node.budget - self._reserved(node_id)
+        model = self._model_path(node_id, node, spec.source)
+        budget = self._budget(node)
+        free = budget - self._reserved(node_id)
         if spec.reserved_bytes > free:
             raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"worker {spec.worker_id} of {spec.model} needs {human_bytes(spec.reserved_bytes)}, "
-                             f"node {node_id} has {human_bytes(max(0, free))} of {human_bytes(node.budget)} free")
+                             f"node {node_id} has {human_bytes(max(0, free))} of {human_bytes(budget)} free")
         port = spec.port or (await self.reserve_ports(node_id, 1))[0]
-        options = worker_options(self.worker_flags(spec, self._host(node), port))
+        options = worker_options(self.worker_flags(spec, model, self._host(node), port))
         options = replace(options, join_token=self.spec.join_token, security=self.spec.security)
         placed = dict(name=f"{FLEET_PREFIX}{spec.worker_id}", namespace=NAMESPACE, num_cpus=0,
                       memory=spec.reserved_bytes or None, max_restarts=self.spec.max_restarts, max_task_retries=0,
@@ -319,15 +319,13 @@ class RayNodes:
         for n in alive:
             node_id = self.node_id(n["NodeID"])
             seen.add(node_id)
-            budget = int(n["Resources"].get("memory", 0))
-            if self.memory_budget:
-                budget = min(budget, self.memory_budget) if budget else self.memory_budget
-            node = self._nodes.setdefault(node_id, _Node(n["NodeID"], n["NodeManagerAddress"], budget))
-            node.ip, node.budget, node.alive = n["NodeManagerAddress"], budget, True
+            memory = int(n["Resources"].get("memory", 0))
+            node = self._nodes.setdefault(node_id, _Node(n["NodeID"], n["NodeManagerAddress"], memory))
+            node.ip, node.ray_memory, node.alive = n["NodeManagerAddress"], memory, True
         for node_id, node in self._nodes.items():
             node.alive = node_id in seen
         probes = {node_id: _remote(probe).options(scheduling_strategy=self._on(node)).remote(
-            self.models_dir, self._scan) for node_id, node in self._nodes.items() if node.alive}
+            self.models_dir) for node_id, node in self._nodes.items() if node.alive}
         for node_id, ref in probes.items():
             try:
                 report = pb.NodeReport.FromString(await _get(ref, self.probe_timeout))
@@ -406,7 +404,7 @@ class RayNodes:
         report.CopyFrom(node.report)
         report.node_id, report.address, report.instance_id = node_id, node.ip, node.ray_id
         report.advertise_host = self._host(node)
-        report.memory_budget_bytes = node.budget
+        report.memory_budget_bytes = self._budget(node)
         report.memory_reserved_bytes = self._reserved(node_id)
         report.workers.extend(w.managed() for w in self._workers.values() if w.node_id == node_id)
         return report
@@ -417,11 +415,9 @@ class RayNodes:
         """The fleet's name of a Ray node: short, as `orchard nodes list` shows it."""
         return f"ray-{ray_node_id[:8]}"
 
-    def worker_flags(self, spec: pb.WorkerSpec, host: str, port: int) -> list[str]:
+    def worker_flags(self, spec: pb.WorkerSpec, model: str, host: str, port: int) -> list[str]:
         """The `orchard worker serve` flags of a spec, as the node agent gives them, on a
         node whose address is `host`."""
-        source = spec.source or spec.model
-        model = source if source.startswith(OLLAMA_PREFIX) else str(Path(self.models_dir) / source)
         argv = worker_argv(spec, model, self.router, host, host, port)
         return argv[argv.index("serve") + 1:]
 
@@ -447,15 +443,27 @@ class RayNodes:
 
         return NodeAffinitySchedulingStrategy(node.ray_id, soft=False)
 
+    def _budget(self, node: _Node) -> int:
+        """What a node gives models: its Ray memory, within Metal's working set on a Mac
+        (the probe's), capped by --memory-budget."""
+        limits = [m for m in (node.ray_memory, node.report.memory_budget_bytes, self.memory_budget) if m]
+        return min(limits, default=0)
+
     def _reserved(self, node_id: str) -> int:
         return sum(w.spec.reserved_bytes for w in self._workers.values() if w.node_id == node_id)
 
-    def _check_on_disk(self, node_id: str, node: _Node, source: str) -> None:
-        if not source or source.startswith(OLLAMA_PREFIX):
-            return  # the worker imports an ollama model itself
-        if not any(m.name == source and not m.error for m in node.report.models):
-            raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source} is not on node {node_id} under "
-                                                        f"{self.models_dir}")
+    def _model_path(self, node_id: str, node: _Node, source: str) -> str:
+        """`--model` for catalog source `source` on the node, from what its probe found
+        there: a directory or .gguf file of that name (as the agent's `find_model`), or an
+        `ollama:` reference as it is."""
+        if source.startswith(OLLAMA_PREFIX):
+            return source  # the worker imports it from the node's Ollama store
+        held = {m.name for m in node.report.models if not m.error}
+        for name in (source, f"{source}.gguf"):
+            if source and name in held:
+                return str(Path(self.models_dir) / name)
+        raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source!r} is not on node {node_id}: {self.models_dir} "
+                                                    f"has no model of that name")
 
     async def _drain(self, worker: _Worker, timeout: float) -> None:
         """Until the worker has no requests (bounded by `timeout`), then stop its server."""
@@ -481,4 +489,4 @@ def _last_line(error: BaseException) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
-__all__ = ["RayNodes", "FleetWorkerActor", "FLEET_PREFIX", "probe", "worker_options", "node_platform"]
+__all__ = ["RayNodes", "FleetWorkerActor", "FLEET_PREFIX", "probe", "worker_options"]

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from cluster.api.servicer import GenerationServicer
 from cluster.api.serving import GENERATION_SERVICE, Endpoints, MetricsEndpoint
 from cluster.fleet import FleetError
-from cluster.fleet.nodes import AgentNodes, NodeRegistry
+from cluster.fleet.nodes import AgentNodes, NodeRegistry, NodeSide
 from cluster.fleet.service import FleetServicer
 from cluster.net import check_addresses, parse_address
 from cluster.platform import give_back_large_blocks_when_freed
@@ -38,7 +38,9 @@ ALL_INTERFACES = "0.0.0.0"  # an address with an empty host binds all interfaces
 
 
 class RouterServer:
-    def __init__(self, config: RouterConfig = RouterConfig()):
+    def __init__(self, config: RouterConfig = RouterConfig(), node_side: NodeSide | None = None):
+        """`node_side`: where the fleet's controller starts workers (default: the node
+        agents that register here; `orchard ray up --catalog`: Ray's nodes)."""
         self.config = config
         self.policy = make_policy(config.policy)
         self.registry = Registry(
@@ -58,6 +60,7 @@ class RouterServer:
         # the fleet's node agents (cluster/fleet): the controller places models through `agent_nodes`
         self.nodes = NodeRegistry(self.registry.config, bind_identities=config.security.mutual)
         self.agent_nodes = AgentNodes(self.nodes, config.security.client(), config.join_token)
+        self.node_side = node_side or self.agent_nodes
         self.metrics = RouterMetrics(self.registry)
         self.controller = self._controller(config)
         self.fleet = FleetServicer(self.nodes, None if self.controller is None else self.controller.rpcs())
@@ -80,7 +83,7 @@ class RouterServer:
         from cluster.fleet.controller import FleetController
         from cluster.fleet.metrics import FleetMetrics
 
-        return FleetController(Catalog(config.fleet.catalog), self.agent_nodes, self.registry,
+        return FleetController(Catalog(config.fleet.catalog), self.node_side, self.registry,
                                FleetMetrics(self.metrics.prometheus), config.fleet,
                                router_id=f"{socket.gethostname()}-{os.getpid()}")
 
