@@ -10,7 +10,8 @@ what the worker will load is the import of that file).
   platform. "cpu": every floating-point weight in float32 (the compute dtype there), and a
   quantized layer dequantized to float32 (`dequantize.py`, as `--cpu-dequantize yes` does;
   its scales and biases are gone). "metal": as stored. Tensors mlx-lm's loaders drop
-  (a tied model's `lm_head`, RoPE's `inv_freq`, multi-token-prediction heads) are not counted.
+  (a tied model's `lm_head`, RoPE's `inv_freq`, multi-token-prediction heads, a multimodal
+  checkpoint's vision and audio towers) are not counted.
 - kv_bytes_per_token: one token's K and V over the layers that own a pool, in the compute
   dtype (the dtype of the model's first floating-point parameter, its embedding's, on
   Metal): what `model_runner.kv_bytes_per_block` gives per block, divided by the block
