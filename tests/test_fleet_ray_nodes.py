@@ -127,7 +127,8 @@ def _pid(handle):
 
 @pytest.mark.slow
 def test_a_started_worker_serves_is_restarted_by_ray_and_stops_drained(ray_node, loop, tiny_model_dir):
-    """start -> the actor registers with the router and serves; killed, Ray restarts it and
+    """start -> the actor registers with the router and serves; a new RayNodes (a restarted
+    router's) finds it; killed, Ray restarts it and
     it registers again (same id, same port); stop with a stream in flight -> the stream finishes, then the actor
     is gone for good and its memory is free again."""
     from cluster.router.config import RouterConfig
@@ -164,6 +165,15 @@ def test_a_started_worker_serves_is_restarted_by_ray_and_stops_drained(ray_node,
         loop.run(nodes.refresh(), timeout=120)
         (w,) = nodes.nodes()[0].report.workers
         assert w.state == "running" and w.address == address
+
+        # a restarted router's RayNodes finds the fleet's actors again, with their specs
+        again = _nodes(tiny_model_dir.parent, router=router.grpc_address)
+        loop.run(again.refresh(), timeout=120)
+        _until("the new RayNodes finds the worker", lambda: loop.run(again.refresh(), timeout=120)
+               or again.nodes()[0].report.workers)
+        (found,) = again.nodes()[0].report.workers
+        assert (found.worker_id, found.model, found.reserved_bytes, found.state) == ("tiny-1", "chat", GiB, "running")
+        assert again.nodes()[0].report.memory_reserved_bytes == GiB
 
         # the process dies: Ray starts it again where it was, and it registers again
         actor = ray.get_actor(f"{FLEET_PREFIX}tiny-1", namespace=NAMESPACE)
@@ -256,3 +266,55 @@ def test_ray_up_with_a_catalog_loads_a_model_on_a_ray_node_when_a_request_names_
     finally:
         for name in existing_actors():
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+
+
+@pytest.mark.slow
+def test_a_group_started_rank_by_rank_serves_and_stops(ray_node, loop, tiny_model_dir):
+    """A pipeline group of 2 as the controller starts one: ports reserved on the node, rank 1
+    (a member actor) and rank 0 (a worker actor) started with the ring's hosts; the router
+    sees one worker of group size 2 that serves; stopping rank 0 (drained) and the member
+    ends both actors."""
+    from cluster.router.config import RouterConfig
+    from cluster.router.server import RouterServer
+    from cluster.sdk import Client
+
+    async def start_router():
+        server = RouterServer(RouterConfig(grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
+                                           metrics_address=None, join_token=TOKEN, heartbeat_interval=0.5))
+        await server.start()
+        return server
+
+    router = loop.run(start_router(), timeout=60)
+    nodes = _nodes(tiny_model_dir.parent, router=router.grpc_address)
+    try:
+        loop.run(nodes.refresh(), timeout=120)
+        node_id = nodes.nodes()[0].report.node_id
+        ring0, side = loop.run(nodes.reserve_ports(node_id, 2), timeout=60)
+        (ring1,) = loop.run(nodes.reserve_ports(node_id, 1), timeout=60)
+        assert len({ring0, side, ring1}) == 3
+        common = dict(model="chat", source=tiny_model_dir.name, context=512, kv_cache_bytes=4 << 20,
+                      reserved_bytes=GiB // 2, group_size=2, group_hosts=[f"127.0.0.1:{ring0}", f"127.0.0.1:{ring1}"],
+                      group_port=side, group_shares="1,1", memory_budget_bytes=GiB // 2)
+        for rank, worker_id in ((1, "g-rank-1"), (0, "g")):
+            loop.run(nodes.start(node_id, pb.WorkerSpec(worker_id=worker_id, group_rank=rank, **common)), timeout=60)
+        assert nodes.nodes()[0].report.memory_reserved_bytes == GiB
+
+        def serving():
+            return [w for w in router.registry.serving("chat") if w.state == HEALTHY and w.report.group.size == 2]
+
+        (w,) = _until("the group registers with the router", serving)
+        assert w.worker_id == "g"
+        with Client(router.grpc_address, timeout=60) as c:
+            assert len(c.generate("The orchard", model="chat", max_tokens=8, temperature=0,
+                                  ignore_eos=True).token_ids) == 8
+        actors = {w: ray.get_actor(f"{FLEET_PREFIX}{w}", namespace=NAMESPACE) for w in ("g", "g-rank-1")}
+        for worker_id in actors:
+            assert loop.run(nodes.stop(node_id, worker_id, 60.0), timeout=120).state == "exited"
+        for worker_id, actor in actors.items():
+            _until(f"{worker_id}'s actor is gone", lambda actor=actor: _pid(actor) is None)
+        assert nodes.nodes()[0].report.memory_reserved_bytes == 0
+    finally:
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["name"].startswith(FLEET_PREFIX):
+                ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+        loop.run(router.stop(grace=0), timeout=60)
