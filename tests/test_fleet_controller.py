@@ -135,9 +135,15 @@ def test_keep_alive_zero_unloads_after_the_request(tmp_path):
         await asyncio.sleep(0.05)
         assert r.nodes.stopped == []  # not while its request runs
         r.controller.request_finished("small")
+        r.controller.request_started("small", keep_alive=0)  # the next request comes while it unloads
         await wait_for(lambda: r.nodes.stopped == [worker_id], "the unload")
+        await wait_for(lambda: not r.controller._busy("small"), "the unload's end")
         assert r.sample("orchard_fleet_unloads_total", model="small", reason="keep_alive") == 1
         assert r.catalog.placements("small") == []
+        # its keep_alive 0 holds for the next load
+        await r.controller.load("small")
+        r.controller.request_finished("small")
+        await wait_for(lambda: len(r.nodes.stopped) == 2, "the unload after the next request")
         await r.nodes.close()
 
     run(main())
@@ -543,3 +549,13 @@ def test_two_routers_whose_keep_alives_run_out_together_unload_once(tmp_path):
         await a.nodes.close()
 
     run(main())
+
+
+def test_the_router_side_of_the_fleet_imports_no_mlx():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['mlx'] = None; import cluster.fleet.controller, cluster.fleet.models_cli, "
+            "cluster.router.server; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -190,7 +190,7 @@ class FleetController:
         use.idle_since = now
         if use.active == 0:
             self.catalog.touch(model)  # what another router on the catalog counts the model's idle time from
-            if self._keep_alive(model) == 0:  # Ollama's keep_alive 0: unloaded once its request is done
+            if self._keep_alive(model) == 0 and self._live_members(model):  # Ollama's 0: unloaded after it
                 self._start_unload(model, "keep_alive")
 
     # -- the operator's ---------------------------------------------------------------------------
@@ -479,6 +479,9 @@ class FleetController:
     def _start_unload(self, model: str, reason: str) -> None:
         task = self._unloads.get(model)
         if task is None or task.done():
+            use = self._use.get(model)
+            if use is not None:  # a request's keep_alive was for the model as loaded now; a later one's is not
+                use.keep_alive = None
             self._unloads[model] = asyncio.create_task(self._unload(model, reason), name=f"fleet unload {model}")
 
     async def _unload(self, model: str, reason: str) -> None:
@@ -505,9 +508,6 @@ class FleetController:
             self._forget(model)
         finally:
             self.catalog.release(model, self.router_id)
-        use = self._use.get(model)
-        if use is not None:  # a request's keep_alive held for the model while it was loaded
-            use.keep_alive = None
         if self.metrics is not None:
             self.metrics.unloads.labels(model=model, reason=reason).inc()
 
@@ -725,7 +725,9 @@ class CatalogRPCs:
         return await self._answer(context, remove)
 
     async def ListCatalog(self, request: pb.ListCatalogRequest, context) -> pb.ListCatalogResponse:
-        return pb.ListCatalogResponse(models=self.controller.catalog_models())
+        async def listed():
+            return pb.ListCatalogResponse(models=self.controller.catalog_models())
+        return await self._answer(context, listed)
 
     async def LoadModel(self, request: pb.LoadModelRequest, context) -> pb.CatalogModel:
         return await self._answer(context, lambda: self.controller.load(request.name))

@@ -61,6 +61,7 @@ from cluster.api import errors
 from cluster.api.limits import GRPC_MAX_MESSAGE_BYTES, MAX_TIMEOUT_SECONDS, RequestLimits, quoted
 from cluster.api.pooling import EMBED, GENERATE, SCORE, validate_embed_request, validate_score_request
 from cluster.api.wire import features_asked, num_choices, validate_request
+from cluster.fleet import FleetError
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router import metrics as m
 from cluster.router.breaker import RetryBudget, backoff
@@ -299,7 +300,11 @@ class RouterBackend:
         served = self.registry.models()
         if self.fleet is None:
             return pb.ListModelsResponse(models=served)
-        catalog = {info.id: info for info in self.fleet.model_infos()}
+        try:
+            catalog = {info.id: info for info in self.fleet.model_infos()}
+        except FleetError as e:  # the catalog file unreadable for a moment: the models served, at least
+            log.warning("models: the fleet's catalog could not be read: %s", e)
+            catalog = {}
         for info in served:  # a catalog model served: what its workers report, with the catalog's state
             entry = catalog.pop(info.id, None)
             if entry is not None:
