@@ -102,7 +102,21 @@ def test_start_refuses_with_the_reason_before_starting_anything(ray_node, loop, 
     assert "needs 7.0 GiB" in e.message and "has 6.0 GiB of 6.0 GiB free" in e.message
     e = refused(node_id, source=tiny_model_dir.name, reserved_bytes=GiB, engine_args=["--no-such-flag"])
     assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "--no-such-flag" in e.message
+    e = refused(node_id, source="")
+    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "spec.source" in e.message
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(FLEET_PREFIX)]
+
+    # an actor of that name runs (not one of the fleet's here): refused, and never taken for one
+    from collections import Counter
+
+    squatter = ray.remote(num_cpus=0)(Counter).options(name=f"{FLEET_PREFIX}w1", namespace=NAMESPACE).remote()
+    try:
+        loop.run(nodes.refresh(), timeout=120)
+        assert list(nodes.nodes()[0].report.workers) == []
+        e = refused(node_id, source=tiny_model_dir.name, reserved_bytes=GiB)
+        assert e.code == grpc.StatusCode.ALREADY_EXISTS and "w1" in e.message
+    finally:
+        ray.kill(squatter, no_restart=True)
     with pytest.raises(FleetError) as stopped:
         loop.run(nodes.stop(node_id, "w1", 1.0), timeout=60)
     assert stopped.value.code == grpc.StatusCode.NOT_FOUND

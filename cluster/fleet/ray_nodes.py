@@ -3,10 +3,11 @@
 
 - A node is an alive Ray node that carries the worker resource (`--resource`, as
   `cluster/ray_launcher.py` uses it). Its memory budget is its Ray `memory` resource,
-  capped by `--memory-budget`; what it holds under `--models-dir` (the same path on every
-  node), its free disk and its free memory come from a probe: a Ray task pinned to the node
-  that runs `facts.scan`. Reports are refreshed every `refresh_interval`, and after each
-  start or stop; `nodes()` answers from the last refresh.
+  within Metal's working set on a Mac, capped by `--memory-budget`; what it holds under
+  `--models-dir` (the same path on every node), its free disk and its free memory come
+  from a probe: a Ray task pinned to the node that runs `facts.scan`. Reports are
+  refreshed every `refresh_interval` (a start or a stop changes them at once); `nodes()`
+  answers from the last refresh.
 - `start` creates a worker actor (a group's rank 0, or a plain worker: `FleetWorkerActor`,
   the launcher's `WorkerActor` serving the spec's `orchard worker serve` flags) or a group
   member (the launcher's `GroupMemberActor`) pinned to the node (hard node affinity), with
@@ -208,7 +209,7 @@ class RayNodes:
         self._nodes: dict[str, _Node] = {}
         self._workers: dict[str, _Worker] = {}
         self._adopting: dict[str, tuple] = {}  # actor name -> (handle, its spec() call)
-        self._stopped: set[str] = set()  # actor names killed here (listed a while after)
+        self._passed: set[str] = set()  # actor names not to adopt: killed here (listed a while after), not ours
         self._refreshed_at: float | None = None
         self._changed = asyncio.Event()
         self._refreshing: asyncio.Task | None = None
@@ -241,9 +242,13 @@ class RayNodes:
         import ray
 
         node = self._node(node_id)
-        if spec.worker_id in self._workers:
-            raise FleetError(grpc.StatusCode.ALREADY_EXISTS, f"worker {spec.worker_id} is running on "
-                                                             f"{self._workers[spec.worker_id].node_id}")
+        for field in ("worker_id", "model", "source"):
+            if not getattr(spec, field):
+                raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, f"spec.{field} is required")
+        name = f"{FLEET_PREFIX}{spec.worker_id}"
+        if spec.worker_id in self._workers or name in self._adopting:
+            raise FleetError(grpc.StatusCode.ALREADY_EXISTS, f"worker {spec.worker_id} already runs on the Ray "
+                                                             "cluster")
         model = self._model_path(node_id, node, spec.source)
         budget = self._budget(node)
         free = budget - self._reserved(node_id)
@@ -254,15 +259,18 @@ class RayNodes:
         port = spec.port or (await self.reserve_ports(node_id, 1))[0]
         options = worker_options(self.worker_flags(spec, model, self._host(node), port))
         options = replace(options, join_token=self.spec.join_token, security=self.spec.security)
-        placed = dict(name=f"{FLEET_PREFIX}{spec.worker_id}", namespace=NAMESPACE, num_cpus=0,
+        placed = dict(name=name, namespace=NAMESPACE, num_cpus=0,
                       memory=spec.reserved_bytes or None, max_restarts=self.spec.max_restarts, max_task_retries=0,
                       lifetime="detached" if self.spec.detached else None, scheduling_strategy=self._on(node))
         serialized = spec.SerializeToString()  # Ray does not pickle protobuf classes
-        if spec.group_size > 1 and spec.group_rank > 0:
-            member = replace(self.spec, model=options.model_path, engine=options.engine_config)
-            handle = ray.remote(FleetMemberActor).options(**placed).remote(member, options.group, serialized)
-        else:
-            handle = ray.remote(FleetWorkerActor).options(**placed).remote(options, serialized)
+        try:
+            if spec.group_size > 1 and spec.group_rank > 0:
+                member = replace(self.spec, model=options.model_path, engine=options.engine_config)
+                handle = ray.remote(FleetMemberActor).options(**placed).remote(member, options.group, serialized)
+            else:
+                handle = ray.remote(FleetWorkerActor).options(**placed).remote(options, serialized)
+        except ValueError as e:  # the name is taken: an actor of a router before this one, not found yet
+            raise FleetError(grpc.StatusCode.ALREADY_EXISTS, f"worker {spec.worker_id}: {e}") from None
         worker = self._workers[spec.worker_id] = _Worker(node_id, pb.WorkerSpec(), handle)
         worker.spec.CopyFrom(spec)
         self._changed.set()
@@ -283,7 +291,7 @@ class RayNodes:
         if worker.spec.group_rank == 0:  # a member goes with its group
             await self._drain(worker, timeout)
         ray.kill(worker.handle, no_restart=True)
-        self._stopped.add(f"{FLEET_PREFIX}{worker_id}")
+        self._passed.add(f"{FLEET_PREFIX}{worker_id}")
         del self._workers[worker_id]
         worker.state, worker.reason = "exited", "stopped"
         self._changed.set()
@@ -300,7 +308,7 @@ class RayNodes:
             left = deadline - self._clock()
             if left <= 0:
                 return False
-            if self._refreshing is None or self._refreshing.done():  # until the next refresh is due
+            if self._refreshed_at is not None and (self._refreshing is None or self._refreshing.done()):
                 left = min(left, max(0.05, self._refreshed_at + self.refresh_interval - self._clock()))
             try:
                 await asyncio.wait_for(self._changed.wait(), left)
@@ -342,9 +350,18 @@ class RayNodes:
         due = self._refreshed_at is None or self._clock() - self._refreshed_at >= self.refresh_interval
         if due and (self._refreshing is None or self._refreshing.done()):
             try:
-                self._refreshing = asyncio.get_running_loop().create_task(self.refresh(), name="ray nodes refresh")
+                self._refreshing = asyncio.get_running_loop().create_task(self._refresh_logged(),
+                                                                          name="ray nodes refresh")
             except RuntimeError:  # no loop here (a caller outside the router's): the next call in one refreshes
                 pass
+
+    async def _refresh_logged(self) -> None:
+        """A refresh in the background: a failure is logged, and tried again an interval later."""
+        try:
+            await self.refresh()
+        except Exception as e:  # noqa: BLE001  (Ray's GCS away for a moment, say)
+            log.warning("fleet: the Ray nodes were not refreshed: %s", _last_line(e))
+            self._refreshed_at = self._clock()
 
     async def _find_ours(self) -> None:
         """The fleet's actors started before this router was (it restarted): each is the
@@ -352,13 +369,16 @@ class RayNodes:
         import ray
 
         listed = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
-        known = {f"{FLEET_PREFIX}{w}" for w in self._workers} | self._stopped
+        known = {f"{FLEET_PREFIX}{w}" for w in self._workers} | self._passed
         for a in listed:
             name = a["name"]
             if a.get("namespace") == NAMESPACE and name.startswith(FLEET_PREFIX) and name not in known \
                     and name not in self._adopting:
-                handle = ray.get_actor(name, namespace=NAMESPACE)
-                self._adopting[name] = (handle, handle.spec.remote())
+                try:
+                    handle = ray.get_actor(name, namespace=NAMESPACE)
+                    self._adopting[name] = (handle, handle.spec.remote())
+                except (ValueError, AttributeError):  # gone, or not a fleet worker
+                    self._passed.add(name)
         for name, (handle, ref) in list(self._adopting.items()):
             if not ray.wait([ref], timeout=0)[0]:
                 continue
@@ -368,7 +388,7 @@ class RayNodes:
             except ray.exceptions.RayError:  # gone meanwhile
                 continue
             spec = pb.WorkerSpec.FromString(serialized)
-            if spec.worker_id not in self._workers and name not in self._stopped:
+            if spec.worker_id not in self._workers and name not in self._passed:
                 self._workers[spec.worker_id] = _Worker(self.node_id(ray_id), spec, handle)
                 log.info("fleet: found %s (%s) on %s", spec.worker_id, spec.model, self.node_id(ray_id))
 
