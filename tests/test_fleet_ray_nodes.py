@@ -50,6 +50,17 @@ def loop():
     thread.loop.call_soon_threadsafe(thread.loop.stop)
 
 
+def test_ray_nodes_import_no_mlx():
+    """RayNodes runs in the router's actor, which never imports MLX."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['mlx'] = None; import cluster.fleet.ray_nodes, cluster.ray_launcher; "
+            "print('mlx' in sys.modules and sys.modules['mlx'] is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr
+
+
 def _nodes(models_dir, router="127.0.0.1:1", **kw) -> RayNodes:
     spec = RaySpec(model="unused", host="127.0.0.1", join_token=TOKEN, max_restarts=3, detached=False)
     return RayNodes(spec, router, str(models_dir), **kw)

@@ -17,6 +17,7 @@ fleet-wide or spanning a pipeline group over several nodes when no node has room
                    `orchard nodes list`
     service.py     the router's Fleet service: nodes register and report; the catalog RPCs
     agent.py       `orchard node serve`: the node agent (node_config.py: its flags)
+    ray_nodes.py   the same node side over Ray (`orchard ray up --catalog`): worker actors
     controller.py  FleetController: loads, unloads, keep-alive, the catalog RPCs
     config.py      the router's fleet flags (--catalog, --load-timeout, --default-keep-alive, ...)
     metrics.py     orchard_fleet_* metrics
