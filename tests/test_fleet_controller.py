@@ -559,3 +559,14 @@ def test_the_router_side_of_the_fleet_imports_no_mlx():
             "cluster.router.server; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_kv_pool_holds_fleet_concurrency_full_contexts(tmp_path):
+    async def main():
+        r = fleet(tmp_path, budgets=(8.0,), fleet_concurrency=8, fleet_context=1024)
+        await r.controller.load("small")
+        spec = r.nodes.started[0][1]
+        assert spec.context == 1024 and spec.kv_cache_bytes == 8 * 1024 * 1024  # 1 KiB a token
+        await r.nodes.close()
+
+    run(main())

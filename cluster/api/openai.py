@@ -236,7 +236,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 return web.json_response(ex.full([c async for c in chunks]))
             # Wait for the first chunk before sending headers, so that refusals (queue
             # full, bad input found by the engine) still get their HTTP status (a request
-            # held while a fleet loads its model starts its stream: `keepalive`).
+            # held while a fleet loads its model starts its stream, `keepalive`: a failed
+            # load is then an error event, as a failure mid-stream is).
             first = await chunks.__anext__()
         except StopAsyncIteration:
             first = None

@@ -40,7 +40,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
@@ -364,11 +364,15 @@ class FleetController:
         """Node id -> the model's footprint there, for the nodes that hold its files."""
         name = source_name(entry.source)
         out = {}
+        concurrency = self.config.fleet_concurrency
         for info in nodes:
             disk = _disk_model(info.report, name)
             if disk is not None:
-                out[info.report.node_id] = footprint.estimate(disk, self._context(entry, disk),
-                                                              self.config.fleet_concurrency, _platform(info.report))
+                context = self._context(entry, disk)
+                # a KV pool of --fleet-concurrency full contexts (footprint.estimate's default caps it)
+                out[info.report.node_id] = replace(
+                    footprint.estimate(disk, context, concurrency, _platform(info.report)),
+                    kv=footprint.kv_pool_bytes(disk, context, concurrency))
         return out
 
     def _loaded(self) -> list[placement.Loaded]:
