@@ -570,3 +570,18 @@ def test_the_kv_pool_holds_fleet_concurrency_full_contexts(tmp_path):
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_model_on_a_node_gone_silent_is_loaded_on_another(tmp_path):
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0, 5.0))
+        await r.controller.load("small")
+        first_node, first = r.nodes.started[0][0], r.nodes.started[0][1].worker_id
+        r.nodes.healthy[first_node] = False  # its Mac went away: its worker with it
+        r.registry.mark_failed(first, "gone")
+        pool = await asyncio.wait_for(r.pool("small"), 30)
+        assert len(r.nodes.started) == 2 and r.nodes.started[1][0] != first_node
+        assert [w.worker_id for w in pool] == [r.nodes.started[1][1].worker_id]
+        await r.nodes.close()
+
+    run(main())
