@@ -241,13 +241,6 @@ class FleetController:
     def _live_members(self, model: str) -> list[Member]:
         return [m for m in self.placed().get(model, _Placed()).members if m.live]
 
-    def _reachable_members(self, model: str) -> list[Member]:
-        """The model's live workers on nodes that report (a node silent past its missed
-        heartbeats, a Mac gone, would hold the model's requests until --load-timeout: the
-        model is loaded elsewhere instead)."""
-        healthy = {n.report.node_id for n in self.nodes.nodes() if n.state == "healthy"}
-        return [m for m in self._live_members(model) if m.node_id in healthy]
-
     def _awaited_nodes(self, model: str) -> list[str]:
         """Nodes the catalog records a placement of `model` on that have not reported since
         this router started (within `NODE_GRACE`): the model may be running there."""
@@ -301,12 +294,12 @@ class FleetController:
         while True:
             if self.serving(model):
                 return FOUND
-            if not (self._reachable_members(model) or self._awaited_nodes(model)) \
+            if not (self._live_members(model) or self._awaited_nodes(model)) \
                     and self.catalog.claim(model, self.router_id, ttl):
                 break
             await self._tick()  # its worker, placed already or by another router, registers here
         try:
-            if self._reachable_members(model):  # the router that held the claim placed it meanwhile
+            if self._live_members(model):  # the router that held the claim placed it meanwhile
                 await self._wait_serving(model)
                 return FOUND
             t0 = self.clock()
@@ -399,7 +392,9 @@ class FleetController:
             out.append(placement.Loaded(
                 model=model, reserved=reserved,
                 pinned=entry is None or entry.pin,  # a worker of no catalog entry is not the fleet's to move
-                in_flight=busy, loading=self._busy(model) or any(m.worker.state != "running" for m in live),
+                # loaded once it serves here: a node's report says so a poll and a heartbeat later
+                in_flight=busy, loading=self._busy(model) or (any(m.worker.state != "running" for m in live)
+                                                              and not self.serving(model)),
                 idle_since=self._idle_since(model, use), keep_alive=self._keep_alive(model),
                 load_seconds=self._load_seconds.get(model) or self._reload_seconds(entry, live), uses=use.uses))
         return out
