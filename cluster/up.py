@@ -159,6 +159,7 @@ class LocalCluster:
         self.router: Child | None = None  # the first router
         self.extra_routers: list[Child | None] = [None] * (routers - 1)
         self.extra_router_addresses: list[str] = []
+        self.extra_router_metrics: list[str] = []  # router i > 0's metrics address
         self.workers: list[Child] = []  # worker i (rank 0 of a group)
         self.worker_addresses: list[str] = []
         self.worker_metrics: list[str] = []
@@ -201,7 +202,8 @@ class LocalCluster:
         else:
             while len(self.extra_router_addresses) < i:
                 self.extra_router_addresses.append(f"127.0.0.1:{free_port()}")
-            grpc, http, metrics = self.extra_router_addresses[i - 1], "off", f"127.0.0.1:{free_port()}"
+                self.extra_router_metrics.append(f"127.0.0.1:{free_port()}")
+            grpc, http, metrics = self.extra_router_addresses[i - 1], "off", self.extra_router_metrics[i - 1]
         args = ["router", "serve", "--grpc", grpc, "--policy", self.policy,
                 "--http", http, "--metrics", metrics, *self.router_args]
         child = self._spawn("router" if i == 0 else f"router-{i}", args)
