@@ -1,0 +1,329 @@
+"""The fleet end to end (issue 40's "done when"): a router with a catalog and node agents as
+local processes (`cluster.fleet.local.LocalFleet`), each with its own models directory and
+--memory-budget, serving the catalog's models on demand.
+
+- Five models (two dense of different sizes, a MoE, a 4-bit quantized one, an embedding
+  model) on three nodes whose budgets hold one model each: a seeded trace names them in
+  turn; the first request for a model starts one load, 50 concurrent requests for a cold
+  model one load; an idle model is unloaded when another needs its room, never one with
+  requests in flight; a pinned model never; `keep_alive: 0` unloads after its request;
+  every text equals the same model's served by a static worker (greedy).
+- A model bigger than any node's budget, smaller than two together: a 2-node pipeline
+  group the controller formed, its greedy text a single process's.
+- Two routers on one catalog file: 50 requests for a cold model through both, one load; a
+  router killed mid-stream loses nothing (the SDK resumes on the other); restarted, it
+  finds the catalog and the loaded models and loads nothing twice.
+
+Loads are counted twice: the routers' `orchard_fleet_loads_total` and the agents' logs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.fleet.local import FIVE_MODELS, LocalFleet, ModelRecipe, TraceRequest, make_model, mixed_trace
+
+MiB = 1 << 20
+CONTEXT = 512  # every entry's: small KV pools, so the weights and the process decide what fits
+MAX_TOKENS = 8
+LOAD_WAIT = 240.0  # a load on a loaded 2-core machine: a worker process started and its model read
+BIG = ModelRecipe("big", "qwen3", "small", seed=6)  # 8 layers: more than a node's budget below
+
+
+# -- models and what a static worker serves ------------------------------------------------------
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fleet-models")
+    return {r.name: make_model(r, root) for r in (*FIVE_MODELS, BIG)}
+
+
+def footprints(paths: dict[str, Path]) -> dict[str, int]:
+    """Each model's footprint as the controller estimates it (context CONTEXT, the router's
+    default concurrency, this machine's platform)."""
+    from cluster import platform
+    from cluster.fleet import facts, footprint
+    from cluster.fleet.config import DEFAULT_CONCURRENCY
+
+    kind = "metal" if platform.has_metal() else "cpu"
+    return {name: footprint.estimate(facts.disk_model(p, kind), CONTEXT, DEFAULT_CONCURRENCY, kind).total
+            for name, p in paths.items()}
+
+
+class Static:
+    """What each model serves from a static `orchard worker serve --model DIR` (greedy),
+    asked once per distinct request."""
+
+    def __init__(self, worker_process, models: dict[str, Path]):
+        self.start = worker_process
+        self.models = models
+        self.answers: dict[tuple, object] = {}
+
+    def want(self, reqs: list[TraceRequest]) -> list:
+        missing = {}
+        for r in reqs:
+            if _key(r) not in self.answers:
+                missing.setdefault(r.model, []).append(r)
+        for model, todo in missing.items():
+            w = self.start(self.models[model], "--max-model-len", str(CONTEXT), "--served-model-name", model,
+                           http=False)
+            try:
+                for r, answer in zip(todo, serve(w.grpc, todo, concurrency=4)):
+                    self.answers[_key(r)] = answer
+            finally:
+                w.stop()
+        return [self.answers[_key(r)] for r in reqs]
+
+
+def _key(r: TraceRequest) -> tuple:
+    return r.model, r.task, r.prompt, r.max_tokens
+
+
+@pytest.fixture(scope="module")
+def static(worker_process, models) -> Static:
+    return Static(worker_process, models)
+
+
+# -- requests -----------------------------------------------------------------------------------
+def serve_one(target, r: TraceRequest, timeout: float = LOAD_WAIT + 60):
+    """A greedy completion's text (all its max_tokens), or an embedding (the SDK)."""
+    from cluster.sdk import Client
+
+    with Client(target, timeout=timeout) as c:
+        if r.task == "embed":
+            return list(c.embed([r.prompt], model=r.model)[0])
+        return c.generate(r.prompt, model=r.model, max_tokens=r.max_tokens, temperature=0, ignore_eos=True).text
+
+
+def same(got: list, want: list) -> bool:
+    """The same texts, and embeddings equal to float32 rounding (batched with others or
+    alone, a vector's sums run in another order)."""
+    return len(got) == len(want) and all(
+        g == w if isinstance(w, str) else np.allclose(g, w, rtol=0, atol=1e-4) for g, w in zip(got, want))
+
+
+def serve(target, reqs: list[TraceRequest], concurrency: int = 1) -> list:
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        return list(pool.map(lambda r: serve_one(target, r), reqs))
+
+
+def http_completion(fleet: LocalFleet, r: TraceRequest, **extra) -> str:
+    body = json.dumps({"model": r.model, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0,
+                       "ignore_eos": True, **extra}).encode()
+    req = urllib.request.Request(f"{fleet.http_url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=LOAD_WAIT + 60) as resp:
+        return json.loads(resp.read())["choices"][0]["text"]
+
+
+def add_models(fleet: LocalFleet, recipes, pinned=(), router: int = 0) -> None:
+    """`orchard models add` for each, --context CONTEXT."""
+    from cluster.cli import main
+
+    for r in recipes:
+        args = ["models", "add", r.name, "--source", r.name, "--context", str(CONTEXT),
+                "--router", fleet.router_addresses[router]]
+        assert main(args + (["--pin"] if r.name in pinned else [])) == 0, r.name
+
+
+def wait_for(predicate, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {seconds:g} s: {what}"
+        time.sleep(0.2)
+
+
+def loads(fleet: LocalFleet, model: str, router: int | None = None) -> float:
+    return fleet.metric("orchard_fleet_loads_total", router, model=model, outcome="loaded")
+
+
+def unloads(fleet: LocalFleet, model: str, **labels) -> float:
+    return fleet.metric("orchard_fleet_unloads_total", model=model, **labels)
+
+
+def serving(fleet: LocalFleet, router: int = 0) -> set[str]:
+    return {name for name, m in fleet.catalog(router).items() if m.state == "serving"}
+
+
+def request(model: str, text: str, max_tokens: int = MAX_TOKENS) -> TraceRequest:
+    task = next(r.task for r in (*FIVE_MODELS, BIG) if r.name == model)
+    return TraceRequest(model, task, text, max_tokens)
+
+
+# -- one node, one model -------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_catalog_model_loads_on_its_first_request(tmp_path, tiny_model_dir):
+    """One node, one model: not loaded until asked for; then served, once loaded."""
+    fleet = LocalFleet([1 << 30], tmp_path / "fleet")
+    fleet.add_model("chat", tiny_model_dir)
+    with fleet:
+        add_models(fleet, [ModelRecipe("chat")])
+        assert fleet.catalog()["chat"].state == "on disk" and fleet.worker_starts() == 0
+        r = request("chat", "The first request")
+        assert serve_one(fleet.router_address, r) == serve_one(fleet.router_address, r)
+        wait_for(lambda: "chat" in serving(fleet), 30, "chat serving")
+        assert loads(fleet, "chat") == 1 and fleet.worker_starts("chat") == 1
+
+
+# -- five models on three nodes ------------------------------------------------------------------
+@pytest.mark.slow
+def test_five_models_on_three_nodes_load_on_demand(models, static, tmp_path):
+    sizes = footprints({r.name: models[r.name] for r in FIVE_MODELS})
+    budget = max(sizes.values()) + 8 * MiB
+    assert 2 * min(sizes.values()) > budget, sizes  # a node holds one model at a time: 3 of the 5 at once
+    fleet = LocalFleet([budget] * 3, tmp_path / "fleet", router_args=["--default-keep-alive", "10m"])
+    for r in FIVE_MODELS:
+        fleet.add_model(r.name, models[r.name])
+    with fleet:
+        add_models(fleet, FIVE_MODELS, pinned={"embed"})
+        assert set(fleet.catalog()) == {r.name for r in FIVE_MODELS}
+
+        # the first request for a model starts one load
+        first = request("chat", "The first request for chat")
+        assert serve_one(fleet.router_address, first) == static.want([first])[0]
+        assert loads(fleet, "chat") == 1 and fleet.worker_starts("chat") == 1
+
+        # 50 concurrent requests for a cold model: one load, all 50 served
+        burst = [request("moe", f"Burst request {i}: an orchard of moe") for i in range(50)]
+        assert same(serve(fleet.router_address, burst, concurrency=50), static.want(burst))
+        assert loads(fleet, "moe") == 1 and fleet.worker_starts("moe") == 1
+
+        # the pinned model: loaded now, never unloaded below
+        pin = request("embed", "a pinned embedding model")
+        assert same([serve_one(fleet.router_address, pin)], static.want([pin]))
+
+        # the seeded trace, in turn, two at a time: every answer the static model's
+        trace = mixed_trace(FIVE_MODELS, rounds=2, seed=40, max_tokens=MAX_TOKENS)
+        assert same(serve(fleet.router_address, trace, concurrency=2), static.want(trace))
+        assert unloads(fleet, "embed") == 0 and "embed" in serving(fleet)
+        assert sum(unloads(fleet, r.name, reason="evicted") for r in FIVE_MODELS) > 0  # 3 fit, 5 were served
+        for r in FIVE_MODELS:  # each start was a load the router counted, none twice at once
+            assert fleet.worker_starts(r.name) == loads(fleet, r.name) >= 1, r.name
+
+        # never an idle model's room taken from one with requests in flight: `busy` streams
+        # while a cold model needs a node; the only idle unpinned model is the one unloaded
+        busy, idle = _two_loaded_besides(fleet, "embed")
+        cold = next(r.name for r in FIVE_MODELS if r.name not in serving(fleet) and r.task == "generate")
+        long = request(busy, "A long answer while others load", max_tokens=CONTEXT - 64)
+        before = {m: unloads(fleet, m) for m in (busy, idle)}
+        got: list = []
+        streaming = threading.Thread(target=lambda: got.append(serve_one(fleet.router_address, long)))
+        streaming.start()
+        try:
+            wait_for(lambda: fleet.metric("orchard_router_inflight_requests") > 0, 60, f"{busy}'s stream started")
+            c = request(cold, "A cold model needs a node")
+            assert serve_one(fleet.router_address, c) == static.want([c])[0]
+        finally:
+            streaming.join(LOAD_WAIT)
+        assert got == static.want([long])
+        assert unloads(fleet, busy) == before[busy] and unloads(fleet, idle, reason="evicted") == before[idle] + 1
+
+        # keep_alive 0: unloaded after its request
+        k = request(cold, "Served once, then unloaded")
+        assert http_completion(fleet, k, keep_alive=0) == static.want([k])[0]
+        wait_for(lambda: unloads(fleet, cold, reason="keep_alive") == 1, 60, f"{cold} unloaded after keep_alive 0")
+        wait_for(lambda: cold not in serving(fleet), 60, f"{cold} no longer serving")
+
+        assert unloads(fleet, "embed") == 0
+        _check_dashboard_metrics(fleet)
+        print("footprint estimate error:", {m: round(fleet.metric("orchard_fleet_footprint_error_ratio", model=m), 3)
+                                            for m in sorted(serving(fleet))})
+
+
+def _two_loaded_besides(fleet: LocalFleet, pinned: str) -> tuple[str, str]:
+    wait_for(lambda: len(serving(fleet) - {pinned}) == 2, 60, f"two models serving beside {pinned}")
+    busy, idle = sorted(serving(fleet) - {pinned})
+    return busy, idle
+
+
+def _check_dashboard_metrics(fleet: LocalFleet) -> None:
+    """Every fleet metric the router dashboard queries is one a fleet router exports."""
+    from cluster.deploy_tools import dashboard_queries
+
+    dashboard = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "dashboards" / "orchard-router.json"
+    names = {n for _, _, e in dashboard_queries(json.loads(dashboard.read_text()))
+             for n in re.findall(r"\b(orchard_fleet_[a-z_]+?)(?:_bucket|_sum|_count)?\b", e)}
+    with urllib.request.urlopen(fleet.metrics_url, timeout=10) as r:
+        exported = r.read().decode()
+    assert names and all(f"\n{n}" in exported for n in names), names
+
+
+# -- a model no node can hold alone -------------------------------------------------------------
+@pytest.mark.slow
+def test_a_model_bigger_than_any_node_is_served_by_a_group_the_controller_formed(models, static, tmp_path):
+    from cluster import platform
+    from cluster.fleet import facts, footprint
+    from cluster.fleet.config import DEFAULT_CONCURRENCY
+
+    kind = "metal" if platform.has_metal() else "cpu"
+    disk = facts.disk_model(models["big"], kind)
+    whole = footprint.estimate(disk, CONTEXT, DEFAULT_CONCURRENCY, kind)
+    halves = footprint.rank_shares(disk, [1, 1], whole)
+    budget = (whole.total + max(b for _, _, b in halves)) // 2
+    assert max(b for _, _, b in halves) < budget < whole.total  # no node holds it, two together do
+    fleet = LocalFleet([budget] * 2, tmp_path / "fleet")
+    fleet.add_model("big", models["big"])
+    with fleet:
+        add_models(fleet, [BIG])
+        reqs = [request("big", f"A group answers request {i}", max_tokens=16) for i in range(4)]
+        assert same(serve(fleet.router_address, reqs, concurrency=4), static.want(reqs))
+        entry = fleet.catalog()["big"]
+        assert entry.state == "serving" and sorted((p.group_rank, p.group_size) for p in entry.placements) == [
+            (0, 2), (1, 2)], entry
+        assert {p.node_id for p in entry.placements} == {"node-0", "node-1"}
+        assert loads(fleet, "big") == 1 and fleet.worker_starts("big") == 2  # one load, a process per rank
+
+
+# -- two routers on one catalog file; a router restarted -----------------------------------------
+@pytest.mark.slow
+def test_two_routers_share_the_catalog_and_a_restarted_router_finds_what_is_loaded(models, static, tmp_path):
+    from cluster.sdk import Client
+
+    fleet = LocalFleet([1 << 30] * 2, tmp_path / "fleet", routers=2)
+    recipes = [r for r in FIVE_MODELS if r.name in ("chat", "moe")]
+    for r in recipes:
+        fleet.add_model(r.name, models[r.name])
+    with fleet:
+        add_models(fleet, recipes)
+        assert set(fleet.catalog(1)) == {"chat", "moe"}  # the second router reads the same file
+
+        # 50 requests for a cold model through both routers at once: one load
+        burst = [request("chat", f"Two routers, request {i}") for i in range(50)]
+        with ThreadPoolExecutor(50) as pool:
+            got = list(pool.map(lambda ir: serve_one(fleet.router_addresses[ir[0] % 2], ir[1]), enumerate(burst)))
+        assert same(got, static.want(burst))
+        assert loads(fleet, "chat") == 1 and fleet.worker_starts("chat") == 1
+        wait_for(lambda: "chat" in serving(fleet, 1), 60, "the second router sees chat serving")
+
+        # router 0 dies mid-stream: the stream resumes through router 1, token-exact
+        long = request("chat", "A stream that outlives its router", max_tokens=CONTEXT - 64)
+        chunks: list[str] = []
+        with Client(fleet.router_addresses, timeout=LOAD_WAIT) as c:
+            for chunk in c.stream(long.prompt, model="chat", max_tokens=long.max_tokens, temperature=0,
+                                  ignore_eos=True):
+                chunks.append(chunk.text)
+                if len(chunks) == 4:
+                    fleet.stop_router(0, kill=True)
+        assert "".join(chunks) == static.want([long])[0]
+
+        # restarted, router 0 finds the catalog and the loaded model: served, nothing loaded again
+        fleet.cluster.start_router(0)
+        fleet.wait_nodes(2)
+        wait_for(lambda: "chat" in serving(fleet, 0), 60, "the restarted router sees chat serving")
+        again = request("chat", "After the restart")
+        assert serve_one(fleet.router_address, again) == static.want([again])[0]
+        assert loads(fleet, "chat", router=0) == 0 and fleet.worker_starts("chat") == 1
+
+        # a model neither router loaded yet: one load, whichever router's request comes first
+        cold = [request("moe", f"After the restart, moe {i}") for i in range(10)]
+        with ThreadPoolExecutor(10) as pool:
+            got = list(pool.map(lambda ir: serve_one(fleet.router_addresses[ir[0] % 2], ir[1]), enumerate(cold)))
+        assert same(got, static.want(cold))
+        assert loads(fleet, "moe") == 1 and fleet.worker_starts("moe") == 1
