@@ -109,6 +109,8 @@ class RaySpec:
                                                   "path on every node)", metavar="DIR")
     memory_budget: ByteSize | None = setting(None, "with --catalog: the memory a node gives models at most (default: "
                                                    "its Ray memory resource)", metavar="SIZE")
+    max_loaded: int = setting(0, "with --catalog: models a node runs at once at most (0: no limit but memory)",
+                              metavar="N")
     # keys and TLS for the router and every worker (certificate files at the same paths on
     # every node; with --tls-ca, one certificate serves them all, so worker ids are not
     # bound to per-Mac names: issue one per Mac and use launchd for that)
@@ -232,7 +234,8 @@ class RouterActor:
             if spec.fleet.enabled:  # the fleet's workers: actors on the Ray nodes, registering here
                 from cluster.fleet.ray_nodes import RayNodes
 
-                nodes = RayNodes(spec, lambda: server.grpc_address, spec.models_dir, spec.memory_budget)
+                nodes = RayNodes(spec, lambda: server.grpc_address, spec.models_dir, spec.memory_budget,
+                                 spec.max_loaded)
                 await nodes.refresh()  # the first request finds the nodes
             server = RouterServer(config, nodes)
             await server.start()
@@ -518,6 +521,8 @@ def _check_what_serves(spec: RaySpec) -> str | None:
             return "--group-size with --catalog: the fleet forms the groups a model needs itself"
         if spec.memory_budget is not None and spec.memory_budget < 1:
             return f"--memory-budget must be a positive size, not {spec.memory_budget}"
+        if spec.max_loaded < 0:
+            return f"--max-loaded must be >= 0, not {spec.max_loaded}"
         try:
             spec.fleet.check()
         except ValueError as e:

@@ -177,6 +177,13 @@ def test_a_started_worker_serves_is_restarted_by_ray_and_stops_drained(ray_node,
         assert started.worker_id == "tiny-1" and started.state == "starting" and started.reserved_bytes == GiB
         report = nodes.nodes()[0].report
         assert report.memory_reserved_bytes == GiB and [w.worker_id for w in report.workers] == ["tiny-1"]
+        nodes.max_loaded = 1  # --max-loaded 1: a second model does not start here
+        assert nodes.nodes()[0].report.max_loaded == 1
+        with pytest.raises(FleetError) as e:
+            loop.run(nodes.start(node_id, pb.WorkerSpec(worker_id="other-1", model="other", source=spec.source)),
+                     timeout=60)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-loaded 1" in e.value.message
+        nodes.max_loaded = 0
 
         def healthy():
             return [w for w in router.registry.serving("chat")
@@ -248,6 +255,7 @@ def test_a_started_worker_serves_is_restarted_by_ray_and_stops_drained(ray_node,
     (["--model", "m", "--catalog", "c.db"], "--model and --catalog: one or the other"),
     (["--catalog", "c.db", "--group-size", "2"], "--group-size with --catalog"),
     (["--catalog", "c.db", "--load-timeout", "0"], "--load-timeout must be > 0"),
+    (["--catalog", "c.db", "--max-loaded", "-1"], "--max-loaded must be >= 0, not -1"),
 ])
 def test_ray_up_says_what_is_wrong_with_what_it_serves_before_joining_ray(argv, says, monkeypatch, capsys):
     from cluster.cli import main
@@ -333,6 +341,14 @@ def test_a_group_started_rank_by_rank_serves_and_stops(ray_node, loop, tiny_mode
             assert len(c.generate("The orchard", model="chat", max_tokens=8, temperature=0,
                                   ignore_eos=True).token_ids) == 8
         actors = {w: ray.get_actor(f"{FLEET_PREFIX}{w}", namespace=NAMESPACE) for w in ("g", "g-rank-1")}
+
+        # the member dies for good: reported exited (why, and its exit), its memory no longer reserved
+        ray.kill(actors["g-rank-1"], no_restart=True)
+        _until("the member is reported exited", lambda: loop.run(nodes.refresh(), timeout=120) or [
+            w for w in nodes.nodes()[0].report.workers if w.worker_id == "g-rank-1" and w.state == "exited"])
+        (member,) = [w for w in nodes.nodes()[0].report.workers if w.worker_id == "g-rank-1"]
+        assert member.exit_code == 78 and member.reason
+        assert nodes.nodes()[0].report.memory_reserved_bytes == GiB // 2
         for worker_id in actors:
             assert loop.run(nodes.stop(node_id, worker_id, 60.0), timeout=120).state == "exited"
         for worker_id, actor in actors.items():

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 FLEET_PREFIX = f"{WORKER_PREFIX}fleet-"  # the fleet's actors: `orchard ray down` ends them too
 PING_TIMEOUT = 2.0  # a serving worker's actor answers at once; one loading answers when loaded
+LOADING_STOP_WAIT = 10.0  # a worker not seen serving, stopped: this long to answer before it is taken as loading
 
 
 @functools.cache
@@ -186,7 +187,10 @@ async def _get(ref, timeout: float):
     try:
         return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
     except asyncio.TimeoutError:
-        ray.cancel(ref, force=True)
+        try:
+            ray.cancel(ref)
+        except Exception as e:  # noqa: BLE001  (done meanwhile)
+            log.debug("cancel: %s", e)
         raise
 
 
@@ -196,12 +200,13 @@ class RayNodes:
     workers register with, or a function giving them (known once the router is bound)."""
 
     def __init__(self, spec: RaySpec, router: str | Callable[[], str], models_dir: str,
-                 memory_budget: int | None = None, refresh_interval: float = 10.0, probe_timeout: float = 60.0,
-                 drain_timeout: float = 120.0, clock=time.monotonic):
+                 memory_budget: int | None = None, max_loaded: int = 0, refresh_interval: float = 10.0,
+                 probe_timeout: float = 60.0, drain_timeout: float = 120.0, clock=time.monotonic):
         self.spec = spec
         self._router = router
         self.models_dir = str(Path(models_dir).expanduser().absolute())
         self.memory_budget = memory_budget
+        self.max_loaded = max_loaded
         self.refresh_interval = refresh_interval
         self.probe_timeout = probe_timeout
         self.drain_timeout = drain_timeout
@@ -256,6 +261,11 @@ class RayNodes:
             raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"worker {spec.worker_id} of {spec.model} needs {human_bytes(spec.reserved_bytes)}, "
                              f"node {node_id} has {human_bytes(max(0, free))} of {human_bytes(budget)} free")
+        loaded = {w.spec.model for w in self._workers.values() if w.node_id == node_id and w.state != "exited"}
+        if self.max_loaded and spec.model not in loaded and len(loaded) >= self.max_loaded:
+            raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"node {node_id} runs {len(loaded)} models ({', '.join(sorted(loaded))}), its "
+                             f"--max-loaded {self.max_loaded}: cannot start {spec.model}")
         port = spec.port or (await self.reserve_ports(node_id, 1))[0]
         options = worker_options(self.worker_flags(spec, model, self._host(node), port))
         options = replace(options, join_token=self.spec.join_token, security=self.spec.security)
@@ -425,6 +435,7 @@ class RayNodes:
         report.node_id, report.address, report.instance_id = node_id, node.ip, node.ray_id
         report.advertise_host = self._host(node)
         report.memory_budget_bytes = self._budget(node)
+        report.max_loaded = self.max_loaded
         report.memory_reserved_bytes = self._reserved(node_id)
         report.workers.extend(w.managed() for w in self._workers.values() if w.node_id == node_id)
         return report
@@ -470,7 +481,8 @@ class RayNodes:
         return min(limits, default=0)
 
     def _reserved(self, node_id: str) -> int:
-        return sum(w.spec.reserved_bytes for w in self._workers.values() if w.node_id == node_id)
+        return sum(w.spec.reserved_bytes for w in self._workers.values() if w.node_id == node_id
+                   and w.state != "exited")
 
     def _model_path(self, node_id: str, node: _Node, source: str) -> str:
         """`--model` for catalog source `source` on the node, from what its probe found
@@ -491,6 +503,11 @@ class RayNodes:
 
         deadline = self._clock() + timeout
         try:
+            if worker.state != "running":  # loading (nothing in flight) unless it came up since the last look
+                try:
+                    await _get(worker.handle.addresses.remote(), LOADING_STOP_WAIT)
+                except asyncio.TimeoutError:
+                    return
             while True:
                 running, waiting = await _get(worker.handle.drain.remote(), 30)
                 if running + waiting == 0 or self._clock() >= deadline:
