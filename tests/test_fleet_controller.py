@@ -228,6 +228,29 @@ def test_a_model_serving_before_its_node_reports_it_running_may_be_evicted(tmp_p
     run(main())
 
 
+class LaggingNodes(FakeNodes):
+    """A node side whose StartWorker answers, and shows in the node's report, a while after
+    it is called (a real agent is a network call away and reports on its heartbeat)."""
+
+    async def start(self, node_id: str, spec: pb.WorkerSpec) -> pb.ManagedWorker:
+        await asyncio.sleep(0.2)
+        return await super().start(node_id, spec)
+
+
+def test_two_loads_planned_at_once_do_not_count_on_the_same_room(tmp_path):
+    """Two nodes with room for one model each and two cold models asked for at once: one
+    on each node (the second plan counts the room the first set aside before any report
+    shows it), both served."""
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0, 5.0), nodes_cls=LaggingNodes)
+        await asyncio.gather(r.controller.load("small"), r.controller.load("other"))
+        assert sorted(node for node, _ in r.nodes.started) == ["mac-1", "mac-2"]
+        assert r.controller.describe("small").state == r.controller.describe("other").state == "serving"
+        await r.nodes.close()
+
+    run(main())
+
+
 def test_no_room_reaches_held_requests_at_once(tmp_path):
     """A model bigger than every node: the held requests fail at once (not after
     --load-timeout) with what it needs and what each node has; so do new ones."""

@@ -131,6 +131,9 @@ class FleetController:
         self._errors: dict[str, tuple[FleetError, float]] = {}
         self._use: dict[str, _Use] = {}
         self._estimates: dict[str, int] = {}  # worker id -> the footprint it was started with
+        # model -> (node, bytes) its load set aside from its plan until its workers serve: two
+        # loads planned at once must not both count on a room the nodes' reports show free
+        self._pending: dict[str, list[tuple[str, int]]] = {}
         self._load_seconds: dict[str, float] = {}  # model -> its last load's time
         self._started = clock()
         if metrics is not None:
@@ -342,18 +345,37 @@ class FleetController:
         footprints = self._footprints(entry, [n for n in nodes if n.state == "healthy"])
         layers = max((d.num_layers for n in nodes if (d := _disk_model(n.report, name))), default=0)
         want = placement.ToPlace(model, name, footprints, num_layers=layers, max_nodes=entry.max_nodes)
-        plan = placement.plan(want, [placement.node_view(n) for n in nodes], self._loaded(), self.clock())
+        pending = self._pending_bytes()
+        plan = placement.plan(want, [placement.node_view(n, pending.get(n.report.node_id, 0)) for n in nodes],
+                              self._loaded(), self.clock())
         if isinstance(plan, placement.NoRoom):
             raise plan.error()
         log.info("fleet: placing %s: %s", model, plan.why)
-        for victim in plan.evict:
-            log.info("fleet: evicting %s for %s", victim, model)
-            self._start_unload(victim, "evicted")
-            await asyncio.shield(self._unloads[victim])
-        if isinstance(plan, placement.Single):
-            await self._start_single(entry, plan.node_id, footprints[plan.node_id])
-        else:
-            await self._start_group(entry, plan, footprints)
+        self._pending[model] = ([(plan.node_id, plan.bytes)] if isinstance(plan, placement.Single)
+                                else [(rank.node_id, rank.bytes) for rank in plan.ranks])
+        try:
+            for victim in plan.evict:
+                log.info("fleet: evicting %s for %s", victim, model)
+                self._start_unload(victim, "evicted")
+                await asyncio.shield(self._unloads[victim])
+            if isinstance(plan, placement.Single):
+                await self._start_single(entry, plan.node_id, footprints[plan.node_id])
+            else:
+                await self._start_group(entry, plan, footprints)
+        finally:
+            del self._pending[model]
+
+    def _pending_bytes(self) -> dict[str, int]:
+        """Node -> bytes that loads in progress set aside there and its report does not show
+        yet (their workers not started, or started since its last heartbeat)."""
+        placed = self.placed()
+        out: dict[str, int] = {}
+        for model, ranks in self._pending.items():
+            reported = {m.node_id for m in placed.get(model, _Placed()).members if m.live}
+            for node_id, size in ranks:
+                if node_id not in reported:
+                    out[node_id] = out.get(node_id, 0) + size
+        return out
 
     def _context(self, entry: pb.CatalogModel, disk: pb.DiskModel) -> int:
         """The context its workers get: the entry's, else the fleet's default, within the model's own."""
