@@ -268,13 +268,15 @@ def test_ray_up_says_what_is_wrong_with_what_it_serves_before_joining_ray(argv, 
 
 
 def test_ray_up_with_a_catalog_loads_a_model_on_a_ray_node_when_a_request_names_it(ray_node, tiny_model_dir,
-                                                                                  tmp_path, monkeypatch):
+                                                                                  tmp_path, monkeypatch, capsys):
     """`orchard ray up --catalog FILE`: the router alone at first; `orchard models add`, then
     a request for the model: the router's fleet controller starts one worker actor for it on
-    the Ray node, and it serves; `orchard ray down` ends it with the router."""
+    the Ray node, and it serves; `orchard models unload` drains and ends it, `load` starts it
+    again; `orchard ray down` ends it with the router."""
     from cluster.cli import main
     from cluster.ray_launcher import ROUTER_NAME, existing_actors
     from cluster.sdk import Client
+    from test_ray import _workers
 
     monkeypatch.setenv("ORCHARD_JOIN_TOKEN", TOKEN)
     models_dir = tmp_path / "models"
@@ -293,6 +295,17 @@ def test_ray_up_with_a_catalog_loads_a_model_on_a_ray_node_when_a_request_names_
         assert len(r.token_ids) == 8
         (worker,) = [n for n in existing_actors() if n.startswith(FLEET_PREFIX)]
         assert worker == f"{FLEET_PREFIX}{r.worker_id}"
+        capsys.readouterr()
+        assert main(["models", "list", "--router", router]) == 0
+        assert "serving on ray-" in capsys.readouterr().out
+        assert main(["models", "unload", "chat", "--router", router]) == 0  # drained, then its actor killed
+        _until("the unloaded model's actor is gone", lambda: existing_actors() == [ROUTER_NAME], timeout=60)
+        # (the router forgets the stopped worker when it misses its heartbeats: a load before
+        # that finds it still "serving", the controller's concern, not the node side's)
+        _until("the router no longer counts the unloaded worker", lambda: not any(
+            healthy for _, healthy in _workers(router).values()), timeout=60)
+        assert main(["models", "load", "chat", "--router", router]) == 0  # loaded again by hand: a new actor
+        assert [n for n in existing_actors() if n.startswith(FLEET_PREFIX)]
         assert main(["ray", "down"]) == 0
         _until("orchard ray down ends the router and the fleet's workers", lambda: existing_actors() == [],
                timeout=60)

@@ -283,6 +283,7 @@ class RayNodes:
             raise FleetError(grpc.StatusCode.ALREADY_EXISTS, f"worker {spec.worker_id}: {e}") from None
         worker = self._workers[spec.worker_id] = _Worker(node_id, pb.WorkerSpec(), handle)
         worker.spec.CopyFrom(spec)
+        self._ping(worker)
         self._changed.set()
         log.info("fleet: started %s (%s) on %s, %s reserved", spec.worker_id, spec.model, node_id,
                  human_bytes(spec.reserved_bytes))
@@ -411,23 +412,40 @@ class RayNodes:
         looked = [w for w in self._workers.values() if w.state not in ("stopping", "exited")]
         for w in looked:
             if w.ping is None:
-                w.ping = w.handle.addresses.remote()
-        if looked:
-            await asyncio.to_thread(ray.wait, [w.ping for w in looked], num_returns=len(looked),
-                                    timeout=PING_TIMEOUT)
+                self._ping(w)
+        pings = [w.ping for w in looked if w.ping is not None]
+        if pings:
+            await asyncio.to_thread(ray.wait, pings, num_returns=len(pings), timeout=PING_TIMEOUT)
         for w in looked:
-            if not ray.wait([w.ping], timeout=0)[0]:
-                w.state = "starting"
-                continue
-            ping, w.ping = w.ping, None
-            try:
-                addresses = ray.get(ping)
-            except ray.exceptions.ActorDiedError as e:
-                w.state, w.exit_code, w.reason = "exited", EXIT_PERMANENT, _last_line(e)
-            except ray.exceptions.RayError:  # being restarted
-                w.state = "starting"
+            if w.ping is None:
+                continue  # answered meanwhile
+            if ray.wait([w.ping], timeout=0)[0]:
+                self._answered(w, w.ping)
             else:
-                w.state, w.address = "running", addresses.get("grpc", "")
+                w.state = "starting"
+
+    def _ping(self, w: _Worker) -> None:
+        """Ask the worker's actor where it serves; its answer (once it has loaded: at once
+        when it serves) settles its state as soon as it comes, not at the next refresh."""
+        loop = asyncio.get_running_loop()
+        ping = w.ping = w.handle.addresses.remote()
+        ping.future().add_done_callback(lambda _: loop.call_soon_threadsafe(self._answered, w, ping))
+
+    def _answered(self, w: _Worker, ping) -> None:
+        import ray
+
+        if w.ping is not ping or w.state in ("stopping", "exited"):
+            return  # settled already, or being stopped
+        w.ping = None
+        try:
+            addresses = ray.get(ping)
+        except ray.exceptions.ActorDiedError as e:
+            w.state, w.exit_code, w.reason = "exited", EXIT_PERMANENT, _last_line(e)
+        except ray.exceptions.RayError:  # being restarted
+            w.state = "starting"
+        else:
+            w.state, w.address = "running", addresses.get("grpc", "")
+        self._changed.set()
 
     def _report(self, node_id: str, node: _Node) -> pb.NodeReport:
         report = pb.NodeReport()
