@@ -38,6 +38,7 @@ class FakeNodes:
         self.serve = serve
         self.reports: dict[str, pb.NodeReport] = {}
         self.healthy: dict[str, bool] = {}
+        self.silent: dict[str, float] = {}  # node -> seconds since its last report (NodeInfo.age_seconds)
         self.started: list[tuple[str, pb.WorkerSpec]] = []
         self.stopped: list[str] = []
         self.served: dict[str, FakeWorker] = {}
@@ -59,8 +60,8 @@ class FakeNodes:
 
     # -- NodeSide ---------------------------------------------------------------------------------
     def nodes(self) -> list[pb.NodeInfo]:
-        return [pb.NodeInfo(report=r, state="healthy" if self.healthy[n] else "unhealthy")
-                for n, r in sorted(self.reports.items())]
+        return [pb.NodeInfo(report=r, state="healthy" if self.healthy[n] else "unhealthy",
+                            age_seconds=self.silent.get(n, 0.0)) for n, r in sorted(self.reports.items())]
 
     async def wait_changed(self, timeout: float) -> bool:
         try:

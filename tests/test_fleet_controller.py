@@ -609,3 +609,23 @@ def test_the_kv_pool_holds_fleet_concurrency_full_contexts(tmp_path):
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_model_on_a_node_gone_is_loaded_on_another_not_on_one_silent_a_moment(tmp_path):
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0, 5.0))
+        await r.controller.load("small")
+        first_node, first = r.nodes.started[0][0], r.nodes.started[0][1].worker_id
+        r.nodes.healthy[first_node] = False  # missed a few heartbeats (a busy Mac): its worker is still there
+        r.nodes.silent[first_node] = 5.0
+        r.registry.mark_failed(first, "silent")
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(r.pool("small"), 1.5)
+        assert len(r.nodes.started) == 1
+        r.nodes.silent[first_node] = 60.0  # past the router's --remove-after: the Mac is gone
+        pool = await asyncio.wait_for(r.pool("small"), 30)
+        assert len(r.nodes.started) == 2 and r.nodes.started[1][0] != first_node
+        assert [w.worker_id for w in pool] == [r.nodes.started[1][1].worker_id]
+        await r.nodes.close()
+
+    run(main())

@@ -244,6 +244,15 @@ class FleetController:
     def _live_members(self, model: str) -> list[Member]:
         return [m for m in self.placed().get(model, _Placed()).members if m.live]
 
+    def _reachable_members(self, model: str) -> list[Member]:
+        """The model's live workers but those on a node gone: silent for the router's
+        --remove-after (a Mac gone would hold the model's requests until --load-timeout:
+        the model is loaded elsewhere instead). A node silent for a few heartbeats (busy)
+        keeps its workers: the model is not loaded twice."""
+        gone_after = self.registry.config.remove_after
+        here = {n.report.node_id for n in self.nodes.nodes() if n.state == "healthy" or n.age_seconds < gone_after}
+        return [m for m in self._live_members(model) if m.node_id in here]
+
     def _awaited_nodes(self, model: str) -> list[str]:
         """Nodes the catalog records a placement of `model` on that have not reported since
         this router started (within `NODE_GRACE`): the model may be running there."""
@@ -297,12 +306,12 @@ class FleetController:
         while True:
             if self.serving(model):
                 return FOUND
-            if not (self._live_members(model) or self._awaited_nodes(model)) \
+            if not (self._reachable_members(model) or self._awaited_nodes(model)) \
                     and self.catalog.claim(model, self.router_id, ttl):
                 break
             await self._tick()  # its worker, placed already or by another router, registers here
         try:
-            if self._live_members(model):  # the router that held the claim placed it meanwhile
+            if self._reachable_members(model):  # the router that held the claim placed it meanwhile
                 await self._wait_serving(model)
                 return FOUND
             t0 = self.clock()
