@@ -629,3 +629,29 @@ def test_a_model_on_a_node_gone_is_loaded_on_another_not_on_one_silent_a_moment(
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_load_whose_worker_served_and_unloaded_before_the_load_woke_ends(tmp_path):
+    """On a busy router the load's task may wake after its worker served a keep_alive 0
+    request and was unloaded: the load ends (it loaded), rather than waiting for a worker
+    that is gone until --load-timeout while the model's next requests wait on it."""
+
+    async def main():
+        r = fleet(tmp_path)
+        ticks = r.controller._tick
+
+        async def slow_tick():  # the router's loop busy: the load's task wakes late
+            await asyncio.sleep(1.0)
+            await ticks()
+
+        r.controller._tick = slow_tick
+        r.controller.ensure_loaded("small")
+        await wait_for(lambda: r.controller.serving("small"), "the worker")
+        r.controller.request_started("small", keep_alive=0)
+        r.controller.request_finished("small")
+        await wait_for(lambda: len(r.nodes.stopped) == 1, "the unload")
+        await wait_for(lambda: not r.controller.loading("small"), "the load's end", timeout=10)
+        assert r.sample("orchard_fleet_loads_total", model="small", outcome="loaded") == 1
+        await r.nodes.close()
+
+    run(main())

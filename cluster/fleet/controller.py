@@ -135,6 +135,7 @@ class FleetController:
         # loads planned at once must not both count on a room the nodes' reports show free
         self._pending: dict[str, list[tuple[str, int]]] = {}
         self._load_seconds: dict[str, float] = {}  # model -> its last load's time
+        self._unload_starts: dict[str, int] = {}  # model -> unloads begun (a load waiting for its worker ends)
         self._started = clock()
         if metrics is not None:
             metrics.watch(self)
@@ -328,9 +329,13 @@ class FleetController:
 
     async def _wait_serving(self, model: str, worker_id: str | None = None) -> None:
         """Until a worker of `model` (`worker_id`, when given: raises when it exits or
-        fails to start) registers healthy."""
+        fails to start) registers healthy, or an unload of the model begins (only a request
+        it served starts one during a load: keep_alive 0 may end it before this wakes)."""
+        unloads = self._unload_starts.get(model, 0)
         while not any(w.state == HEALTHY and (worker_id is None or w.worker_id == worker_id)
                       for w in self.registry.serving(model)):
+            if self._unload_starts.get(model, 0) != unloads:
+                return
             if worker_id is not None:
                 self._check_started(model, worker_id)
             await self._tick()
@@ -520,6 +525,7 @@ class FleetController:
             if use is not None:  # a request's keep_alive was for the model as loaded now; a later one's is not
                 use.keep_alive = None
             self._unloads[model] = asyncio.create_task(self._unload(model, reason), name=f"fleet unload {model}")
+            self._unload_starts[model] = self._unload_starts.get(model, 0) + 1
 
     async def _unload(self, model: str, reason: str) -> None:
         """Drain and stop the model's workers (a group's members with it), under the
