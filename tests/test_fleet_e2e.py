@@ -157,6 +157,16 @@ def request(model: str, text: str, max_tokens: int = MAX_TOKENS) -> TraceRequest
     return TraceRequest(model, task, text, max_tokens)
 
 
+def test_the_readme_quotes_the_placement_rule_as_the_code_states_it():
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "cluster" / "fleet" / "placement.py").read_text()
+    rule = doc[doc.index("1. If a node has room"):doc.index("Keep-alive:")].strip()
+    readme = (root / "README.md").read_text()
+    quoted = readme[readme.index("> 1. If a node has room"):]
+    quoted = quoted[:quoted.index("\n\n")]
+    assert "\n".join(line.removeprefix(">").removeprefix(" ") for line in quoted.splitlines()) == rule
+
+
 # -- one node, one model -------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_catalog_model_loads_on_its_first_request(tmp_path, tiny_model_dir):
