@@ -116,6 +116,10 @@ class _Placed:
 
 
 class FleetController:
+    """The router's fleet (the module docstring says how it loads and unloads). It runs on
+    the router's event loop: `ensure_loaded` and the request hooks never block; `load`,
+    `unload` and `run` are awaited."""
+
     def __init__(self, catalog: Catalog, nodes: NodeSide, registry: Registry, metrics: FleetMetrics | None,
                  config: FleetConfig, router_id: str, clock=time.monotonic):
         self.catalog = catalog
