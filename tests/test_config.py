@@ -149,7 +149,7 @@ def test_a_default_is_read_from_its_dataclass():
     assert default_of(WorkerOptions, "engine_config") == WorkerOptions().engine_config
     assert default_of(RouterConfig, "policy") == RouterConfig().policy
     with pytest.raises(ValueError):
-        default_of(RaySpec, "model")
+        default_of(ModelSpec, "path")  # a required setting has none
 
 
 def _imports(path: Path) -> set[str]:
