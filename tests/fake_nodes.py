@@ -6,7 +6,9 @@ worker as "loading" in the node's report, and after `load_delay` seconds brings 
 group member is "running"; a worker (a group's rank 0) registers with every router's
 `Registry`, as a real worker does. With `serve`, it is a `FakeWorker` answering gRPC
 (the router's real proxy path); else a registry record only. `stop` drains: it waits until
-no router has requests in flight on the worker, then removes it.
+no router has requests in flight on the worker, then removes it. With `stale`, as real
+nodes do, a stopped worker stays in the routers' registries (until it misses heartbeats)
+and in its node's report (until `heartbeat()`, its next one).
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ def disk_model(name: str, weight_gib: float, layers: int = 8, kv_bytes_per_token
 
 
 class FakeNodes:
-    def __init__(self, registries: list[Registry], load_delay: float = 0.05, serve: bool = False):
+    def __init__(self, registries: list[Registry], load_delay: float = 0.05, serve: bool = False,
+                 stale: bool = False):
         self.registries = registries
         self.load_delay = load_delay
         self.serve = serve
+        self.stale = stale
+        self.unreported: list[tuple[str, pb.ManagedWorker]] = []  # stopped since the last `heartbeat()`
         self.reports: dict[str, pb.NodeReport] = {}
         self.healthy: dict[str, bool] = {}
         self.silent: dict[str, float] = {}  # node -> seconds since its last report (NodeInfo.age_seconds)
@@ -79,7 +84,8 @@ class FakeNodes:
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"no node {node_id!r}")
         if not any(m.name == spec.source for m in report.models):
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"{spec.source} is not on node {node_id}")
-        free = report.memory_budget_bytes - report.memory_reserved_bytes
+        free = report.memory_budget_bytes - report.memory_reserved_bytes + sum(
+            w.reserved_bytes for n, w in self.unreported if n == node_id)  # its own count, not its last report's
         if spec.reserved_bytes > free:
             raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"needs {spec.reserved_bytes / GiB:.2f} GiB, node has {free / GiB:.2f} GiB free")
@@ -134,19 +140,33 @@ class FakeNodes:
                                            if worker_id in r.workers):
             await asyncio.sleep(0.01)
         self.stopped.append(worker_id)
-        report = self.reports[node_id]
-        report.memory_reserved_bytes -= worker.reserved_bytes
         gone = pb.ManagedWorker()
         gone.CopyFrom(worker)
         gone.state = "exited"
-        report.workers.remove(worker)
-        for registry in self.registries:
-            registry.remove(worker_id)
         fake = self.served.pop(worker_id, None)
         if fake is not None:
             await fake.server.stop(grace=None)
+        if self.stale:
+            worker.state = "running"  # the report the router has is from before the stop
+            self.unreported.append((node_id, worker))
+            return gone
+        self._unlist(node_id, worker)
+        for registry in self.registries:
+            registry.remove(worker_id)
         self._notify()
         return gone
+
+    def _unlist(self, node_id: str, worker: pb.ManagedWorker) -> None:
+        report = self.reports[node_id]
+        report.memory_reserved_bytes -= worker.reserved_bytes
+        report.workers.remove(worker)
+
+    def heartbeat(self) -> None:
+        """The nodes report: the workers stopped since are gone from their reports."""
+        for node_id, worker in self.unreported:
+            self._unlist(node_id, worker)
+        self.unreported.clear()
+        self._notify()
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -655,3 +655,30 @@ def test_a_load_whose_worker_served_and_unloaded_before_the_load_woke_ends(tmp_p
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_model_unloaded_is_loaded_again_at_once_not_found_on_its_stopped_worker(tmp_path):
+    """A stopped worker stays in the registry until it misses heartbeats, and in its node's
+    report until the node's next one: the controller that stopped it believes neither."""
+
+    async def main():
+        r = fleet(tmp_path, nodes_cls=lambda registries: FakeNodes(registries, stale=True))
+        for reason in ("operator", "keep_alive"):
+            await r.controller.load("small")
+            stopped = r.nodes.started[-1][1].worker_id
+            if reason == "operator":
+                await r.controller.unload("small")
+            else:
+                r.controller.request_started("small", keep_alive=0)
+                r.controller.request_finished("small")
+                await wait_for(lambda: stopped in r.nodes.stopped, "the unload")
+                await wait_for(lambda: not r.controller._busy("small"), "the unload's end")
+            assert r.registry.serving("small") == [] and r.controller.describe("small").state != "serving"
+            pool = await asyncio.wait_for(r.pool("small", timeout=30), 30)
+            started = r.nodes.started[-1][1].worker_id
+            assert started != stopped and [w.worker_id for w in pool] == [started]
+            r.nodes.heartbeat()
+        assert len(r.nodes.started) == 3
+        await r.nodes.close()
+
+    run(main())

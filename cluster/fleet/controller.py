@@ -140,6 +140,8 @@ class FleetController:
         self._pending: dict[str, list[tuple[str, int]]] = {}
         self._load_seconds: dict[str, float] = {}  # model -> its last load's time
         self._unload_starts: dict[str, int] = {}  # model -> unloads begun (a load waiting for its worker ends)
+        # workers this router stopped that the nodes' last reports may still list (until their next one)
+        self._stopped: set[str] = set()
         self._started = clock()
         if metrics is not None:
             metrics.watch(self)
@@ -239,11 +241,16 @@ class FleetController:
 
     # -- placed models, from the nodes' reports ---------------------------------------------------
     def placed(self) -> dict[str, _Placed]:
-        """Catalog model -> its workers the nodes report (exited ones included)."""
+        """Catalog model -> its workers the nodes report (exited ones included), but those
+        this router stopped since (a node's report lists them until its next heartbeat)."""
         out: dict[str, _Placed] = {}
+        reported = set()
         for info in self.nodes.nodes():
             for w in info.report.workers:
-                out.setdefault(w.model, _Placed()).members.append(Member(info.report.node_id, w))
+                reported.add(w.worker_id)
+                if w.worker_id not in self._stopped:
+                    out.setdefault(w.model, _Placed()).members.append(Member(info.report.node_id, w))
+        self._stopped &= reported
         return out
 
     def _live_members(self, model: str) -> list[Member]:
@@ -385,9 +392,14 @@ class FleetController:
 
     def _pending_bytes(self) -> dict[str, int]:
         """Node -> bytes that loads in progress set aside there and its report does not show
-        yet (their workers not started, or started since its last heartbeat)."""
+        yet (their workers not started, or started since its last heartbeat), less those of
+        workers stopped since its last heartbeat."""
         placed = self.placed()
         out: dict[str, int] = {}
+        for info in self.nodes.nodes():
+            for w in info.report.workers:
+                if w.worker_id in self._stopped and w.state in LIVE:
+                    out[info.report.node_id] = out.get(info.report.node_id, 0) - w.reserved_bytes
         for model, ranks in self._pending.items():
             reported = {m.node_id for m in placed.get(model, _Placed()).members if m.live}
             for node_id, size in ranks:
@@ -518,8 +530,16 @@ class FleetController:
                 await self.nodes.stop(node_id, worker_id, 0.0)
             except Exception as e:  # the node is gone: so is its worker
                 log.warning("fleet: could not stop %s on %s: %s", worker_id, node_id, e)
-            self._estimates.pop(worker_id, None)
+            self._gone(worker_id)
         self._forget(model)
+
+    def _gone(self, worker_id: str) -> None:
+        """A worker this router stopped is gone: the registry stops listing it now (its
+        missed heartbeats would say so only seconds later, and a load meanwhile would find
+        it "serving"), and the nodes' reports that still list it are not believed."""
+        self._estimates.pop(worker_id, None)
+        self._stopped.add(worker_id)
+        self.registry.remove(worker_id)
 
     # -- unloading --------------------------------------------------------------------------------
     def _start_unload(self, model: str, reason: str) -> None:
@@ -551,7 +571,10 @@ class FleetController:
             for m, result in zip(members, results):
                 if isinstance(result, BaseException):
                     log.warning("fleet: stopping %s on %s: %s", m.worker.worker_id, m.node_id, result)
-                self._estimates.pop(m.worker.worker_id, None)
+                    if not (isinstance(result, FleetError) and result.code is grpc.StatusCode.NOT_FOUND):
+                        self._estimates.pop(m.worker.worker_id, None)
+                        continue  # it may run still (its node unreachable): its heartbeats say
+                self._gone(m.worker.worker_id)
             self._forget(model)
         finally:
             self.catalog.release(model, self.router_id)
