@@ -168,7 +168,6 @@ def test_the_readme_quotes_the_placement_rule_as_the_code_states_it():
 
 
 # -- one node, one model -------------------------------------------------------------------------
-@pytest.mark.slow
 def test_a_catalog_model_loads_on_its_first_request(tmp_path, tiny_model_dir):
     """One node, one model: not loaded until asked for; then served, once loaded."""
     fleet = LocalFleet([1 << 30], tmp_path / "fleet")
@@ -194,6 +193,9 @@ def test_five_models_on_three_nodes_load_on_demand(models, static, tmp_path):
     with fleet:
         add_models(fleet, FIVE_MODELS, pinned={"embed"})
         assert set(fleet.catalog()) == {r.name for r in FIVE_MODELS}
+        with urllib.request.urlopen(f"{fleet.http_url}/v1/models", timeout=30) as resp:
+            listed = {m["id"]: m for m in json.loads(resp.read())["data"]}
+        assert {r.name: listed[r.name]["state"] for r in FIVE_MODELS} == {r.name: "on disk" for r in FIVE_MODELS}
 
         # the first request for a model starts one load
         first = request("chat", "The first request for chat")
