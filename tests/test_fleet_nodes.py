@@ -165,3 +165,25 @@ def test_agent_nodes_call_the_agent_with_the_join_token():
             await server.stop(0)
 
     run(go())
+
+
+def test_list_nodes_answers_from_the_routers_node_side():
+    """Under `orchard ray up --catalog` the node side is Ray's nodes, not the agents'
+    registry: `orchard nodes list` shows those."""
+
+    class RayLike:  # a node side other than the agents that register here
+        def nodes(self) -> list[pb.NodeInfo]:
+            return [pb.NodeInfo(report=report("ray-node-1"), state="healthy")]
+
+    async def go():
+        router = RouterServer(RouterConfig(grpc_address="127.0.0.1:0", http_address=None, metrics_address=None,
+                                           join_token=TOKEN), node_side=RayLike())
+        await router.start()
+        try:
+            async with channel(router.grpc_address) as ch:
+                reply = await pb_grpc.FleetStub(ch).ListNodes(pb.ListNodesRequest())
+            assert [n.report.node_id for n in reply.nodes] == ["ray-node-1"]
+        finally:
+            await router.stop(grace=0)
+
+    run(go())

@@ -1,5 +1,6 @@
 """The router's `Fleet` service: node agents register and report (the join token, checked
-by `NodeRegistry`); `ListNodes` and the catalog RPCs are admin RPCs (the admin key, checked
+by `NodeRegistry`); `ListNodes` (the nodes of the router's node side: these agents, or
+Ray's nodes under `orchard ray up --catalog`) and the catalog RPCs are admin RPCs (the admin key, checked
 by the server's `AuthInterceptor` like the router's other admin RPCs). The catalog RPCs are
 the fleet controller's (`catalog_rpcs`: an object with async methods of the same names
 taking `(request, context)`); a router started without a catalog has none and says how to
@@ -10,7 +11,7 @@ from __future__ import annotations
 import grpc
 
 from cluster.fleet import FleetError
-from cluster.fleet.nodes import NodeRegistry
+from cluster.fleet.nodes import NodeRegistry, NodeSide
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.security import peer_identity
@@ -19,9 +20,10 @@ NO_CATALOG = "this router has no model catalog: start it with --catalog FILE"
 
 
 class FleetServicer(pb_grpc.FleetServicer):
-    def __init__(self, nodes: NodeRegistry, catalog_rpcs=None):
+    def __init__(self, nodes: NodeRegistry, catalog_rpcs=None, node_side: NodeSide | None = None):
         self.nodes = nodes
         self.catalog_rpcs = catalog_rpcs  # the controller's AddModel ... UnloadModel; None: no catalog
+        self.node_side = node_side or nodes  # what ListNodes lists: where the controller places models
 
     async def RegisterNode(self, request, context):
         try:
@@ -39,7 +41,7 @@ class FleetServicer(pb_grpc.FleetServicer):
         return pb.NodeHeartbeatResponse(known=known)
 
     async def ListNodes(self, request, context):
-        return pb.ListNodesResponse(nodes=self.nodes.nodes())
+        return pb.ListNodesResponse(nodes=self.node_side.nodes())
 
     async def _catalog(self, method: str, request, context):
         if self.catalog_rpcs is None:

@@ -63,7 +63,8 @@ class RouterServer:
         self.node_side = node_side or self.agent_nodes
         self.metrics = RouterMetrics(self.registry)
         self.controller = self._controller(config)
-        self.fleet = FleetServicer(self.nodes, None if self.controller is None else self.controller.rpcs())
+        self.fleet = FleetServicer(self.nodes, None if self.controller is None else self.controller.rpcs(),
+                                   self.node_side)
         self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(
             config.max_attempts, config.worker_wait, config.stream_idle_timeout, config.resume_wait,
             config.max_held, config.limits), fleet=self.controller)
