@@ -186,10 +186,15 @@ def summarize(results: list[RequestResult], wall: float, max_tokens: int) -> dic
 
 
 # -- the servers -----------------------------------------------------------------------------
-def start_orchard(model: Path, worker_args: list[str]) -> tuple[Server, str, dict]:
+def start_orchard(model: Path, worker_args: list[str], started: list[Server] | None = None
+                  ) -> tuple[Server, str, dict]:
+    """`started`: the server is added to it at once, so a caller stops it even when it
+    never comes up."""
     argv = [sys.executable, "-m", "cluster.cli", "worker", "serve", "--model", str(model), "--grpc", "127.0.0.1:0",
             "--metrics", "127.0.0.1:0", "--http", "127.0.0.1:0", *worker_args]
     server = Server("orchard worker", argv)
+    if started is not None:
+        started.append(server)
     info = json.loads(server.wait_line("ORCHARD_WORKER_READY ", timeout=600))
     return server, f"http://{info['http']}", info
 

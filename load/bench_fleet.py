@@ -144,10 +144,9 @@ def run_static(models: dict[str, Path], trace: list[TraceRequest], concurrency: 
         router.start_router(0)
         os.environ["ORCHARD_JOIN_TOKEN"] = router.join_token  # what the workers present when they register
         with ThreadPoolExecutor(len(models)) as pool:  # started together, as a fleet's Macs would be
-            for server, _, _ in pool.map(lambda item: start_orchard(item[1], [
-                    "--router", router.router_address, "--served-model-name", item[0], "--worker-id", item[0],
-                    "--max-model-len", str(CONTEXT)]), models.items()):
-                workers.append(server)
+            list(pool.map(lambda item: start_orchard(item[1], [
+                "--router", router.router_address, "--served-model-name", item[0], "--worker-id", item[0],
+                "--max-model-len", str(CONTEXT)], started=workers), models.items()))
         warm = [TraceRequest(r.name, r.task, "warm up", 2) for r in FIVE_MODELS]
         deadline = time.monotonic() + 120
         while True:  # every model registered and answering through the router
