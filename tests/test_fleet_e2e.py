@@ -183,6 +183,23 @@ def test_a_catalog_model_loads_on_its_first_request(tmp_path, tiny_model_dir):
 
 # -- five models on three nodes ------------------------------------------------------------------
 @pytest.mark.slow
+def test_the_five_models_are_the_kinds_the_issue_names(models):
+    """Two dense of different sizes, a MoE, a 4-bit quantized one, an embedding model."""
+    from cluster import platform
+    from cluster.fleet import facts
+
+    kind = "metal" if platform.has_metal() else "cpu"
+    config = {r.name: json.loads((models[r.name] / "config.json").read_text()) for r in FIVE_MODELS}
+    disk = {r.name: facts.disk_model(models[r.name], kind) for r in FIVE_MODELS}
+    assert config["chat"]["model_type"] == "qwen3" and config["coder"]["model_type"] == "llama"
+    assert disk["coder"].weight_bytes > 10 * disk["chat"].weight_bytes
+    assert config["moe"]["num_experts"] > 1
+    assert config["chat-4bit"]["quantization"]["bits"] == 4
+    assert list(disk["embed"].tasks) == ["embed"] and all(list(disk[n].tasks) == ["generate"] for n in disk
+                                                          if n != "embed")
+
+
+@pytest.mark.slow
 def test_five_models_on_three_nodes_load_on_demand(models, static, tmp_path):
     sizes = footprints({r.name: models[r.name] for r in FIVE_MODELS})
     budget = max(sizes.values()) + 8 * MiB
