@@ -189,6 +189,13 @@ def test_an_agent_joins_reports_and_refuses_what_it_cannot_do(router, agent, mod
                 await stub.StartWorker(pb.StartWorkerRequest(spec=spec(reserved=2 << 30)))
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "needs 2.0 GiB, node node-a has 1.0 GiB of 1.0 GiB free" in e.value.details()
+            # a caller with the join token is not the catalog: the agent checks the flags itself
+            for engine_args, flag in ((["--api-key", "sk-x"], "'--api-key'"),
+                                      (["--metrics=0.0.0.0:9100"], "'--metrics'"),
+                                      (["--speculative-config", '{"model": "/etc"}'], "--speculative-config")):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.StartWorker(pb.StartWorkerRequest(spec=spec(engine_args=engine_args)))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and flag in e.value.details()
             report = await stub.GetNodeReport(pb.GetNodeReportRequest())
             assert not report.workers and report.memory_reserved_bytes == 0  # nothing started
             with pytest.raises(grpc.aio.AioRpcError) as e:

@@ -118,6 +118,18 @@ def test_validate_normalises():
     (dict(engine_args=["--no-such-flag"]), "engine_args:", ["--no-such-flag", "orchard worker serve"]),
     (dict(engine_args=["16"]), "engine_args:", ["'16' is not a flag"]),
     (dict(engine_args=["--max-num-seqs"] * 65), "engine_args:", ["65 arguments", "at most 64"]),
+    # secrets would be stored, listed and on `ps`; paths and addresses are the node's
+    (dict(engine_args=["--api-key", "sk-1"]), "engine_args:", ["'--api-key'", "secret", "ORCHARD_API_KEY"]),
+    (dict(engine_args=["--admin-key=k"]), "engine_args:", ["'--admin-key'", "secret", "environment"]),
+    (dict(engine_args=["--api-key-file", "/etc/keys"]), "engine_args:", ["'--api-key-file'", "secret"]),
+    (dict(engine_args=["--join-token", "t"]), "engine_args:", ["'--join-token'", "secret"]),
+    (dict(engine_args=["--http", "0.0.0.0:8000"]), "engine_args:", ["'--http'", "through the router"]),
+    (dict(engine_args=["--metrics=0.0.0.0:9100"]), "engine_args:", ["'--metrics'", "set by the fleet"]),
+    (dict(engine_args=["--tls-ca", "/tmp/ca.pem"]), "engine_args:", ["'--tls-ca'", "set by the fleet"]),
+    (dict(engine_args=["--speculative-config", '{"method": "draft_model", "model": "/any/path", '
+                                               '"num_speculative_tokens": 4}']),
+     "engine_args:", ["--speculative-config", "draft model", "path", "ngram"]),
+    (dict(engine_args=['--speculative-config={"model": "/x"}']), "engine_args:", ["draft model"]),
 ])
 def test_a_bad_entry_is_refused_naming_field_limit_and_value(bad, field, words):
     with pytest.raises(CatalogError) as e:
@@ -129,7 +141,8 @@ def test_a_bad_entry_is_refused_naming_field_limit_and_value(bad, field, words):
 
 
 def test_engine_args_that_the_worker_takes_pass():
-    args = ["--max-num-seqs", "8", "--max-num-batched-tokens=512"]
+    args = ["--max-num-seqs", "8", "--max-num-batched-tokens=512",
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
     assert check_engine_args(args) == args
     assert check_engine_args([]) == []
 

@@ -50,6 +50,7 @@ from cluster import platform
 from cluster.api.serving import Endpoints
 from cluster.exit_codes import EXIT_PERMANENT, EXIT_TRANSIENT, Backoff, describe
 from cluster.fleet import FleetError
+from cluster.fleet.catalog import check_engine_args
 from cluster.fleet.node_config import NodeConfig
 from cluster.fleet.nodes import human_bytes as human
 from cluster.net import CHANNEL_OPTIONS, check_addresses, parse_address
@@ -389,6 +390,9 @@ class NodeAgent:
             raise FleetError(grpc.StatusCode.INVALID_ARGUMENT,
                              f"a group member needs group_rank < group_size ({spec.group_rank} of {spec.group_size}) "
                              f"and one group_hosts address per rank ({len(spec.group_hosts)} given)")
+        # the entry's flags were checked when it was added; a caller with the join token is
+        # not the catalog: flags appended last would override the fleet's (keys, addresses, paths)
+        check_engine_args(list(spec.engine_args))
         model = find_model(self.models_dir, spec.source)
         self._check_room(spec)
         port = spec.port or self.reserve_ports(1)[0]

@@ -66,11 +66,17 @@ _UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 DURATION_EXAMPLES = "e.g. 5m, 1h30m, 30s, 0, -1"
 
 # `orchard worker serve` flags the fleet sets itself for each worker it starts: an entry
-# may not set them (its source, its place, its context and KV pool are the controller's).
+# may not set them (its source, its place, its addresses, its context and KV pool, its TLS
+# files are the controller's and the node's).
 FLEET_FLAGS = frozenset({"--model", "--gguf-file", "--grpc", "--router", "--worker-id", "--served-model-name",
-                         "--advertise", "--join-token", "--max-model-len", "--kv-cache-memory-bytes",
-                         "--num-kv-blocks", "--memory-budget"})
+                         "--advertise", "--metrics", "--max-model-len", "--kv-cache-memory-bytes",
+                         "--num-kv-blocks", "--memory-budget", "--tls-cert", "--tls-key", "--tls-ca"})
 FLEET_FLAG_PREFIXES = ("--group-",)
+# Secrets: an entry's engine args are stored in the catalog, listed by ListCatalog and seen
+# on each node's `ps`. The node agent gives its workers the fleet's keys in the environment.
+SECRET_FLAGS = frozenset({"--join-token", "--api-key", "--api-key-file", "--admin-key"})
+# A fleet's workers serve through the router: no address of their own that nothing placed.
+UNPLACED_FLAGS = frozenset({"--http"})
 
 
 class CatalogError(FleetError):
@@ -160,11 +166,33 @@ def check_engine_args(args: list[str]) -> list[str]:
             raise _invalid(f"engine_args: an argument of {len(arg)} characters, at most {MAX_ENGINE_ARG_CHARS}: "
                            f"{quoted(arg)}")
         flag = arg.split("=", 1)[0]
+        if flag in SECRET_FLAGS:
+            raise _invalid(f"engine_args: {quoted(flag)} is a secret, and engine args are stored in the catalog, "
+                           "listed and on each node's command lines; the workers get the fleet's keys from their "
+                           "node agent's environment (ORCHARD_JOIN_TOKEN, ORCHARD_API_KEY, ORCHARD_ADMIN_KEY)")
+        if flag in UNPLACED_FLAGS:
+            raise _invalid(f"engine_args: {quoted(flag)}: the fleet's workers serve through the router, on the "
+                           "addresses their node gives them; leave it out")
         if flag in FLEET_FLAGS or flag.startswith(FLEET_FLAG_PREFIXES):
             raise _invalid(f"engine_args: {quoted(flag)} is set by the fleet for each worker it starts "
-                           "(the source, the node, the context and KV pool, the group); leave it out")
-    _parse_worker_flags(args)
+                           "(the source, the node, its addresses, the context and KV pool, TLS, the group); "
+                           "leave it out")
+    _check_speculation(_parse_worker_flags(args).speculative_config)
     return list(args)
+
+
+def _check_speculation(text: str | None) -> None:
+    """Speculation without a draft model: a draft model's path would be read on every node
+    as given (any file there), and its weights are outside the entry's footprint."""
+    try:
+        config = json.loads(text) if text else None
+    except ValueError:
+        config = None  # the worker's own check (at its start) says what is wrong with it
+    if isinstance(config, dict) and (config.get("model") is not None
+                                      or config.get("method") in ("draft", "draft_model")):
+        raise _invalid("engine_args: --speculative-config names a draft model, which would be loaded from a path "
+                       "on each node and is not counted in the model's footprint; the fleet runs ngram "
+                       'speculation only (e.g. {"method": "ngram", "num_speculative_tokens": 4})')
 
 
 class _WorkerFlags:
@@ -190,11 +218,11 @@ class _WorkerFlags:
         return cls.parser
 
 
-def _parse_worker_flags(args: list[str]) -> None:
+def _parse_worker_flags(args: list[str]):
     if args and not args[0].startswith("-"):
         raise _invalid(f"engine_args: {quoted(args[0])} is not a flag; give flags of orchard worker serve "
                        "(e.g. --max-num-seqs 16)")
-    _WorkerFlags.get().parse_args(["--model", "m", *args])
+    return _WorkerFlags.get().parse_args(["--model", "m", *args])
 
 
 def validate(entry: pb.CatalogModel) -> pb.CatalogModel:
