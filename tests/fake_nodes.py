@@ -82,6 +82,8 @@ class FakeNodes:
         report = self.reports.get(node_id)
         if report is None:
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"no node {node_id!r}")
+        if "/" in spec.worker_id or spec.worker_id.startswith(".") or len(spec.worker_id) > 200:  # as the agent
+            raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, f"spec.worker_id {spec.worker_id!r} is no file name")
         if not any(m.name == spec.source for m in report.models):
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"{spec.source} is not on node {node_id}")
         free = report.memory_budget_bytes - report.memory_reserved_bytes + sum(

@@ -682,3 +682,42 @@ def test_a_model_unloaded_is_loaded_again_at_once_not_found_on_its_stopped_worke
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_catalog_name_with_a_slash_or_long_loads_under_a_file_safe_worker_id(tmp_path):
+    async def main():
+        long_name = "org/" + "x" * 120
+        r = fleet(tmp_path, budgets=(8.0,))
+        r.add("qwen/qwen3-8b", source="small", keep_alive_seconds=300)
+        r.add(long_name, source="other", keep_alive_seconds=300)
+        await r.controller.load("qwen/qwen3-8b")
+        await r.controller.load(long_name)
+        ids = [spec.worker_id for _, spec in r.nodes.started]
+        assert [spec.model for _, spec in r.nodes.started] == ["qwen/qwen3-8b", long_name]
+        assert all("/" not in i and len(i) < 80 for i in ids) and ids[0].startswith("qwen-qwen3-8b-")
+        assert r.controller.describe("qwen/qwen3-8b").state == "serving"
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_keep_alive_zero_never_unloads_a_pinned_model_nor_one_another_router_runs_requests_on(tmp_path):
+    async def main():
+        r = fleet(tmp_path, budgets=(8.0,))
+        r.add("small", keep_alive_seconds=300, pin=True, replace=True)
+        await r.controller.load("small")
+        await r.controller.load("other")
+        for model in ("small", "other"):
+            r.controller.request_started(model, keep_alive=0)
+        other = r.nodes.started[1][1].worker_id
+        r.registry.workers[other].report.num_running = 1  # another router's request, as its worker reports it
+        for model in ("small", "other"):
+            r.controller.request_finished(model)
+        await asyncio.sleep(0.1)
+        assert r.nodes.stopped == [] and not r.controller._busy("other")
+        r.registry.workers[other].report.num_running = 0
+        assert r.controller.expire() == ["other"]  # once it reports none, its keep_alive 0 applies
+        await wait_for(lambda: r.nodes.stopped == [other], "the unload")
+        await r.nodes.close()
+
+    run(main())

@@ -37,7 +37,9 @@ model no longer in the catalog is stopped.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -72,6 +74,8 @@ STOP_GRACE = 60.0  # ... and then to stop (SIGTERM, SIGKILL after a grace)
 # A placement the catalog records on a node not heard from since this router started is
 # waited for this long (the node's first report after a router restart) before it is forgotten.
 NODE_GRACE = 10.0
+MAX_SLUG_CHARS = 40  # of a model's name in its workers' ids (and so their file names)
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 LIVE = ("starting", "loading", "running")  # ManagedWorker states of a worker that serves or will
 
 
@@ -200,8 +204,14 @@ class FleetController:
         use.idle_since = now
         if use.active == 0:
             self.catalog.touch(model)  # what another router on the catalog counts the model's idle time from
-            if self._keep_alive(model) == 0 and self._live_members(model):  # Ollama's 0: unloaded after it
+            if self._keep_alive(model) == 0 and self._idle_unpinned(model):  # Ollama's 0: unloaded after it
                 self._start_unload(model, "keep_alive")
+
+    def _idle_unpinned(self, model: str) -> bool:
+        """Whether `model` runs, is not pinned and has no request in flight here nor reported
+        by its workers (another router's). One that has is left to `expire` (its workers'
+        next reports). Its load may not have ended yet: the request it served has."""
+        return any(m.model == model and not m.pinned and m.in_flight == 0 for m in self._loaded())
 
     # -- the operator's ---------------------------------------------------------------------------
     async def load(self, model: str) -> pb.CatalogModel:
@@ -737,7 +747,12 @@ def _disk_model(report: pb.NodeReport, name: str) -> pb.DiskModel | None:
 
 
 def _worker_id(model: str, where: str) -> str:
-    return f"{model}@{where}-{uuid.uuid4().hex[:6]}"
+    """A new worker id for `model`: a file-name-safe slug of the name (a catalog name may hold
+    "/" and be long; agents name files under --state-dir by worker id) and a short hash of
+    it that keeps two names of one slug apart. The name itself is the spec's `model`."""
+    slug = _UNSAFE.sub("-", model)[:MAX_SLUG_CHARS].strip("-.") or "model"
+    digest = hashlib.sha256(model.encode()).hexdigest()[:6]
+    return f"{slug}-{digest}@{where}-{uuid.uuid4().hex[:6]}"
 
 
 def _platform(report: pb.NodeReport) -> str:
