@@ -347,6 +347,13 @@ def test_a_worker_command_line_is_one_orchard_worker_serve_takes(tmp_path):
     assert (e.max_model_len, e.kv_cache_memory_bytes, e.max_num_seqs) == (512, 32 << 20, 8)
     assert (g.size, g.rank, g.hosts, g.port, g.shares, g.memory_budget) == (
         2, 1, "10.0.0.1:7000,10.0.0.2:7001", 7100, "2,1", 3 << 30)
+    # the pool's blocks and the requests at once the footprint counted (a hybrid's state slots)
+    leader = spec(group_size=2, group_rank=0, group_hosts=["10.0.0.1:7000", "10.0.0.2:7001"], num_kv_blocks=96,
+                  max_num_seqs=12)
+    leader.kv_cache_bytes = 0
+    argv = worker_argv(leader, str(tmp_path), "r1:50051", "0.0.0.0", "mac-1.local", 50124)
+    e = from_args(WorkerOptions, build_parser(argv[3:]).parse_args(argv[3:])).engine_config
+    assert (e.num_kv_blocks, e.kv_cache_memory_bytes, e.max_num_seqs) == (96, None, 12)
 
 
 def test_the_agent_and_the_routers_node_side_import_no_mlx():

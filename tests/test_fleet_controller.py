@@ -721,3 +721,77 @@ def test_keep_alive_zero_never_unloads_a_pinned_model_nor_one_another_router_run
         await r.nodes.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "qwen3_next"])
+def test_a_group_of_a_model_whose_layers_own_kv_unevenly_gets_the_pool_the_footprint_counted(tmp_path, arch):
+    """Gemma 4's last layers reuse earlier layers' K/V, qwen3_next's linear-attention layers
+    own none: split by layers, one rank holds more of the K/V than its share of layers. The ranks' flags, as the agent
+    gives them, pass the group's own fit check (group/memory.py) with the pool of blocks
+    the footprint counted."""
+    from mlx_lm.utils import load_model
+
+    from cluster.cli import build_parser
+    from cluster.config import from_args
+    from cluster.fleet import facts, footprint
+    from cluster.fleet.agent import worker_argv
+    from cluster.modelgen import create_model
+    from cluster.worker.config import WorkerOptions
+    from cluster.worker.group.leader import _pool_blocks, split
+    from cluster.worker.group.memory import LeastKV, check_fit, join_info, rank_parts
+    from cluster.worker.group.stage import Assignment
+
+    path = create_model(tmp_path / arch, arch, "tiny", seed=0)
+    disk = facts.disk_model(path, "cpu")
+    disk.name = "uneven"
+    context, contexts = 256, 2
+    whole = footprint.estimate(disk, context, 64, "cpu")
+    rest = whole.weights + footprint.kv_pool_bytes(disk, context, contexts) + whole.state
+    budget_gib = (whole.overhead + 0.75 * rest) / 2**30  # one node cannot hold it, two can
+
+    async def main():
+        r = Router(tmp_path, fleet_concurrency=contexts, fleet_context=context)
+        for node in ("mac-1", "mac-2"):
+            r.nodes.add_node(node, budget_gib, [disk])
+        r.add("uneven")
+        await asyncio.wait_for(r.pool("uneven"), 30)
+        await r.nodes.close()
+        return [spec for _, spec in r.nodes.started]
+
+    specs = run(main())
+    assert [s.group_rank for s in specs] == [0, 1]
+    options = []
+    for spec in specs:
+        argv = worker_argv(spec, str(path), "127.0.0.1:1", "127.0.0.1", "127.0.0.1", 1)[3:]
+        options.append(from_args(WorkerOptions, build_parser(argv).parse_args(argv)))
+    lazy, _ = load_model(path, lazy=True, strict=False)
+    num_layers = len(lazy.layers)
+    infos = {r: {"host": f"mac-{r + 1}", **join_info(o.group.memory_budget, o.engine_config.kv_cache_memory_bytes)}
+             for r, o in enumerate(options)}
+    config, group = options[0].engine_config, options[0].group
+    assignment = Assignment("pipeline", 2, split(lazy, group, {r: infos[r]["memory"] for r in infos}), num_layers)
+    virtual = group.inflight or 2
+    parts = rank_parts(lazy, assignment, config, infos)
+    assert len({p.kv_per_block * num_layers // len(p.layers) for p in parts}) > 1  # K/V owned unevenly
+    check_fit(parts, LeastKV.of(lazy, config, virtual), config.num_kv_blocks, num_layers)
+    capacities = [p.kv_budget // p.kv_per_block if p.kv_budget and p.kv_per_block else 1 << 30 for p in parts]
+    assert _pool_blocks(config, capacities, virtual) == footprint.kv_pool_blocks(context, contexts)
+    assert all(o.engine_config.max_num_seqs == 64 for o in options)
+
+
+def test_a_hybrids_worker_runs_the_requests_at_once_its_footprint_counted_state_slots_for(tmp_path):
+    async def main():
+        r = Router(tmp_path)
+        hybrid = disk_model("hybrid", 1.0)
+        hybrid.state_bytes_per_seq = 4 << 20
+        r.nodes.add_node("mac-1", 8.0, [hybrid])
+        r.add("hybrid")
+        r.add("narrow", source="hybrid", engine_args=["--max-num-seqs", "8"])
+        for model, seqs in (("hybrid", 64), ("narrow", 8)):  # the worker's default, or the entry's own
+            await r.controller.load(model)
+            spec = r.nodes.started[-1][1]
+            fp = r.controller._footprints(r.catalog.get(model), r.nodes.nodes())["mac-1"]
+            assert spec.max_num_seqs == seqs and fp.state == seqs * (4 << 20) and spec.reserved_bytes == fp.total
+        await r.nodes.close()
+
+    run(main())

@@ -66,6 +66,16 @@ def _nodes(models_dir, router="127.0.0.1:1", **kw) -> RayNodes:
     return RayNodes(spec, router, str(models_dir), **kw)
 
 
+def test_a_ray_worker_gets_the_specs_pool_and_requests_at_once(tmp_path):
+    """As the agent's workers: the blocks and --max-num-seqs the controller's footprint counted."""
+    from cluster.fleet.ray_nodes import worker_options
+
+    spec = pb.WorkerSpec(worker_id="w-1", model="m", source="m", context=512, num_kv_blocks=64, max_num_seqs=6,
+                         group_size=2, group_rank=0, group_hosts=["127.0.0.1:7000", "127.0.0.1:7001"])
+    options = worker_options(_nodes(tmp_path).worker_flags(spec, str(tmp_path), "127.0.0.1", 7100))
+    assert (options.engine_config.num_kv_blocks, options.engine_config.max_num_seqs) == (64, 6)
+
+
 def test_nodes_lists_the_ray_node_with_its_memory_and_the_models_on_its_disk(ray_node, loop, tiny_model_dir):
     nodes = _nodes(tiny_model_dir.parent)
     assert nodes.nodes() == []  # nothing probed yet (and no loop here to probe on)

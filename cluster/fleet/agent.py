@@ -103,6 +103,10 @@ def worker_argv(spec: pb.WorkerSpec, model: str, routers: str, host: str, advert
         argv += ["--max-model-len", str(spec.context)]
     if spec.kv_cache_bytes:
         argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_bytes)]
+    if spec.num_kv_blocks:
+        argv += ["--num-kv-blocks", str(spec.num_kv_blocks)]
+    if spec.max_num_seqs:
+        argv += ["--max-num-seqs", str(spec.max_num_seqs)]
     if spec.group_size > 1:
         argv += ["--group-size", str(spec.group_size), "--group-rank", str(spec.group_rank),
                  "--group-hosts", ",".join(spec.group_hosts)]

@@ -225,6 +225,13 @@ def _parse_worker_flags(args: list[str]):
     return _WorkerFlags.get().parse_args(["--model", "m", *args])
 
 
+def worker_flags(args: list[str]):
+    """An entry's engine args as `orchard worker serve` reads them, its defaults for the
+    flags they leave out (the controller sizes a worker by its --max-num-seqs and
+    --block-size). CatalogError: args that are not its flags."""
+    return _parse_worker_flags(list(args))
+
+
 def validate(entry: pb.CatalogModel) -> pb.CatalogModel:
     """A copy of `entry` with its configuration checked and normalised (an empty source is
     the name itself; a negative keep-alive is -1; none given stays unset: the router's

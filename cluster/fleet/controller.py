@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from cluster.fleet import FleetError, footprint, placement
-from cluster.fleet.catalog import Placement, parse_duration
+from cluster.fleet.catalog import Placement, parse_duration, worker_flags
 from cluster.fleet.config import FleetConfig
 from cluster.fleet.metrics import FOUND, LOADED
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -94,6 +94,16 @@ class _Use:
     idle_since: float = 0.0  # when the last one finished (or the model was found loaded)
     keep_alive: float | None = None  # the latest request's keep_alive, seconds (None: the entry's)
     uses: float = 0.0  # its recent requests as of idle_since, decayed (`placement.used`)
+
+
+@dataclass(frozen=True)
+class _Sizing:
+    """A catalog entry's workers' --max-num-seqs and --block-size, and the full contexts of
+    their KV pool."""
+
+    max_num_seqs: int
+    block_size: int
+    contexts: int
 
 
 @dataclass(frozen=True)
@@ -422,19 +432,26 @@ class FleetController:
         context = entry.context or self.config.fleet_context
         return min(context, disk.max_context) if disk.max_context else context
 
+    def _sizing(self, entry: pb.CatalogModel) -> _Sizing:
+        """How the entry's workers are sized: the --max-num-seqs and --block-size its engine
+        args give (else the worker's defaults), and the full contexts its KV pool holds."""
+        flags = worker_flags(entry.engine_args)
+        return _Sizing(flags.max_num_seqs, flags.block_size, min(self.config.fleet_concurrency, flags.max_num_seqs))
+
     def _footprints(self, entry: pb.CatalogModel, nodes: list[pb.NodeInfo]) -> dict[str, footprint.Footprint]:
-        """Node id -> the model's footprint there, for the nodes that hold its files."""
+        """Node id -> the model's footprint there, for the nodes that hold its files: a
+        hybrid's state slot for each of its --max-num-seqs, and a KV pool of
+        --fleet-concurrency full contexts (footprint.estimate's default caps it)."""
         name = source_name(entry.source)
         out = {}
-        concurrency = self.config.fleet_concurrency
+        sizing = self._sizing(entry)
         for info in nodes:
             disk = _disk_model(info.report, name)
             if disk is not None:
                 context = self._context(entry, disk)
-                # a KV pool of --fleet-concurrency full contexts (footprint.estimate's default caps it)
                 out[info.report.node_id] = replace(
-                    footprint.estimate(disk, context, concurrency, _platform(info.report)),
-                    kv=footprint.kv_pool_bytes(disk, context, concurrency))
+                    footprint.estimate(disk, context, sizing.max_num_seqs, _platform(info.report)),
+                    kv=footprint.kv_pool_bytes(disk, context, sizing.contexts, sizing.block_size))
         return out
 
     def _loaded(self) -> list[placement.Loaded]:
@@ -476,29 +493,41 @@ class FleetController:
         disk = _disk_model(self._report(node_id), source_name(entry.source))
         spec = pb.WorkerSpec(worker_id=worker_id, model=entry.name, source=entry.source,
                              context=self._context(entry, disk), kv_cache_bytes=fp.kv, reserved_bytes=fp.total,
-                             engine_args=entry.engine_args)
+                             engine_args=entry.engine_args, max_num_seqs=self._sizing(entry).max_num_seqs)
         log.info("fleet: starting %s on %s as %s (%.2f GiB reserved)", entry.name, node_id, worker_id,
                  fp.total / 2**30)
         await self._start_all(entry.name, [(node_id, spec)])
 
     async def _start_group(self, entry: pb.CatalogModel, plan: placement.Group, footprints: dict) -> None:
         """A pipeline group over the plan's ranks: each rank's ring port (and rank 0's
-        side-channel port) reserved on its node first, then every rank started."""
+        side-channel port) reserved on its node first, then every rank started.
+
+        The group's pool has the same blocks on every rank, each block over that rank's
+        layers: rank 0 is given the footprint's blocks (--num-kv-blocks) and every other
+        rank a --kv-cache-memory-bytes of the whole model's pool. A rank's layers own at
+        most the whole model's K/V, so that holds the blocks whichever layers the group
+        gives it (the group splits by its layers' real sizes; layers own K/V unevenly:
+        shared K/V, sliding windows, a hybrid's attention-only layers), and the group's
+        check that a member holds rank 0's blocks always passes. A member allocates its
+        blocks over its own layers, not that budget."""
         size = len(plan.ranks)
         reports = {n.report.node_id: n.report for n in self.nodes.nodes()}
         ports = [await self.nodes.reserve_ports(rank.node_id, 2 if r == 0 else 1) for r, rank in enumerate(plan.ranks)]
         hosts = [f"{_host(reports[rank.node_id])}:{ports[r][0]}" for r, rank in enumerate(plan.ranks)]
         group_id = _worker_id(entry.name, "group")
+        sizing = self._sizing(entry)
         specs = []
         for r, rank in enumerate(plan.ranks):
             fp = footprints[rank.node_id]
             disk = _disk_model(reports[rank.node_id], source_name(entry.source))
-            layers = rank.last_layer - rank.first_layer + 1
+            context = self._context(entry, disk)
+            blocks = footprint.kv_pool_blocks(context, sizing.contexts, sizing.block_size) if fp.kv else 0
             specs.append((rank.node_id, pb.WorkerSpec(
                 worker_id=group_id if r == 0 else f"{group_id}-rank-{r}", model=entry.name, source=entry.source,
-                context=self._context(entry, disk), kv_cache_bytes=fp.kv * layers // max(1, disk.num_layers),
-                reserved_bytes=rank.bytes, engine_args=entry.engine_args, group_size=size, group_rank=r,
-                group_hosts=hosts, group_port=ports[0][1], group_shares=plan.shares, memory_budget_bytes=rank.bytes)))
+                context=context, num_kv_blocks=blocks if r == 0 else 0, kv_cache_bytes=0 if r == 0 else fp.kv,
+                max_num_seqs=sizing.max_num_seqs, reserved_bytes=rank.bytes, engine_args=entry.engine_args,
+                group_size=size, group_rank=r, group_hosts=hosts, group_port=ports[0][1], group_shares=plan.shares,
+                memory_budget_bytes=rank.bytes)))
         log.info("fleet: starting %s as a group of %d over %s", entry.name, size,
                  ", ".join(rank.node_id for rank in plan.ranks))
         await self._start_all(entry.name, specs)

@@ -68,8 +68,12 @@ def kv_pool_bytes(disk: pb.DiskModel, context: int, concurrent_contexts: int = 1
     """The `--kv-cache-memory-bytes` that gives a worker whole blocks for
     `concurrent_contexts` requests of `context` tokens (the worker makes exactly that many
     blocks of it)."""
-    blocks = concurrent_contexts * math.ceil(context / block_size)
-    return blocks * block_size * disk.kv_bytes_per_token
+    return kv_pool_blocks(context, concurrent_contexts, block_size) * block_size * disk.kv_bytes_per_token
+
+
+def kv_pool_blocks(context: int, concurrent_contexts: int = 1, block_size: int = BLOCK_SIZE) -> int:
+    """The blocks of that pool (a group's `--num-kv-blocks`: the same blocks on every rank)."""
+    return concurrent_contexts * math.ceil(context / block_size)
 
 
 def _check(disk: pb.DiskModel, context: int, max_num_seqs: int, platform: str) -> None:

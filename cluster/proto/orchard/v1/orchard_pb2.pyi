@@ -791,7 +791,7 @@ class ReservePortsResponse(_message.Message):
     def __init__(self, ports: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerSpec(_message.Message):
-    __slots__ = ("worker_id", "model", "source", "context", "kv_cache_bytes", "reserved_bytes", "engine_args", "port", "group_size", "group_rank", "group_hosts", "group_port", "group_shares", "memory_budget_bytes")
+    __slots__ = ("worker_id", "model", "source", "context", "kv_cache_bytes", "reserved_bytes", "engine_args", "port", "group_size", "group_rank", "group_hosts", "group_port", "group_shares", "memory_budget_bytes", "max_num_seqs", "num_kv_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -806,6 +806,8 @@ class WorkerSpec(_message.Message):
     GROUP_PORT_FIELD_NUMBER: _ClassVar[int]
     GROUP_SHARES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     source: str
@@ -820,7 +822,9 @@ class WorkerSpec(_message.Message):
     group_port: int
     group_shares: str
     memory_budget_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., source: _Optional[str] = ..., context: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., engine_args: _Optional[_Iterable[str]] = ..., port: _Optional[int] = ..., group_size: _Optional[int] = ..., group_rank: _Optional[int] = ..., group_hosts: _Optional[_Iterable[str]] = ..., group_port: _Optional[int] = ..., group_shares: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ...) -> None: ...
+    max_num_seqs: int
+    num_kv_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., source: _Optional[str] = ..., context: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., engine_args: _Optional[_Iterable[str]] = ..., port: _Optional[int] = ..., group_size: _Optional[int] = ..., group_rank: _Optional[int] = ..., group_hosts: _Optional[_Iterable[str]] = ..., group_port: _Optional[int] = ..., group_shares: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class StartWorkerRequest(_message.Message):
     __slots__ = ("spec",)
