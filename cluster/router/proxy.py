@@ -293,7 +293,10 @@ class RouterBackend:
         if model is None:
             return None
         if request_id in self.loading:
-            return f"loading {_model_named(model)}: {self.fleet.describe(model).status}"
+            try:
+                return f"loading {_model_named(model)}: {self.fleet.describe(model).status}"
+            except FleetError as e:  # e.g. removed from the catalog while held: the stream's error event
+                raise errors.from_status(e.code, e.message) from None
         return f"waiting for a worker of {model or 'any model'}"
 
     async def list_models(self) -> pb.ListModelsResponse:
