@@ -805,3 +805,29 @@ def test_a_held_streams_status_for_a_model_removed_while_it_waits_is_the_apis_er
     r.catalog.remove("small")
     with pytest.raises(errors.NotFound, match="'small'"):
         r.backend.hold_status("req-1")
+
+
+def test_a_model_removed_that_another_router_unloads_is_left_to_it_and_an_unload_failure_is_logged(tmp_path, caplog):
+    async def main():
+        a = fleet(tmp_path, router_id="router-a")
+        b = Router(tmp_path, router_id="router-b", nodes=a.nodes, clock=a.clock)
+        await a.controller.load("small")
+        a.catalog.remove("small")
+        assert a.catalog.claim("small", "router-a", 600)  # router-a unloads it (its removal)
+        for _ in range(3):  # router-b's ticks
+            b.controller.reconcile()
+            await wait_for(lambda: not b.controller._busy("small"), "router-b's try")
+            assert b.controller._unloads["small"].exception() is None and a.nodes.stopped == []
+        a.catalog.release("small", "router-a")
+
+        def broken(*_):
+            raise RuntimeError("catalog file unreadable")
+
+        b.catalog.claim = broken
+        b.controller.reconcile()
+        await wait_for(lambda: not b.controller._busy("small"), "router-b's unload")
+        await asyncio.sleep(0)  # its done-callbacks
+        assert any("fleet unload small failed: catalog file unreadable" in r.getMessage() for r in caplog.records)
+        await a.nodes.close()
+
+    run(main())

@@ -242,7 +242,7 @@ class FleetController:
         task = self._loads.get(model)
         if task is not None and not task.done():
             await asyncio.shield(task)
-        self._start_unload(model, reason)
+        self._start_unload(model, reason, asked=True)
         await asyncio.shield(self._unloads[model])
         return self.describe(model)
 
@@ -581,25 +581,28 @@ class FleetController:
         self.registry.remove(worker_id)
 
     # -- unloading --------------------------------------------------------------------------------
-    def _start_unload(self, model: str, reason: str) -> None:
+    def _start_unload(self, model: str, reason: str, asked: bool = False) -> None:
+        """Unload `model` in a task (`_unload`; `asked`: by an operator who awaits it)."""
         task = self._unloads.get(model)
         if task is None or task.done():
             use = self._use.get(model)
             if use is not None:  # a request's keep_alive was for the model as loaded now; a later one's is not
                 use.keep_alive = None
-            self._unloads[model] = asyncio.create_task(self._unload(model, reason), name=f"fleet unload {model}")
+            task = asyncio.create_task(self._unload(model, reason, asked), name=f"fleet unload {model}")
+            task.add_done_callback(_log_failure)
+            self._unloads[model] = task
             self._unload_starts[model] = self._unload_starts.get(model, 0) + 1
 
-    async def _unload(self, model: str, reason: str) -> None:
+    async def _unload(self, model: str, reason: str, asked: bool = False) -> None:
         """Drain and stop the model's workers (a group's members with it), under the
         model's claim: two routers whose keep-alives run out together stop it once, and no
-        router loads it while it stops. An operator's unload that another router holds the
-        claim for is refused (UNAVAILABLE); any other is left to that router."""
+        router loads it while it stops. An unload an operator `asked` for that another router
+        holds the claim for is refused (UNAVAILABLE); any other is left to that router."""
         members = self._live_members(model)
         if not members:
             return
         if not self.catalog.claim(model, self.router_id, DRAIN_TIMEOUT + STOP_GRACE):
-            if reason == "operator":
+            if asked:
                 raise FleetError(grpc.StatusCode.UNAVAILABLE, f"another router is loading or unloading model "
                                                               f"{model!r} now: try again when it is done")
             return
@@ -795,6 +798,13 @@ def _host(report: pb.NodeReport) -> str:
 def _and(names: list[str]) -> str:
     names = list(dict.fromkeys(names))
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1] if names else "no node"
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    """A fleet task's failure, logged (nobody may await it: an unload the controller began)."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.warning("fleet: %s failed: %s", task.get_name(), error,
+                    exc_info=None if isinstance(error, FleetError) else error)
 
 
 async def _either(*waits) -> None:
