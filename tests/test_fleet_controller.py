@@ -795,6 +795,8 @@ def test_a_hybrids_worker_runs_the_requests_at_once_its_footprint_counted_state_
         await r.nodes.close()
 
     run(main())
+
+
 def test_a_held_streams_status_for_a_model_removed_while_it_waits_is_the_apis_error(tmp_path):
     """The SSE stream's hold comment asks the controller; a model removed meanwhile is an
     OrchardError (the stream's error event naming it), not a FleetError that cuts it."""
