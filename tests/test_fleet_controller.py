@@ -833,3 +833,27 @@ def test_a_model_removed_that_another_router_unloads_is_left_to_it_and_an_unload
         await a.nodes.close()
 
     run(main())
+
+
+def test_a_failed_loads_worker_whose_stop_fails_is_not_forgotten_while_its_node_runs_it(tmp_path):
+    async def main():
+        r = fleet(tmp_path, load_timeout=0.5)
+        r.nodes.load_delay = 3600  # it never registers: the load times out
+        drains = []
+
+        async def stop_times_out(node_id, worker_id, drain_timeout):
+            drains.append(drain_timeout)
+            raise FleetError(grpc.StatusCode.DEADLINE_EXCEEDED, "StopWorker: deadline exceeded")
+
+        r.nodes.stop = stop_times_out
+        with pytest.raises(FleetError) as e:
+            await r.controller.load("small")
+        assert e.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        worker_id = r.nodes.started[0][1].worker_id
+        assert drains and all(d > 0 for d in drains)  # never 0: the agent's default, past the call's deadline
+        assert worker_id not in r.controller._stopped  # its node reports it running still: believed
+        assert [p.worker_id for p in r.catalog.placements("small")] == [worker_id]
+        assert [m.worker.worker_id for m in r.controller._live_members("small")] == [worker_id]
+        await r.nodes.close()
+
+    run(main())

@@ -71,6 +71,7 @@ TICK = 1.0
 # How long an eviction or unload lets a worker's requests in flight finish before it stops.
 DRAIN_TIMEOUT = 120.0
 STOP_GRACE = 60.0  # ... and then to stop (SIGTERM, SIGKILL after a grace)
+QUIET_DRAIN = 1.0  # the drain of a worker a failed load started: it has no requests
 # A placement the catalog records on a node not heard from since this router started is
 # waited for this long (the node's first report after a router restart) before it is forgotten.
 NODE_GRACE = 10.0
@@ -563,14 +564,25 @@ class FleetController:
             self.catalog.forget_placement(p.worker_id)
 
     async def _stop_quietly(self, model: str, workers: list[tuple[str, str]]) -> None:
-        """Stop the workers a failed load started (nothing of theirs is in flight)."""
+        """Stop the workers a failed load started (nothing of theirs is in flight: a short
+        drain; 0 would be the agent's default, longer than the call's deadline). One whose
+        stop failed is forgotten only when its node reports it exited or absent; else its
+        node's reports keep saying where it runs."""
         for node_id, worker_id in workers:
             try:
-                await self.nodes.stop(node_id, worker_id, 0.0)
-            except Exception as e:  # the node is gone: so is its worker
+                await self.nodes.stop(node_id, worker_id, QUIET_DRAIN)
+            except Exception as e:
                 log.warning("fleet: could not stop %s on %s: %s", worker_id, node_id, e)
+                if not (isinstance(e, FleetError) and e.code is grpc.StatusCode.NOT_FOUND) \
+                        and self._runs(node_id, worker_id):
+                    continue
             self._gone(worker_id)
-        self._forget(model)
+            self.catalog.forget_placement(worker_id)
+
+    def _runs(self, node_id: str, worker_id: str) -> bool:
+        """Whether `node_id`'s last report lists `worker_id` as live."""
+        return any(w.worker_id == worker_id and w.state in LIVE
+                   for n in self.nodes.nodes() if n.report.node_id == node_id for w in n.report.workers)
 
     def _gone(self, worker_id: str) -> None:
         """A worker this router stopped is gone: the registry stops listing it now (its
