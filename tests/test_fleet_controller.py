@@ -857,3 +857,36 @@ def test_a_failed_loads_worker_whose_stop_fails_is_not_forgotten_while_its_node_
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_requests_keep_alive_is_its_own_and_a_later_request_without_one_gets_the_models(tmp_path):
+    async def main():
+        r = fleet(tmp_path)
+        await r.controller.load("small")
+        r.controller.request_started("small", keep_alive=10)
+        r.controller.request_finished("small")
+        r.controller.request_started("small")  # none: the entry's 300 s again
+        r.controller.request_finished("small")
+        r.clock.now += 11
+        assert r.controller.expire() == []
+        r.clock.now += 290
+        assert r.controller.expire() == ["small"]
+        await r.nodes.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("seconds, says", [(float("nan"), "nan is not a number of seconds"),
+                                           (float("inf"), "inf is not a number of seconds"),
+                                           (1e12, "1e+12 is more than 3.1536e+07 seconds")])
+def test_a_grpc_requests_keep_alive_seconds_is_checked_as_the_http_bodys(tmp_path, seconds, says):
+    async def main():
+        r = fleet(tmp_path)
+        request = pb.GenerateRequest(model="small", text="hi", keep_alive_seconds=seconds)
+        with pytest.raises(errors.BadField) as e:
+            async for _ in r.backend.generate(request, 5.0):
+                pass
+        assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT and e.value.param == "keep_alive_seconds"
+        assert says in e.value.message and r.nodes.started == [] and r.controller._use == {}
+
+    run(main())

@@ -93,7 +93,7 @@ class _Use:
 
     active: int = 0  # requests in flight here
     idle_since: float = 0.0  # when the last one finished (or the model was found loaded)
-    keep_alive: float | None = None  # the latest request's keep_alive, seconds (None: the entry's)
+    keep_alive: float | None = None  # the latest request's keep_alive, seconds (None: it gave none, the entry's)
     uses: float = 0.0  # its recent requests as of idle_since, decayed (`placement.used`)
 
 
@@ -202,8 +202,7 @@ class FleetController:
     def request_started(self, model: str, keep_alive: float | None = None) -> None:
         use = self._use.setdefault(model, _Use(idle_since=self.clock()))
         use.active += 1
-        if keep_alive is not None:
-            use.keep_alive = keep_alive
+        use.keep_alive = keep_alive  # Ollama's: each request's own; one without it, the model's
 
     def request_finished(self, model: str) -> None:
         use = self._use.get(model)

@@ -48,6 +48,7 @@ stopped answering.
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 import time
 import uuid
@@ -62,6 +63,7 @@ from cluster.api.limits import GRPC_MAX_MESSAGE_BYTES, MAX_TIMEOUT_SECONDS, Requ
 from cluster.api.pooling import EMBED, GENERATE, SCORE, validate_embed_request, validate_score_request
 from cluster.api.wire import features_asked, num_choices, validate_request
 from cluster.fleet import FleetError
+from cluster.fleet.catalog import MAX_KEEP_ALIVE_SECONDS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router import metrics as m
 from cluster.router.breaker import RetryBudget, backoff
@@ -331,6 +333,8 @@ class RouterBackend:
             return
         keep_alive = (request.keep_alive_seconds if "keep_alive_seconds" in request.DESCRIPTOR.fields_by_name
                       and request.HasField("keep_alive_seconds") else None)
+        if keep_alive is not None:
+            _check_keep_alive(keep_alive)
         fleet.request_started(model, keep_alive)
         try:
             yield
@@ -742,6 +746,16 @@ class _HoldOver(RegistryError):
 
     def __init__(self, message: str):
         super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def _check_keep_alive(seconds: float) -> None:
+    """A gRPC request's `keep_alive_seconds`, checked as the HTTP body's `keep_alive` is."""
+    if not math.isfinite(seconds):
+        raise errors.BadField("keep_alive_seconds", f"keep_alive_seconds: {seconds} is not a number of seconds "
+                                                    "(a negative one never unloads)")
+    if seconds > MAX_KEEP_ALIVE_SECONDS:
+        raise errors.BadField("keep_alive_seconds", f"keep_alive_seconds: {seconds:g} is more than "
+                                                    f"{MAX_KEEP_ALIVE_SECONDS:g} seconds; a negative one never unloads")
 
 
 def _model_named(model: str) -> str:
