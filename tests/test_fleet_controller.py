@@ -890,3 +890,43 @@ def test_a_grpc_requests_keep_alive_seconds_is_checked_as_the_http_bodys(tmp_pat
         assert says in e.value.message and r.nodes.started == [] and r.controller._use == {}
 
     run(main())
+
+
+def test_a_catalog_write_waiting_for_another_routers_lock_does_not_stall_the_loop(tmp_path):
+    """Another router holds the catalog's write lock for a while: meanwhile a request of one
+    model ends here (a write: the model's last use, done once the lock is free) and a
+    request of another model is served."""
+    import sqlite3
+    import threading
+
+    locked, release, gave_up = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:  # the other router's transaction
+        db = sqlite3.connect(tmp_path / "catalog.db", isolation_level=None)
+        db.execute("BEGIN IMMEDIATE")
+        locked.set()
+        release.wait(15)
+        gave_up.set()
+        db.execute("ROLLBACK")
+        db.close()
+
+    async def main():
+        r = fleet(tmp_path, budgets=(8.0,))
+        await r.controller.load("small")
+        await r.controller.load("other")
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        try:
+            assert locked.wait(30)
+            r.controller.request_started("small")
+            r.controller.request_finished("small")
+            pool = await asyncio.wait_for(r.pool("other"), 30)
+            served_while_locked = not gave_up.is_set()
+        finally:
+            release.set()
+            holder.join(30)
+        assert [w.model for w in pool] == ["other"] and served_while_locked
+        await wait_for(lambda: r.catalog.last_used("small") is not None, "the write once the lock is free")
+        await r.nodes.close()
+
+    run(main())

@@ -44,6 +44,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -133,7 +134,8 @@ class _Placed:
 class FleetController:
     """The router's fleet (the module docstring says how it loads and unloads). It runs on
     the router's event loop: `ensure_loaded` and the request hooks never block; `load`,
-    `unload` and `run` are awaited."""
+    `unload` and `run` are awaited. Its writes to the catalog (claims, placements, a
+    model's last use) run on threads: one may wait for another router's transaction."""
 
     def __init__(self, catalog: Catalog, nodes: NodeSide, registry: Registry, metrics: FleetMetrics | None,
                  config: FleetConfig, router_id: str, clock=time.monotonic):
@@ -157,6 +159,9 @@ class FleetController:
         self._unload_starts: dict[str, int] = {}  # model -> unloads begun (a load waiting for its worker ends)
         # workers this router stopped that the nodes' last reports may still list (until their next one)
         self._stopped: set[str] = set()
+        self._writes: set[asyncio.Future] = set()  # catalog writes in flight off the loop (`_write_soon`)
+        self._touches: dict[str, float] = {}  # model -> its last request's end, not written yet
+        self._forgetting: set[str] = set()  # models whose placements `reconcile` is forgetting
         self._started = clock()
         if metrics is not None:
             metrics.watch(self)
@@ -213,7 +218,7 @@ class FleetController:
         use.uses = placement.used(use.uses, use.idle_since, now)
         use.idle_since = now
         if use.active == 0:
-            self.catalog.touch(model)  # what another router on the catalog counts the model's idle time from
+            self._touch_soon(model)  # what another router on the catalog counts the model's idle time from
             if self._keep_alive(model) == 0 and self._idle_unpinned(model):  # Ollama's 0: unloaded after it
                 self._start_unload(model, "keep_alive")
 
@@ -339,7 +344,7 @@ class FleetController:
             if self.serving(model):
                 return FOUND
             if not (self._reachable_members(model) or self._awaited_nodes(model)) \
-                    and self.catalog.claim(model, self.router_id, ttl):
+                    and await self._write(self.catalog.claim, model, self.router_id, ttl):
                 break
             await self._tick()  # its worker, placed already or by another router, registers here
         try:
@@ -352,7 +357,7 @@ class FleetController:
             self._use.setdefault(model, _Use()).idle_since = self.clock()
             return LOADED
         finally:
-            self.catalog.release(model, self.router_id)
+            await self._write(self.catalog.release, model, self.router_id)
 
     async def _tick(self) -> None:
         """Until the workers or the nodes change, at most `TICK` seconds."""
@@ -542,7 +547,7 @@ class FleetController:
                 started.append((node_id, spec.worker_id))
                 if spec.group_rank == 0:
                     self._estimates[spec.worker_id] = spec.reserved_bytes
-            self._record(model, specs)
+            await self._record(model, specs)
             await self._wait_serving(model, specs[0][1].worker_id)
         except BaseException:
             await self._stop_quietly(model, started)
@@ -551,16 +556,51 @@ class FleetController:
     def _report(self, node_id: str) -> pb.NodeReport:
         return next(n.report for n in self.nodes.nodes() if n.report.node_id == node_id)
 
-    def _record(self, model: str, specs: list[tuple[str, pb.WorkerSpec]]) -> None:
+    async def _record(self, model: str, specs: list[tuple[str, pb.WorkerSpec]]) -> None:
         for node_id, s in specs:
-            self.catalog.record_placement(Placement(model, node_id, s.worker_id, rank=s.group_rank,
-                                                    size=s.group_size or 1, reserved_bytes=s.reserved_bytes,
-                                                    router_id=self.router_id))
+            await self._write(self.catalog.record_placement, Placement(
+                model, node_id, s.worker_id, rank=s.group_rank, size=s.group_size or 1,
+                reserved_bytes=s.reserved_bytes, router_id=self.router_id))
 
-    def _forget(self, model: str) -> None:
-        """The catalog forgets where `model` was placed (its workers stopped, or never ran)."""
-        for p in self.catalog.placements(model):
-            self.catalog.forget_placement(p.worker_id)
+    def _forget(self, model: str) -> Awaitable:
+        """The catalog forgets where `model` was placed (its workers stopped, or never ran):
+        the placements recorded now, by worker id (a later load's are its own)."""
+        return self._write(self._forget_now, [p.worker_id for p in self.catalog.placements(model)])
+
+    def _forget_now(self, worker_ids: list[str]) -> None:
+        for worker_id in worker_ids:
+            self.catalog.forget_placement(worker_id)
+
+    # -- the catalog's writes, off the loop -------------------------------------------------------
+    def _write(self, call, *args) -> Awaitable:
+        """`call(*args)` on a thread: a write to the catalog (or a claim) waits for the other
+        router's transaction, up to SQLite's busy timeout, and must not stall this loop's
+        other requests meanwhile. (Reads stay on the loop: in WAL mode a reader never waits
+        for a writer.)"""
+        return asyncio.to_thread(call, *args)
+
+    def _write_soon(self, call, *args) -> asyncio.Future:
+        """`_write` that nothing waits for (its failure is logged)."""
+        future = asyncio.ensure_future(self._write(call, *args))
+        self._writes.add(future)
+        future.add_done_callback(self._written)
+        return future
+
+    def _written(self, future: asyncio.Future) -> None:
+        self._writes.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("fleet: catalog write failed: %s", future.exception())
+
+    def _touch_soon(self, model: str) -> None:
+        """Record the model's use now in the catalog, off the loop; the ends of its requests
+        while a write waits are one write."""
+        waiting = model in self._touches
+        self._touches[model] = self.catalog.clock()
+        if not waiting:
+            self._write_soon(self._touch_now, model)
+
+    def _touch_now(self, model: str) -> None:
+        self.catalog.touch(model, self._touches.pop(model))
 
     async def _stop_quietly(self, model: str, workers: list[tuple[str, str]]) -> None:
         """Stop the workers a failed load started (nothing of theirs is in flight: a short
@@ -576,7 +616,7 @@ class FleetController:
                         and self._runs(node_id, worker_id):
                     continue
             self._gone(worker_id)
-            self.catalog.forget_placement(worker_id)
+            await self._write(self.catalog.forget_placement, worker_id)
 
     def _runs(self, node_id: str, worker_id: str) -> bool:
         """Whether `node_id`'s last report lists `worker_id` as live."""
@@ -612,7 +652,7 @@ class FleetController:
         members = self._live_members(model)
         if not members:
             return
-        if not self.catalog.claim(model, self.router_id, DRAIN_TIMEOUT + STOP_GRACE):
+        if not await self._write(self.catalog.claim, model, self.router_id, DRAIN_TIMEOUT + STOP_GRACE):
             if asked:
                 raise FleetError(grpc.StatusCode.UNAVAILABLE, f"another router is loading or unloading model "
                                                               f"{model!r} now: try again when it is done")
@@ -628,9 +668,9 @@ class FleetController:
                         self._estimates.pop(m.worker.worker_id, None)
                         continue  # it may run still (its node unreachable): its heartbeats say
                 self._gone(m.worker.worker_id)
-            self._forget(model)
+            await self._forget(model)
         finally:
-            self.catalog.release(model, self.router_id)
+            await self._write(self.catalog.release, model, self.router_id)
         if self.metrics is not None:
             self.metrics.unloads.labels(model=model, reason=reason).inc()
 
@@ -677,8 +717,10 @@ class FleetController:
                 continue
             recorded = self.catalog.placements(model)
             waiting = self.clock() - self._started <= NODE_GRACE and any(p.node_id not in reported for p in recorded)
-            if recorded and not waiting and not self.loading(model):
-                self._forget(model)
+            if recorded and not waiting and not self.loading(model) and model not in self._forgetting:
+                self._forgetting.add(model)
+                forgetting = self._write_soon(self._forget_now, [p.worker_id for p in recorded])
+                forgetting.add_done_callback(lambda _, model=model: self._forgetting.discard(model))
         for model, p in placed.items():
             if model not in names and any(m.live for m in p.members) and not self._busy(model):
                 log.info("fleet: %s runs on %s but is no longer in the catalog: stopping it", model,
@@ -845,7 +887,7 @@ class CatalogRPCs:
 
     async def AddModel(self, request: pb.CatalogModel, context) -> pb.CatalogModel:
         async def add():
-            added = self.controller.catalog.add(request)
+            added = await self.controller._write(self.controller.catalog.add, request)
             log.info("fleet: catalog %s %s (source %s)", "changed" if request.replace else "added", added.name,
                      added.source)
             return self.controller.describe(added.name)
@@ -854,7 +896,7 @@ class CatalogRPCs:
     async def RemoveModel(self, request: pb.RemoveModelRequest, context) -> pb.RemoveModelResponse:
         async def remove():
             await self.controller.unload(request.name, "operator")
-            self.controller.catalog.remove(request.name)
+            await self.controller._write(self.controller.catalog.remove, request.name)
             log.info("fleet: catalog removed %s", request.name)
             return pb.RemoveModelResponse()
         return await self._answer(context, remove)
