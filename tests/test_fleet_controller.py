@@ -188,18 +188,18 @@ def test_an_idle_model_is_evicted_for_another_never_one_in_flight_nor_pinned(tmp
         r = fleet(tmp_path)  # one node: room for one of the two models
         await r.controller.load("small")
         small = r.nodes.started[0][1].worker_id
-        # in flight: "other" cannot have its room
+        # in flight: "other" cannot have its room, and waits for it
         r.controller.request_started("small")
-        with pytest.raises(FleetError) as e:
-            await r.controller.load("other")
-        assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and r.nodes.stopped == []
-        r.controller.request_finished("small")
-        # pinned: neither
+        other = asyncio.ensure_future(r.controller.load("other"))
+        await wait_for(lambda: "waiting for room" in r.controller.describe("other").status, "other to wait")
+        assert r.nodes.stopped == [] and not other.done()
+        # pinned meanwhile: never its room, so the waiting load is refused once small is idle
         r.add("small", keep_alive_seconds=300, pin=True, replace=True)
+        r.controller.request_finished("small")
+        with pytest.raises(FleetError) as e:
+            await asyncio.wait_for(other, 30)
+        assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and r.nodes.stopped == []
         r.controller._errors.clear()
-        with pytest.raises(FleetError):
-            await r.controller.load("other")
-        assert r.nodes.stopped == []
         # idle and not pinned: evicted for "other"
         r.add("small", keep_alive_seconds=300, replace=True)
         await r.controller.load("other")
@@ -854,6 +854,28 @@ def test_a_failed_loads_worker_whose_stop_fails_is_not_forgotten_while_its_node_
         assert worker_id not in r.controller._stopped  # its node reports it running still: believed
         assert [p.worker_id for p in r.catalog.placements("small")] == [worker_id]
         assert [m.worker.worker_id for m in r.controller._live_members("small")] == [worker_id]
+
+
+def test_a_cold_model_waits_for_room_that_busy_models_hold(tmp_path):
+    """One node with room for one model, which is busy: a request for another model is not
+    refused; it waits, and once the busy model's requests end, the idle model is unloaded
+    and the other loaded (a request for a model that could never fit is refused at once:
+    test_no_room_reaches_held_requests_at_once)."""
+
+    async def main():
+        r = fleet(tmp_path)
+        assert len(await asyncio.wait_for(r.pool("small", "first"), 30)) == 1
+        await wait_for(lambda: not r.controller.loading("small"), "small's load to end")
+        r.controller.request_started("small")  # a stream in flight on it
+        other = asyncio.ensure_future(r.pool("other", "cold"))
+        await wait_for(lambda: "waiting for room" in r.controller.describe("other").status, "other to wait")
+        assert not other.done() and r.controller.load_error("other") is None
+        assert [spec.model for _, spec in r.nodes.started] == ["small"]  # small was not stopped under its stream
+        r.controller.request_finished("small")
+        pool = await asyncio.wait_for(other, 60)
+        assert [w.model for w in pool] == ["other"]
+        assert [spec.model for _, spec in r.nodes.started] == ["small", "other"]
+        assert r.sample("orchard_fleet_unloads_total", model="small", reason="evicted") == 1
         await r.nodes.close()
 
     run(main())

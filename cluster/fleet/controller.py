@@ -155,6 +155,7 @@ class FleetController:
         # model -> (node, bytes) its load set aside from its plan until its workers serve: two
         # loads planned at once must not both count on a room the nodes' reports show free
         self._pending: dict[str, list[tuple[str, int]]] = {}
+        self._waiting_for_room: dict[str, str] = {}  # model -> why it does not fit yet (busy models hold the room)
         self._load_seconds: dict[str, float] = {}  # model -> its last load's time
         self._unload_starts: dict[str, int] = {}  # model -> unloads begun (a load waiting for its worker ends)
         # workers this router stopped that the nodes' last reports may still list (until their next one)
@@ -390,16 +391,7 @@ class FleetController:
 
     async def _place_and_start(self, model: str) -> None:
         entry = self._entry(model)
-        nodes = self.nodes.nodes()
-        name = source_name(entry.source)
-        footprints = self._footprints(entry, [n for n in nodes if n.state == "healthy"])
-        layers = max((d.num_layers for n in nodes if (d := _disk_model(n.report, name))), default=0)
-        want = placement.ToPlace(model, name, footprints, num_layers=layers, max_nodes=entry.max_nodes)
-        pending = self._pending_bytes()
-        plan = placement.plan(want, [placement.node_view(n, pending.get(n.report.node_id, 0)) for n in nodes],
-                              self._loaded(), self.clock())
-        if isinstance(plan, placement.NoRoom):
-            raise plan.error()
+        plan, footprints = await self._plan_when_room(model, entry)
         log.info("fleet: placing %s: %s", model, plan.why)
         self._pending[model] = ([(plan.node_id, plan.bytes)] if isinstance(plan, placement.Single)
                                 else [(rank.node_id, rank.bytes) for rank in plan.ranks])
@@ -414,6 +406,44 @@ class FleetController:
                 await self._start_group(entry, plan, footprints)
         finally:
             del self._pending[model]
+
+    async def _plan_when_room(self, model: str, entry: pb.CatalogModel
+                              ) -> tuple[placement.Single | placement.Group, dict[str, footprint.Footprint]]:
+        """The plan for `model`, once there is room. A fleet whose room is held by models
+        busy now (requests in flight, loading or unloading) has room once they finish: the
+        load waits for that (within --load-timeout), as a request waits for a free slot;
+        only a model that would not fit with every unpinned model unloaded is refused at
+        once, with what it needs and what each node has."""
+        while True:
+            plan, footprints, could_fit = self._plan(model, entry)
+            if not isinstance(plan, placement.NoRoom):
+                return plan, footprints
+            if not could_fit:
+                raise plan.error()
+            self._waiting_for_room[model] = plan.message
+            try:
+                await self._tick()
+            finally:
+                self._waiting_for_room.pop(model, None)
+
+    def _plan(self, model: str, entry: pb.CatalogModel) -> tuple[placement.Plan, dict, bool]:
+        """(the plan now, the footprints per node, whether a NoRoom would be a plan once the
+        busy models are idle)."""
+        nodes = self.nodes.nodes()
+        name = source_name(entry.source)
+        footprints = self._footprints(entry, [n for n in nodes if n.state == "healthy"])
+        layers = max((d.num_layers for n in nodes if (d := _disk_model(n.report, name))), default=0)
+        want = placement.ToPlace(model, name, footprints, num_layers=layers, max_nodes=entry.max_nodes)
+        pending = self._pending_bytes()
+        views = [placement.node_view(n, pending.get(n.report.node_id, 0)) for n in nodes]
+        loaded = self._loaded()
+        plan = placement.plan(want, views, loaded, self.clock())
+        if not isinstance(plan, placement.NoRoom):
+            return plan, footprints, True
+        # once the busy models are idle and the other loads under way are done (then idle too)
+        idle = [replace(m, in_flight=0, loading=False) for m in loaded]
+        bare = [placement.node_view(n) for n in nodes]
+        return plan, footprints, not isinstance(placement.plan(want, bare, idle, self.clock()), placement.NoRoom)
 
     def _pending_bytes(self) -> dict[str, int]:
         """Node -> bytes that loads in progress set aside there and its report does not show
@@ -769,6 +799,8 @@ class FleetController:
             progress = [m for m in live if m.worker.progress]
             entry.status = ("loading on " + _and(nodes) if nodes else "loading") + (
                 f" {100 * min(m.worker.progress for m in progress):.0f}%" if progress else "")
+            if model in self._waiting_for_room:
+                entry.status = "waiting for room (the models that hold it are busy): " + self._waiting_for_room[model]
         else:
             holders = [n.report.node_id for n in self.nodes.nodes()
                        if _disk_model(n.report, source_name(entry.source)) is not None]
