@@ -354,12 +354,11 @@ def test_client_cancel_reaches_the_worker():
             async for _ in call:
                 break
             call.cancel()
-            for _ in range(100):
-                if w.cancelled:
-                    break
-                await asyncio.sleep(0.02)
-            assert w.cancelled == 1 and w.running == 0
-            assert c.router.registry.workers["w0"].inflight == 0
+            # a loaded machine may take seconds to carry the cancel through the router; the
+            # stream's 1000 tokens take far longer than the bound, so only a cancel ends it
+            await c.wait_until(lambda: w.cancelled and not w.running and not c.router.registry.workers["w0"].inflight,
+                               "the cancel at the worker", timeout=30)
+            assert w.cancelled == 1 and w.tokens_streamed < 1000
 
     run(main())
 
