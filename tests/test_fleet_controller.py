@@ -952,3 +952,28 @@ def test_a_catalog_write_waiting_for_another_routers_lock_does_not_stall_the_loo
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_worker_another_router_stopped_leaves_this_routers_registry_once_its_node_reports_it_gone(tmp_path):
+    async def main():
+        a = fleet(tmp_path, router_id="router-a", nodes_cls=lambda registries: FakeNodes(registries, stale=True))
+        b = Router(tmp_path, router_id="router-b", nodes=a.nodes, clock=a.clock)
+        await a.controller.load("small")
+        worker_id = a.nodes.started[0][1].worker_id
+        b.controller.reconcile()
+        b.registry.workers[worker_id].inflight = 1  # b's request: the worker drains
+        unloading = asyncio.ensure_future(a.controller.unload("small"))
+        await wait_for(lambda: a.nodes.reports["mac-1"].workers[0].state == "stopping", "the drain")
+        b.controller.reconcile()
+        assert worker_id in b.registry.workers  # stopping: b's request finishes there
+        b.registry.workers[worker_id].inflight = 0
+        await asyncio.wait_for(unloading, 30)
+        assert worker_id in b.registry.workers  # its heartbeats stopped: b hears nothing yet
+        b.controller.reconcile()
+        assert worker_id in b.registry.workers  # its node has not reported since
+        a.nodes.heartbeat()
+        b.controller.reconcile()
+        assert worker_id not in b.registry.workers and not b.controller.serving("small")
+        await a.nodes.close()
+
+    run(main())

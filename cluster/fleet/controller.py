@@ -160,6 +160,7 @@ class FleetController:
         self._unload_starts: dict[str, int] = {}  # model -> unloads begun (a load waiting for its worker ends)
         # workers this router stopped that the nodes' last reports may still list (until their next one)
         self._stopped: set[str] = set()
+        self._reported: set[str] = set()  # workers the nodes reported, not exited (`_unlist_ended`)
         self._writes: set[asyncio.Future] = set()  # catalog writes in flight off the loop (`_write_soon`)
         self._touches: dict[str, float] = {}  # model -> its last request's end, not written yet
         self._forgetting: set[str] = set()  # models whose placements `reconcile` is forgetting
@@ -735,8 +736,9 @@ class FleetController:
     # -- after a restart, and every tick ----------------------------------------------------------
     def reconcile(self) -> None:
         """The nodes' reports are the truth: placements of workers no node runs are
-        forgotten; a worker of a model no longer in the catalog is stopped; a model found
-        loaded starts its idle time now."""
+        forgotten; a worker that ended leaves the registry; a worker of a model no longer in
+        the catalog is stopped; a model found loaded starts its idle time now."""
+        self._unlist_ended()
         placed = self.placed()
         names = set(self.names())
         reported = {info.report.node_id for info in self.nodes.nodes()}
@@ -756,6 +758,16 @@ class FleetController:
                 log.info("fleet: %s runs on %s but is no longer in the catalog: stopping it", model,
                          ", ".join(p.node_ids))
                 self._start_unload(model, "operator")
+
+    def _unlist_ended(self) -> None:
+        """A worker the nodes reported live and no longer do (another router stopped it, or
+        it exited) leaves the registry now: its heartbeats stopped with it, and until it
+        missed enough of them this router would send it requests and find its model loaded.
+        One stopping is kept: its requests in flight finish."""
+        live = {w.worker_id for info in self.nodes.nodes() for w in info.report.workers if w.state != "exited"}
+        for worker_id in self._reported - live:
+            self.registry.remove(worker_id)
+        self._reported = live
 
     async def run(self, stop: asyncio.Event) -> None:
         """Reconcile with the nodes and expire keep-alives every `TICK` until `stop` is set."""
