@@ -86,6 +86,10 @@ class FakeNodes:
             raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, f"spec.worker_id {spec.worker_id!r} is no file name")
         if not any(m.name == spec.source for m in report.models):
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"{spec.source} is not on node {node_id}")
+        loaded = {w.model for w in report.workers if w.state != "exited"}
+        if report.max_loaded and spec.model not in loaded and len(loaded) >= report.max_loaded:  # as the agent
+            raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"node {node_id} runs {len(loaded)} models, its --max-loaded: cannot start {spec.model}")
         free = report.memory_budget_bytes - report.memory_reserved_bytes + sum(
             w.reserved_bytes for n, w in self.unreported if n == node_id)  # its own count, not its last report's
         if spec.reserved_bytes > free:

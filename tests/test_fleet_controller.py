@@ -949,6 +949,32 @@ def test_a_catalog_write_waiting_for_another_routers_lock_does_not_stall_the_loo
             holder.join(30)
         assert [w.model for w in pool] == ["other"] and served_while_locked
         await wait_for(lambda: r.catalog.last_used("small") is not None, "the write once the lock is free")
+
+    run(main())
+
+
+def test_two_loads_planned_at_once_count_each_others_slot_under_max_loaded(tmp_path):
+    """A load whose StartWorker is on its way holds a slot of the node's --max-loaded
+    before the node's report lists its worker: a second cold model planned meanwhile
+    evicts an idle one for its slot instead of being refused by the node."""
+
+    async def main():
+        r = fleet(tmp_path, budgets=(10.0,), models=(("small", 2.0), ("other", 2.0), ("third", 2.0)))
+        r.nodes.reports["mac-1"].max_loaded = 2
+        await r.controller.load("small")
+        start = r.nodes.start
+
+        async def slow_start(node_id, spec):  # the RPC's time: the node's report lags
+            await asyncio.sleep(0.2)
+            return await start(node_id, spec)
+
+        r.nodes.start = slow_start
+        r.controller.ensure_loaded("other")
+        r.controller.ensure_loaded("third")
+        await wait_for(lambda: not (r.controller.loading("other") or r.controller.loading("third")), "the loads")
+        assert r.controller.load_error("other") is None and r.controller.load_error("third") is None
+        assert r.controller.serving("other") and r.controller.serving("third")
+        assert len(r.nodes.stopped) == 1  # small, evicted for the second's slot
         await r.nodes.close()
 
     run(main())

@@ -438,7 +438,7 @@ class FleetController:
         pending = self._pending_bytes()
         views = [placement.node_view(n, pending.get(n.report.node_id, 0)) for n in nodes]
         loaded = self._loaded()
-        plan = placement.plan(want, views, loaded, self.clock())
+        plan = placement.plan(want, views, [*loaded, *self._pending_loads()], self.clock())
         if not isinstance(plan, placement.NoRoom):
             return plan, footprints, True
         # once the busy models are idle and the other loads under way are done (then idle too)
@@ -461,6 +461,19 @@ class FleetController:
             for node_id, size in ranks:
                 if node_id not in reported:
                     out[node_id] = out.get(node_id, 0) + size
+        return out
+
+    def _pending_loads(self) -> list[placement.Loaded]:
+        """The loads in progress on nodes whose reports do not list their workers yet, as
+        models that hold a slot under the node's --max-loaded (never to be evicted): two
+        loads planned at once must not both count on one free slot."""
+        placed = self.placed()
+        out = []
+        for model, ranks in self._pending.items():
+            reported = {m.node_id for m in placed.get(model, _Placed()).members if m.live}
+            reserved = {node_id: size for node_id, size in ranks if node_id not in reported and size > 0}
+            if reserved:
+                out.append(placement.Loaded(model=model, reserved=reserved, pinned=True, loading=True))
         return out
 
     def _context(self, entry: pb.CatalogModel, disk: pb.DiskModel) -> int:
