@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
+import socket
+
 from cluster.api.limits import GRPC_MAX_MESSAGE_BYTES
 
 # Keepalive: a peer that stops answering HTTP/2 pings (a Mac asleep, a process stopped,
@@ -53,3 +56,25 @@ def check_addresses(*addresses: str | None) -> None:
     for address in addresses:
         if address:
             parse_address(address)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name, [V6] too) is this machine's loopback only:
+    reachable from no other machine."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports (held open together while they are picked: one at a time,
+    the OS may hand out the same port twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

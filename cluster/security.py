@@ -22,7 +22,6 @@ and never logged.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
 import stat
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from cluster.config import setting
+from cluster.net import is_loopback
 
 INFERENCE, ADMIN, FLEET, OPEN = "inference", "admin", "fleet", "open"
 # What each RPC needs. Anything else of the Router and WorkerAdmin services is admin, so
@@ -264,13 +264,7 @@ def allowed_hosts(config: SecurityConfig, bound_host: str) -> tuple[str, ...] | 
     names when bound to loopback; None: any."""
     if config.allowed_hosts:
         return tuple(h.strip().lower() for h in config.allowed_hosts.split(",") if h.strip())
-    try:
-        if ipaddress.ip_address(bound_host.strip("[]")).is_loopback:
-            return LOOPBACK_HOSTS
-    except ValueError:
-        if bound_host == "localhost":
-            return LOOPBACK_HOSTS
-    return None
+    return LOOPBACK_HOSTS if is_loopback(bound_host) else None
 
 
 def host_allowed(host_header: str | None, allowed: tuple[str, ...] | None) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.config import port_of, setting
+from cluster.net import free_ports
 from cluster.exit_codes import Backoff, describe, is_permanent
 from cluster.router.config import RouterConfig, policy_names
 from cluster.worker.config import GGUF_FILE_HELP, MODEL_HELP, WorkerOptions
@@ -68,19 +68,6 @@ class UpConfig:
 
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct free ports (held open together while they are picked: one at a time,
-    the OS may hand out the same port twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def stop_children(children: list["Child"], grace: float) -> None:

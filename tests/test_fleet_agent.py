@@ -521,6 +521,30 @@ def test_a_bad_setting_is_one_line_and_permanent(flags, message, tmp_path, capsy
     assert not list(tmp_path.iterdir())  # refused before anything was done
 
 
+@pytest.mark.parametrize("address", ["0.0.0.0:0", "[::]:0", "mac-1.local:0"])
+def test_a_node_reachable_from_other_machines_needs_a_join_token(address, tmp_path, capsys, monkeypatch):
+    from cluster.cli import main
+    from cluster.fleet.node_config import NodeConfig
+
+    monkeypatch.delenv("ORCHARD_JOIN_TOKEN", raising=False)
+    with pytest.raises(ValueError):  # (before `main`, which would serve)
+        NodeConfig(grpc_address=address).validate()
+    assert main(["node", "serve", "--grpc", address, "--state-dir", str(tmp_path)]) == 78
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"orchard node serve: --grpc {address} is reachable from other machines") and \
+        "$ORCHARD_JOIN_TOKEN or --join-token" in err and "\n" not in err, err
+    assert not list(tmp_path.iterdir())  # refused before anything was done
+
+
+def test_a_loopback_node_or_one_with_a_token_is_not_refused(monkeypatch):
+    from cluster.fleet.node_config import NodeConfig
+
+    monkeypatch.delenv("ORCHARD_JOIN_TOKEN", raising=False)
+    for address in ("127.0.0.1:0", "[::1]:0", "localhost:0"):
+        NodeConfig(grpc_address=address).validate()
+    NodeConfig(grpc_address="0.0.0.0:0", join_token="s3cret").validate()
+
+
 def test_a_busy_port_is_one_line_and_transient(tmp_path, capsys):
     from cluster.cli import main
 

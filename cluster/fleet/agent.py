@@ -53,7 +53,7 @@ from cluster.fleet import FleetError
 from cluster.fleet.catalog import check_engine_args
 from cluster.fleet.node_config import NodeConfig
 from cluster.fleet.nodes import human_bytes as human
-from cluster.net import CHANNEL_OPTIONS, check_addresses, parse_address
+from cluster.net import CHANNEL_OPTIONS, check_addresses, free_ports, parse_address
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.security import channel
@@ -354,8 +354,6 @@ class NodeAgent:
     def reserve_ports(self, count: int) -> list[int]:
         if not 1 <= count <= MAX_PORTS:
             raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, f"count must be in [1, {MAX_PORTS}], not {count}")
-        from cluster.up import free_ports
-
         now = time.monotonic()
         self.held_ports = {p: until for p, until in self.held_ports.items() if until > now}
         host = "0.0.0.0" if self.host in ALL_INTERFACES else self.host

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.config import ByteSize, setting
+from cluster.net import is_loopback, parse_address
 from cluster.security import SecurityConfig
 
 DEFAULT_MODELS_DIR = "~/.orchard/models"
@@ -60,4 +61,9 @@ class NodeConfig:
                              f"{self.node_id!r}")
         if not [r for r in self.router.split(",") if r.strip()]:
             raise ValueError("--router names no router")
+        host = parse_address(self.grpc_address)[0]
+        if not self.join_token and not is_loopback(host):
+            raise ValueError(f"--grpc {self.grpc_address} is reachable from other machines and the Node service "
+                             "starts processes for whoever calls it: set the fleet's join token "
+                             "($ORCHARD_JOIN_TOKEN or --join-token), or bind --grpc to 127.0.0.1")
         self.security.check()

@@ -41,6 +41,7 @@ from cluster.exit_codes import EXIT_PERMANENT
 from cluster.fleet import FleetError
 from cluster.fleet.agent import OLLAMA_PREFIX, worker_argv
 from cluster.fleet.nodes import human_bytes
+from cluster.net import free_ports
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.ray_launcher import NAMESPACE, WORKER_PREFIX, GroupMemberActor, RaySpec, WorkerActor, worker_nodes
 
@@ -78,8 +79,6 @@ def probe(models_dir: str) -> bytes:
 
 def free_ports_here(count: int, host: str) -> list[int]:
     """Run on a node: `count` ports free there now."""
-    from cluster.up import free_ports
-
     return free_ports(count, host)
 
 
