@@ -1003,3 +1003,40 @@ def test_a_worker_another_router_stopped_leaves_this_routers_registry_once_its_n
         await a.nodes.close()
 
     run(main())
+
+
+def test_a_router_that_dies_mid_load_leaves_a_claim_the_other_takes_over_within_a_few_ticks(tmp_path):
+    """The claim's holder renews it every tick while its load runs (a load longer than the
+    claim's life keeps it); one that dies (no release) holds the model only until its claim
+    runs out, well before --load-timeout."""
+    from cluster.fleet.controller import CLAIM_TTL, TICK
+
+    async def main():
+        a = fleet(tmp_path, router_id="router-a", load_timeout=600)
+        b = Router(tmp_path, router_id="router-b", nodes=a.nodes, clock=a.clock, load_timeout=600)
+        start, hang = a.nodes.start, asyncio.Event()
+
+        async def first_start_hangs(node_id, spec):
+            if not hang.is_set():
+                hang.set()
+                await asyncio.Event().wait()  # router-a's StartWorker never answers
+            return await start(node_id, spec)
+
+        a.nodes.start = first_start_hangs
+        a.controller.ensure_loaded("small")
+        await wait_for(hang.is_set, "router-a's load")
+        a.clock.now += CLAIM_TTL + 1  # longer than the claim's life: router-a's renewals keep it
+        await asyncio.sleep(2.5 * TICK)
+        assert b.catalog.claim_of("small").router_id == "router-a"
+        a.catalog.release = lambda *_: True  # router-a dies: its claim is never released
+        a.controller._loads["small"].cancel()
+        await asyncio.sleep(1.5 * TICK)
+        b.controller.ensure_loaded("small")
+        await asyncio.sleep(0.5)
+        assert b.controller.loading("small") and len(a.nodes.started) == 0
+        a.clock.now += CLAIM_TTL + 1  # a few ticks later on the catalog's clock
+        await wait_for(lambda: b.controller.serving("small"), "router-b's load", timeout=60)
+        assert len(a.nodes.started) == 1
+        await a.nodes.close()
+
+    run(main())

@@ -37,6 +37,7 @@ model no longer in the catalog is stopped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import re
@@ -69,6 +70,9 @@ log = logging.getLogger(__name__)
 LOAD_RETRY_AFTER = 5.0
 # The run loop's period: keep-alive expiry and the reconcile with the nodes' reports.
 TICK = 1.0
+# A catalog claim's life unless its holder renews it, which it does every TICK while its load
+# or unload runs: a router that dies mid-load blocks the model on the others this long at most.
+CLAIM_TTL = 15.0
 # How long an eviction or unload lets a worker's requests in flight finish before it stops.
 DRAIN_TIMEOUT = 120.0
 STOP_GRACE = 60.0  # ... and then to stop (SIGTERM, SIGKILL after a grace)
@@ -341,15 +345,14 @@ class FleetController:
     async def _load(self, model: str) -> str:
         """One load: "loaded" (this router started it) or "found" (it was placed already, or
         another router loaded it: its worker registers here too)."""
-        ttl = self.config.load_timeout + 30.0
         while True:
             if self.serving(model):
                 return FOUND
             if not (self._reachable_members(model) or self._awaited_nodes(model)) \
-                    and await self._write(self.catalog.claim, model, self.router_id, ttl):
+                    and await self._write(self.catalog.claim, model, self.router_id, CLAIM_TTL):
                 break
             await self._tick()  # its worker, placed already or by another router, registers here
-        try:
+        async with self._holding_claim(model):
             if self._reachable_members(model):  # the router that held the claim placed it meanwhile
                 await self._wait_serving(model)
                 return FOUND
@@ -358,7 +361,29 @@ class FleetController:
             self._load_seconds[model] = self.clock() - t0
             self._use.setdefault(model, _Use()).idle_since = self.clock()
             return LOADED
+
+    @contextlib.asynccontextmanager
+    async def _holding_claim(self, model: str):
+        """While the body runs, renew this router's claim on `model` (taken already) every
+        `TICK`; then release it."""
+        done = asyncio.Event()
+
+        async def renew() -> None:
+            while not done.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(done.wait(), TICK)
+                if not done.is_set():
+                    try:
+                        await self._write(self.catalog.claim, model, self.router_id, CLAIM_TTL)
+                    except Exception as e:  # the catalog busy for a moment: the next tick renews it
+                        log.warning("fleet: renewing the claim on %s: %s", model, e)
+
+        renewing = asyncio.create_task(renew(), name=f"fleet claim {model}")
+        try:
+            yield
         finally:
+            done.set()
+            await asyncio.gather(renewing, return_exceptions=True)  # its write done: not after the release
             await self._write(self.catalog.release, model, self.router_id)
 
     async def _tick(self) -> None:
@@ -696,12 +721,12 @@ class FleetController:
         members = self._live_members(model)
         if not members:
             return
-        if not await self._write(self.catalog.claim, model, self.router_id, DRAIN_TIMEOUT + STOP_GRACE):
+        if not await self._write(self.catalog.claim, model, self.router_id, CLAIM_TTL):
             if asked:
                 raise FleetError(grpc.StatusCode.UNAVAILABLE, f"another router is loading or unloading model "
                                                               f"{model!r} now: try again when it is done")
             return
-        try:
+        async with self._holding_claim(model):
             log.info("fleet: unloading %s (%s) from %s", model, reason, _and(sorted({m.node_id for m in members})))
             results = await asyncio.gather(*(self.nodes.stop(m.node_id, m.worker.worker_id, DRAIN_TIMEOUT)
                                              for m in members), return_exceptions=True)
@@ -713,8 +738,6 @@ class FleetController:
                         continue  # it may run still (its node unreachable): its heartbeats say
                 self._gone(m.worker.worker_id)
             await self._forget(model)
-        finally:
-            await self._write(self.catalog.release, model, self.router_id)
         if self.metrics is not None:
             self.metrics.unloads.labels(model=model, reason=reason).inc()
 
