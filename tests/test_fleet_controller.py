@@ -1040,3 +1040,21 @@ def test_a_router_that_dies_mid_load_leaves_a_claim_the_other_takes_over_within_
         await a.nodes.close()
 
     run(main())
+
+
+def test_a_group_unloads_rank_0_first_its_members_once_it_has_drained(tmp_path):
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0, 5.0), models=(("big", 7.0),))
+        await r.controller.load("big")
+        rank0, member = (spec.worker_id for _, spec in r.nodes.started)
+        r.registry.workers[rank0].inflight += 1  # a stream in flight on the group
+        unload = asyncio.ensure_future(r.controller.unload("big"))
+        await asyncio.sleep(0.3)
+        assert r.nodes.stopped == [] and not unload.done()  # rank 0 drains; its member still runs
+        assert r.nodes._worker(r.nodes.started[1][0], member).state == "running"
+        r.registry.workers[rank0].inflight -= 1
+        await asyncio.wait_for(unload, 30)
+        assert r.nodes.stopped == [rank0, member]
+        await r.nodes.close()
+
+    run(main())

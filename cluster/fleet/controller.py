@@ -728,8 +728,14 @@ class FleetController:
             return
         async with self._holding_claim(model):
             log.info("fleet: unloading %s (%s) from %s", model, reason, _and(sorted({m.node_id for m in members})))
+            # rank 0 first: it drains the group's requests and then stops its members (its STOP
+            # message); a member has no address to drain, its stop would cut rank 0's streams
+            members.sort(key=lambda m: m.worker.group_rank != 0)
+            firsts = [m for m in members if m.worker.group_rank == 0]
             results = await asyncio.gather(*(self.nodes.stop(m.node_id, m.worker.worker_id, DRAIN_TIMEOUT)
-                                             for m in members), return_exceptions=True)
+                                             for m in firsts), return_exceptions=True)
+            results += await asyncio.gather(*(self.nodes.stop(m.node_id, m.worker.worker_id, DRAIN_TIMEOUT)
+                                              for m in members[len(firsts):]), return_exceptions=True)
             for m, result in zip(members, results):
                 if isinstance(result, BaseException):
                     log.warning("fleet: stopping %s on %s: %s", m.worker.worker_id, m.node_id, result)
