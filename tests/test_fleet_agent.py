@@ -225,6 +225,24 @@ def test_an_agent_with_a_wrong_join_token_is_refused_for_good(router, models_dir
         bad.stop()
 
 
+def test_a_second_agent_under_a_node_id_in_use_exits_78_naming_node_id(router, agent, models_dir, tmp_path,
+                                                                        monkeypatch, capsys):
+    from cluster.fleet import agent as agent_module
+    from cluster.fleet.node_config import NodeConfig
+
+    healthy(router, agent)
+    monkeypatch.setattr(agent_module, "DUPLICATE_WAIT_S", 2.0)  # past a restart's wait: another Mac's id
+    twin = NodeConfig(router=",".join(router.router_addresses), grpc_address="127.0.0.1:0", node_id="node-a",
+                      join_token=router.join_token, models_dir=str(models_dir), state_dir=str(tmp_path),
+                      heartbeat_interval=HEARTBEAT)
+    assert run(asyncio.wait_for(agent_module.serve(twin), 120)) == 78
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("orchard node serve: every router refused node node-a: node id 'node-a' is held by "
+                          f"another agent that still reports (at {agent.address}") and "--node-id" in err, err
+    assert err.endswith("(exit 78: permanent)"), err
+    assert healthy(router, agent).report.address == agent.address  # the first kept its id
+
+
 def test_stop_leftovers_ends_only_workers_an_earlier_agent_left(tmp_path):
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
     worker = subprocess.Popen([*sleeper, "cluster worker serve"])

@@ -66,6 +66,29 @@ def test_registry_joins_beats_and_turns_unhealthy_when_silent():
     run(go())
 
 
+def test_a_second_agent_under_a_node_id_that_still_reports_is_refused():
+    async def go():
+        clock = Clock()
+        nodes = NodeRegistry(RegistryConfig(join_token=TOKEN, heartbeat_interval=1.0, missed_heartbeats=3),
+                             clock=clock)
+        nodes.register(TOKEN, report(address="mac-a:50071", instance="a"))
+        clock.now += 2.0
+        assert nodes.heartbeat(TOKEN, report(address="mac-a:50071", instance="a"))
+        with pytest.raises(FleetError) as e:  # two Macs both named mac-1
+            nodes.register(TOKEN, report(address="mac-b:50071", instance="b"))
+        assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert "'mac-1'" in e.value.message and "mac-a:50071" in e.value.message and "--node-id" in e.value.message
+        [info] = nodes.nodes()
+        assert info.report.address == "mac-a:50071"  # the first keeps it
+        assert nodes.heartbeat(TOKEN, report(address="mac-a:50071", instance="a"))
+        clock.now += 3.5  # the first went silent (it crashed, a restart follows): its id is free
+        restarted = nodes.register(TOKEN, report(address="mac-a:50071", instance="c"))
+        assert restarted.report.instance_id == "c"
+        assert not nodes.heartbeat(TOKEN, report(address="mac-a:50071", instance="a"))
+
+    run(go())
+
+
 def test_node_ids_bind_to_their_certificate_under_mutual_tls():
     nodes = NodeRegistry(RegistryConfig(), bind_identities=True)
     with pytest.raises(FleetError) as e:

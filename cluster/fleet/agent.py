@@ -70,6 +70,9 @@ MAX_PORTS = 64  # per ReservePorts call
 POLL_S = 0.5  # a loading worker's readiness, a draining worker's requests
 MODELS_REFRESH_S = 2.0  # the models on disk are looked at again this often
 LOG_TAIL_BYTES = 8192  # read of a worker's log for its last line
+# A node id another agent reports under is refused for good after this long: well past the
+# silence that makes a router count a node unhealthy (3 beats of 1 s by default).
+DUPLICATE_WAIT_S = 60.0
 
 
 # -- a worker's command line -----------------------------------------------------------------
@@ -211,16 +214,30 @@ def _command_of(pid: int) -> str:
 # -- registration with the routers -----------------------------------------------------------
 class NodeRegistration(Registration):
     """The worker's registration loop, registering this node (`Fleet.RegisterNode`) and
-    sending its `NodeReport` as its heartbeat."""
+    sending its `NodeReport` as its heartbeat. A node id another agent still reports under
+    (ALREADY_EXISTS) is tried again for `DUPLICATE_WAIT_S`: an agent that restarted waits
+    for its earlier self to fall silent; past that it is another Mac's, for good."""
 
     what = "node"
+    duplicate_since: float | None = None  # when the router first said the id is held
 
     def stub(self, ch):
         return pb_grpc.FleetStub(ch)
 
+    def refused_for_good(self, error: grpc.aio.AioRpcError) -> bool:
+        if error.code() != grpc.StatusCode.ALREADY_EXISTS:
+            return super().refused_for_good(error)
+        now = time.monotonic()
+        self.duplicate_since = self.duplicate_since or now
+        if now - self.duplicate_since < DUPLICATE_WAIT_S:
+            log.warning("router %s: %s (trying again)", self.router, error.details())
+            return False
+        return True
+
     async def join(self, stub, timeout: float) -> tuple[str, int]:
         reply = await stub.RegisterNode(pb.RegisterNodeRequest(join_token=self.join_token, report=self.load()),
                                         timeout=timeout)
+        self.duplicate_since = None
         return reply.node_id, reply.heartbeat_interval_ms
 
     async def beat(self, stub, timeout: float) -> bool:
@@ -604,8 +621,12 @@ async def serve(config: NodeConfig) -> int:
     log.info("node agent stopping: stopping its %d workers", len(agent.workers))
     await agent.stop()
     if agent.denied:
-        print(f"orchard node serve: every router refused this node (wrong join token? set ORCHARD_JOIN_TOKEN) "
-              f"({describe(EXIT_PERMANENT)})", file=sys.stderr)
+        refusal = agent.registrations[0].refusal
+        if refusal is not None and refusal.code() == grpc.StatusCode.ALREADY_EXISTS:
+            why = f"every router refused node {agent.node_id}: {refusal.details()}"
+        else:
+            why = "every router refused this node (wrong join token? set ORCHARD_JOIN_TOKEN)"
+        print(f"orchard node serve: {why} ({describe(EXIT_PERMANENT)})", file=sys.stderr)
         return EXIT_PERMANENT
     return 0
 

@@ -141,10 +141,25 @@ class NodeRegistry:
             log.info("node %s at %s joined (%s, budget %.1f GiB, %d models on disk)", report.node_id, report.address,
                      report.platform or "?", report.memory_budget_bytes / 2**30, len(report.models))
         elif record.report.instance_id != report.instance_id:
+            self._check_not_held(record, report)
             log.info("node %s at %s registered again (its agent restarted)", report.node_id, report.address)
         record.identity = record.identity or identity
         self._record(record, report)
         return record
+
+    def _check_not_held(self, record: NodeRecord, report: pb.NodeReport) -> None:
+        """Another agent (another start, `instance_id`) under a node id whose agent still
+        reports is a second Mac with the same id (by default the host name): taking the id
+        over would flip it between the two at each heartbeat. An agent that restarted finds
+        its earlier self silent within `unhealthy_after` (it retries until then)."""
+        age = self.clock() - record.last_seen
+        if (record.report.instance_id and report.instance_id and record.healthy
+                and age <= self.config.unhealthy_after):
+            log.warning("refused node id %s from %s: the agent at %s still reports under it", report.node_id,
+                        report.address, record.report.address)
+            raise FleetError(grpc.StatusCode.ALREADY_EXISTS,
+                             f"node id {report.node_id!r} is held by another agent that still reports (at "
+                             f"{record.report.address}, {age:.1f} s ago): give each Mac its own --node-id")
 
     def heartbeat(self, token: str, report: pb.NodeReport, identity: str | None = None) -> bool:
         """A node's periodic report; False: not known here (it should register again)."""

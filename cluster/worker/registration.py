@@ -11,7 +11,7 @@ load report every interval.
   under the same id is a new process to the router, not one whose failures it remembers.
 - An unreachable router is retried every interval, for ever: workers may start first.
 - A wrong join token (PERMISSION_DENIED) stops the loop with an error logged; `denied`
-  says so. The worker keeps serving direct clients.
+  says so (`refusal` the router's answer). The worker keeps serving direct clients.
 
 A node agent registers itself and sends its node report the same way: its subclass
 (`fleet/agent.py`) replaces `stub`, `join` and `beat`.
@@ -58,6 +58,7 @@ class Registration:
         self.interval = interval
         self.registered = False
         self.denied = False
+        self.refusal: grpc.aio.AioRpcError | None = None  # the router's answer when `denied`
         self.registrations = 0  # how many times it (re-)registered
         # this start of the process: the router gives a new one a fresh circuit breaker
         self.instance_id = uuid.uuid4().hex
@@ -96,8 +97,8 @@ class Registration:
                         self.registered = False
                         continue
                 except grpc.aio.AioRpcError as e:
-                    if e.code() == grpc.StatusCode.PERMISSION_DENIED:
-                        self.denied = True
+                    if self.refused_for_good(e):
+                        self.denied, self.refusal = True, e
                         log.error("router %s refused %s %s: %s", self.router, self.what, self.address, e.details())
                         return
                     if self.registered:
@@ -119,6 +120,10 @@ class Registration:
 
     def stub(self, ch):
         return pb_grpc.RouterStub(ch)
+
+    def refused_for_good(self, error: grpc.aio.AioRpcError) -> bool:
+        """Whether the router's answer ends the registration (else it is tried again)."""
+        return error.code() == grpc.StatusCode.PERMISSION_DENIED
 
     async def join(self, stub, timeout: float) -> tuple[str, int]:
         """Register: (the id the router gave, its heartbeat interval in ms)."""
