@@ -398,7 +398,7 @@ def test_a_failed_worker_is_started_again_unless_it_failed_for_good(router, agen
         taken.listen()
         with channel(agent.address, ClientSecurity(api_key=token), aio=False) as ch:
             stub = pb_grpc.NodeStub(ch)
-            stub.StartWorker(pb.StartWorkerRequest(spec=spec("bad-flag", engine_args=["--max-num-seqs", "many"])),
+            stub.StartWorker(pb.StartWorkerRequest(spec=spec("bad-flag", engine_args=["--max-num-seqs", "0"])),
                              timeout=30)
             stub.StartWorker(pb.StartWorkerRequest(spec=spec("busy-port", port=taken.getsockname()[1])), timeout=30)
             try:
@@ -407,8 +407,10 @@ def test_a_failed_worker_is_started_again_unless_it_failed_for_good(router, agen
 
                 wait_for(lambda: worker("bad-flag").state == "exited", 120, "the permanent failure exited")
                 bad = worker("bad-flag")
-                assert bad.exit_code == 78 and "invalid int value: 'many'" in bad.reason and bad.reserved_bytes == 0
+                assert bad.exit_code == 78 and "max_num_seqs must be >= 1" in bad.reason and bad.reserved_bytes == 0
                 wait_for(lambda: worker("busy-port").exit_code == 75, 120, "the transient failure seen")
+                wait_for(lambda: worker("busy-port").restarts >= 1, 120, "the restart counted")
+                assert bad.restarts == 0
                 assert worker("busy-port").state != "exited"  # started again after its backoff
                 assert _report(agent, token).memory_reserved_bytes == 256 << 20  # only busy-port's
                 table = subprocess.run([sys.executable, "-m", "cluster", "nodes", "list", "--router",

@@ -1058,3 +1058,21 @@ def test_a_group_unloads_rank_0_first_its_members_once_it_has_drained(tmp_path):
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_crash_looping_worker_placed_already_fails_its_load_with_its_reason_and_is_stopped(tmp_path):
+    async def main():
+        r = fleet(tmp_path, load_timeout=10)
+        r.nodes.reports["mac-1"].workers.add(  # found after a restart: it exits and its node starts it again
+            worker_id="small-1@mac-1-abc", model="small", state="starting", restarts=3, exit_code=1,
+            reason="RuntimeError: the weights are truncated", reserved_bytes=0)
+        with pytest.raises(FleetError) as e:
+            await r.controller.load("small")
+        assert e.value.code is grpc.StatusCode.UNAVAILABLE and "the weights are truncated" in e.value.message
+        assert "started again 3 times" in e.value.message and r.nodes.stopped == ["small-1@mac-1-abc"]
+        r.controller._errors.clear()
+        await r.controller.load("small")  # placed again: a new worker
+        assert len(r.nodes.started) == 1 and r.controller.serving("small")
+        await r.nodes.close()
+
+    run(main())

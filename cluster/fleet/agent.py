@@ -161,6 +161,7 @@ class ManagedProcess:
     task: asyncio.Task | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # ends a backoff's wait when it is stopped
     stop_task: asyncio.Task | None = None  # StopWorker's drain and stop, once
+    restarts: int = 0  # times it exited and was started again
 
     @property
     def live(self) -> bool:
@@ -175,7 +176,7 @@ class ManagedProcess:
         return pb.ManagedWorker(worker_id=s.worker_id, model=s.model, state=self.state,
                                 reserved_bytes=s.reserved_bytes if self.live else 0, group_size=max(1, s.group_size),
                                 group_rank=s.group_rank, exit_code=self.exit_code, reason=self.reason,
-                                address=self.address)
+                                address=self.address, restarts=self.restarts)
 
 
 def stop_leftovers(pids_dir: Path, grace: float) -> list[int]:
@@ -482,6 +483,7 @@ class NodeAgent:
             log.warning("worker %s exited (%s): starting it again in %g s: %s", w.spec.worker_id, describe(code),
                         delay, w.reason)
             w.state = STARTING
+            w.restarts += 1
             self._report_now()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(w.wake.wait(), delay)

@@ -73,6 +73,8 @@ TICK = 1.0
 # A catalog claim's life unless its holder renews it, which it does every TICK while its load
 # or unload runs: a router that dies mid-load blocks the model on the others this long at most.
 CLAIM_TTL = 15.0
+# A worker started again this often without serving is crash-looping: the load waiting for it fails.
+MAX_LOAD_RESTARTS = 3
 # How long an eviction or unload lets a worker's requests in flight finish before it stops.
 DRAIN_TIMEOUT = 120.0
 STOP_GRACE = 60.0  # ... and then to stop (SIGTERM, SIGKILL after a grace)
@@ -351,6 +353,7 @@ class FleetController:
             if not (self._reachable_members(model) or self._awaited_nodes(model)) \
                     and await self._write(self.catalog.claim, model, self.router_id, CLAIM_TTL):
                 break
+            await self._fail_crash_looping(model)
             await self._tick()  # its worker, placed already or by another router, registers here
         async with self._holding_claim(model):
             if self._reachable_members(model):  # the router that held the claim placed it meanwhile
@@ -401,6 +404,8 @@ class FleetController:
                 return
             if worker_id is not None:
                 self._check_started(model, worker_id)
+            else:
+                await self._fail_crash_looping(model)
             await self._tick()
 
     def _check_started(self, model: str, worker_id: str) -> None:
@@ -410,10 +415,31 @@ class FleetController:
                 raise FleetError(grpc.StatusCode.UNAVAILABLE,
                                  f"model {model!r}'s worker on {m.node_id} exited (code {m.worker.exit_code}) "
                                  f"while loading: {m.worker.reason or 'no reason given'}")
+            if m.worker.worker_id == worker_id and m.worker.restarts >= MAX_LOAD_RESTARTS:
+                raise self._crash_error(model, m)
         failure = self.registry.failures.get(worker_id)
         if failure is not None and failure.permanent:
             raise FleetError(grpc.StatusCode.FAILED_PRECONDITION,
                              f"model {model!r}'s worker could not start: {failure.reason}")
+
+    async def _fail_crash_looping(self, model: str) -> None:
+        """When no worker of `model` serves and one placed already (a group's rank) restarted
+        `MAX_LOAD_RESTARTS` times: stop its workers (the next load may place it elsewhere)
+        and raise the FleetError saying why."""
+        if self.serving(model):
+            return
+        members = sorted(self._reachable_members(model), key=lambda m: m.worker.group_rank)
+        looping = next((m for m in members if m.worker.restarts >= MAX_LOAD_RESTARTS), None)
+        if looping is not None:
+            await self._stop_quietly(model, [(m.node_id, m.worker.worker_id) for m in members])
+            raise self._crash_error(model, looping)
+
+    @staticmethod
+    def _crash_error(model: str, m: Member) -> FleetError:
+        return FleetError(grpc.StatusCode.UNAVAILABLE,
+                          f"model {model!r}'s worker on {m.node_id} exited and was started again {m.worker.restarts} "
+                          f"times without serving (last exit code {m.worker.exit_code}): "
+                          f"{m.worker.reason or 'no reason given'}")
 
     async def _place_and_start(self, model: str) -> None:
         entry = self._entry(model)
@@ -727,6 +753,9 @@ class FleetController:
                                                               f"{model!r} now: try again when it is done")
             return
         async with self._holding_claim(model):
+            members = self._live_members(model)  # another router may have unloaded it while the claim was taken
+            if not members:
+                return
             log.info("fleet: unloading %s (%s) from %s", model, reason, _and(sorted({m.node_id for m in members})))
             # rank 0 first: it drains the group's requests and then stops its members (its STOP
             # message); a member has no address to drain, its stop would cut rank 0's streams

@@ -595,7 +595,7 @@ class DiskModel(_message.Message):
     def __init__(self, name: _Optional[str] = ..., file_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., state_bytes_per_seq: _Optional[int] = ...) -> None: ...
 
 class ManagedWorker(_message.Message):
-    __slots__ = ("worker_id", "model", "state", "reserved_bytes", "group_size", "group_rank", "exit_code", "reason", "progress", "address")
+    __slots__ = ("worker_id", "model", "state", "reserved_bytes", "group_size", "group_rank", "exit_code", "reason", "progress", "address", "restarts")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -606,6 +606,7 @@ class ManagedWorker(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     state: str
@@ -616,7 +617,8 @@ class ManagedWorker(_message.Message):
     reason: str
     progress: float
     address: str
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., group_size: _Optional[int] = ..., group_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., progress: _Optional[float] = ..., address: _Optional[str] = ...) -> None: ...
+    restarts: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., group_size: _Optional[int] = ..., group_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., progress: _Optional[float] = ..., address: _Optional[str] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class NodeReport(_message.Message):
     __slots__ = ("node_id", "address", "advertise_host", "memory_budget_bytes", "memory_reserved_bytes", "memory_available_bytes", "disk_free_bytes", "models", "workers", "platform", "max_loaded", "instance_id")
