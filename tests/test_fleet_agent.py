@@ -245,18 +245,45 @@ def test_a_second_agent_under_a_node_id_in_use_exits_78_naming_node_id(router, a
 
 def test_stop_leftovers_ends_only_workers_an_earlier_agent_left(tmp_path):
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
-    worker = subprocess.Popen([*sleeper, "cluster worker serve"])
+    worker = subprocess.Popen([*sleeper, "cluster worker serve", "--worker-id", "w-1"])
     other = subprocess.Popen(sleeper)
+    another_worker = subprocess.Popen([*sleeper, "cluster worker serve", "--worker-id", "w-30"])
     try:
         (tmp_path / "w-1.pid").write_text(f"{worker.pid}\n")
         (tmp_path / "w-2.pid").write_text(f"{other.pid}\n")  # its PID now some other program's
+        (tmp_path / "w-3.pid").write_text(f"{another_worker.pid}\n")  # ... another worker's (another agent's)
         assert stop_leftovers(tmp_path, grace=10) == [worker.pid]
-        assert worker.wait(10) == -signal.SIGTERM and other.poll() is None
+        assert worker.wait(10) == -signal.SIGTERM and other.poll() is None and another_worker.poll() is None
         assert not list(tmp_path.glob("*.pid"))
     finally:
-        for p in (worker, other):
+        for p in (worker, other, another_worker):
             p.kill()
             p.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_child_started_through_die_with_parent_ends_when_its_parent_is_killed(tmp_path):
+    parent_code = ("import os, subprocess, sys, time\n"
+                   "from cluster.fleet.agent import die_with_parent\n"
+                   "env = dict(os.environ)\n"
+                   "argv = die_with_parent([sys.executable, '-m', 'http.server', '0', '--bind', '127.0.0.1'], env)\n"
+                   "assert argv[1] == '-c' and argv[3:] == ['http.server', '0', '--bind', '127.0.0.1'], argv\n"
+                   "child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+                   "print(child.pid, flush=True)\n"
+                   "time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        wait_for(lambda: "http.server" in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"),
+                 60, "the child running its module")
+        parent.kill()
+        parent.wait(10)
+        wait_for(lambda: not alive(child), 60, "the child ended with its parent")
+    finally:
+        parent.kill()
+        parent.wait()
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
 
 
 async def _generate(target: str, model: str, max_tokens: int, on_chunk=None) -> tuple[list[int], str]:

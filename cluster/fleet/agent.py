@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import hmac
 import logging
 import os
@@ -133,13 +132,24 @@ def last_line(path: Path) -> str:
     return lines[-1] if lines else ""
 
 
-def _die_with_parent():
-    """In a worker before it runs (Linux): SIGTERM when the agent dies, however it dies."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# Linux: the child asks for SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG) first
+# thing after exec, not in a preexec_fn (unsafe in a process with threads); a parent that
+# died before that is seen by its pid.
+_DIE_WITH_PARENT = ("import ctypes, os, runpy, signal, sys\n"
+                    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
+                    "if os.getppid() != int(os.environ.pop('ORCHARD_PARENT_PID')):\n"
+                    "    sys.exit(128 + signal.SIGTERM)\n"
+                    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)\n")
 
 
-_PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+def die_with_parent(argv: list[str], env: dict[str, str]) -> list[str]:
+    """`python -m MODULE ARGS` as a command that gets SIGTERM when this process dies,
+    however it dies (Linux; elsewhere `argv` as it is). Its command line still reads
+    `MODULE ARGS` (`stop_leftovers` looks for it); sets ORCHARD_PARENT_PID in `env`."""
+    if not sys.platform.startswith("linux") or argv[1:2] != ["-m"]:
+        return argv
+    env["ORCHARD_PARENT_PID"] = str(os.getpid())
+    return [argv[0], "-c", _DIE_WITH_PARENT, *argv[2:]]
 
 
 # -- the workers -----------------------------------------------------------------------------
@@ -181,14 +191,15 @@ class ManagedProcess:
 
 def stop_leftovers(pids_dir: Path, grace: float) -> list[int]:
     """Stop the workers a previous agent left running (it crashed), by the process ids it
-    kept; only processes that are still `cluster worker serve`. Returns those stopped."""
+    kept (in WORKER_ID.pid); only processes that are still `cluster worker serve` with that
+    --worker-id (a pid is reused). Returns those stopped."""
     stopped = []
     for pid_path in sorted(pids_dir.glob("*.pid")):
         try:
             pid = int(pid_path.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             pid = 0
-        if pid > 0 and "cluster worker serve" in _command_of(pid):
+        if pid > 0 and _is_worker(_command_of(pid), pid_path.stem):
             log.warning("stopping worker process %d that an earlier agent left running (%s)", pid, pid_path.stem)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -202,10 +213,19 @@ def stop_leftovers(pids_dir: Path, grace: float) -> list[int]:
     return stopped
 
 
+def _is_worker(command: str, worker_id: str) -> bool:
+    """Whether a command line is the worker `worker_id`'s (not a process that took its pid)."""
+    words = command.split()
+    return "cluster worker serve" in command and any(
+        a == "--worker-id" and b == worker_id for a, b in zip(words, words[1:]))
+
+
 def _command_of(pid: int) -> str:
-    """A running process's command line ('' when it is gone); `ps` works on macOS and Linux."""
+    """A running process's whole command line ('' when it is gone; -ww: never cut to a width);
+    `ps` works on macOS and Linux."""
     try:
-        out = subprocess.run(["ps", "-o", "command=", "-p", str(pid)], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["ps", "-ww", "-o", "command=", "-p", str(pid)], capture_output=True, text=True,
+                             timeout=10)
     except (OSError, subprocess.SubprocessError):
         return ""
     command = out.stdout.strip()
@@ -445,10 +465,12 @@ class NodeAgent:
                 for flag in (f"--{name.replace('_', '-')}", str(getattr(sec, name)))]
 
     async def _spawn(self, w: ManagedProcess) -> None:
+        env = self._environment()
+        argv = die_with_parent([*w.argv, *self._security_flags()], env)
         with open(w.log_path, "ab") as out:
             w.proc = await asyncio.create_subprocess_exec(
-                *w.argv, *self._security_flags(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=self._environment(), start_new_session=True, preexec_fn=_die_with_parent)
+                *argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True)
         w.pid_path.write_text(f"{w.proc.pid}\n")
         w.state = RUNNING if not w.address else LOADING
 
