@@ -83,6 +83,11 @@ class ByteSize(int):
         return super().__new__(cls, value)
 
 
+def human_bytes(n: int) -> str:
+    """A size for people: GiB with one decimal from 1 GiB, else MiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

@@ -401,6 +401,20 @@ def test_a_worker_command_line_is_one_orchard_worker_serve_takes(tmp_path):
     assert (e.num_kv_blocks, e.kv_cache_memory_bytes, e.max_num_seqs) == (96, None, 12)
 
 
+def test_a_source_names_a_directory_or_a_gguf_file_alike_on_the_node_and_in_the_controller(tmp_path):
+    from cluster.fleet.agent import find_model
+    from cluster.fleet.controller import _disk_model
+
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "config.json").write_text("{}")
+    (tmp_path / "small.gguf").write_bytes(b"GGUF")
+    report = pb.NodeReport(models=[pb.DiskModel(name="dense"), pb.DiskModel(name="small.gguf")])
+    for source, name in (("dense", "dense"), ("small", "small.gguf"), ("small.gguf", "small.gguf")):
+        assert find_model(tmp_path, source) == str(tmp_path / name)
+        assert _disk_model(report, source).name == name, source  # the controller sees it on disk too
+    assert _disk_model(report, "nope") is None
+
+
 def test_the_agent_and_the_routers_node_side_import_no_mlx():
     code = ("import sys\nsys.modules['mlx'] = None  # any import of MLX fails\n"
             "import cluster.fleet.agent, cluster.fleet.nodes, cluster.fleet.service, cluster.router.server\n"

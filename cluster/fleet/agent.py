@@ -47,11 +47,11 @@ import grpc
 
 from cluster import platform
 from cluster.api.serving import Endpoints
+from cluster.config import human_bytes as human
 from cluster.exit_codes import EXIT_PERMANENT, EXIT_TRANSIENT, Backoff, describe
 from cluster.fleet import FleetError
 from cluster.fleet.catalog import check_engine_args
 from cluster.fleet.node_config import NodeConfig
-from cluster.fleet.nodes import human_bytes as human
 from cluster.net import CHANNEL_OPTIONS, check_addresses, free_ports, parse_address
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
@@ -87,12 +87,12 @@ def find_model(models_dir: Path, source: str) -> str:
         raise FleetError(grpc.StatusCode.INVALID_ARGUMENT,
                          f"source {source!r} must be a model's name under --models-dir (a directory or a .gguf "
                          "file), not a path")
-    for candidate in (models_dir / source, models_dir / f"{source}.gguf"):
-        if facts.is_model(candidate):
-            return str(candidate)
+    for name in facts.model_names(source):
+        if facts.is_model(models_dir / name):
+            return str(models_dir / name)
     raise FleetError(grpc.StatusCode.NOT_FOUND,
                      f"model {source!r} is not on this node: {models_dir} has no directory {source} with a "
-                     f"config.json nor a file {source if source.endswith('.gguf') else source + '.gguf'}")
+                     f"config.json nor a file {facts.model_names(source)[-1]}")
 
 
 def worker_argv(spec: pb.WorkerSpec, model: str, routers: str, host: str, advertise_host: str,

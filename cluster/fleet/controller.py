@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from cluster.fleet import FleetError, footprint, placement
+from cluster.fleet import FleetError, facts, footprint, placement
 from cluster.fleet.catalog import Placement, parse_duration, worker_flags
 from cluster.fleet.config import FleetConfig
 from cluster.fleet.metrics import FOUND, LOADED
@@ -943,7 +943,7 @@ class FleetController:
 
 
 def _disk_model(report: pb.NodeReport, name: str) -> pb.DiskModel | None:
-    return next((m for m in report.models if m.name == name and not m.error), None)
+    return next((m for n in facts.model_names(name) for m in report.models if m.name == n and not m.error), None)
 
 
 def _worker_id(model: str, where: str) -> str:

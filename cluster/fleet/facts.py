@@ -381,6 +381,13 @@ def is_model(path: Path) -> bool:
     return (path.is_dir() and (path / "config.json").is_file()) or (path.is_file() and path.suffix == ".gguf")
 
 
+def model_names(source: str) -> tuple[str, ...]:
+    """The names under a node's --models-dir (`DiskModel.name`) that catalog source `source`
+    may be, in order: NAME itself (a directory, or a file NAME.gguf named in full), then
+    NAME.gguf. The one rule the agent, Ray's node side and the controller look a source up by."""
+    return (source,) if source.endswith(".gguf") else (source, f"{source}.gguf")
+
+
 def scan(models_dir: Path, platform: str) -> list[pb.DiskModel]:
     """The models directly under `models_dir` (directories with a config.json, *.gguf
     files), by name; each read again only when its files changed. A directory that does not

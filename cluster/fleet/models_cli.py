@@ -10,6 +10,7 @@ import sys
 import grpc
 
 from cluster.fleet import FleetError
+from cluster.config import human_bytes
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.security import ClientSecurity, channel, client_from_args
@@ -53,7 +54,7 @@ def format_catalog(models: list[pb.CatalogModel]) -> str:
     from cluster.fleet.catalog import format_duration
 
     header = ("NAME", "SOURCE", "STATE", "FOOTPRINT", "KEEP-ALIVE", "PIN")
-    rows = [header] + [(m.name, m.source, m.state or "-", _gib(m.footprint_bytes) if m.footprint_bytes else "-",
+    rows = [header] + [(m.name, m.source, m.state or "-", human_bytes(m.footprint_bytes) if m.footprint_bytes else "-",
                         format_duration(m.keep_alive_seconds) if m.HasField("keep_alive_seconds") else "default",
                         "yes" if m.pin else "") for m in models]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -64,10 +65,6 @@ def format_catalog(models: list[pb.CatalogModel]) -> str:
         if m.status:
             out.append(f"  {m.status}")
     return "\n".join(out)
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _entry(args) -> pb.CatalogModel:

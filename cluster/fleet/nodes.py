@@ -28,6 +28,7 @@ from typing import Protocol
 
 import grpc
 
+from cluster.config import human_bytes
 from cluster.fleet import FleetError
 from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -282,11 +283,6 @@ class AgentNodes:
 
 
 # -- `orchard nodes list` ----------------------------------------------------------------------
-def human_bytes(n: int) -> str:
-    """A size for people: GiB with one decimal from 1 GiB, else MiB."""
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
 def format_nodes(nodes: list[pb.NodeInfo]) -> str:
     """One row per node: its state, platform, memory (budget, reserved for its workers,
     free of the budget), free disk and how many models it holds and runs; beneath it the

@@ -37,10 +37,10 @@ from typing import Callable
 
 import grpc
 
+from cluster.config import human_bytes
 from cluster.exit_codes import EXIT_PERMANENT
-from cluster.fleet import FleetError
+from cluster.fleet import FleetError, facts
 from cluster.fleet.agent import OLLAMA_PREFIX, worker_argv
-from cluster.fleet.nodes import human_bytes
 from cluster.net import free_ports
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.ray_launcher import NAMESPACE, WORKER_PREFIX, GroupMemberActor, RaySpec, WorkerActor, worker_nodes
@@ -508,7 +508,7 @@ class RayNodes:
         if source.startswith(OLLAMA_PREFIX):
             return source  # the worker imports it from the node's Ollama store
         held = {m.name for m in node.report.models if not m.error}
-        for name in (source, f"{source}.gguf"):
+        for name in facts.model_names(source):
             if source and name in held:
                 return str(Path(self.models_dir) / name)
         raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source!r} is not on node {node_id}: {self.models_dir} "

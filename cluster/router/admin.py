@@ -6,6 +6,7 @@ import sys
 
 import grpc
 
+from cluster.config import human_bytes
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.breaker import CLOSED
@@ -51,13 +52,9 @@ def format_workers(workers: list[pb.WorkerInfo]) -> str:
             g = w.load.group
             out.append(f"  group of {g.size}, {g.parallel} parallel: " + "; ".join(
                 f"rank {m.rank} {m.host or '?'} layers {m.first_layer}-{m.last_layer - 1}, "
-                f"weights {_gib(m.weight_bytes)}, memory {_gib(m.memory_bytes)}"
+                f"weights {human_bytes(m.weight_bytes)}, memory {human_bytes(m.memory_bytes)}"
                 + (f", {m.step_seconds * 1000:.0f} ms a step" if m.step_seconds else "") for m in g.members))
     return "\n".join([lines[0], *out])
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def list_workers(router: str, security: ClientSecurity = NO_SECURITY, timeout: float = 10.0) -> list[pb.WorkerInfo]:
