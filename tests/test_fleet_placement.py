@@ -71,6 +71,13 @@ def test_node_view_from_a_report():
     assert not node_view(pb.NodeInfo(report=report, state="unhealthy")).healthy
 
 
+def test_a_gguf_file_holds_the_source_named_without_its_suffix():
+    """A catalog source NAME is looked up as NAME, then NAME.gguf (`facts.model_names`): a node
+    holding smollm.gguf holds the weights of source "smollm" (placement prefers it)."""
+    report = pb.NodeReport(node_id="mac-1", memory_budget_bytes=8 * G, models=[pb.DiskModel(name="smollm.gguf")])
+    assert {"smollm", "smollm.gguf"} <= node_view(pb.NodeInfo(report=report, state="healthy")).models
+
+
 # -- 1: a node with room ------------------------------------------------------------------------------
 
 def test_a_node_holding_the_weights_is_preferred_to_more_room():

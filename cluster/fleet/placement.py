@@ -89,9 +89,11 @@ def node_view(info: pb.NodeInfo, pending: int = 0) -> NodeView:
     """A node's view from its latest report; `pending`: bytes the controller set aside
     there that its report does not show yet (workers started since)."""
     r = info.report
+    names = [m.name for m in r.models if not m.error]
+    # a source NAME is held as NAME or NAME.gguf (`facts.model_names`)
+    names += [n.removesuffix(".gguf") for n in names if n.endswith(".gguf")]
     return NodeView(r.node_id, r.memory_budget_bytes, r.memory_reserved_bytes + pending, r.memory_available_bytes,
-                    r.platform or "metal", frozenset(m.name for m in r.models if not m.error), r.max_loaded,
-                    info.state == "healthy")
+                    r.platform or "metal", frozenset(names), r.max_loaded, info.state == "healthy")
 
 
 @dataclass(frozen=True)
