@@ -259,7 +259,14 @@ def _nodes_list(parser: argparse.ArgumentParser) -> None:
 def _ray_up(parser: argparse.ArgumentParser) -> None:
     from cluster.ray_launcher import RayAddress, RaySpec, run_up
 
-    _configs(parser, run_up, RaySpec, RayAddress)
+    def up(spec: RaySpec, address: RayAddress) -> int:
+        # a catalog's node side: worker actors placed on the Ray nodes (it builds on
+        # ray_launcher's actors, so the launcher is given it rather than importing it)
+        from cluster.fleet.ray_nodes import RayNodes
+
+        return run_up(spec, address, node_side=RayNodes if spec.fleet.enabled else None)
+
+    _configs(parser, up, RaySpec, RayAddress)
 
 
 def _ray_down(parser: argparse.ArgumentParser) -> None:

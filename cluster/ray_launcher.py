@@ -217,7 +217,9 @@ def end_actor(code: int, what: str) -> NoReturn:
 class RouterActor:
     """`orchard router serve` inside a Ray actor."""
 
-    def __init__(self, spec: RaySpec):
+    def __init__(self, spec: RaySpec, node_side: type | None = None):
+        """`node_side`: under a catalog, the fleet's node side class (`orchard ray up` gives
+        `cluster.fleet.ray_nodes.RayNodes`, which builds on this module's actors)."""
         from cluster.router.server import RouterConfig, RouterServer
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -232,10 +234,10 @@ class RouterActor:
         async def start():
             nodes = None
             if spec.fleet.enabled:  # the fleet's workers: actors on the Ray nodes, registering here
-                from cluster.fleet.ray_nodes import RayNodes
-
-                nodes = RayNodes(spec, lambda: server.grpc_address, spec.models_dir, spec.memory_budget,
-                                 spec.max_loaded)
+                if node_side is None:
+                    raise ValueError("a router with a catalog on Ray needs its node side (RayNodes)")
+                nodes = node_side(spec, lambda: server.grpc_address, spec.models_dir, spec.memory_budget,
+                                  spec.max_loaded)
                 await nodes.refresh()  # the first request finds the nodes
             server = RouterServer(config, nodes)
             await server.start()
@@ -399,10 +401,10 @@ class RayDeployment:
                 log.debug("kill: %s", e)
 
 
-def launch(spec: RaySpec, worker_timeout: float | None = None) -> RayDeployment:
+def launch(spec: RaySpec, worker_timeout: float | None = None, node_side: type | None = None) -> RayDeployment:
     """Start the router on this node and the workers on the resource's nodes (needs
     `ray.init()` first). Returns once the router is up and every worker actor is serving
-    (within `worker_timeout`, default `spec.timeout`)."""
+    (within `worker_timeout`, default `spec.timeout`). `node_side`: a catalog's (`RouterActor`)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -418,7 +420,7 @@ def launch(spec: RaySpec, worker_timeout: float | None = None) -> RayDeployment:
     here = ray.get_runtime_context().get_node_id()
     router = ray.remote(RouterActor).options(
         name=ROUTER_NAME, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False), **common,
-    ).remote(spec)
+    ).remote(spec, node_side)
     router_addresses = ray.get(router.addresses.remote(), timeout=120)
     if spec.fleet.enabled:  # the router starts the workers as requests name models
         return RayDeployment(spec, router, router_addresses, {})
@@ -541,7 +543,7 @@ def _absolute_paths(spec: RaySpec) -> RaySpec:
     return replace(spec, model=os.path.abspath(spec.model))
 
 
-def run_up(spec: RaySpec, ray_address: RayAddress) -> int:
+def run_up(spec: RaySpec, ray_address: RayAddress, node_side: type | None = None) -> int:
     if not spec.join_token and not spec.insecure:
         print("orchard ray up: no join token: anyone on the network could register a worker and receive prompts. "
               "Set $ORCHARD_JOIN_TOKEN (e.g. `export ORCHARD_JOIN_TOKEN=$(openssl rand -hex 16)`), or pass "
@@ -562,7 +564,7 @@ def run_up(spec: RaySpec, ray_address: RayAddress) -> int:
         return 1
     spec = _absolute_paths(spec)
     try:
-        dep = launch(spec)
+        dep = launch(spec, node_side=node_side)
         dep.wait_ready()
     except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:
         print(f"orchard ray up: {e}", flush=True)
