@@ -127,8 +127,10 @@ def test_orchard_supervise_stops_on_a_permanent_failure(tmp_path):
 
 
 @pytest.mark.parametrize("path", PLISTS, ids=lambda p: p.name)
-def test_command_line_is_one_orchard_accepts(path):
+def test_command_line_is_one_orchard_accepts(path, monkeypatch):
     p = _fill(path)
+    for name, value in p.get("EnvironmentVariables", {}).items():  # what launchd gives it (the join token)
+        monkeypatch.setenv(name, value)
     args = build_parser().parse_args(_command(p))
     if "router" in path.name:
         assert args.command == "router" and args.router_command == "serve"
