@@ -143,6 +143,17 @@ def test_start_refuses_with_the_reason_before_starting_anything(ray_node, loop, 
     assert stopped.value.code == grpc.StatusCode.NOT_FOUND
 
 
+async def _start_router():
+    """A router on a free port that the tests' Ray workers register with."""
+    from cluster.router.config import RouterConfig
+    from cluster.router.server import RouterServer
+
+    server = RouterServer(RouterConfig(grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
+                                       metrics_address=None, join_token=TOKEN, heartbeat_interval=0.5))
+    await server.start()
+    return server
+
+
 def _until(what: str, check, timeout: float = 240.0, every: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -166,17 +177,9 @@ def test_a_started_worker_serves_is_restarted_by_ray_and_stops_drained(ray_node,
     router's) finds it; killed, Ray restarts it and
     it registers again (same id, same port); stop with a stream in flight -> the stream finishes, then the actor
     is gone for good and its memory is free again."""
-    from cluster.router.config import RouterConfig
-    from cluster.router.server import RouterServer
     from cluster.sdk import Client
 
-    async def start_router():
-        server = RouterServer(RouterConfig(grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
-                                           metrics_address=None, join_token=TOKEN, heartbeat_interval=0.5))
-        await server.start()
-        return server
-
-    router = loop.run(start_router(), timeout=60)
+    router = loop.run(_start_router(), timeout=60)
     nodes = _nodes(tiny_model_dir.parent, router=router.grpc_address)
     try:
         loop.run(nodes.refresh(), timeout=120)
@@ -330,17 +333,9 @@ def test_a_group_started_rank_by_rank_serves_and_stops(ray_node, loop, tiny_mode
     (a member actor) and rank 0 (a worker actor) started with the ring's hosts; the router
     sees one worker of group size 2 that serves; stopping rank 0 (drained) and the member
     ends both actors."""
-    from cluster.router.config import RouterConfig
-    from cluster.router.server import RouterServer
     from cluster.sdk import Client
 
-    async def start_router():
-        server = RouterServer(RouterConfig(grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
-                                           metrics_address=None, join_token=TOKEN, heartbeat_interval=0.5))
-        await server.start()
-        return server
-
-    router = loop.run(start_router(), timeout=60)
+    router = loop.run(_start_router(), timeout=60)
     nodes = _nodes(tiny_model_dir.parent, router=router.grpc_address)
     try:
         loop.run(nodes.refresh(), timeout=120)
