@@ -20,6 +20,17 @@ from cluster import platform
 platform.preload_blas()  # before any test imports MLX (cluster/platform.py)
 
 
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """`predicate()`'s first truthy value, polled until `timeout`; TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not within {timeout} s")
+
+
 def run(coro, timeout: float = 180):
     """`coro` run to its end on a new event loop; a hang fails the test after `timeout` s
     instead of stalling the run."""

@@ -26,6 +26,7 @@ from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.net import CHANNEL_OPTIONS
 from cluster.security import channel as secure_channel
 from cluster.up import LocalCluster, free_port
+from tests.conftest import wait_for
 from conftest import run
 from strike import Striker, until_one_moves
 
@@ -97,16 +98,6 @@ def list_workers(c: LocalCluster) -> dict[str, pb.WorkerInfo]:
     with secure_channel(c.router_address, c.client_security(admin=True), aio=False) as ch:
         resp = pb_grpc.RouterStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5)
     return {w.worker_id: w for w in resp.workers}
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"{what} not within {timeout} s")
 
 
 def scrape(address: str) -> str:
