@@ -26,8 +26,7 @@ from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.net import CHANNEL_OPTIONS
 from cluster.security import channel as secure_channel
 from cluster.up import LocalCluster, free_port
-from tests.conftest import wait_for
-from conftest import run
+from conftest import run, wait_for
 from strike import Striker, until_one_moves
 
 HEARTBEAT = 0.2
