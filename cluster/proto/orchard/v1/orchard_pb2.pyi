@@ -573,7 +573,7 @@ class DrainWorkerResponse(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class DiskModel(_message.Message):
-    __slots__ = ("name", "file_bytes", "weight_bytes", "kv_bytes_per_token", "num_layers", "max_context", "tasks", "error", "state_bytes_per_seq")
+    __slots__ = ("name", "file_bytes", "weight_bytes", "kv_bytes_per_token", "num_layers", "max_context", "tasks", "error", "state_bytes_per_seq", "fetched", "last_used_seconds_ago")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -583,6 +583,8 @@ class DiskModel(_message.Message):
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_PER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
     name: str
     file_bytes: int
     weight_bytes: int
@@ -592,7 +594,9 @@ class DiskModel(_message.Message):
     tasks: _containers.RepeatedScalarFieldContainer[str]
     error: str
     state_bytes_per_seq: int
-    def __init__(self, name: _Optional[str] = ..., file_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., state_bytes_per_seq: _Optional[int] = ...) -> None: ...
+    fetched: bool
+    last_used_seconds_ago: float
+    def __init__(self, name: _Optional[str] = ..., file_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., state_bytes_per_seq: _Optional[int] = ..., fetched: _Optional[bool] = ..., last_used_seconds_ago: _Optional[float] = ...) -> None: ...
 
 class ManagedWorker(_message.Message):
     __slots__ = ("worker_id", "model", "state", "reserved_bytes", "group_size", "group_rank", "exit_code", "reason", "progress", "address", "restarts")
@@ -621,7 +625,7 @@ class ManagedWorker(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., state: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., group_size: _Optional[int] = ..., group_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., progress: _Optional[float] = ..., address: _Optional[str] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class NodeReport(_message.Message):
-    __slots__ = ("node_id", "address", "advertise_host", "memory_budget_bytes", "memory_reserved_bytes", "memory_available_bytes", "disk_free_bytes", "models", "workers", "platform", "max_loaded", "instance_id")
+    __slots__ = ("node_id", "address", "advertise_host", "memory_budget_bytes", "memory_reserved_bytes", "memory_available_bytes", "disk_free_bytes", "models", "workers", "platform", "max_loaded", "instance_id", "transfers", "disk_budget_bytes", "disk_used_bytes", "transfer_totals")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ADVERTISE_HOST_FIELD_NUMBER: _ClassVar[int]
@@ -634,6 +638,10 @@ class NodeReport(_message.Message):
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     MAX_LOADED_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOTALS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     advertise_host: str
@@ -646,7 +654,38 @@ class NodeReport(_message.Message):
     platform: str
     max_loaded: int
     instance_id: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., advertise_host: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., models: _Optional[_Iterable[_Union[DiskModel, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[ManagedWorker, _Mapping]]] = ..., platform: _Optional[str] = ..., max_loaded: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    transfers: _containers.RepeatedCompositeFieldContainer[Transfer]
+    disk_budget_bytes: int
+    disk_used_bytes: int
+    transfer_totals: _containers.RepeatedCompositeFieldContainer[TransferTotal]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., advertise_host: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., models: _Optional[_Iterable[_Union[DiskModel, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[ManagedWorker, _Mapping]]] = ..., platform: _Optional[str] = ..., max_loaded: _Optional[int] = ..., instance_id: _Optional[str] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., disk_budget_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., transfer_totals: _Optional[_Iterable[_Union[TransferTotal, _Mapping]]] = ...) -> None: ...
+
+class Transfer(_message.Message):
+    __slots__ = ("source", "bytes_done", "bytes_total", "seconds")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    bytes_done: int
+    bytes_total: int
+    seconds: float
+    def __init__(self, source: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., seconds: _Optional[float] = ..., **kwargs) -> None: ...
+
+class TransferTotal(_message.Message):
+    __slots__ = ("kind", "bytes", "seconds", "fetches", "failures")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    bytes: int
+    seconds: float
+    fetches: int
+    failures: int
+    def __init__(self, kind: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., fetches: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("join_token", "report")
@@ -699,7 +738,7 @@ class ListNodesResponse(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
 
 class CatalogModel(_message.Message):
-    __slots__ = ("name", "source", "pin", "keep_alive_seconds", "max_nodes", "context", "engine_args", "replace", "state", "status", "placements", "footprint_bytes", "measured_bytes", "idle_seconds")
+    __slots__ = ("name", "source", "pin", "keep_alive_seconds", "max_nodes", "context", "engine_args", "replace", "state", "status", "placements", "footprint_bytes", "measured_bytes", "idle_seconds", "min_replicas", "max_replicas", "replicas", "fetch_progress")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
@@ -714,6 +753,10 @@ class CatalogModel(_message.Message):
     FOOTPRINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEASURED_BYTES_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
     pin: bool
@@ -728,7 +771,11 @@ class CatalogModel(_message.Message):
     footprint_bytes: int
     measured_bytes: int
     idle_seconds: float
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., pin: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., max_nodes: _Optional[int] = ..., context: _Optional[int] = ..., engine_args: _Optional[_Iterable[str]] = ..., replace: _Optional[bool] = ..., state: _Optional[str] = ..., status: _Optional[str] = ..., placements: _Optional[_Iterable[_Union[ModelPlacement, _Mapping]]] = ..., footprint_bytes: _Optional[int] = ..., measured_bytes: _Optional[int] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
+    min_replicas: int
+    max_replicas: int
+    replicas: int
+    fetch_progress: float
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., pin: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., max_nodes: _Optional[int] = ..., context: _Optional[int] = ..., engine_args: _Optional[_Iterable[str]] = ..., replace: _Optional[bool] = ..., state: _Optional[str] = ..., status: _Optional[str] = ..., placements: _Optional[_Iterable[_Union[ModelPlacement, _Mapping]]] = ..., footprint_bytes: _Optional[int] = ..., measured_bytes: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., replicas: _Optional[int] = ..., fetch_progress: _Optional[float] = ...) -> None: ...
 
 class ModelPlacement(_message.Message):
     __slots__ = ("node_id", "worker_id", "state", "group_rank", "group_size", "reserved_bytes", "progress")
@@ -779,6 +826,95 @@ class UnloadModelRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class FetchModelRequest(_message.Message):
+    __slots__ = ("source", "peers", "first_layer", "last_layer", "protect")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    PROTECT_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    peers: _containers.RepeatedCompositeFieldContainer[NodePeer]
+    first_layer: int
+    last_layer: int
+    protect: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, source: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[NodePeer, _Mapping]]] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., protect: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class NodePeer(_message.Message):
+    __slots__ = ("node_id", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class FetchProgress(_message.Message):
+    __slots__ = ("bytes_done", "bytes_total", "done", "path", "deleted")
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    bytes_done: int
+    bytes_total: int
+    done: bool
+    path: str
+    deleted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., path: _Optional[str] = ..., deleted: _Optional[_Iterable[str]] = ..., **kwargs) -> None: ...
+
+class DescribeModelRequest(_message.Message):
+    __slots__ = ("source",)
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    def __init__(self, source: _Optional[str] = ...) -> None: ...
+
+class ListModelFilesRequest(_message.Message):
+    __slots__ = ("source", "first_layer", "last_layer")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    first_layer: int
+    last_layer: int
+    def __init__(self, source: _Optional[str] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ...) -> None: ...
+
+class ModelFile(_message.Message):
+    __slots__ = ("path", "size", "sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    sha256: str
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class ModelFiles(_message.Message):
+    __slots__ = ("source", "revision", "files")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    revision: str
+    files: _containers.RepeatedCompositeFieldContainer[ModelFile]
+    def __init__(self, source: _Optional[str] = ..., revision: _Optional[str] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ...) -> None: ...
+
+class ReadModelFileRequest(_message.Message):
+    __slots__ = ("source", "path", "offset")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    path: str
+    offset: int
+    def __init__(self, source: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class ReservePortsRequest(_message.Message):
     __slots__ = ("count",)

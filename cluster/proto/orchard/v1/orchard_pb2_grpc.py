@@ -1135,6 +1135,26 @@ class NodeStub:
                 request_serializer=orchard_dot_v1_dot_orchard__pb2.GetNodeReportRequest.SerializeToString,
                 response_deserializer=orchard_dot_v1_dot_orchard__pb2.NodeReport.FromString,
                 _registered_method=True)
+        self.FetchModel = channel.unary_stream(
+                '/orchard.v1.Node/FetchModel',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.FetchModelRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.FetchProgress.FromString,
+                _registered_method=True)
+        self.DescribeModel = channel.unary_unary(
+                '/orchard.v1.Node/DescribeModel',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.DescribeModelRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.DiskModel.FromString,
+                _registered_method=True)
+        self.ListModelFiles = channel.unary_unary(
+                '/orchard.v1.Node/ListModelFiles',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.ListModelFilesRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.ModelFiles.FromString,
+                _registered_method=True)
+        self.ReadModelFile = channel.unary_stream(
+                '/orchard.v1.Node/ReadModelFile',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.ReadModelFileRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.FileChunk.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -1173,6 +1193,37 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchModel(self, request, context):
+        """Bring a model's files onto this node: copied from the first peer that holds them
+        (checksummed, resumable), else pulled from the hub (hf: sources); deletes the least
+        recently used fetched models not protected when the disk budget needs room. Streams
+        progress; the last message has done set. NOT_FOUND: no peer and no hub has it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeModel(self, request, context):
+        """The facts of a model not on this node, from its metadata alone (the hub's config and
+        safetensors headers): what placement needs before the files are fetched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModelFiles(self, request, context):
+        """Peers copy from each other through these (same join token / mutual TLS as the rest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadModelFile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1195,6 +1246,26 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.GetNodeReport,
                     request_deserializer=orchard_dot_v1_dot_orchard__pb2.GetNodeReportRequest.FromString,
                     response_serializer=orchard_dot_v1_dot_orchard__pb2.NodeReport.SerializeToString,
+            ),
+            'FetchModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchModel,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.FetchModelRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.FetchProgress.SerializeToString,
+            ),
+            'DescribeModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeModel,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.DescribeModelRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.DiskModel.SerializeToString,
+            ),
+            'ListModelFiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModelFiles,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.ListModelFilesRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.ModelFiles.SerializeToString,
+            ),
+            'ReadModelFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadModelFile,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.ReadModelFileRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.FileChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1309,6 +1380,114 @@ class Node:
             '/orchard.v1.Node/GetNodeReport',
             orchard_dot_v1_dot_orchard__pb2.GetNodeReportRequest.SerializeToString,
             orchard_dot_v1_dot_orchard__pb2.NodeReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/orchard.v1.Node/FetchModel',
+            orchard_dot_v1_dot_orchard__pb2.FetchModelRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.FetchProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Node/DescribeModel',
+            orchard_dot_v1_dot_orchard__pb2.DescribeModelRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.DiskModel.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModelFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Node/ListModelFiles',
+            orchard_dot_v1_dot_orchard__pb2.ListModelFilesRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.ModelFiles.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadModelFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/orchard.v1.Node/ReadModelFile',
+            orchard_dot_v1_dot_orchard__pb2.ReadModelFileRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,
