@@ -881,14 +881,16 @@ class ListModelFilesRequest(_message.Message):
     def __init__(self, source: _Optional[str] = ..., first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ...) -> None: ...
 
 class ModelFile(_message.Message):
-    __slots__ = ("path", "size", "sha256")
+    __slots__ = ("path", "size", "sha256", "blob")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    BLOB_FIELD_NUMBER: _ClassVar[int]
     path: str
     size: int
     sha256: str
-    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    blob: str
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., blob: _Optional[str] = ...) -> None: ...
 
 class ModelFiles(_message.Message):
     __slots__ = ("source", "revision", "files")
