@@ -260,6 +260,59 @@ def test_a_newer_schema_is_refused(path):
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "schema 99" in e.value.message
 
 
+# The entries table as issue 40's Orchard (schema 1) wrote it.
+SCHEMA_1_ENTRIES = """CREATE TABLE entries (name TEXT PRIMARY KEY, source TEXT NOT NULL,
+    pin INTEGER NOT NULL DEFAULT 0, keep_alive REAL, max_nodes INTEGER NOT NULL DEFAULT 0,
+    context INTEGER NOT NULL DEFAULT 0, engine_args TEXT NOT NULL DEFAULT '[]', added_at REAL NOT NULL,
+    last_used REAL)"""
+
+
+def test_a_schema_1_file_gets_the_replica_columns_and_keeps_its_entries(path):
+    db = sqlite3.connect(path)
+    db.execute(SCHEMA_1_ENTRIES)
+    db.execute("INSERT INTO entries VALUES ('chat', 'qwen3-8b', 1, 300.0, 2, 8192, '[\"--max-num-seqs\", \"8\"]', "
+               "1000.0, 1500.0)")
+    db.execute("PRAGMA user_version = 1")
+    db.commit()
+    db.close()
+    c = Catalog(path)
+    chat = c.require("chat")
+    assert (chat.source, chat.pin, chat.keep_alive_seconds, chat.max_nodes, chat.context, list(chat.engine_args),
+            chat.min_replicas, chat.max_replicas) == ("qwen3-8b", True, 300.0, 2, 8192, ["--max-num-seqs", "8"], 0, 0)
+    assert c.last_used("chat") == 1500.0
+    c.add(entry("chat", source="qwen3-8b", min_replicas=2, max_replicas=4), replace=True)
+    c.close()
+    again = Catalog(path)  # opened twice: migrated once
+    assert (again.require("chat").min_replicas, again.require("chat").max_replicas) == (2, 4)
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+    db.close()
+
+
+def test_replicas_are_stored(path):
+    c = Catalog(path)
+    c.add(entry("chat", source="qwen3-8b", min_replicas=1, max_replicas=3))
+    c.add(entry("solo", source="qwen3-8b"))
+    assert [(e.name, e.min_replicas, e.max_replicas) for e in c.entries()] == [("chat", 1, 3), ("solo", 0, 0)]
+
+
+@pytest.mark.parametrize("low, high, message", [
+    (65, 0, "min_replicas: 65, not in 0..64"),
+    (0, 65, "max_replicas: 65, not in 0..64"),
+    (3, 2, "max_replicas: 2, less than min_replicas 3"),
+])
+def test_bad_replicas_name_the_field_the_limit_and_the_value(path, low, high, message):
+    with pytest.raises(CatalogError) as e:
+        Catalog(path).add(entry("chat", source="qwen3-8b", min_replicas=low, max_replicas=high))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.message
+
+
+def test_replicas_within_the_limits_are_taken():
+    for low, high in ((0, 0), (2, 0), (0, 64), (64, 64), (1, 1)):
+        checked = validate(entry("chat", source="m", min_replicas=low, max_replicas=high))
+        assert (checked.min_replicas, checked.max_replicas) == (low, high)
+
+
 def test_a_lock_held_past_the_busy_timeout_is_unavailable(path):
     c = Catalog(path, busy_timeout=0.1)
     other = sqlite3.connect(path, isolation_level=None)

@@ -504,12 +504,29 @@ def test_a_router_with_a_catalog_serves_the_fleet_over_grpc_and_http(tmp_path, c
     run(main())
 
 
+def test_orchard_models_list_shows_replicas_and_their_bounds():
+    from cluster.fleet.models_cli import format_catalog
+
+    table = format_catalog([pb.CatalogModel(name="hot", source="s", state="serving", replicas=2, min_replicas=1,
+                                            max_replicas=3),
+                            pb.CatalogModel(name="warm", source="s", state="serving", replicas=1, max_replicas=2),
+                            pb.CatalogModel(name="cold", source="s", state="on disk")])
+    header, hot, warm, cold = table.splitlines()
+    column = header.index("REPLICAS")
+    assert hot[column:].startswith("2 (1-3)") and warm[column:].startswith("1 (1-2)")
+    assert cold[column:].startswith("-")
+
+
 def test_orchard_models_refuses_bad_flags_in_one_line(capsys):
     from cluster.cli import main
 
     for argv, words in ((["models", "add", "m", "--keep-alive", "soon"], "--keep-alive"),
                         (["models", "add", "m", "--context", "-5"], "--context must be >= 0"),
-                        (["models", "add", "m", "--engine-arg", "'unclosed"], "--engine-arg")):
+                        (["models", "add", "m", "--engine-arg", "'unclosed"], "--engine-arg"),
+                        (["models", "add", "m", "--min-replicas", "-1"], "--min-replicas: -1, not in 0..64"),
+                        (["models", "add", "m", "--max-replicas", "65"], "--max-replicas: 65, not in 0..64"),
+                        (["models", "add", "m", "--min-replicas", "3", "--max-replicas", "2"],
+                         "--max-replicas: 2, less than --min-replicas 3")):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -3,7 +3,8 @@ that make a load single-flight across routers.
 
 One SQLite file (stdlib `sqlite3`) holds three tables:
 - `entries`: a `pb.CatalogModel`'s configuration per model (name, source, pin,
-  keep-alive, max nodes, context, engine args) and when it was last used;
+  keep-alive, max nodes, context, engine args, min and max replicas) and when it was last
+  used;
 - `placements`: each worker the fleet started for a model (node, worker id, group rank
   and size, bytes reserved, state, when started, which router placed it), so a router
   that starts again finds what it had placed;
@@ -23,6 +24,9 @@ A `Catalog` opens one connection per thread (and per process, after a fork). Tim
 wall-clock seconds (`time.time()`), the same in every process. Bad entries are refused
 before anything is written, with a `CatalogError` naming the field, the limit and the
 value.
+
+Schema versions (`PRAGMA user_version`): 2 added `entries.min_replicas` / `max_replicas`; a
+file of version 1 gets the columns (0: one replica) when it is opened, its entries kept.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from cluster.api.limits import quoted
 from cluster.fleet import FleetError
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 BUSY_TIMEOUT_SECONDS = 30.0  # a writer waits this long for the other router's transaction
 
 MAX_NAME_CHARS = 128
@@ -53,6 +57,7 @@ MAX_SOURCE_CHARS = 255  # a file name on macOS and Linux
 MAX_KEEP_ALIVE_SECONDS = 365 * 86400.0
 MIN_CONTEXT, MAX_CONTEXT = 16, 1 << 24
 MAX_NODES = 64
+MAX_REPLICAS = 64
 MAX_ENGINE_ARGS, MAX_ENGINE_ARG_CHARS = 64, 1024
 SHOWN_NAMES = 20  # catalog names listed in a NOT_FOUND message
 
@@ -259,10 +264,25 @@ def validate(entry: pb.CatalogModel) -> pb.CatalogModel:
                        "(0: the model's own)")
     if entry.max_nodes > MAX_NODES:
         raise _invalid(f"max_nodes: {entry.max_nodes}, at most {MAX_NODES} (0: any; 1: never a group)")
+    check_replicas(entry.min_replicas, entry.max_replicas)
     return pb.CatalogModel(name=name, source=source, pin=entry.pin,
                            keep_alive_seconds=None if keep_alive is None else -1.0 if keep_alive < 0 else keep_alive,
                            max_nodes=entry.max_nodes, context=entry.context,
-                           engine_args=check_engine_args(list(entry.engine_args)))
+                           engine_args=check_engine_args(list(entry.engine_args)),
+                           min_replicas=entry.min_replicas, max_replicas=entry.max_replicas)
+
+
+def check_replicas(min_replicas: int, max_replicas: int, names: tuple[str, str] = ("min_replicas", "max_replicas")
+                   ) -> None:
+    """0 <= min <= max <= MAX_REPLICAS, max 0 standing for min (or 1); INVALID_ARGUMENT naming
+    the field (`names`: how the caller spells them), the limit and the value."""
+    low, high = names
+    for field, value in ((low, min_replicas), (high, max_replicas)):
+        if not 0 <= value <= MAX_REPLICAS:
+            raise _invalid(f"{field}: {value}, not in 0..{MAX_REPLICAS} (replicas of the model, each a worker "
+                           "or a group; 0: one)")
+    if max_replicas and max_replicas < min_replicas:
+        raise _invalid(f"{high}: {max_replicas}, less than {low} {min_replicas} (0: {low}, or 1)")
 
 
 # -- the file -------------------------------------------------------------------------------------
@@ -302,7 +322,9 @@ CREATE TABLE IF NOT EXISTS entries (
     context INTEGER NOT NULL DEFAULT 0,
     engine_args TEXT NOT NULL DEFAULT '[]',
     added_at REAL NOT NULL,
-    last_used REAL
+    last_used REAL,
+    min_replicas INTEGER NOT NULL DEFAULT 0,
+    max_replicas INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS placements (
     worker_id TEXT PRIMARY KEY,
@@ -324,13 +346,24 @@ CREATE TABLE IF NOT EXISTS loads (
 );
 """
 
-_ENTRY_COLUMNS = "name, source, pin, keep_alive, max_nodes, context, engine_args"
+_ENTRY_COLUMNS = "name, source, pin, keep_alive, max_nodes, context, engine_args, min_replicas, max_replicas"
+# columns later schema versions added to `entries`, and their definitions (the migration adds them)
+_ADDED_COLUMNS = {"min_replicas": "INTEGER NOT NULL DEFAULT 0", "max_replicas": "INTEGER NOT NULL DEFAULT 0"}
 
 
 def _entry(row) -> pb.CatalogModel:
-    name, source, pin, keep_alive, max_nodes, context, engine_args = row
+    name, source, pin, keep_alive, max_nodes, context, engine_args, min_replicas, max_replicas = row
     return pb.CatalogModel(name=name, source=source, pin=bool(pin), keep_alive_seconds=keep_alive,
-                           max_nodes=max_nodes, context=context, engine_args=json.loads(engine_args))
+                           max_nodes=max_nodes, context=context, engine_args=json.loads(engine_args),
+                           min_replicas=min_replicas, max_replicas=max_replicas)
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """Bring an older file's tables up to this schema (their rows kept)."""
+    have = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
+    for column, definition in _ADDED_COLUMNS.items():
+        if column not in have:
+            db.execute(f"ALTER TABLE entries ADD COLUMN {column} {definition}")
 
 
 class Catalog:
@@ -352,6 +385,7 @@ class Catalog:
             for statement in _SCHEMA.split(";"):  # not executescript: it commits first
                 if statement.strip():
                     db.execute(statement)
+            _migrate(db)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     # -- connections and transactions --
@@ -412,13 +446,14 @@ class Catalog:
                                    "add it with --replace to change it")
             keep_alive = entry.keep_alive_seconds if entry.HasField("keep_alive_seconds") else None
             values = (entry.name, entry.source, int(entry.pin), keep_alive, entry.max_nodes,
-                      entry.context, json.dumps(list(entry.engine_args)))
+                      entry.context, json.dumps(list(entry.engine_args)), entry.min_replicas, entry.max_replicas)
             if old is None:
-                db.execute(f"INSERT INTO entries ({_ENTRY_COLUMNS}, added_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                db.execute(f"INSERT INTO entries ({_ENTRY_COLUMNS}, added_at) VALUES ({', '.join('?' * 10)})",
                            (*values, self.clock()))
             else:
                 db.execute("UPDATE entries SET source = ?, pin = ?, keep_alive = ?, max_nodes = ?, context = ?, "
-                           "engine_args = ? WHERE name = ?", (*values[1:], entry.name))
+                           "engine_args = ?, min_replicas = ?, max_replicas = ? WHERE name = ?",
+                           (*values[1:], entry.name))
         return entry
 
     def remove(self, name: str) -> None:

@@ -39,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                                  "after each request; -1: never; default: the router's --default-keep-alive)")
         parser.add_argument("--max-nodes", type=int, default=0, metavar="N",
                             help="a pipeline group over at most N nodes (0: any; 1: never a group)")
+        parser.add_argument("--min-replicas", type=int, default=0, metavar="N",
+                            help="replicas (each a worker or a group) placed when it loads and kept while it is "
+                                 "loaded (0: one; scale to zero is its keep-alive)")
+        parser.add_argument("--max-replicas", type=int, default=0, metavar="N",
+                            help="replicas it may grow to when its requests wait for their first token longer "
+                                 "than the router's --scale-up-wait (0: --min-replicas, or 1)")
         parser.add_argument("--context", type=int, default=0, metavar="TOKENS",
                             help="its workers' --max-model-len (0: the model's, capped by the router's "
                                  "--fleet-context)")
@@ -49,12 +55,22 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     add_client_flags(parser, admin=True)
 
 
+def replicas(m: pb.CatalogModel) -> str:
+    """An entry's replicas now, and their bounds when it has some: "2 (1-3)"."""
+    now = str(m.replicas) if m.replicas else "-"
+    if not (m.min_replicas or m.max_replicas):
+        return now
+    floor = max(m.min_replicas, 1)
+    return f"{now} ({floor}-{max(m.max_replicas, floor) if m.max_replicas else floor})"
+
+
 def format_catalog(models: list[pb.CatalogModel]) -> str:
-    """One row per entry: name, source, state, where, footprint, keep-alive, pin."""
+    """One row per entry: name, source, state, footprint, replicas, keep-alive, pin."""
     from cluster.fleet.catalog import format_duration
 
-    header = ("NAME", "SOURCE", "STATE", "FOOTPRINT", "KEEP-ALIVE", "PIN")
+    header = ("NAME", "SOURCE", "STATE", "FOOTPRINT", "REPLICAS", "KEEP-ALIVE", "PIN")
     rows = [header] + [(m.name, m.source, m.state or "-", human_bytes(m.footprint_bytes) if m.footprint_bytes else "-",
+                        replicas(m),
                         format_duration(m.keep_alive_seconds) if m.HasField("keep_alive_seconds") else "default",
                         "yes" if m.pin else "") for m in models]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -69,13 +85,15 @@ def format_catalog(models: list[pb.CatalogModel]) -> str:
 
 def _entry(args) -> pb.CatalogModel:
     """The entry `orchard models add` asks for; FleetError naming a bad flag."""
-    from cluster.fleet.catalog import parse_duration
+    from cluster.fleet.catalog import check_replicas, parse_duration
 
-    entry = pb.CatalogModel(name=args.name, source=args.source, pin=args.pin, max_nodes=max(0, args.max_nodes),
-                            context=max(0, args.context), replace=args.replace)
     for flag, value in (("--max-nodes", args.max_nodes), ("--context", args.context)):
         if value < 0:
             raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, f"{flag} must be >= 0, got {value}")
+    check_replicas(args.min_replicas, args.max_replicas, ("--min-replicas", "--max-replicas"))
+    entry = pb.CatalogModel(name=args.name, source=args.source, pin=args.pin, max_nodes=args.max_nodes,
+                            context=args.context, replace=args.replace, min_replicas=args.min_replicas,
+                            max_replicas=args.max_replicas)
     if args.keep_alive is not None:
         entry.keep_alive_seconds = parse_duration(args.keep_alive, "--keep-alive")
     try:
