@@ -9,15 +9,22 @@ group member is "running"; a worker (a group's rank 0) registers with every rout
 no router has requests in flight on the worker, then removes it. With `stale`, as real
 nodes do, a stopped worker stays in the routers' registries (until it misses heartbeats)
 and in its node's report (until `heartbeat()`, its next one).
+
+`fetch` copies a model's `DiskModel` from the first peer whose report lists it, else from
+`hub` (models "on the hub" by canonical name), into the node's report (`fetched`), after
+`fetch_steps` progress callbacks; `fetch_gate`, when set, holds a fetch at its first
+progress until the test sets it. `describe` answers from the node's disk, else `hub`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 
 from cluster.fleet import FleetError
+from cluster.fleet.controller import source_name
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router.registry import Registry
 from cluster.up import free_port
@@ -48,6 +55,11 @@ class FakeNodes:
         self.stopped: list[str] = []
         self.served: dict[str, FakeWorker] = {}
         self.exit_on_start: str | None = None  # a worker started exits at once with this reason
+        self.hub: dict[str, pb.DiskModel] = {}  # canonical hf: name -> its facts (`describe`, `fetch`)
+        self.fetches: list[tuple[str, pb.FetchModelRequest, str]] = []  # (node, request, from)
+        self.described: list[tuple[str, str]] = []  # (node, source)
+        self.fetch_steps = 4
+        self.fetch_gate: asyncio.Event | None = None
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
 
@@ -78,13 +90,47 @@ class FakeNodes:
     async def reserve_ports(self, node_id: str, count: int) -> list[int]:
         return [free_port() for _ in range(count)]
 
+    async def describe(self, node_id: str, source: str) -> pb.DiskModel:
+        self.described.append((node_id, source))
+        name = source_name(source)
+        held = next((m for m in self.reports[node_id].models if m.name == name), None) or self.hub.get(name)
+        if held is None:
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"{source} is neither on node {node_id} nor on the hub")
+        return held
+
+    async def fetch(self, node_id: str, request: pb.FetchModelRequest,
+                    progress: Callable[[pb.FetchProgress], None]) -> pb.FetchProgress:
+        report = self.reports[node_id]
+        name = source_name(request.source)
+        if any(m.name == name for m in report.models):
+            return pb.FetchProgress(**{"from": "disk"}, done=True)
+        peer = next((p.node_id for p in request.peers
+                     if any(m.name == name for m in self.reports[p.node_id].models)), None)
+        model = next(m for m in self.reports[peer].models if m.name == name) if peer else self.hub.get(name)
+        if model is None:
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"{request.source}: no peer holds it and it is not on the hub")
+        origin = peer or "hub"
+        self.fetches.append((node_id, request, origin))
+        for step in range(self.fetch_steps):
+            progress(pb.FetchProgress(**{"from": origin}, bytes_done=model.file_bytes * step // self.fetch_steps,
+                                      bytes_total=model.file_bytes))
+            if step == 0 and self.fetch_gate is not None:
+                await self.fetch_gate.wait()
+            await asyncio.sleep(0.01)
+        fetched = report.models.add()
+        fetched.CopyFrom(model)
+        fetched.fetched = True
+        self._notify()
+        return pb.FetchProgress(**{"from": origin}, bytes_done=model.file_bytes, bytes_total=model.file_bytes,
+                                done=True)
+
     async def start(self, node_id: str, spec: pb.WorkerSpec) -> pb.ManagedWorker:
         report = self.reports.get(node_id)
         if report is None:
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"no node {node_id!r}")
         if "/" in spec.worker_id or spec.worker_id.startswith(".") or len(spec.worker_id) > 200:  # as the agent
             raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, f"spec.worker_id {spec.worker_id!r} is no file name")
-        if not any(m.name == spec.source for m in report.models):
+        if not any(m.name == source_name(spec.source) for m in report.models):
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"{spec.source} is not on node {node_id}")
         loaded = {w.model for w in report.workers if w.state != "exited"}
         if report.max_loaded and spec.model not in loaded and len(loaded) >= report.max_loaded:  # as the agent

@@ -1096,3 +1096,131 @@ def test_a_crash_looping_worker_placed_already_fails_its_load_with_its_reason_an
         await r.nodes.close()
 
     run(main())
+
+
+# -- placing where the files are not: pulled from the hub, copied from a peer ----------------------------
+
+@pytest.fixture
+def hf_sources(monkeypatch):
+    """The catalog takes hf: sources (hub.py's check, until it is on this branch)."""
+    from cluster.fleet import catalog
+
+    check = catalog.check_source
+    monkeypatch.setattr(catalog, "check_source", lambda s: s if s.startswith("hf:") else check(s))
+
+
+def hub_fleet(tmp_path, budgets=(5.0, 5.0), **kw) -> Router:
+    """Nodes holding nothing, and "org/chat" (3 GiB) on the fake hub."""
+    r = Router(tmp_path, **kw)
+    for i, budget in enumerate(budgets):
+        r.nodes.add_node(f"mac-{i + 1}", budget, [])
+    r.nodes.hub["hf:org/chat@main"] = disk_model("hf:org/chat@main", 3.0)
+    r.add("chat", source="hf:org/chat", keep_alive_seconds=300)
+    return r
+
+
+def test_a_model_on_no_node_is_pulled_from_the_hub_with_its_progress_shown_then_started(tmp_path, hf_sources):
+    async def main():
+        r = hub_fleet(tmp_path)
+        assert r.controller.describe("chat").state == "not on disk"
+        assert "pulled from the hub when it loads" in r.controller.describe("chat").status
+        r.nodes.fetch_gate = asyncio.Event()
+        loading = asyncio.ensure_future(r.controller.load("chat"))
+        await wait_for(lambda: r.nodes.fetches, "the fetch")
+        node, request, origin = r.nodes.fetches[0]
+        assert origin == "hub" and list(request.peers) == [] and request.source == "hf:org/chat"
+        assert "hf:org/chat@main" in request.protect
+        assert r.nodes.described and r.nodes.started == []  # described (footprint) before, started after
+        described = r.controller.describe("chat")
+        assert described.state == "pulling" and described.status == f"pulling to {node} from the hub 0%"
+        [info] = r.controller.model_infos()
+        assert (info.state, info.status) == ("pulling", described.status)
+        r.nodes.fetch_gate.set()
+        await wait_for(lambda: r.controller.describe("chat").fetch_progress >= 0.5, "the fetch's progress")
+        await asyncio.wait_for(loading, 30)
+        assert [(n, spec.source) for n, spec in r.nodes.started] == [(node, "hf:org/chat")]
+        assert r.controller.describe("chat").state == "serving" and len(r.nodes.fetches) == 1
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_second_placement_copies_from_the_node_that_holds_it_and_holders_with_room_come_first(tmp_path, hf_sources):
+    async def main():
+        r = hub_fleet(tmp_path, budgets=(5.0, 5.0))
+        r.add("pinned", source="pinned", pin=True)
+        r.nodes.reports["mac-1"].models.append(disk_model("pinned", 1.0))
+        await r.controller.load("chat")
+        first = r.nodes.started[0][0]
+        other = "mac-2" if first == "mac-1" else "mac-1"
+        await r.controller.unload("chat")
+        await r.controller.load("chat")  # the holder has room: no fetch
+        assert r.nodes.started[1][0] == first and len(r.nodes.fetches) == 1
+        await r.controller.unload("chat")
+        r.nodes.reports[first].memory_reserved_bytes += int(4 * 2**30)  # the holder has no room now
+        r.nodes.fetch_gate = asyncio.Event()
+        loading = asyncio.ensure_future(r.controller.load("chat"))
+        await wait_for(lambda: len(r.nodes.fetches) == 2, "the copy")
+        node, request, origin = r.nodes.fetches[1]
+        assert (node, origin) == (other, first) and [p.node_id for p in request.peers] == [first]
+        assert set(request.protect) == {"hf:org/chat@main", "pinned"}
+        described = r.controller.describe("chat")
+        assert described.state == "copying" and described.status == f"copying to {other} from {first} 0%"
+        r.nodes.fetch_gate.set()
+        await asyncio.wait_for(loading, 30)
+        assert r.nodes.started[2][0] == other and [o for *_, o in r.nodes.fetches] == ["hub", first]
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_plain_models_dir_model_is_copied_to_a_node_with_room_and_never_pulled(tmp_path):
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0,), models=(("small", 3.0),))
+        r.nodes.reports["mac-1"].memory_reserved_bytes = int(4 * 2**30)  # its holder has no room
+        r.nodes.add_node("mac-2", 5.0, [])
+        await r.controller.load("small")
+        assert [(n, o) for n, _, o in r.nodes.fetches] == [("mac-2", "mac-1")]
+        assert r.nodes.started[0][0] == "mac-2"
+        await r.controller.unload("small")
+        # no healthy node holds it (mac-2's copy gone, mac-1 lost): it cannot be fetched
+        r.nodes.reports["mac-2"].models.pop()
+        r.nodes.healthy["mac-1"] = False
+        with pytest.raises(FleetError) as e:
+            await r.controller.load("small")
+        assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "no healthy node holds" in e.value.message
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_hub_model_the_hub_does_not_know_fails_its_load_with_the_hubs_error(tmp_path, hf_sources):
+    async def main():
+        r = hub_fleet(tmp_path)
+        r.nodes.hub.clear()
+        with pytest.raises(FleetError) as e:
+            await r.controller.load("chat")
+        assert e.value.code is grpc.StatusCode.NOT_FOUND
+        assert "no node holds hf:org/chat" in e.value.message and "nor on the hub" in e.value.message
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_group_of_a_model_on_no_node_fetches_onto_each_rank_only_its_layers(tmp_path, hf_sources):
+    async def main():
+        r = hub_fleet(tmp_path, budgets=(5.0, 5.0))
+        r.nodes.hub["hf:org/chat@main"] = disk_model("hf:org/chat@main", 7.0, layers=32)
+        await r.controller.load("chat")
+        specs = {spec.group_rank: (node, spec) for node, spec in r.nodes.started}
+        assert sorted(specs) == [0, 1]
+        layers = {node: (req.first_layer, req.last_layer) for node, req, _ in r.nodes.fetches}
+        assert set(layers) == {"mac-1", "mac-2"}
+        shares = [int(x) for x in specs[0][1].group_shares.split(",")]
+        rank0 = layers[specs[0][0]]  # rank 0: the last layers, and a margin below them
+        rank1 = layers[specs[1][0]]
+        assert rank0[1] == 31 and 0 < rank0[0] <= 32 - shares[0]
+        assert rank1[0] == 0 and shares[1] - 1 <= rank1[1] < 31
+        await r.nodes.close()
+
+    run(main())

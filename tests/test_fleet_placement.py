@@ -207,14 +207,56 @@ def test_on_a_tie_the_group_wins():
     assert isinstance(p, Group)
 
 
-def test_fetching_weights_is_a_cost_parameter():
+def test_fetching_weights_counts_in_a_plans_time():
     a, b = node("a", 32, 20, models=()), node("b", 32, 20, models=())
     models = [loaded("x", {"a": 20}), loaded("y", {"b": 20})]
-    slow_fetch = Costs(read_bytes_per_second=G, fetch_seconds_per_byte=10 / G)
-    assert Costs().load_seconds(G, holds_weights=False) == Costs().load_seconds(G)  # none yet
+    slow_fetch = Costs(read_bytes_per_second=G, hub_bytes_per_second=G / 10)
+    assert Costs().load_seconds(G, "hub") > Costs().load_seconds(G, "peer") > Costs().load_seconds(G)
     p = plan(want(16, [a, b]), [a, b], models, now=100, costs=slow_fetch)
-    # unload: 2 + 16 + 160 s; group: 8 + 80 + 10 s
+    # nobody holds it: unload: 2 + 16 + 160 s; group: 8 + 80 + 10 s
     assert isinstance(p, Group) and p.seconds == pytest.approx(98)
+
+
+# -- nodes without the files: fetched first -----------------------------------------------------------
+
+FETCH = Costs(read_bytes_per_second=G, copy_bytes_per_second=G / 2, hub_bytes_per_second=G / 8)
+
+
+def test_a_model_no_node_holds_is_pulled_from_the_hub_onto_the_node_with_most_room():
+    a, b = node("a", 16, models=()), node("b", 32, models=())
+    p = plan(want(8, [a, b]), [a, b], [], now=0, costs=FETCH)
+    assert isinstance(p, Single) and p.node_id == "b" and p.seconds == pytest.approx(8 + 64)
+    assert "pulled from the hub" in p.why
+
+
+def test_a_copy_from_a_holder_costs_less_than_the_hub():
+    a, b = node("a", 16, 12, models=("m",)), node("b", 32, models=())  # a holds it, has no room
+    p = plan(want(8, [a, b]), [a, b], [], now=0, costs=FETCH)
+    assert isinstance(p, Single) and p.node_id == "b" and p.seconds == pytest.approx(8 + 16)
+    assert "copied from a node that holds them" in p.why
+    # the holder unhealthy: the hub
+    sick = node("a", 16, 12, models=("m",), healthy=False)
+    p = plan(want(8, [sick, b]), [sick, b], [], now=0, costs=FETCH)
+    assert p.node_id == "b" and p.seconds == pytest.approx(8 + 64)
+
+
+def test_unloading_on_a_holder_beats_a_fetch_that_takes_longer():
+    a, b = node("a", 16, 12, models=("m",)), node("b", 32, models=())
+    idle = [loaded("x", {"a": 12})]
+    p = plan(want(8, [a, b]), [a, b], idle, now=100, costs=FETCH)  # unload 2 + read 8 s, copy 16 + 8 s
+    assert isinstance(p, Single) and p.node_id == "a" and p.evict == ("x",)
+    assert "sooner than b has the most room" in p.why
+    quick = Costs(read_bytes_per_second=G, copy_bytes_per_second=8 * G)  # copy 1 s
+    p = plan(want(8, [a, b]), [a, b], idle, now=100, costs=quick)
+    assert isinstance(p, Single) and p.node_id == "b" and p.evict == ()
+
+
+def test_where_unloading_costs_the_same_a_holder_then_the_shortest_fetch():
+    a, b, c = node("a", 16, 12, models=()), node("b", 16, 12, models=("m",)), node("c", 16, 12, models=())
+    idle = [loaded(x, {n: 12}, idle_since=0.0) for x, n in (("x", "a"), ("y", "b"), ("z", "c"))]
+    w = ToPlace("new", "m", {"a": FP(8 * G), "b": FP(8 * G), "c": FP(4 * G)}, num_layers=0)
+    assert plan(w, [a, b, c], idle, now=100, costs=FETCH).node_id == "b"
+    assert plan(w, [a, c], [idle[0], idle[2]], now=100, costs=FETCH).node_id == "c"  # 4 GiB to fetch, not 8
 
 
 # -- groups ------------------------------------------------------------------------------------------------
@@ -375,11 +417,13 @@ def random_case(rng: random.Random):
     nodes = [NodeView(n.node_id, n.budget, reserved[n.node_id] + static[n.node_id], platform=n.platform,
                       models=n.models, max_loaded=n.max_loaded, healthy=n.healthy) for n in nodes]
     weights = rng.randint(1, 60) * G
+    fetches = rng.random() < 0.5  # nodes without the files may fetch them (else they cannot run it)
     footprints = {n.node_id: FP(weights * (2 if n.platform == "cpu" else 1), rng.randint(0, 4) * G, G // 2)
-                  for n in nodes if "m" in n.models}
+                  for n in nodes if "m" in n.models or fetches}
     w = ToPlace("new", "m", footprints, num_layers=rng.choice([0, 2, 8, 40]), max_nodes=rng.choice([0, 1, 2, 3]))
     costs = Costs(read_bytes_per_second=rng.choice([0.5, 1, 4]) * G, unload_seconds=rng.uniform(0, 5),
-                  group_start_seconds=rng.uniform(0, 30))
+                  group_start_seconds=rng.uniform(0, 30), copy_bytes_per_second=rng.choice([0.25, 1, 8]) * G,
+                  hub_bytes_per_second=rng.choice([0.01, 0.1, 1]) * G)
     return nodes, models, w, costs
 
 
@@ -412,9 +456,11 @@ def check_plan(p, nodes, models, w) -> None:
             assert running + 1 <= n.max_loaded
     if isinstance(p, Single):
         assert p.bytes == w.footprints[p.node_id].total
-        if p.evict:  # unloading only when no node had room
-            assert not any(w.footprints[n.node_id].total <= n.free and not n.max_loaded for n in nodes
-                           if n.healthy and n.node_id in w.footprints)
+        if p.evict:  # unloading only when no node had room, or only one without the files, fetching longer
+            room = [n for n in nodes if n.healthy and n.node_id in w.footprints
+                    and w.footprints[n.node_id].total <= n.free and not n.max_loaded]
+            assert not any("m" in n.models for n in room)
+            assert not room or "m" in by_node[p.node_id].models and "sooner than" in p.why
     else:
         assert 2 <= len(p.ranks) and (not w.max_nodes or len(p.ranks) <= w.max_nodes)
         ranks_are_contiguous(p, w.num_layers)

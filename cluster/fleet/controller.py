@@ -84,14 +84,28 @@ QUIET_DRAIN = 1.0  # the drain of a worker a failed load started: it has no requ
 NODE_GRACE = 10.0
 MAX_SLUG_CHARS = 40  # of a model's name in its workers' ids (and so their file names)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+FETCH_MARGIN_LAYERS = 2  # a group's rank fetches the files of at least this many layers beyond its own
 LIVE = ("starting", "loading", "running")  # ManagedWorker states of a worker that serves or will
 
 
 def source_name(source: str) -> str:
-    """The name a node's `--models-dir` holds a catalog source under (`DiskModel.name`)."""
+    """The name a node holds a catalog source under (`DiskModel.name`): a hub source's
+    canonical `hf:ORG/REPO@REV` (`@main` when it names no revision), else its name under
+    `--models-dir`."""
+    if source.startswith("hf:"):
+        return source if "@" in source else source + "@main"
     if source.startswith("ollama:"):
         return source
     return PurePosixPath(source.rstrip("/")).name
+
+
+@dataclass
+class _Fetch:
+    """A model's files being fetched onto a node for a load (`FetchProgress` as it comes)."""
+
+    origin: str  # "hub" or the peer node's id
+    done: int = 0
+    total: int = 0
 
 
 @dataclass
@@ -170,6 +184,11 @@ class FleetController:
         self._writes: set[asyncio.Future] = set()  # catalog writes in flight off the loop (`_write_soon`)
         self._touches: dict[str, float] = {}  # model -> its last request's end, not written yet
         self._forgetting: set[str] = set()  # models whose placements `reconcile` is forgetting
+        # (source name, platform) -> a DiskModel a node described for nodes of that platform
+        # without the files (`_describe_missing`), and the latest failure to describe one
+        self._described: dict[tuple[str, str], pb.DiskModel] = {}
+        self._describe_failed: dict[str, tuple[FleetError, float]] = {}
+        self._fetching: dict[str, dict[str, _Fetch]] = {}  # model -> node -> its fetch for a load
         self._started = clock()
         if metrics is not None:
             metrics.watch(self)
@@ -443,6 +462,7 @@ class FleetController:
 
     async def _place_and_start(self, model: str) -> None:
         entry = self._entry(model)
+        await self._describe_missing(entry)
         plan, footprints = await self._plan_when_room(model, entry)
         log.info("fleet: placing %s: %s", model, plan.why)
         self._pending[model] = ([(plan.node_id, plan.bytes)] if isinstance(plan, placement.Single)
@@ -471,6 +491,9 @@ class FleetController:
             if not isinstance(plan, placement.NoRoom):
                 return plan, footprints
             if not could_fit:
+                failed = self._describe_failed.get(source_name(entry.source))
+                if not footprints and failed is not None:  # nobody holds it and the hub could not say
+                    raise failed[0]
                 raise plan.error()
             self._waiting_for_room[model] = plan.message
             try:
@@ -483,8 +506,9 @@ class FleetController:
         busy models are idle)."""
         nodes = self.nodes.nodes()
         name = source_name(entry.source)
-        footprints = self._footprints(entry, [n for n in nodes if n.state == "healthy"])
-        layers = max((d.num_layers for n in nodes if (d := _disk_model(n.report, name))), default=0)
+        healthy = [n for n in nodes if n.state == "healthy"]
+        footprints = self._footprints(entry, healthy)
+        layers = max((d.num_layers for d, _ in self._disks(entry, healthy).values()), default=0)
         want = placement.ToPlace(model, name, footprints, num_layers=layers, max_nodes=entry.max_nodes)
         pending = self._pending_bytes()
         views = [placement.node_view(n, pending.get(n.report.node_id, 0)) for n in nodes]
@@ -539,20 +563,78 @@ class FleetController:
         return _Sizing(flags.max_num_seqs, flags.block_size, min(self.config.fleet_concurrency, flags.max_num_seqs))
 
     def _footprints(self, entry: pb.CatalogModel, nodes: list[pb.NodeInfo]) -> dict[str, footprint.Footprint]:
-        """Node id -> the model's footprint there, for the nodes that hold its files: a
-        hybrid's state slot for each of its --max-num-seqs, and a KV pool of
-        --fleet-concurrency full contexts (footprint.estimate's default caps it)."""
-        name = source_name(entry.source)
+        """Node id -> the model's footprint there, for the nodes that hold its files or can
+        fetch them (`_disks`): a hybrid's state slot for each of its --max-num-seqs, and a
+        KV pool of --fleet-concurrency full contexts (footprint.estimate's default caps it)."""
         out = {}
         sizing = self._sizing(entry)
-        for info in nodes:
-            disk = _disk_model(info.report, name)
-            if disk is not None:
-                context = self._context(entry, disk)
-                out[info.report.node_id] = replace(
-                    footprint.estimate(disk, context, sizing.max_num_seqs, _platform(info.report)),
-                    kv=footprint.kv_pool_bytes(disk, context, sizing.contexts, sizing.block_size))
+        for node_id, (disk, platform) in self._disks(entry, nodes).items():
+            context = self._context(entry, disk)
+            out[node_id] = replace(footprint.estimate(disk, context, sizing.max_num_seqs, platform),
+                                   kv=footprint.kv_pool_bytes(disk, context, sizing.contexts, sizing.block_size))
         return out
+
+    def _disks(self, entry: pb.CatalogModel, nodes: list[pb.NodeInfo]) -> dict[str, tuple[pb.DiskModel, str]]:
+        """Node id -> (the facts of the model's files as a worker there would load them, its
+        platform), for the nodes of `nodes` that hold them or can fetch them (`_disk_for`)."""
+        out = {}
+        for info in nodes:
+            disk = self._disk_for(entry, info.report)
+            if disk is not None:
+                out[info.report.node_id] = (disk, _platform(info.report))
+        return out
+
+    def _disk_for(self, entry: pb.CatalogModel, report: pb.NodeReport) -> pb.DiskModel | None:
+        """The model's facts on the node of `report`: its own files'; else, where it can fetch
+        them (`_fetchable`), a node's of the same platform that holds them, or what a node of
+        that platform described (`_describe_missing`); None: it cannot run the model."""
+        name = source_name(entry.source)
+        held = _disk_model(report, name)
+        if held is not None or not self._fetchable(entry):
+            return held
+        platform = _platform(report)
+        same = (d for n in self.nodes.nodes() if _platform(n.report) == platform
+                and (d := _disk_model(n.report, name)) is not None)
+        return next(same, None) or self._described.get((name, platform))
+
+    def _fetchable(self, entry: pb.CatalogModel) -> bool:
+        """Whether a node without the model's files can fetch them: from the hub (an hf:
+        source), or copied from a healthy node that holds them (a --models-dir source)."""
+        if entry.source.startswith("hf:"):
+            return True
+        return not entry.source.startswith("ollama:") and bool(self._holders(entry))
+
+    def _holders(self, entry: pb.CatalogModel) -> list[pb.NodeInfo]:
+        """The healthy nodes that hold the model's files."""
+        name = source_name(entry.source)
+        return [n for n in self.nodes.nodes() if n.state == "healthy" and _disk_model(n.report, name) is not None]
+
+    async def _describe_missing(self, entry: pb.CatalogModel) -> None:
+        """For an hf: source, the facts of its files on each platform of the healthy nodes
+        where no node holds them: asked of one node of that platform (`NodeSide.describe`:
+        the hub's metadata, nothing downloaded), once per source and platform. A failure is
+        kept `LOAD_RETRY_AFTER` seconds: the plan then has no such node, and a plan with no
+        node at all fails with it (the hub unreachable, the repo unknown, ...)."""
+        if not entry.source.startswith("hf:"):
+            return
+        name = source_name(entry.source)
+        failed = self._describe_failed.get(name)
+        if failed is not None and self.clock() - failed[1] < LOAD_RETRY_AFTER:
+            return
+        asked = set()
+        for info in self.nodes.nodes():
+            platform = _platform(info.report)
+            if info.state != "healthy" or platform in asked or self._disk_for(entry, info.report) is not None:
+                continue
+            asked.add(platform)
+            try:
+                self._described[name, platform] = await self.nodes.describe(info.report.node_id, entry.source)
+            except FleetError as e:
+                log.warning("fleet: %s could not describe %s: %s", info.report.node_id, entry.source, e.message)
+                self._describe_failed[name] = (FleetError(e.code, f"model {entry.name!r}: no node holds "
+                                                                  f"{entry.source}, and {e.message}"), self.clock())
+                return
+        self._describe_failed.pop(name, None)
 
     def _loaded(self) -> list[placement.Loaded]:
         """The models placed on the fleet, as the policy weighs them."""
@@ -590,7 +672,8 @@ class FleetController:
 
     async def _start_single(self, entry: pb.CatalogModel, node_id: str, fp: footprint.Footprint) -> None:
         worker_id = _worker_id(entry.name, node_id)
-        disk = _disk_model(self._report(node_id), source_name(entry.source))
+        disk = self._disk_for(entry, self._report(node_id))
+        await self._fetch_missing(entry, [(node_id, 0, 0)])
         spec = pb.WorkerSpec(worker_id=worker_id, model=entry.name, source=entry.source,
                              context=self._context(entry, disk), kv_cache_bytes=fp.kv, reserved_bytes=fp.total,
                              engine_args=entry.engine_args, max_num_seqs=self._sizing(entry).max_num_seqs)
@@ -612,6 +695,9 @@ class FleetController:
         blocks over its own layers, not that budget."""
         size = len(plan.ranks)
         reports = {n.report.node_id: n.report for n in self.nodes.nodes()}
+        disks = {rank.node_id: self._disk_for(entry, reports[rank.node_id]) for rank in plan.ranks}
+        await self._fetch_missing(entry, [(rank.node_id, *_fetch_layers(rank, disks[rank.node_id].num_layers))
+                                          for rank in plan.ranks])
         ports = [await self.nodes.reserve_ports(rank.node_id, 2 if r == 0 else 1) for r, rank in enumerate(plan.ranks)]
         hosts = [f"{_host(reports[rank.node_id])}:{ports[r][0]}" for r, rank in enumerate(plan.ranks)]
         group_id = _worker_id(entry.name, "group")
@@ -619,8 +705,7 @@ class FleetController:
         specs = []
         for r, rank in enumerate(plan.ranks):
             fp = footprints[rank.node_id]
-            disk = _disk_model(reports[rank.node_id], source_name(entry.source))
-            context = self._context(entry, disk)
+            context = self._context(entry, disks[rank.node_id])
             blocks = footprint.kv_pool_blocks(context, sizing.contexts, sizing.block_size) if fp.kv else 0
             specs.append((rank.node_id, pb.WorkerSpec(
                 worker_id=group_id if r == 0 else f"{group_id}-rank-{r}", model=entry.name, source=entry.source,
@@ -631,6 +716,62 @@ class FleetController:
         log.info("fleet: starting %s as a group of %d over %s", entry.name, size,
                  ", ".join(rank.node_id for rank in plan.ranks))
         await self._start_all(entry.name, specs)
+
+    async def _fetch_missing(self, entry: pb.CatalogModel, ranks: list[tuple[str, int, int]]) -> None:
+        """Fetch the model's files onto the nodes of `ranks` (node, first layer, last layer;
+        0, 0: every file) whose reports do not list them, all at once: copied from the
+        healthy nodes that hold them (`peers`, tried in order), else pulled from the hub.
+        The disk budget of a node may delete other fetched models for room, never one pinned
+        or loaded anywhere (`protect`). While it runs, the model's state is "copying" or
+        "pulling" (`describe`). A failure fails the load with the node's error."""
+        name = source_name(entry.source)
+        reports = {n.report.node_id: n.report for n in self.nodes.nodes()}
+        missing = [(node_id, first, last) for node_id, first, last in ranks
+                   if _disk_model(reports[node_id], name) is None]
+        if not missing:
+            return
+        holders = self._holders(entry)
+        peers = [pb.NodePeer(node_id=n.report.node_id, address=n.report.address)
+                 for n in sorted(holders, key=lambda n: (len(n.report.transfers), n.report.node_id))]
+        request = pb.FetchModelRequest(source=entry.source, peers=peers, protect=self._protected(entry))
+        fetches = self._fetching[entry.name] = {node_id: _Fetch(peers[0].node_id if peers else placement.HUB)
+                                                for node_id, _, _ in missing}
+        tasks = []
+        for node_id, first, last in missing:
+            one = pb.FetchModelRequest()
+            one.CopyFrom(request)
+            one.first_layer, one.last_layer = first, last
+            tasks.append(asyncio.ensure_future(self._fetch_one(entry.name, node_id, one, fetches[node_id])))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # one failed: the others are of no use
+                task.cancel()
+            self._fetching.pop(entry.name, None)
+
+    async def _fetch_one(self, model: str, node_id: str, request: pb.FetchModelRequest, fetch: _Fetch) -> None:
+        def progress(p: pb.FetchProgress) -> None:
+            fetch.origin = getattr(p, "from") or fetch.origin
+            fetch.done, fetch.total = p.bytes_done, p.bytes_total
+
+        log.info("fleet: fetching %s onto %s (%s)", request.source, node_id,
+                 f"from {_and([p.node_id for p in request.peers])}" if request.peers else "from the hub")
+        try:
+            done = await self.nodes.fetch(node_id, request, progress)
+        except FleetError as e:
+            raise FleetError(e.code, f"model {model!r}: fetching {request.source} onto {node_id}: {e.message}") \
+                from None
+        progress(done)
+        if done.deleted:
+            log.info("fleet: %s deleted %s for room on its disk", node_id, ", ".join(done.deleted))
+
+    def _protected(self, entry: pb.CatalogModel) -> list[str]:
+        """The sources a node's disk budget must not delete for a fetch: this model's, the
+        pinned models' and those loaded anywhere (by the names nodes hold them under)."""
+        entries = {e.name: e for e in self.catalog.entries()}
+        loaded = {model for model, p in self.placed().items() if any(m.live for m in p.members)}
+        return sorted({source_name(entry.source)} | {source_name(e.source) for e in entries.values()
+                                                     if e.pin or e.name in loaded})
 
     async def _start_all(self, model: str, specs: list[tuple[str, pb.WorkerSpec]]) -> None:
         """Start the workers (a group's ranks, rank 0 first) and wait until the first one
@@ -877,6 +1018,8 @@ class FleetController:
             entry.state, entry.status = "unloading", "unloading from " + _and(nodes)
         elif live and all(m.worker.state == "running" for m in live) and self.serving(model):
             entry.state, entry.status = "serving", "serving on " + _and(nodes)
+        elif model in self._fetching:
+            self._describe_fetch(entry, self._fetching[model])
         elif live or self.loading(model):
             entry.state = "loading"
             progress = [m for m in live if m.worker.progress]
@@ -888,11 +1031,29 @@ class FleetController:
             holders = [n.report.node_id for n in self.nodes.nodes()
                        if _disk_model(n.report, source_name(entry.source)) is not None]
             entry.state = "on disk" if holders else "not on disk"
-            entry.status = ("on disk on " + _and(holders)) if holders else "on no node's --models-dir"
+            entry.status = ("on disk on " + _and(holders)) if holders else (
+                "on no node yet: pulled from the hub when it loads" if entry.source.startswith("hf:")
+                else "on no node's --models-dir")
             error = self.load_error(model)
             if error is not None:
                 entry.status += f"; last load failed: {error.message}"
         return entry
+
+    @staticmethod
+    def _describe_fetch(entry: pb.CatalogModel, fetches: dict[str, _Fetch]) -> None:
+        """State "copying" (from a peer, onto any node) or "pulling" (from the hub only), the
+        bytes fetched of all, and in words: "copying to mac-2 from mac-1 37%"."""
+        hub = placement.HUB
+        entry.state = "pulling" if all(f.origin == hub for f in fetches.values()) else "copying"
+        total = sum(f.total for f in fetches.values())
+        entry.fetch_progress = sum(f.done for f in fetches.values()) / total if total else 0.0
+        by_origin: dict[str, list[str]] = {}
+        for node_id, f in sorted(fetches.items()):
+            by_origin.setdefault(f.origin, []).append(node_id)
+        entry.status = "; ".join(f"{'pulling' if origin == hub else 'copying'} to {_and(nodes)} from "
+                                 f"{'the hub' if origin == hub else origin}" for origin, nodes in by_origin.items())
+        if total:
+            entry.status += f" {100 * entry.fetch_progress:.0f}%"
 
     def _estimate(self, entry: pb.CatalogModel) -> int:
         """The footprint a worker of `entry` would have on the nodes that hold it (the least;
@@ -944,6 +1105,14 @@ class FleetController:
 
 def _disk_model(report: pb.NodeReport, name: str) -> pb.DiskModel | None:
     return next((m for n in facts.model_names(name) for m in report.models if m.name == n and not m.error), None)
+
+
+def _fetch_layers(rank: placement.Rank, num_layers: int) -> tuple[int, int]:
+    """The layers whose files a group's rank fetches: its planned ones and a margin each
+    side, since the group splits by its layers' real sizes (embeddings, the head), which
+    may move a boundary by a few layers from the plan's."""
+    margin = max(FETCH_MARGIN_LAYERS, (rank.last_layer - rank.first_layer + 1) // 4)
+    return max(rank.first_layer - margin, 0), min(rank.last_layer + margin, max(num_layers - 1, 0))
 
 
 def _worker_id(model: str, where: str) -> str:

@@ -5,11 +5,16 @@ How Orchard places a model
 --------------------------
 Each node gives models a memory budget. A model's footprint is its weights, the KV cache
 its worker is given and the runtime's own overhead; a node's free room is its budget less
-the footprints of the models it runs. Only healthy nodes that hold the model's weights
-under their --models-dir are considered.
+the footprints of the models it runs. Every healthy node is considered: one that holds
+the model's files, and one that can fetch them first (copied from a node that holds them,
+or pulled from the hub when none does). Fetching costs its time: the weights' bytes at the
+copy rate, or at the hub's, slower. So a node that holds the files comes first, and a copy
+beats the hub.
 
 1. If a node has room for the model (and runs fewer models than its --max-loaded), the
-   model goes there: first a node that holds its weights, then the one with the most room.
+   model goes there: first a node that holds its files, then the one with the most room.
+   When only nodes without the files have room, unloading idle models on a node that holds
+   them (as in 2a) is taken instead if it serves sooner than the fetch.
 2. If none has room, Orchard weighs two ways and takes the one that serves sooner:
    a. Unload idle models on one node to make room. What is unloaded is chosen across the
       whole fleet: never a pinned model, never one with requests in flight or still
@@ -20,9 +25,11 @@ under their --models-dir are considered.
    b. Span the model over several nodes as a pipeline group, in their free room only,
       unloading nothing: the fewest nodes that hold it (at most the model's max_nodes),
       each given a run of consecutive layers in proportion to its free room.
-   How soon each serves is estimated from the bytes each node reads at its read rate (a
-   group's nodes read their parts at once, then take a while to join); unloading an idle
-   model takes a moment. On a tie the group wins: it keeps every loaded model serving.
+   How soon each serves is estimated from the bytes each node reads at its read rate, and
+   fetches first where it lacks them (a group's nodes fetch and read their parts at once,
+   then take a while to join); unloading an idle model takes a moment. On a tie the group
+   wins: it keeps every loaded model serving. Among nodes where unloading costs the same, a
+   node that holds the files comes first, then the shortest fetch.
 3. A model bigger than any node's budget is always a group. When the nodes' free room is
    not enough for it, idle models on the group's nodes are unloaded as in 2a.
 4. When nothing fits, the error says how much the model needs and how much each node has
@@ -35,7 +42,7 @@ negative: never for being idle). A pinned model is never unloaded.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Mapping, Union
 
 import grpc
@@ -48,6 +55,7 @@ if TYPE_CHECKING:
     from cluster.fleet.footprint import Footprint
 
 GIB = 1 << 30
+PEER, HUB = "peer", "hub"  # where a node without a model's files fetches them from
 USE_HALF_LIFE_SECONDS = 600.0  # a request's weight in a model's recent use halves over this
 
 
@@ -56,15 +64,21 @@ class Costs:
     """The estimates placement weighs ways to serve by (seconds)."""
 
     read_bytes_per_second: float = float(GIB)  # a node reads weights from its disk at this rate
-    fetch_seconds_per_byte: float = 0.0  # copying weights to a node without them (none do yet)
+    copy_bytes_per_second: float = GIB / 4  # a node copies weights from a peer node (the agents' LAN)
+    hub_bytes_per_second: float = GIB / 32  # a node pulls weights from the hub (a home connection)
     unload_seconds: float = 2.0  # stopping idle workers (in parallel)
     group_start_seconds: float = 10.0  # a group's ranks finding each other once loaded
     use_half_life: float = USE_HALF_LIFE_SECONDS
 
-    def load_seconds(self, weight_bytes: int, holds_weights: bool = True) -> float:
-        """Time to load `weight_bytes` on a node (and to fetch them first where it lacks them)."""
-        fetch = 0.0 if holds_weights else weight_bytes * self.fetch_seconds_per_byte
-        return weight_bytes / self.read_bytes_per_second + fetch
+    def fetch_seconds(self, weight_bytes: int, fetch: str) -> float:
+        """Time to fetch `weight_bytes` onto a node: `fetch` is "" (it holds them), PEER or HUB."""
+        if not fetch:
+            return 0.0
+        return weight_bytes / (self.copy_bytes_per_second if fetch == PEER else self.hub_bytes_per_second)
+
+    def load_seconds(self, weight_bytes: int, fetch: str = "") -> float:
+        """Time to load `weight_bytes` on a node, after fetching them (`fetch_seconds`)."""
+        return weight_bytes / self.read_bytes_per_second + self.fetch_seconds(weight_bytes, fetch)
 
 
 @dataclass(frozen=True)
@@ -263,6 +277,15 @@ class _Fleet:
     def holds(self, node: NodeView) -> bool:
         return self.want.source in node.models
 
+    def fetch(self, node: NodeView) -> str:
+        """Where `node` fetches the model's files from: "" (it holds them), PEER or HUB."""
+        if self.holds(node):
+            return ""
+        return PEER if any(n.healthy and self.holds(n) for n in self.nodes) else HUB
+
+    def fetch_seconds(self, node: NodeView) -> float:
+        return self.costs.fetch_seconds(self.footprint(node).weights, self.fetch(node))
+
     def footprint(self, node: NodeView) -> Footprint:
         return self.want.footprints[node.node_id]
 
@@ -290,10 +313,17 @@ def plan(want: ToPlace, nodes: list[NodeView], loaded: list[Loaded], now: float,
         return NoRoom(_no_room(f))
     room = [n for n in f.hosts if f.footprint(n).total <= n.free and not f.slots_needed(n)]
     if room:
-        best = max(room, key=lambda n: (f.holds(n), n.free - f.footprint(n).total, n.node_id))
-        return Single(best.node_id, f.footprint(best).total, (), _single_seconds(f, best, ()),
-                      f"{best.node_id} {'holds its weights and ' if f.holds(best) else ''}has the most room "
-                      f"({gib(best.free)} GiB free)")
+        best = max(room, key=lambda n: (f.holds(n), -f.fetch_seconds(n), n.free - f.footprint(n).total, n.node_id))
+        seconds = _single_seconds(f, best, ())
+        if f.holds(best):
+            return Single(best.node_id, f.footprint(best).total, (), seconds,
+                          f"{best.node_id} holds its weights and has the most room ({gib(best.free)} GiB free)")
+        fetching = f"{best.node_id} has the most room ({gib(best.free)} GiB free), " + _fetching(f, best)
+        sooner = _evicting(f, [n for n in f.hosts if f.holds(n)])
+        if sooner is not None and sooner.seconds < seconds:
+            return replace(sooner, why=f"{sooner.why}: serves in about {sooner.seconds:.0f} s, sooner than "
+                                       f"{fetching} (about {seconds:.0f} s)")
+        return Single(best.node_id, f.footprint(best).total, (), seconds, fetching)
     evicting, group = _evicting(f), _group(f, evict=False)
     if evicting and group:
         if evicting.seconds < group.seconds:
@@ -306,25 +336,32 @@ def plan(want: ToPlace, nodes: list[NodeView], loaded: list[Loaded], now: float,
 
 
 def _single_seconds(f: _Fleet, node: NodeView, evict: tuple[str, ...]) -> float:
-    return (f.costs.unload_seconds if evict else 0.0) + f.costs.load_seconds(f.footprint(node).weights, f.holds(node))
+    return (f.costs.unload_seconds if evict else 0.0) + f.costs.load_seconds(f.footprint(node).weights, f.fetch(node))
 
 
-def _evicting(f: _Fleet) -> Single | None:
-    """2a: the node where unloading idle models makes room at the least cost."""
+def _fetching(f: _Fleet, node: NodeView) -> str:
+    return "its weights copied from a node that holds them" if f.fetch(node) == PEER else \
+        "its weights pulled from the hub (no healthy node holds them)"
+
+
+def _evicting(f: _Fleet, hosts: list[NodeView] | None = None) -> Single | None:
+    """2a: the node (of `hosts`, by default every host) where unloading idle models makes
+    room at the least cost."""
     options = []
-    for n in f.hosts:
+    for n in f.hosts if hosts is None else hosts:
         need = f.footprint(n).total
         if need > n.budget:
             continue
         victims = victims_for(n.node_id, f.loaded, f.now, need - n.free, f.slots_needed(n), f.costs.use_half_life)
         if victims is not None:
-            options.append((f.cost_of(victims), len(victims), not f.holds(n), -(n.free + f.freed(n.node_id,
-                            tuple(victims)) - need), n.node_id, n, tuple(victims)))
+            options.append((f.cost_of(victims), len(victims), not f.holds(n), f.fetch_seconds(n),
+                            -(n.free + f.freed(n.node_id, tuple(victims)) - need), n.node_id, n, tuple(victims)))
     if not options:
         return None
-    *_, n, victims = min(options, key=lambda o: o[:5])
+    *_, n, victims = min(options, key=lambda o: o[:6])
+    why = f"unloads {', '.join(victims)} on {n.node_id}"
     return Single(n.node_id, f.footprint(n).total, victims, _single_seconds(f, n, victims),
-                  f"unloads {', '.join(victims)} on {n.node_id}")
+                  why if f.holds(n) else f"{why}, {_fetching(f, n)}")
 
 
 def _layer_capacity(f: _Fleet, n: NodeView, room: int) -> int:
@@ -382,7 +419,7 @@ def _grouped(f: _Fleet, by_rank: list[NodeView], counts: list[int], evict: bool)
         size = math.ceil((fp.weights + fp.kv) * count / layers) + fp.overhead
         ranks.append(Rank(n.node_id, end - count, end - 1, size))
         end -= count
-        seconds = max(seconds, f.costs.load_seconds(math.ceil(fp.weights * count / layers), f.holds(n)))
+        seconds = max(seconds, f.costs.load_seconds(math.ceil(fp.weights * count / layers), f.fetch(n)))
         if evict:
             more = victims_for(n.node_id, f.loaded, f.now, size - n.free, f.slots_needed(n),
                                f.costs.use_half_life, chosen=victims)
