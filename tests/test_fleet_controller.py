@@ -1224,3 +1224,171 @@ def test_a_group_of_a_model_on_no_node_fetches_onto_each_rank_only_its_layers(tm
         await r.nodes.close()
 
     run(main())
+
+
+# -- a lost Mac: its models placed again on the nodes that remain ------------------------------------------
+
+def lose(r: Router, node_id: str) -> None:
+    """The node and its workers stop reporting, past the router's --remove-after."""
+    r.nodes.healthy[node_id] = False
+    r.nodes.silent[node_id] = r.registry.config.remove_after + 1
+    for w in r.nodes.reports[node_id].workers:
+        r.registry.remove(w.worker_id)
+    r.nodes._notify()
+
+
+def come_back(r: Router, node_id: str) -> None:
+    r.nodes.healthy[node_id] = True
+    r.nodes.silent[node_id] = 0.0
+    r.nodes._notify()
+
+
+async def replaced(r: Router, model: str, started: int) -> None:
+    """Until the controller's tick placed `model` again (`started` workers started by then)."""
+    async def placed_again() -> bool:
+        r.controller.replace_lost()
+        return len(r.nodes.started) >= started and r.controller.serving(model)
+
+    loop = asyncio.get_running_loop()
+    until = loop.time() + 30
+    while not await placed_again():
+        assert loop.time() < until, f"{model} was not placed again"
+        await asyncio.sleep(0.02)
+
+
+def test_a_model_on_a_node_lost_serves_again_on_another_and_the_node_back_is_reused(tmp_path):
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0, 5.0))
+        await r.controller.load("small")
+        first_node, first = r.nodes.started[0][0], r.nodes.started[0][1].worker_id
+        r.nodes.healthy[first_node] = False  # a few missed heartbeats: nothing placed again
+        r.nodes.silent[first_node] = 5.0
+        assert r.controller.replace_lost() == []
+        lose(r, first_node)
+        assert r.controller.replace_lost() == ["small"]
+        await replaced(r, "small", 2)
+        other = r.nodes.started[1][0]
+        assert other != first_node
+        assert [p.node_id for p in r.controller.describe("small").placements] == [other]
+        assert [p.node_id for p in r.catalog.placements("small")] == [other]
+        assert r.sample("orchard_fleet_replacements_total", reason="node_lost") == 1
+        # the node comes back still running its worker: stopped (placed elsewhere since)
+        come_back(r, first_node)
+        r.controller.replace_lost()
+        await wait_for(lambda: first in r.nodes.stopped, "the abandoned worker's stop")
+        assert r.controller.replace_lost() == [] and len(r.nodes.started) == 2
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_node_back_is_a_candidate_with_the_files_it_fetched(tmp_path, hf_sources):
+    async def main():
+        r = hub_fleet(tmp_path, budgets=(5.0, 5.0))
+        await r.controller.load("chat")
+        first_node, first = r.nodes.started[0][0], r.nodes.started[0][1].worker_id
+        lose(r, first_node)
+        await replaced(r, "chat", 2)
+        second = r.nodes.started[1][0]
+        assert [o for *_, o in r.nodes.fetches] == ["hub", "hub"]  # its only holder was gone
+        come_back(r, first_node)
+        r.controller.replace_lost()
+        await wait_for(lambda: first in r.nodes.stopped, "the abandoned worker's stop")
+        await r.controller.unload("chat")
+        r.nodes.reports[second].memory_reserved_bytes += 4 * 2**30  # room only on the node back
+        await r.controller.load("chat")
+        assert r.nodes.started[2][0] == first_node and len(r.nodes.fetches) == 2  # its own files
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_group_whose_node_is_lost_is_formed_again_over_the_nodes_left(tmp_path):
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0, 5.0, 5.0), models=(("big", 7.0),))
+        r.nodes.reports["mac-3"].memory_reserved_bytes = 5 * 2**30  # full, for now
+        await r.controller.load("big")
+        ranks = [(node, spec.worker_id) for node, spec in r.nodes.started]
+        assert {node for node, _ in ranks} == {"mac-1", "mac-2"}
+        r.nodes.reports["mac-3"].memory_reserved_bytes = 0
+        lost, kept_worker = ranks[1][0], ranks[0][1]
+        lose(r, lost)
+        await replaced(r, "big", 4)
+        assert kept_worker in r.nodes.stopped  # the rank left of the broken group
+        again = {node for node, _ in r.nodes.started[2:]}
+        assert again == {"mac-1", "mac-2", "mac-3"} - {lost}
+        assert {p.node_id for p in r.controller.describe("big").placements} == again
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_group_whose_node_is_lost_shrinks_to_one_node_that_now_has_room(tmp_path):
+    async def main():
+        r = fleet(tmp_path, budgets=(10.0, 5.0), models=(("big", 7.0), ("other", 3.0)))
+        r.add("other", pin=True, replace=True)
+        await r.controller.load("other")  # on mac-1: the big one no longer fits there alone
+        await r.controller.load("big")
+        assert sorted(node for node, spec in r.nodes.started if spec.model == "big") == ["mac-1", "mac-2"]
+        await r.controller.unload("other")
+        lose(r, "mac-2")
+        await replaced(r, "big", 4)
+        node, spec = r.nodes.started[-1]
+        assert (node, spec.model, spec.group_size) == ("mac-1", "big", 0)
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_request_held_for_a_group_whose_node_is_lost_waits_for_it_formed_again(tmp_path):
+    """Its rank left exits and is started again by its node while its member is gone (as a
+    group does): that is no crash loop failing the request, which waits for the group
+    formed again over the nodes that remain."""
+
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0, 5.0, 5.0), models=(("big", 7.0),), load_timeout=60)
+        r.nodes.reports["mac-3"].memory_reserved_bytes = 5 * 2**30
+        await r.controller.load("big")
+        (rank0_node, rank0), (lost, _) = [(n, s.worker_id) for n, s in r.nodes.started]
+        r.nodes.reports["mac-3"].memory_reserved_bytes = 0
+        r.nodes.healthy[lost] = False  # silent: the group is broken, its rank 0 starting again
+        r.registry.remove(rank0)
+        worker = r.nodes._worker(rank0_node, rank0)
+        worker.state, worker.restarts = "starting", 5
+        stop = asyncio.Event()
+        running = asyncio.ensure_future(r.controller.run(stop))
+        held = asyncio.ensure_future(r.pool("big"))
+        await asyncio.sleep(0.5)
+        assert not held.done() and len(r.nodes.started) == 2  # a busy Mac, maybe: nothing moves yet
+        r.nodes.silent[lost] = r.registry.config.remove_after + 1  # now it is lost
+        r.nodes._notify()
+        pool = await asyncio.wait_for(held, 30)
+        new_rank0 = next(s.worker_id for _, s in r.nodes.started[2:] if s.group_rank == 0)
+        assert [w.worker_id for w in pool] == [new_rank0]
+        assert r.controller.load_error("big") is None
+        stop.set()
+        await running
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_fetch_and_replacement_metrics(tmp_path):
+    async def main():
+        r = fleet(tmp_path)
+        report = r.nodes.reports["mac-1"]
+        report.instance_id = "start-1"
+        report.transfer_totals.add(kind="hub", bytes=100, seconds=2.0, fetches=1)
+        report.transfer_totals.add(kind="peer", bytes=50, seconds=0.5, fetches=2, failures=1)
+        assert r.sample("orchard_fleet_fetch_bytes_total", kind="hub") == 100
+        assert r.sample("orchard_fleet_fetches_total", kind="peer", outcome="failed") == 1
+        report.instance_id = "start-2"  # the agent restarted: its totals begin again, the fleet's count on
+        del report.transfer_totals[:]
+        report.transfer_totals.add(kind="hub", bytes=10, seconds=1.0, fetches=1)
+        assert r.sample("orchard_fleet_fetch_bytes_total", kind="hub") == 110
+        assert r.sample("orchard_fleet_fetch_seconds_total", kind="hub") == 3.0
+        assert r.sample("orchard_fleet_fetches_total", kind="hub", outcome="ok") == 2
+        assert r.sample("orchard_fleet_fetch_bytes_total", kind="peer") == 50
+        await r.nodes.close()
+
+    run(main())

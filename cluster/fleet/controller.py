@@ -16,6 +16,13 @@ Loading a model (`ensure_loaded`, never blocking; `load`, awaited):
   pipeline group whose ring ports and side-channel port are reserved on its nodes before
   any rank starts. The load ends when the worker (a group's rank 0) registers healthy with
   this router, bounded by `--load-timeout`; its placement is recorded in the catalog.
+- **Where the files are not.** Every healthy node is a candidate: one without the model's
+  files is given the footprint of a same-platform node's files, or of what a node
+  describes of an hf: source (`NodeSide.describe`: the hub's metadata), and the policy
+  counts the fetch's time. Before a worker (a group's rank: its layers' files only) starts
+  on such a node, the node fetches the files (`NodeSide.fetch`): copied from the healthy
+  nodes that hold them, else pulled from the hub; the model is "copying" or "pulling"
+  meanwhile, with its progress.
 - **Failure** (no room: the message says what is needed and what each node has; a start
   refused; a worker that exited or never registered) is kept as `load_error(model)` for
   `LOAD_RETRY_AFTER` seconds: requests held for the model fail at once with it, and new
@@ -27,6 +34,13 @@ after the request, negative never. A pinned model is never unloaded for its keep
 evicted, and no model is unloaded while this router has requests of it in flight or its
 workers report any running (another router's). The proxy tells the controller of each
 request (`request_started` / `request_finished`).
+
+A lost Mac (`replace_lost`, every tick): a node silent for the router's --remove-after
+takes its workers with it; each model that ran there is placed again on the nodes that
+remain (a group's ranks left are stopped first: it is formed afresh, over the nodes left or
+on one node if it now fits), while its requests wait in the router's hold. A node that
+comes back is a candidate again with the files it holds; the workers it still runs of
+models placed elsewhere since are stopped.
 
 After a router restart (`run`), the controller takes the nodes' reports as the truth: a
 placement the catalog records whose worker no node reports is forgotten, a worker a node
@@ -189,6 +203,10 @@ class FleetController:
         self._described: dict[tuple[str, str], pb.DiskModel] = {}
         self._describe_failed: dict[str, tuple[FleetError, float]] = {}
         self._fetching: dict[str, dict[str, _Fetch]] = {}  # model -> node -> its fetch for a load
+        # workers on a node lost whose models were placed again (worker id -> node): no model's
+        # any more; stopped if their node comes back still running them (`replace_lost`)
+        self._abandoned: dict[str, str] = {}
+        self._replacing: dict[str, asyncio.Task] = {}  # model -> stopping a group's ranks left, then its load
         self._started = clock()
         if metrics is not None:
             metrics.watch(self)
@@ -300,7 +318,7 @@ class FleetController:
         for info in self.nodes.nodes():
             for w in info.report.workers:
                 reported.add(w.worker_id)
-                if w.worker_id not in self._stopped:
+                if w.worker_id not in self._stopped and w.worker_id not in self._abandoned:
                     out.setdefault(w.model, _Placed()).members.append(Member(info.report.node_id, w))
         self._stopped &= reported
         return out
@@ -309,13 +327,17 @@ class FleetController:
         return [m for m in self.placed().get(model, _Placed()).members if m.live]
 
     def _reachable_members(self, model: str) -> list[Member]:
-        """The model's live workers but those on a node gone: silent for the router's
-        --remove-after (a Mac gone would hold the model's requests until --load-timeout:
-        the model is loaded elsewhere instead). A node silent for a few heartbeats (busy)
-        keeps its workers: the model is not loaded twice."""
+        """The model's live workers but those on a node lost (`_lost_nodes`)."""
+        lost = self._lost_nodes()
+        return [m for m in self._live_members(model) if m.node_id not in lost]
+
+    def _lost_nodes(self) -> set[str]:
+        """The nodes gone: unhealthy and silent for the router's --remove-after (a Mac gone
+        would hold its models' requests until --load-timeout: they are placed elsewhere
+        instead, `replace_lost`). A node silent for a few heartbeats (a busy Mac) keeps its
+        workers: nothing is loaded twice."""
         gone_after = self.registry.config.remove_after
-        here = {n.report.node_id for n in self.nodes.nodes() if n.state == "healthy" or n.age_seconds < gone_after}
-        return [m for m in self._live_members(model) if m.node_id in here]
+        return {n.report.node_id for n in self.nodes.nodes() if n.state != "healthy" and n.age_seconds >= gone_after}
 
     def _awaited_nodes(self, model: str) -> list[str]:
         """Nodes the catalog records a placement of `model` on that have not reported since
@@ -448,9 +470,13 @@ class FleetController:
         if self.serving(model):
             return
         members = sorted(self._reachable_members(model), key=lambda m: m.worker.group_rank)
+        healthy = {n.report.node_id for n in self.nodes.nodes() if n.state == "healthy"}
+        if model in self._replacing or any(m.node_id not in healthy for m in self._live_members(model)):
+            return  # a group's ranks start again until their member's node is back, or lost (`replace_lost`)
         looping = next((m for m in members if m.worker.restarts >= MAX_LOAD_RESTARTS), None)
         if looping is not None:
             await self._stop_quietly(model, [(m.node_id, m.worker.worker_id) for m in members])
+            self._count_replacement(model, "crash")
             raise self._crash_error(model, looping)
 
     @staticmethod
@@ -971,6 +997,71 @@ class FleetController:
                          ", ".join(p.node_ids))
                 self._start_unload(model, "operator")
 
+    # -- a lost Mac ---------------------------------------------------------------------------------
+    def replace_lost(self) -> list[str]:
+        """Place again the catalog models with a worker or a group's rank on a node lost
+        (`_lost_nodes`): its workers there are abandoned (no model's any more), a group's
+        ranks on the nodes left are stopped (a group with a member gone cannot serve), and
+        the model is loaded afresh on the nodes that remain, as any load is placed: a single
+        worker elsewhere, a group over the nodes left, or one node if it now fits. Requests
+        held for the model meanwhile wait for that load. A lost node that reports again is
+        a node like any other, with the files it holds; the abandoned workers it still runs
+        are stopped. Returns the models placed again."""
+        self._stop_abandoned()
+        lost = self._lost_nodes()
+        if not lost:
+            return []
+        names = set(self.names())
+        out = []
+        for model, placed in sorted(self.placed().items()):
+            live = [m for m in placed.members if m.live]
+            if model not in names or not any(m.node_id in lost for m in live) or model in self._replacing:
+                continue
+            gone = [m for m in live if m.node_id in lost]
+            left = [(m.node_id, m.worker.worker_id) for m in live if m.node_id not in lost]
+            log.warning("fleet: %s lost with %s's node %s: placing it again", model,
+                        ", ".join(m.worker.worker_id for m in gone), _and(sorted({m.node_id for m in gone})))
+            for m in gone:
+                self._abandoned[m.worker.worker_id] = m.node_id
+                self._estimates.pop(m.worker.worker_id, None)
+                self.registry.remove(m.worker.worker_id)
+            self._count_replacement(model, "node_lost")
+            task = asyncio.create_task(self._place_again(model, left, [m.worker.worker_id for m in gone]),
+                                       name=f"fleet re-place {model}")
+            task.add_done_callback(_log_failure)
+            self._replacing[model] = task
+            task.add_done_callback(lambda _, model=model: self._replacing.pop(model, None))
+            out.append(model)
+        return out
+
+    async def _place_again(self, model: str, left: list[tuple[str, str]], abandoned: list[str]) -> None:
+        """Stop a group's ranks `left` on the nodes that remain, forget the abandoned
+        workers' placements, then load the model."""
+        await self._stop_quietly(model, left)
+        await self._write(self._forget_now, abandoned)
+        self._errors.pop(model, None)  # a failure before the loss says nothing of the nodes left
+        self.ensure_loaded(model)
+
+    def _stop_abandoned(self) -> None:
+        """An abandoned worker whose node reports again still running it is stopped; one its
+        node no longer lists is forgotten."""
+        running = {w.worker_id: info for info in self.nodes.nodes() for w in info.report.workers
+                   if w.worker_id in self._abandoned}
+        for worker_id, node_id in list(self._abandoned.items()):
+            info = running.get(worker_id)
+            if info is None:
+                del self._abandoned[worker_id]
+            elif info.state == "healthy" and worker_id not in self._stopped:
+                log.info("fleet: %s is back: stopping %s, placed elsewhere since", node_id, worker_id)
+                self._stopped.add(worker_id)
+                stopping = asyncio.create_task(self.nodes.stop(node_id, worker_id, QUIET_DRAIN),
+                                               name=f"fleet stop {worker_id} (abandoned)")
+                stopping.add_done_callback(_log_failure)
+
+    def _count_replacement(self, model: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.replacements.labels(reason=reason).inc()
+
     def _unlist_ended(self) -> None:
         """A worker the nodes reported live and no longer do (another router stopped it, or
         it exited) leaves the registry now: its heartbeats stopped with it, and until it
@@ -986,6 +1077,7 @@ class FleetController:
         while not stop.is_set():
             try:
                 self.reconcile()
+                self.replace_lost()
                 self.expire()
             except Exception:  # the catalog file unreadable for a moment: try again next tick
                 log.exception("fleet: reconcile failed")
@@ -993,7 +1085,7 @@ class FleetController:
                 await asyncio.wait_for(stop.wait(), TICK)
             except asyncio.TimeoutError:
                 pass
-        for task in [*self._loads.values(), *self._unloads.values()]:
+        for task in [*self._loads.values(), *self._unloads.values(), *self._replacing.values()]:
             task.cancel()
 
     # -- what the catalog shows -------------------------------------------------------------------
