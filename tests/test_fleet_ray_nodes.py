@@ -7,6 +7,7 @@ Skipped when Ray is not installed (`.venv/bin/pip install -e '.[ray]'`)."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 import threading
@@ -74,6 +75,28 @@ def test_a_ray_worker_gets_the_specs_pool_and_requests_at_once(tmp_path):
                          group_size=2, group_rank=0, group_hosts=["127.0.0.1:7000", "127.0.0.1:7001"])
     options = worker_options(_nodes(tmp_path).worker_flags(spec, str(tmp_path), "127.0.0.1", 7100))
     assert (options.engine_config.num_kv_blocks, options.engine_config.max_num_seqs) == (64, 6)
+
+
+def test_ray_nodes_fetch_only_what_a_node_holds_and_say_so_for_the_rest(tmp_path):
+    """The fleet over Ray copies and pulls nothing: a model on the node is there; any other
+    is UNIMPLEMENTED, saying what to do."""
+    from cluster.fleet.ray_nodes import _Node
+
+    nodes = _nodes(tmp_path)
+    nodes._nodes["n1"] = _Node("ray-1", "127.0.0.1", 1 << 30, pb.NodeReport(
+        node_id="n1", models=[pb.DiskModel(name="dense", weight_bytes=5), pb.DiskModel(name="small.gguf")]))
+
+    async def go():
+        here = await nodes.fetch("n1", pb.FetchModelRequest(source="small"), lambda p: None)
+        assert here.done and getattr(here, "from") == "disk" and here.path == str(tmp_path / "small.gguf")
+        assert (await nodes.describe("n1", "dense")).weight_bytes == 5
+        for call in (nodes.fetch("n1", pb.FetchModelRequest(source="hf:acme/x"), lambda p: None),
+                     nodes.describe("n1", "hf:acme/x")):
+            with pytest.raises(FleetError) as e:
+                await call
+            assert e.value.code == grpc.StatusCode.UNIMPLEMENTED and "hf:acme/x" in e.value.message
+
+    asyncio.run(go())
 
 
 def test_nodes_lists_the_ray_node_with_its_memory_and_the_models_on_its_disk(ray_node, loop, tiny_model_dir):

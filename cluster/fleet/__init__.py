@@ -17,6 +17,8 @@ fleet-wide or spanning a pipeline group over several nodes when no node has room
                    `orchard nodes list`
     service.py     the router's Fleet service: nodes register and report; the catalog RPCs
     agent.py       `orchard node serve`: the node agent (node_config.py: its flags)
+    transfer.py    copying a model's files from a peer agent, and serving them to peers
+    disk.py        the disk budget of the agent's fetched models (LRU, never one kept)
     ray_nodes.py   the same node side over Ray (`orchard ray up --catalog`): worker actors
     controller.py  FleetController: loads, unloads, keep-alive, the catalog RPCs
     config.py      the router's fleet flags (--catalog, --load-timeout, --default-keep-alive, ...)

@@ -18,6 +18,16 @@ every call must carry the join token as `authorization: Bearer TOKEN`:
 - `StopWorker`: drains it (`WorkerAdmin.Drain`; its requests in flight finish, up to the
   drain timeout), then SIGTERM, then SIGKILL after `--stop-grace`. A group member stops
   the same way; the controller stops a group by stopping each member.
+- `FetchModel(source, peers, protect)`: brings a model's files here (one fetch per source;
+  a second caller follows the first): here already, or copied from the first peer that
+  gives them (`transfer.py`: --copy-streams files at once within --copy-bandwidth, resumed
+  from partial files, sha256-checked), else pulled from the hub for an `hf:` source
+  (`hub.py`). Fetched hub models live in --hub-cache, in huggingface_hub's layout; room is
+  made under --disk-budget by deleting the least recently used of them that no worker here
+  runs and `protect` does not name (`disk.py`; RESOURCE_EXHAUSTED with the numbers when it
+  cannot). The report lists fetches under way, totals per kind, and the budget.
+- `ListModelFiles` / `ReadModelFile`: a model's files for a peer's copy, by relative path
+  only; `DescribeModel`: a model's facts from its files here, or from the hub's metadata.
 
 When the agent stops, it stops its workers. Each worker's process id is kept in a file
 under `--state-dir` while it runs, so that an agent started after a crash of the last one
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -49,7 +60,7 @@ from cluster import platform
 from cluster.api.serving import Endpoints
 from cluster.config import human_bytes as human
 from cluster.exit_codes import EXIT_PERMANENT, EXIT_TRANSIENT, Backoff, describe
-from cluster.fleet import FleetError
+from cluster.fleet import FleetError, disk, transfer
 from cluster.fleet.catalog import check_engine_args
 from cluster.fleet.node_config import NodeConfig
 from cluster.net import CHANNEL_OPTIONS, check_addresses, free_ports, parse_address
@@ -64,6 +75,7 @@ log = logging.getLogger(__name__)
 STARTING, LOADING, RUNNING, STOPPING, EXITED = "starting", "loading", "running", "stopping", "exited"
 ALL_INTERFACES = ("0.0.0.0", "::", "")
 OLLAMA_PREFIX = "ollama:"
+HUB_PREFIX = "hf:"
 PORT_HOLD_S = 120.0  # a reserved port is not handed out again for this long
 MAX_PORTS = 64  # per ReservePorts call
 POLL_S = 0.5  # a loading worker's readiness, a draining worker's requests
@@ -72,17 +84,29 @@ LOG_TAIL_BYTES = 8192  # read of a worker's log for its last line
 # A node id another agent reports under is refused for good after this long: well past the
 # silence that makes a router count a node unhealthy (3 beats of 1 s by default).
 DUPLICATE_WAIT_S = 60.0
+FROM_HUB, FROM_PEER, FROM_DISK = "hub", "peer", "disk"  # where a fetch's files came from
+FETCH_PROGRESS_S = 0.25  # a FetchModel stream's progress messages at most this often
+LIST_TIMEOUT_S = 300.0  # a peer's ListModelFiles (it may hash files it has not hashed before)
 
 
 # -- a worker's command line -----------------------------------------------------------------
-def find_model(models_dir: Path, source: str) -> str:
+def find_model(models_dir: Path, source: str, hub_cache: Path | None = None) -> str:
     """What `--model` a worker of catalog source `source` gets on this node: a directory
-    (with config.json) or a .gguf file named `source` under `models_dir`, or an
-    `ollama:NAME:TAG` reference as it is (the worker imports it from Ollama's store)."""
+    (with config.json) or a .gguf file named `source` under `models_dir`, the snapshot an
+    `hf:ORG/REPO[@REV]` source names in `hub_cache` (no network), or an `ollama:NAME:TAG`
+    reference as it is (the worker imports it from Ollama's store)."""
     from cluster.fleet import facts
 
     if source.startswith(OLLAMA_PREFIX):
         return source
+    if source.startswith(HUB_PREFIX):
+        from cluster.fleet import hub
+
+        snapshot = hub.local_snapshot(source, hub_cache) if hub_cache is not None else None
+        if snapshot is None:
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source!r} is not on this node: the hub cache "
+                                                        f"{hub_cache} has no snapshot of it (fetch it first)")
+        return str(snapshot)
     if not source or source.startswith(".") or "/" in source or "\\" in source:
         raise FleetError(grpc.StatusCode.INVALID_ARGUMENT,
                          f"source {source!r} must be a model's name under --models-dir (a directory or a .gguf "
@@ -283,6 +307,7 @@ class NodeAgent:
     def __init__(self, config: NodeConfig):
         self.config = config
         self.models_dir = Path(config.models_dir).expanduser()
+        self.hub_cache = Path(config.hub_cache).expanduser() if config.hub_cache else self.models_dir / ".hub"
         self.routers = [r.strip() for r in config.router.split(",") if r.strip()]
         self.host = parse_address(config.grpc_address)[0]
         self.advertise_host = config.advertise or (socket.getfqdn() if self.host in ALL_INTERFACES else self.host)
@@ -301,6 +326,10 @@ class NodeAgent:
         self.stopped = asyncio.Event()  # set when the agent should end (a signal, or every router refused it)
         self.denied = False
         self._tasks: list[asyncio.Task] = []
+        self.fetches: dict[str, transfer.Fetch] = {}  # source -> the fetch under way
+        self.transfer_totals = {kind: pb.TransferTotal(kind=kind) for kind in (FROM_HUB, FROM_PEER)}
+        self.disk_used = 0  # the fetched models' bytes (the hub cache), at the last look
+        self.bytes_served = 0  # model file bytes sent to peers
 
     def _default_node_id(self) -> str:
         if self.config.security.mutual:
@@ -356,9 +385,26 @@ class NodeAgent:
 
     # -- what it reports ---------------------------------------------------------------------
     async def refresh_models(self) -> None:
+        self.models, self.disk_used = await asyncio.to_thread(self._scan)
+
+    def _scan(self) -> tuple[list[pb.DiskModel], int]:
+        """The models under --models-dir, then the fetched ones (the hub cache's snapshots,
+        each with how long ago a worker last started on it), and the bytes these take."""
         from cluster.fleet import facts
 
-        self.models = await asyncio.to_thread(facts.scan, self.models_dir, self.platform)
+        models = facts.scan(self.models_dir, self.platform)
+        repos = {r.repo: r for r in disk.cached_repos(self.hub_cache)}
+        if repos:
+            from cluster.fleet import hub
+
+            now = time.time()
+            for m in hub.scan(self.hub_cache, self.platform):
+                m.fetched = True
+                repo = repos.get(hub.parse_source(m.name).repo)
+                if repo is not None:
+                    m.last_used_seconds_ago = disk.seconds_since_used(repo, now)
+                models.append(m)
+        return models, sum(r.bytes for r in repos.values())
 
     async def _refresh_models_loop(self) -> None:
         while True:
@@ -382,7 +428,10 @@ class NodeAgent:
             memory_budget_bytes=self.budget, memory_reserved_bytes=self.reserved,
             memory_available_bytes=platform.available_memory(), disk_free_bytes=disk_free, models=self.models,
             workers=[w.info() for w in self.workers.values()], platform=self.platform,
-            max_loaded=self.config.max_loaded, instance_id=self.instance_id)
+            max_loaded=self.config.max_loaded, instance_id=self.instance_id,
+            transfers=[f.transfer() for f in self.fetches.values() if f.origin],
+            transfer_totals=self.transfer_totals.values(), disk_budget_bytes=self.config.disk_budget or 0,
+            disk_used_bytes=self.disk_used)
 
     def _report_now(self) -> None:
         for registration in self.registrations:
@@ -433,8 +482,10 @@ class NodeAgent:
         # the entry's flags were checked when it was added; a caller with the join token is
         # not the catalog: flags appended last would override the fleet's (keys, addresses, paths)
         check_engine_args(list(spec.engine_args))
-        model = find_model(self.models_dir, spec.source)
+        model = find_model(self.models_dir, spec.source, self.hub_cache)
         self._check_room(spec)
+        if spec.source.startswith(HUB_PREFIX):
+            disk.touch(Path(model))  # the disk budget deletes the least recently used first
         port = spec.port or self.reserve_ports(1)[0]
         member = spec.group_size > 1 and spec.group_rank > 0
         w = ManagedProcess(
@@ -586,6 +637,238 @@ class NodeAgent:
         w.pid_path.unlink(missing_ok=True)
         w.state = EXITED
 
+    # -- fetching models, serving their files to peers ------------------------------------------
+    def _source(self, source: str) -> str:
+        """The source as fetches are keyed (an hf: source canonical); INVALID_ARGUMENT for
+        what cannot be fetched."""
+        if not source:
+            raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, "source is required")
+        if source.startswith(OLLAMA_PREFIX):
+            raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, f"source {source!r} is in Ollama's store on each "
+                                                               "Mac: it is not fetched or copied")
+        if source.startswith(HUB_PREFIX):
+            from cluster.fleet import hub
+
+            return hub.canonical(source)
+        self.model_root(source)  # INVALID_ARGUMENT for a path
+        return source
+
+    def model_root(self, source: str) -> Path | None:
+        """The model `source` names on this node (a directory, a .gguf file or a hub
+        snapshot), or None."""
+        try:
+            return Path(find_model(self.models_dir, source, self.hub_cache))
+        except FleetError as e:
+            if e.code == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+
+    def _held(self, source: str) -> Path:
+        root = self.model_root(self._source(source))
+        if root is None:
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source!r} is not on node {self.node_id}")
+        return root
+
+    async def list_model_files(self, request: pb.ListModelFilesRequest) -> pb.ModelFiles:
+        root = self._held(request.source)
+        files = await asyncio.to_thread(transfer.list_files, root, _layers(request))
+        revision = root.name if request.source.startswith(HUB_PREFIX) else ""
+        return pb.ModelFiles(source=request.source, revision=revision, files=files)
+
+    async def read_model_file(self, request: pb.ReadModelFileRequest):
+        """The file's bytes from `request.offset`, in chunks; the path is checked before
+        anything is looked up."""
+        transfer.relative_path(request.path)
+        path = transfer.model_file(self._held(request.source), request.path)
+        size = path.stat().st_size
+        if request.offset > size:
+            raise FleetError(grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past the end of "
+                                                           f"{request.path} ({size} bytes)")
+        async for chunk in transfer.read_chunks(path, request.offset):
+            self.bytes_served += len(chunk)
+            yield chunk
+
+    async def describe_model(self, source: str) -> pb.DiskModel:
+        """The model's facts: from its files where this node holds it, else (an hf: source)
+        from the hub's metadata."""
+        from cluster.fleet import facts
+
+        source = self._source(source)
+        root = self.model_root(source)
+        if root is not None:
+            out = await asyncio.to_thread(facts.disk_model, root, self.platform)
+            if source.startswith(HUB_PREFIX):
+                out.name, out.fetched = source, True
+            return out
+        if not source.startswith(HUB_PREFIX):
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source!r} is not on node {self.node_id}")
+        from cluster.fleet import hub
+
+        return await asyncio.to_thread(hub.describe, source, self.hub_cache, self.platform)
+
+    async def fetch(self, request: pb.FetchModelRequest):
+        """FetchModel: follow the fetch of the source, starting it unless one is under way."""
+        source = self._source(request.source)
+        job = self.fetches.get(source)
+        if job is None:
+            job = self.fetches[source] = transfer.Fetch(source)
+            job.task = asyncio.create_task(self._run_fetch(job, request), name=f"orchard-fetch-{source}")
+        async for message in job.follow(FETCH_PROGRESS_S):
+            yield message
+
+    async def _run_fetch(self, job: transfer.Fetch, request: pb.FetchModelRequest) -> None:
+        try:
+            result = await self._fetch(job, request)
+            await self.refresh_models()  # the next report lists it
+            job.end(result)
+        except FleetError as e:
+            job.end(error=e)
+        except Exception as e:  # noqa: BLE001  (a bug must reach the caller, not end the agent)
+            log.exception("fetch of %s failed", job.source)
+            job.end(error=FleetError(grpc.StatusCode.INTERNAL, f"fetch of {job.source} failed: {e}"))
+        finally:
+            if self.fetches.get(job.source) is job:
+                del self.fetches[job.source]
+            self._report_now()
+
+    async def _fetch(self, job: transfer.Fetch, request: pb.FetchModelRequest) -> pb.FetchProgress:
+        """Here already; else from each peer in turn; else from the hub (hf: sources)."""
+        source = job.source
+        root = self.model_root(source)
+        if root is not None:
+            return pb.FetchProgress(**{"from": FROM_DISK}, done=True, path=str(root))
+        failures = []
+        for peer in request.peers:
+            if peer.node_id == self.node_id or not peer.address:
+                continue
+            try:
+                return await self._copy(job, peer, request)
+            except (FleetError, grpc.aio.AioRpcError) as e:
+                code, why = (e.code, e.message) if isinstance(e, FleetError) else (e.code(), e.details())
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and isinstance(e, FleetError):
+                    raise  # no room here: another peer would not help
+                self.transfer_totals[FROM_PEER].failures += 1
+                log.warning("copy of %s from %s failed (%s: %s)", source, peer.node_id, code.name, why)
+                failures.append(f"{peer.node_id}: {code.name}: {why}")
+        if source.startswith(HUB_PREFIX):
+            return await self._pull(job, request)
+        tried = f": {'; '.join(failures)}" if failures else ""
+        raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source!r} is not on node {self.node_id} and no peer "
+                                                    f"could copy it{tried or ' (none named)'}")
+
+    def _keep(self, source: str, protect) -> set[str]:
+        """The hub repositories the disk budget must not delete: protected, run by a worker
+        here, or being fetched."""
+        from cluster.fleet import hub
+
+        sources = {source, *protect, *self.fetches, *(w.spec.source for w in self.workers.values() if w.live)}
+        return {hub.parse_source(s).repo for s in sources if s.startswith(HUB_PREFIX)}
+
+    async def _make_room(self, source: str, need: int, protect, fetched: bool) -> list[str]:
+        """Delete the least recently used fetched models not kept until `need` bytes fit
+        (the budget counts only for `fetched` models); their names."""
+        repos = await asyncio.to_thread(disk.cached_repos, self.hub_cache)
+        try:
+            free = shutil.disk_usage(self.hub_cache if self.hub_cache.is_dir() else self.models_dir).free
+        except OSError:
+            free = 0
+        budget = (self.config.disk_budget or 0) if fetched else 0
+        doomed = disk.evictions(repos, need, budget, free, self._keep(source, protect), f"{source} on node "
+                                                                                       f"{self.node_id}")
+        for repo in doomed:
+            log.info("deleting fetched model %s (%s, last used %.0f s ago) to make room for %s", repo.repo,
+                     human(repo.bytes), disk.seconds_since_used(repo), source)
+            await asyncio.to_thread(disk.delete, repo)
+        if doomed:
+            await self.refresh_models()
+        return [f"{HUB_PREFIX}{repo.repo}" for repo in doomed]
+
+    def _peer_security(self):
+        return dataclasses.replace(self.config.security.client(), api_key=self.config.join_token)
+
+    async def _copy(self, job: transfer.Fetch, peer: pb.NodePeer, request: pb.FetchModelRequest) -> pb.FetchProgress:
+        source = job.source
+        started = time.monotonic()
+        async with channel(peer.address, self._peer_security(), options=CHANNEL_OPTIONS) as ch:
+            stub = pb_grpc.NodeStub(ch)
+            listing = await stub.ListModelFiles(pb.ListModelFilesRequest(
+                source=source, first_layer=request.first_layer, last_layer=request.last_layer), timeout=LIST_TIMEOUT_S)
+            dest = self._destination(source, listing)
+            files = list(listing.files)
+            total = sum(f.size for f in files)
+            need = total - await asyncio.to_thread(dest.present_bytes, files)
+            deleted = await self._make_room(source, need, request.protect, isinstance(dest, transfer.HubDestination))
+            job.begin(peer.node_id, total)
+            self._report_now()
+            copy = transfer.Copy(stub, source, files, dest, self.config.copy_streams,
+                                 transfer.TokenBucket(self.config.copy_bandwidth), job.add)
+            try:
+                path = await copy.run()
+            finally:
+                self.transfer_totals[FROM_PEER].bytes += copy.received
+        totals = self.transfer_totals[FROM_PEER]
+        totals.fetches += 1
+        totals.seconds += time.monotonic() - started
+        log.info("copied %s from %s (%s) in %.1f s", source, peer.node_id, human(total), time.monotonic() - started)
+        return pb.FetchProgress(**{"from": peer.node_id}, bytes_done=total, bytes_total=total, done=True,
+                                path=str(path), deleted=deleted)
+
+    def _destination(self, source: str, listing: pb.ModelFiles) -> transfer.Destination:
+        """Where the peer's files of `source` go here; DATA_LOSS for a listing that cannot
+        be the model's."""
+        from cluster.fleet import facts
+
+        if not listing.files:
+            raise FleetError(grpc.StatusCode.DATA_LOSS, f"the peer lists no files of {source}")
+        for f in listing.files:
+            transfer.relative_path(f.path)
+        if source.startswith(HUB_PREFIX):
+            from cluster.fleet import hub
+
+            parsed = hub.parse_source(source)
+            return transfer.HubDestination(self.hub_cache, parsed.repo, parsed.revision, listing.revision)
+        names = facts.model_names(source)
+        single = len(listing.files) == 1 and listing.files[0].path.endswith(".gguf")
+        name = listing.files[0].path if single else source
+        if name not in names:
+            raise FleetError(grpc.StatusCode.DATA_LOSS, f"the peer's {source} is {name!r}, not one of {names}")
+        return transfer.PlainDestination(self.models_dir, name, single)
+
+    async def _pull(self, job: transfer.Fetch, request: pb.FetchModelRequest) -> pb.FetchProgress:
+        """From the hub (huggingface_hub: resumable, checked against the hub's hashes)."""
+        from cluster.fleet import hub
+
+        source = job.source
+        started = time.monotonic()
+        try:
+            need = (await asyncio.to_thread(hub.describe, source, self.hub_cache, self.platform)).file_bytes
+        except FleetError:
+            need = 0  # the pull says what is wrong
+        deleted = await self._make_room(source, need, request.protect, fetched=True)
+        job.begin(FROM_HUB, need)
+        self._report_now()
+        loop = asyncio.get_running_loop()
+        totals = self.transfer_totals[FROM_HUB]
+        try:
+            path = await asyncio.to_thread(hub.pull, source, self.hub_cache, _layers(request),
+                                           lambda done, total: loop.call_soon_threadsafe(job.set, done, total))
+        except FleetError:
+            totals.failures += 1
+            raise
+        finally:
+            await asyncio.sleep(0)  # the progress the pull posted last
+            totals.bytes += job.bytes_done
+        totals.fetches += 1
+        totals.seconds += time.monotonic() - started
+        log.info("pulled %s from the hub in %.1f s", source, time.monotonic() - started)
+        return pb.FetchProgress(**{"from": FROM_HUB}, bytes_done=job.bytes_done, bytes_total=job.bytes_total,
+                                done=True, path=str(path), deleted=deleted)
+
+
+def _layers(request) -> tuple[int, int] | None:
+    """A pipeline rank's layers (`first_layer`..`last_layer`); None: every file."""
+    return (request.first_layer, request.last_layer) if request.first_layer or request.last_layer else None
+
 
 class NodeServicer(pb_grpc.NodeServicer):
     """The `Node` service: every call carries the join token as its bearer key."""
@@ -626,6 +909,36 @@ class NodeServicer(pb_grpc.NodeServicer):
     async def GetNodeReport(self, request, context):
         await self._authorize(context)
         return self.agent.report()
+
+    async def FetchModel(self, request, context):
+        await self._authorize(context)
+        try:
+            async for progress in self.agent.fetch(request):
+                yield progress
+        except FleetError as e:
+            await context.abort(e.code, e.message)
+
+    async def DescribeModel(self, request, context):
+        await self._authorize(context)
+        try:
+            return await self.agent.describe_model(request.source)
+        except FleetError as e:
+            await context.abort(e.code, e.message)
+
+    async def ListModelFiles(self, request, context):
+        await self._authorize(context)
+        try:
+            return await self.agent.list_model_files(request)
+        except FleetError as e:
+            await context.abort(e.code, e.message)
+
+    async def ReadModelFile(self, request, context):
+        await self._authorize(context)
+        try:
+            async for data in self.agent.read_model_file(request):
+                yield pb.FileChunk(data=data)
+        except FleetError as e:
+            await context.abort(e.code, e.message)
 
 
 # -- the command -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from cluster.security import SecurityConfig
 
 DEFAULT_MODELS_DIR = "~/.orchard/models"
 DEFAULT_STATE_DIR = "~/.orchard/node"
+MAX_COPY_STREAMS = 64
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,17 @@ class NodeConfig:
         metavar="SIZE")
     models_dir: str = setting(DEFAULT_MODELS_DIR, "where the models are: a catalog source names a directory "
                                                   "(with config.json) or a .gguf file in it", metavar="DIR")
+    hub_cache: str | None = setting(
+        None, "where models fetched from the hub or copied from another Mac go, in huggingface_hub's cache layout "
+              "(~/.cache/huggingface/hub shares mlx-lm's downloads; default: DIR/.hub under --models-dir)",
+        metavar="DIR")
+    disk_budget: ByteSize | None = setting(
+        None, "the fetched models' bytes at most this, e.g. 500GiB: the least recently used ones not in use are "
+              "deleted to make room (default: no limit but the disk's free space)", metavar="SIZE")
+    copy_bandwidth: ByteSize = setting(
+        ByteSize(0), "copying a model from another Mac reads at most SIZE per second, so that serving is not "
+                     "starved (0: no limit)", metavar="SIZE")
+    copy_streams: int = setting(4, "files copied from another Mac at once (default 4)", metavar="N")
     state_dir: str = setting(DEFAULT_STATE_DIR, "the agent's workers' logs and process ids, in a folder named "
                                                  "after the node id", metavar="DIR")
     max_loaded: int = setting(0, "models this node runs at once at most (0: no limit but memory)", metavar="N")
@@ -50,6 +62,10 @@ class NodeConfig:
             raise ValueError(f"--memory-budget must be a positive size, not {self.memory_budget}")
         if self.max_loaded < 0:
             raise ValueError(f"--max-loaded must be >= 0, not {self.max_loaded}")
+        if self.disk_budget is not None and self.disk_budget < 1:
+            raise ValueError(f"--disk-budget must be a positive size, not {self.disk_budget}")
+        if not 1 <= self.copy_streams <= MAX_COPY_STREAMS:
+            raise ValueError(f"--copy-streams must be in [1, {MAX_COPY_STREAMS}], not {self.copy_streams}")
         if not 0.05 <= self.heartbeat_interval <= 60:
             raise ValueError(f"--heartbeat-interval must be in [0.05, 60] seconds, not {self.heartbeat_interval}")
         for flag, value in (("--drain-timeout", self.drain_timeout), ("--stop-grace", self.stop_grace)):

@@ -64,6 +64,18 @@ class NodeSide(Protocol):
     async def wait_changed(self, timeout: float) -> bool:
         """Wait until a node reports or changes state, at most `timeout` seconds."""
 
+    async def fetch(self, node_id: str, request: pb.FetchModelRequest,
+                    progress: Callable[[pb.FetchProgress], None]) -> pb.FetchProgress:
+        """Bring the model's files onto the node: copied from `request.peers` in order, else
+        pulled from the hub (hf: sources); `progress` is told as bytes arrive. Returns the
+        last message (`done`, the path on the node, the fetched models deleted for room).
+        NOT_FOUND: no peer and no hub has it; RESOURCE_EXHAUSTED: no room under the node's
+        disk budget, with the numbers. No deadline of its own: the caller bounds it."""
+
+    async def describe(self, node_id: str, source: str) -> pb.DiskModel:
+        """The facts of `source` as the node would hold it, from its files there or (hf:)
+        from the hub's metadata without fetching it."""
+
 
 @dataclass(eq=False)
 class NodeRecord:
@@ -253,10 +265,7 @@ class AgentNodes:
         try:
             return await getattr(stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            code = e.code()
-            if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                code = grpc.StatusCode.UNAVAILABLE
-            raise FleetError(code, f"node {node_id}: {e.details() or code.name}") from None
+            raise _fleet_error(node_id, e) from None
 
     async def reserve_ports(self, node_id: str, count: int) -> list[int]:
         reply = await self._call(node_id, "ReservePorts", pb.ReservePortsRequest(count=count), self.rpc_timeout)
@@ -269,6 +278,25 @@ class AgentNodes:
         request = pb.StopWorkerRequest(worker_id=worker_id, drain_timeout_seconds=drain_timeout)
         return await self._call(node_id, "StopWorker", request, drain_timeout + STOP_GRACE_S, healthy=False)
 
+    async def fetch(self, node_id: str, request: pb.FetchModelRequest,
+                    progress: Callable[[pb.FetchProgress], None]) -> pb.FetchProgress:
+        stub = self._stub(node_id, healthy=True)
+        last = None
+        try:
+            async for message in stub.FetchModel(request):
+                last = message
+                if not message.done:
+                    progress(message)
+        except grpc.aio.AioRpcError as e:
+            raise _fleet_error(node_id, e) from None
+        if last is None or not last.done:
+            raise FleetError(grpc.StatusCode.UNAVAILABLE, f"node {node_id}: the fetch of {request.source} ended "
+                                                          "without its last message")
+        return last
+
+    async def describe(self, node_id: str, source: str) -> pb.DiskModel:
+        return await self._call(node_id, "DescribeModel", pb.DescribeModelRequest(source=source), self.rpc_timeout)
+
     async def report(self, node_id: str) -> pb.NodeReport:
         """The node's report now (not its last heartbeat's)."""
         return await self._call(node_id, "GetNodeReport", pb.GetNodeReportRequest(), self.rpc_timeout,
@@ -280,6 +308,13 @@ class AgentNodes:
             await agent.channel.close(grace=None)
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _fleet_error(node_id: str, error: grpc.aio.AioRpcError) -> FleetError:
+    code = error.code()
+    if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        code = grpc.StatusCode.UNAVAILABLE
+    return FleetError(code, f"node {node_id}: {error.details() or code.name}")
 
 
 # -- `orchard nodes list` ----------------------------------------------------------------------

@@ -308,6 +308,30 @@ class RayNodes:
         log.info("fleet: stopped %s on %s", worker_id, node_id)
         return worker.managed()
 
+    async def fetch(self, node_id: str, request: pb.FetchModelRequest, progress) -> pb.FetchProgress:
+        """A model the node holds is there already; Ray's nodes copy and pull nothing:
+        UNIMPLEMENTED for any other (put it in --models-dir on each node, or run node agents)."""
+        node = self._node(node_id)
+        if not (request.source.startswith(OLLAMA_PREFIX) or self._held(node, request.source)):
+            raise FleetError(grpc.StatusCode.UNIMPLEMENTED,
+                             f"model {request.source!r} is not on Ray node {node_id}, and the fleet over Ray copies "
+                             f"and pulls no models: put it in {self.models_dir} on that node, or run node agents "
+                             "(`orchard node serve`)")
+        return pb.FetchProgress(**{"from": "disk"}, done=True, path=self._model_path(node_id, node, request.source))
+
+    async def describe(self, node_id: str, source: str) -> pb.DiskModel:
+        """The facts of a model some node holds (the probes'); UNIMPLEMENTED for any other."""
+        for node in self._nodes.values():
+            if node.report is not None and self._held(node, source):
+                return next(m for m in node.report.models for name in facts.model_names(source) if m.name == name)
+        raise FleetError(grpc.StatusCode.UNIMPLEMENTED, f"no Ray node holds model {source!r}, and the fleet over "
+                                                        "Ray describes only models on its nodes")
+
+    @staticmethod
+    def _held(node: _Node, source: str) -> bool:
+        held = {m.name for m in node.report.models if not m.error}
+        return any(name in held for name in facts.model_names(source))
+
     async def wait_changed(self, timeout: float) -> bool:
         """True when the reports changed (a refresh, a start, a stop) since the last call,
         or do within `timeout` s. Refreshes run in their own task: a caller that gives up

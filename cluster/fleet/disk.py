@@ -1,0 +1,103 @@
+"""The disk budget of a node's fetched models (node side; no MLX).
+
+Fetched models are the repositories in the agent's hub cache (`--hub-cache`, in
+huggingface_hub's layout): pulled from the hub or copied from a peer, they are the agent's
+to delete. Models a user put in `--models-dir` never are. When a fetch needs room, under
+`--disk-budget` (the fetched models' bytes at most that) and within the disk's free space,
+the least recently used repositories go first (a repository is used when a worker starts on
+it: its snapshot's modification time, so the order outlives the agent), never one that is
+protected (pinned, or loaded anywhere in the fleet) or that a worker here runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from cluster.config import human_bytes as human
+from cluster.fleet import FleetError
+
+REPO_PREFIX = "models--"
+
+
+@dataclass(frozen=True)
+class CachedRepo:
+    repo: str  # ORG/NAME
+    path: Path
+    bytes: int  # its blobs (partial ones too)
+    last_used: float  # wall-clock seconds: its newest snapshot's modification time
+
+
+def repo_folder(repo: str) -> str:
+    """huggingface_hub's folder for a model repository: models--ORG--NAME."""
+    return REPO_PREFIX + repo.replace("/", "--")
+
+
+def cached_repos(cache: Path) -> list[CachedRepo]:
+    """The model repositories in the hub cache at `cache`."""
+    try:
+        folders = [p for p in Path(cache).iterdir() if p.name.startswith(REPO_PREFIX) and p.is_dir()]
+    except OSError:
+        return []
+    repos = []
+    for folder in folders:
+        try:
+            size = sum(f.stat().st_size for f in (folder / "blobs").iterdir() if f.is_file())
+        except OSError:
+            size = 0
+        try:
+            used = max((s.stat().st_mtime for s in (folder / "snapshots").iterdir()), default=folder.stat().st_mtime)
+        except OSError:
+            used = 0.0
+        repos.append(CachedRepo(folder.name[len(REPO_PREFIX):].replace("--", "/"), folder, size, used))
+    return repos
+
+
+def touch(snapshot: Path) -> None:
+    """Mark the snapshot's repository used now (LRU)."""
+    try:
+        os.utime(snapshot)
+    except OSError:
+        pass
+
+
+def seconds_since_used(repo: CachedRepo, now: float | None = None) -> float:
+    return max(0.0, (time.time() if now is None else now) - repo.last_used)
+
+
+def evictions(repos: list[CachedRepo], need: int, budget: int, disk_free: int, keep: set[str],
+              what: str) -> list[CachedRepo]:
+    """The repositories to delete, least recently used first, so that `need` more bytes fit
+    both the `budget` (0: none) and `disk_free`; never one in `keep`. RESOURCE_EXHAUSTED
+    naming the numbers when even deleting every other one would not make room (nothing is
+    chosen then)."""
+    used = sum(r.bytes for r in repos)
+    free = disk_free
+
+    def short() -> bool:
+        return (budget > 0 and used + need > budget) or need > free
+
+    chosen = []
+    for repo in sorted((r for r in repos if r.repo not in keep), key=lambda r: r.last_used):
+        if not short():
+            break
+        chosen.append(repo)
+        used, free = used - repo.bytes, free + repo.bytes
+    if short():
+        kept = sorted(r.repo for r in repos if r.repo in keep)
+        budget_words = f"--disk-budget {human(budget)} holds {human(sum(r.bytes for r in repos))} of fetched " \
+                       f"models, " if budget else ""
+        raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"{what} needs {human(need)} more on disk: {budget_words}the disk has {human(disk_free)} "
+                         f"free, and the fetched models that could make room are in use or protected "
+                         f"({', '.join(kept) or 'none'})")
+    return chosen
+
+
+def delete(repo: CachedRepo) -> None:
+    shutil.rmtree(repo.path, ignore_errors=True)
