@@ -1392,3 +1392,23 @@ def test_fetch_and_replacement_metrics(tmp_path):
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_second_router_leaves_the_group_the_first_formed_again_alone(tmp_path):
+    async def main():
+        a = fleet(tmp_path, budgets=(5.0, 5.0, 5.0), models=(("big", 7.0),), router_id="router-a")
+        b = Router(tmp_path, router_id="router-b", nodes=a.nodes, clock=a.clock)
+        a.nodes.reports["mac-3"].memory_reserved_bytes = 5 * 2**30
+        await a.controller.load("big")
+        a.nodes.reports["mac-3"].memory_reserved_bytes = 0
+        lose(a, a.nodes.started[1][0])
+        await replaced(a, "big", 4)
+        formed = {spec.worker_id for _, spec in a.nodes.started[2:]}
+        stopped = list(a.nodes.stopped)
+        assert b.controller.replace_lost() == ["big"]  # b abandons the worker on the node lost ...
+        await wait_for(lambda: b.controller.serving("big") and not b.controller._replacing, "b finding a's group")
+        assert a.nodes.stopped == stopped and len(a.nodes.started) == 4  # ... and stops nothing of a's
+        assert formed == {p.worker_id for p in b.controller.describe("big").placements}
+        await a.nodes.close()
+
+    run(main())

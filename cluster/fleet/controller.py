@@ -1018,7 +1018,11 @@ class FleetController:
             if model not in names or not any(m.node_id in lost for m in live) or model in self._replacing:
                 continue
             gone = [m for m in live if m.node_id in lost]
-            left = [(m.node_id, m.worker.worker_id) for m in live if m.node_id not in lost]
+            broken = {_group_id(m.worker) for m in gone if m.worker.group_size > 1}
+            # the ranks left of its groups that lost a member; never its other workers (another
+            # replica, or those another router placed again already)
+            left = [(m.node_id, m.worker.worker_id) for m in live
+                    if m.node_id not in lost and m.worker.group_size > 1 and _group_id(m.worker) in broken]
             log.warning("fleet: %s lost with %s's node %s: placing it again", model,
                         ", ".join(m.worker.worker_id for m in gone), _and(sorted({m.node_id for m in gone})))
             for m in gone:
@@ -1205,6 +1209,13 @@ def _fetch_layers(rank: placement.Rank, num_layers: int) -> tuple[int, int]:
     may move a boundary by a few layers from the plan's."""
     margin = max(FETCH_MARGIN_LAYERS, (rank.last_layer - rank.first_layer + 1) // 4)
     return max(rank.first_layer - margin, 0), min(rank.last_layer + margin, max(num_layers - 1, 0))
+
+
+def _group_id(worker: pb.ManagedWorker) -> str:
+    """The id of a group member's group: its rank 0's worker id (`_start_group` names rank r
+    `GROUP-rank-r`)."""
+    suffix = f"-rank-{worker.group_rank}"
+    return worker.worker_id.removesuffix(suffix) if worker.group_rank else worker.worker_id
 
 
 def _worker_id(model: str, where: str) -> str:
