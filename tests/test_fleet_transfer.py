@@ -540,12 +540,18 @@ def test_the_disk_budget_deletes_the_least_recently_used_fetched_model_never_a_k
             assert (b.hub_cache / disk.repo_folder("acme/pinned")).exists() and plain.exists()
             assert b.report().disk_used_bytes == 3 * size
 
-            # no room unless a protected model or one in use went: refused with the numbers
+            # no room unless a protected model or one a worker here runs went: refused with the numbers
+            from cluster.fleet.agent import RUNNING, ManagedProcess
+
+            worker = ManagedProcess(pb.WorkerSpec(worker_id="w-1", model="newer", source="hf:acme/newer"), [],
+                                    tmp_path / "w.log", tmp_path / "w.pid", "", state=RUNNING)
+            b.workers[worker.spec.worker_id] = worker
             hub_snapshot(a.hub_cache, "acme/big", hub_files(seed=7, weights=weights))
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await fetch(b, "hf:acme/big", a, protect=["hf:acme/pinned", "hf:acme/newer", SOURCE])
+                await fetch(b, "hf:acme/big", a, protect=["hf:acme/pinned", SOURCE])
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "--disk-budget" in e.value.details() and "acme/pinned" in e.value.details()
+            assert "--disk-budget" in e.value.details() and "acme/newer" in e.value.details()
+            del b.workers[worker.spec.worker_id]
             assert all((b.hub_cache / disk.repo_folder(r)).exists() for r in ("acme/pinned", "acme/newer", REPO))
 
     run(go())
@@ -609,3 +615,15 @@ def test_the_routers_node_side_fetches_and_describes_through_an_agent(tmp_path):
                 await nodes.close()
 
     run(go())
+
+
+def test_orchard_nodes_list_shows_a_nodes_fetches_and_its_disk_budget():
+    from cluster.fleet.nodes import format_nodes
+
+    report = pb.NodeReport(node_id="mac-2", disk_budget_bytes=100 << 30, disk_used_bytes=40 << 30, transfers=[
+        pb.Transfer(source="dense", **{"from": "mac-1"}, bytes_done=3 << 30, bytes_total=8 << 30, seconds=12),
+        pb.Transfer(source=SOURCE, **{"from": "hub"}, bytes_done=MiB, seconds=1)])
+    table = format_nodes([pb.NodeInfo(report=report, state="healthy")])
+    assert "fetched models: 40.0 GiB of its --disk-budget 100.0 GiB" in table
+    assert "copying dense from mac-1 37% (3.0 GiB in 12 s)" in table
+    assert f"pulling {SOURCE} from hub (1 MiB in 1 s)" in table

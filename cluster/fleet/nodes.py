@@ -321,7 +321,8 @@ def _fleet_error(node_id: str, error: grpc.aio.AioRpcError) -> FleetError:
 def format_nodes(nodes: list[pb.NodeInfo]) -> str:
     """One row per node: its state, platform, memory (budget, reserved for its workers,
     free of the budget), free disk and how many models it holds and runs; beneath it the
-    models on its disk and each worker it runs."""
+    models on its disk, what its fetched models take, the fetches under way and each worker
+    it runs."""
     header = ("NODE", "STATE", "PLATFORM", "BUDGET", "RESERVED", "FREE", "DISK FREE", "MODELS", "WORKERS")
     rows = [header]
     for n in nodes:
@@ -343,6 +344,14 @@ def format_nodes(nodes: list[pb.NodeInfo]) -> str:
             out.append("  on disk: " + ", ".join(
                 f"{m.name} ({human_bytes(m.weight_bytes)})" if not m.error else f"{m.name} (unreadable: {m.error})"
                 for m in r.models))
+        if r.disk_budget_bytes or r.disk_used_bytes:
+            budget = f" of its --disk-budget {human_bytes(r.disk_budget_bytes)}" if r.disk_budget_bytes else ""
+            out.append(f"  fetched models: {human_bytes(r.disk_used_bytes)}{budget}")
+        for t in r.transfers:
+            share = f" {100 * t.bytes_done // t.bytes_total}%" if t.bytes_total else ""
+            origin = getattr(t, "from")
+            out.append(f"  {'pulling' if origin == 'hub' else 'copying'} {t.source} from {origin}{share} "
+                       f"({human_bytes(t.bytes_done)} in {t.seconds:.0f} s)")
         for w in r.workers:
             group = f", rank {w.group_rank} of {w.group_size}" if w.group_size > 1 else ""
             ended = f", exit {w.exit_code}: {w.reason}" if w.state == "exited" else ""
