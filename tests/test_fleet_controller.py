@@ -580,7 +580,11 @@ def test_router_serve_refuses_bad_fleet_flags_in_one_line(tmp_path, capsys):
     catalog = str(tmp_path / "c.db")
     for fleet_config, words in ((FleetConfig(catalog=catalog, default_keep_alive="soon"), "--default-keep-alive"),
                                 (FleetConfig(catalog=catalog, load_timeout=0), "--load-timeout must be > 0"),
-                                (FleetConfig(catalog=catalog, fleet_context=0), "--fleet-context must be >= 1")):
+                                (FleetConfig(catalog=catalog, fleet_context=0), "--fleet-context must be >= 1"),
+                                (FleetConfig(catalog=catalog, scale_up_wait=0), "--scale-up-wait must be > 0 seconds"),
+                                (FleetConfig(catalog=catalog, scale_window=float("nan")), "--scale-window must be > 0"),
+                                (FleetConfig(catalog=catalog, scale_window=60, scale_down_idle=30),
+                                 "--scale-down-idle must be at least --scale-window (60 s), got 30")):
         assert serve(RouterConfig(grpc_address="127.0.0.1:0", http_address=None, metrics_address=None,
                                   fleet=fleet_config)) == 2
         err = capsys.readouterr().err

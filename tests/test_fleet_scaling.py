@@ -55,13 +55,13 @@ def test_a_change_starts_a_window_one_change_per_window():
 def test_too_few_waits_or_half_of_them_slow_add_nothing():
     t = traffic()
     for i in range(MIN_WAITS - 1):
-        t.waited(float(i), 60.0)
+        t.waited(10.0 + i, 6.0)
     assert decide(t, BOUNDS, 30.0).delta == 0
     t = traffic()
     for i in range(10):
-        t.waited(float(i), 5.0 if i % 2 else 0.1)  # the lower median is fast
+        t.waited(10.0 + i, 5.0 if i % 2 else 0.1)  # the lower median is fast
     assert decide(t, BOUNDS, 30.0).delta == 0
-    t.waited(11.0, 5.0)
+    t.waited(21.0, 5.0)
     assert decide(t, BOUNDS, 30.0).delta == +1
 
 
@@ -135,6 +135,17 @@ def test_bounds_every_count():
             else:
                 assert b.floor <= r + d.delta <= b.ceiling, (lo, hi, r, wait)
                 assert d.delta == (+1 if wait and r < b.ceiling else -1 if not wait and r > b.floor else 0)
+
+
+def test_requests_that_arrived_before_the_window_do_not_count():
+    """A burst held while the model loaded (or served by the replicas before the last
+    change) waited long for reasons another replica does not cure."""
+    t = traffic(since=100.0)
+    for i in range(50):
+        t.waited(100.5 + i / 10, 60.0)  # first tokens after the load, for requests that arrived during it
+    assert decide(t, BOUNDS, 130.0).delta == 0
+    steady(t, 110, 130, wait=5.0, in_flight=8)
+    assert decide(t, BOUNDS, 130.0).delta == +1
 
 
 def test_no_change_in_a_window_that_has_not_run():

@@ -3,6 +3,7 @@ catalog the router runs no fleet and serves only the workers that register with 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cluster.config import setting
@@ -30,9 +31,27 @@ class FleetConfig:
         DEFAULT_CONCURRENCY, "requests of full context the KV pool of a placed worker holds at once (the footprint "
                              "counts that pool)", metavar="N")
 
+    scale_up_wait: float = setting(
+        2.0, "a catalog model gets one more replica (up to its --max-replicas) when more than half its requests "
+             "over a --scale-window waited longer than this for their first token (from their arrival at the "
+             "router)", metavar="SECONDS")
+    scale_window: float = setting(
+        30.0, "the span a model's waits are judged over; its replicas change at most once in it", metavar="SECONDS")
+    scale_down_idle: float = setting(
+        120.0, "a model's replicas come down one (to its --min-replicas) when for this long one fewer would have "
+               "carried its requests in flight at half their slots, and its waits stayed under half "
+               "--scale-up-wait", metavar="SECONDS")
+
     @property
     def enabled(self) -> bool:
         return bool(self.catalog)
+
+    @property
+    def scale_policy(self):
+        """The replica rule's settings (`cluster.fleet.scaling`)."""
+        from cluster.fleet.scaling import ScalePolicy
+
+        return ScalePolicy(self.scale_up_wait, self.scale_window, self.scale_down_idle)
 
     def check(self) -> None:
         """ValueError naming the flag, the limit and the value."""
@@ -45,6 +64,12 @@ class FleetConfig:
             raise ValueError(f"--fleet-context must be >= 1 token, got {self.fleet_context}")
         if self.fleet_concurrency < 1:
             raise ValueError(f"--fleet-concurrency must be >= 1, got {self.fleet_concurrency}")
+        for flag, value in (("--scale-up-wait", self.scale_up_wait), ("--scale-window", self.scale_window)):
+            if not 0 < value < math.inf:
+                raise ValueError(f"{flag} must be > 0 seconds, got {value:g}")
+        if not self.scale_window <= self.scale_down_idle < math.inf:
+            raise ValueError(f"--scale-down-idle must be at least --scale-window ({self.scale_window:g} s), "
+                             f"got {self.scale_down_idle:g}")
         try:
             parse_duration(self.default_keep_alive, "--default-keep-alive")
         except FleetError as e:  # it names the flag and the forms it takes

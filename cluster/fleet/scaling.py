@@ -23,8 +23,8 @@ Hysteresis: up needs waits above the threshold; down needs waits below half of i
 load that one replica fewer carries at half its slots. Between the two nothing changes.
 A window starts when the model is loaded and at each change of its replica count (by this
 rule or any other: a replica lost, another router's change), so there is at most one
-change per window per model, and each decision weighs only what was seen since the last
-change: the traffic the replicas of now served.
+change per window per model, and each decision weighs only the requests that arrived since
+the last change: the traffic the replicas of now served (not a burst held while it loaded).
 """
 
 from __future__ import annotations
@@ -103,7 +103,11 @@ class Traffic:
         return self.buckets[-1]
 
     def waited(self, now: float, seconds: float) -> None:
-        """A request's wait for its first token (or its failure), ended at `now`."""
+        """A request's wait for its first token (or its failure), ended at `now`. One that
+        arrived before the window's start is the traffic of the replicas before (or of the
+        load: a request held while the model loaded), and is not counted."""
+        if now - seconds < self.since:
+            return
         b = self._bucket(now)
         b.waits += 1
         b.slow += seconds > self.policy.up_wait
