@@ -48,7 +48,8 @@ FLEET_METRICS = {
     "orchard_fleet_models_loaded", "orchard_fleet_loads_total", "orchard_fleet_unloads_total",
     "orchard_fleet_load_seconds", "orchard_fleet_load_wait_seconds", "orchard_fleet_footprint_error_ratio",
     "orchard_fleet_node_memory_bytes", "orchard_fleet_fetch_bytes_total", "orchard_fleet_fetch_seconds_total",
-    "orchard_fleet_fetches_total", "orchard_fleet_replacements_total",
+    "orchard_fleet_fetches_total", "orchard_fleet_replacements_total", "orchard_fleet_replicas",
+    "orchard_fleet_scale_events_total",
 }
 PANEL_TYPES = {"row", "timeseries", "stat", "gauge", "bargauge", "table", "heatmap", "text"}
 

@@ -7,6 +7,7 @@ never a pinned one), load failures reaching held requests at once, an unknown mo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import grpc
@@ -22,7 +23,7 @@ from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router.metrics import RouterMetrics
 from cluster.router.policy import make_policy
 from cluster.router.proxy import ProxyConfig, RouterBackend
-from cluster.router.registry import Registry
+from cluster.router.registry import DRAINING, Registry
 from tests.conftest import run
 from tests.fake_nodes import FakeNodes, ServingNodes, disk_model
 
@@ -1414,5 +1415,222 @@ def test_a_second_router_leaves_the_group_the_first_formed_again_alone(tmp_path)
         assert a.nodes.stopped == stopped and len(a.nodes.started) == 4  # ... and stops nothing of a's
         assert formed == {p.worker_id for p in b.controller.describe("big").placements}
         await a.nodes.close()
+
+    run(main())
+
+
+# -- replicas that follow traffic -------------------------------------------------------------------
+
+def hot_fleet(tmp_path, budgets=(5.0, 5.0, 5.0), models=(("hot", 3.0),), min_replicas=1, max_replicas=3,
+              **kw) -> Router:
+    """Nodes with room for one model each; "hot" never unloaded for idleness, 4 slots a replica."""
+    r = fleet(tmp_path, budgets=budgets, models=models, scale_up_wait=2.0, scale_window=30.0,
+              scale_down_idle=120.0, **kw)
+    r.add("hot", keep_alive_seconds=-1, min_replicas=min_replicas, max_replicas=max_replicas,
+          engine_args=["--max-num-seqs", "4"], replace=True)
+    return r
+
+
+async def step(r: Router, seconds: float = 1.0, waits: list[float] = ()) -> list[tuple[str, int]]:
+    """`waits` told, the clock moved on `seconds`, and the controller's replica step taken, to
+    the end of the changes it began."""
+    for wait in waits:
+        r.controller.request_waited("hot", wait)
+    r.clock.now += seconds
+    begun = r.controller.scale()
+    await wait_for(lambda: not any(r.controller.scaling(m) for m, _ in begun), "the replica change")
+    return begun
+
+
+def replica_nodes(r: Router, model: str = "hot") -> list[str]:
+    """The node of each live replica (rank 0) of `model`."""
+    return sorted(members[0].node_id for members in r.controller.placed().get(model).replicas().values())
+
+
+def test_a_hot_models_replicas_grow_to_max_one_per_window_and_shrink_back_when_the_load_ends(tmp_path):
+    async def main():
+        r = hot_fleet(tmp_path)
+        await r.controller.load("hot")
+        for _ in range(8):  # twice what a replica's slots hold, all the time
+            r.controller.request_started("hot")
+        r.nodes.load_delay = 2.0  # long enough to look at it while it loads
+        for _ in range(31):  # the first window, and a replica added at its end
+            r.clock.now += 1
+            r.controller.request_waited("hot", 5.0)
+            r.controller.scale()
+        await wait_for(lambda: len(r.nodes.started) == 2, "the second replica's start")
+        described = r.controller.describe("hot")  # the model serves while its replica loads
+        assert described.state == "serving" and "a replica loading on" in described.status, described.status
+        await wait_for(lambda: not r.controller.scaling("hot"), "the second replica")
+        r.nodes.load_delay = 0.05
+        changes = [(r.clock.now, +1)]
+        for _ in range(200):
+            changes += [(r.clock.now, delta) for _, delta in await step(r, waits=[5.0] * 3)]
+            nodes = replica_nodes(r)
+            assert len(nodes) == len(set(nodes)) <= 3  # never two on a node, never past max_replicas
+        assert [delta for _, delta in changes] == [+1, +1]
+        assert replica_nodes(r) == ["mac-1", "mac-2", "mac-3"]
+        assert r.controller.describe("hot").replicas == 3 and r.sample("orchard_fleet_replicas", model="hot") == 3
+        for _ in range(8):  # the load ends
+            r.controller.request_finished("hot")
+        for _ in range(400):
+            changes += [(r.clock.now, delta) for _, delta in await step(r)]
+        assert [delta for _, delta in changes] == [+1, +1, -1, -1]
+        times = [t for t, _ in changes]
+        assert all(later - earlier >= 30.0 for earlier, later in zip(times, times[1:]))  # one change a window
+        assert times[2] - times[1] >= 120.0  # down after --scale-down-idle
+        assert len(replica_nodes(r)) == 1 and len(r.nodes.stopped) == 2
+        started = [spec.worker_id for _, spec in r.nodes.started]
+        assert len(started) == len(set(started)) == 3
+        assert r.catalog.placements("hot")[0].worker_id not in r.nodes.stopped and len(r.catalog.placements("hot")) == 1
+        assert r.sample("orchard_fleet_scale_events_total", model="hot", direction="up") == 2
+        assert r.sample("orchard_fleet_scale_events_total", model="hot", direction="down") == 2
+        assert r.sample("orchard_fleet_replicas", model="hot") == 1
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_waits_between_the_thresholds_neither_add_nor_remove_replicas(tmp_path):
+    """Two replicas, then waits hovering under --scale-up-wait but over half of it, with one
+    request in flight (one replica would carry it at a quarter of its slots): no change, as
+    without hysteresis it would come down; waits around the threshold only ever add."""
+    async def main():
+        r = hot_fleet(tmp_path)
+        await r.controller.load("hot")
+        r.controller.request_started("hot")
+        for _ in range(31):
+            await step(r, waits=[5.0] * 3)
+        assert len(replica_nodes(r)) == 2
+        for _ in range(600):
+            assert await step(r, waits=[1.5] * 3) == []
+        hovering = itertools.cycle([1.1, 2.9, 1.9, 2.1, 2.5, 1.4])
+        changes = []
+        for _ in range(600):
+            changes += [delta for _, delta in await step(r, waits=[next(hovering) for _ in range(3)])]
+        assert -1 not in changes
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_replica_goes_only_to_a_node_without_one_evicting_an_idle_model_there(tmp_path):
+    async def main():
+        r = hot_fleet(tmp_path, models=(("hot", 3.0), ("other", 3.0)))
+        await r.controller.load("other")
+        await r.controller.load("hot")
+        other_node = r.controller.placed()["other"].node_ids
+        for _ in range(8):
+            r.controller.request_started("hot")
+        for _ in range(70):
+            await step(r, waits=[5.0] * 3)
+        assert replica_nodes(r) == ["mac-1", "mac-2", "mac-3"]  # the third where "other" was, evicted
+        assert "other" not in r.controller.replica_counts() and other_node[0] in replica_nodes(r)
+        assert r.sample("orchard_fleet_unloads_total", model="other", reason="evicted") == 1
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_no_node_without_a_replica_no_more_replicas(tmp_path):
+    async def main():
+        r = hot_fleet(tmp_path, budgets=(8.0, 8.0))  # room for two replicas on each node
+        await r.controller.load("hot")
+        for _ in range(8):
+            r.controller.request_started("hot")
+        for _ in range(200):
+            await step(r, waits=[5.0] * 3)
+        assert replica_nodes(r) == ["mac-1", "mac-2"] and len(r.nodes.started) == 2
+        assert "no node without a replica of it has room" in r.controller._scale_failed["hot"]
+        assert r.controller.describe("hot").state == "serving"
+        await r.nodes.close()
+
+    run(main())
+
+
+async def two_replicas(r: Router, in_flight: int) -> list[str]:
+    """"hot" grown to two replicas under a sustained wait, then `in_flight` requests left
+    in flight: the replicas' worker ids."""
+    await r.controller.load("hot")
+    for _ in range(8):
+        r.controller.request_started("hot")
+    for _ in range(31):
+        await step(r, waits=[5.0] * 3)
+    for _ in range(8 - in_flight):
+        r.controller.request_finished("hot")
+    return sorted(r.controller.placed()["hot"].replicas())
+
+
+def test_a_replica_removed_is_drained_its_requests_in_flight_finish(tmp_path):
+    async def main():
+        r = hot_fleet(tmp_path)
+        ids = await two_replicas(r, in_flight=2)
+        for worker_id in ids:  # one request on each (as the proxy counts them)
+            r.registry.find(worker_id).inflight = 1
+        begun = []
+        for _ in range(130):
+            r.clock.now += 1
+            begun = r.controller.scale()
+            if begun:
+                break
+        assert begun == [("hot", -1)]
+        await wait_for(lambda: any(r.registry.find(w).state == DRAINING for w in ids), "the drain")
+        victim = next(w for w in ids if r.registry.find(w).state == DRAINING)
+        assert [w.worker_id for w in r.registry.candidates("hot")] == [w for w in ids if w != victim]
+        await asyncio.sleep(0.5)
+        assert r.controller.scaling("hot") and r.nodes.stopped == []  # its request runs on
+        r.registry.find(victim).inflight = 0  # it finished
+        await wait_for(lambda: not r.controller.scaling("hot"), "the removal's end")
+        assert r.nodes.stopped == [victim] and len(replica_nodes(r)) == 1
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_the_replica_removed_is_the_one_with_the_fewest_requests_in_flight(tmp_path):
+    async def main():
+        r = hot_fleet(tmp_path)
+        busy, quiet = await two_replicas(r, in_flight=2)
+        r.registry.find(busy).inflight = 2
+        for _ in range(130):
+            await step(r)
+        assert r.nodes.stopped == [quiet]
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_min_replicas_are_placed_at_load_each_on_its_own_node(tmp_path):
+    async def main():
+        r = hot_fleet(tmp_path, min_replicas=3, max_replicas=0)
+        await r.controller.load("hot")
+        assert await step(r, 0.0) == [("hot", +1)]
+        assert await step(r, 0.0) == [("hot", +1)]
+        assert await step(r, 0.0) == []
+        assert replica_nodes(r) == ["mac-1", "mac-2", "mac-3"]
+        for _ in range(400):  # idle: never below min_replicas
+            assert await step(r) == []
+        described = r.controller.describe("hot")
+        assert (described.replicas, described.min_replicas, described.max_replicas) == (3, 3, 0)
+        assert described.status.startswith("serving on ")
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_the_proxy_tells_the_controller_each_requests_wait_for_its_first_token(tmp_path):
+    async def main():
+        r = fleet(tmp_path, nodes_cls=ServingNodes, connect=True)
+        from cluster.api.wire import build_request
+
+        told = []
+        r.controller.request_waited = lambda model, seconds: told.append((model, seconds))
+        request = build_request("hello", model="small", max_tokens=5)
+        chunks = [c async for c in r.backend.generate(request, timeout=60)]
+        assert chunks[-1].finish_reason
+        assert len(told) == 1 and told[0][0] == "small" and 0 < told[0][1] < 60  # once, held for its load too
+        chunks = [c async for c in r.backend.generate(request, timeout=60)]
+        assert len(told) == 2
+        await r.nodes.close()
 
     run(main())

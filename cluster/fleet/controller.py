@@ -42,6 +42,14 @@ on one node if it now fits), while its requests wait in the router's hold. A nod
 comes back is a candidate again with the files it holds; the workers it still runs of
 models placed elsewhere since are stopped.
 
+Replicas (`scale`, every tick; the rule is `cluster.fleet.scaling`'s): a loaded model has
+between max(min_replicas, 1) and max_replicas replicas, each a worker or a group. The proxy
+tells the controller each request's wait for its first token (`request_waited`). One more
+is placed as a load is, under the model's claim, on a node that runs none of its replicas
+(idle models evicted there if the placement rule allows); one fewer is the replica with
+the fewest requests in flight, taken out of the router's pool and drained before it stops.
+A model's first replica is its load; the others up to min_replicas follow at once.
+
 After a router restart (`run`), the controller takes the nodes' reports as the truth: a
 placement the catalog records whose worker no node reports is forgotten, a worker a node
 runs for a catalog model is the model's (nothing is loaded twice), and one it runs for a
@@ -64,7 +72,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from cluster.fleet import FleetError, facts, footprint, placement
+from cluster.fleet import FleetError, facts, footprint, placement, scaling
 from cluster.fleet.catalog import Placement, parse_duration, worker_flags
 from cluster.fleet.config import FleetConfig
 from cluster.fleet.metrics import FOUND, LOADED
@@ -164,6 +172,14 @@ class _Placed:
     def node_ids(self) -> list[str]:
         return sorted({m.node_id for m in self.members})
 
+    def replicas(self) -> dict[str, list[Member]]:
+        """Its live replicas: rank 0's worker id -> the replica's members (a worker alone,
+        or a group's ranks, rank 0 first)."""
+        out: dict[str, list[Member]] = {}
+        for m in sorted((m for m in self.members if m.live), key=lambda m: m.worker.group_rank):
+            out.setdefault(_group_id(m.worker), []).append(m)
+        return out
+
 
 class FleetController:
     """The router's fleet (the module docstring says how it loads and unloads). It runs on
@@ -207,6 +223,11 @@ class FleetController:
         # any more; stopped if their node comes back still running them (`replace_lost`)
         self._abandoned: dict[str, str] = {}
         self._replacing: dict[str, asyncio.Task] = {}  # model -> stopping a group's ranks left, then its load
+        self.scale_policy = config.scale_policy
+        self._traffic: dict[str, scaling.Traffic] = {}  # loaded model -> its traffic, as the replica rule sees it
+        self._scaling: dict[str, asyncio.Task] = {}  # model -> its replica being added or removed
+        self._avoid: dict[str, frozenset[str]] = {}  # model -> nodes a replica being added may not go to
+        self._scale_failed: dict[str, str] = {}  # model -> why its last replica could not be added (logged once)
         self._started = clock()
         if metrics is not None:
             metrics.watch(self)
@@ -253,12 +274,26 @@ class FleetController:
         use = self._use.setdefault(model, _Use(idle_since=self.clock()))
         use.active += 1
         use.keep_alive = keep_alive  # Ollama's: each request's own; one without it, the model's
+        self._count_in_flight(model, use.active)
+
+    def request_waited(self, model: str, seconds: float) -> None:
+        """A request's wait for its first token, from its arrival here (told at its first
+        token, or at its end when it failed before one): what replicas follow."""
+        traffic = self._traffic.get(model)
+        if traffic is not None:
+            traffic.waited(self.clock(), seconds)
+
+    def _count_in_flight(self, model: str, count: int) -> None:
+        traffic = self._traffic.get(model)
+        if traffic is not None:
+            traffic.in_flight(self.clock(), count)
 
     def request_finished(self, model: str) -> None:
         use = self._use.get(model)
         if use is None or use.active == 0:
             return
         use.active -= 1
+        self._count_in_flight(model, use.active)
         now = self.clock()
         use.uses = placement.used(use.uses, use.idle_since, now)
         use.idle_since = now
@@ -530,7 +565,8 @@ class FleetController:
     def _plan(self, model: str, entry: pb.CatalogModel) -> tuple[placement.Plan, dict, bool]:
         """(the plan now, the footprints per node, whether a NoRoom would be a plan once the
         busy models are idle)."""
-        nodes = self.nodes.nodes()
+        avoid = self._avoid.get(model, frozenset())  # an added replica's: the nodes that run one
+        nodes = [n for n in self.nodes.nodes() if n.report.node_id not in avoid]
         name = source_name(entry.source)
         healthy = [n for n in nodes if n.state == "healthy"]
         footprints = self._footprints(entry, healthy)
@@ -924,24 +960,32 @@ class FleetController:
             if not members:
                 return
             log.info("fleet: unloading %s (%s) from %s", model, reason, _and(sorted({m.node_id for m in members})))
-            # rank 0 first: it drains the group's requests and then stops its members (its STOP
-            # message); a member has no address to drain, its stop would cut rank 0's streams
-            members.sort(key=lambda m: m.worker.group_rank != 0)
-            firsts = [m for m in members if m.worker.group_rank == 0]
-            results = await asyncio.gather(*(self.nodes.stop(m.node_id, m.worker.worker_id, DRAIN_TIMEOUT)
-                                             for m in firsts), return_exceptions=True)
-            results += await asyncio.gather(*(self.nodes.stop(m.node_id, m.worker.worker_id, DRAIN_TIMEOUT)
-                                              for m in members[len(firsts):]), return_exceptions=True)
-            for m, result in zip(members, results):
-                if isinstance(result, BaseException):
-                    log.warning("fleet: stopping %s on %s: %s", m.worker.worker_id, m.node_id, result)
-                    if not (isinstance(result, FleetError) and result.code is grpc.StatusCode.NOT_FOUND):
-                        self._estimates.pop(m.worker.worker_id, None)
-                        continue  # it may run still (its node unreachable): its heartbeats say
-                self._gone(m.worker.worker_id)
+            await self._stop_members(members)
             await self._forget(model)
         if self.metrics is not None:
             self.metrics.unloads.labels(model=model, reason=reason).inc()
+
+    async def _stop_members(self, members: list[Member]) -> list[str]:
+        """Drain and stop these workers (whole replicas): the ids of those that stopped,
+        gone from the registry now (the caller forgets their placements)."""
+        # rank 0 first: it drains the group's requests and then stops its members (its STOP
+        # message); a member has no address to drain, its stop would cut rank 0's streams
+        members = sorted(members, key=lambda m: m.worker.group_rank != 0)
+        firsts = [m for m in members if m.worker.group_rank == 0]
+        results = await asyncio.gather(*(self.nodes.stop(m.node_id, m.worker.worker_id, DRAIN_TIMEOUT)
+                                         for m in firsts), return_exceptions=True)
+        results += await asyncio.gather(*(self.nodes.stop(m.node_id, m.worker.worker_id, DRAIN_TIMEOUT)
+                                          for m in members[len(firsts):]), return_exceptions=True)
+        stopped = []
+        for m, result in zip(members, results):
+            if isinstance(result, BaseException):
+                log.warning("fleet: stopping %s on %s: %s", m.worker.worker_id, m.node_id, result)
+                if not (isinstance(result, FleetError) and result.code is grpc.StatusCode.NOT_FOUND):
+                    self._estimates.pop(m.worker.worker_id, None)
+                    continue  # it may run still (its node unreachable): its heartbeats say
+            self._gone(m.worker.worker_id)
+            stopped.append(m.worker.worker_id)
+        return stopped
 
     def _idle_since(self, model: str, use: _Use) -> float:
         """When `model`'s last request finished, on this router or (the catalog's record)
@@ -969,7 +1013,105 @@ class FleetController:
 
     def _busy(self, model: str) -> bool:
         task = self._unloads.get(model)
-        return (task is not None and not task.done()) or self.loading(model)
+        return (task is not None and not task.done()) or self.loading(model) or self.scaling(model)
+
+    # -- replicas ---------------------------------------------------------------------------------
+    def scaling(self, model: str) -> bool:
+        """Whether a replica of `model` is being added or removed."""
+        task = self._scaling.get(model)
+        return task is not None and not task.done()
+
+    def replica_counts(self) -> dict[str, int]:
+        """Catalog model -> its live replicas (serving, or starting or loading)."""
+        return {model: n for model, p in self.placed().items() if (n := len(p.replicas()))}
+
+    def _bounds(self, entry: pb.CatalogModel) -> scaling.Bounds:
+        return scaling.Bounds(entry.min_replicas, entry.max_replicas, self._sizing(entry).max_num_seqs)
+
+    def scale(self) -> list[tuple[str, int]]:
+        """One step of the replicas that follow traffic: each serving model's replicas
+        counted and its requests in flight sampled, then the rule asked; the changes it
+        calls for are begun (in tasks). Returns them: (model, +1 or -1)."""
+        now = self.clock()
+        placed = self.placed()
+        begun = []
+        for model in list(self._traffic):
+            if model not in placed or not placed[model].replicas():
+                del self._traffic[model]  # unloaded: a load starts its traffic afresh
+        for entry in self.catalog.entries():
+            model = entry.name
+            replicas = placed.get(model, _Placed()).replicas()
+            if not replicas or self._busy(model) or not self.serving(model):
+                continue
+            traffic = self._traffic.get(model)
+            if traffic is None:  # loaded: its first window starts now
+                traffic = self._traffic[model] = scaling.Traffic(self.scale_policy, since=now, replicas=len(replicas))
+            traffic.seen(now, len(replicas))
+            use = self._use.get(model) or _Use()
+            reported = sum(w.report.num_running + w.report.num_waiting for w in self.registry.serving(model))
+            traffic.in_flight(now, max(use.active, reported))  # another router's requests: its workers' reports
+            decision = scaling.decide(traffic, self._bounds(entry), now)
+            if decision.delta:
+                task = asyncio.create_task(self._scale(model, decision, replicas), name=f"fleet scale {model}")
+                task.add_done_callback(_log_failure)
+                self._scaling[model] = task
+                begun.append((model, decision.delta))
+        return begun
+
+    async def _scale(self, model: str, decision: scaling.Decision, replicas: dict[str, list[Member]]) -> None:
+        """Add or remove one replica of `model` under its claim (no other router loads,
+        unloads or scales it meanwhile); its traffic starts a new window once it is done."""
+        if not await self._write(self.catalog.claim, model, self.router_id, CLAIM_TTL):
+            return  # another router is loading, unloading or scaling it: the next step sees what it did
+        async with self._holding_claim(model):
+            if decision.delta > 0:
+                changed = await self._add_replica(model, decision.why, replicas)
+            else:
+                changed = await self._remove_replica(model, decision.why, replicas)
+        if changed:
+            direction = "up" if decision.delta > 0 else "down"
+            if self.metrics is not None:
+                self.metrics.scale_events.labels(model=model, direction=direction).inc()
+            traffic = self._traffic.get(model)
+            if traffic is not None:
+                traffic.changed(self.clock(), len(replicas) + decision.delta)
+
+    async def _add_replica(self, model: str, why: str, replicas: dict[str, list[Member]]) -> bool:
+        """One more replica, placed as a load is on a node that runs none of `model`'s
+        (False: no such node has room, or its start failed; the next steps try again)."""
+        entry = self._entry(model)
+        self._avoid[model] = frozenset(m.node_id for members in replicas.values() for m in members)
+        try:
+            plan = self._plan(model, entry)[0]  # not waiting for room: a replica is not worth a held load
+            if isinstance(plan, placement.NoRoom):
+                raise FleetError(plan.error().code, f"no node without a replica of it has room: {plan.message}")
+            log.info("fleet: adding a replica of %s (%s)", model, why)
+            await asyncio.wait_for(self._place_and_start(model), self.config.load_timeout)
+        except (FleetError, asyncio.TimeoutError) as e:
+            message = e.message if isinstance(e, FleetError) else "its worker did not serve within --load-timeout"
+            if self._scale_failed.get(model) != message:
+                log.warning("fleet: another replica of %s (%s) could not be added: %s", model, why, message)
+            self._scale_failed[model] = message
+            return False
+        finally:
+            del self._avoid[model]
+        self._scale_failed.pop(model, None)
+        return True
+
+    async def _remove_replica(self, model: str, why: str, replicas: dict[str, list[Member]]) -> bool:
+        """One replica fewer: the one with the fewest requests in flight, out of this
+        router's pool first, then drained (its requests in flight finish) and stopped."""
+        records = {w.worker_id: w for w in self.registry.serving(model)}
+        victim = min(replicas, key=lambda rid: (records[rid].load if rid in records else 0, rid))
+        log.info("fleet: removing replica %s of %s (%s)", victim, model, why)
+        record = records.get(victim)
+        if record is not None:
+            self.registry.set_drained(record, True)
+        stopped = await self._stop_members(replicas[victim])
+        await self._write(self._forget_now, stopped)
+        if victim not in stopped and record is not None:
+            self.registry.set_drained(record, False)  # it runs on (its node unreachable): it serves again
+        return victim in stopped
 
     # -- after a restart, and every tick ----------------------------------------------------------
     def reconcile(self) -> None:
@@ -1083,13 +1225,15 @@ class FleetController:
                 self.reconcile()
                 self.replace_lost()
                 self.expire()
+                self.scale()
             except Exception:  # the catalog file unreadable for a moment: try again next tick
                 log.exception("fleet: reconcile failed")
             try:
                 await asyncio.wait_for(stop.wait(), TICK)
             except asyncio.TimeoutError:
                 pass
-        for task in [*self._loads.values(), *self._unloads.values(), *self._replacing.values()]:
+        for task in [*self._loads.values(), *self._unloads.values(), *self._replacing.values(),
+                     *self._scaling.values()]:
             task.cancel()
 
     # -- what the catalog shows -------------------------------------------------------------------
@@ -1105,6 +1249,7 @@ class FleetController:
                                  reserved_bytes=m.worker.reserved_bytes, progress=m.worker.progress)
         entry.footprint_bytes = sum(m.worker.reserved_bytes for m in live) or self._estimate(entry)
         entry.measured_bytes = sum(w.report.resident_bytes for w in self.registry.serving(model))
+        entry.replicas = len(placed.replicas())
         use = self._use.get(model)
         if use is not None and use.active == 0 and live:
             entry.idle_seconds = self.clock() - use.idle_since
@@ -1114,6 +1259,11 @@ class FleetController:
             entry.state, entry.status = "unloading", "unloading from " + _and(nodes)
         elif live and all(m.worker.state == "running" for m in live) and self.serving(model):
             entry.state, entry.status = "serving", "serving on " + _and(nodes)
+        elif self.serving(model) and any(m.worker.state == "running" for m in live):  # a replica being added
+            running = [m.node_id for m in live if m.worker.state == "running"]
+            entry.state = "serving"
+            entry.status = (f"serving on {_and(running)}; a replica loading on "
+                            + _and([m.node_id for m in live if m.worker.state != "running"]))
         elif model in self._fetching:
             self._describe_fetch(entry, self._fetching[model])
         elif live or self.loading(model):

@@ -78,6 +78,11 @@ class _FleetGauges:
         for model, ratio in sorted(self.controller.footprint_errors().items()):
             error.add_metric([model], ratio)
         yield error
+        replicas = GaugeMetricFamily("orchard_fleet_replicas", "A catalog model's replicas (each a worker or a group: "
+                                     "starting, loading or running)", labels=["model"])
+        for model, count in sorted(self.controller.replica_counts().items()):
+            replicas.add_metric([model], count)
+        yield replicas
 
     def _fetches(self, nodes: list[pb.NodeInfo]):
         totals = self.fetches.update([n.report for n in nodes])
@@ -111,6 +116,9 @@ class FleetMetrics:
         self.replacements = Counter("orchard_fleet_replacements_total", "Models placed again, by reason "
                                     "(node_lost: a node it ran on stopped reporting; crash: its workers kept "
                                     "exiting and were stopped)", ["reason"], registry=registry)
+        self.scale_events = Counter("orchard_fleet_scale_events_total", "Replicas of catalog models added (up) "
+                                    "or removed (down) as their traffic asked", ["model", "direction"],
+                                    registry=registry)
         self._gauges = None
 
     def watch(self, controller) -> None:

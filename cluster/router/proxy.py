@@ -26,7 +26,9 @@ With a fleet (`cluster.fleet.controller`), a request for a catalog model that no
 can take asks the controller to load it (one load, however many ask) and is held the same
 way, for up to the router's --load-timeout and its deadline; a failed load fails the
 requests held for it at once with the reason (503, Retry-After). A model neither served
-nor in the catalog is NOT_FOUND naming the catalog's models.
+nor in the catalog is NOT_FOUND naming the catalog's models. Each catalog request's wait
+for its first token (from its arrival here) is told to the controller, whose replicas
+follow it.
 
 A poison request (one that breaks whatever serves it) is failed with INTERNAL rather than
 tried a third time: after failing on two workers with INTERNAL (a worker isolates a step
@@ -248,6 +250,20 @@ class _Progress:
         return True
 
 
+class _FirstToken:
+    """Called at a catalog request's first token (and at its end): tells the fleet, once,
+    how long the request waited for it since it arrived (the replicas follow that)."""
+
+    def __init__(self, fleet: FleetController, model: str):
+        self.fleet, self.model, self.t0 = fleet, model, time.perf_counter()
+        self.told = False
+
+    def __call__(self) -> None:
+        if not self.told:
+            self.told = True
+            self.fleet.request_waited(self.model, time.perf_counter() - self.t0)
+
+
 def _resume_after(upstream: pb.GenerateRequest, progress: _Progress) -> None:
     """The request as the next attempt sends it: resumed after every token the client has."""
     if progress.sent:  # the first chunk (prompt logprobs, echo) reached the client already
@@ -318,9 +334,11 @@ class RouterBackend:
 
     async def generate(self, request: pb.GenerateRequest,
                        timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
-        with self._in_use(request):
+        with self._in_use(request) as first_token:
             async with aclosing(self._generate(request, timeout)) as chunks:
                 async for chunk in chunks:
+                    if chunk.token_ids:
+                        first_token()
                     yield chunk
 
     @contextmanager
@@ -329,16 +347,18 @@ class RouterBackend:
         idle time and keep-alive: the request's `keep_alive_seconds`, when it has one)."""
         fleet, model = self.fleet, request.model
         if fleet is None or not fleet.knows(model):
-            yield
+            yield lambda: None
             return
         keep_alive = (request.keep_alive_seconds if "keep_alive_seconds" in request.DESCRIPTOR.fields_by_name
                       and request.HasField("keep_alive_seconds") else None)
         if keep_alive is not None:
             _check_keep_alive(keep_alive)
         fleet.request_started(model, keep_alive)
+        first_token = _FirstToken(fleet, model)
         try:
-            yield
+            yield first_token
         finally:
+            first_token()  # no token: its wait ended with its answer, or its failure
             fleet.request_finished(model)
 
     async def _generate(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
