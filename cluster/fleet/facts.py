@@ -81,22 +81,34 @@ def safetensors_header(path: Path) -> dict[str, Tensor]:
         raw = f.read(n)
     try:
         header = json.loads(raw)
-        tensors = {name: Tensor(str(t["dtype"]), tuple(int(d) for d in t["shape"]))
-                   for name, t in header.items() if name != "__metadata__"}
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
+    except ValueError as e:
         raise ModelFilesError(f"{path.name}: an unreadable safetensors header ({e})") from None
+    return header_tensors(header, path.name)
+
+
+def header_tensors(header: dict, name: str) -> dict[str, Tensor]:
+    """The tensors of a safetensors header (its JSON, however it was read: from a file here,
+    or through the hub's range reads in `hub.describe`), checked."""
+    try:
+        tensors = {key: Tensor(str(t["dtype"]), tuple(int(d) for d in t["shape"]))
+                   for key, t in header.items() if key != "__metadata__"}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ModelFilesError(f"{name}: an unreadable safetensors header ({e})") from None
     odd = sorted({t.dtype for t in tensors.values()} - DTYPE_BYTES.keys())
     if odd:
-        raise ModelFilesError(f"{path.name}: tensor dtype {odd[0]} is not one Orchard knows")
-    negative = next((name for name, t in tensors.items() if any(d < 0 for d in t.shape)), None)
+        raise ModelFilesError(f"{name}: tensor dtype {odd[0]} is not one Orchard knows")
+    negative = next((key for key, t in tensors.items() if any(d < 0 for d in t.shape)), None)
     if negative is not None:
-        raise ModelFilesError(f"{path.name}: tensor {negative} has a negative dimension {tensors[negative].shape}")
+        raise ModelFilesError(f"{name}: tensor {negative} has a negative dimension {tensors[negative].shape}")
     return tensors
 
 
+WEIGHT_FILES = "model*.safetensors"  # the files mlx-lm loads a model's weights from
+
+
 def checkpoint_tensors(model_dir: Path) -> dict[str, Tensor]:
-    """Every tensor of the files mlx-lm loads (`model*.safetensors`)."""
-    files = sorted(model_dir.glob("model*.safetensors"))
+    """Every tensor of the files mlx-lm loads (`WEIGHT_FILES`)."""
+    files = sorted(model_dir.glob(WEIGHT_FILES))
     if not files:
         raise ModelFilesError(f"{model_dir.name}: no model*.safetensors file")
     tensors: dict[str, Tensor] = {}
@@ -110,8 +122,13 @@ def read_config(model_dir: Path) -> dict:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ModelFilesError(f"{model_dir.name}/config.json: {e}") from None
+    return checked_config(config, model_dir.name)
+
+
+def checked_config(config, name: str) -> dict:
+    """A parsed config.json that names its model_type, or ModelFilesError."""
     if not isinstance(config, dict) or not config.get("model_type"):
-        raise ModelFilesError(f"{model_dir.name}/config.json: no model_type")
+        raise ModelFilesError(f"{name}/config.json: no model_type")
     return config
 
 
@@ -330,8 +347,7 @@ def tasks(model_dir: Path, config: dict) -> list[str]:
 def disk_model(path: Path, platform: str) -> pb.DiskModel:
     """The facts of the model at `path` (an mlx-lm directory or a GGUF file) for a worker on
     `platform` ("cpu" or "metal"). A model that cannot be read gets `error` set, saying why."""
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, not {platform!r}")
+    _check_platform(platform)
     path = Path(path)
     out = pb.DiskModel(name=path.name)
     config: dict = {}
@@ -346,6 +362,20 @@ def disk_model(path: Path, platform: str) -> pb.DiskModel:
         else:
             config, tensors = read_config(path), checkpoint_tensors(path)
             model_tasks = tasks(path, config)
+    except Exception as e:  # noqa: BLE001  (any unreadable model is reported, never fatal to the node)
+        log.debug("cannot read %s", path, exc_info=True)
+        out.error = _why(e, config)
+        return out
+    return model_facts(out, config, tensors, model_tasks, platform)
+
+
+def model_facts(out: pb.DiskModel, config: dict, tensors: dict[str, Tensor], model_tasks: list[str],
+                platform: str) -> pb.DiskModel:
+    """`out` (its name and file_bytes set) with the facts of a model of this config and
+    tensor table, however they were read: from a directory (`disk_model`) or from the hub's
+    metadata (`hub.describe`). A config its family cannot be read from sets `error`."""
+    _check_platform(platform)
+    try:
         out.weight_bytes = weight_bytes(tensors, config, platform)
         dtype_bytes = compute_dtype_bytes(tensors, platform)
         out.kv_bytes_per_token = kv_bytes_per_token(config, tensors, dtype_bytes)
@@ -353,12 +383,21 @@ def disk_model(path: Path, platform: str) -> pb.DiskModel:
         out.num_layers = num_layers(config)
         out.max_context = max_context(config)
         out.tasks.extend(model_tasks)
-    except KeyError as e:  # a config.json without a key its family needs
-        out.error = f"config.json has no {e.args[0]!r}, which a {config.get('model_type')} model needs"
     except Exception as e:  # noqa: BLE001  (any unreadable model is reported, never fatal to the node)
-        log.debug("cannot read %s", path, exc_info=True)
-        out.error = str(e) or type(e).__name__
+        log.debug("cannot read the facts of %s", out.name, exc_info=True)
+        out.error = _why(e, config)
     return out
+
+
+def _check_platform(platform: str) -> None:
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, not {platform!r}")
+
+
+def _why(e: Exception, config: dict) -> str:
+    if isinstance(e, KeyError):  # a config.json without a key its family needs
+        return f"config.json has no {e.args[0]!r}, which a {config.get('model_type')} model needs"
+    return str(e) or type(e).__name__
 
 
 def _file_bytes(path: Path) -> int:
@@ -367,7 +406,7 @@ def _file_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _signature(path: Path) -> tuple:
+def signature(path: Path) -> tuple:
     """What changes when a model's files do (sizes and modification times)."""
     files = [path] if path.is_file() else sorted(
         f for f in path.iterdir() if f.name == "config.json" or f.suffix in (".safetensors", ".json"))
@@ -401,7 +440,7 @@ def scan(models_dir: Path, platform: str) -> list[pb.DiskModel]:
     now: dict[str, tuple[tuple, pb.DiskModel]] = {}
     for path in entries:
         try:
-            sig = _signature(path)
+            sig = signature(path)
         except OSError:
             continue  # removed while we looked
         cached = before.get(path.name)
