@@ -4,6 +4,10 @@ itself splits its layers)."""
 
 from __future__ import annotations
 
+import re
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
 
 def split_layers(layer_bytes: list[int], shares: list[float], embed_bytes: int = 0, head_bytes: int = 0) -> list[range]:
     """Per stage (first stage first), its run of layers: stage s's weights (its layers, the
@@ -29,3 +33,26 @@ def split_layers(layer_bytes: list[int], shares: list[float], embed_bytes: int =
         start = best
     bounds.append(range(start, n))
     return bounds
+
+
+def stage_weight_files(weight_map: dict[str, str], layers: range, embeds: bool, heads: bool) -> list[str]:
+    """The weight files (a model.safetensors.index.json's `weight_map`: tensor -> file) a
+    stage reads: those of its `layers`, the embedding's on the first stage (`embeds`), the
+    final norm's and head's (a tied head: the embedding's) on the last (`heads`). Anything
+    else outside the layers is read by every stage. Pure, so the fleet's hub pull fetches
+    for a rank the files its stage will read."""
+    tied = not any("lm_head" in name for name in weight_map)
+    files = set()
+    for name, f in weight_map.items():
+        m = _LAYER.search(name)
+        if m is not None:
+            needed = int(m.group(1)) in layers
+        elif "embed_tokens" in name:
+            needed = embeds or (heads and tied)
+        elif "lm_head" in name or re.search(r"(?:^|\.)norm\.", name):
+            needed = heads
+        else:
+            needed = True
+        if needed:
+            files.add(f)
+    return sorted(files)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,7 @@ from cluster.worker.model_runner import (
     text_args,
 )
 from cluster.worker.group.split import split_layers  # noqa: F401  (re-exported)
+from cluster.worker.group.split import stage_weight_files
 from cluster.worker.patching import original_call
 
 log = logging.getLogger(__name__)
@@ -170,21 +170,7 @@ def local_weight_files(path: Path, stage: Stage | None) -> list[str] | None:
     if stage is None or not index.exists():
         return None
     weight_map = json.loads(index.read_text())["weight_map"]
-    tied = not any("lm_head" in name for name in weight_map)
-    files = set()
-    for name, f in weight_map.items():
-        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-        if m is not None:
-            needed = int(m.group(1)) in stage.layers
-        elif "embed_tokens" in name:
-            needed = stage.embeds or (stage.heads and tied)
-        elif "lm_head" in name or re.search(r"(?:^|\.)norm\.", name):
-            needed = stage.heads
-        else:
-            needed = True
-        if needed:
-            files.add(f)
-    return sorted(files)
+    return stage_weight_files(weight_map, stage.layers, stage.embeds, stage.heads)
 
 
 def load_part(path: str | Path, parallel: str, stage: Stage | None, group=None, cpu_dequantize: str = "auto",
