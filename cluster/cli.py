@@ -25,6 +25,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("model", "create"), "write a random-weight mlx-lm model directory (offline)", "cluster.cli:_model_create"),
     (("model", "import"), "write a GGUF file (llama.cpp's, Ollama's) as an mlx-lm model directory",
      "cluster.cli:_model_import"),
+    (("model", "pull"), "download a model from the Hugging Face Hub (hf:ORG/REPO[@REVISION]) into a node's hub "
+                        "cache, checked against the hub's hashes", "cluster.cli:_model_pull"),
     (("run",), "generate offline with the engine (no server)", "cluster.cli:_run"),
     (("router", "serve"), "run a router", "cluster.cli:_router_serve"),
     (("router", "register"), "add static workers (the router polls them)", "cluster.cli:_router_admin"),
@@ -103,6 +105,12 @@ def _model_import(parser: argparse.ArgumentParser) -> None:
     from cluster.models_cache import ModelImport, run_import
 
     _configs(parser, run_import, ModelImport)
+
+
+def _model_pull(parser: argparse.ArgumentParser) -> None:
+    from cluster.fleet.hub import PullConfig, run_pull
+
+    _configs(parser, run_pull, PullConfig)
 
 
 def _run(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,8 @@ each node's budget, preferring nodes that hold the weights, evicting idle unpinn
 fleet-wide or spanning a pipeline group over several nodes when no node has room.
 
     facts.py       DiskModel facts of a model on disk (node side; no MLX)
+    hub.py         hf:ORG/REPO[@REVISION] sources: pull, describe, the hub cache (node side);
+                   `orchard model pull`
     footprint.py   memory a worker of a model will hold: weights, KV pool, overhead (pure)
     catalog.py     the catalog and single-flight load claims (SQLite)
     placement.py   the placement policy (pure)

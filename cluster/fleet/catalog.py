@@ -46,7 +46,7 @@ from typing import Callable, Iterator
 import grpc
 
 from cluster.api.limits import quoted
-from cluster.fleet import FleetError
+from cluster.fleet import FleetError, hub
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 SCHEMA_VERSION = 2
@@ -141,8 +141,14 @@ def check_name(name: str) -> str:
 
 def check_source(source: str) -> str:
     """A source in one of its forms: DIR or FILE.gguf, a name looked up under each node's
-    --models-dir (never a path: each Mac finds its own copy), or ollama:NAME[:TAG] (TAG
-    "latest" when left out). Returns it normalised."""
+    --models-dir (never a path: each Mac finds its own copy), ollama:NAME[:TAG] (TAG
+    "latest" when left out) or hf:ORG/REPO[@REVISION] (a node pulls it from the hub;
+    REVISION "main" when left out). Returns it normalised."""
+    if hub.is_hub_source(source):
+        try:
+            return hub.canonical(source)
+        except FleetError as e:
+            raise _invalid(e.message) from None
     if source.startswith("ollama:"):
         m = _OLLAMA.fullmatch(source)
         if not m:
@@ -154,7 +160,7 @@ def check_source(source: str) -> str:
         kind = "an absolute path" if source.startswith(("/", "\\", "~")) else "a path"
         raise _invalid(f"source: {quoted(source)} is {kind}; a source is a name directly under each node's "
                        "--models-dir (DIR or FILE.gguf, e.g. qwen3-8b), so each Mac finds its own copy, "
-                       "or ollama:NAME:TAG")
+                       "ollama:NAME:TAG or hf:ORG/REPO[@REVISION]")
     if not _FILE_NAME.fullmatch(source):
         raise _invalid(f"source: {quoted(source)} is not a directory or file name under --models-dir "
                        "(it starts with a letter, digit or _ and has only letters, digits, spaces and . _ + -)")
