@@ -171,8 +171,9 @@ def test_hub_errors_name_what_is_wrong(fake, tmp_path, monkeypatch):
         hub.pull(f"hf:{REPO}", tmp_path / "cache")
     assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "HF_TOKEN" in e.value.message
     monkeypatch.setenv("HF_TOKEN", "sesame")
-    assert hub.pull(f"hf:{REPO}", tmp_path / "cache").is_dir()
+    pulled = hub.pull(f"hf:{REPO}", tmp_path / "cache")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    assert hub.pull(f"hf:{REPO}", tmp_path / "cache") == pulled  # the cache's copy, while the hub is away
     with pytest.raises(FleetError) as e:
         hub.pull(f"hf:{REPO}@v1", tmp_path / "cache")
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and "127.0.0.1:9" in e.value.message

@@ -275,8 +275,10 @@ def pull(source: str | HubSource, cache: str | Path, layers: tuple[int, int] | N
     with _hub_errors(src, hub):
         try:
             info = api.model_info(src.repo, revision=src.revision, files_metadata=True)
-        except _unreachable() as e:
-            return _offline_snapshot(src, cache, layers, f"the hub at {hub.where} cannot be reached ({_line(e)})")
+        except _unreachable() as e:  # the cache's copy serves while the hub is away
+            snapshot = _offline_snapshot(src, cache, layers, f"the hub at {hub.where} cannot be reached ({_line(e)})")
+            log.warning("%s: the hub at %s cannot be reached: using %s as it is", src, hub.where, snapshot)
+            return snapshot
         commit = str(info.sha)
         expected = {s.rfilename: _expected(s) for s in info.siblings or []}
         snapshot = storage / "snapshots" / commit
