@@ -26,7 +26,7 @@ from cluster.api.limits import GRPC_MAX_MESSAGE_BYTES, RequestLimits
 from cluster.api.servicer import Backend
 from cluster.platform import can_give_back_freed_memory, give_back_freed_memory, resident_bytes
 from cluster.net import SERVER_KEEPALIVE_OPTIONS, parse_address
-from cluster.security import AuthInterceptor, SecurityConfig, allowed_hosts, http_ssl_context, server_credentials
+from cluster.security import AuthInterceptor, Keys, SecurityConfig, allowed_hosts, http_ssl_context, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -268,12 +268,13 @@ class Endpoints:
         metrics_address: str | None = None,
         request_timeout: float | None = None,
         serving: bool = True,
+        http_extras: Callable[[web.Application, Keys], None] | None = None,
     ) -> None:
         """Start gRPC with the services `add_services` adds plus gRPC health (SERVING, or
         NOT_SERVING with `serving=False` until the caller says otherwise) and reflection,
         then the OpenAI HTTP API over `backend` at `http_address` (requests limited to
-        `request_timeout` seconds) and `/metrics` + `/health` at `metrics_address` (None:
-        not served)."""
+        `request_timeout` seconds; `http_extras(app, keys)` adds more routes to it: the
+        console) and `/metrics` + `/health` at `metrics_address` (None: not served)."""
         server = self.grpc_server
         assert server is not None, "bind_grpc first"
         naming = _NamingServer(server)
@@ -298,6 +299,8 @@ class Endpoints:
                              allowed_hosts=allowed_hosts(self.security, host),
                              cors_origins=tuple(o.strip() for o in (self.security.cors_origins or "").split(",")
                                                 if o.strip()))
+            if http_extras is not None:
+                http_extras(app, self.security.keys())
             runner, self.addresses["http"] = await _start_http(app, http_address, "HTTP", self.default_host,
                                                                ssl_context, limits_of(backend))
             self._runners.append(runner)

@@ -25,6 +25,7 @@ class RouterConfig:
                                        off="off")  # None: no HTTP API
     metrics_address: str | None = setting("127.0.0.1:9100", "Prometheus /metrics address, or off", flag="--metrics",
                                           off="off")  # None: no metrics endpoint
+    console: str = setting("on", "the web console on the HTTP port, at / (on or off)", choices=("on", "off"))
     policy: str = setting("prefix_aware", "how requests are placed on workers", choices=policy_names)
     join_token: str = setting("", "workers must present it to register (empty: open)",
                               env="ORCHARD_JOIN_TOKEN")

@@ -76,18 +76,27 @@ class RouterControl(pb_grpc.RouterServicer):
         return pb.ListWorkersResponse(workers=sorted(rows, key=lambda w: w.worker_id))
 
     async def DrainWorker(self, request, context):
-        w = self.registry.find(request.worker_id)
+        try:
+            info = await self.drain(request.worker_id, request.drain)
+        except RegistryError as e:
+            await context.abort(e.code, str(e))
+        return pb.DrainWorkerResponse(worker=info)
+
+    async def drain(self, worker_id: str, drain: bool) -> pb.WorkerInfo:
+        """Drain worker `worker_id` (or undo it): the gRPC call's and the console's.
+        RegistryError NOT_FOUND for a worker not known here."""
+        w = self.registry.find(worker_id)
         if w is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
-        self.registry.set_drained(w, request.drain)
+            raise RegistryError(grpc.StatusCode.NOT_FOUND, f"no worker {worker_id!r}")
+        self.registry.set_drained(w, drain)
         # Tell the worker too, so that a drain outlives a router restart (the worker
         # re-registers with draining=true) and direct clients see it. Best effort.
         if w.admin is not None:
             try:
-                await w.admin.Drain(pb.DrainRequest(drain=request.drain), timeout=self.add_timeout)
+                await w.admin.Drain(pb.DrainRequest(drain=drain), timeout=self.add_timeout)
                 report = await w.admin.GetLoad(pb.GetLoadRequest(), timeout=self.add_timeout)
                 self.registry.record_report(w, report)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
-                log.warning("could not forward drain=%s to %s: %s", request.drain, w.worker_id, e)
-        log.info("worker %s %s", w.worker_id, "draining" if request.drain else "taking requests again")
-        return pb.DrainWorkerResponse(worker=w.info())
+                log.warning("could not forward drain=%s to %s: %s", drain, w.worker_id, e)
+        log.info("worker %s %s", w.worker_id, "draining" if drain else "taking requests again")
+        return w.info()

@@ -68,6 +68,7 @@ from cluster.fleet import FleetError
 from cluster.fleet.catalog import MAX_KEEP_ALIVE_SECONDS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router import metrics as m
+from cluster.router import recent
 from cluster.router.breaker import RetryBudget, backoff
 from cluster.router.config import RouterConfig
 from cluster.router.policy import Policy, PrefixAware
@@ -231,12 +232,17 @@ class _Progress:
     finishes: int = 0  # samples finished
     first_token_at: float | None = None
     done: bool = False  # the last sample finished: the request is served
+    record: recent.RequestRecord | None = None  # the console's record of it
 
     def took(self, token_ids, metrics: m.RouterMetrics) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
             metrics.ttft.observe(self.first_token_at - self.t0)
+            if self.record is not None:
+                self.record.ttft = self.first_token_at - self.t0
         self.sent.extend(token_ids)
+        if self.record is not None:
+            self.record.tokens = len(self.base_resume) + len(self.sent)
 
     def finished(self, chunk: pb.GenerateResponse) -> bool:
         """A sample's finish chunk: whether it is the request's last (its usage then counts
@@ -247,6 +253,8 @@ class _Progress:
         if self.n == 1:
             chunk.usage.completion_tokens = max(chunk.usage.completion_tokens, len(self.base_resume) + len(self.sent))
         self.done = True
+        if self.record is not None:
+            self.record.outcome = recent.OK
         return True
 
 
@@ -289,6 +297,7 @@ class RouterBackend:
         self.held: dict[str, str] = {}  # request id -> the model it is held for (a hold)
         self.loading: set[str] = set()  # ... of those, the ids held for a fleet load of their model
         self.holding = 0  # requests held now (ids may repeat: this is what `max_held` bounds)
+        self.recent = recent.RecentRequests()  # the console's requests view
 
     @property
     def limits(self) -> RequestLimits:
@@ -334,12 +343,20 @@ class RouterBackend:
 
     async def generate(self, request: pb.GenerateRequest,
                        timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
-        with self._in_use(request) as first_token:
-            async with aclosing(self._generate(request, timeout)) as chunks:
-                async for chunk in chunks:
-                    if chunk.token_ids:
-                        first_token()
-                    yield chunk
+        record = self.recent.begin(request.request_id, request.model)
+        outcome, cause = recent.CANCELLED, ""
+        try:
+            with self._in_use(request) as first_token:
+                async with aclosing(self._generate(request, timeout, record)) as chunks:
+                    async for chunk in chunks:
+                        if chunk.token_ids:
+                            first_token()
+                        yield chunk
+        except errors.OrchardError as e:
+            outcome, cause = recent.FAILED, e.message
+            raise
+        finally:  # served once its last chunk went out, whether or not the client read on
+            self.recent.finish(record, recent.OK if record.outcome == recent.OK else outcome, cause)
 
     @contextmanager
     def _in_use(self, request):
@@ -361,10 +378,12 @@ class RouterBackend:
             first_token()  # no token: its wait ended with its answer, or its failure
             fleet.request_finished(model)
 
-    async def _generate(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[pb.GenerateResponse]:
+    async def _generate(self, request: pb.GenerateRequest, timeout: float | None,
+                        record: recent.RequestRecord) -> AsyncIterator[pb.GenerateResponse]:
         tries, upstream = self._begin(request, validate_request, timeout)  # refused there, before any placement
+        record.request_id = tries.rid
         keys = prompt_keys(request) if isinstance(self.policy, PrefixAware) else []
-        progress = _Progress(num_choices(request), list(request.resume_token_ids), tries.t0)
+        progress = _Progress(num_choices(request), list(request.resume_token_ids), tries.t0, record=record)
         moves, just_moved = 0, False  # times moved off a lagging worker before its first chunk (no attempts)
         features = features_asked(request)  # placed only where a worker has them
         attempt = 0
@@ -379,7 +398,9 @@ class RouterBackend:
             worker = self.policy.choose(pool, keys)  # settled by the attempt, whatever happens to it
             epoch, breaker = worker.epoch, worker.breaker  # this process's (a restart gets new ones)
             breaker.on_start()
+            record.worker = worker.worker_id
             if attempt:
+                record.placed_again(bool(progress.sent), f"{tries.failure.code.name}: {tries.failure.details}")
                 self.metrics.retries.labels(kind="resume" if progress.sent else "retry").inc()
                 log.info("request %s: %s on %s after %d tokens", tries.rid, "resuming" if progress.sent else "retrying",
                          worker.worker_id, len(progress.sent))
@@ -418,6 +439,7 @@ class RouterBackend:
                     self.policy.settled(worker.worker_id, keys, accepted=True)
                 if chunk.token_ids:
                     progress.took(chunk.token_ids, self.metrics)
+                    worker.tokens_relayed += len(chunk.token_ids)
                 if chunk.finish_reason == pb.FINISH_REASON_ABORT:  # the worker gave up on it (stopping)
                     if chunk.token_ids or chunk.text or chunk.reasoning or chunk.tool_calls:
                         chunk.finish_reason = pb.FINISH_REASON_UNSPECIFIED

@@ -79,6 +79,7 @@ class WorkerRecord:
     report: pb.LoadReport = field(default_factory=pb.LoadReport)
     inflight: int = 0  # requests this router has open on the worker now
     inflight_at_report: int = 0  # ... when the last report arrived
+    tokens_relayed: int = 0  # to this router's clients, ever (the console's tokens/s)
     last_seen: float = field(default_factory=time.monotonic)
     healthy: bool = True
     drained: bool = False  # by an operator through the router

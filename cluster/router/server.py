@@ -98,9 +98,11 @@ class RouterServer:
             raise
 
     async def _start(self) -> None:
+        control = RouterControl(self.registry, fleet=self.controller)
+
         def add_services(server) -> None:
             pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.backend), server)
-            pb_grpc.add_RouterServicer_to_server(RouterControl(self.registry, fleet=self.controller), server)
+            pb_grpc.add_RouterServicer_to_server(control, server)
             pb_grpc.add_FleetServicer_to_server(self.fleet, server)
 
         registry = self.metrics.prometheus
@@ -111,6 +113,7 @@ class RouterServer:
                                     healthy=lambda: self.registry.can_serve),
             metrics_address=self.config.metrics_address, request_timeout=self.config.request_timeout,
             serving=False,  # until a worker can take a request (_follow_serving)
+            http_extras=None if self.config.console == "off" else lambda app, keys: self._console(app, keys, control),
         )
         for address in self.config.static_workers:
             self.registry.add_static(address)
@@ -125,6 +128,19 @@ class RouterServer:
             "router (%s) on gRPC %s, HTTP %s, metrics %s", self.policy.name, self.grpc_address,
             self.http_address or "off", self.metrics_address or "off",
         )
+
+    def _console(self, app, keys, control: RouterControl) -> None:
+        """The web console on the HTTP app (cluster/console): the state this router holds."""
+        from cluster.console.actions import RouterActions
+        from cluster.console.routes import add_routes
+        from cluster.console.state import RouterState
+
+        state = RouterState(self.registry, self.backend.recent, self._about, self.nodes, self.controller)
+        add_routes(app, state, keys, RouterActions(control, self.controller))
+
+    def _about(self) -> dict:
+        return {"id": f"{socket.gethostname()}:{self.grpc_port}", "grpc": self.grpc_address or "",
+                "http": self.http_address or "", "policy": self.policy.name, "fleet": self.controller is not None}
 
     async def _follow_serving(self) -> None:
         """gRPC health says SERVING while some worker can take a request, NOT_SERVING

@@ -1,0 +1,88 @@
+"""The router's record of its recent requests: a bounded ring the console shows.
+
+One `RequestRecord` per generation request, begun when the request arrives and finished
+when it ends: the worker that served it (the last one tried), its time to first token,
+the tokens relayed, how many times it was placed again (retried before its first token,
+resumed after it) and its outcome with the cause. Only the newest `size` are kept; nothing
+here is on a request's path beyond a few attribute writes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+RUNNING, OK, RETRIED, RESUMED, FAILED, CANCELLED = "running", "ok", "retried", "resumed", "failed", "cancelled"
+MAX_CAUSE_CHARS = 300  # of a failure's message, kept
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    request_id: str
+    model: str
+    started: float = field(default_factory=time.time)  # wall clock: what a page shows
+    t0: float = field(default_factory=time.perf_counter)
+    worker: str = ""  # the worker of its latest attempt
+    ttft: float | None = None  # seconds
+    tokens: int = 0  # relayed to the client
+    retries: int = 0  # placed again before its first token
+    resumes: int = 0  # ... after it
+    outcome: str = RUNNING
+    cause: str = ""  # why it failed, or why it was placed again
+    seconds: float | None = None  # from arrival to its end
+
+    def placed_again(self, resumed: bool, why: str) -> None:
+        if resumed:
+            self.resumes += 1
+        else:
+            self.retries += 1
+        self.cause = why[:MAX_CAUSE_CHARS]
+
+    def as_dict(self) -> dict:
+        return {"id": self.request_id, "model": self.model, "started": round(self.started, 3),
+                "worker": self.worker, "ttft": None if self.ttft is None else round(self.ttft, 4),
+                "tokens": self.tokens, "retries": self.retries, "resumes": self.resumes, "outcome": self.outcome,
+                "cause": self.cause, "seconds": None if self.seconds is None else round(self.seconds, 3)}
+
+
+class RecentRequests:
+    """The newest `size` requests, newest last. `version` moves at each change (a page's
+    push happens only when something changed)."""
+
+    def __init__(self, size: int = 200):
+        self._ring: deque[RequestRecord] = deque(maxlen=size)
+        self._versions = itertools.count(1)
+        self.version = 0
+
+    def begin(self, request_id: str, model: str) -> RequestRecord:
+        record = RequestRecord(request_id, model)
+        self._ring.append(record)
+        self.version = next(self._versions)
+        return record
+
+    def finish(self, record: RequestRecord, outcome: str, cause: str = "") -> None:
+        """The request ended: `outcome` is OK, FAILED or CANCELLED; an OK request that was
+        placed again is shown as RESUMED or RETRIED, with the cause of its move."""
+        if outcome == OK and record.resumes:
+            outcome = RESUMED
+        elif outcome == OK and record.retries:
+            outcome = RETRIED
+        record.outcome = outcome
+        if cause:
+            record.cause = cause[:MAX_CAUSE_CHARS]
+        record.seconds = time.perf_counter() - record.t0
+        self.version = next(self._versions)
+
+    def touched(self) -> None:
+        """A record changed in place (its first token, its worker)."""
+        self.version = next(self._versions)
+
+    def rows(self, limit: int = 100) -> list[dict]:
+        """The newest `limit` records, newest first."""
+        return [r.as_dict() for r in list(self._ring)[-limit:][::-1]]
+
+    def of_worker(self, worker_id: str, since: float) -> list[RequestRecord]:
+        """Records of `worker_id` that began at or after `since` (wall clock)."""
+        return [r for r in self._ring if r.worker == worker_id and r.started >= since]

@@ -1,0 +1,306 @@
+"""The web console, server side (cluster/console): the page and its files as shipped (a
+strict Content-Security-Policy, no inline code, every value inserted as text, under the
+first-load budget), the state's JSON and its pushes, keys, the operator's drain, and
+`--console off`. In process, against fake workers; the page in a real browser is
+test_console_browser.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from html.parser import HTMLParser
+
+import aiohttp
+import grpc
+import pytest
+
+from cluster.config import add_flags, from_args
+from cluster.console.hub import Hub
+from cluster.console.routes import STATIC
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.router.config import RouterConfig
+from cluster.router.registry import DRAINING, HEALTHY
+from cluster.security import SecurityConfig
+from conftest import run
+from test_router_fake import Cluster
+
+API_KEY, ADMIN_KEY = "console-api-key", "console-admin-key"
+FIRST_LOAD_BUDGET = 300 * 1024
+WORKER_FIELDS = {"id", "address", "state", "model", "running", "waiting", "kv_used", "kv_total", "tokens_per_s",
+                 "ttft", "inflight", "resident_bytes", "group", "circuit", "reason"}
+REQUEST_FIELDS = {"id", "model", "worker", "ttft", "tokens", "retries", "resumes", "outcome", "cause", "seconds"}
+
+
+def keyed(**kw) -> Cluster:
+    return Cluster(http=True, security=SecurityConfig(api_keys=(API_KEY,), admin_key=ADMIN_KEY), **kw)
+
+
+def bearer(key: str | None) -> dict:
+    return {} if key is None else {"Authorization": f"Bearer {key}"}
+
+
+async def get(c: Cluster, path: str, key: str | None = None) -> tuple[int, dict, bytes]:
+    async with aiohttp.ClientSession() as s, s.get(f"http://{c.router.http_address}{path}", headers=bearer(key)) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+async def post(c: Cluster, path: str, body: dict, key: str | None = None) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s, s.post(f"http://{c.router.http_address}{path}", json=body,
+                                                    headers=bearer(key)) as r:
+        return r.status, await r.json()
+
+
+class _Page(HTMLParser):
+    """The shipped page's scripts, style sheets, inline code and attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.scripts, self.links, self.inline, self.attributes = [], [], [], []
+        self._in = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.attributes += [(tag, name) for name in attrs]
+        if tag == "script":
+            self.scripts.append(attrs.get("src"))
+        if tag == "link":
+            self.links.append(attrs.get("href"))
+        if tag in ("script", "style"):
+            self._in = tag
+
+    def handle_endtag(self, tag):
+        self._in = None
+
+    def handle_data(self, data):
+        if self._in and data.strip():
+            self.inline.append((self._in, data.strip()[:60]))
+
+
+def test_page_has_a_strict_csp_no_inline_code_and_inserts_values_as_text():
+    page = _Page()
+    page.feed((STATIC / "index.html").read_text())
+    assert page.scripts and all(src and src.startswith("/console/") for src in page.scripts)
+    assert page.inline == []  # no inline <script> or <style>
+    assert not [(tag, a) for tag, a in page.attributes if a == "style" or a.startswith("on")]
+    assert all(href.startswith("/console/") for href in page.links)  # nothing from another origin
+    for script in STATIC.glob("*.js"):
+        code = script.read_text()
+        # markup from data would run: values go in with textContent / text nodes only
+        assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|eval\(|new Function",
+                             code), script.name
+        assert not re.search(r"https?://", code), script.name  # nothing fetched from elsewhere
+
+    async def main():
+        async with Cluster(http=True) as c:
+            status, headers, body = await get(c, "/")
+            assert status == 200 and headers["Content-Type"].startswith("text/html")
+            csp = dict(part.strip().split(" ", 1) for part in headers["Content-Security-Policy"].split(";"))
+            assert csp["default-src"] == "'self'" and csp["script-src"] == "'self'" and csp["style-src"] == "'self'"
+            assert "unsafe" not in headers["Content-Security-Policy"]
+            assert headers["X-Content-Type-Options"] == "nosniff"
+            assert body == (STATIC / "index.html").read_bytes()
+            status, headers, _ = await get(c, "/console/app.js")
+            assert status == 200 and headers["Content-Type"].startswith("text/javascript")
+            assert (await get(c, "/console/..%2Fstate.py"))[0] == 404
+            assert (await get(c, "/console/nothing.js"))[0] == 404
+
+    run(main())
+
+
+def test_first_load_is_under_300_kb():
+    """The page and everything it loads (its module graph, style sheet and icon)."""
+    async def main():
+        async with Cluster(http=True) as c:
+            _, _, html = await get(c, "/")
+            page = _Page()
+            page.feed(html.decode())
+            todo = [*page.scripts, *page.links]
+            seen, total = set(), len(html)
+            while todo:
+                path = todo.pop()
+                if path in seen:
+                    continue
+                seen.add(path)
+                status, _, body = await get(c, path)
+                assert status == 200, path
+                total += len(body)
+                todo += ["/console/" + m for m in re.findall(r'from "\./([\w.]+)"', body.decode())]
+            assert {"/console/app.js", "/console/fleet.js", "/console/chat.js", "/console/console.css"} <= seen
+            assert total < FIRST_LOAD_BUDGET, total
+            _, _, state = await get(c, "/console/state")
+            assert total + len(state) < FIRST_LOAD_BUDGET
+
+    run(main())
+
+
+def test_state_shows_the_workers_their_load_and_the_recent_requests():
+    async def main():
+        async with Cluster(http=True) as c:
+            await c.generate("hello", max_tokens=6)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await c.generate("invalid", max_tokens=4)  # refused by the worker: failed, with its cause
+            status, headers, body = await get(c, "/console/state")
+            assert status == 200 and headers["Content-Type"] == "application/json"
+            state = json.loads(body)
+            assert state["role"] == "router" and state["router"]["policy"] == "prefix_aware"
+            assert state["router"]["grpc"] == c.router.grpc_address
+            assert [w["id"] for w in state["workers"]] == ["w0", "w1"]
+            for w in state["workers"]:
+                assert WORKER_FIELDS <= set(w), WORKER_FIELDS - set(w)
+                assert w["state"] == "healthy" and w["model"] == "fake" and w["kv_total"] == 100
+            assert state["catalog"] is None and state["nodes"] == [] and state["failures"] == []
+            done, failed = state["requests"][1], state["requests"][0]  # newest first
+            assert REQUEST_FIELDS <= set(done)
+            assert done["outcome"] == "ok" and done["tokens"] == 6 and done["worker"] in ("w0", "w1")
+            assert done["ttft"] > 0 and done["seconds"] >= done["ttft"]
+            assert failed["outcome"] == "failed" and "bad prompt" in failed["cause"]
+            served = next(w for w in state["workers"] if w["id"] == done["worker"])
+            assert served["ttft"] == done["ttft"]  # its TTFT now: the median of its recent requests
+
+    run(main())
+
+
+def test_a_resumed_request_is_recorded_with_its_cause():
+    async def main():
+        async with Cluster(http=True) as c:
+            for w in c.workers:  # whichever takes it dies after 3 tokens; the other finishes it with 2
+                w.die_after_tokens = 3
+            chunks = await c.generate("resume me", max_tokens=5)
+            assert sum(len(ch.token_ids) for ch in chunks) == 5
+            dead = next(w for w in c.workers if w.dead)
+            _, _, body = await get(c, "/console/state")
+            record = json.loads(body)["requests"][0]
+            assert record["outcome"] == "resumed" and record["resumes"] == 1 and record["worker"] != dead.worker_id
+            assert record["tokens"] == 5 and "UNAVAILABLE" in record["cause"]
+
+    run(main())
+
+
+def test_state_and_pushes_take_an_api_key_when_keys_are_set():
+    async def main():
+        async with keyed() as c:
+            assert (await get(c, "/"))[0] == 200  # the page holds no data
+            assert (await get(c, "/console/console.css"))[0] == 200
+            for path in ("/console/state", "/console/events"):
+                status, headers, _ = await get(c, path)
+                assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
+                assert (await get(c, path, "wrong"))[0] == 401
+            status, _, body = await get(c, "/console/state", API_KEY)
+            assert status == 200 and len(json.loads(body)["workers"]) == 2
+
+    run(main())
+
+
+def test_drain_is_refused_without_the_admin_key_and_works_with_it():
+    async def main():
+        async with keyed() as c:
+            path = "/console/workers/w0/drain"
+            status, body = await post(c, path, {"drain": True})
+            assert status == 401 and "admin" in body["error"]["message"]
+            status, body = await post(c, path, {"drain": True}, API_KEY)
+            assert status == 403 and "admin key" in body["error"]["message"]
+            assert c.router.registry.workers["w0"].state == HEALTHY
+            status, body = await post(c, path, {"drain": True}, ADMIN_KEY)
+            assert status == 200 and body == {"worker": "w0", "draining": True}
+            assert c.router.registry.workers["w0"].state == DRAINING and c.workers[0].draining  # told the worker too
+            _, _, state = await get(c, "/console/state", API_KEY)
+            assert {w["id"]: w["state"] for w in json.loads(state)["workers"]} == {"w0": "draining", "w1": "healthy"}
+            status, _ = await post(c, path, {"drain": False}, ADMIN_KEY)
+            assert status == 200 and c.router.registry.workers["w0"].state == HEALTHY
+            status, body = await post(c, path, {"drain": "yes"}, ADMIN_KEY)
+            assert status == 400 and body["error"]["param"] == "drain"
+            status, body = await post(c, "/console/workers/nobody/drain", {"drain": True}, ADMIN_KEY)
+            assert status == 404 and "nobody" in body["error"]["message"]
+            status, body = await post(c, "/console/models/load", {"model": "fake"}, ADMIN_KEY)
+            assert status == 400 and "--catalog" in body["error"]["message"]  # no fleet here
+            status, body = await post(c, "/console/models/explode", {"model": "fake"}, ADMIN_KEY)
+            assert status == 404
+
+    run(main())
+
+
+def test_events_push_the_state_and_then_each_change():
+    async def main():
+        async with Cluster(http=True) as c:
+            async with aiohttp.ClientSession() as s, s.get(f"http://{c.router.http_address}/console/events") as r:
+                assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
+                assert "Content-Security-Policy" in r.headers
+
+                async def next_state() -> dict:
+                    while True:
+                        line = (await asyncio.wait_for(r.content.readline(), 30)).decode()
+                        if line.startswith("data: "):
+                            return json.loads(line[6:])
+
+                first = await next_state()
+                assert {w["id"]: w["state"] for w in first["workers"]} == {"w0": "healthy", "w1": "healthy"}
+                c.router.registry.set_drained(c.router.registry.workers["w1"], True)
+                while (state := await next_state())["workers"][1]["state"] != "draining":
+                    pass
+                assert state["workers"][0]["state"] == "healthy"
+                await c.kill(c.workers[0])
+                while (state := await next_state())["workers"][0]["state"] != "unhealthy":
+                    pass
+            assert c.router.http_address  # the router stops with a page open (tested by leaving the block)
+
+    run(main())
+
+
+def test_the_hub_pushes_only_changes_at_most_once_an_interval():
+    async def main():
+        state = {"n": 0}
+        calls = []
+
+        def snapshot():
+            calls.append(1)
+            return dict(state)
+
+        hub = Hub(snapshot, interval=0.01)
+        queue = hub.subscribe()
+        assert await asyncio.wait_for(queue.get(), 10) == b'{"n":0}'
+        while len(calls) < 20:  # many snapshots of the same state: nothing more pushed
+            await asyncio.sleep(0.01)
+        assert queue.empty()
+        state["n"] = 1
+        assert await asyncio.wait_for(queue.get(), 10) == b'{"n":1}'
+        late = hub.subscribe()  # a page that opens later gets the latest state at once
+        assert late.get_nowait() == b'{"n":1}'
+        hub.unsubscribe(queue)
+        await hub.close()
+        assert await asyncio.wait_for(late.get(), 10) is None  # its stream ends with the server
+        hub.unsubscribe(late)
+        await asyncio.sleep(0.05)
+        assert hub._task.done()
+
+    run(main())
+
+
+def test_console_off_serves_none_of_it():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, RouterConfig)
+    assert from_args(RouterConfig, parser.parse_args(["--console", "off"])).console == "off"
+    assert from_args(RouterConfig, parser.parse_args([])).console == "on"
+
+    async def main():
+        async with Cluster(http=True, console="off") as c:
+            for path in ("/", "/console/state", "/console/events", "/console/app.js"):
+                assert (await get(c, path))[0] == 404, path
+            assert (await post(c, "/console/workers/w0/drain", {"drain": True}))[0] == 404
+            assert (await get(c, "/v1/models"))[0] == 200  # the API is still there
+
+    run(main())
+
+
+def test_a_request_record_keeps_a_bounded_cause():
+    from cluster.router.recent import MAX_CAUSE_CHARS, RecentRequests
+
+    recent = RecentRequests(size=3)
+    records = [recent.begin(f"r{i}", "m") for i in range(5)]
+    recent.finish(records[-1], "failed", "x" * 10_000)
+    rows = recent.rows()
+    assert [r["id"] for r in rows] == ["r4", "r3", "r2"]
+    assert rows[0]["outcome"] == "failed" and len(rows[0]["cause"]) == MAX_CAUSE_CHARS
+    assert pb.LoadReport  # the module imports what the state reads
