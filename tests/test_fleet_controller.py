@@ -1634,3 +1634,24 @@ def test_the_proxy_tells_the_controller_each_requests_wait_for_its_first_token(t
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_node_side_that_fetches_nothing_is_placed_again_on_the_nodes_that_hold_the_files(tmp_path):
+    """Ray's nodes copy and pull nothing (UNIMPLEMENTED): the load is planned again without
+    the nodes that lack the files, here unloading an idle model on the one that holds them."""
+
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0,), models=(("small", 0.25), ("other", 4.6)))
+        r.nodes.add_node("mac-2", 5.0, [])
+        await r.controller.load("other")  # mac-1: the small one fits there only if it goes
+
+        async def unimplemented(node_id, request, progress):
+            raise FleetError(grpc.StatusCode.UNIMPLEMENTED, f"model {request.source!r} is not on Ray node {node_id}")
+
+        r.nodes.fetch = unimplemented
+        await r.controller.load("small")  # a copy to mac-2 is sooner than unloading: tried first
+        assert [(n, s.model) for n, s in r.nodes.started] == [("mac-1", "other"), ("mac-1", "small")]
+        assert r.sample("orchard_fleet_unloads_total", model="other", reason="evicted") == 1
+        await r.nodes.close()
+
+    run(main())

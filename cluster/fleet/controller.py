@@ -121,6 +121,10 @@ def source_name(source: str) -> str:
     return PurePosixPath(source.rstrip("/")).name
 
 
+class _CannotFetch(FleetError):
+    """The node side fetches no files (UNIMPLEMENTED: Ray's nodes)."""
+
+
 @dataclass
 class _Fetch:
     """A model's files being fetched onto a node for a load (`FetchProgress` as it comes)."""
@@ -222,6 +226,7 @@ class FleetController:
         # workers on a node lost whose models were placed again (worker id -> node): no model's
         # any more; stopped if their node comes back still running them (`replace_lost`)
         self._abandoned: dict[str, str] = {}
+        self._fetches = True  # whether the node side fetches files (Ray's does not: `_place_and_start`)
         self._replacing: dict[str, asyncio.Task] = {}  # model -> stopping a group's ranks left, then its load
         self.scale_policy = config.scale_policy
         self._traffic: dict[str, scaling.Traffic] = {}  # loaded model -> its traffic, as the replica rule sees it
@@ -522,23 +527,32 @@ class FleetController:
                           f"{m.worker.reason or 'no reason given'}")
 
     async def _place_and_start(self, model: str) -> None:
+        """Plan, evict, fetch, start. A node side that cannot fetch (Ray's: `_CannotFetch`)
+        is planned over again with the nodes that hold the files only."""
         entry = self._entry(model)
-        await self._describe_missing(entry)
-        plan, footprints = await self._plan_when_room(model, entry)
-        log.info("fleet: placing %s: %s", model, plan.why)
-        self._pending[model] = ([(plan.node_id, plan.bytes)] if isinstance(plan, placement.Single)
-                                else [(rank.node_id, rank.bytes) for rank in plan.ranks])
-        try:
-            for victim in plan.evict:
-                log.info("fleet: evicting %s for %s", victim, model)
-                self._start_unload(victim, "evicted")
-                await asyncio.shield(self._unloads[victim])
-            if isinstance(plan, placement.Single):
-                await self._start_single(entry, plan.node_id, footprints[plan.node_id])
-            else:
-                await self._start_group(entry, plan, footprints)
-        finally:
-            del self._pending[model]
+        while True:
+            await self._describe_missing(entry)
+            plan, footprints = await self._plan_when_room(model, entry)
+            log.info("fleet: placing %s: %s", model, plan.why)
+            self._pending[model] = ([(plan.node_id, plan.bytes)] if isinstance(plan, placement.Single)
+                                    else [(rank.node_id, rank.bytes) for rank in plan.ranks])
+            try:
+                for victim in plan.evict:
+                    log.info("fleet: evicting %s for %s", victim, model)
+                    self._start_unload(victim, "evicted")
+                    await asyncio.shield(self._unloads[victim])
+                if isinstance(plan, placement.Single):
+                    await self._start_single(entry, plan.node_id, footprints[plan.node_id])
+                else:
+                    await self._start_group(entry, plan, footprints)
+                return
+            except _CannotFetch as e:
+                if not self._fetches:
+                    raise
+                log.warning("fleet: %s; placing on the nodes that hold the files only", e.message)
+                self._fetches = False
+            finally:
+                del self._pending[model]
 
     async def _plan_when_room(self, model: str, entry: pb.CatalogModel
                               ) -> tuple[placement.Single | placement.Group, dict[str, footprint.Footprint]]:
@@ -662,6 +676,8 @@ class FleetController:
     def _fetchable(self, entry: pb.CatalogModel) -> bool:
         """Whether a node without the model's files can fetch them: from the hub (an hf:
         source), or copied from a healthy node that holds them (a --models-dir source)."""
+        if not self._fetches:
+            return False
         if entry.source.startswith("hf:"):
             return True
         return not entry.source.startswith("ollama:") and bool(self._holders(entry))
@@ -821,8 +837,8 @@ class FleetController:
         try:
             done = await self.nodes.fetch(node_id, request, progress)
         except FleetError as e:
-            raise FleetError(e.code, f"model {model!r}: fetching {request.source} onto {node_id}: {e.message}") \
-                from None
+            error = _CannotFetch if e.code is grpc.StatusCode.UNIMPLEMENTED else FleetError
+            raise error(e.code, f"model {model!r}: fetching {request.source} onto {node_id}: {e.message}") from None
         progress(done)
         if done.deleted:
             log.info("fleet: %s deleted %s for room on its disk", node_id, ", ".join(done.deleted))
