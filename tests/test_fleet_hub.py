@@ -34,13 +34,15 @@ SHARD = "model-00002-of-00004.safetensors"  # layer 1's weights only
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """Two revisions' worth of a 4-layer model in 4 shards (with an index), and a one-file one."""
+    """Two revisions' worth of a 4-layer model in 4 shards (with an index), a one-file one and
+    an embedding model (sentence-transformers modules: its task is read from them)."""
     from cluster.modelgen import create_model
 
     root = tmp_path_factory.mktemp("hub-models")
     return {"v1": create_model(root / "v1", "qwen3", "tiny", seed=0, layers=4, files=4),
             "v2": create_model(root / "v2", "qwen3", "tiny", seed=1, layers=4, files=4),
-            "one": create_model(root / "one", "qwen3", "tiny", seed=2)}
+            "one": create_model(root / "one", "qwen3", "tiny", seed=2),
+            "emb": create_model(root / "emb", "qwen3", "tiny", seed=3, kind="embedding")}
 
 
 @pytest.fixture
@@ -51,6 +53,7 @@ def fake(models, tmp_path, monkeypatch):
     server.commits = {"v1": server.add(REPO, models["v1"], refs=("v1",)),
                       "main": server.add(REPO, models["v2"], refs=("main",))}
     server.add("org/one", models["one"])
+    server.add("org/emb", models["emb"])
     monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
@@ -200,7 +203,7 @@ def test_a_pipeline_rank_fetches_only_its_shards(fake, models, tmp_path):
 
 @pytest.mark.parametrize("platform", facts.PLATFORMS)
 def test_describe_from_the_hub_is_the_facts_of_the_downloaded_model(fake, tmp_path, platform):
-    for repo in (REPO, "org/one"):
+    for repo in (REPO, "org/one", "org/emb"):
         described = hub.describe(f"hf:{repo}", tmp_path / "cache", platform)
         weights = [n for n in fake.served if n.endswith(".safetensors")]
         assert weights and all(fake.served[n] <= 100_001 for n in weights)  # headers only
@@ -209,6 +212,7 @@ def test_describe_from_the_hub_is_the_facts_of_the_downloaded_model(fake, tmp_pa
         assert described.name == f"hf:{repo}@main" and not described.error
         on_disk.name = described.name
         assert described == on_disk
+        assert list(described.tasks) == (["embed"] if repo == "org/emb" else ["generate"])
         fake.served.clear()
         shutil.rmtree(tmp_path / "cache")
 
