@@ -15,20 +15,20 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 
-from cluster.fleet import FleetError, disk, transfer
+from cluster.fleet import FleetError, disk
 from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.security import ClientSecurity, channel
 from cluster.up import free_port
 from tests.conftest import run
+from tests.fake_hub import FakeHub
 
 TOKEN = "join-secret"
 MiB = 1 << 20
@@ -94,71 +94,6 @@ def tree(root: Path) -> dict[str, str]:
     """Each file's sha256 by its relative path (symlinks followed)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-# -- hub.py (helper H's) until it is on main: the contract's functions, from the cache only -------
-def _install_hub_standin() -> None:
-    try:
-        import cluster.fleet.hub  # noqa: F401
-        return
-    except ImportError:
-        pass
-    import re
-    import types
-    from dataclasses import dataclass
-
-    from cluster.fleet import facts
-
-    hub = types.ModuleType("cluster.fleet.hub")
-
-    @dataclass(frozen=True)
-    class HubSource:
-        repo: str
-        revision: str
-
-    def parse_source(s):
-        repo, _, rev = s.removeprefix("hf:").partition("@")
-        return HubSource(repo, rev or "main")
-
-    def canonical(s):
-        p = parse_source(s)
-        return f"hf:{p.repo}@{p.revision}"
-
-    def local_snapshot(source, cache):
-        p = parse_source(source) if isinstance(source, str) else source
-        root = Path(cache) / disk.repo_folder(p.repo)
-        commit = p.revision if re.fullmatch(r"[0-9a-f]{40}", p.revision) else None
-        if commit is None and (root / "refs" / p.revision).is_file():
-            commit = (root / "refs" / p.revision).read_text().strip()
-        return root / "snapshots" / commit if commit and (root / "snapshots" / commit).is_dir() else None
-
-    def files(snapshot_dir, layers=None):
-        return [pb.ModelFile(path=str(f.relative_to(snapshot_dir)), size=f.stat().st_size,
-                             sha256=transfer.file_sha256(f))
-                for f in sorted(Path(snapshot_dir).rglob("*")) if f.is_file()]
-
-    def scan(cache, platform):
-        out = []
-        for r in disk.cached_repos(cache):
-            for ref in sorted((r.path / "refs").iterdir()):
-                m = facts.disk_model(r.path / "snapshots" / ref.read_text().strip(), platform)
-                m.name = f"hf:{r.repo}@{ref.name}"
-                out.append(m)
-        return out
-
-    def describe(source, cache, platform):
-        raise FleetError(grpc.StatusCode.UNAVAILABLE, "no hub here")
-
-    def pull(source, cache, layers=None, progress=None):
-        raise FleetError(grpc.StatusCode.UNAVAILABLE, "no hub here")
-
-    for f in (parse_source, canonical, local_snapshot, files, scan, describe, pull):
-        setattr(hub, f.__name__, f)
-    hub.HubSource = HubSource
-    sys.modules["cluster.fleet.hub"] = hub
-
-
-_install_hub_standin()
 
 
 # -- agents in process ----------------------------------------------------------------------------
@@ -432,6 +367,84 @@ def test_one_fetch_per_source_a_second_caller_follows_the_first(tmp_path):
     run(go())
 
 
+# -- with the hub ---------------------------------------------------------------------------------
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """The fake hub holding REPO (a plain model's files; weights as LFS files); HF_* at it."""
+    server = FakeHub()
+    model = plain_model(tmp_path / "on-the-hub", "tiny", {"model-00001-of-00002.safetensors": 3 * MiB,
+                                                          "model-00002-of-00002.safetensors": 2 * MiB,
+                                                          "tokenizer.json": 5000})
+    server.commit = server.add(REPO, model)
+    server.model = model
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    for name in ("HF_HUB_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    yield server
+    server.close()
+
+
+def test_pulled_once_from_the_hub_then_copied_from_the_node_that_has_it(tmp_path, fake_hub):
+    """The copy reads as a pull: the receiver's own pull afterwards downloads nothing."""
+    from cluster.fleet import hub
+
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2") as (a, b):
+            pulled = await fetch(a, SOURCE)  # no peer: the hub
+            assert pulled.done and getattr(pulled, "from") == "hub" and Path(pulled.path).name == fake_hub.commit
+            from_hub = sum(fake_hub.served.values())
+            assert from_hub >= size(fake_hub.model)
+            copied = await fetch(b, SOURCE, a)
+            assert copied.done and getattr(copied, "from") == "mac-1"
+            assert sum(fake_hub.served.values()) == from_hub  # no second hub download
+            assert tree(Path(copied.path)) == tree(fake_hub.model)
+            assert hub.local_snapshot(SOURCE, b.hub_cache) == Path(copied.path)
+            assert f"hf:{REPO}@{fake_hub.commit}" in {m.name for m in b.report().models if m.fetched}
+            totals = {t.kind: t for t in b.report().transfer_totals}
+            assert totals["peer"].bytes == size(fake_hub.model) and totals["hub"].fetches == 0
+            await asyncio.to_thread(hub.pull, SOURCE, b.hub_cache)  # blobs named as the hub's etags: all there
+            assert sum(fake_hub.served.values()) == from_hub
+
+    run(go())
+
+
+def test_a_peer_that_dies_mid_copy_of_a_hub_model_gives_way_to_the_hub(tmp_path, fake_hub):
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2", **{"mac-2": {"copy_bandwidth": 4 * MiB}}) as (a, b):
+            await fetch(a, SOURCE)
+            stall_after(a, 2 * MiB)
+            fetching = asyncio.create_task(fetch(b, SOURCE, a))
+            await wait_until(lambda: b.fetches.get(SOURCE) and b.fetches[SOURCE].bytes_done >= 2 * MiB, 60,
+                             "a copy under way")
+            await a.endpoints.stop(grace=None)
+            last = await fetching
+            assert last.done and getattr(last, "from") == "hub"
+            assert tree(Path(last.path)) == tree(fake_hub.model)
+            # huggingface_hub downloads each file whole into a file of its own: the copy's
+            # partial files are of no use to it, and are not left behind
+            assert not list(b.hub_cache.rglob("*.incomplete"))
+            totals = {t.kind: t for t in b.report().transfer_totals}
+            assert (totals["peer"].failures, totals["hub"].fetches) == (1, 1)
+
+    run(go())
+
+
+def test_describe_answers_from_the_hub_for_a_model_not_here(tmp_path, fake_hub):
+    async def go():
+        async with agents(tmp_path, "mac-1") as (a,):
+            ch, stub = stub_of(a)
+            async with ch:
+                described = await stub.DescribeModel(pb.DescribeModelRequest(source=f"hf:{REPO}"))
+                assert described.name == SOURCE and described.file_bytes == size(fake_hub.model)
+                assert not list(a.hub_cache.rglob("*.safetensors"))  # nothing fetched to say so
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.DescribeModel(pb.DescribeModelRequest(source="hf:acme/nope"))
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+    run(go())
+
+
 # -- serving files: what a peer may ask -------------------------------------------------------------
 @pytest.mark.parametrize("path", ["../models/dense/config.json", "/etc/passwd", "sub/../../x", "", "a\\..\\b"])
 def test_read_model_file_refuses_a_path_out_of_the_model_before_reading(tmp_path, path):
@@ -530,7 +543,8 @@ def test_the_disk_budget_deletes_the_least_recently_used_fetched_model_never_a_k
             report = b.report()
             assert report.disk_budget_bytes == 3 * size + size // 2 and report.disk_used_bytes == 3 * size
             fetched = {m.name: m for m in report.models if m.fetched}
-            assert set(fetched) == {"hf:acme/old@main", "hf:acme/pinned@main", "hf:acme/newer@main"}
+            assert set(fetched) == {f"hf:acme/{r}@{rev}" for r in ("old", "pinned", "newer")
+                                    for rev in ("main", "a" * 40)}  # by ref and by commit
             assert 1500 < fetched["hf:acme/old@main"].last_used_seconds_ago < 2500
             assert not next(m for m in report.models if m.name == "mine").fetched
 

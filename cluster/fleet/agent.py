@@ -93,8 +93,9 @@ LIST_TIMEOUT_S = 300.0  # a peer's ListModelFiles (it may hash files it has not 
 def find_model(models_dir: Path, source: str, hub_cache: Path | None = None) -> str:
     """What `--model` a worker of catalog source `source` gets on this node: a directory
     (with config.json) or a .gguf file named `source` under `models_dir`, the snapshot an
-    `hf:ORG/REPO[@REV]` source names in `hub_cache` (no network), or an `ollama:NAME:TAG`
-    reference as it is (the worker imports it from Ollama's store)."""
+    `hf:ORG/REPO[@REV]` source names in `hub_cache` (no network; a group's rank may hold only
+    its layers' files of it), or an `ollama:NAME:TAG` reference as it is (the worker imports
+    it from Ollama's store)."""
     from cluster.fleet import facts
 
     if source.startswith(OLLAMA_PREFIX):
@@ -102,7 +103,8 @@ def find_model(models_dir: Path, source: str, hub_cache: Path | None = None) -> 
     if source.startswith(HUB_PREFIX):
         from cluster.fleet import hub
 
-        snapshot = hub.local_snapshot(source, hub_cache) if hub_cache is not None else None
+        parsed = hub.parse_source(source)
+        snapshot = disk.snapshot_dir(hub_cache, parsed.repo, parsed.revision) if hub_cache is not None else None
         if snapshot is None:
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source!r} is not on this node: the hub cache "
                                                         f"{hub_cache} has no snapshot of it (fetch it first)")
@@ -653,9 +655,13 @@ class NodeAgent:
         self.model_root(source)  # INVALID_ARGUMENT for a path
         return source
 
-    def model_root(self, source: str) -> Path | None:
+    def model_root(self, source: str, layers: tuple[int, int] | None = None) -> Path | None:
         """The model `source` names on this node (a directory, a .gguf file or a hub
-        snapshot), or None."""
+        snapshot holding every file, or those of `layers`), or None."""
+        if source.startswith(HUB_PREFIX):
+            from cluster.fleet import hub
+
+            return hub.local_snapshot(source, self.hub_cache, layers)
         try:
             return Path(find_model(self.models_dir, source, self.hub_cache))
         except FleetError as e:
@@ -663,14 +669,14 @@ class NodeAgent:
                 return None
             raise
 
-    def _held(self, source: str) -> Path:
-        root = self.model_root(self._source(source))
+    def _held(self, source: str, layers: tuple[int, int] | None = None) -> Path:
+        root = self.model_root(self._source(source), layers)
         if root is None:
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source!r} is not on node {self.node_id}")
         return root
 
     async def list_model_files(self, request: pb.ListModelFilesRequest) -> pb.ModelFiles:
-        root = self._held(request.source)
+        root = self._held(request.source, _layers(request))
         files = await asyncio.to_thread(transfer.list_files, root, _layers(request))
         revision = root.name if request.source.startswith(HUB_PREFIX) else ""
         return pb.ModelFiles(source=request.source, revision=revision, files=files)
@@ -679,7 +685,8 @@ class NodeAgent:
         """The file's bytes from `request.offset`, in chunks; the path is checked before
         anything is looked up."""
         transfer.relative_path(request.path)
-        path = transfer.model_file(self._held(request.source), request.path)
+        path = transfer.model_file(Path(find_model(self.models_dir, self._source(request.source), self.hub_cache)),
+                                   request.path)
         size = path.stat().st_size
         if request.offset > size:
             raise FleetError(grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past the end of "
@@ -734,7 +741,7 @@ class NodeAgent:
     async def _fetch(self, job: transfer.Fetch, request: pb.FetchModelRequest) -> pb.FetchProgress:
         """Here already; else from each peer in turn; else from the hub (hf: sources)."""
         source = job.source
-        root = self.model_root(source)
+        root = self.model_root(source, _layers(request))
         if root is not None:
             return pb.FetchProgress(**{"from": FROM_DISK}, done=True, path=str(root))
         failures = []
@@ -858,6 +865,7 @@ class NodeAgent:
         finally:
             await asyncio.sleep(0)  # the progress the pull posted last
             totals.bytes += job.bytes_done
+        await asyncio.to_thread(disk.drop_partials, self.hub_cache, hub.parse_source(source).repo)
         totals.fetches += 1
         totals.seconds += time.monotonic() - started
         log.info("pulled %s from the hub in %.1f s", source, time.monotonic() - started)

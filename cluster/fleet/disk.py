@@ -12,6 +12,7 @@ protected (pinned, or loaded anywhere in the fleet) or that a worker here runs.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from cluster.config import human_bytes as human
 from cluster.fleet import FleetError
 
 REPO_PREFIX = "models--"
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,20 @@ class CachedRepo:
 def repo_folder(repo: str) -> str:
     """huggingface_hub's folder for a model repository: models--ORG--NAME."""
     return REPO_PREFIX + repo.replace("/", "--")
+
+
+def snapshot_dir(cache: Path, repo: str, revision: str) -> Path | None:
+    """The snapshot directory of `repo` at `revision` (a commit, or a ref to one) in the hub
+    cache, whole or not (`hub.local_snapshot` says whether it holds every file)."""
+    root = Path(cache) / repo_folder(repo)
+    commit = revision if _COMMIT.fullmatch(revision) else None
+    if commit is None:
+        try:
+            commit = (root / "refs" / revision).read_text().strip()
+        except OSError:
+            return None
+    snapshot = root / "snapshots" / commit
+    return snapshot if _COMMIT.fullmatch(commit) and snapshot.is_dir() else None
 
 
 def cached_repos(cache: Path) -> list[CachedRepo]:
@@ -97,6 +113,14 @@ def evictions(repos: list[CachedRepo], need: int, budget: int, disk_free: int, k
                          f"free, and the fetched models that could make room are in use or protected "
                          f"({', '.join(kept) or 'none'})")
     return chosen
+
+
+def drop_partials(cache: Path, repo: str) -> None:
+    """Delete a repository's partial blobs (`<etag>.incomplete`, a peer copy's) whose blob is
+    whole now: a pull does not resume from them (huggingface_hub downloads to files of its own)."""
+    for partial in (Path(cache) / repo_folder(repo) / "blobs").glob("*.incomplete"):
+        if partial.with_suffix("").is_file():
+            partial.unlink(missing_ok=True)
 
 
 def delete(repo: CachedRepo) -> None:

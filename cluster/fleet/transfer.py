@@ -69,18 +69,21 @@ def model_file(root: Path, path: str) -> Path:
 
 
 def list_files(root: Path, layers: tuple[int, int] | None = None) -> list[pb.ModelFile]:
-    """The files of the model at `root` with their sizes and sha256 (`hub.files`; a .gguf
-    file is its one file), each hub snapshot file with its blob's name."""
+    """The files of the model at `root` with their sizes and sha256 (`hub.files`: a hub
+    snapshot's with their blobs' names; `layers`: a pipeline rank's only); a .gguf file is
+    its one file."""
     if root.is_file():
-        return [pb.ModelFile(path=root.name, size=root.stat().st_size, sha256=file_sha256(root))]
+        stat = root.stat()
+        key = (str(root), stat.st_size, stat.st_mtime_ns)
+        if key not in _gguf_sha256:
+            _gguf_sha256[key] = file_sha256(root)
+        return [pb.ModelFile(path=root.name, size=stat.st_size, sha256=_gguf_sha256[key])]
     from cluster.fleet import hub
 
-    files = hub.files(root, layers)
-    for f in files:
-        link = root / f.path
-        if link.is_symlink() and Path(os.readlink(link)).parent.name == "blobs":
-            f.blob = Path(os.readlink(link)).name
-    return files
+    return hub.files(root, layers)
+
+
+_gguf_sha256: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256: hashed once
 
 
 def file_sha256(path: Path, length: int | None = None) -> str:
