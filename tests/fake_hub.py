@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -82,6 +83,7 @@ class FakeHub:
         self._cuts: dict[str, float] = {}
         self._corrupt: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._connections: set = set()  # open keep-alive connections, closed with the hub
         self._api = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self, blobs=False))
         self._cdn = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self, blobs=True))
         for server in (self._api, self._cdn):
@@ -97,9 +99,18 @@ class FakeHub:
         return f"http://127.0.0.1:{self._cdn.server_address[1]}"
 
     def close(self) -> None:
+        """Stop both servers and drop their open connections: a client's pooled connection must
+        not reach this hub's handlers after a new hub takes the same port."""
         for server in (self._api, self._cdn):
             server.shutdown()
             server.server_close()
+        with self._lock:
+            connections, self._connections = list(self._connections), set()
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     # -- content ----------------------------------------------------------------------------------
     def add(self, repo: str, model_dir: Path, refs: tuple[str, ...] = ("main",)) -> str:
@@ -151,6 +162,16 @@ def _handler(hub: FakeHub, blobs: bool):
 
         def log_message(self, *args) -> None:
             pass
+
+        def setup(self) -> None:
+            super().setup()
+            with hub._lock:
+                hub._connections.add(self.connection)
+
+        def finish(self) -> None:
+            with hub._lock:
+                hub._connections.discard(self.connection)
+            super().finish()
 
         def do_HEAD(self) -> None:
             self._route(body=False)
@@ -274,7 +295,7 @@ def _handler(hub: FakeHub, blobs: bool):
             if cut is not None:
                 self.wfile.flush()
                 self.close_connection = True
-                self.connection.shutdown(2)
+                self.connection.shutdown(socket.SHUT_RDWR)
 
         def _json(self, value) -> None:
             raw = json.dumps(value).encode()
