@@ -1,6 +1,7 @@
 """Models loaded on demand by the fleet against a static layout, on the same seeded trace.
 
     python load/bench_fleet.py [--rounds 4] [--concurrency 4] [--max-tokens 16] [--quick]
+    python load/bench_fleet.py --hot [--hot-requests 1200] [--hot-concurrency 12] [--quick]
 
 Five models (`cluster/fleet/local.py`'s FIVE_MODELS: two dense of different sizes, a MoE, a
 4-bit quantized one, an embedding model; made once under ~/.cache/orchard/models/fleet) and
@@ -20,6 +21,14 @@ the wall time and the memory set aside for models; on demand also the loads, the
 reason, the time requests waited for loads and the footprint estimate's error for the
 models loaded at the end (the router's metrics); then on demand / static ratios. --quick:
 one round, two at a time, a smoke run.
+
+--hot instead serves one hot model: --hot-requests completions (--hot-max-tokens each) of "chat",
+--hot-concurrency at once, on three nodes with room for one replica each, its workers at
+--max-num-seqs HOT_SLOTS (so requests queue), loaded before the trace. Twice, on the same
+trace: without replicas (--max-replicas 1) and with them (--max-replicas 3; the router's
+--scale-up-wait / --scale-window / --scale-down-idle shortened to fit a bench). Printed for
+each: TTFT p50 / p99, the replicas added while the trace ran and how long they took to come
+back to one after it; then the TTFT p99 ratio. --hot --quick: a shorter trace and window.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ from cluster.up import LocalCluster, free_port  # noqa: E402
 MiB = 1 << 20
 CONTEXT = 512  # every model's --max-model-len: small KV pools, the weights and the process decide what fits
 REQUEST_TIMEOUT = 900.0  # a request held for a load on a busy machine
+HOT = FIVE_MODELS[0]  # --hot's model
+HOT_SLOTS = 2  # its workers' --max-num-seqs: more requests at once than a replica runs
 
 
 def footprints(models: dict[str, Path]) -> dict[str, int]:
@@ -166,6 +177,74 @@ def run_static(models: dict[str, Path], trace: list[TraceRequest], concurrency: 
     return out
 
 
+def run_hot(path: Path, trace: list[TraceRequest], budget: int, concurrency: int, max_replicas: int,
+            scale: dict[str, float]) -> dict:
+    """The hot trace on three nodes, `max_replicas` allowed; then, with replicas, until they
+    are back to one (at most a few --scale-down-idle)."""
+    router_args = [a for flag, value in scale.items() for a in (f"--{flag.replace('_', '-')}", str(value))]
+    fleet = LocalFleet([budget] * 3, tempfile.mkdtemp(prefix="orchard-bench-fleet-hot-"), router_args=router_args)
+    fleet.add_model(HOT.name, path)
+    with fleet:
+        from cluster.cli import main
+
+        common = ["--router", fleet.router_address]
+        if main(["models", "add", HOT.name, "--source", HOT.name, "--context", str(CONTEXT), "--keep-alive", "-1",
+                 "--max-replicas", str(max_replicas), f"--engine-arg=--max-num-seqs {HOT_SLOTS}", *common]) != 0:
+            raise RuntimeError(f"orchard models add {HOT.name} failed")
+        if main(["models", "load", HOT.name, *common]) != 0:  # the trace measures serving, not the first load
+            raise RuntimeError(f"orchard models load {HOT.name} failed")
+        results, wall = asyncio.run(_run_trace(fleet.http_url, trace, concurrency))
+        ups = fleet.metric("orchard_fleet_scale_events_total", model=HOT.name, direction="up")
+        t0, back = time.monotonic(), None
+        deadline = t0 + (scale["scale_down_idle"] + scale["scale_window"]) * (ups + 1) + 60
+        while ups and time.monotonic() < deadline:
+            if fleet.metric("orchard_fleet_replicas", model=HOT.name) <= 1:
+                back = time.monotonic() - t0
+                break
+            time.sleep(1)
+        downs = fleet.metric("orchard_fleet_scale_events_total", model=HOT.name, direction="down")
+        ups_in_all = fleet.metric("orchard_fleet_scale_events_total", model=HOT.name, direction="up")
+    out = summary(results, wall)
+    out.update(ups=ups, ups_in_all=ups_in_all, downs=downs, back_to_one_s=back, logs=str(fleet.log_dir))
+    return out
+
+
+def report_hot(name: str, r: dict) -> str:
+    line = (f"{name}: {r['served']} served, {r['failed']} failed; TTFT p50 {r['ttft_p50']:.3f} s, "
+            f"p99 {r['ttft_p99']:.3f} s; wall {r['wall_s']:.1f} s; replicas added {r['ups']:.0f} while it ran")
+    if r["ups"]:
+        line += (f" ({r['ups_in_all']:.0f} in all: one under way at its end counts after), removed {r['downs']:.0f}, "
+                 "back to one " + (f"{r['back_to_one_s']:.0f} s after the trace" if r["back_to_one_s"] is not None
+                                   else "not yet"))
+    if r["failed"]:
+        line += f"\n  first failure: {r['first_error']}"
+    return line
+
+
+def main_hot(args) -> int:
+    path = make_model(HOT, cache_dir() / "fleet")
+    size = footprints({HOT.name: path})[HOT.name]
+    budget = args.budget * MiB if args.budget else size + size // 2  # one replica a node
+    n, concurrency = (args.hot_requests or (400 if args.quick else 1200)), args.hot_concurrency
+    trace = mixed_trace((HOT,), 1, args.seed, args.hot_max_tokens, per_turn=(n, n))
+    scale = {"scale_up_wait": 0.25, "scale_window": 3.0 if args.quick else 5.0,
+             "scale_down_idle": 6.0 if args.quick else 10.0}
+    print(f"hot trace: {len(trace)} requests for {HOT.name}, {concurrency} at once, {args.hot_max_tokens} tokens each; "
+          f"3 nodes of {budget / MiB:.0f} MiB (one replica each), --max-num-seqs {HOT_SLOTS}; "
+          + ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in scale.items())
+          + f"; load average {os.getloadavg()[0]:.1f}", flush=True)
+    without = run_hot(path, trace, budget, concurrency, 1, scale)
+    print(report_hot("without replicas (--max-replicas 1)", without), flush=True)
+    with_replicas = run_hot(path, trace, budget, concurrency, 3, scale)
+    print(report_hot("with replicas (--max-replicas 3)", with_replicas), flush=True)
+    print(f"with / without replicas: TTFT p99 {with_replicas['ttft_p99'] / without['ttft_p99']:.2f}x, "
+          f"p50 {with_replicas['ttft_p50'] / without['ttft_p50']:.2f}x, "
+          f"wall {with_replicas['wall_s'] / without['wall_s']:.2f}x; load average {os.getloadavg()[0]:.1f}")
+    if args.json:
+        print(json.dumps({"without_replicas": without, "with_replicas": with_replicas}, indent=2))
+    return 0 if without["failed"] == with_replicas["failed"] == 0 else 1
+
+
 def report(name: str, r: dict) -> str:
     lines = [f"{name}: {r['served']} served, {r['failed']} failed; TTFT p50 {r['ttft_p50']:.3f} s, "
              f"p99 {r['ttft_p99']:.3f} s; wall {r['wall_s']:.1f} s; memory for models {r['memory'] / MiB:.0f} MiB"]
@@ -191,7 +270,15 @@ def main() -> int:
                    help="each node's --memory-budget (default: room for the largest model, not for two)")
     p.add_argument("--quick", action="store_true", help="one round, two at a time")
     p.add_argument("--json", action="store_true", help="also print the results as JSON")
+    p.add_argument("--hot", action="store_true", help="one hot model, with replicas and without (the module's "
+                                                      "docstring)")
+    p.add_argument("--hot-requests", type=int, default=0, metavar="N",
+                   help="--hot's trace (default 1200; 400 quick): long enough for replicas to start and serve")
+    p.add_argument("--hot-max-tokens", type=int, default=32, metavar="N", help="--hot's tokens a request")
+    p.add_argument("--hot-concurrency", type=int, default=12, metavar="N", help="--hot's requests at once")
     args = p.parse_args()
+    if args.hot:
+        return main_hot(args)
     if args.quick:
         args.rounds, args.concurrency = 1, 2
 

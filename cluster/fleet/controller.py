@@ -1077,6 +1077,8 @@ class FleetController:
     async def _scale(self, model: str, decision: scaling.Decision, replicas: dict[str, list[Member]]) -> None:
         """Add or remove one replica of `model` under its claim (no other router loads,
         unloads or scales it meanwhile); its traffic starts a new window once it is done."""
+        if decision.delta > 0 and not self._replica_fits(model, decision.why, replicas):
+            return  # the next steps ask again, without a write to the catalog each
         if not await self._write(self.catalog.claim, model, self.router_id, CLAIM_TTL):
             return  # another router is loading, unloading or scaling it: the next step sees what it did
         async with self._holding_claim(model):
@@ -1092,22 +1094,35 @@ class FleetController:
             if traffic is not None:
                 traffic.changed(self.clock(), len(replicas) + decision.delta)
 
-    async def _add_replica(self, model: str, why: str, replicas: dict[str, list[Member]]) -> bool:
-        """One more replica, placed as a load is on a node that runs none of `model`'s
-        (False: no such node has room, or its start failed; the next steps try again)."""
-        entry = self._entry(model)
+    def _replica_fits(self, model: str, why: str, replicas: dict[str, list[Member]]) -> bool:
+        """Whether a node that runs none of `model`'s replicas has room for one now (idle
+        models unloaded there if the rule allows): a replica is not worth waiting for room."""
         self._avoid[model] = frozenset(m.node_id for members in replicas.values() for m in members)
         try:
-            plan = self._plan(model, entry)[0]  # not waiting for room: a replica is not worth a held load
-            if isinstance(plan, placement.NoRoom):
-                raise FleetError(plan.error().code, f"no node without a replica of it has room: {plan.message}")
+            plan = self._plan(model, self._entry(model))[0]
+        finally:
+            del self._avoid[model]
+        if isinstance(plan, placement.NoRoom):
+            self._scale_failure(model, why, f"no node without a replica of it has room: {plan.message}")
+            return False
+        return True
+
+    def _scale_failure(self, model: str, why: str, message: str) -> None:
+        """Why a replica could not be added, logged when it changes (the rule asks every tick)."""
+        if self._scale_failed.get(model) != message:
+            log.warning("fleet: another replica of %s (%s) could not be added: %s", model, why, message)
+        self._scale_failed[model] = message
+
+    async def _add_replica(self, model: str, why: str, replicas: dict[str, list[Member]]) -> bool:
+        """One more replica, placed as a load is on a node that runs none of `model`'s
+        (False: its start failed; the next steps try again)."""
+        self._avoid[model] = frozenset(m.node_id for members in replicas.values() for m in members)
+        try:
             log.info("fleet: adding a replica of %s (%s)", model, why)
             await asyncio.wait_for(self._place_and_start(model), self.config.load_timeout)
         except (FleetError, asyncio.TimeoutError) as e:
-            message = e.message if isinstance(e, FleetError) else "its worker did not serve within --load-timeout"
-            if self._scale_failed.get(model) != message:
-                log.warning("fleet: another replica of %s (%s) could not be added: %s", model, why, message)
-            self._scale_failed[model] = message
+            self._scale_failure(model, why, e.message if isinstance(e, FleetError)
+                                else "its worker did not serve within --load-timeout")
             return False
         finally:
             del self._avoid[model]
