@@ -11,7 +11,8 @@ huggingface_hub, `scan_cache_dir` and mlx-lm read it as their own.
   transfer, HF_TOKEN, HF_ENDPOINT), then every file checked against the hub's hashes
   (`model_info(files_metadata=True)`: an LFS file's sha256, another's git blob sha1). A
   file that does not match is deleted and fetched once more; a second mismatch is
-  DATA_LOSS. The ref (`refs/main`) is written once the snapshot is whole and checked.
+  DATA_LOSS. The ref (`refs/main`) is written once the snapshot is whole and checked, so
+  a pull of a revision whose ref already points at a whole snapshot is done at once.
   A pipeline rank (`layers`) fetches only the weight shards its stage reads
   (`worker/group/split.stage_weight_files` over model.safetensors.index.json) and every
   file that is not a weight shard.
@@ -30,6 +31,7 @@ without the files), DATA_LOSS (a file that twice did not match its hash).
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import glob
 import hashlib
@@ -291,6 +293,10 @@ def pull(source: str | HubSource, cache: str | Path, layers: tuple[int, int] | N
         def fetch_again(name: str, bar) -> None:
             hf_hub_download(src.repo, name, revision=commit, cache_dir=cache, endpoint=hub.endpoint, tqdm_class=bar)
 
+        if _commit_of(storage, src.revision) == commit and local_snapshot(src, cache, layers) is not None:
+            whole = sum(e.size for n, e in expected.items() if (snapshot / n).exists())
+            _Bytes(progress, whole, whole)
+            return snapshot  # checked when it was pulled (its ref is written after that)
         wanted = sorted(expected)
         if layers is not None and INDEX in expected:  # the index says which shards the rank reads
             first = [n for n in ("config.json", INDEX) if n in expected]
@@ -412,6 +418,8 @@ def _hub_errors(src: HubSource, hub: _Settings) -> Iterator[None]:
     except (errors.HfHubHTTPError, httpx2.HTTPError) as e:
         raise FleetError(grpc.StatusCode.UNAVAILABLE, f"{src}: the hub at {hub.where} failed: {_line(e)}") from None
     except OSError as e:  # a transfer cut short past the client's retries, a full disk
+        if e.errno == errno.ENOSPC:
+            raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{src}: the disk is full: {_line(e)}") from None
         raise FleetError(grpc.StatusCode.UNAVAILABLE, f"{src}: {_line(e)}") from None
 
 
