@@ -563,6 +563,8 @@ def test_the_budget_is_at_most_what_the_machine_can_give(monkeypatch, tmp_path):
     (["--node-id", "../x"], "--node-id must be 1 to 128 characters, no '/', not starting with '.': '../x'"),
     (["--router", ","], "--router names no router"),
     (["--heartbeat-interval", "0"], "--heartbeat-interval must be in [0.05, 60] seconds, not 0.0"),
+    (["--disk-budget", "0"], "--disk-budget must be a positive size, not 0"),
+    (["--copy-streams", "0"], "--copy-streams must be in [1, 64], not 0"),
 ])
 def test_a_bad_setting_is_one_line_and_permanent(flags, message, tmp_path, capsys):
     from cluster.cli import main

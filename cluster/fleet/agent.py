@@ -60,7 +60,7 @@ from cluster import platform
 from cluster.api.serving import Endpoints
 from cluster.config import human_bytes as human
 from cluster.exit_codes import EXIT_PERMANENT, EXIT_TRANSIENT, Backoff, describe
-from cluster.fleet import FleetError, disk, transfer
+from cluster.fleet import FleetError, disk, hub, transfer
 from cluster.fleet.catalog import check_engine_args
 from cluster.fleet.node_config import NodeConfig
 from cluster.net import CHANNEL_OPTIONS, check_addresses, free_ports, parse_address
@@ -75,7 +75,6 @@ log = logging.getLogger(__name__)
 STARTING, LOADING, RUNNING, STOPPING, EXITED = "starting", "loading", "running", "stopping", "exited"
 ALL_INTERFACES = ("0.0.0.0", "::", "")
 OLLAMA_PREFIX = "ollama:"
-HUB_PREFIX = "hf:"
 PORT_HOLD_S = 120.0  # a reserved port is not handed out again for this long
 MAX_PORTS = 64  # per ReservePorts call
 POLL_S = 0.5  # a loading worker's readiness, a draining worker's requests
@@ -100,9 +99,7 @@ def find_model(models_dir: Path, source: str, hub_cache: Path | None = None) -> 
 
     if source.startswith(OLLAMA_PREFIX):
         return source
-    if source.startswith(HUB_PREFIX):
-        from cluster.fleet import hub
-
+    if hub.is_hub_source(source):
         parsed = hub.parse_source(source)
         snapshot = disk.snapshot_dir(hub_cache, parsed.repo, parsed.revision) if hub_cache is not None else None
         if snapshot is None:
@@ -309,7 +306,8 @@ class NodeAgent:
     def __init__(self, config: NodeConfig):
         self.config = config
         self.models_dir = Path(config.models_dir).expanduser()
-        self.hub_cache = Path(config.hub_cache).expanduser() if config.hub_cache else self.models_dir / ".hub"
+        self.hub_cache = (Path(config.hub_cache).expanduser() if config.hub_cache
+                          else hub.default_hub_cache(self.models_dir))
         self.routers = [r.strip() for r in config.router.split(",") if r.strip()]
         self.host = parse_address(config.grpc_address)[0]
         self.advertise_host = config.advertise or (socket.getfqdn() if self.host in ALL_INTERFACES else self.host)
@@ -397,8 +395,6 @@ class NodeAgent:
         models = facts.scan(self.models_dir, self.platform)
         repos = {r.repo: r for r in disk.cached_repos(self.hub_cache)}
         if repos:
-            from cluster.fleet import hub
-
             now = time.time()
             for m in hub.scan(self.hub_cache, self.platform):
                 m.fetched = True
@@ -486,7 +482,7 @@ class NodeAgent:
         check_engine_args(list(spec.engine_args))
         model = find_model(self.models_dir, spec.source, self.hub_cache)
         self._check_room(spec)
-        if spec.source.startswith(HUB_PREFIX):
+        if hub.is_hub_source(spec.source):
             disk.touch(Path(model))  # the disk budget deletes the least recently used first
         port = spec.port or self.reserve_ports(1)[0]
         member = spec.group_size > 1 and spec.group_rank > 0
@@ -648,9 +644,7 @@ class NodeAgent:
         if source.startswith(OLLAMA_PREFIX):
             raise FleetError(grpc.StatusCode.INVALID_ARGUMENT, f"source {source!r} is in Ollama's store on each "
                                                                "Mac: it is not fetched or copied")
-        if source.startswith(HUB_PREFIX):
-            from cluster.fleet import hub
-
+        if hub.is_hub_source(source):
             return hub.canonical(source)
         self.model_root(source)  # INVALID_ARGUMENT for a path
         return source
@@ -658,9 +652,7 @@ class NodeAgent:
     def model_root(self, source: str, layers: tuple[int, int] | None = None) -> Path | None:
         """The model `source` names on this node (a directory, a .gguf file or a hub
         snapshot holding every file, or those of `layers`), or None."""
-        if source.startswith(HUB_PREFIX):
-            from cluster.fleet import hub
-
+        if hub.is_hub_source(source):
             return hub.local_snapshot(source, self.hub_cache, layers)
         try:
             return Path(find_model(self.models_dir, source, self.hub_cache))
@@ -678,7 +670,7 @@ class NodeAgent:
     async def list_model_files(self, request: pb.ListModelFilesRequest) -> pb.ModelFiles:
         root = self._held(request.source, _layers(request))
         files = await asyncio.to_thread(transfer.list_files, root, _layers(request))
-        revision = root.name if request.source.startswith(HUB_PREFIX) else ""
+        revision = root.name if hub.is_hub_source(request.source) else ""
         return pb.ModelFiles(source=request.source, revision=revision, files=files)
 
     async def read_model_file(self, request: pb.ReadModelFileRequest):
@@ -704,13 +696,11 @@ class NodeAgent:
         root = self.model_root(source)
         if root is not None:
             out = await asyncio.to_thread(facts.disk_model, root, self.platform)
-            if source.startswith(HUB_PREFIX):
+            if hub.is_hub_source(source):
                 out.name, out.fetched = source, True
             return out
-        if not source.startswith(HUB_PREFIX):
+        if not hub.is_hub_source(source):
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source!r} is not on node {self.node_id}")
-        from cluster.fleet import hub
-
         return await asyncio.to_thread(hub.describe, source, self.hub_cache, self.platform)
 
     async def fetch(self, request: pb.FetchModelRequest):
@@ -757,7 +747,7 @@ class NodeAgent:
                 self.transfer_totals[FROM_PEER].failures += 1
                 log.warning("copy of %s from %s failed (%s: %s)", source, peer.node_id, code.name, why)
                 failures.append(f"{peer.node_id}: {code.name}: {why}")
-        if source.startswith(HUB_PREFIX):
+        if hub.is_hub_source(source):
             return await self._pull(job, request)
         tried = f": {'; '.join(failures)}" if failures else ""
         raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source!r} is not on node {self.node_id} and no peer "
@@ -766,10 +756,8 @@ class NodeAgent:
     def _keep(self, source: str, protect) -> set[str]:
         """The hub repositories the disk budget must not delete: protected, run by a worker
         here, or being fetched."""
-        from cluster.fleet import hub
-
         sources = {source, *protect, *self.fetches, *(w.spec.source for w in self.workers.values() if w.live)}
-        return {hub.parse_source(s).repo for s in sources if s.startswith(HUB_PREFIX)}
+        return {hub.parse_source(s).repo for s in sources if hub.is_hub_source(s)}
 
     async def _make_room(self, source: str, need: int, protect, fetched: bool) -> list[str]:
         """Delete the least recently used fetched models not kept until `need` bytes fit
@@ -788,7 +776,7 @@ class NodeAgent:
             await asyncio.to_thread(disk.delete, repo)
         if doomed:
             await self.refresh_models()
-        return [f"{HUB_PREFIX}{repo.repo}" for repo in doomed]
+        return [f"{hub.PREFIX}{repo.repo}" for repo in doomed]
 
     def _peer_security(self):
         return dataclasses.replace(self.config.security.client(), api_key=self.config.join_token)
@@ -829,9 +817,7 @@ class NodeAgent:
             raise FleetError(grpc.StatusCode.DATA_LOSS, f"the peer lists no files of {source}")
         for f in listing.files:
             transfer.relative_path(f.path)
-        if source.startswith(HUB_PREFIX):
-            from cluster.fleet import hub
-
+        if hub.is_hub_source(source):
             parsed = hub.parse_source(source)
             return transfer.HubDestination(self.hub_cache, parsed.repo, parsed.revision, listing.revision)
         names = facts.model_names(source)
@@ -843,8 +829,6 @@ class NodeAgent:
 
     async def _pull(self, job: transfer.Fetch, request: pb.FetchModelRequest) -> pb.FetchProgress:
         """From the hub (huggingface_hub: resumable, checked against the hub's hashes)."""
-        from cluster.fleet import hub
-
         source = job.source
         started = time.monotonic()
         try:

@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 
 import grpc
 
-from cluster.fleet import FleetError
+from cluster.fleet import FleetError, hub
 from cluster.fleet.disk import repo_folder
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
@@ -78,8 +78,6 @@ def list_files(root: Path, layers: tuple[int, int] | None = None) -> list[pb.Mod
         if key not in _gguf_sha256:
             _gguf_sha256[key] = file_sha256(root)
         return [pb.ModelFile(path=root.name, size=stat.st_size, sha256=_gguf_sha256[key])]
-    from cluster.fleet import hub
-
     return hub.files(root, layers)
 
 
