@@ -1105,15 +1105,6 @@ def test_a_crash_looping_worker_placed_already_fails_its_load_with_its_reason_an
 
 # -- placing where the files are not: pulled from the hub, copied from a peer ----------------------------
 
-@pytest.fixture
-def hf_sources(monkeypatch):
-    """The catalog takes hf: sources (hub.py's check, until it is on this branch)."""
-    from cluster.fleet import catalog
-
-    check = catalog.check_source
-    monkeypatch.setattr(catalog, "check_source", lambda s: s if s.startswith("hf:") else check(s))
-
-
 def hub_fleet(tmp_path, budgets=(5.0, 5.0), **kw) -> Router:
     """Nodes holding nothing, and "org/chat" (3 GiB) on the fake hub."""
     r = Router(tmp_path, **kw)
@@ -1124,7 +1115,7 @@ def hub_fleet(tmp_path, budgets=(5.0, 5.0), **kw) -> Router:
     return r
 
 
-def test_a_model_on_no_node_is_pulled_from_the_hub_with_its_progress_shown_then_started(tmp_path, hf_sources):
+def test_a_model_on_no_node_is_pulled_from_the_hub_with_its_progress_shown_then_started(tmp_path):
     async def main():
         r = hub_fleet(tmp_path)
         assert r.controller.describe("chat").state == "not on disk"
@@ -1133,7 +1124,7 @@ def test_a_model_on_no_node_is_pulled_from_the_hub_with_its_progress_shown_then_
         loading = asyncio.ensure_future(r.controller.load("chat"))
         await wait_for(lambda: r.nodes.fetches, "the fetch")
         node, request, origin = r.nodes.fetches[0]
-        assert origin == "hub" and list(request.peers) == [] and request.source == "hf:org/chat"
+        assert origin == "hub" and list(request.peers) == [] and request.source == "hf:org/chat@main"
         assert "hf:org/chat@main" in request.protect
         assert r.nodes.described and r.nodes.started == []  # described (footprint) before, started after
         described = r.controller.describe("chat")
@@ -1143,14 +1134,14 @@ def test_a_model_on_no_node_is_pulled_from_the_hub_with_its_progress_shown_then_
         r.nodes.fetch_gate.set()
         await wait_for(lambda: r.controller.describe("chat").fetch_progress >= 0.5, "the fetch's progress")
         await asyncio.wait_for(loading, 30)
-        assert [(n, spec.source) for n, spec in r.nodes.started] == [(node, "hf:org/chat")]
+        assert [(n, spec.source) for n, spec in r.nodes.started] == [(node, "hf:org/chat@main")]
         assert r.controller.describe("chat").state == "serving" and len(r.nodes.fetches) == 1
         await r.nodes.close()
 
     run(main())
 
 
-def test_a_second_placement_copies_from_the_node_that_holds_it_and_holders_with_room_come_first(tmp_path, hf_sources):
+def test_a_second_placement_copies_from_the_node_that_holds_it_and_holders_with_room_come_first(tmp_path):
     async def main():
         r = hub_fleet(tmp_path, budgets=(5.0, 5.0))
         r.add("pinned", source="pinned", pin=True)
@@ -1199,7 +1190,7 @@ def test_a_plain_models_dir_model_is_copied_to_a_node_with_room_and_never_pulled
     run(main())
 
 
-def test_a_hub_model_the_hub_does_not_know_fails_its_load_with_the_hubs_error(tmp_path, hf_sources):
+def test_a_hub_model_the_hub_does_not_know_fails_its_load_with_the_hubs_error(tmp_path):
     async def main():
         r = hub_fleet(tmp_path)
         r.nodes.hub.clear()
@@ -1212,7 +1203,7 @@ def test_a_hub_model_the_hub_does_not_know_fails_its_load_with_the_hubs_error(tm
     run(main())
 
 
-def test_a_group_of_a_model_on_no_node_fetches_onto_each_rank_only_its_layers(tmp_path, hf_sources):
+def test_a_group_of_a_model_on_no_node_fetches_onto_each_rank_only_its_layers(tmp_path):
     async def main():
         r = hub_fleet(tmp_path, budgets=(5.0, 5.0))
         r.nodes.hub["hf:org/chat@main"] = disk_model("hf:org/chat@main", 7.0, layers=32)
@@ -1287,7 +1278,7 @@ def test_a_model_on_a_node_lost_serves_again_on_another_and_the_node_back_is_reu
     run(main())
 
 
-def test_a_node_back_is_a_candidate_with_the_files_it_fetched(tmp_path, hf_sources):
+def test_a_node_back_is_a_candidate_with_the_files_it_fetched(tmp_path):
     async def main():
         r = hub_fleet(tmp_path, budgets=(5.0, 5.0))
         await r.controller.load("chat")

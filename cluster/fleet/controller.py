@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from cluster.fleet import FleetError, facts, footprint, placement, scaling
+from cluster.fleet import FleetError, facts, footprint, hub, placement, scaling
 from cluster.fleet.catalog import Placement, parse_duration, worker_flags
 from cluster.fleet.config import FleetConfig
 from cluster.fleet.metrics import FOUND, LOADED
@@ -114,8 +114,8 @@ def source_name(source: str) -> str:
     """The name a node holds a catalog source under (`DiskModel.name`): a hub source's
     canonical `hf:ORG/REPO@REV` (`@main` when it names no revision), else its name under
     `--models-dir`."""
-    if source.startswith("hf:"):
-        return source if "@" in source else source + "@main"
+    if hub.is_hub_source(source):
+        return hub.canonical(source)
     if source.startswith("ollama:"):
         return source
     return PurePosixPath(source.rstrip("/")).name
@@ -678,7 +678,7 @@ class FleetController:
         source), or copied from a healthy node that holds them (a --models-dir source)."""
         if not self._fetches:
             return False
-        if entry.source.startswith("hf:"):
+        if hub.is_hub_source(entry.source):
             return True
         return not entry.source.startswith("ollama:") and bool(self._holders(entry))
 
@@ -693,7 +693,7 @@ class FleetController:
         the hub's metadata, nothing downloaded), once per source and platform. A failure is
         kept `LOAD_RETRY_AFTER` seconds: the plan then has no such node, and a plan with no
         node at all fails with it (the hub unreachable, the repo unknown, ...)."""
-        if not entry.source.startswith("hf:"):
+        if not hub.is_hub_source(entry.source):
             return
         name = source_name(entry.source)
         failed = self._describe_failed.get(name)
@@ -1309,7 +1309,7 @@ class FleetController:
                        if _disk_model(n.report, source_name(entry.source)) is not None]
             entry.state = "on disk" if holders else "not on disk"
             entry.status = ("on disk on " + _and(holders)) if holders else (
-                "on no node yet: pulled from the hub when it loads" if entry.source.startswith("hf:")
+                "on no node yet: pulled from the hub when it loads" if hub.is_hub_source(entry.source)
                 else "on no node's --models-dir")
             error = self.load_error(model)
             if error is not None:
