@@ -1646,3 +1646,24 @@ def test_a_node_side_that_fetches_nothing_is_placed_again_on_the_nodes_that_hold
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_replica_that_fails_to_start_is_tried_again_a_window_later_not_every_tick(tmp_path):
+    async def main():
+        r = hot_fleet(tmp_path)
+        await r.controller.load("hot")
+        for _ in range(8):
+            r.controller.request_started("hot")
+        r.nodes.exit_on_start = "out of memory"
+        for _ in range(95):
+            await step(r, waits=[5.0] * 3)
+        assert len(r.nodes.started) == 1 + 3  # at 30, 60 and 90 s: one try a window
+        assert "out of memory" in r.controller._scale_failed["hot"]
+        assert len(replica_nodes(r)) == 1
+        r.nodes.exit_on_start = None
+        for _ in range(30):
+            await step(r, waits=[5.0] * 3)
+        assert len(replica_nodes(r)) == 2 and "hot" not in r.controller._scale_failed
+        await r.nodes.close()
+
+    run(main())

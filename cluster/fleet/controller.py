@@ -1076,7 +1076,8 @@ class FleetController:
 
     async def _scale(self, model: str, decision: scaling.Decision, replicas: dict[str, list[Member]]) -> None:
         """Add or remove one replica of `model` under its claim (no other router loads,
-        unloads or scales it meanwhile); its traffic starts a new window once it is done."""
+        unloads or scales it meanwhile); its traffic starts a new window once it is done,
+        and after a start or stop that failed too (not tried again each tick)."""
         if decision.delta > 0 and not self._replica_fits(model, decision.why, replicas):
             return  # the next steps ask again, without a write to the catalog each
         if not await self._write(self.catalog.claim, model, self.router_id, CLAIM_TTL):
@@ -1086,13 +1087,11 @@ class FleetController:
                 changed = await self._add_replica(model, decision.why, replicas)
             else:
                 changed = await self._remove_replica(model, decision.why, replicas)
-        if changed:
-            direction = "up" if decision.delta > 0 else "down"
-            if self.metrics is not None:
-                self.metrics.scale_events.labels(model=model, direction=direction).inc()
-            traffic = self._traffic.get(model)
-            if traffic is not None:
-                traffic.changed(self.clock(), len(replicas) + decision.delta)
+        if changed and self.metrics is not None:
+            self.metrics.scale_events.labels(model=model, direction="up" if decision.delta > 0 else "down").inc()
+        traffic = self._traffic.get(model)
+        if traffic is not None:
+            traffic.changed(self.clock(), len(replicas) + (decision.delta if changed else 0))
 
     def _replica_fits(self, model: str, why: str, replicas: dict[str, list[Member]]) -> bool:
         """Whether a node that runs none of `model`'s replicas has room for one now (idle
