@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import urllib.error
+import urllib.request
 from html.parser import HTMLParser
 
 import aiohttp
@@ -304,3 +306,17 @@ def test_a_request_record_keeps_a_bounded_cause():
     assert [r["id"] for r in rows] == ["r4", "r3", "r2"]
     assert rows[0]["outcome"] == "failed" and len(rows[0]["cause"]) == MAX_CAUSE_CHARS
     assert pb.LoadReport  # the module imports what the state reads
+
+
+def test_a_worker_serves_its_own_console(tiny_worker):
+    with urllib.request.urlopen(f"http://{tiny_worker.http}/", timeout=10) as r:
+        assert r.status == 200 and "script-src 'self'" in r.headers["Content-Security-Policy"]
+    with urllib.request.urlopen(f"http://{tiny_worker.http}/console/state", timeout=10) as r:
+        state = json.load(r)
+    assert state["role"] == "worker" and state["router"]["grpc"] == tiny_worker.grpc
+    (me,) = state["workers"]
+    assert WORKER_FIELDS <= set(me) and me["state"] == "healthy" and me["kv_total"] == 512
+    with pytest.raises(urllib.error.HTTPError) as refused:  # no actions on a worker's console
+        urllib.request.urlopen(urllib.request.Request(f"http://{tiny_worker.http}/console/workers/x/drain",
+                                                      data=b"{}", method="POST"), timeout=10)
+    assert refused.value.code in (404, 405)

@@ -141,6 +141,8 @@ class WorkerOptions:
                                           metavar="HOST:PORT", off="off")
     http_address: str | None = setting(None, "OpenAI-compatible HTTP address (default: off)", flag="--http",
                                        metavar="HOST:PORT", off="off")
+    console: str = setting("on", "the web console on the HTTP port (--http), at /: this worker alone (on or off)",
+                           choices=("on", "off"))
     worker_id: str | None = setting(None, "default: HOSTNAME-GRPCPORT")
     served_model_name: str | None = setting(
         None, "the name clients and the router call the model by (default: its directory's or file's name)",

@@ -143,7 +143,8 @@ class WorkerServer:
                                   healthy=lambda: service.engine_loop.alive and self._healthy())
         await self.endpoints.start(add_services, backend=service, http_address=opts.http_address,
                                    metrics=metrics, metrics_address=opts.metrics_address,
-                                   request_timeout=opts.request_timeout)
+                                   request_timeout=opts.request_timeout,
+                                   http_extras=None if opts.console == "off" else self._console)
         self._watchdog = asyncio.create_task(self._watch_progress())
         if opts.router:
             from cluster.worker.registration import Registration
@@ -250,6 +251,17 @@ class WorkerServer:
                 await self.endpoints.set_serving(healthy and not service.draining)
                 was_healthy = healthy
                 self._report_now()
+
+    def _console(self, app, keys) -> None:
+        """The web console on the HTTP app (cluster/console): this worker's own state."""
+        from cluster.console.routes import add_routes
+        from cluster.console.state import WorkerState
+
+        def about() -> dict:
+            return {"id": self.service.worker_id, "grpc": self.addresses.get("grpc", ""),
+                    "http": self.addresses.get("http", ""), "fleet": False}
+
+        add_routes(app, WorkerState(self.service.load_report, about), keys)
 
     def _healthy(self) -> bool:
         return not self.service.stalled and not self.service.unhealthy_reason

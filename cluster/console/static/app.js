@@ -6,7 +6,6 @@ import { $ } from "./dom.js";
 import { renderFleet, renderRequests } from "./fleet.js";
 
 let connection = null; // the AbortController of the live stream
-let fleet = false;
 
 function notice(text, kind = "error") {
   const box = $("#notice");
@@ -37,8 +36,7 @@ const act = {
 };
 
 function render(state) {
-  fleet = Boolean(state.router.fleet);
-  $("#about").textContent = `${state.role} ${state.router.id || ""} · ${state.router.policy || ""}`;
+  $("#about").textContent = [state.role, state.router.id, state.router.policy].filter(Boolean).join(" · ");
   renderFleet(state, state.role === "router" ? act : null);
   renderRequests(state.requests);
   const served = state.workers.filter((w) => w.state === "healthy" && w.model).map((w) => w.model);
