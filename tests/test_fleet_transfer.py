@@ -367,6 +367,21 @@ def test_one_fetch_per_source_a_second_caller_follows_the_first(tmp_path):
     run(go())
 
 
+def test_an_agent_that_stops_mid_copy_ends_the_copy_and_tells_its_caller(tmp_path):
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2", **{"mac-2": {"copy_bandwidth": 2 * MiB}}) as (a, b):
+            plain_model(a.models_dir, "dense", {"model.safetensors": 8 * MiB})
+            fetching = asyncio.create_task(fetch(b, "dense", a))
+            job = await wait_until(lambda: b.fetches.get("dense") if b.fetches.get("dense") and
+                                   b.fetches["dense"].bytes_done else None, 60, "a copy under way")
+            await b.stop()
+            assert job.task.done() and job.error is not None and job.error.code == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(grpc.aio.AioRpcError):
+                await fetching
+
+    run(go())
+
+
 # -- with the hub ---------------------------------------------------------------------------------
 @pytest.fixture
 def fake_hub(tmp_path, monkeypatch):

@@ -369,8 +369,10 @@ class NodeAgent:
         """Stop every worker (SIGTERM: each finishes its streams; SIGKILL after the grace),
         then the registrations and the gRPC server."""
         await asyncio.gather(*(self._end(w) for w in list(self.workers.values())))
-        for task in self._tasks:
-            task.cancel()
+        fetching = [f.task for f in self.fetches.values() if f.task is not None]
+        for task in [*self._tasks, *fetching]:
+            task.cancel()  # a copy resumes from its partial files when fetched again
+        await asyncio.gather(*fetching, return_exceptions=True)
         for registration in self.registrations:
             await registration.stop()
         await self.endpoints.stop(grace=1.0)
@@ -720,6 +722,9 @@ class NodeAgent:
             job.end(result)
         except FleetError as e:
             job.end(error=e)
+        except asyncio.CancelledError:
+            job.end(error=FleetError(grpc.StatusCode.UNAVAILABLE, f"node {self.node_id} is stopping"))
+            raise
         except Exception as e:  # noqa: BLE001  (a bug must reach the caller, not end the agent)
             log.exception("fetch of %s failed", job.source)
             job.end(error=FleetError(grpc.StatusCode.INTERNAL, f"fetch of {job.source} failed: {e}"))
