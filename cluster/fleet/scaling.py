@@ -160,6 +160,6 @@ def decide(traffic: Traffic, bounds: Bounds, now: float) -> Decision:
         waits, slowish = sum(b.waits for b in idle), sum(b.slowish for b in idle)
         peak, room = traffic.peak(now, p.down_idle), (r - 1) * bounds.slots
         if 2 * peak <= room and 2 * slowish <= waits:
-            return Decision(-1, f"at most {peak} requests in flight in the last {p.down_idle:g} s: "
-                                f"{r - 1} replicas carry them at half their {room} slots")
+            return Decision(-1, f"at most {peak} requests in flight in the last {p.down_idle:g} s: the replicas "
+                                f"but one carry them at half their {room} slots or less")
     return Decision(0, "")
