@@ -15,6 +15,7 @@ fleet-wide or spanning a pipeline group over several nodes when no node has room
     footprint.py   memory a worker of a model will hold: weights, KV pool, overhead (pure)
     catalog.py     the catalog and single-flight load claims (SQLite)
     placement.py   the placement policy (pure)
+    scaling.py     the replica rule: when a loaded model gets one replica more or fewer (pure)
     nodes.py       NodeRegistry and the NodeSide the controller drives (agents over gRPC);
                    `orchard nodes list`
     service.py     the router's Fleet service: nodes register and report; the catalog RPCs
