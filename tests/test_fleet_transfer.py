@@ -586,6 +586,25 @@ def test_the_disk_budget_deletes_the_least_recently_used_fetched_model_never_a_k
     run(go())
 
 
+def test_two_fetches_at_once_make_room_for_each_other(tmp_path):
+    weights = 2 * MiB
+    size = len(b"".join(hub_files(weights=weights).values()))
+
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2", **{"mac-2": {"disk_budget": 3 * size}}) as (a, b):
+            for i, repo in enumerate(("acme/x", "acme/y")):
+                hub_snapshot(a.hub_cache, repo, hub_files(seed=20 + i, weights=weights))
+            for i, repo in enumerate(("acme/old", "acme/older")):
+                hub_snapshot(b.hub_cache, repo, hub_files(seed=30 + i, weights=weights))
+                _age(b.hub_cache, repo, 1000 * (i + 1))
+            x, y = await asyncio.gather(fetch(b, "hf:acme/x", a), fetch(b, "hf:acme/y", a))
+            assert sorted([*x.deleted, *y.deleted]) == ["hf:acme/older"]
+            await b.refresh_models()
+            assert b.report().disk_used_bytes <= 3 * size
+
+    run(go())
+
+
 def test_evictions_go_least_recently_used_first_and_only_as_far_as_needed():
     repos = [disk.CachedRepo(name, Path(name), 100, used) for name, used in
              (("a/in-use", 1.0), ("a/old", 2.0), ("a/mid", 3.0), ("a/new", 4.0))]

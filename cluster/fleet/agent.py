@@ -330,6 +330,7 @@ class NodeAgent:
         self.transfer_totals = {kind: pb.TransferTotal(kind=kind) for kind in (FROM_HUB, FROM_PEER)}
         self.disk_used = 0  # the fetched models' bytes (the hub cache), at the last look
         self.bytes_served = 0  # model file bytes sent to peers
+        self._room = asyncio.Lock()  # one fetch at a time makes room on disk
 
     def _default_node_id(self) -> str:
         if self.config.security.mutual:
@@ -764,21 +765,27 @@ class NodeAgent:
         sources = {source, *protect, *self.fetches, *(w.spec.source for w in self.workers.values() if w.live)}
         return {hub.parse_source(s).repo for s in sources if hub.is_hub_source(s)}
 
-    async def _make_room(self, source: str, need: int, protect, fetched: bool) -> list[str]:
-        """Delete the least recently used fetched models not kept until `need` bytes fit
-        (the budget counts only for `fetched` models); their names."""
-        repos = await asyncio.to_thread(disk.cached_repos, self.hub_cache)
-        try:
-            free = shutil.disk_usage(self.hub_cache if self.hub_cache.is_dir() else self.models_dir).free
-        except OSError:
-            free = 0
-        budget = (self.config.disk_budget or 0) if fetched else 0
-        doomed = disk.evictions(repos, need, budget, free, self._keep(source, protect), f"{source} on node "
-                                                                                       f"{self.node_id}")
-        for repo in doomed:
-            log.info("deleting fetched model %s (%s, last used %.0f s ago) to make room for %s", repo.repo,
-                     human(repo.bytes), disk.seconds_since_used(repo), source)
-            await asyncio.to_thread(disk.delete, repo)
+    async def _make_room(self, job: transfer.Fetch, origin: str, total: int, need: int, protect,
+                         fetched: bool) -> list[str]:
+        """Delete the least recently used fetched models not kept until `need` more bytes fit,
+        with what the other fetches under way have still to write (the budget counts only for
+        `fetched` models), then begin `job` (`total` bytes from `origin`); the names of those
+        deleted. One at a time: each sees the deletions and the fetches begun before it."""
+        async with self._room:
+            repos = await asyncio.to_thread(disk.cached_repos, self.hub_cache)
+            try:
+                free = shutil.disk_usage(self.hub_cache if self.hub_cache.is_dir() else self.models_dir).free
+            except OSError:
+                free = 0
+            pending = sum(max(0, f.bytes_total - f.bytes_done) for f in self.fetches.values() if f is not job)
+            budget = (self.config.disk_budget or 0) if fetched else 0
+            doomed = disk.evictions(repos, need + pending, budget, free, self._keep(job.source, protect),
+                                    f"{job.source} on node {self.node_id}")
+            for repo in doomed:
+                log.info("deleting fetched model %s (%s, last used %.0f s ago) to make room for %s", repo.repo,
+                         human(repo.bytes), disk.seconds_since_used(repo), job.source)
+                await asyncio.to_thread(disk.delete, repo)
+            job.begin(origin, total)
         if doomed:
             await self.refresh_models()
         return [f"{hub.PREFIX}{repo.repo}" for repo in doomed]
@@ -797,8 +804,8 @@ class NodeAgent:
             files = list(listing.files)
             total = sum(f.size for f in files)
             need = total - await asyncio.to_thread(dest.present_bytes, files)
-            deleted = await self._make_room(source, need, request.protect, isinstance(dest, transfer.HubDestination))
-            job.begin(peer.node_id, total)
+            deleted = await self._make_room(job, peer.node_id, total, need, request.protect,
+                                            isinstance(dest, transfer.HubDestination))
             self._report_now()
             copy = transfer.Copy(stub, source, files, dest, self.config.copy_streams,
                                  transfer.TokenBucket(self.config.copy_bandwidth), job.add)
@@ -840,8 +847,7 @@ class NodeAgent:
             need = (await asyncio.to_thread(hub.describe, source, self.hub_cache, self.platform)).file_bytes
         except FleetError:
             need = 0  # the pull says what is wrong
-        deleted = await self._make_room(source, need, request.protect, fetched=True)
-        job.begin(FROM_HUB, need)
+        deleted = await self._make_room(job, FROM_HUB, need, need, request.protect, fetched=True)
         self._report_now()
         loop = asyncio.get_running_loop()
         totals = self.transfer_totals[FROM_HUB]
