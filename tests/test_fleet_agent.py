@@ -205,6 +205,43 @@ def test_an_agent_joins_reports_and_refuses_what_it_cannot_do(router, agent, mod
     healthy(router, agent)
 
 
+def test_an_agent_copies_a_model_from_another_under_its_copy_flags(router, agent, tiny_model_dir, tmp_path):
+    """`orchard node serve --hub-cache --disk-budget --copy-bandwidth --copy-streams`: node-b
+    copies node-a's model (FetchModel), and the router sees it there with the copy's totals."""
+    healthy(router, agent)
+    (tmp_path / "models-b").mkdir()
+    b = AgentProcess(router.router_address, tmp_path / "models-b", tmp_path / "node-b", router.join_token,
+                     node_id="node-b", extra=("--hub-cache", str(tmp_path / "hub-b"), "--disk-budget", "1GiB",
+                                              "--copy-bandwidth", "64MiB", "--copy-streams", "2"))
+    try:
+        healthy(router, b, "node-b")
+
+        async def copy():
+            async with channel(b.address, ClientSecurity(api_key=router.join_token), options=CHANNEL_OPTIONS) as ch:
+                request = pb.FetchModelRequest(source="tiny", peers=[pb.NodePeer(node_id="node-a",
+                                                                                  address=agent.address)])
+                return [m async for m in node_stub(ch).FetchModel(request, timeout=120)]
+
+        messages = run(copy())
+        assert messages[-1].done and getattr(messages[-1], "from") == "node-a"
+        copied = tmp_path / "models-b" / "tiny"
+        assert messages[-1].path == str(copied)
+        for f in tiny_model_dir.iterdir():
+            assert (copied / f.name).read_bytes() == f.read_bytes(), f.name
+
+        def reported() -> pb.NodeReport | None:
+            report = list_nodes(router).get("node-b", pb.NodeInfo()).report
+            return report if [m.name for m in report.models] == ["tiny"] else None
+
+        report = wait_for(reported, 60, "node-b reporting the copy")
+        assert report.disk_budget_bytes == 1 << 30
+        peer = next(t for t in report.transfer_totals if t.kind == "peer")
+        assert (peer.fetches, peer.failures) == (1, 0) and peer.bytes == sum(
+            f.stat().st_size for f in tiny_model_dir.iterdir())
+    finally:
+        b.stop()
+
+
 def test_an_agent_with_a_wrong_join_token_is_refused_for_good(router, models_dir, tmp_path):
     bad = AgentProcess(router.router_address, models_dir, tmp_path / "node-bad", "not-the-token", node_id="node-bad")
     try:
