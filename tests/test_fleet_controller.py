@@ -1667,3 +1667,34 @@ def test_a_replica_that_fails_to_start_is_tried_again_a_window_later_not_every_t
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_load_timed_out_while_fetching_says_how_far_the_fetch_got(tmp_path):
+    async def main():
+        r = hub_fleet(tmp_path, budgets=(5.0,), load_timeout=1)
+        r.nodes.fetch_gate = asyncio.Event()  # a slow hub
+        with pytest.raises(FleetError) as e:
+            await r.controller.load("chat")
+        assert e.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "while pulling to mac-1 from the hub 0%: a big model's files need a longer --load-timeout" \
+            in e.value.message
+        await r.nodes.close()
+
+    run(main())
+
+
+def test_a_node_lost_while_its_worker_loads_is_placed_around(tmp_path):
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0, 5.0))
+        r.nodes.load_delay = 3600  # the first worker never comes up
+        loading = asyncio.ensure_future(r.controller.load("small"))
+        await wait_for(lambda: r.nodes.started, "the first start")
+        first_node = r.nodes.started[0][0]
+        r.nodes.load_delay = 0.05
+        lose(r, first_node)
+        r.controller.replace_lost()
+        await asyncio.wait_for(loading, 30)
+        assert len(r.nodes.started) == 2 and r.nodes.started[1][0] != first_node and r.controller.serving("small")
+        await r.nodes.close()
+
+    run(main())

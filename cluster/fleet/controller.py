@@ -125,6 +125,10 @@ class _CannotFetch(FleetError):
     """The node side fetches no files (UNIMPLEMENTED: Ray's nodes)."""
 
 
+class _NodeLost(FleetError):
+    """A worker a load started was lost with its node (`replace_lost`)."""
+
+
 @dataclass
 class _Fetch:
     """A model's files being fetched onto a node for a load (`FetchProgress` as it comes)."""
@@ -223,6 +227,7 @@ class FleetController:
         self._described: dict[tuple[str, str], pb.DiskModel] = {}
         self._describe_failed: dict[str, tuple[FleetError, float]] = {}
         self._fetching: dict[str, dict[str, _Fetch]] = {}  # model -> node -> its fetch for a load
+        self._fetch_cut: dict[str, str] = {}  # model -> its fetch in words, when its load's timeout cut it
         # workers on a node lost whose models were placed again (worker id -> node): no model's
         # any more; stopped if their node comes back still running them (`replace_lost`)
         self._abandoned: dict[str, str] = {}
@@ -395,15 +400,19 @@ class FleetController:
     async def _load_task(self, model: str) -> None:
         t0 = self.clock()
         outcome = "error"
+        self._fetch_cut.pop(model, None)
         try:
             unloading = self._unloads.get(model)
             if unloading is not None and not unloading.done():
                 await asyncio.shield(unloading)
             outcome = await asyncio.wait_for(self._load(model), self.config.load_timeout)
         except asyncio.TimeoutError:
+            fetching = self._fetch_cut.pop(model, "")
             self._fail(model, FleetError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                          f"model {model!r} did not load within {self.config.load_timeout:g} s "
-                                         "(the router's --load-timeout)"))
+                                         "(the router's --load-timeout)" + (
+                                             f" while {fetching}: a big model's files need a longer --load-timeout "
+                                             "the first time" if fetching else "")))
             outcome = "timeout"
         except FleetError as e:
             self._fail(model, e)
@@ -490,7 +499,12 @@ class FleetController:
             await self._tick()
 
     def _check_started(self, model: str, worker_id: str) -> None:
-        """FleetError when the worker started for `model` exited (or failed to start)."""
+        """FleetError when the worker started for `model` exited (or failed to start);
+        `_NodeLost` when its node, or a node of its group's, was lost (`replace_lost`)."""
+        lost = next((w for w in self._abandoned if w == worker_id or w.startswith(f"{worker_id}-rank-")), None)
+        if lost is not None:
+            raise _NodeLost(grpc.StatusCode.UNAVAILABLE, f"model {model!r}'s worker {lost} was lost with its node "
+                                                         f"{self._abandoned[lost]} while loading")
         for m in self.placed().get(model, _Placed()).members:
             if m.worker.worker_id == worker_id and m.worker.state == "exited":
                 raise FleetError(grpc.StatusCode.UNAVAILABLE,
@@ -527,8 +541,9 @@ class FleetController:
                           f"{m.worker.reason or 'no reason given'}")
 
     async def _place_and_start(self, model: str) -> None:
-        """Plan, evict, fetch, start. A node side that cannot fetch (Ray's: `_CannotFetch`)
-        is planned over again with the nodes that hold the files only."""
+        """Plan, evict, fetch, start. A node lost while its worker loads (`_NodeLost`) is
+        planned over again without it; a node side that cannot fetch (Ray's: `_CannotFetch`)
+        with the nodes that hold the files only."""
         entry = self._entry(model)
         while True:
             await self._describe_missing(entry)
@@ -546,6 +561,8 @@ class FleetController:
                 else:
                     await self._start_group(entry, plan, footprints)
                 return
+            except _NodeLost as e:
+                log.warning("fleet: %s: placing it again", e.message)
             except _CannotFetch as e:
                 if not self._fetches:
                     raise
@@ -822,6 +839,11 @@ class FleetController:
             tasks.append(asyncio.ensure_future(self._fetch_one(entry.name, node_id, one, fetches[node_id])))
         try:
             await asyncio.gather(*tasks)
+        except asyncio.CancelledError:  # --load-timeout: its error says how far the fetch got
+            words = pb.CatalogModel()
+            self._describe_fetch(words, fetches)
+            self._fetch_cut[entry.name] = words.status
+            raise
         finally:
             for task in tasks:  # one failed: the others are of no use
                 task.cancel()
