@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -187,6 +188,31 @@ def test_a_plain_model_copied_from_a_peer_has_the_same_files(tmp_path):
             again = await fetch(b, "dense", a)  # here now: nothing copied
             assert getattr(again, "from") == "disk" and again.done
             assert {m.name for m in b.report().models} >= {"dense", "small.gguf"}
+
+    run(go())
+
+
+def test_a_plain_model_is_copied_whole_even_for_a_pipeline_rank(tmp_path):
+    """A plain directory holding one rank's shards would look whole to the node's scan (and
+    a later whole worker would fail on the missing shards): only hub snapshots, checked file
+    by file, are fetched in part."""
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2") as (a, b):
+            src = plain_model(a.models_dir, "sharded", {"model-00001-of-00002.safetensors": MiB,
+                                                        "model-00002-of-00002.safetensors": MiB + 7})
+            (src / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
+            (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+                "model.layers.0.mlp.weight": "model-00001-of-00002.safetensors",
+                "model.layers.1.mlp.weight": "model-00002-of-00002.safetensors"}}))
+            await a.refresh_models()
+            ch, stub = stub_of(b)
+            async with ch:
+                last = None
+                async for last in stub.FetchModel(pb.FetchModelRequest(source="sharded", peers=[peer(a)],
+                                                                       first_layer=1, last_layer=1)):
+                    pass
+            assert last.done and getattr(last, "from") == "mac-1"
+            assert tree(b.models_dir / "sharded") == tree(src)
 
     run(go())
 

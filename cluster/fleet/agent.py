@@ -796,10 +796,13 @@ class NodeAgent:
     async def _copy(self, job: transfer.Fetch, peer: pb.NodePeer, request: pb.FetchModelRequest) -> pb.FetchProgress:
         source = job.source
         started = time.monotonic()
+        # Only a hub snapshot may hold a rank's files alone (hub.local_snapshot checks each
+        # file); a plain directory holding part of a model would look whole to the scan.
+        layers = request if hub.is_hub_source(source) else pb.FetchModelRequest()
         async with channel(peer.address, self._peer_security(), options=CHANNEL_OPTIONS) as ch:
             stub = pb_grpc.NodeStub(ch)
             listing = await stub.ListModelFiles(pb.ListModelFilesRequest(
-                source=source, first_layer=request.first_layer, last_layer=request.last_layer), timeout=LIST_TIMEOUT_S)
+                source=source, first_layer=layers.first_layer, last_layer=layers.last_layer), timeout=LIST_TIMEOUT_S)
             dest = self._destination(source, listing)
             files = list(listing.files)
             total = sum(f.size for f in files)
