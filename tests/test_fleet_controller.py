@@ -1131,6 +1131,7 @@ def test_a_model_on_no_node_is_pulled_from_the_hub_with_its_progress_shown_then_
         assert described.state == "pulling" and described.status == f"pulling to {node} from the hub 0%"
         [info] = r.controller.model_infos()
         assert (info.state, info.status) == ("pulling", described.status)
+        assert info.max_model_len == 4096 and list(info.tasks) == ["generate"]  # from the hub's description
         r.nodes.fetch_gate.set()
         await wait_for(lambda: r.controller.describe("chat").fetch_progress >= 0.5, "the fetch's progress")
         await asyncio.wait_for(loading, 30)
@@ -1698,3 +1699,34 @@ def test_a_node_lost_while_its_worker_loads_is_placed_around(tmp_path):
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_stream_on_a_node_lost_waits_for_its_model_placed_again_and_resumes_token_exact(tmp_path):
+    from cluster.api.wire import build_request
+    from tests.fake_worker import fake_token
+
+    async def main():
+        r = fleet(tmp_path, budgets=(5.0, 5.0), nodes_cls=ServingNodes, connect=True)
+        await r.controller.load("small")
+        first_node, first = r.nodes.started[0][0], r.nodes.started[0][1].worker_id
+        r.nodes.served[first].die_after_tokens = 10  # the Mac goes, mid-stream
+        stop = asyncio.Event()
+        running = asyncio.ensure_future(r.controller.run(stop))
+        request = build_request("hello", model="small", max_tokens=40)
+        streaming = asyncio.ensure_future(_collect(r.backend.generate(request, timeout=60)))
+        await wait_for(lambda: r.nodes.served.get(first) is None or r.nodes.served[first].dead, "the worker's death")
+        lose(r, first_node)
+        chunks = await asyncio.wait_for(streaming, 60)
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == [fake_token(request, i) for i in range(40)] and chunks[-1].finish_reason
+        assert [n for n, _ in r.nodes.started][1:] == ["mac-2" if first_node == "mac-1" else "mac-1"]
+        stop.set()
+        await running
+        await r.nodes.close()
+        await r.registry.close()
+
+    run(main())
+
+
+async def _collect(stream) -> list:
+    return [c async for c in stream]

@@ -1371,8 +1371,9 @@ class FleetController:
             served = [w for w in self.registry.serving(entry.name) if w.healthy]
             info = pb.ModelInfo(id=entry.name, owned_by="orchard", state=entry.state, status=entry.status)
             info.max_model_len = max((w.report.max_model_len for w in served), default=0)
-            disk = next((d for n in self.nodes.nodes() if (d := _disk_model(n.report, source_name(entry.source)))),
-                        None)
+            name = source_name(entry.source)
+            disk = next((d for n in self.nodes.nodes() if (d := _disk_model(n.report, name))), None) or next(
+                (d for (source, _), d in self._described.items() if source == name), None)  # on no node yet
             if not info.max_model_len and disk is not None:
                 info.max_model_len = self._context(entry, disk)
             info.tasks.extend(sorted({t for w in served for t in w.report.tasks}) or (list(disk.tasks) if disk else []))
