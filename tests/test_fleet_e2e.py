@@ -14,11 +14,16 @@ local processes (`cluster.fleet.local.LocalFleet`), each with its own models dir
   router killed mid-stream loses nothing (the SDK resumes on the other); restarted, it
   finds the catalog and the loaded models and loads nothing twice.
 
+And issue 41's: an `hf:` model on three nodes that hold nothing is pulled once from a fake
+hub (`tests/fake_hub.py`) by its first placement, and copied from that node by the second
+(no second hub download, the same checksums, the same greedy tokens).
+
 Loads are counted twice: the routers' `orchard_fleet_loads_total` and the agents' logs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -356,3 +361,131 @@ def test_two_routers_share_the_catalog_and_a_restarted_router_finds_what_is_load
             got = list(pool.map(lambda ir: serve_one(fleet.router_addresses[ir[0] % 2], ir[1]), enumerate(cold)))
         assert same(got, static.want(cold))
         assert loads(fleet, "moe") == 1 and fleet.worker_starts("moe") == 1
+
+
+# -- weights from the hub, then from a peer (issue 41) ------------------------------------------
+HUB_REPO = "orchard-tests/tiny-chat"
+
+
+@pytest.fixture
+def fake_hub(tiny_model_dir, tmp_path, monkeypatch):
+    """The fake hub holding HUB_REPO (the tiny model's files); the HF_* variables the node
+    agents inherit point at it, and no token or cache of the user's is used."""
+    from tests.fake_hub import FakeHub
+
+    server = FakeHub()
+    server.commit = server.add(HUB_REPO, tiny_model_dir)
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    for name in ("HF_HUB_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    yield server
+    server.close()
+
+
+def whole_downloads(hub, name: str) -> int:
+    """GETs of file `name`'s whole body from the fake hub: an LFS file's from its blob store (a
+    ranged read of a safetensors header, for the footprint, is not one)."""
+    f = hub.file(HUB_REPO, "main", name)
+    paths = ({f"/blobs/{f.sha256}"} if f.lfs else
+             {f"/{HUB_REPO}/resolve/{rev}/{name}" for rev in ("main", hub.commit)})
+    gets = sum(1 for method, path in list(hub.requests) if method == "GET" and path in paths)
+    return gets - len(hub.range_starts.get(name, []))
+
+
+def checksums(root: Path) -> dict[str, str]:
+    """sha256 of each file under `root` (a snapshot's symlinks followed to their blobs)."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def node_report(fleet: LocalFleet, node_id: str):  # pb.NodeReport, as the router has it
+    from cluster.proto.orchard.v1 import orchard_pb2 as pb
+    from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+    from cluster.security import channel
+
+    with channel(fleet.router_address, fleet.cluster.client_security(admin=True), aio=False) as ch:
+        nodes = pb_grpc.FleetStub(ch).ListNodes(pb.ListNodesRequest(), timeout=30).nodes
+    return next(n.report for n in nodes if n.report.node_id == node_id)
+
+
+def running_workers(fleet: LocalFleet, model: str) -> dict[str, object]:  # node id -> pb.ManagedWorker
+    return {n.report.node_id: w for n in fleet.healthy_nodes() for w in n.report.workers
+            if w.model == model and w.state == "running"}
+
+
+def chat_completion(fleet: LocalFleet, model: str, text: str) -> dict:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": MAX_TOKENS,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"{fleet.http_url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=LOAD_WAIT + 60) as resp:
+        return json.loads(resp.read())
+
+
+def assert_a_chat_answer(answer: dict, model: str) -> None:
+    assert answer["object"] == "chat.completion" and answer["model"] == model, answer
+    [choice] = answer["choices"]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str), answer
+    assert choice["finish_reason"] in ("stop", "length") and 0 < answer["usage"]["completion_tokens"] <= MAX_TOKENS
+
+
+def greedy_tokens(address: str, prompt: str, max_tokens: int = 16) -> list[int]:
+    from cluster.sdk import Client
+
+    with Client(address, timeout=120) as c:
+        return c.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True).token_ids
+
+
+@pytest.mark.slow
+def test_a_hub_model_is_pulled_once_then_copied_from_the_node_that_has_it(fake_hub, tiny_model_dir, tmp_path):
+    """Three nodes holding nothing; `chat` is `hf:ORG/REPO`. Its first request places it: one
+    node pulls it from the hub, each file downloaded once. Asked for a second replica, another
+    node copies it from the first: nothing more from the hub, the same checksums, and both
+    workers answer a prompt with the same greedy tokens."""
+    from cluster.cli import main
+    from cluster.fleet import hub
+
+    source = f"hf:{HUB_REPO}"
+    fleet = LocalFleet([1 << 30] * 3, tmp_path / "fleet")
+    files = {p.name for p in tiny_model_dir.iterdir() if p.is_file()}
+    add = ["models", "add", "chat", "--source", source, "--context", str(CONTEXT), "--router", fleet.router_address]
+    with fleet:
+        assert main(add) == 0
+        assert fleet.catalog()["chat"].state == "not on disk"
+
+        # the first request: placed, pulled from the hub once, served
+        assert_a_chat_answer(chat_completion(fleet, "chat", "Where do the weights come from?"), "chat")
+        wait_for(lambda: len(running_workers(fleet, "chat")) == 1, 60, "chat's worker reported running")
+        [first] = running_workers(fleet, "chat")
+        downloads = {name: whole_downloads(fake_hub, name) for name in files}
+        assert downloads.pop("config.json") >= 1  # a describe (the footprint, from the hub's metadata) reads it too
+        assert downloads == {name: 1 for name in files - {"config.json"}}
+        served = dict(fake_hub.served)
+        pulled = {t.kind: t for t in node_report(fleet, first).transfer_totals}
+        assert pulled["hub"].fetches == 1 and pulled["hub"].bytes == sum(
+            (tiny_model_dir / name).stat().st_size for name in files)
+
+        # a second replica: on another node, copied from the first
+        assert main([*add, "--replace", "--min-replicas", "2", "--max-replicas", "2"]) == 0
+        wait_for(lambda: len(running_workers(fleet, "chat")) == 2, LOAD_WAIT, "chat's second replica running")
+        [second] = set(running_workers(fleet, "chat")) - {first}
+        copied = {t.kind: t for t in node_report(fleet, second).transfer_totals}
+        assert copied["peer"].fetches == 1 and copied["peer"].failures == 0
+        assert "hub" not in copied or copied["hub"].fetches == 0
+        assert dict(fake_hub.served) == served  # no second hub download, not even a header
+        assert fleet.metric("orchard_fleet_fetches_total", kind="hub", outcome="ok") == 1
+        assert fleet.metric("orchard_fleet_fetches_total", kind="peer", outcome="ok") == 1
+
+        # the same files, byte for byte, as the hub's
+        want = {name: fake_hub.file(HUB_REPO, "main", name).sha256 for name in files}
+        snapshots = [hub.local_snapshot(source, fleet.nodes[int(n.removeprefix("node-"))].models_dir / ".hub")
+                     for n in (first, second)]
+        assert all(s is not None and s.name == fake_hub.commit for s in snapshots), snapshots
+        assert checksums(snapshots[0]) == checksums(snapshots[1]) == want
+
+        # the same weights: the two workers' greedy tokens for one prompt are equal
+        workers = running_workers(fleet, "chat")
+        tokens = [greedy_tokens(workers[n].address, "Copied Mac to Mac, the same weights") for n in (first, second)]
+        assert tokens[0] == tokens[1] and len(tokens[0]) == 16
+        assert_a_chat_answer(chat_completion(fleet, "chat", "Where do the weights come from now?"), "chat")
+
