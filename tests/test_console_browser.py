@@ -92,7 +92,7 @@ def browser():
 class Console:
     """A page on the console, with what its browser logged and every URL it asked for."""
 
-    def __init__(self, browser, cluster, width: int = 1280, height: int = 900):
+    def __init__(self, browser, cluster, width: int = 1280, height: int = 640):
         self.context = browser.new_context(viewport={"width": width, "height": height})
         self.page = self.context.new_page()
         self.messages: list[tuple[str, str]] = []
@@ -141,7 +141,6 @@ def test_the_page_loads_clean_and_shows_both_workers_healthy_with_their_model(co
     expect(console.worker("worker-0").locator(".model")).to_have_text(Path(cluster.model).name)
     expect(console.worker("worker-1").locator(".model")).to_have_text(served_model(cluster))
     expect(console.page.locator("#live")).to_have_text("live")
-    shot(console.page, "console-fleet.png")
     origin = cluster.page_url.rstrip("/")
     assert [u for u in console.requests if not u.startswith(origin + "/")] == []  # nothing from elsewhere
     assert [m for m in console.messages if m[0] in ("error", "warning", "pageerror")] == []
@@ -166,6 +165,9 @@ def test_a_chat_streams_and_shows_its_ttft(console, cluster):
     else:
         assert answer.text_content().strip()
     shot(page, "console-playground.png")
+    console.tab("Fleet")
+    expect(console.worker("worker-1").locator(".figures")).not_to_contain_text("TTFT -", timeout=WAIT_MS)
+    shot(page, "console-fleet.png")
     console.tab("Requests")
     row = page.locator("#requests tbody tr").first
     expect(row.locator(".outcome")).to_have_text("ok", timeout=WAIT_MS)
