@@ -186,6 +186,26 @@ def test_a_catalog_model_loads_on_its_first_request(tmp_path, tiny_model_dir):
         assert loads(fleet, "chat") == 1 and fleet.worker_starts("chat") == 1
 
 
+def test_a_model_on_a_node_without_room_is_copied_to_one_with_room_and_served_there(tmp_path, tiny_model_dir):
+    """Two agents: the node that holds the model has no room for it, the other no copy of
+    it. The router has node-1 copy it from node-0 (agent to agent, checksummed) and serves
+    it there, its text the same on the next request; the nodes' totals say so."""
+    fleet = LocalFleet([32 << 20, 1 << 30], tmp_path / "fleet")
+    fleet.add_model("chat", tiny_model_dir, nodes=[0], copy=True)
+    with fleet:
+        add_models(fleet, [ModelRecipe("chat")])
+        assert fleet.catalog()["chat"].state == "on disk"
+        r = request("chat", "Copied over")
+        assert serve_one(fleet.router_address, r) == serve_one(fleet.router_address, r)
+        assert fleet.worker_starts("chat") == 1 and "node-1" in fleet.nodes[1].log_path.read_text()
+        copied = fleet.nodes[1].models_dir / "chat"
+        assert sorted(p.name for p in copied.iterdir()) == sorted(p.name for p in tiny_model_dir.iterdir())
+        wait_for(lambda: "serving on node-1" in fleet.catalog()["chat"].status, 30, "node-1's report of it")
+        wait_for(lambda: fleet.metric("orchard_fleet_fetches_total", kind="peer", outcome="ok") == 1, 30,
+                 "the copy counted (the node's next report)")
+        assert fleet.metric("orchard_fleet_fetch_bytes_total", kind="peer") > 0
+
+
 # -- five models on three nodes ------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_five_models_are_the_kinds_the_issue_names(models):
