@@ -16,7 +16,10 @@ local processes (`cluster.fleet.local.LocalFleet`), each with its own models dir
 
 And issue 41's: an `hf:` model on three nodes that hold nothing is pulled once from a fake
 hub (`tests/fake_hub.py`) by its first placement, and copied from that node by the second
-(no second hub download, the same checksums, the same greedy tokens).
+(no second hub download, the same checksums, the same greedy tokens). A hot model's
+replicas grow to --max-replicas under a sustained wait for first tokens, each on its own
+node and answering as the first does, and come back to one when the load ends, the
+requests sent meanwhile all served.
 
 Loads are counted twice: the routers' `orchard_fleet_loads_total` and the agents' logs.
 """
@@ -509,3 +512,51 @@ def test_a_hub_model_is_pulled_once_then_copied_from_the_node_that_has_it(fake_h
         assert tokens[0] == tokens[1] and len(tokens[0]) == 16
         assert_a_chat_answer(chat_completion(fleet, "chat", "Where do the weights come from now?"), "chat")
 
+
+# -- a hot model's replicas ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_hot_models_replicas_grow_to_max_and_come_back_to_one(tmp_path, tiny_model_dir):
+    scale = ["--scale-up-wait", "0.5", "--scale-window", "3", "--scale-down-idle", "6"]
+    fleet = LocalFleet([1 << 30] * 3, tmp_path / "fleet", router_args=scale)
+    fleet.add_model("chat", tiny_model_dir)
+    with fleet:
+        from cluster.cli import main
+
+        assert main(["models", "add", "chat", "--source", "chat", "--context", str(CONTEXT), "--keep-alive", "-1",
+                     "--max-replicas", "2", "--engine-arg=--max-num-seqs 2", "--router", fleet.router_address]) == 0
+        assert main(["models", "load", "chat", "--router", fleet.router_address]) == 0
+        replicas = lambda: fleet.catalog()["chat"].replicas  # noqa: E731
+        hot, failures, texts = threading.Event(), [], set()
+        hot.set()
+
+        def client(i: int) -> None:  # 24 of them: requests queue behind a replica's 2 slots
+            r = request("chat", "The same words every time", max_tokens=64)
+            while hot.is_set():
+                try:
+                    texts.add(serve_one(fleet.router_address, r))
+                except Exception as e:  # noqa: BLE001 (counted: none may fail)
+                    failures.append(e)
+
+        clients = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+        for t in clients:
+            t.start()
+        try:
+            wait_for(lambda: replicas() == 2 and "chat" in serving(fleet), LOAD_WAIT, "a second replica serving")
+        finally:
+            hot.clear()
+            for t in clients:
+                t.join(LOAD_WAIT)
+        nodes = [p.node_id for p in fleet.catalog()["chat"].placements]
+        assert len(nodes) == len(set(nodes)) == 2  # one replica a node
+        # a few requests one at a time as the replicas come back to one (each served), then none
+        # (on a slow machine their waits could keep them from looking idle)
+        quiet = request("chat", "The same words every time", max_tokens=64)
+        for _ in range(5):
+            texts.add(serve_one(fleet.router_address, quiet))
+        wait_for(lambda: replicas() == 1, LOAD_WAIT, "back to one replica")
+        assert failures == [] and len(texts) == 1  # greedy: every replica answers as the first
+        events = lambda direction: fleet.metric("orchard_fleet_scale_events_total", model="chat",  # noqa: E731
+                                                direction=direction)
+        wait_for(lambda: events("down") == 1, 60, "the removal counted")  # once its placement is forgotten
+        assert events("up") == 1
+        assert fleet.worker_starts("chat") == 2 and loads(fleet, "chat") == 1
