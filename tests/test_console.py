@@ -320,3 +320,56 @@ def test_a_worker_serves_its_own_console(tiny_worker):
         urllib.request.urlopen(urllib.request.Request(f"http://{tiny_worker.http}/console/workers/x/drain",
                                                       data=b"{}", method="POST"), timeout=10)
     assert refused.value.code in (404, 405)
+
+
+def test_with_a_fleet_the_state_has_the_catalog_and_the_admin_key_loads_pins_and_unloads(tmp_path):
+    from aiohttp import ClientSession
+
+    from cluster.fleet.config import FleetConfig
+    from cluster.router.server import RouterServer
+    from tests.fake_nodes import ServingNodes, disk_model
+
+    async def main():
+        config = RouterConfig(grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", metrics_address=None,
+                              security=SecurityConfig(admin_key=ADMIN_KEY),
+                              fleet=FleetConfig(catalog=str(tmp_path / "catalog.db")))
+        router = RouterServer(config)
+        nodes = router.controller.nodes = ServingNodes([router.registry])
+        nodes.add_node("mac-1", 5.0, [disk_model("small", 3.0)])
+        router.controller.catalog.add(pb.CatalogModel(name="chat", source="small"))
+        await router.start()
+        base = f"http://{router.http_address}"
+        try:
+            async with ClientSession() as s:
+                async def act(action: str, key: str | None = ADMIN_KEY) -> tuple[int, dict]:
+                    async with s.post(f"{base}/console/models/{action}", json={"model": "chat"},
+                                      headers=bearer(key)) as r:
+                        return r.status, await r.json()
+
+                async def state() -> dict:
+                    async with s.get(f"{base}/console/state") as r:
+                        return await r.json()
+
+                (entry,) = (await state())["catalog"]
+                assert entry["name"] == "chat" and entry["state"] == "on disk" and not entry["pin"]
+                assert (await act("load", None))[0] == 401
+                assert not nodes.started
+                status, loaded = await act("load")
+                assert status == 200 and loaded["state"] == "serving", loaded
+                now = await state()
+                assert now["catalog"][0]["state"] == "serving" and now["catalog"][0]["placements"][0]["node"] == "mac-1"
+                (worker,) = now["workers"]
+                assert worker["catalog_model"] == "chat" and worker["node"] == "mac-1"
+                status, pinned = await act("pin")
+                assert status == 200 and pinned["pin"] is True and (await state())["catalog"][0]["pin"]
+                assert (await act("unpin"))[1].get("pin", False) is False
+                status, unloaded = await act("unload")
+                assert status == 200 and unloaded["state"] != "serving"
+                async with s.post(f"{base}/console/models/load", json={"model": "nope"},
+                                  headers=bearer(ADMIN_KEY)) as r:
+                    assert r.status == 404 and "chat" in (await r.json())["error"]["message"]
+        finally:
+            await router.stop(grace=0)
+            await nodes.close()
+
+    run(main())

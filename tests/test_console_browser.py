@@ -215,7 +215,9 @@ def test_the_page_works_at_a_phones_width(browser, cluster, tmp_path):
     phone = Console(browser, cluster, width=390, height=844)
     try:
         expect(phone.worker("worker-0").locator(".state")).to_have_text("healthy", timeout=WAIT_MS)
-        box = phone.worker("worker-0").bounding_box()
+        box, deadline = None, time.monotonic() + 30
+        while box is None and time.monotonic() < deadline:  # a push may redraw the card as it is measured
+            box = phone.worker("worker-0").bounding_box()
         assert box["x"] >= 0 and box["x"] + box["width"] <= 390  # the cards fit the screen
         path = tmp_path / "phone.png"
         phone.page.screenshot(path=str(path), full_page=True)
@@ -225,6 +227,35 @@ def test_the_page_works_at_a_phones_width(browser, cluster, tmp_path):
         assert colours is None or len(colours) > 20  # drawn, not a blank page
     finally:
         phone.close()
+
+
+def test_thinking_folds_apart_tool_calls_show_and_a_completion_with_script_is_text(console):
+    """The page's rendering of a stream, from a canned answer: a thinking model's chunks."""
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "Let me think."}}]},
+              {"choices": [{"index": 0, "delta": {"content": 'It is <script>document.title="pwned"</script>'}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                                                  "function": {"name": "get_weather",
+                                                                               "arguments": '{"city": '}}]}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+                            "finish_reason": "tool_calls"}]},
+              {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}}]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    console.page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=body))
+    console.tab("Playground")
+    page = console.page
+    expect(page.locator("#chat-model option").first).to_be_attached(timeout=WAIT_MS)
+    page.fill("#chat-input", "What is the weather in Paris?")
+    page.click("#chat-send")
+    reply = page.locator(".msg-assistant").last
+    expect(reply.locator(".answer")).to_have_text('It is <script>document.title="pwned"</script>', timeout=WAIT_MS)
+    fold = reply.locator("details.thinking")
+    assert fold.get_attribute("open") is None  # folded until opened
+    expect(fold.locator("pre")).to_have_text("Let me think.")
+    expect(reply.locator(".call")).to_contain_text("tool call: get_weather")
+    expect(reply.locator(".call pre")).to_have_text('{"city": "Paris"}')
+    expect(page.locator("#chat-stats")).to_contain_text("12 tokens")
+    assert reply.locator("script").count() == 0 and page.title() == "Orchard console"
 
 
 def test_a_killed_worker_turns_unhealthy_on_the_page(console, cluster):
