@@ -35,7 +35,6 @@ SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "n
                     "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
 KEEPALIVE_SECONDS = 15.0  # a comment on a quiet push stream, so that proxies keep it open
 MODEL_ACTIONS = ("load", "unload", "pin", "unpin")
-HUB = web.AppKey("console_hub", Hub)
 
 
 class ConsoleState(Protocol):
@@ -55,7 +54,6 @@ def add_routes(app: web.Application, state: ConsoleState, keys: Keys, actions: A
     """The console on `app`: its page at /, its state, pushes and (with `actions`) the
     operator's actions."""
     console = _Console(state, keys, actions)
-    app[HUB] = console.hub
     app.on_shutdown.append(console.hub.close)
     app.router.add_get("/", console.page)
     app.router.add_get("/console/state", console.current)

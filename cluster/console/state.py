@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.router.registry import STATE_NAMES
 
 if TYPE_CHECKING:
     from cluster.fleet.controller import FleetController
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
     from cluster.router.recent import RecentRequests
     from cluster.router.registry import Registry
 
-STATE_NAMES = {pb.WORKER_STATE_HEALTHY: "healthy", pb.WORKER_STATE_UNHEALTHY: "unhealthy",
-               pb.WORKER_STATE_DRAINING: "draining", pb.WORKER_STATE_FAILED: "failed"}
 RATE_WINDOW_SECONDS = 5.0  # tokens/s "now": over this window
 TTFT_WINDOW_SECONDS = 60.0  # TTFT "now": the median of the requests begun in this window
 REQUESTS_SHOWN = 100
@@ -109,10 +108,6 @@ class RouterState:
     def __post_init__(self):
         self.rates = TokenRates()
 
-    def version(self) -> tuple:
-        """Cheap to read; it moves with each new or finished request (so a push follows)."""
-        return (self.recent.version,)
-
     def snapshot(self) -> dict:
         now = time.time()
         workers = self.registry.snapshot()
@@ -149,9 +144,6 @@ class WorkerState:
 
     report: Callable[[], pb.LoadReport]
     about: Callable[[], dict]
-
-    def version(self) -> tuple:
-        return ()
 
     def snapshot(self) -> dict:
         report = self.report()

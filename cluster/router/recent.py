@@ -9,7 +9,6 @@ here is on a request's path beyond a few attribute writes.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -48,18 +47,14 @@ class RequestRecord:
 
 
 class RecentRequests:
-    """The newest `size` requests, newest last. `version` moves at each change (a page's
-    push happens only when something changed)."""
+    """The newest `size` requests, newest last."""
 
     def __init__(self, size: int = 200):
         self._ring: deque[RequestRecord] = deque(maxlen=size)
-        self._versions = itertools.count(1)
-        self.version = 0
 
     def begin(self, request_id: str, model: str) -> RequestRecord:
         record = RequestRecord(request_id, model)
         self._ring.append(record)
-        self.version = next(self._versions)
         return record
 
     def finish(self, record: RequestRecord, outcome: str, cause: str = "") -> None:
@@ -73,11 +68,6 @@ class RecentRequests:
         if cause:
             record.cause = cause[:MAX_CAUSE_CHARS]
         record.seconds = time.perf_counter() - record.t0
-        self.version = next(self._versions)
-
-    def touched(self) -> None:
-        """A record changed in place (its first token, its worker)."""
-        self.version = next(self._versions)
 
     def rows(self, limit: int = 100) -> list[dict]:
         """The newest `limit` records, newest first."""
