@@ -1730,3 +1730,31 @@ def test_a_stream_on_a_node_lost_waits_for_its_model_placed_again_and_resumes_to
 
 async def _collect(stream) -> list:
     return [c async for c in stream]
+
+
+def test_a_node_whose_disk_budget_has_no_room_for_the_files_is_passed_over(tmp_path):
+    async def main():
+        r = hub_fleet(tmp_path, budgets=(5.0, 6.0))  # mac-2 has the most room: tried first
+        fetch = r.nodes.fetch
+        full = {"mac-2"}
+
+        async def disk_budget(node_id, request, progress):
+            if node_id in full:
+                raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node {node_id}: 3.0 GiB needed, 1.0 GiB "
+                                                                     "free of its --disk-budget 10 GiB")
+            return await fetch(node_id, request, progress)
+
+        r.nodes.fetch = disk_budget
+        await r.controller.load("chat")
+        assert [n for n, _ in r.nodes.started] == ["mac-1"]
+        await r.controller.unload("chat")
+        r.nodes.reports["mac-1"].models.pop()
+        full.add("mac-1")
+        r.controller._errors.clear()
+        with pytest.raises(FleetError) as e:
+            await r.controller.load("chat")
+        assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "onto mac-1: node mac-1: 3.0 GiB needed" in e.value.message and "onto mac-2" in e.value.message
+        await r.nodes.close()
+
+    run(main())

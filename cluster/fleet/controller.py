@@ -106,6 +106,7 @@ QUIET_DRAIN = 1.0  # the drain of a worker a failed load started: it has no requ
 NODE_GRACE = 10.0
 MAX_SLUG_CHARS = 40  # of a model's name in its workers' ids (and so their file names)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+DISK_FULL_RETRY = 60.0  # a node whose disk budget refused a model's files is not fetched onto again this long
 FETCH_MARGIN_LAYERS = 2  # a group's rank fetches the files of at least this many layers beyond its own
 LIVE = ("starting", "loading", "running")  # ManagedWorker states of a worker that serves or will
 
@@ -127,6 +128,14 @@ class _CannotFetch(FleetError):
 
 class _NodeLost(FleetError):
     """A worker a load started was lost with its node (`replace_lost`)."""
+
+
+class _NoDiskRoom(FleetError):
+    """A node's disk budget has no room for the model's files (RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, node_id: str):
+        super().__init__(code, message)
+        self.node_id = node_id
 
 
 @dataclass
@@ -228,6 +237,7 @@ class FleetController:
         self._describe_failed: dict[str, tuple[FleetError, float]] = {}
         self._fetching: dict[str, dict[str, _Fetch]] = {}  # model -> node -> its fetch for a load
         self._fetch_cut: dict[str, str] = {}  # model -> its fetch in words, when its load's timeout cut it
+        self._disk_full: dict[tuple[str, str], tuple[_NoDiskRoom, float]] = {}  # (source, node) -> refusal, when
         # workers on a node lost whose models were placed again (worker id -> node): no model's
         # any more; stopped if their node comes back still running them (`replace_lost`)
         self._abandoned: dict[str, str] = {}
@@ -541,9 +551,10 @@ class FleetController:
                           f"{m.worker.reason or 'no reason given'}")
 
     async def _place_and_start(self, model: str) -> None:
-        """Plan, evict, fetch, start. A node lost while its worker loads (`_NodeLost`) is
-        planned over again without it; a node side that cannot fetch (Ray's: `_CannotFetch`)
-        with the nodes that hold the files only."""
+        """Plan, evict, fetch, start. A node lost while its worker loads (`_NodeLost`), or
+        whose disk budget has no room for the files (`_NoDiskRoom`), is planned over again
+        without it; a node side that cannot fetch (Ray's: `_CannotFetch`) with the nodes
+        that hold the files only."""
         entry = self._entry(model)
         while True:
             await self._describe_missing(entry)
@@ -563,6 +574,9 @@ class FleetController:
                 return
             except _NodeLost as e:
                 log.warning("fleet: %s: placing it again", e.message)
+            except _NoDiskRoom as e:
+                log.warning("fleet: %s: placing it elsewhere", e.message)
+                self._disk_full[source_name(entry.source), e.node_id] = (e, self.clock())
             except _CannotFetch as e:
                 if not self._fetches:
                     raise
@@ -586,7 +600,9 @@ class FleetController:
                 failed = self._describe_failed.get(source_name(entry.source))
                 if not footprints and failed is not None:  # nobody holds it and the hub could not say
                     raise failed[0]
-                raise plan.error()
+                full = [e.message for e in self._disks_full(entry)]
+                raise plan.error() if not full else FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                               f"{plan.message}; " + "; ".join(full))
             self._waiting_for_room[model] = plan.message
             try:
                 await self._tick()
@@ -683,12 +699,20 @@ class FleetController:
         that platform described (`_describe_missing`); None: it cannot run the model."""
         name = source_name(entry.source)
         held = _disk_model(report, name)
-        if held is not None or not self._fetchable(entry):
+        if held is not None or not self._fetchable(entry) or report.node_id in {
+                e.node_id for e in self._disks_full(entry)}:
             return held
         platform = _platform(report)
         same = (d for n in self.nodes.nodes() if _platform(n.report) == platform
                 and (d := _disk_model(n.report, name)) is not None)
         return next(same, None) or self._described.get((name, platform))
+
+    def _disks_full(self, entry: pb.CatalogModel) -> list[_NoDiskRoom]:
+        """The nodes whose disk budget refused the model's files in the last `DISK_FULL_RETRY`
+        seconds: not fetched onto again meanwhile (their fetched models may free room)."""
+        name, now = source_name(entry.source), self.clock()
+        return [e for (source, _), (e, when) in sorted(self._disk_full.items())
+                if source == name and now - when < DISK_FULL_RETRY]
 
     def _fetchable(self, entry: pb.CatalogModel) -> bool:
         """Whether a node without the model's files can fetch them: from the hub (an hf:
@@ -859,8 +883,10 @@ class FleetController:
         try:
             done = await self.nodes.fetch(node_id, request, progress)
         except FleetError as e:
-            error = _CannotFetch if e.code is grpc.StatusCode.UNIMPLEMENTED else FleetError
-            raise error(e.code, f"model {model!r}: fetching {request.source} onto {node_id}: {e.message}") from None
+            message = f"model {model!r}: fetching {request.source} onto {node_id}: {e.message}"
+            if e.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise _NoDiskRoom(e.code, message, node_id) from None
+            raise (_CannotFetch if e.code is grpc.StatusCode.UNIMPLEMENTED else FleetError)(e.code, message) from None
         progress(done)
         if done.deleted:
             log.info("fleet: %s deleted %s for room on its disk", node_id, ", ".join(done.deleted))
