@@ -842,7 +842,8 @@ class FleetController:
         healthy nodes that hold them (`peers`, tried in order), else pulled from the hub.
         The disk budget of a node may delete other fetched models for room, never one pinned
         or loaded anywhere (`protect`). While it runs, the model's state is "copying" or
-        "pulling" (`describe`). A failure fails the load with the node's error."""
+        "pulling" (`describe`). A failure raises the node's error: `_NoDiskRoom` when its
+        disk budget has no room for them, `_CannotFetch` when the node side fetches nothing."""
         name = source_name(entry.source)
         reports = {n.report.node_id: n.report for n in self.nodes.nodes()}
         missing = [(node_id, first, last) for node_id, first, last in ranks
@@ -1270,7 +1271,7 @@ class FleetController:
         """An abandoned worker whose node reports again still running it is stopped; one its
         node no longer lists is forgotten."""
         running = {w.worker_id: info for info in self.nodes.nodes() for w in info.report.workers
-                   if w.worker_id in self._abandoned}
+                   if w.worker_id in self._abandoned and w.state in LIVE}
         for worker_id, node_id in list(self._abandoned.items()):
             info = running.get(worker_id)
             if info is None:
