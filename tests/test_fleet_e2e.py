@@ -209,6 +209,28 @@ def test_a_model_on_a_node_without_room_is_copied_to_one_with_room_and_served_th
         assert fleet.metric("orchard_fleet_fetch_bytes_total", kind="peer") > 0
 
 
+@pytest.mark.slow
+def test_a_model_whose_node_agent_is_gone_serves_again_on_the_other_node(tmp_path, tiny_model_dir):
+    """Two agents holding the model; the one serving it stops (its workers with it) and stays
+    silent past --remove-after: the router places the model again on the other node without
+    being asked, and a request is served there."""
+    fleet = LocalFleet([1 << 30, 1 << 30], tmp_path / "fleet",
+                       router_args=["--remove-after", "3", "--heartbeat-interval", "0.5"])
+    fleet.add_model("chat", tiny_model_dir)
+    with fleet:
+        add_models(fleet, [ModelRecipe("chat")])
+        r = request("chat", "Before and after")
+        before = serve_one(fleet.router_address, r)
+        wait_for(lambda: "chat" in serving(fleet), 30, "chat serving")
+        [first] = [int(p.node_id.removeprefix("node-")) for p in fleet.catalog()["chat"].placements]
+        fleet.stop_node(first)
+        wait_for(lambda: fleet.metric("orchard_fleet_replacements_total", reason="node_lost") == 1, 60,
+                 "the node lost and the model placed again")
+        wait_for(lambda: "chat" in serving(fleet), LOAD_WAIT, "chat serving again")
+        assert [p.node_id for p in fleet.catalog()["chat"].placements] == [f"node-{1 - first}"]
+        assert serve_one(fleet.router_address, r) == before
+
+
 # -- five models on three nodes ------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_five_models_are_the_kinds_the_issue_names(models):
