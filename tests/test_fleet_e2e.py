@@ -19,7 +19,10 @@ hub (`tests/fake_hub.py`) by its first placement, and copied from that node by t
 (no second hub download, the same checksums, the same greedy tokens). A hot model's
 replicas grow to --max-replicas under a sustained wait for first tokens, each on its own
 node and answering as the first does, and come back to one when the load ends, the
-requests sent meanwhile all served.
+requests sent meanwhile all served. A node agent killed mid-trace with its workers, twice
+(a single worker's node, then a group rank's): its models serve again on the nodes left,
+the group formed afresh over them (the first node killed, back, among them), and every
+stream completes token-exact.
 
 Loads are counted twice: the routers' `orchard_fleet_loads_total` and the agents' logs.
 """
@@ -28,7 +31,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import signal
 import threading
 import time
 import urllib.request
@@ -582,3 +587,163 @@ def test_a_hot_models_replicas_grow_to_max_and_come_back_to_one(tmp_path, tiny_m
         wait_for(lambda: events("down") == 1, 60, "the removal counted")  # once its placement is forgotten
         assert events("up") == 1
         assert fleet.worker_starts("chat") == 2 and loads(fleet, "chat") == 1
+
+
+# -- a lost Mac (issue 41) -----------------------------------------------------------------------
+LOST_AFTER = 8.0  # the router's --remove-after: a node silent this long is lost, its models placed again
+
+
+class Streams:
+    """Greedy streams through the router, each in a thread, their text gathered chunk by chunk."""
+
+    def __init__(self, target: str, reqs: list[TraceRequest]):
+        self.reqs = reqs
+        self.chunks: list[list[str]] = [[] for _ in reqs]
+        self.done = [threading.Event() for _ in reqs]
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._stream, args=(target, i), daemon=True) for i in range(len(reqs))]
+        for t in self.threads:
+            t.start()
+
+    def _stream(self, target: str, i: int) -> None:
+        from cluster.sdk import Client
+
+        r = self.reqs[i]
+        try:
+            with Client(target, timeout=2 * LOAD_WAIT) as c:
+                for chunk in c.stream(r.prompt, model=r.model, max_tokens=r.max_tokens, temperature=0,
+                                      ignore_eos=True):
+                    self.chunks[i].append(chunk.text)
+        except BaseException as e:  # noqa: BLE001  (the test says which stream failed, and how)
+            self.errors.append(e)
+        finally:
+            self.done[i].set()
+
+    def started(self) -> bool:
+        return all(len(c) >= 2 or d.is_set() for c, d in zip(self.chunks, self.done))
+
+    def unfinished(self, model: str) -> int:
+        return sum(1 for r, d in zip(self.reqs, self.done) if r.model == model and not d.is_set())
+
+    def texts(self) -> list[str]:
+        for t in self.threads:
+            t.join(2 * LOAD_WAIT + 60)
+        assert not self.errors and all(d.is_set() for d in self.done), self.errors
+        return ["".join(c) for c in self.chunks]
+
+
+def kill_node(fleet: LocalFleet, i: int) -> None:
+    """Node `i` lost as a Mac is: its agent and its workers killed at once, by PID."""
+    n = fleet.nodes[i]
+    workers = [int(p.read_text().split()[0]) for p in (n.state_dir / n.name / "workers").glob("*.pid")]
+    assert workers, f"{n.name} runs no worker"
+    n.child.proc.kill()
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    n.child.proc.wait(30)
+    wait_for(lambda: not any(_alive(pid) for pid in workers), 30, f"{n.name}'s workers gone")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def placed_on(fleet: LocalFleet, model: str) -> dict[str, tuple[int, int]]:
+    """Where `model` serves now: node id -> (group rank, group size); empty unless serving."""
+    entry = fleet.catalog()[model]
+    return {p.node_id: (p.group_rank, p.group_size) for p in entry.placements} if entry.state == "serving" else {}
+
+
+def serving_on(fleet: LocalFleet, model: str, seconds: float, without: str = "") -> dict[str, tuple[int, int]]:
+    """Where `model` serves once it does with no part on node `without` (the nodes' reports
+    say a worker runs a heartbeat after the router saw it serve): node id -> (rank, size)."""
+    found: dict = {}
+
+    def placed():
+        found.clear()
+        found.update(placed_on(fleet, model))
+        return bool(found) and without not in found
+
+    wait_for(placed, seconds, f"{model} serving" + (f" without {without}" if without else ""))
+    return found
+
+
+@pytest.mark.slow
+def test_a_node_lost_mid_trace_its_models_serve_again_on_the_nodes_left_and_no_stream_is_lost(models, static,
+                                                                                              tmp_path):
+    """Four nodes, none of which can hold `big` alone: `big` a group over the two that hold
+    its files, `chat` on one of the two that hold its files. Streams of both run while, first,
+    chat's node is lost (its agent and workers killed): chat serves again on the other node
+    that holds it, big's streams go on; that node comes back. Then a node of big's group is
+    lost: big is formed again over the nodes left, the node back among them (copying big's
+    files from the other holder). Every stream completes with the uninterrupted greedy text."""
+    from cluster import platform
+    from cluster.cli import main
+    from cluster.fleet import facts, footprint
+    from cluster.fleet.config import DEFAULT_CONCURRENCY
+
+    sizes = footprints({name: models[name] for name in ("chat", "big")})
+    kind = "metal" if platform.has_metal() else "cpu"
+    big = facts.disk_model(models["big"], kind)
+    half = max(b for _, _, b in footprint.rank_shares(
+        big, [1, 1], footprint.estimate(big, CONTEXT, DEFAULT_CONCURRENCY, kind)))
+    budget = (sizes["big"] + half) // 2
+    assert half < budget < sizes["big"] and sizes["chat"] <= budget < sizes["chat"] + half, sizes
+    fleet = LocalFleet([budget] * 4, tmp_path / "fleet",
+                       router_args=["--remove-after", str(LOST_AFTER), "--resume-wait", str(2 * LOAD_WAIT),
+                                    "--default-keep-alive", "1h"])
+    fleet.add_model("big", models["big"], nodes=[0, 1])
+    fleet.add_model("chat", models["chat"], nodes=[2, 3])
+    first = [request(m, f"Lost Mac, first round: a stream of {m} {i}", max_tokens=n)
+             for m, n in (("chat", CONTEXT - 64), ("big", 160)) for i in range(2)]
+    second = [request(m, f"Lost Mac, second round: a stream of {m} {i}", max_tokens=n)
+              for m, n in (("chat", CONTEXT - 64), ("big", 160)) for i in range(2)]
+    want = static.want(first + second)
+    with fleet:
+        add_models(fleet, [BIG, ModelRecipe("chat")])
+        for name in ("big", "chat"):
+            assert main(["models", "load", name, "--router", fleet.router_address]) == 0
+        group = serving_on(fleet, "big", 60)
+        assert set(group) == {"node-0", "node-1"} and sorted(group.values()) == [(0, 2), (1, 2)]
+        [chat_node] = serving_on(fleet, "chat", 60)
+        other = "node-3" if chat_node == "node-2" else "node-2"
+        lost = int(chat_node.removeprefix("node-"))
+
+        # chat's node lost mid-trace: chat serves again on the other node that holds it
+        resumed = fleet.metric("orchard_router_retries_total", kind="resume")
+        streams = Streams(fleet.router_address, first)
+        wait_for(streams.started, LOAD_WAIT, "every stream under way")
+        kill_node(fleet, lost)
+        cut = streams.unfinished("chat")
+        assert serving_on(fleet, "chat", LOST_AFTER + LOAD_WAIT, without=chat_node) == {other: (0, 1)}
+        assert streams.texts() == want[:len(first)]
+        assert placed_on(fleet, "big") == group  # untouched
+        assert fleet.metric("orchard_router_retries_total", kind="resume") >= resumed + cut
+        assert fleet.metric("orchard_fleet_replacements_total", reason="node_lost") == 1
+
+        # the node comes back: a node like any other, with the files it holds
+        fleet.start_node(lost)
+        wait_for(lambda: chat_node in {n.report.node_id for n in fleet.healthy_nodes()}, 120, f"{chat_node} back")
+        assert "chat" in {m.name for m in node_report(fleet, chat_node).models}
+
+        # a node of big's group lost mid-trace: big formed again over the nodes left
+        streams = Streams(fleet.router_address, second)
+        wait_for(streams.started, LOAD_WAIT, "every stream under way")
+        resumed = fleet.metric("orchard_router_retries_total", kind="resume")
+        kill_node(fleet, 0)
+        cut = streams.unfinished("big")
+        again = serving_on(fleet, "big", LOST_AFTER + LOAD_WAIT, without="node-0")
+        # over two of the nodes left, the one back among them (either other node has a model
+        # or a rank on it: the group needs its room)
+        assert chat_node in again and len(again) == 2 and sorted(again.values()) == [(0, 2), (1, 2)], again
+        assert streams.texts() == want[len(first):]
+        assert fleet.metric("orchard_router_retries_total", kind="resume") >= resumed + cut
+        assert fleet.metric("orchard_fleet_replacements_total", reason="node_lost") == 2
+        after = request("chat", "After two Macs were lost")
+        assert serve_one(fleet.router_address, after) == static.want([after])[0]
