@@ -1758,3 +1758,30 @@ def test_a_node_whose_disk_budget_has_no_room_for_the_files_is_passed_over(tmp_p
         await r.nodes.close()
 
     run(main())
+
+
+def test_a_replica_whose_files_are_copied_shows_the_copy_beside_the_serving_one(tmp_path):
+    async def main():
+        r = hot_fleet(tmp_path, budgets=(5.0,), max_replicas=2)
+        r.nodes.add_node("mac-2", 5.0, [])
+        await r.controller.load("hot")
+        for _ in range(8):
+            r.controller.request_started("hot")
+        r.nodes.fetch_gate = asyncio.Event()
+        for _ in range(40):
+            if r.nodes.fetches:
+                break
+            for _ in range(3):
+                r.controller.request_waited("hot", 5.0)
+            r.clock.now += 1
+            r.controller.scale()
+            await asyncio.sleep(0.01)
+        await wait_for(lambda: r.nodes.fetches, "the replica's copy")
+        described = r.controller.describe("hot")
+        assert described.state == "serving"
+        assert described.status == "serving on mac-1; a replica copying to mac-2 from mac-1 0%"
+        r.nodes.fetch_gate.set()
+        await wait_for(lambda: replica_nodes(r) == ["mac-1", "mac-2"], "the replica")
+        await r.nodes.close()
+
+    run(main())

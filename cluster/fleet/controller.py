@@ -1362,6 +1362,11 @@ class FleetController:
             error = self.load_error(model)
             if error is not None:
                 entry.status += f"; last load failed: {error.message}"
+        if entry.state == "serving" and model in self._fetching:  # another replica's files on their way
+            fetching = pb.CatalogModel()
+            self._describe_fetch(fetching, self._fetching[model])
+            entry.status += "; a replica " + fetching.status
+            entry.fetch_progress = fetching.fetch_progress
         return entry
 
     @staticmethod
