@@ -258,6 +258,52 @@ def test_thinking_folds_apart_tool_calls_show_and_a_completion_with_script_is_te
     assert reply.locator("script").count() == 0 and page.title() == "Orchard console"
 
 
+def test_a_fleets_nodes_catalog_and_a_groups_ranks_are_drawn(console, cluster):
+    """The fleet's parts of the state, drawn: the real state with a node, a catalog and a
+    worker group added by the functions the router builds them with (a canned push)."""
+    from cluster.console.state import catalog_fields, load_fields, node_fields
+    from cluster.proto.orchard.v1 import orchard_pb2 as pb
+
+    now = state(cluster)
+    group = pb.GroupInfo(size=2, parallel="pipeline", members=[
+        pb.GroupMember(rank=0, host="mac-1", memory_bytes=8 << 30, weight_bytes=3 << 30, first_layer=0,
+                       last_layer=14, step_seconds=0.012),
+        pb.GroupMember(rank=1, host="mac-2", memory_bytes=8 << 30, weight_bytes=3 << 30, first_layer=14,
+                       last_layer=28)])
+    now["workers"][0].update(load_fields(pb.LoadReport(model="big", kv_blocks_total=64, group=group)),
+                             node="mac-1", catalog_model="big")
+    now["nodes"] = [node_fields(pb.NodeInfo(state="healthy", report=pb.NodeReport(
+        node_id="mac-1", address="10.0.0.1:50070", platform="metal", memory_budget_bytes=16 << 30,
+        memory_reserved_bytes=6 << 30, memory_available_bytes=9 << 30, disk_free_bytes=100 << 30,
+        models=[pb.DiskModel(name="big", weight_bytes=6 << 30)],
+        workers=[pb.ManagedWorker(worker_id="big-1", model="big", state="running", reserved_bytes=6 << 30,
+                                  group_size=2, group_rank=0)],
+        transfers=[pb.Transfer(source="hf:org/coder", bytes_done=1 << 30, bytes_total=4 << 30,
+                               **{"from": "hub"})])))]
+    now["catalog"] = [catalog_fields(pb.CatalogModel(
+        name="big", source="big", state="serving", pin=True, footprint_bytes=6 << 30, placements=[
+            pb.ModelPlacement(node_id="mac-1", worker_id="big-1", state="running", group_rank=0, group_size=2)]),
+        time.time()), catalog_fields(pb.CatalogModel(name="coder", source="hf:org/coder", state="pulling",
+                                                     status="pulling on mac-1 25%", idle_seconds=0), time.time())]
+    console.page.route("**/console/events", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body=f"data: {json.dumps(now)}\n\n"))
+    console.page.reload()
+    card = console.worker(now["workers"][0]["id"])
+    expect(card.locator(".group")).to_contain_text("rank 1 mac-2 · layers 14-27", timeout=WAIT_MS)
+    expect(card).to_contain_text("node mac-1 · catalog big")
+    node = console.page.locator('[data-node="mac-1"]')
+    expect(node).to_contain_text("6.0 GB reserved of 16.0 GB")
+    expect(node).to_contain_text("hf:org/coder from hub: 1.0 GB of 4.0 GB")
+    big = console.page.locator('#catalog tr[data-model="big"]')
+    expect(big).to_contain_text("(pinned)")
+    expect(big.get_by_role("button", name="Unload")).to_be_visible()
+    expect(big.get_by_role("button", name="Unpin")).to_be_visible()
+    coder = console.page.locator('#catalog tr[data-model="coder"]')
+    expect(coder).to_contain_text("pulling on mac-1 25%")
+    expect(coder.get_by_role("button", name="Load")).to_be_visible()
+    assert [m for m in console.messages if m[0] in ("error", "pageerror")] == []
+
+
 def test_a_killed_worker_turns_unhealthy_on_the_page(console, cluster):
     """Killed by its PID: the router marks it after 3 missed heartbeats (1.5 s here) and the
     next push (at most a second later) shows it; a loaded machine is given more time."""

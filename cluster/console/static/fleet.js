@@ -29,7 +29,7 @@ function workerCard(w, budgets, act) {
   const budget = budgets.get(w.node) || 0;
   const memory = budget ? bar("memory", w.resident_bytes, budget, `${bytes(w.resident_bytes)} of ${bytes(budget)}`)
     : el("div", { class: "bar" }, el("span", { class: "bar-label" }, "memory"),
-      el("span", { class: "bar-text" }, w.resident_bytes ? `${bytes(w.resident_bytes)} resident` : "-"));
+      el("span", { class: "bar-text bar-alone" }, w.resident_bytes ? `${bytes(w.resident_bytes)} resident` : "-"));
   const draining = w.state === "draining";
   return el("article", { class: "card worker", dataset: { worker: w.id } },
     el("div", { class: "card-head" }, el("b", { class: "worker-id" }, w.id), stateBadge(w.state),
@@ -63,7 +63,7 @@ function nodeCard(n) {
       `${w.model} ${w.size > 1 ? `rank ${w.rank}/${w.size} ` : ""}${w.state}`,
       w.progress ? ` ${Math.round(w.progress * 100)}%` : "", ` · ${bytes(w.reserved_bytes)}`,
       w.reason ? ` · ${w.reason}` : ""))),
-    n.transfers.map((t) => bar("fetch", t.done, t.total || t.done, `${t.source} from ${t.from}: ${bytes(t.done)}`)));
+    n.transfers.map((t) => bar("fetch", t.done, t.total || t.done, `${t.source} from ${t.from}: ${bytes(t.done)}${t.total ? ` of ${bytes(t.total)}` : ""}`)));
 }
 
 function catalogRow(m, act) {
@@ -78,7 +78,7 @@ function catalogRow(m, act) {
     el("td", {}, stateBadge(m.state)), el("td", {}, where || m.status),
     el("td", {}, m.measured_bytes ? `${bytes(m.measured_bytes)} (est. ${bytes(m.footprint_bytes)})`
       : bytes(m.footprint_bytes)),
-    el("td", {}, m.idle_since ? clock(m.idle_since) : "-"), el("td", { class: "actions" }, actions));
+    el("td", {}, m.idle_since ? clock(m.idle_since) : "-"), el("td", {}, el("div", { class: "actions" }, actions)));
 }
 
 export function renderFleet(state, act) {
