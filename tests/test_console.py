@@ -373,3 +373,20 @@ def test_with_a_fleet_the_state_has_the_catalog_and_the_admin_key_loads_pins_and
             await nodes.close()
 
     run(main())
+
+
+def test_tokens_per_second_now_is_over_the_last_seconds_sampled_at_most_once_a_second():
+    from cluster.console.state import RATE_WINDOW_SECONDS, TokenRates
+
+    now = [0.0]
+    rates = TokenRates(clock=lambda: now[0])
+    assert rates.rates({"w": 0}) == {"w": 0.0}
+    now[0] = 0.5
+    assert rates.rates({"w": 1000}) == {"w": 0.0}  # within the second: not sampled
+    for t in range(1, 4):
+        now[0] = float(t)
+        assert rates.rates({"w": 100 * t}) == {"w": 100.0}
+    now[0] = 3.0 + RATE_WINDOW_SECONDS + 1  # idle since: the old samples leave the window
+    rates.rates({"w": 300})
+    now[0] += 1
+    assert rates.rates({"w": 300}) == {"w": 0.0}
