@@ -300,10 +300,11 @@ class LocalCluster:
         self.wait_ready(timeout)
 
     def client_security(self, admin: bool = False):
-        """What a client of this cluster presents (the admin key with `admin`)."""
-        from cluster.security import NO_SECURITY
+        """What a client of this cluster presents (the admin key with `admin`): without
+        --secure, the keys in this environment, which the processes it starts inherit."""
+        from cluster.security import ClientSecurity
 
-        return NO_SECURITY if self.secrets is None else self.secrets.client(admin)
+        return ClientSecurity.from_env(admin=admin) if self.secrets is None else self.secrets.client(admin)
 
     def healthy_workers(self, router: str | None = None) -> list:  # of pb.WorkerInfo
         import grpc

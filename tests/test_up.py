@@ -265,6 +265,19 @@ def _fake_cluster(tmp_path, codes: dict[str, list], **kwargs):
     return cluster, now, spawned
 
 
+def test_up_without_secure_presents_the_keys_its_processes_inherit(tmp_path, monkeypatch):
+    """A user with $ORCHARD_ADMIN_KEY exported starts a router that demands it (it reads the
+    environment): the readiness check must present it, or `orchard up` waits out its timeout."""
+    from cluster.up import LocalCluster
+
+    monkeypatch.setenv("ORCHARD_ADMIN_KEY", "the-admin-key")
+    monkeypatch.setenv("ORCHARD_API_KEY", "key-1,key-2")
+    cluster = LocalCluster("model", log_dir=tmp_path, worker_port_base=0, worker_metrics_port_base=0)
+    assert cluster.client_security(admin=True).api_key == "the-admin-key"
+    assert cluster.client_security().api_key == "key-1"
+    assert cluster.client_security().channel_credentials() is None  # no TLS without --secure
+
+
 def test_up_restarts_a_transient_failure_with_growing_delays(tmp_path):
     """A worker that keeps exiting 75 is started again after 1, 2, 4 ... s, capped at 60 s;
     the other worker keeps running; a run past the reset time starts the count over."""
