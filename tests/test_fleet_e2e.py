@@ -29,6 +29,7 @@ Loads are counted twice: the routers' `orchard_fleet_loads_total` and the agents
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -590,7 +591,7 @@ def test_a_hot_models_replicas_grow_to_max_and_come_back_to_one(tmp_path, tiny_m
 
 
 # -- a lost Mac (issue 41) -----------------------------------------------------------------------
-LOST_AFTER = 8.0  # the router's --remove-after: a node silent this long is lost, its models placed again
+LOST_AFTER = 15.0  # the router's --remove-after: a node silent this long is lost, its models placed again
 
 
 class Streams:
@@ -633,25 +634,21 @@ class Streams:
 
 
 def kill_node(fleet: LocalFleet, i: int) -> None:
-    """Node `i` lost as a Mac is: its agent and its workers killed at once, by PID."""
+    """Node `i` lost as a Mac is: its agent and its workers killed at once, by PID (each pid
+    checked to be that worker's still: a pid is reused)."""
+    from cluster.fleet.agent import _command_of, _is_worker
+
     n = fleet.nodes[i]
-    workers = [int(p.read_text().split()[0]) for p in (n.state_dir / n.name / "workers").glob("*.pid")]
-    assert workers, f"{n.name} runs no worker"
+    workers = {p.stem: int(p.read_text().split()[0]) for p in (n.state_dir / n.name / "workers").glob("*.pid")}
+    running = lambda: {w: pid for w, pid in workers.items() if _is_worker(_command_of(pid), w)}  # noqa: E731
+    pids = running()
+    assert pids, f"{n.name} runs no worker"
     n.child.proc.kill()
-    for pid in workers:
-        try:
+    for pid in pids.values():
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     n.child.proc.wait(30)
-    wait_for(lambda: not any(_alive(pid) for pid in workers), 30, f"{n.name}'s workers gone")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    wait_for(lambda: not running(), 30, f"{n.name}'s workers gone")
 
 
 def placed_on(fleet: LocalFleet, model: str) -> dict[str, tuple[int, int]]:
