@@ -450,6 +450,19 @@ def test_pulled_once_from_the_hub_then_copied_from_the_node_that_has_it(tmp_path
     run(go())
 
 
+def test_a_pull_from_the_hub_reads_each_file_once(tmp_path, fake_hub):
+    """Making room for a pull needs only the sizes the hub lists: no config.json downloaded
+    beside the pull's own, no range read of a shard's header."""
+    async def go():
+        async with agents(tmp_path, "mac-1") as (a,):
+            pulled = await fetch(a, SOURCE)
+            assert pulled.done and getattr(pulled, "from") == "hub"
+            sizes = {p.name: p.stat().st_size for p in fake_hub.model.iterdir()}
+            assert fake_hub.served == sizes and not fake_hub.range_starts
+
+    run(go())
+
+
 def test_a_peer_that_dies_mid_copy_of_a_hub_model_gives_way_to_the_hub(tmp_path, fake_hub):
     async def go():
         async with agents(tmp_path, "mac-1", "mac-2", **{"mac-2": {"copy_bandwidth": 4 * MiB}}) as (a, b):

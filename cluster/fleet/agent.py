@@ -847,7 +847,7 @@ class NodeAgent:
         source = job.source
         started = time.monotonic()
         try:
-            need = (await asyncio.to_thread(hub.describe, source, self.hub_cache, self.platform)).file_bytes
+            need = await asyncio.to_thread(hub.pull_bytes, source, self.hub_cache, _layers(request))
         except FleetError:
             need = 0  # the pull says what is wrong
         deleted = await self._make_room(job, FROM_HUB, need, need, request.protect, fetched=True)

@@ -311,6 +311,24 @@ def pull(source: str | HubSource, cache: str | Path, layers: tuple[int, int] | N
     return snapshot
 
 
+def pull_bytes(source: str | HubSource, cache: str | Path, layers: tuple[int, int] | None = None) -> int:
+    """The bytes a pull of `source` has still to write into `cache` (0 offline): the sizes the
+    hub lists for its files (a rank's only, once the cache holds the index) less the files the
+    snapshot holds. From the hub's file list alone: nothing is downloaded."""
+    src, cache = _source(source), Path(cache).expanduser()
+    hub = _settings()
+    if hub.offline:
+        return 0
+    from huggingface_hub import HfApi
+
+    with _hub_errors(src, hub):
+        info = HfApi(endpoint=hub.endpoint).model_info(src.repo, revision=src.revision, files_metadata=True)
+    sizes = {s.rfilename: _expected(s).size for s in info.siblings or []}
+    snapshot = _storage(cache, src.repo) / "snapshots" / str(info.sha)
+    wanted = _selected(sorted(sizes), _read_index(snapshot), _num_layers(snapshot), layers)
+    return sum(sizes[n] for n in wanted if not (snapshot / n).exists())
+
+
 def _offline_snapshot(src: HubSource, cache: Path, layers: tuple[int, int] | None, why: str) -> Path:
     snapshot = local_snapshot(src, cache, layers)
     if snapshot is not None:
