@@ -247,6 +247,20 @@ def test_a_hub_model_copied_from_a_peer_is_in_huggingface_hubs_layout(tmp_path, 
     assert Path(snapshot_download(REPO, cache_dir=root.parent)) == snapshot
 
 
+def test_files_of_one_blob_are_copied_once_and_whole(tmp_path):
+    """Two files with the same bytes share a blob: one stream writes it, the other links it
+    (two streams appending to one partial blob would leave it twice as long)."""
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2") as (a, b):
+            files = {**hub_files(), "copy-of-1.safetensors": hub_files()["model-00001-of-00002.safetensors"]}
+            src = hub_snapshot(a.hub_cache, REPO, files)
+            last = await fetch(b, SOURCE, a)
+            assert last.done and tree(Path(last.path)) == tree(src)
+            assert a.bytes_served == size(src) - len(files["copy-of-1.safetensors"])
+
+    run(go())
+
+
 def test_an_interrupted_copy_resumes_from_its_partial_files(tmp_path):
     """The peer stops mid-copy; the next fetch (the peer back on another port) resumes: the
     peer serves the model about once in all, not once and a half."""

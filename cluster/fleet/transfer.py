@@ -239,7 +239,16 @@ class Copy:
 
     async def run(self) -> Path:
         await asyncio.to_thread(self.dest.prepare)
-        queue = sorted(self.files, key=lambda f: -f.size)  # the largest first: the streams end together
+        # Files of one blob (the same bytes under two names) are written once, then linked:
+        # two streams appending to one partial file would corrupt it.
+        firsts: dict[Path, pb.ModelFile] = {}
+        twins = []
+        for f in sorted(self.files, key=lambda f: -f.size):  # the largest first: the streams end together
+            if self.dest.partial(f) in firsts:
+                twins.append(f)
+            else:
+                firsts[self.dest.partial(f)] = f
+        queue = list(firsts.values())
         streams = [asyncio.create_task(self._drain(queue)) for _ in range(min(self.streams, len(queue)))]
         try:
             await asyncio.gather(*streams)
@@ -247,6 +256,8 @@ class Copy:
             for stream in streams:
                 stream.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
+        for f in twins:
+            await self.copy_file(f)  # its blob is whole now
         return await asyncio.to_thread(self.dest.finish)
 
     async def _drain(self, queue: list[pb.ModelFile]) -> None:
