@@ -390,3 +390,36 @@ def test_tokens_per_second_now_is_over_the_last_seconds_sampled_at_most_once_a_s
     rates.rates({"w": 300})
     now[0] += 1
     assert rates.rates({"w": 300}) == {"w": 0.0}
+
+
+def test_an_action_needs_a_json_body_so_that_a_cross_site_form_cannot_send_one():
+    """A page on another site can POST a form or a no-cors fetch (text/plain, form types)
+    without asking the router first; it cannot send Content-Type: application/json."""
+    async def main():
+        async with keyed() as c:
+            url = f"http://{c.router.http_address}/console/workers/w0/drain"
+            async with aiohttp.ClientSession() as s:
+                for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+                    headers = {**bearer(ADMIN_KEY), **({"Content-Type": content_type} if content_type else {})}
+                    async with s.post(url, data=b'{"drain": true}', headers=headers) as r:
+                        assert r.status == 415, content_type
+                        assert "application/json" in (await r.json())["error"]["message"]
+            assert c.router.registry.workers["w0"].state == HEALTHY
+
+    run(main())
+
+
+def test_a_server_with_no_admin_key_takes_no_action_from_a_page():
+    """With no keys at all the API is open, but a console action still needs an admin key:
+    a router on this machine would otherwise be drained by whoever can reach its port."""
+    async def main():
+        async with Cluster(http=True) as c:
+            status, body = await post(c, "/console/workers/w0/drain", {"drain": True})
+            assert status == 403 and "--admin-key" in body["error"]["message"]
+            status, body = await post(c, "/console/models/load", {"model": "fake"}, "anything")
+            assert status == 403 and "--admin-key" in body["error"]["message"]
+            assert c.router.registry.workers["w0"].state == HEALTHY
+            assert (await get(c, "/console/state"))[0] == 200  # the state stays open, as the API
+
+    run(main())
+

@@ -8,7 +8,9 @@
   POST /console/models/{load|unload|pin|unpin}  {"model": NAME}: a catalog model (a fleet): the admin key
 
 The page and its files are open (they hold no data); the state and its pushes take an API
-key when the server has keys (as /metrics does); the actions take the admin key. Every
+key when the server has keys (as /metrics does); the actions take the admin key, which the
+server must have (a keyless router would otherwise act for any page its browser opens), and
+a JSON body (a type no cross-site form or no-cors fetch can send). Every
 answer carries a strict Content-Security-Policy: scripts and styles from this origin only,
 no inline script or style, no frames, nothing fetched from elsewhere.
 """
@@ -23,6 +25,7 @@ from aiohttp import web
 
 from cluster.api.errors import OrchardError
 from cluster.api.http import error_of, error_response, read_body, sse_comment
+from cluster.api.limits import shown
 from cluster.console.hub import Hub, encode
 from cluster.security import ADMIN, INFERENCE, Keys
 
@@ -113,7 +116,7 @@ class _Console:
         return response
 
     async def drain(self, request: web.Request) -> web.Response:
-        refused = _refused(request, self.keys, ADMIN)
+        refused = _action_refused(request, self.keys)
         if refused is not None:
             return refused
         try:
@@ -125,7 +128,7 @@ class _Console:
             return error_of(e)
 
     async def model(self, request: web.Request) -> web.Response:
-        refused = _refused(request, self.keys, ADMIN)
+        refused = _action_refused(request, self.keys)
         if refused is not None:
             return refused
         action = request.match_info["action"]
@@ -146,9 +149,26 @@ def _refused(request: web.Request, keys: Keys, role: str) -> web.Response | None
         return None
     response = error_response(401 if refused[0] == "unauthenticated" else 403, refused[1],
                               code="invalid_api_key" if refused[0] == "unauthenticated" else "permission_denied")
-    response.headers.update(SECURITY_HEADERS)
+    _secured(response)
     if refused[0] == "unauthenticated":
         response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+def _action_refused(request: web.Request, keys: Keys) -> web.Response | None:
+    if not keys.admin:
+        return _secured(error_response(403, "this server has no admin key, so it takes no action from the console: "
+                                            "start it with --admin-key (or $ORCHARD_ADMIN_KEY)",
+                                       code="permission_denied"))
+    refused = _refused(request, keys, ADMIN)
+    if refused is None and request.content_type != "application/json":
+        return _secured(error_response(415, "an action's body must be JSON, sent as Content-Type: application/json, "
+                                            f"not {shown(request.content_type)}"))
+    return refused
+
+
+def _secured(response: web.Response) -> web.Response:
+    response.headers.update(SECURITY_HEADERS)
     return response
 
 
