@@ -423,3 +423,28 @@ def test_a_server_with_no_admin_key_takes_no_action_from_a_page():
 
     run(main())
 
+
+def test_open_consoles_are_bounded_and_one_more_is_told_when_to_retry(monkeypatch):
+    from cluster.console import routes
+
+    monkeypatch.setattr(routes, "MAX_OPEN_CONSOLES", 2)
+
+    async def main():
+        async with Cluster(http=True) as c, aiohttp.ClientSession() as s:
+            url = f"http://{c.router.http_address}/console/events"
+            first, second = await s.get(url), await s.get(url)
+            assert first.status == second.status == 200
+            async with s.get(url) as third:
+                assert third.status == 503 and int(third.headers["Retry-After"]) > 0
+                assert "2" in (await third.json())["error"]["message"]
+            first.close()  # a page closed: its place is free again
+            for _ in range(300):
+                async with s.get(url) as again:
+                    if again.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+            assert again.status == 200
+            second.close()
+
+    run(main())
+

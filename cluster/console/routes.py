@@ -38,6 +38,7 @@ SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "n
                     "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
 KEEPALIVE_SECONDS = 15.0  # a comment on a quiet push stream, so that proxies keep it open
 MODEL_ACTIONS = ("load", "unload", "pin", "unpin")
+MAX_OPEN_CONSOLES = 64  # push streams at once: each holds a connection for as long as its page is open
 
 
 class ConsoleState(Protocol):
@@ -96,6 +97,9 @@ class _Console:
         refused = _refused(request, self.keys, INFERENCE)
         if refused is not None:
             return refused
+        if len(self.hub.listeners) >= MAX_OPEN_CONSOLES:
+            return _secured(error_response(503, f"{MAX_OPEN_CONSOLES} consoles are open on this server, the most it "
+                                                "serves: close one, or try again later", retry_after=5))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **SECURITY_HEADERS})
         await response.prepare(request)
         queue = self.hub.subscribe()
