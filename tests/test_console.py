@@ -448,3 +448,31 @@ def test_open_consoles_are_bounded_and_one_more_is_told_when_to_retry(monkeypatc
 
     run(main())
 
+
+def test_a_snapshot_walks_the_recent_requests_once_however_many_workers():
+    from collections import deque
+
+    from cluster.console.state import RouterState
+    from cluster.router.recent import RecentRequests
+    from cluster.router.registry import Registry
+
+    class Counted(deque):
+        walks = 0
+
+        def __iter__(self):
+            Counted.walks += 1
+            return super().__iter__()
+
+    registry = Registry(connect=False)
+    for i in range(50):
+        registry.add_static(f"127.0.0.1:{20000 + i}", pb.LoadReport(worker_id=f"w{i}", model="m"))
+    recent = RecentRequests()
+    recent._ring = Counted(maxlen=200)
+    for i in range(200):
+        record = recent.begin(f"r{i}", "m")
+        record.worker, record.ttft = f"w{i % 50}", 0.1
+    state = RouterState(registry, recent, lambda: {})
+    Counted.walks = 0
+    snapshot = state.snapshot()
+    assert len(snapshot["workers"]) == 50 and len(snapshot["requests"]) == 100
+    assert Counted.walks <= 2, Counted.walks  # the TTFTs in one walk, the rows in another

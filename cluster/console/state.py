@@ -117,10 +117,10 @@ class RouterState:
             rows = [pb.WorkerInfo(worker_id=w.worker_id) for w in workers]
             self.controller.annotate(rows)
             where = {r.worker_id: (r.node_id, r.catalog_model) for r in rows if r.node_id}
+        ttfts_of = self.recent.ttfts(now - TTFT_WINDOW_SECONDS)
         shown = []
         for w in sorted(workers, key=lambda w: w.worker_id):
-            ttfts = [r.ttft for r in self.recent.of_worker(w.worker_id, now - TTFT_WINDOW_SECONDS)
-                     if r.ttft is not None]
+            ttfts = ttfts_of.get(w.worker_id)
             node, catalog_model = where.get(w.worker_id, ("", ""))
             shown.append({"id": w.worker_id, "address": w.address, "state": STATE_NAMES[w.state],
                           "static": w.static, "circuit": w.breaker.state, "inflight": w.inflight,

@@ -73,6 +73,11 @@ class RecentRequests:
         """The newest `limit` records, newest first."""
         return [r.as_dict() for r in list(self._ring)[-limit:][::-1]]
 
-    def of_worker(self, worker_id: str, since: float) -> list[RequestRecord]:
-        """Records of `worker_id` that began at or after `since` (wall clock)."""
-        return [r for r in self._ring if r.worker == worker_id and r.started >= since]
+    def ttfts(self, since: float) -> dict[str, list[float]]:
+        """The TTFTs of the records begun at or after `since` (wall clock), by worker: one
+        walk over the ring, however many workers."""
+        out: dict[str, list[float]] = {}
+        for r in self._ring:
+            if r.ttft is not None and r.started >= since:
+                out.setdefault(r.worker, []).append(r.ttft)
+        return out
