@@ -261,6 +261,34 @@ def test_files_of_one_blob_are_copied_once_and_whole(tmp_path):
     run(go())
 
 
+@pytest.mark.parametrize("path", ["config.json", "model-00001-of-00002.safetensors"])
+def test_a_blob_named_other_than_its_bytes_is_refused(tmp_path, monkeypatch, path):
+    """A peer's listing names each blob; the receiver writes a blob only under its bytes' own
+    hash (git sha1 or sha256), else a later snapshot sharing that name would read wrong bytes."""
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2") as (a, b):
+            hub_snapshot(a.hub_cache, REPO, hub_files())
+            listed = a.list_model_files
+
+            async def misnamed(request):
+                listing = await listed(request)
+                for f in listing.files:
+                    if f.path == path:
+                        f.blob = ("0" * len(f.blob))
+                return listing
+
+            a.list_model_files = misnamed
+            monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub to fall back on
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await fetch(b, SOURCE, a)
+            assert "not its" in e.value.details()
+            for blob in (b.hub_cache / disk.repo_folder(REPO) / "blobs").glob("*"):
+                data = blob.read_bytes()
+                assert blob.name in (hashlib.sha256(data).hexdigest(), git_sha1(data)), blob.name
+
+    run(go())
+
+
 def test_an_interrupted_copy_resumes_from_its_partial_files(tmp_path):
     """The peer stops mid-copy; the next fetch (the peer back on another port) resumes: the
     peer serves the model about once in all, not once and a half."""

@@ -753,9 +753,13 @@ class NodeAgent:
                 self.transfer_totals[FROM_PEER].failures += 1
                 log.warning("copy of %s from %s failed (%s: %s)", source, peer.node_id, code.name, why)
                 failures.append(f"{peer.node_id}: {code.name}: {why}")
-        if hub.is_hub_source(source):
-            return await self._pull(job, request)
         tried = f": {'; '.join(failures)}" if failures else ""
+        if hub.is_hub_source(source):
+            try:
+                return await self._pull(job, request)
+            except FleetError as e:
+                raise FleetError(e.code, f"{e.message} (after no peer could copy it{tried})" if failures
+                                 else e.message) from None
         raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source!r} is not on node {self.node_id} and no peer "
                                                     f"could copy it{tried or ' (none named)'}")
 

@@ -379,6 +379,11 @@ def _forget(path: Path) -> int:
     return size
 
 
+def git_sha1(path: Path) -> str:
+    """The file's git blob sha1: the hub's etag of a file not in LFS."""
+    return _digest(path, "git-sha1")
+
+
 _hashes: dict[tuple[str, str, int, int], str] = {}  # (algorithm, real path, size, mtime) -> hex
 _hashes_lock = threading.Lock()
 

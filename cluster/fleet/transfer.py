@@ -172,6 +172,9 @@ class HubDestination(Destination):
         name = f.blob or f.sha256
         if not _BLOB_NAME.fullmatch(name):
             raise FleetError(grpc.StatusCode.DATA_LOSS, f"the peer named {f.path}'s blob {name!r}, not a hash")
+        if len(name) == 64 and name != f.sha256:
+            raise FleetError(grpc.StatusCode.DATA_LOSS, f"the peer named {f.path}'s blob {name}, not its sha256 "
+                                                        f"{f.sha256}")
         return self.root / "blobs" / name
 
     def done(self, f: pb.ModelFile) -> bool:
@@ -183,6 +186,10 @@ class HubDestination(Destination):
     def complete(self, f: pb.ModelFile, partial: Path) -> None:
         blob = self.blob(f)
         if partial.is_file():
+            if len(blob.name) == 40 and (got := hub.git_sha1(partial)) != blob.name:  # a small file's etag
+                partial.unlink()
+                raise FleetError(grpc.StatusCode.DATA_LOSS, f"the peer named {f.path}'s blob {blob.name}, not its "
+                                                            f"git blob sha1 {got}")
             os.replace(partial, blob)
         link = self.snapshot / relative_path(f.path)
         link.parent.mkdir(parents=True, exist_ok=True)
