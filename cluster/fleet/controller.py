@@ -1127,8 +1127,10 @@ class FleetController:
         """Add or remove one replica of `model` under its claim (no other router loads,
         unloads or scales it meanwhile); its traffic starts a new window once it is done,
         and after a start or stop that failed too (not tried again each tick)."""
-        if decision.delta > 0 and not self._replica_fits(model, decision.why, replicas):
-            return  # the next steps ask again, without a write to the catalog each
+        if decision.delta > 0:
+            await self._describe_missing(self._entry(model))  # a node without its files is a candidate too
+            if not self._replica_fits(model, decision.why, replicas):
+                return  # the next steps ask again, without a write to the catalog each
         if not await self._write(self.catalog.claim, model, self.router_id, CLAIM_TTL):
             return  # another router is loading, unloading or scaling it: the next step sees what it did
         async with self._holding_claim(model):
