@@ -435,6 +435,36 @@ def test_one_fetch_per_source_a_second_caller_follows_the_first(tmp_path):
     run(go())
 
 
+def test_a_whole_fetch_does_not_follow_a_ranks_fetch_of_the_same_source(tmp_path):
+    """A rank's fetch writes part of the snapshot; a fetch of the whole model asked meanwhile
+    (its group re-formed as one worker here) waits for it and then fetches the rest, rather
+    than taking its partial snapshot for the model."""
+    from cluster.fleet import hub
+
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2", **{"mac-2": {"copy_bandwidth": 4 * MiB}}) as (a, b):
+            files = {**hub_files(), "config.json": b'{"model_type": "llama", "num_hidden_layers": 2}',
+                     "model.safetensors.index.json": json.dumps({"weight_map": {
+                         "model.layers.0.mlp.weight": "model-00001-of-00002.safetensors",
+                         "model.layers.1.mlp.weight": "model-00002-of-00002.safetensors"}}).encode()}
+            hub_snapshot(a.hub_cache, REPO, files)
+            ch, stub = stub_of(b)
+            async with ch:
+                async def rank():
+                    async for last in stub.FetchModel(pb.FetchModelRequest(source=SOURCE, peers=[peer(a)],
+                                                                           first_layer=1, last_layer=1)):
+                        pass
+                    return last
+
+                ranked = asyncio.create_task(rank())
+                await wait_until(lambda: b.fetches.get(SOURCE), 60, "the rank's fetch under way")
+                whole = await fetch(b, SOURCE, a)
+                assert (await ranked).done
+            assert whole.done and hub.local_snapshot(SOURCE, b.hub_cache) == Path(whole.path)
+
+    run(go())
+
+
 def test_an_agent_that_stops_mid_copy_ends_the_copy_and_tells_its_caller(tmp_path):
     async def go():
         async with agents(tmp_path, "mac-1", "mac-2", **{"mac-2": {"copy_bandwidth": 2 * MiB}}) as (a, b):

@@ -707,11 +707,13 @@ class NodeAgent:
         return await asyncio.to_thread(hub.describe, source, self.hub_cache, self.platform)
 
     async def fetch(self, request: pb.FetchModelRequest):
-        """FetchModel: follow the fetch of the source, starting it unless one is under way."""
+        """FetchModel: follow the fetch of the source, starting it unless one is under way
+        (one of other layers, another rank's, is waited for first)."""
         source = self._source(request.source)
-        job = self.fetches.get(source)
+        while (job := self.fetches.get(source)) is not None and not job.serves(_layers(request)):
+            await job.ended()  # another rank's files: fetch the rest once it is done
         if job is None:
-            job = self.fetches[source] = transfer.Fetch(source)
+            job = self.fetches[source] = transfer.Fetch(source, layers=_layers(request))
             job.task = asyncio.create_task(self._run_fetch(job, request), name=f"orchard-fetch-{source}")
         async for message in job.follow(FETCH_PROGRESS_S):
             yield message

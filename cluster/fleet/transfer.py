@@ -332,8 +332,10 @@ class Fetch:
     """One fetch of a source onto this node (from a peer or the hub): every FetchModel call
     for the source follows it, and the node's report lists it while it runs."""
 
-    def __init__(self, source: str, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, source: str, clock: Callable[[], float] = time.monotonic,
+                 layers: tuple[int, int] | None = None):
         self.source = source
+        self.layers = layers  # a pipeline rank's (first, last); None: every file
         self.clock = clock
         self.started = clock()
         self.origin = ""  # "hub" or the peer's node id
@@ -355,6 +357,13 @@ class Fetch:
     def end(self, result: pb.FetchProgress | None = None, error: FleetError | None = None) -> None:
         self.result, self.error = result, error
         self._ended.set()
+
+    def serves(self, layers: tuple[int, int] | None) -> bool:
+        """Whether what it fetches is what a fetch of `layers` needs (a whole model serves any)."""
+        return self.layers is None or self.layers == layers
+
+    async def ended(self) -> None:
+        await self._ended.wait()
 
     def progress(self) -> pb.FetchProgress:
         return pb.FetchProgress(**{"from": self.origin}, bytes_done=self.bytes_done, bytes_total=self.bytes_total)
