@@ -476,3 +476,21 @@ def test_a_snapshot_walks_the_recent_requests_once_however_many_workers():
     snapshot = state.snapshot()
     assert len(snapshot["workers"]) == 50 and len(snapshot["requests"]) == 100
     assert Counted.walks <= 2, Counted.walks  # the TTFTs in one walk, the rows in another
+
+
+def test_every_console_answer_carries_the_security_headers_errors_too():
+    async def main():
+        async with keyed() as c:
+            answers = [await get(c, "/console/nothing.js"), await get(c, "/console/state"),
+                       await get(c, "/console/workers/w0/drain")]  # 404, 401, 405 (a GET)
+            async with aiohttp.ClientSession() as s, s.post(
+                    f"http://{c.router.http_address}/console/workers/w0/drain", json={"drain": "yes"},
+                    headers=bearer(ADMIN_KEY)) as r:
+                answers.append((r.status, dict(r.headers), b""))  # 400
+            assert [status for status, _, _ in answers] == [404, 401, 405, 400]
+            for _, headers, _ in answers:
+                assert "script-src 'self'" in headers["Content-Security-Policy"]
+                assert headers["X-Content-Type-Options"] == "nosniff"
+            assert "Content-Security-Policy" not in (await get(c, "/v1/models", API_KEY))[1]  # the API's own
+
+    run(main())

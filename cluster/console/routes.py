@@ -59,6 +59,7 @@ def add_routes(app: web.Application, state: ConsoleState, keys: Keys, actions: A
     operator's actions."""
     console = _Console(state, keys, actions)
     app.on_shutdown.append(console.hub.close)
+    app.on_response_prepare.append(_secure)
     app.router.add_get("/", console.page)
     app.router.add_get("/console/state", console.current)
     app.router.add_get("/console/events", console.events)
@@ -79,7 +80,7 @@ class _Console:
         if name not in self.files:
             return error_response(404, f"no console file {name[:80]!r}")
         body, content_type = self.files[name]
-        return web.Response(body=body, headers={"Content-Type": content_type, **SECURITY_HEADERS})
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def page(self, request: web.Request) -> web.Response:
         return self.asset("index.html")
@@ -98,9 +99,9 @@ class _Console:
         if refused is not None:
             return refused
         if len(self.hub.listeners) >= MAX_OPEN_CONSOLES:
-            return _secured(error_response(503, f"{MAX_OPEN_CONSOLES} consoles are open on this server, the most it "
-                                                "serves: close one, or try again later", retry_after=5))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **SECURITY_HEADERS})
+            return error_response(503, f"{MAX_OPEN_CONSOLES} consoles are open on this server, the most it serves: "
+                                       "close one, or try again later", retry_after=5)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         queue = self.hub.subscribe()
         try:
@@ -153,7 +154,6 @@ def _refused(request: web.Request, keys: Keys, role: str) -> web.Response | None
         return None
     response = error_response(401 if refused[0] == "unauthenticated" else 403, refused[1],
                               code="invalid_api_key" if refused[0] == "unauthenticated" else "permission_denied")
-    _secured(response)
     if refused[0] == "unauthenticated":
         response.headers["WWW-Authenticate"] = "Bearer"
     return response
@@ -161,20 +161,21 @@ def _refused(request: web.Request, keys: Keys, role: str) -> web.Response | None
 
 def _action_refused(request: web.Request, keys: Keys) -> web.Response | None:
     if not keys.admin:
-        return _secured(error_response(403, "this server has no admin key, so it takes no action from the console: "
-                                            "start it with --admin-key (or $ORCHARD_ADMIN_KEY)",
-                                       code="permission_denied"))
+        return error_response(403, "this server has no admin key, so it takes no action from the console: "
+                                   "start it with --admin-key (or $ORCHARD_ADMIN_KEY)", code="permission_denied")
     refused = _refused(request, keys, ADMIN)
     if refused is None and request.content_type != "application/json":
-        return _secured(error_response(415, "an action's body must be JSON, sent as Content-Type: application/json, "
-                                            f"not {shown(request.content_type)}"))
+        return error_response(415, "an action's body must be JSON, sent as Content-Type: application/json, "
+                                   f"not {shown(request.content_type)}")
     return refused
 
 
-def _secured(response: web.Response) -> web.Response:
-    response.headers.update(SECURITY_HEADERS)
-    return response
-
-
 def _json(body: dict) -> web.Response:
-    return web.Response(body=encode(body), headers={"Content-Type": "application/json", **SECURITY_HEADERS})
+    return web.Response(body=encode(body), headers={"Content-Type": "application/json"})
+
+
+async def _secure(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer of the console's, its errors too (the app's 404s and 405s among them),
+    carries its Content-Security-Policy and the rest; the API's answers are left as they are."""
+    if request.path == "/" or request.path.startswith("/console/"):
+        response.headers.update(SECURITY_HEADERS)
