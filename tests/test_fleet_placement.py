@@ -476,3 +476,13 @@ def test_random_fleets_never_overcommit_nor_evict_the_protected():
         check_plan(p, nodes, models, w)
         kinds[type(p), bool(getattr(p, "evict", ()))] += 1
     assert all(kinds.values()), kinds  # every branch was exercised
+
+
+def test_a_group_over_the_nodes_that_hold_the_files_rather_than_fetch_onto_one_with_more_room():
+    a, b = node("a", 10, models=("m",)), node("b", 10, models=("m",))
+    c = node("c", 14, models=())  # the most room, no files
+    p = plan(want(16, [a, b, c]), [a, b, c], [], now=0, costs=FETCH)
+    assert isinstance(p, Group) and {r.node_id for r in p.ranks} == {"a", "b"}
+    quick = Costs(read_bytes_per_second=G, copy_bytes_per_second=64 * G)  # a copy costs next to nothing
+    p = plan(want(16, [a, b, c]), [a, b, c], [], now=0, costs=quick)
+    assert isinstance(p, Group) and len(p.ranks) == 2

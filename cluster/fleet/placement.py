@@ -23,8 +23,9 @@ beats the hub.
       was); a model whose keep-alive is negative only when nothing else will do. The node
       whose unloads cost least is used.
    b. Span the model over several nodes as a pipeline group, in their free room only,
-      unloading nothing: the fewest nodes that hold it (at most the model's max_nodes),
-      each given a run of consecutive layers in proportion to its free room.
+      unloading nothing: the fewest nodes that can (at most the model's max_nodes; of those,
+      the ones that hold its files when they serve sooner), each given a run of consecutive
+      layers in proportion to its free room.
    How soon each serves is estimated from the bytes each node reads at its read rate, and
    fetches first where it lacks them (a group's nodes fetch and read their parts at once,
    then take a while to join); unloading an idle model takes a moment. On a tie the group
@@ -382,19 +383,30 @@ def _group(f: _Fleet, evict: bool) -> Group | None:
     room = {n.node_id: n.free + (f.evictable_on(n.node_id) if evict else 0) for n in f.hosts}
     members = [n for n in f.hosts if not f.slots_needed(n) or (evict and f.evictable_on(n.node_id))]
     capacity = {n.node_id: _layer_capacity(f, n, room[n.node_id]) for n in members}
-    members = sorted((n for n in members if capacity[n.node_id] > 0),
-                     key=lambda n: (capacity[n.node_id], room[n.node_id], f.holds(n), n.node_id), reverse=True)
+    members = [n for n in members if capacity[n.node_id] > 0]
+    # the most capacity first (the fewest nodes), or the nodes that hold the files first (no
+    # fetch): of the fewest nodes either finds, the one that serves sooner
+    orders = [sorted(members, key=lambda n: (capacity[n.node_id], room[n.node_id], f.holds(n), n.node_id),
+                     reverse=True),
+              sorted(members, key=lambda n: (f.holds(n), -f.fetch_seconds(n), capacity[n.node_id], room[n.node_id],
+                                             n.node_id), reverse=True)]
     for size in range(2, min(limit, len(members), layers) + 1):
-        chosen = members[:size]
-        if sum(capacity[n.node_id] for n in chosen) < layers:
-            continue
-        # Rank 0 (the last layers and the head, and the router's side) on the node with most room.
-        by_rank = sorted(chosen, key=lambda n: (room[n.node_id], n.node_id), reverse=True)
-        counts = _layer_counts(layers, [room[n.node_id] for n in by_rank], [capacity[n.node_id] for n in by_rank])
-        if counts is None:
-            continue
-        return _grouped(f, by_rank, counts, evict)
+        found = [g for order in orders if (g := _group_of(f, order[:size], room, capacity, evict)) is not None]
+        if found:
+            return min(found, key=lambda g: g.seconds)
     return None
+
+
+def _group_of(f: _Fleet, chosen: list[NodeView], room: dict[str, int], capacity: dict[str, int],
+              evict: bool) -> Group | None:
+    """A group over the `chosen` nodes, or None when their capacity does not hold the model."""
+    layers = f.want.num_layers
+    if sum(capacity[n.node_id] for n in chosen) < layers:
+        return None
+    # Rank 0 (the last layers and the head, and the router's side) on the node with most room.
+    by_rank = sorted(chosen, key=lambda n: (room[n.node_id], n.node_id), reverse=True)
+    counts = _layer_counts(layers, [room[n.node_id] for n in by_rank], [capacity[n.node_id] for n in by_rank])
+    return None if counts is None else _grouped(f, by_rank, counts, evict)
 
 
 def _layer_counts(layers: int, rooms: list[int], caps: list[int]) -> list[int] | None:
