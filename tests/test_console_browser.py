@@ -188,6 +188,7 @@ def test_drain_is_refused_without_the_admin_key_and_works_with_it(console, clust
     assert page.input_value("#key-admin") == ""  # the page never shows a key back
     expect(page.locator("#keys-status")).to_have_text("API key not set, admin key set")
     assert ADMIN_KEY not in page.content()
+    assert page.evaluate("sessionStorage.length") == 0  # kept in the tab only when asked
     console.tab("Fleet")
     card.get_by_role("button", name="Drain").click()
     expect(card.locator(".state")).to_have_text("draining", timeout=WAIT_MS)
@@ -302,6 +303,34 @@ def test_a_fleets_nodes_catalog_and_a_groups_ranks_are_drawn(console, cluster):
     expect(coder).to_contain_text("pulling on mac-1 25%")
     expect(coder.get_by_role("button", name="Load")).to_be_visible()
     assert [m for m in console.messages if m[0] in ("error", "pageerror")] == []
+
+
+def test_the_playground_says_why_a_chat_failed(console):
+    """From canned answers: a 401 says where a key goes, a 503 when to try again (its
+    Retry-After), and a stream cut before its [DONE] is an error, its partial answer kept."""
+    error = {"Content-Type": "application/json"}
+    answers = [(401, error, {"error": {"message": "invalid API key"}}, "invalid API key: enter a key under Keys"),
+               (503, {**error, "Retry-After": "7"}, {"error": {"message": "no worker can take it"}},
+                "no worker can take it: try again in 7 s"),
+               (200, {"Content-Type": "text/event-stream"}, {"choices": [{"index": 0, "delta": {"content": "Par"}}]},
+                "the stream was cut")]
+    page = console.page
+    console.tab("Playground")
+    expect(page.locator("#chat-model option").first).to_be_attached(timeout=WAIT_MS)
+
+    def canned(status: int, headers: dict, text: str):
+        return lambda route: route.fulfill(status=status, headers=headers, body=text)
+
+    for status, headers, body, said in answers:
+        text = f"data: {json.dumps(body)}\n\n" if status == 200 else json.dumps(body)
+        page.unroute("**/v1/chat/completions")
+        page.route("**/v1/chat/completions", canned(status, headers, text))
+        page.fill("#chat-input", "hello")
+        page.click("#chat-send")
+        expect(page.locator(".msg-assistant .error").last).to_contain_text(said, timeout=WAIT_MS)
+        expect(page.locator("#chat-send")).to_be_enabled()
+    expect(page.locator(".msg-assistant .answer").last).to_have_text("Par")
+    expect(page.locator("#chat-stats")).to_have_text("failed")
 
 
 def test_a_killed_worker_turns_unhealthy_on_the_page(console, cluster):

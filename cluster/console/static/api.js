@@ -35,16 +35,20 @@ function headers(role, json) {
 }
 
 export class HttpError extends Error {
-  constructor(status, message) { super(message); this.status = status; }
+  constructor(status, message, retryAfter) { super(message); this.status = status; this.retryAfter = retryAfter; }
 }
 
+// The server's message, and what to do about it: a key to enter (401), when to try again.
 async function failure(response) {
   let message = `${response.status} ${response.statusText}`;
   try {
     const body = await response.json();
     message = body.error?.message || message;
   } catch { /* not JSON */ }
-  return new HttpError(response.status, message);
+  const retryAfter = Number(response.headers.get("Retry-After")) || null;
+  if (response.status === 401) message += ": enter a key under Keys";
+  else if (retryAfter) message += `: try again in ${retryAfter} s`;
+  return new HttpError(response.status, message, retryAfter);
 }
 
 export async function post(path, body, role = "admin") {

@@ -54,20 +54,27 @@ async function follow() {
   const mine = new AbortController();
   connection = mine;
   let wait = 1000;
+  let refused = false; // a notice of ours is up: cleared once the state comes again
   while (!mine.signal.aborted) {
     try {
       for await (const data of events("/console/events", { signal: mine.signal })) {
         live("live", true);
         wait = 1000;
+        if (refused) { notice(""); refused = false; }
         render(JSON.parse(data));
       }
     } catch (e) {
       if (mine.signal.aborted) return;
       if (e instanceof HttpError && (e.status === 401 || e.status === 403)) {
         live("no access", false);
-        notice(`${e.message}: enter a key under Keys`);
+        notice(e.message);
         show("keys");
         return;
+      }
+      if (e instanceof HttpError) { // such as 503: too many consoles open
+        notice(e.message);
+        refused = true;
+        wait = Math.max(wait, (e.retryAfter || 0) * 1000);
       }
     }
     live("reconnecting", false);

@@ -75,9 +75,10 @@ async function send(event) {
     stats.textContent = [`TTFT ${ms(ttft)}`, rate, tokens !== null ? `${tokens} tokens` : ""].filter(Boolean)
       .join(" · ");
   };
+  let ended = false;
   try {
     for await (const data of events("/v1/chat/completions", { method: "POST", body, signal: running.signal })) {
-      if (data === "[DONE]") break;
+      if (data === "[DONE]") { ended = true; break; }
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message || "the server failed the request");
       if (chunk.usage) tokens = chunk.usage.completion_tokens;
@@ -100,10 +101,15 @@ async function send(event) {
       log.scrollTop = log.scrollHeight;
     }
     shown();
+    if (!ended) throw new Error("the stream was cut before its end: the answer above is partial");
     history.push({ role: "assistant", content: answer });
   } catch (e) {
     history.pop();
-    if (e.name !== "AbortError") { out.error.hidden = false; out.error.textContent = e.message; }
+    if (e.name !== "AbortError") {
+      out.error.hidden = false;
+      // fetch's own failures (no server, a connection reset mid-stream) are TypeErrors
+      out.error.textContent = e instanceof TypeError ? `the connection to the server failed (${e.message})` : e.message;
+    }
     stats.textContent = e.name === "AbortError" ? "stopped" : "failed";
   } finally {
     running = null;
