@@ -244,6 +244,10 @@ def test_events_push_the_state_and_then_each_change():
                 await c.kill(c.workers[0])
                 while (state := await next_state())["workers"][0]["state"] != "unhealthy":
                     pass
+                c.router.registry.set_drained(c.router.registry.workers["w1"], False)
+                c.workers[1].stalled = True  # its engine wedged: its reports say so
+                while (state := await next_state())["workers"][1]["state"] != "unhealthy":
+                    pass
             assert c.router.http_address  # the router stops with a page open (tested by leaving the block)
 
     run(main())
