@@ -498,3 +498,22 @@ def test_every_console_answer_carries_the_security_headers_errors_too():
             assert "Content-Security-Policy" not in (await get(c, "/v1/models", API_KEY))[1]  # the API's own
 
     run(main())
+
+
+def test_a_refused_request_with_a_huge_id_and_model_is_recorded_within_bounds():
+    """The record is begun before the request is checked: what it keeps of a client's id and
+    model name is cut to their bounds, or the state every console is pushed grows with them."""
+    from cluster.api.limits import MAX_ID_CHARS, MAX_NAME_CHARS
+
+    async def main():
+        async with Cluster(http=True) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await c.generate("hi", model="m" * 1_000_000, request_id="r" * 1_000_000)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            _, _, body = await get(c, "/console/state")
+            assert len(body) < 10_000
+            (record,) = json.loads(body)["requests"]
+            assert record["outcome"] == "failed" and len(record["model"]) <= MAX_NAME_CHARS
+            assert len(record["id"]) <= MAX_ID_CHARS
+
+    run(main())

@@ -13,6 +13,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from cluster.api.limits import MAX_ID_CHARS, MAX_NAME_CHARS
+
 RUNNING, OK, RETRIED, RESUMED, FAILED, CANCELLED = "running", "ok", "retried", "resumed", "failed", "cancelled"
 MAX_CAUSE_CHARS = 300  # of a failure's message, kept
 
@@ -53,7 +55,9 @@ class RecentRequests:
         self._ring: deque[RequestRecord] = deque(maxlen=size)
 
     def begin(self, request_id: str, model: str) -> RequestRecord:
-        record = RequestRecord(request_id, model)
+        """A request's record, begun before it is checked: its id and model cut to their
+        bounds (a refused one's may be megabytes, and every console is pushed the ring)."""
+        record = RequestRecord(request_id[:MAX_ID_CHARS], model[:MAX_NAME_CHARS])
         self._ring.append(record)
         return record
 
