@@ -15,7 +15,8 @@ GatedRepo). No xet headers: the client downloads over plain HTTP.
 Knobs for the failure cases: `cut_once(file, fraction)` ends the next body of that file
 after that fraction with the connection dropped; `corrupt(file, times)` flips a byte in
 its next `times` bodies; `token` makes every API and resolve call without
-`Authorization: Bearer TOKEN` a 401 (a gated repo). It counts per file the bytes it served
+`Authorization: Bearer TOKEN` a 401 (a gated repo); `slow(file, bytes_per_s)` sends that
+file's bodies at that rate and records in `abandoned` a file whose client went away. It counts per file the bytes it served
 (`served`) and the first byte of each ranged request (`range_starts`).
 """
 
@@ -26,6 +27,7 @@ import json
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -81,6 +83,8 @@ class FakeHub:
         self.range_starts: dict[str, list[int]] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self._cuts: dict[str, float] = {}
+        self._rates: dict[str, float] = {}
+        self.abandoned: set[str] = set()  # files whose client left mid-body (slow ones)
         self._corrupt: dict[str, int] = {}
         self._lock = threading.Lock()
         self._connections: set = set()  # open keep-alive connections, closed with the hub
@@ -138,6 +142,10 @@ class FakeHub:
     def corrupt(self, path: str, times: int = 1) -> None:
         """The next `times` bodies of `path` carry one byte flipped."""
         self._corrupt[path] = times
+
+    def slow(self, path: str, bytes_per_s: float) -> None:
+        """Bodies of `path` go out at `bytes_per_s`."""
+        self._rates[path] = bytes_per_s
 
     def _take_cut(self, path: str) -> float | None:
         with self._lock:
@@ -290,12 +298,27 @@ def _handler(hub: FakeHub, blobs: bool):
             cut = hub._take_cut(name)
             if cut is not None:
                 chunk = chunk[:max(0, int(size * cut) - start)]
+            if (rate := hub._rates.get(name)) is not None:
+                return self._slowly(name, chunk, rate, ranged)
             self.wfile.write(chunk)
             hub._count(name, len(chunk), ranged)
             if cut is not None:
                 self.wfile.flush()
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
+
+        def _slowly(self, name: str, chunk: bytes, rate: float, ranged: int | None) -> None:
+            piece = 64 << 10
+            for at in range(0, len(chunk), piece):
+                try:
+                    self.wfile.write(chunk[at:at + piece])
+                    self.wfile.flush()
+                except OSError:
+                    hub.abandoned.add(name)
+                    self.close_connection = True
+                    return
+                hub._count(name, len(chunk[at:at + piece]), ranged if at == 0 else None)
+                time.sleep(piece / rate)
 
         def _json(self, value) -> None:
             raw = json.dumps(value).encode()

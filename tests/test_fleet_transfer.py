@@ -556,6 +556,27 @@ def test_a_peer_that_dies_mid_copy_of_a_hub_model_gives_way_to_the_hub(tmp_path,
     run(go())
 
 
+def test_an_agent_that_stops_mid_pull_ends_the_pull(tmp_path, fake_hub):
+    """The pull runs in a thread that cancelling its task does not stop: it ends at its next
+    bytes (huggingface_hub reports every 10 MiB), before the agent's stop returns (else it
+    downloads on past the agent)."""
+    shard, big = "model.safetensors", 16 * MiB
+    fake_hub.add("acme/big", plain_model(tmp_path / "on-the-hub", "big", {shard: big}))
+    fake_hub.slow(shard, 4 * MiB)
+
+    async def go():
+        async with agents(tmp_path, "mac-1") as (a,):
+            fetching = asyncio.create_task(fetch(a, "hf:acme/big"))
+            await wait_until(lambda: fake_hub.served.get(shard), 60, "the pull under way")
+            await a.stop()
+            with pytest.raises(grpc.aio.AioRpcError):
+                await fetching
+        await wait_until(lambda: shard in fake_hub.abandoned, 30, "the hub's client gone")
+        assert fake_hub.served[shard] < big
+
+    run(go())
+
+
 def test_describe_answers_from_the_hub_for_a_model_not_here(tmp_path, fake_hub):
     async def go():
         async with agents(tmp_path, "mac-1") as (a,):

@@ -49,6 +49,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -860,11 +861,22 @@ class NodeAgent:
         self._report_now()
         loop = asyncio.get_running_loop()
         totals = self.transfer_totals[FROM_HUB]
+        stopping = threading.Event()
+
+        def report(done: int, total: int) -> None:  # on the pull's threads, as bytes arrive
+            if stopping.is_set():
+                raise FleetError(grpc.StatusCode.CANCELLED, f"the pull of {source} was stopped")
+            loop.call_soon_threadsafe(job.set, done, total)
+
+        pulling = asyncio.ensure_future(asyncio.to_thread(hub.pull, source, self.hub_cache, _layers(request), report))
         try:
-            path = await asyncio.to_thread(hub.pull, source, self.hub_cache, _layers(request),
-                                           lambda done, total: loop.call_soon_threadsafe(job.set, done, total))
+            path = await asyncio.shield(pulling)
         except FleetError:
             totals.failures += 1
+            raise
+        except asyncio.CancelledError:  # a thread is not cancelled: it ends at its next bytes
+            stopping.set()
+            await asyncio.gather(pulling, return_exceptions=True)
             raise
         finally:
             await asyncio.sleep(0)  # the progress the pull posted last
