@@ -16,8 +16,9 @@ Knobs for the failure cases: `cut_once(file, fraction)` ends the next body of th
 after that fraction with the connection dropped; `corrupt(file, times)` flips a byte in
 its next `times` bodies; `token` makes every API and resolve call without
 `Authorization: Bearer TOKEN` a 401 (a gated repo); `slow(file, bytes_per_s)` sends that
-file's bodies at that rate and records in `abandoned` a file whose client went away. It counts per file the bytes it served
-(`served`) and the first byte of each ranged request (`range_starts`).
+file's bodies at that rate and records in `abandoned` a file whose client went away. It
+counts per file the bytes it served (`served`) and the first byte of each ranged request
+(`range_starts`).
 """
 
 from __future__ import annotations
