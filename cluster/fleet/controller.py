@@ -450,6 +450,10 @@ class FleetController:
         while True:
             if self.serving(model):
                 return FOUND
+            replacing = self._replacing.get(model)
+            if replacing is not None and not replacing.done():  # its broken group's ranks stop first: their room
+                await asyncio.shield(replacing)                 # is the new placement's
+                continue
             if not (self._reachable_members(model) or self._awaited_nodes(model)) \
                     and await self._write(self.catalog.claim, model, self.router_id, CLAIM_TTL):
                 break
@@ -638,7 +642,7 @@ class FleetController:
         out: dict[str, int] = {}
         for info in self.nodes.nodes():
             for w in info.report.workers:
-                if w.worker_id in self._stopped and w.state in LIVE:
+                if w.worker_id in self._stopped and w.state in (*LIVE, "stopping"):  # its stop returned: gone
                     out[info.report.node_id] = out.get(info.report.node_id, 0) - w.reserved_bytes
         for model, ranks in self._pending.items():
             reported = {m.node_id for m in placed.get(model, _Placed()).members if m.live}
