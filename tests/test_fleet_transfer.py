@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -714,6 +715,42 @@ def test_the_disk_budget_deletes_the_least_recently_used_fetched_model_never_a_k
             assert "--disk-budget" in e.value.details() and "acme/newer" in e.value.details()
             del b.workers[worker.spec.worker_id]
             assert all((b.hub_cache / disk.repo_folder(r)).exists() for r in ("acme/pinned", "acme/newer", REPO))
+
+    run(go())
+
+
+def test_a_worker_is_not_started_on_a_model_being_deleted_to_make_room(tmp_path, monkeypatch):
+    weights = 2 * MiB
+    size = len(b"".join(hub_files(weights=weights).values()))
+
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2", **{"mac-2": {"disk_budget": size + size // 2}}) as (a, b):
+            hub_snapshot(a.hub_cache, REPO, hub_files(seed=1, weights=weights))
+            hub_snapshot(b.hub_cache, "acme/old", hub_files(seed=2, weights=weights))
+            deleting, go_on = asyncio.Event(), threading.Event()
+            loop, delete = asyncio.get_running_loop(), disk.delete
+
+            def slow_delete(repo):
+                loop.call_soon_threadsafe(deleting.set)
+                go_on.wait(60)
+                delete(repo)
+
+            monkeypatch.setattr(disk, "delete", slow_delete)
+
+            async def no_process(w):
+                pass
+
+            b._supervise = no_process
+            fetching = asyncio.create_task(fetch(b, SOURCE, a))
+            await asyncio.wait_for(deleting.wait(), 60)
+            try:
+                with pytest.raises(FleetError) as e:
+                    await b.start_worker(pb.WorkerSpec(worker_id="w-1", model="old", source="hf:acme/old"))
+                assert e.value.code == grpc.StatusCode.UNAVAILABLE and "hf:acme/old" in e.value.message
+                assert "being deleted" in e.value.message and not b.workers
+            finally:
+                go_on.set()
+            assert (await fetching).done
 
     run(go())
 

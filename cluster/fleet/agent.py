@@ -332,6 +332,7 @@ class NodeAgent:
         self.disk_used = 0  # the fetched models' bytes (the hub cache), at the last look
         self.bytes_served = 0  # model file bytes sent to peers
         self._room = asyncio.Lock()  # one fetch at a time makes room on disk
+        self._deleting: set[str] = set()  # hub repositories being deleted to make room: no worker starts on one
 
     def _default_node_id(self) -> str:
         if self.config.security.mutual:
@@ -485,6 +486,9 @@ class NodeAgent:
         # not the catalog: flags appended last would override the fleet's (keys, addresses, paths)
         check_engine_args(list(spec.engine_args))
         model = find_model(self.models_dir, spec.source, self.hub_cache)
+        if hub.is_hub_source(spec.source) and hub.parse_source(spec.source).repo in self._deleting:
+            raise FleetError(grpc.StatusCode.UNAVAILABLE, f"model {spec.source} is being deleted from node "
+                                                          f"{self.node_id}'s disk to make room for a fetch")
         self._check_room(spec)
         if hub.is_hub_source(spec.source):
             disk.touch(Path(model))  # the disk budget deletes the least recently used first
@@ -788,10 +792,14 @@ class NodeAgent:
             budget = (self.config.disk_budget or 0) if fetched else 0
             doomed = disk.evictions(repos, need + pending, budget, free, self._keep(job.source, protect),
                                     f"{job.source} on node {self.node_id}")
-            for repo in doomed:
-                log.info("deleting fetched model %s (%s, last used %.0f s ago) to make room for %s", repo.repo,
-                         human(repo.bytes), disk.seconds_since_used(repo), job.source)
-                await asyncio.to_thread(disk.delete, repo)
+            self._deleting.update(repo.repo for repo in doomed)
+            try:
+                for repo in doomed:
+                    log.info("deleting fetched model %s (%s, last used %.0f s ago) to make room for %s", repo.repo,
+                             human(repo.bytes), disk.seconds_since_used(repo), job.source)
+                    await asyncio.to_thread(disk.delete, repo)
+            finally:
+                self._deleting.difference_update(repo.repo for repo in doomed)
             job.begin(origin, total)
         if doomed:
             await self.refresh_models()
