@@ -1095,6 +1095,7 @@ def test_a_crash_looping_worker_placed_already_fails_its_load_with_its_reason_an
             await r.controller.load("small")
         assert e.value.code is grpc.StatusCode.UNAVAILABLE and "the weights are truncated" in e.value.message
         assert "started again 3 times" in e.value.message and r.nodes.stopped == ["small-1@mac-1-abc"]
+        assert r.sample("orchard_fleet_replacements_total", reason="crash") == 1
         r.controller._errors.clear()
         await r.controller.load("small")  # placed again: a new worker
         assert len(r.nodes.started) == 1 and r.controller.serving("small")
