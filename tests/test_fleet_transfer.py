@@ -290,6 +290,31 @@ def test_a_blob_named_other_than_its_bytes_is_refused(tmp_path, monkeypatch, pat
     run(go())
 
 
+def test_a_peer_listing_too_few_files_is_not_taken_for_the_model(tmp_path, monkeypatch):
+    """A copy is done only when the snapshot holds the model (the index's shards too), not when
+    every file the peer listed arrived."""
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2") as (a, b):
+            files = {**hub_files(), "model.safetensors.index.json": json.dumps({"weight_map": {
+                "model.layers.0.mlp.weight": "model-00001-of-00002.safetensors",
+                "model.layers.1.mlp.weight": "model-00002-of-00002.safetensors"}}).encode()}
+            hub_snapshot(a.hub_cache, REPO, files)
+            listed = a.list_model_files
+
+            async def short(request):
+                listing = await listed(request)
+                del listing.files[[f.path for f in listing.files].index("model-00002-of-00002.safetensors")]
+                return listing
+
+            a.list_model_files = short
+            monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub to fall back on
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await fetch(b, SOURCE, a)
+            assert "model-00002-of-00002.safetensors" in e.value.details()
+
+    run(go())
+
+
 def test_an_interrupted_copy_resumes_from_its_partial_files(tmp_path):
     """The peer stops mid-copy; the next fetch (the peer back on another port) resumes: the
     peer serves the model about once in all, not once and a half."""

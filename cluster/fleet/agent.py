@@ -831,6 +831,10 @@ class NodeAgent:
                 path = await copy.run()
             finally:
                 self.transfer_totals[FROM_PEER].bytes += copy.received
+        if hub.is_hub_source(source) and (lacking := await asyncio.to_thread(
+                hub.missing, source, self.hub_cache, _layers(request))):
+            raise FleetError(grpc.StatusCode.DATA_LOSS, f"the peer's files of {source} are not the whole model: "
+                                                        f"it lacks {', '.join(lacking[:3])}")
         totals = self.transfer_totals[FROM_PEER]
         totals.fetches += 1
         totals.seconds += time.monotonic() - started

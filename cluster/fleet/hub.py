@@ -145,6 +145,18 @@ def local_snapshot(source: str | HubSource, cache: str | Path,
     return snapshot
 
 
+def missing(source: str | HubSource, cache: str | Path, layers: tuple[int, int] | None = None) -> list[str]:
+    """The files the snapshot `source` names in `cache` lacks (those of `layers` for a rank);
+    every file when there is no snapshot (["config.json"] without a file list). No network."""
+    src = _source(source)
+    storage = _storage(Path(cache), src.repo)
+    commit = _commit_of(storage, src.revision)
+    snapshot = storage / "snapshots" / commit if commit else None
+    if snapshot is None or not snapshot.is_dir():
+        return ["config.json"]
+    return _missing(src, Path(cache), snapshot, layers)
+
+
 def _missing(src: HubSource, cache: Path, snapshot: Path, layers: tuple[int, int] | None) -> list[str]:
     """The files `snapshot` lacks: against the file list huggingface_hub cached when it
     fetched it; without one (a copy made otherwise), the config and the indexed shards."""
