@@ -218,6 +218,21 @@ def test_a_plain_model_is_copied_whole_even_for_a_pipeline_rank(tmp_path):
     run(go())
 
 
+def test_a_copy_onto_a_directory_that_is_not_a_model_says_so_before_copying(tmp_path):
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2") as (a, b):
+            plain_model(a.models_dir, "dense", {"model.safetensors": MiB})
+            (b.models_dir / "dense").mkdir()
+            (b.models_dir / "dense" / "notes.txt").write_text("half of a model copied by hand")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await fetch(b, "dense", a)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert str(b.models_dir / "dense") in e.value.details() and "move it away" in e.value.details()
+            assert a.bytes_served == 0
+
+    run(go())
+
+
 def test_a_hub_model_copied_from_a_peer_is_in_huggingface_hubs_layout(tmp_path, monkeypatch):
     async def go():
         async with agents(tmp_path, "mac-1", "mac-2") as (a, b):

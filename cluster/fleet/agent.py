@@ -755,8 +755,9 @@ class NodeAgent:
                 return await self._copy(job, peer, request)
             except (FleetError, grpc.aio.AioRpcError) as e:
                 code, why = (e.code, e.message) if isinstance(e, FleetError) else (e.code(), e.details())
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and isinstance(e, FleetError):
-                    raise  # no room here: another peer would not help
+                if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION) and \
+                        isinstance(e, FleetError):
+                    raise  # no room here, or a file in the way: another peer would not help
                 self.transfer_totals[FROM_PEER].failures += 1
                 log.warning("copy of %s from %s failed (%s: %s)", source, peer.node_id, code.name, why)
                 failures.append(f"{peer.node_id}: {code.name}: {why}")
@@ -859,6 +860,11 @@ class NodeAgent:
         name = listing.files[0].path if single else source
         if name not in names:
             raise FleetError(grpc.StatusCode.DATA_LOSS, f"the peer's {source} is {name!r}, not one of {names}")
+        final = self.models_dir / name
+        if final.exists() or final.is_symlink():  # not the model (that would have been found): not ours to replace
+            raise FleetError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"{final} is on node {self.node_id} but is not the model {source}: move it away to "
+                             "copy the model there")
         return transfer.PlainDestination(self.models_dir, name, single)
 
     async def _pull(self, job: transfer.Fetch, request: pb.FetchModelRequest) -> pb.FetchProgress:
