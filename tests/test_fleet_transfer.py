@@ -76,7 +76,7 @@ def hub_snapshot(cache: Path, repo: str, files: dict[str, bytes], commit: str = 
         link = snapshot / path
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.relpath(blob, link.parent))
-    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / revision).parent.mkdir(parents=True, exist_ok=True)
     (root / "refs" / revision).write_text(commit)
     return snapshot
 
@@ -326,6 +326,18 @@ def test_a_peer_listing_too_few_files_is_not_taken_for_the_model(tmp_path, monke
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await fetch(b, SOURCE, a)
             assert "model-00002-of-00002.safetensors" in e.value.details()
+
+    run(go())
+
+
+def test_a_hub_model_of_a_branch_with_a_slash_is_copied(tmp_path):
+    from cluster.fleet import hub
+
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2") as (a, b):
+            hub_snapshot(a.hub_cache, REPO, hub_files(), revision="release/v1")
+            last = await fetch(b, f"hf:{REPO}@release/v1", a)
+            assert last.done and hub.local_snapshot(f"hf:{REPO}@release/v1", b.hub_cache) == Path(last.path)
 
     run(go())
 

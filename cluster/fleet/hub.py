@@ -201,7 +201,7 @@ def _selected(names: list[str], index: dict, num_layers: int, layers: tuple[int,
     return sorted(n for n in names if n not in shards or n in keep)
 
 
-def _write_ref(storage: Path, revision: str, commit: str) -> None:
+def write_ref(storage: Path, revision: str, commit: str) -> None:
     """`refs/REVISION` holds the commit (written whole: a reader never sees half of it)."""
     if revision == commit:
         return
@@ -319,7 +319,7 @@ def pull(source: str | HubSource, cache: str | Path, layers: tuple[int, int] | N
         counter = _Bytes(progress, here, sum(expected[n].size for n in wanted))
         fetch(wanted, counter.bar_class())
         _verify(src, snapshot, {n: expected[n] for n in wanted}, fetch_again, counter)
-        _write_ref(storage, src.revision, commit)
+        write_ref(storage, src.revision, commit)
     return snapshot
 
 

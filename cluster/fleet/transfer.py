@@ -199,9 +199,7 @@ class HubDestination(Destination):
 
     def finish(self) -> Path:
         self.snapshot.mkdir(parents=True, exist_ok=True)
-        if self.revision != self.commit:
-            (self.root / "refs").mkdir(parents=True, exist_ok=True)
-            (self.root / "refs" / self.revision).write_text(self.commit)
+        hub.write_ref(self.root, self.revision, self.commit)
         return self.snapshot
 
     def prepare(self) -> None:
