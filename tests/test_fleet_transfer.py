@@ -807,6 +807,32 @@ def test_a_worker_is_not_started_on_a_model_being_deleted_to_make_room(tmp_path,
     run(go())
 
 
+def test_a_single_worker_is_not_started_on_a_ranks_part_of_a_hub_model(tmp_path):
+    """A pipeline rank's fetch leaves a snapshot of its layers' shards only: a worker of the
+    whole model there would fail on the shards it lacks (or serve a part of the model)."""
+    async def go():
+        async with agents(tmp_path, "mac-1") as (a,):
+            files = {**hub_files(), "model.safetensors.index.json": json.dumps({"weight_map": {
+                "model.layers.0.mlp.weight": "model-00001-of-00002.safetensors",
+                "model.layers.1.mlp.weight": "model-00002-of-00002.safetensors"}}).encode()}
+            del files["model-00002-of-00002.safetensors"]
+            hub_snapshot(a.hub_cache, REPO, files)
+
+            async def no_process(w):
+                pass
+
+            a._supervise = no_process
+            with pytest.raises(FleetError) as e:
+                await a.start_worker(pb.WorkerSpec(worker_id="w-1", model="tiny", source=SOURCE))
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "model-00002-of-00002.safetensors" in e.value.message and not a.workers
+            rank = pb.WorkerSpec(worker_id="w-2", model="tiny", source=SOURCE, group_size=2, group_rank=1,
+                                 group_hosts=["h:1", "h:2"])
+            assert (await a.start_worker(rank)).worker_id == "w-2"  # a rank holds its layers' files only
+
+    run(go())
+
+
 def test_two_fetches_at_once_make_room_for_each_other(tmp_path):
     weights = 2 * MiB
     size = len(b"".join(hub_files(weights=weights).values()))

@@ -468,6 +468,17 @@ class NodeAgent:
                              f"node {self.node_id} runs {len(loaded)} models ({', '.join(sorted(loaded))}), its "
                              f"--max-loaded {self.config.max_loaded}: cannot start {spec.model}")
 
+    def _check_snapshot(self, spec: pb.WorkerSpec) -> None:
+        """A hub model's snapshot is whole for a single worker (a rank's fetch leaves only its
+        layers' shards) and not being deleted to make room."""
+        if hub.parse_source(spec.source).repo in self._deleting:
+            raise FleetError(grpc.StatusCode.UNAVAILABLE, f"model {spec.source} is being deleted from node "
+                                                          f"{self.node_id}'s disk to make room for a fetch")
+        if spec.group_size <= 1 and (lacking := hub.missing(spec.source, self.hub_cache)):
+            raise FleetError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"model {spec.source} on node {self.node_id} lacks {', '.join(lacking[:3])}"
+                             f"{' ...' if len(lacking) > 3 else ''}: fetch it whole first")
+
     async def start_worker(self, spec: pb.WorkerSpec) -> pb.ManagedWorker:
         for name in ("worker_id", "model", "source"):
             if not getattr(spec, name):
@@ -486,9 +497,8 @@ class NodeAgent:
         # not the catalog: flags appended last would override the fleet's (keys, addresses, paths)
         check_engine_args(list(spec.engine_args))
         model = find_model(self.models_dir, spec.source, self.hub_cache)
-        if hub.is_hub_source(spec.source) and hub.parse_source(spec.source).repo in self._deleting:
-            raise FleetError(grpc.StatusCode.UNAVAILABLE, f"model {spec.source} is being deleted from node "
-                                                          f"{self.node_id}'s disk to make room for a fetch")
+        if hub.is_hub_source(spec.source):
+            self._check_snapshot(spec)
         self._check_room(spec)
         if hub.is_hub_source(spec.source):
             disk.touch(Path(model))  # the disk budget deletes the least recently used first
