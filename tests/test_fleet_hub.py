@@ -157,6 +157,26 @@ def test_a_pulled_revision_is_not_fetched_nor_hashed_again(fake, tmp_path, monke
     assert reported and reported[-1][0] == reported[-1][1] > 0
 
 
+def test_a_progress_that_raises_stops_the_check_of_the_files_too(fake, tmp_path):
+    """The agent stops a pull by raising from its progress (the pull runs on threads): hashing
+    a large model's files must stop there as well, not only the download."""
+    cache = tmp_path / "cache"
+    snapshot = hub.pull(f"hf:{REPO}", cache)
+    (snapshot.parent.parent / "refs" / "main").unlink()  # its files here, not yet checked
+    calls = []
+
+    def stopped(done: int, total: int) -> None:
+        calls.append(done)
+        if len(calls) > 1:
+            raise FleetError(grpc.StatusCode.CANCELLED, "stopped")
+
+    hub._hashes.clear()
+    with pytest.raises(FleetError) as e:
+        hub.pull(f"hf:{REPO}", cache, progress=stopped)
+    assert e.value.code == grpc.StatusCode.CANCELLED
+    assert not (snapshot.parent.parent / "refs" / "main").exists()
+
+
 def test_offline_with_the_files_works_and_without_them_says_so(fake, models, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     snapshot = hub.pull(f"hf:{REPO}", cache)

@@ -362,8 +362,11 @@ def _expected(sibling) -> _Expected:
 
 def _verify(src: HubSource, snapshot: Path, expected: dict[str, _Expected],
             fetch_again: Callable[[str, type], None], counter: _Bytes) -> None:
-    """Each file against the hub's hash; one that differs is deleted and fetched again once."""
+    """Each file against the hub's hash; one that differs is deleted and fetched again once.
+    The progress is told before each file: a caller stopping the pull (its report raises)
+    stops the hashing too."""
     for name, want in sorted(expected.items()):
+        counter.add(0)
         path = snapshot / name
         if _digest(path, want.algorithm) == want.digest:
             continue
