@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -229,6 +230,24 @@ def test_a_copy_onto_a_directory_that_is_not_a_model_says_so_before_copying(tmp_
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert str(b.models_dir / "dense") in e.value.details() and "move it away" in e.value.details()
             assert a.bytes_served == 0
+
+    run(go())
+
+
+def test_a_full_disk_mid_copy_is_resource_exhausted_naming_the_node(tmp_path, monkeypatch):
+    from cluster.fleet import transfer
+
+    def full(out, digest, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2") as (a, b):
+            plain_model(a.models_dir, "dense", {"model.safetensors": MiB})
+            monkeypatch.setattr(transfer, "_append", full)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await fetch(b, "dense", a)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "mac-2" in e.value.details() and "No space left" in e.value.details()
 
     run(go())
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import hmac
 import logging
 import os
@@ -840,6 +841,10 @@ class NodeAgent:
                                  transfer.TokenBucket(self.config.copy_bandwidth), job.add)
             try:
                 path = await copy.run()
+            except OSError as e:  # this node's disk, not the peer: another peer would not help
+                raise FleetError(grpc.StatusCode.RESOURCE_EXHAUSTED if e.errno == errno.ENOSPC
+                                 else grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"node {self.node_id} cannot write {source}: {e}") from None
             finally:
                 self.transfer_totals[FROM_PEER].bytes += copy.received
         if hub.is_hub_source(source) and (lacking := await asyncio.to_thread(
