@@ -494,6 +494,26 @@ def test_several_files_stream_at_once_within_the_bandwidth_bound(tmp_path):
     run(go())
 
 
+def test_the_bandwidth_bound_holds_for_the_node_not_each_fetch(tmp_path):
+    """Two copies at once share --copy-bandwidth: the bound keeps serving from starving, which
+    a bucket per fetch would not."""
+    from cluster.fleet import transfer
+
+    rate, each = 2 * MiB, 3 * MiB
+
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2", **{"mac-2": {"copy_bandwidth": rate}}) as (a, b):
+            for name in ("one", "two"):
+                plain_model(a.models_dir, name, {"model.safetensors": each})
+            started = time.monotonic()
+            done = await asyncio.gather(fetch(b, "one", a), fetch(b, "two", a))
+            took = time.monotonic() - started
+            assert all(d.done for d in done)
+            assert took >= (2 * each - rate * transfer.BURST_S) / rate * 0.9, took  # no upper limit: a slow machine
+
+    run(go())
+
+
 def test_one_fetch_per_source_a_second_caller_follows_the_first(tmp_path):
     total = 4 * MiB
 

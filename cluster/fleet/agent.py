@@ -333,6 +333,7 @@ class NodeAgent:
         self.disk_used = 0  # the fetched models' bytes (the hub cache), at the last look
         self.bytes_served = 0  # model file bytes sent to peers
         self._room = asyncio.Lock()  # one fetch at a time makes room on disk
+        self._bandwidth = transfer.TokenBucket(config.copy_bandwidth)  # --copy-bandwidth: all copies together
         self._deleting: set[str] = set()  # hub repositories being deleted to make room: no worker starts on one
 
     def _default_node_id(self) -> str:
@@ -837,8 +838,7 @@ class NodeAgent:
             deleted = await self._make_room(job, peer.node_id, total, need, request.protect,
                                             isinstance(dest, transfer.HubDestination))
             self._report_now()
-            copy = transfer.Copy(stub, source, files, dest, self.config.copy_streams,
-                                 transfer.TokenBucket(self.config.copy_bandwidth), job.add)
+            copy = transfer.Copy(stub, source, files, dest, self.config.copy_streams, self._bandwidth, job.add)
             try:
                 path = await copy.run()
             except OSError as e:  # this node's disk, not the peer: another peer would not help

@@ -39,8 +39,8 @@ class NodeConfig:
         None, "the fetched models' bytes at most this, e.g. 500GiB: the least recently used ones not in use are "
               "deleted to make room (default: no limit but the disk's free space)", metavar="SIZE")
     copy_bandwidth: ByteSize = setting(
-        ByteSize(0), "copying a model from another Mac reads at most SIZE per second, so that serving is not "
-                     "starved (0: no limit)", metavar="SIZE")
+        ByteSize(0), "copies of models from other Macs read at most SIZE per second in all, so that serving is "
+                     "not starved (0: no limit)", metavar="SIZE")
     copy_streams: int = setting(4, "files copied from another Mac at once (default 4)", metavar="N")
     state_dir: str = setting(DEFAULT_STATE_DIR, "the agent's workers' logs and process ids, in a folder named "
                                                  "after the node id", metavar="DIR")
