@@ -447,6 +447,26 @@ def test_a_peer_that_dies_mid_copy_gives_way_to_the_next(tmp_path):
     run(go())
 
 
+def test_a_peer_that_stalls_mid_copy_gives_way_to_the_next(tmp_path, monkeypatch):
+    """A peer alive but sending nothing (its connection kept alive) is given up after
+    STALL_S; else the fetch, which outlives its callers, would hold the source for good."""
+    from cluster.fleet import transfer
+
+    monkeypatch.setattr(transfer, "STALL_S", 1.0)
+    total = 2 * MiB
+
+    async def go():
+        async with agents(tmp_path, "mac-1", "mac-2", "mac-3") as (a, b, c):
+            for holder in (a, b):
+                plain_model(holder.models_dir, "dense", {"model.safetensors": total})
+            stall_after(a, total // 2)
+            last = await asyncio.wait_for(fetch(c, "dense", a, b), 60)
+            assert last.done and getattr(last, "from") == "mac-2"
+            assert tree(c.models_dir / "dense") == tree(a.models_dir / "dense")
+
+    run(go())
+
+
 def test_several_files_stream_at_once_within_the_bandwidth_bound(tmp_path):
     rate, total = 2 * MiB, 6 * MiB
 

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
 HASH_BLOCK = 8 << 20  # a resumed partial file is hashed in blocks of this
 BURST_S = 0.5  # a token bucket holds this many seconds of its rate
+STALL_S = 60.0  # a peer that sends nothing of a file for this long is given up (it may be alive but stuck)
 _BLOB_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # a git sha1 or a sha256, as the hub's etags
 
 
@@ -293,9 +294,18 @@ class Copy:
     async def _receive(self, f: pb.ModelFile, partial: Path, offset: int, digest) -> None:
         """Append the file's bytes from `offset` to `partial`, hashing them into `digest`."""
         stream = self.stub.ReadModelFile(pb.ReadModelFileRequest(source=self.source, path=f.path, offset=offset))
+        chunks = aiter(stream)
         with open(partial, "ab") as out:
-            async for chunk in stream:
-                data = chunk.data
+            while True:
+                try:
+                    data = (await asyncio.wait_for(anext(chunks), STALL_S)).data
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    stream.cancel()
+                    raise FleetError(grpc.StatusCode.UNAVAILABLE, f"{self.source}: the peer sent nothing of {f.path} "
+                                                                  f"for {STALL_S:.0f} s (at {offset} of {f.size} "
+                                                                  "bytes)") from None
                 if offset + len(data) > f.size:
                     stream.cancel()
                     raise FleetError(grpc.StatusCode.DATA_LOSS, f"{self.source}: the peer sent more of {f.path} "
