@@ -859,6 +859,12 @@ def test_a_worker_is_not_started_on_a_model_being_deleted_to_make_room(tmp_path,
                     await b.start_worker(pb.WorkerSpec(worker_id="w-1", model="old", source="hf:acme/old"))
                 assert e.value.code == grpc.StatusCode.UNAVAILABLE and "hf:acme/old" in e.value.message
                 assert "being deleted" in e.value.message and not b.workers
+                for serve in (b.list_model_files(pb.ListModelFilesRequest(source="hf:acme/old")),
+                              anext(b.read_model_file(pb.ReadModelFileRequest(source="hf:acme/old",
+                                                                              path="config.json")))):
+                    with pytest.raises(FleetError) as e:  # nor is it served to a peer
+                        await serve
+                    assert e.value.code == grpc.StatusCode.NOT_FOUND and "being deleted" in e.value.message
             finally:
                 go_on.set()
             assert (await fetching).done

@@ -681,7 +681,14 @@ class NodeAgent:
                 return None
             raise
 
+    def _not_deleting(self, source: str) -> None:
+        """NOT_FOUND for a fetched model the disk budget is deleting: not one to serve a peer."""
+        if hub.is_hub_source(source) and hub.parse_source(source).repo in self._deleting:
+            raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source} is being deleted from node "
+                                                        f"{self.node_id}'s disk to make room for a fetch")
+
     def _held(self, source: str, layers: tuple[int, int] | None = None) -> Path:
+        self._not_deleting(source)
         root = self.model_root(self._source(source), layers)
         if root is None:
             raise FleetError(grpc.StatusCode.NOT_FOUND, f"model {source!r} is not on node {self.node_id}")
@@ -697,6 +704,7 @@ class NodeAgent:
         """The file's bytes from `request.offset`, in chunks; the path is checked before
         anything is looked up."""
         transfer.relative_path(request.path)
+        self._not_deleting(request.source)
         path = transfer.model_file(Path(find_model(self.models_dir, self._source(request.source), self.hub_cache)),
                                    request.path)
         size = path.stat().st_size
