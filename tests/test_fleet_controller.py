@@ -550,6 +550,12 @@ def test_a_model_bigger_than_any_node_is_served_by_a_group_the_controller_forms(
         assert [w.worker_id for w in pool] == [specs[0].worker_id]  # rank 0 is the worker the router sees
         described = r.controller.describe("big")
         assert described.state == "serving" and {p.node_id for p in described.placements} == {"mac-1", "mac-2"}
+        # a node's report a heartbeat behind: its rank still "loading" while the group serves
+        rank_1_node, rank_1 = r.nodes.started[1][0], specs[1].worker_id
+        r.nodes._worker(rank_1_node, rank_1).state = "loading"
+        described = r.controller.describe("big")
+        assert (described.state, described.status) == ("serving", "serving on mac-1 and mac-2"), described.status
+        r.nodes._worker(rank_1_node, rank_1).state = "running"
         await r.controller.unload("big")
         assert sorted(r.nodes.stopped) == sorted(s.worker_id for s in specs)
         await r.nodes.close()

@@ -1344,11 +1344,15 @@ class FleetController:
             entry.state, entry.status = "unloading", "unloading from " + _and(nodes)
         elif live and all(m.worker.state == "running" for m in live) and self.serving(model):
             entry.state, entry.status = "serving", "serving on " + _and(nodes)
-        elif self.serving(model) and any(m.worker.state == "running" for m in live):  # a replica being added
-            running = [m.node_id for m in live if m.worker.state == "running"]
+        elif self.serving(model) and any(m.worker.state == "running" for m in live):
+            # a replica being added, or a report a heartbeat behind the group that serves
+            replicas = placed.replicas().values()
+            whole = [r for r in replicas if all(m.worker.state == "running" for m in r)]
+            loading = [r for r in replicas if r not in whole]
             entry.state = "serving"
-            entry.status = (f"serving on {_and(running)}; a replica loading on "
-                            + _and([m.node_id for m in live if m.worker.state != "running"]))
+            entry.status = "serving on " + _and(sorted({m.node_id for r in (whole or loading) for m in r}))
+            if whole and loading:
+                entry.status += "; a replica loading on " + _and(sorted({m.node_id for r in loading for m in r}))
         elif model in self._fetching:
             self._describe_fetch(entry, self._fetching[model])
         elif live or self.loading(model):
