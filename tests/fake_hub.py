@@ -86,6 +86,7 @@ class FakeHub:
         self._cuts: dict[str, float] = {}
         self._rates: dict[str, float] = {}
         self.abandoned: set[str] = set()  # files whose client left mid-body (slow ones)
+        self.slow_bodies = self.most_slow_bodies = 0  # slow bodies being sent: now, and at most at once
         self._corrupt: dict[str, int] = {}
         self._lock = threading.Lock()
         self._connections: set = set()  # open keep-alive connections, closed with the hub
@@ -309,8 +310,20 @@ def _handler(hub: FakeHub, blobs: bool):
                 self.connection.shutdown(socket.SHUT_RDWR)
 
         def _slowly(self, name: str, chunk: bytes, rate: float, ranged: int | None) -> None:
+            with hub._lock:
+                hub.slow_bodies += 1
+                hub.most_slow_bodies = max(hub.most_slow_bodies, hub.slow_bodies)
+            try:
+                self._pieces(name, chunk, rate, ranged)
+            finally:
+                with hub._lock:
+                    hub.slow_bodies -= 1
+
+        def _pieces(self, name: str, chunk: bytes, rate: float, ranged: int | None) -> None:
             piece = 64 << 10
             for at in range(0, len(chunk), piece):
+                if at:
+                    time.sleep(piece / rate)
                 try:
                     self.wfile.write(chunk[at:at + piece])
                     self.wfile.flush()
@@ -319,7 +332,6 @@ def _handler(hub: FakeHub, blobs: bool):
                     self.close_connection = True
                     return
                 hub._count(name, len(chunk[at:at + piece]), ranged if at == 0 else None)
-                time.sleep(piece / rate)
 
         def _json(self, value) -> None:
             raw = json.dumps(value).encode()

@@ -247,6 +247,15 @@ def test_describe_from_the_hub_is_the_facts_of_the_downloaded_model(fake, tmp_pa
         shutil.rmtree(tmp_path / "cache")
 
 
+def test_describe_reads_the_shards_headers_at_once(fake, tmp_path):
+    """A model of many shards is described within an RPC's deadline: their headers are read
+    several at a time, not one after another."""
+    for shard in (f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)):
+        fake.slow(shard, 256 << 10)
+    assert hub.describe(f"hf:{REPO}", tmp_path / "cache", "cpu").num_layers == 4
+    assert fake.most_slow_bodies >= 2
+
+
 def test_describe_of_a_repository_that_is_no_model_says_why(fake, tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "README.md").write_text("not a model\n")

@@ -42,6 +42,7 @@ import re
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,7 @@ _REPO_PART = re.compile(r"(?![-.])(?!.*(?:--|\.\.))[A-Za-z0-9._-]{1,96}(?<![-.])
 _REVISION = re.compile(r"(?![-./])(?!.*(?:\.\.|//))[A-Za-z0-9._/-]{1,200}(?<![./])")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+HEADER_READS = 8  # safetensors headers `describe` reads at once
 _TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of a boolean variable
 # the byte bars huggingface_hub opens for a snapshot's files and for one file's download
 _BYTE_BARS = {"huggingface_hub.snapshot_download", "huggingface_hub.http_get"}
@@ -556,8 +558,10 @@ def describe(source: str | HubSource, cache: str | Path, platform: str) -> pb.Di
             weights = sorted(n for n in sizes if "/" not in n and fnmatch.fnmatch(n, facts.WEIGHT_FILES))
             if not weights:
                 raise facts.ModelFilesError(f"{src.repo}: no {facts.WEIGHT_FILES} file")
-            for name in weights:
-                header = api.parse_safetensors_file_metadata(src.repo, name, revision=info.sha)
+            with ThreadPoolExecutor(HEADER_READS) as pool:  # a large model has many shards: one RPC's deadline
+                headers = list(pool.map(lambda n: api.parse_safetensors_file_metadata(src.repo, n, revision=info.sha),
+                                        weights))
+            for name, header in zip(weights, headers):
                 tensors.update(facts.header_tensors(
                     {k: {"dtype": t.dtype, "shape": t.shape} for k, t in header.tensors.items()}, name))
             model_tasks = facts.tasks(local, config)
