@@ -123,3 +123,17 @@ def test_blocks_keep_the_models_order(server, client):
                                 messages=[{"role": "user", "content": "go"}]) as s:
         streamed = s.get_final_message()
     assert [b.type for b in streamed.content] == ["text", "tool_use", "text"]
+
+
+def test_usage_counts_a_prompts_cached_tokens_once():
+    """A prompt of 100 tokens, 64 of them read from the prefix cache: Anthropic's usage says
+    input 36 + cache read 64, which the real client's type reads back and which add up to the
+    prompt (input_tokens counted them twice before)."""
+    import anthropic.types
+
+    from cluster.api.messages import _usage
+    from cluster.proto.orchard.v1 import orchard_pb2 as pb
+
+    usage = anthropic.types.Usage(**_usage(pb.Usage(prompt_tokens=100, completion_tokens=7, cached_tokens=64)))
+    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.output_tokens) == (36, 64, 7)
+    assert usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == 100

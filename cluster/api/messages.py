@@ -229,7 +229,9 @@ def _tool_use(c: pb.ToolCall) -> dict:
 
 
 def _usage(u: pb.Usage) -> dict:
-    return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+    """Anthropic's usage: `input_tokens` are those not read from the cache (a prompt's tokens
+    are input + cache read + cache creation), as clients that price a request add them up."""
+    return {"input_tokens": max(0, u.prompt_tokens - u.cached_tokens), "output_tokens": u.completion_tokens,
             "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
 
 
