@@ -137,3 +137,19 @@ def test_usage_counts_a_prompts_cached_tokens_once():
     usage = anthropic.types.Usage(**_usage(pb.Usage(prompt_tokens=100, completion_tokens=7, cached_tokens=64)))
     assert (usage.input_tokens, usage.cache_read_input_tokens, usage.output_tokens) == (36, 64, 7)
     assert usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == 100
+
+
+def test_cache_control_breakpoints_are_accepted(server, client):
+    """Agents mark their long, stable prefix with `cache_control` (on system blocks, content
+    blocks and tools); the prefix cache reuses any shared prefix anyway, so the marks are taken
+    and the request served as without them."""
+    server.engine.reply = "Hello there."
+    mark = {"type": "ephemeral"}
+    m = client.messages.create(
+        model="tiny-qwen3", max_tokens=20,
+        system=[{"type": "text", "text": "Be brief.", "cache_control": mark}],
+        tools=[{**TOOL, "cache_control": mark}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Say hi", "cache_control": mark}]}])
+    assert m.content[0].text == "Hello there."
+    prompt = server.engine.prompts[-1]
+    assert "Be brief." in prompt and "Say hi" in prompt and "get_weather" in prompt
