@@ -544,8 +544,9 @@ def test_a_model_bigger_than_any_node_is_served_by_a_group_the_controller_forms(
         hosts = list(specs[0].group_hosts)
         assert len(hosts) == 2 and all(list(s.group_hosts) == hosts for s in specs)
         assert all(s.group_port == specs[0].group_port > 0 for s in specs)
-        shares = [int(x) for x in specs[0].group_shares.split(",")]
-        assert sum(shares) == 8 and all(s.group_shares == specs[0].group_shares for s in specs)
+        runs = [[int(x) for x in run.split("-")] for run in specs[0].group_shares.split(",")]
+        assert sum(last - first + 1 for first, last in runs) == 8 and all(
+            s.group_shares == specs[0].group_shares for s in specs)
         assert all(s.reserved_bytes <= 5 * 2**30 for s in specs)
         assert [w.worker_id for w in pool] == [specs[0].worker_id]  # rank 0 is the worker the router sees
         described = r.controller.describe("big")
@@ -1220,11 +1221,11 @@ def test_a_group_of_a_model_on_no_node_fetches_onto_each_rank_only_its_layers(tm
         assert sorted(specs) == [0, 1]
         layers = {node: (req.first_layer, req.last_layer) for node, req, _ in r.nodes.fetches}
         assert set(layers) == {"mac-1", "mac-2"}
-        shares = [int(x) for x in specs[0][1].group_shares.split(",")]
-        rank0 = layers[specs[0][0]]  # rank 0: the last layers, and a margin below them
-        rank1 = layers[specs[1][0]]
-        assert rank0[1] == 31 and 0 < rank0[0] <= 32 - shares[0]
-        assert rank1[0] == 0 and shares[1] - 1 <= rank1[1] < 31
+        # each rank fetches the layers the group is told to give it (--group-shares as layers): no more, no fewer
+        runs = [tuple(int(x) for x in run.split("-")) for run in specs[0][1].group_shares.split(",")]
+        assert all(spec.group_shares == specs[0][1].group_shares for _, spec in specs.values())
+        assert [layers[specs[r][0]] for r in (0, 1)] == runs
+        assert runs[0][1] == 31 and runs[1] == (0, runs[0][0] - 1)
         await r.nodes.close()
 
     run(main())

@@ -103,6 +103,34 @@ def test_the_split_follows_the_memory_each_rank_gives(tmp_path):
     assert split(lazy, GroupOptions(size=2, shares="1,1"), {0: 8 * GiB, 1: GiB // 64}) == ((4, 8), (0, 4))
 
 
+def test_the_split_is_the_layers_the_fleet_gave_each_rank(tmp_path):
+    """The fleet's controller fetches a rank's files for the layers it planned (each rank
+    only its shards): `--group-shares` as each rank's layers makes the group split exactly
+    there, not by its layers' sizes."""
+    from mlx_lm.utils import load_model
+
+    from cluster.modelgen import create_model
+    from cluster.worker.group.leader import split
+
+    lazy, _ = load_model(create_model(tmp_path / "deep", "llama", "tiny", seed=0, layers=8), lazy=True, strict=False)
+    assert split(lazy, GroupOptions(size=3, shares="7-7,1-6,0-0"), {0: GiB, 1: GiB, 2: GiB}) == ((7, 8), (1, 7), (0, 1))
+    with pytest.raises(ValueError, match="'5-6,0-4'.*the model has 8"):
+        split(lazy, GroupOptions(size=2, shares="5-6,0-4"), {0: GiB, 1: GiB})
+
+
+@pytest.mark.parametrize("shares, words", [
+    ("4-7,0-3,1", "either a share"),
+    ("4-7", "2 ranks"),
+    ("4-7,0-2", "follow"),
+    ("0-3,4-7", "from layer 0"),
+    ("4-7,1-3", "from layer 0"),
+])
+def test_group_shares_as_layers_that_do_not_tile_are_refused(shares, words):
+    with pytest.raises(ValueError, match=words) as e:
+        GroupOptions(size=2, shares=shares).validate()
+    assert shares in str(e.value)
+
+
 def test_a_rank_reports_its_capacity_from_its_own_kv_budget(tiny_model_dir):
     """A member sized its pool from its default budget whatever it was given; now its
     --kv-cache-memory-bytes, else a share of what its weights leave of the memory it

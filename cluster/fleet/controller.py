@@ -107,7 +107,6 @@ NODE_GRACE = 10.0
 MAX_SLUG_CHARS = 40  # of a model's name in its workers' ids (and so their file names)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 DISK_FULL_RETRY = 60.0  # a node whose disk budget refused a model's files is not fetched onto again this long
-FETCH_MARGIN_LAYERS = 2  # a group's rank fetches the files of at least this many layers beyond its own
 LIVE = ("starting", "loading", "running")  # ManagedWorker states of a worker that serves or will
 
 
@@ -819,8 +818,8 @@ class FleetController:
         size = len(plan.ranks)
         reports = {n.report.node_id: n.report for n in self.nodes.nodes()}
         disks = {rank.node_id: self._disk_for(entry, reports[rank.node_id]) for rank in plan.ranks}
-        await self._fetch_missing(entry, [(rank.node_id, *_fetch_layers(rank, disks[rank.node_id].num_layers))
-                                          for rank in plan.ranks])
+        # the group is told each rank's layers (`plan.shares`): a rank fetches their files only
+        await self._fetch_missing(entry, [(rank.node_id, rank.first_layer, rank.last_layer) for rank in plan.ranks])
         ports = [await self.nodes.reserve_ports(rank.node_id, 2 if r == 0 else 1) for r, rank in enumerate(plan.ranks)]
         hosts = [f"{_host(reports[rank.node_id])}:{ports[r][0]}" for r, rank in enumerate(plan.ranks)]
         group_id = _worker_id(entry.name, "group")
@@ -1446,14 +1445,6 @@ class FleetController:
 
 def _disk_model(report: pb.NodeReport, name: str) -> pb.DiskModel | None:
     return next((m for n in facts.model_names(name) for m in report.models if m.name == n and not m.error), None)
-
-
-def _fetch_layers(rank: placement.Rank, num_layers: int) -> tuple[int, int]:
-    """The layers whose files a group's rank fetches: its planned ones and a margin each
-    side, since the group splits by its layers' real sizes (embeddings, the head), which
-    may move a boundary by a few layers from the plan's."""
-    margin = max(FETCH_MARGIN_LAYERS, (rank.last_layer - rank.first_layer + 1) // 4)
-    return max(rank.first_layer - margin, 0), min(rank.last_layer + margin, max(num_layers - 1, 0))
 
 
 def _group_id(worker: pb.ManagedWorker) -> str:

@@ -180,9 +180,9 @@ class Group:
 
     @property
     def shares(self) -> str:
-        """`--group-shares` in rank order: each rank's layers, so the group splits as planned
-        up to the sizes of its real layers."""
-        return ",".join(str(r.last_layer - r.first_layer + 1) for r in self.ranks)
+        """`--group-shares` in rank order as each rank's layers (first-last): the group
+        splits exactly as planned, so a rank that fetched only its layers' files has them."""
+        return ",".join(f"{r.first_layer}-{r.last_layer}" for r in self.ranks)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,9 +41,10 @@ class GroupOptions:
                                    flag="--group-hostfile", metavar="FILE")
     port: int = setting(0, "rank 0's side-channel port (plans, heartbeats; authenticated with the join token; "
                            "0: its ring port + 1000)", flag="--group-port")
-    shares: str | None = setting(None, "pipeline: each rank's relative share of the layers, e.g. 1,2 (default: "
-                                       "in proportion to the memory each rank gives: --memory-budget, or its free "
-                                       "memory)", flag="--group-shares", metavar="W,W...")
+    shares: str | None = setting(None, "pipeline: each rank's relative share of the layers, e.g. 1,2, or each "
+                                       "rank's layers, first-last, e.g. 16-31,0-15 (rank 0 holds the last ones) "
+                                       "(default: in proportion to the memory each rank gives: --memory-budget, or "
+                                       "its free memory)", flag="--group-shares", metavar="W,W...")
     timeout: float = setting(20.0, "a member silent or a step unfinished this long means the group is lost: its "
                                    "processes exit so that the group is started again", flag="--group-timeout",
                              metavar="SECONDS")
@@ -81,7 +83,7 @@ class GroupOptions:
             raise ValueError(f"--group-inflight must be >= 0, not {self.inflight}")
         if self.check_every < 0:
             raise ValueError(f"--group-check must be >= 0 (0: never), not {self.check_every}")
-        if self.shares is not None:
+        if self.shares is not None and parse_layer_runs(self.shares, self.size) is None:
             parse_shares(self.shares, self.size)
 
 
@@ -91,6 +93,35 @@ def require_join_token(token: str) -> None:
     if not token:
         raise ValueError("a worker group needs a join token to authenticate its members: set $ORCHARD_JOIN_TOKEN "
                          "to the same secret on every rank (`orchard up` makes one for the groups it starts)")
+
+
+_RUN = re.compile(r"\s*(\d+)-(\d+)\s*")
+
+
+def parse_layer_runs(text: str, size: int, num_layers: int | None = None) -> list[range] | None:
+    """`--group-shares` given as each rank's layers, first-last in rank order ("16-31,0-15":
+    the fleet's controller plans a group so, and fetches each rank's files for exactly
+    those layers): per rank, its layers; None when it gives relative shares (numbers).
+    ValueError: runs that do not tile the layers from 0 on the last rank up to rank 0's
+    last (`num_layers`, when given)."""
+    runs = [_RUN.fullmatch(item) for item in text.split(",")]
+    if not any(runs):
+        return None
+    if not all(runs):
+        raise ValueError(f"--group-shares {text!r}: give either a share per rank (1,2) or each rank's layers "
+                         "(16-31,0-15), not both")
+    if len(runs) != size:
+        raise ValueError(f"--group-shares {text!r} gives the layers of {len(runs)} ranks, not of its {size} ranks")
+    out = [range(int(m[1]), int(m[2]) + 1) for m in runs]
+    stages = out[::-1]  # stages run in reverse rank order: the last rank's layers come first
+    if stages[0].start != 0:
+        raise ValueError(f"--group-shares {text!r}: the last rank's layers must start from layer 0")
+    if any(not r for r in out) or any(a.stop != b.start for a, b in zip(stages, stages[1:])):
+        raise ValueError(f"--group-shares {text!r}: each rank's layers must follow the next rank's, none empty")
+    if num_layers is not None and out[0].stop != num_layers:
+        raise ValueError(f"--group-shares {text!r} gives layers 0-{out[0].stop - 1}, but the model has "
+                         f"{num_layers} layers")
+    return out
 
 
 def parse_shares(text: str, size: int) -> list[float]:

@@ -36,7 +36,8 @@ from cluster.worker.group.channel import (
     StepFailed,
     Watchdog,
 )
-from cluster.worker.group.config import GroupOptions, Topology, parse_shares, require_join_token, topology
+from cluster.worker.group.config import (GroupOptions, Topology, parse_layer_runs, parse_shares, require_join_token,
+                                        topology)
 from cluster.worker.group.deadline import exit_after
 from cluster.worker.group.memory import LeastKV, check_fit, draft_footprint, join_info, rank_parts
 from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
@@ -526,10 +527,14 @@ def _member_stats(leader: Leader, assignment: Assignment, memory: dict[int, int]
 
 def split(model, options: GroupOptions, memory: dict[int, int]) -> tuple[tuple[int, int], ...]:
     """Pipeline: each rank's layers [start, stop), in proportion to the memory it gives (or
-    to `--group-shares`); tensor: none (every rank holds a slice of every layer)."""
+    to `--group-shares`; or as `--group-shares` gives them, layer by layer); tensor: none
+    (every rank holds a slice of every layer)."""
     if options.parallel != "pipeline":
         return ()
     size = options.size
+    runs = parse_layer_runs(options.shares, size, len(model.layers)) if options.shares else None
+    if runs is not None:  # the fleet's plan: each rank fetched the files of these layers only
+        return tuple((run.start, run.stop) for run in runs)
     shares = parse_shares(options.shares, size) if options.shares else [memory[r] or 1 for r in range(size)]
     layer_bytes, embed_bytes, head_bytes = part_bytes(model)
     by_stage = split_layers(layer_bytes, [shares[size - 1 - s] for s in range(size)], embed_bytes, head_bytes)
