@@ -510,6 +510,24 @@ def test_a_stream_that_goes_silent_resumes_elsewhere(heartbeats):
     run(main())
 
 
+def test_a_stream_whose_worker_leaves_the_pool_under_it_resumes_elsewhere():
+    """A worker removed from the registry mid-stream (its node lost, a replica removed):
+    its channel closes and gRPC cancels the call locally, which is no client leaving: the
+    stream resumes on the other worker, token-exact (it ended with a CancelledError)."""
+    async def main():
+        async with Cluster(stream_idle_timeout=60) as c:
+            victim = asyncio.create_task(_victim_first(c, "hang_after_tokens", 3))
+            streaming = asyncio.ensure_future(c.generate("hello there", max_tokens=10))
+            v = await asyncio.wait_for(victim, 10)
+            c.router.registry.remove(f"w{v}")
+            chunks = await asyncio.wait_for(streaming, 20)
+            assert tokens(chunks) == expected_tokens("hello there", 10)
+            assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert {ch.worker_id for ch in chunks[3:]} == {f"w{1 - v}"}
+
+    run(main())
+
+
 def test_a_silent_worker_has_its_streams_resumed_even_before_their_first_token():
     """A Mac asleep: no heartbeat, and its open streams quiet (no token yet, so no idle
     timeout applies): once it has missed its heartbeats they resume elsewhere, long before

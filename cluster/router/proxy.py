@@ -547,9 +547,12 @@ class RouterBackend:
         (`tries.failure` says why). `fresh`: the attempt sent no token, so a worker that went
         away under it counts toward poison (a stream's; a one-answer request's never does)."""
         if isinstance(e, asyncio.CancelledError):
-            if attempt.abandoned is None or _cancelling():
+            if _cancelling():  # the client left, or the router stops
                 return m.CANCELLED, e
-            tries.failure = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, attempt.abandoned)
+            # not this task's: the router abandoned the call, or closed its channel (the
+            # worker left the pool: its node lost, its replica removed) and gRPC cancelled it
+            tries.failure = _WorkerFailed(grpc.StatusCode.UNAVAILABLE, attempt.abandoned
+                                          or f"worker {worker.worker_id} left the pool under the request")
             return (m.CANCELLED if attempt.moved else m.FAILED), None
         if isinstance(e, _WorkerFailed):
             tries.failure = e
