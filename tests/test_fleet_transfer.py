@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.fleet import FleetError, disk
+from cluster.fleet import FleetError, disk, transfer
 from cluster.net import CHANNEL_OPTIONS
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
@@ -915,6 +915,25 @@ def test_two_fetches_at_once_make_room_for_each_other(tmp_path):
             assert b.report().disk_used_bytes <= 3 * size
 
     run(go())
+
+
+def test_a_fetch_under_way_counts_once_whatever_it_has_written_and_told():
+    """The disk budget's reckoning of another fetch under way: the bytes it will hold once
+    done, less those on disk now, however many of them it has counted yet (a chunk written and
+    not yet told was counted twice: one model too many deleted at the budget's edge)."""
+    from cluster.fleet.agent import _still_to_write
+
+    hub_fetch = transfer.Fetch("hf:acme/x")
+    hub_fetch.begin("mac-1", 100)
+    hub_fetch.repo, hub_fetch.disk_bytes_when_done = "acme/x", 130  # 30 were there before it began
+    hub_fetch.add(20)  # told of 20, while 50 are written
+    repos = [disk.CachedRepo("acme/x", Path("x"), 30 + 50, 1.0), disk.CachedRepo("acme/y", Path("y"), 500, 2.0)]
+    assert _still_to_write([hub_fetch], repos) == 50
+    assert _still_to_write([hub_fetch], []) == 130  # its folder not made yet
+    plain = transfer.Fetch("dense")  # a plain copy: not in the hub cache's scan
+    plain.begin("mac-1", 100)
+    plain.add(40)
+    assert _still_to_write([hub_fetch, plain], repos) == 50 + 60
 
 
 def test_evictions_go_least_recently_used_first_and_only_as_far_as_needed():

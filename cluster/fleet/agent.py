@@ -809,10 +809,13 @@ class NodeAgent:
                 free = shutil.disk_usage(self.hub_cache if self.hub_cache.is_dir() else self.models_dir).free
             except OSError:
                 free = 0
-            pending = sum(max(0, f.bytes_total - f.bytes_done) for f in self.fetches.values() if f is not job)
+            pending = _still_to_write([f for f in self.fetches.values() if f is not job], repos)
             budget = (self.config.disk_budget or 0) if fetched else 0
             doomed = disk.evictions(repos, need + pending, budget, free, self._keep(job.source, protect),
                                     f"{job.source} on node {self.node_id}")
+            if fetched and hub.is_hub_source(job.source):
+                job.repo = hub.parse_source(job.source).repo
+                job.disk_bytes_when_done = next((r.bytes for r in repos if r.repo == job.repo), 0) + need
             self._deleting.update(repo.repo for repo in doomed)
             try:
                 for repo in doomed:
@@ -928,6 +931,16 @@ class NodeAgent:
         log.info("pulled %s from the hub in %.1f s", source, time.monotonic() - started)
         return pb.FetchProgress(**{"from": FROM_HUB}, bytes_done=job.bytes_done, bytes_total=job.bytes_total,
                                 done=True, path=str(path), deleted=deleted)
+
+
+def _still_to_write(fetches: list[transfer.Fetch], repos: list[disk.CachedRepo]) -> int:
+    """The bytes the fetches under way have yet to put on disk. A fetch into the hub cache
+    will hold what it was given room for, less what the scan `repos` already finds there (a
+    chunk written and not yet counted is neither missed nor counted twice); any other, its
+    bytes not yet received."""
+    on_disk = {r.repo: r.bytes for r in repos}
+    return sum(max(0, f.disk_bytes_when_done - on_disk.get(f.repo, 0)) if f.repo
+               else max(0, f.bytes_total - f.bytes_done) for f in fetches)
 
 
 def _layers(request) -> tuple[int, int] | None:

@@ -351,6 +351,10 @@ class Fetch:
         self.result: pb.FetchProgress | None = None
         self.error: FleetError | None = None
         self.task: asyncio.Task | None = None
+        # A fetch into the hub cache: its repository, and the bytes that will be on disk for it
+        # once it is done (what the disk budget reckons with while it runs).
+        self.repo = ""
+        self.disk_bytes_when_done = 0
         self._ended = asyncio.Event()
 
     def begin(self, origin: str, bytes_total: int) -> None:
