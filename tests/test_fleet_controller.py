@@ -1795,6 +1795,40 @@ def test_a_replica_whose_files_are_copied_shows_the_copy_beside_the_serving_one(
     run(main())
 
 
+def test_a_model_lost_while_its_replica_is_being_added_waits_for_that_replica_not_a_second_one(tmp_path):
+    """Its only serving replica's node lost while another replica's files are copied: the
+    load that places it again waits for the replica being added (one placement of a model
+    at a time in this router: they shared its bookkeeping), and nothing is started twice."""
+    async def main():
+        r = hub_fleet(tmp_path, budgets=(5.0, 5.0, 5.0), scale_up_wait=2.0, scale_window=30.0, scale_down_idle=120.0)
+        r.add("chat", source="hf:org/chat", keep_alive_seconds=-1, max_replicas=2,
+              engine_args=["--max-num-seqs", "4"], replace=True)
+        await r.controller.load("chat")
+        first = r.nodes.started[0][0]
+        r.nodes.fetch_gate = asyncio.Event()
+        for _ in range(40):
+            if len(r.nodes.fetches) > 1:
+                break
+            for _ in range(3):
+                r.controller.request_waited("chat", 5.0)
+            r.clock.now += 1
+            r.controller.scale()
+            await asyncio.sleep(0.01)
+        await wait_for(lambda: len(r.nodes.fetches) > 1, "the replica's copy")
+        lose(r, first)
+        assert r.controller.replace_lost() == ["chat"]
+        await wait_for(lambda: r.controller.loading("chat"), "the load placing it again")
+        await asyncio.sleep(0.2)  # a second placement would be fetching by now
+        assert len(r.nodes.fetches) == 2
+        r.nodes.fetch_gate.set()
+        await wait_for(lambda: r.controller.serving("chat") and not r.controller.loading("chat"), "it served again")
+        assert r.controller.load_error("chat") is None
+        assert len(r.nodes.started) == 2 and r.nodes.started[1][0] == r.nodes.fetches[1][0]
+        await r.nodes.close()
+
+    run(main())
+
+
 def test_a_group_formed_again_waits_for_its_rank_left_to_stop_and_evicts_nothing(tmp_path):
     """A group whose node is lost is formed again once its rank left has stopped: that rank's
     room is the group's to take, so no idle model elsewhere is unloaded for it, and no other

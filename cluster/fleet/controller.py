@@ -453,6 +453,10 @@ class FleetController:
             if replacing is not None and not replacing.done():  # its broken group's ranks stop first: their room
                 await asyncio.shield(replacing)                 # is the new placement's
                 continue
+            scaling = self._scaling.get(model)
+            if scaling is not None and not scaling.done():  # a replica being added is placed under this router's
+                await asyncio.gather(asyncio.shield(scaling), return_exceptions=True)  # claim too: it may serve
+                continue
             if not (self._reachable_members(model) or self._awaited_nodes(model)) \
                     and await self._write(self.catalog.claim, model, self.router_id, CLAIM_TTL):
                 break
