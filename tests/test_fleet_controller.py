@@ -1829,6 +1829,27 @@ def test_a_model_lost_while_its_replica_is_being_added_waits_for_that_replica_no
     run(main())
 
 
+def test_the_run_loop_stopped_ends_its_loads_before_it_returns(tmp_path):
+    """A load under way when the router stops is cancelled and has ended (its workers
+    stopped, its claim released) when `run` returns: nothing of it runs on after the router
+    closes its nodes and its loop."""
+    async def main():
+        r = hub_fleet(tmp_path)
+        r.nodes.fetch_gate = asyncio.Event()
+        stop = asyncio.Event()
+        running = asyncio.ensure_future(r.controller.run(stop))
+        r.controller.ensure_loaded("chat")
+        await wait_for(lambda: r.nodes.fetches, "the fetch")
+        loading = r.controller._loads["chat"]
+        stop.set()
+        await asyncio.wait_for(running, 30)
+        assert loading.done()
+        assert r.catalog.claim_of("chat") is None
+        await r.nodes.close()
+
+    run(main())
+
+
 def test_a_group_formed_again_waits_for_its_rank_left_to_stop_and_evicts_nothing(tmp_path):
     """A group whose node is lost is formed again once its rank left has stopped: that rank's
     room is the group's to take, so no idle model elsewhere is unloaded for it, and no other

@@ -101,6 +101,7 @@ MAX_LOAD_RESTARTS = 3
 DRAIN_TIMEOUT = 120.0
 STOP_GRACE = 60.0  # ... and then to stop (SIGTERM, SIGKILL after a grace)
 QUIET_DRAIN = 1.0  # the drain of a worker a failed load started: it has no requests
+STOP_CLEANUP = 10.0  # how long the router's stop waits for its cancelled loads' cleanups
 # A placement the catalog records on a node not heard from since this router started is
 # waited for this long (the node's first report after a router restart) before it is forgotten.
 NODE_GRACE = 10.0
@@ -1320,9 +1321,14 @@ class FleetController:
                 await asyncio.wait_for(stop.wait(), TICK)
             except asyncio.TimeoutError:
                 pass
-        for task in [*self._loads.values(), *self._unloads.values(), *self._replacing.values(),
-                     *self._scaling.values()]:
+        tasks = [t for t in (*self._loads.values(), *self._unloads.values(), *self._replacing.values(),
+                             *self._scaling.values()) if not t.done()]
+        for task in tasks:
             task.cancel()
+        # their cleanups (workers a load started stopped, claims released) end before the
+        # router closes its nodes, bounded: a node that does not answer is not waited for
+        if tasks or self._writes:
+            await asyncio.wait([*tasks, *self._writes], timeout=STOP_CLEANUP)
 
     # -- what the catalog shows -------------------------------------------------------------------
     def describe(self, model: str) -> pb.CatalogModel:
