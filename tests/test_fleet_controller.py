@@ -581,6 +581,25 @@ def test_fleet_metrics(tmp_path):
     run(main())
 
 
+def test_a_worker_that_ended_elsewhere_leaves_no_footprint_estimate_behind(tmp_path):
+    """A worker this router started that ended without it (another router unloaded the
+    model, the worker exited) is forgotten with its node's report: the estimates kept per
+    worker do not grow with every load over the router's life."""
+    async def main():
+        a = fleet(tmp_path, router_id="router-a")
+        b = Router(tmp_path, router_id="router-b", nodes=a.nodes, clock=a.clock)
+        for _ in range(3):
+            await a.controller.load("small")
+            a.controller.reconcile()
+            b.controller.reconcile()
+            await b.controller.unload("small")
+            a.controller.reconcile()
+        assert len(a.nodes.started) == 3 and a.controller._estimates == {}
+        await a.nodes.close()
+
+    run(main())
+
+
 def test_router_serve_refuses_bad_fleet_flags_in_one_line(tmp_path, capsys):
     from cluster.router.config import RouterConfig
     from cluster.router.server import run as serve

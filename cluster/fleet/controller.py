@@ -1305,6 +1305,7 @@ class FleetController:
         live = {w.worker_id for info in self.nodes.nodes() for w in info.report.workers if w.state != "exited"}
         for worker_id in self._reported - live:
             self.registry.remove(worker_id)
+            self._estimates.pop(worker_id, None)  # this router's, ended without it (another router stopped it)
         self._reported = live
 
     async def run(self, stop: asyncio.Event) -> None:
