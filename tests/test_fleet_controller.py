@@ -1848,6 +1848,34 @@ def test_a_model_lost_while_its_replica_is_being_added_waits_for_that_replica_no
     run(main())
 
 
+def test_an_operators_unload_during_a_replicas_fetch_leaves_no_replica_behind(tmp_path):
+    """`orchard models unload` while another replica's files are on their way: the replica
+    being added is given up with the rest (it started after the unload, and ran on)."""
+    async def main():
+        r = hub_fleet(tmp_path, scale_up_wait=2.0, scale_window=30.0, scale_down_idle=120.0)
+        r.add("chat", source="hf:org/chat", keep_alive_seconds=-1, max_replicas=2,
+              engine_args=["--max-num-seqs", "4"], replace=True)
+        await r.controller.load("chat")
+        r.nodes.fetch_gate = asyncio.Event()
+        for _ in range(40):
+            if len(r.nodes.fetches) > 1:
+                break
+            for _ in range(3):
+                r.controller.request_waited("chat", 5.0)
+            r.clock.now += 1
+            r.controller.scale()
+            await asyncio.sleep(0.01)
+        await wait_for(lambda: len(r.nodes.fetches) > 1, "the replica's copy")
+        await asyncio.wait_for(r.controller.unload("chat"), 30)
+        r.nodes.fetch_gate.set()
+        await wait_for(lambda: not r.controller.scaling("chat"), "the replica's end")
+        assert not [m for p in r.controller.placed().values() for m in p.members if m.live]
+        assert r.controller.describe("chat").state == "on disk"
+        await r.nodes.close()
+
+    run(main())
+
+
 def test_the_run_loop_stopped_ends_its_loads_before_it_returns(tmp_path):
     """A load under way when the router stops is cancelled and has ended (its workers
     stopped, its claim released) when `run` returns: nothing of it runs on after the router

@@ -347,6 +347,10 @@ class FleetController:
         task = self._loads.get(model)
         if task is not None and not task.done():
             await asyncio.shield(task)
+        scaling = self._scaling.get(model)
+        if scaling is not None and not scaling.done():  # a replica being added would start after the unload
+            scaling.cancel()
+            await asyncio.gather(scaling, return_exceptions=True)
         self._start_unload(model, reason, asked=True)
         await asyncio.shield(self._unloads[model])
         return self.describe(model)
