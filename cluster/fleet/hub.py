@@ -55,7 +55,6 @@ from cluster.config import setting
 from cluster.fleet import FleetError, facts
 from cluster.fleet.node_config import DEFAULT_MODELS_DIR
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
-from cluster.worker.group.split import stage_weight_files
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +195,9 @@ def _selected(names: list[str], index: dict, num_layers: int, layers: tuple[int,
     weight_map = index.get("weight_map")
     if layers is None or not isinstance(weight_map, dict):
         return sorted(names)
+    # the group loader's own rule (pure, no MLX), imported here: a router never needs it
+    from cluster.worker.group.split import stage_weight_files
+
     first, last = layers
     keep = set(stage_weight_files(weight_map, range(first, last + 1), embeds=first == 0,
                                   heads=num_layers == 0 or last >= num_layers - 1))
