@@ -24,6 +24,7 @@ from cluster.proto.orchard.v1 import orchard_pb2 as pb  # noqa: E402
 from cluster.ray_launcher import NAMESPACE, RaySpec, _LoopThread  # noqa: E402
 from cluster.router.registry import HEALTHY  # noqa: E402
 from cluster.up import free_port  # noqa: E402
+from conftest import wait_for  # noqa: E402
 
 GiB = 1 << 30
 RAY_MEMORY = 6 * GiB  # the node's Ray `memory` resource here
@@ -178,13 +179,8 @@ async def _start_router():
 
 
 def _until(what: str, check, timeout: float = 240.0, every: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    pytest.fail(f"not within {timeout:g} s: {what}")
+    """conftest's wait_for, with this file's generous default for Ray's starts."""
+    return wait_for(check, timeout, what, every)
 
 
 def _pid(handle):
