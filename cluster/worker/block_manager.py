@@ -14,6 +14,10 @@ Pure Python (no MLX): the model runner owns the actual K/V pool, indexed by bloc
   cached copy, and the hash stays cached while any copy is. A sequence frees its last
   block first, so its own copy of a parent outlives its children in the free queue, and
   a cached block's parent is always cached (evicting one copy never orphans a child).
+- Hashes are `cluster.kv.hashing`'s (16 bytes, stable across processes): the disk tier
+  and the router's KV map name blocks by them. `listener` (if set) hears each hash that
+  enters the cache (its first copy) and each that leaves it (its last copy evicted): the
+  memory tier's KV events.
 - Invariant (`check_integrity`): every block is either free or used, never both; ref
   counts equal the number of block tables that hold the block.
 """
@@ -24,21 +28,29 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
+from cluster.kv.hashing import hash_block
+
 
 class _Seq(Protocol):
     token_ids: list[int]
     num_computed_tokens: int
     block_table: list[int]
-    block_hashes: list[int]
+    block_hashes: list[bytes]
+
+
+class CacheListener(Protocol):
+    def stored(self, hashes: list[bytes]) -> None: ...  # hashes now cached (first copy)
+
+    def removed(self, hashes: list[bytes]) -> None: ...  # hashes no longer cached (last copy evicted)
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
-    parent_hash: int | None = None  # the previous block's hash (None for a first block)
+    parent_hash: bytes | None = None  # the previous block's hash (None for a first block)
 
 
 class BlockManager:
@@ -50,7 +62,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, dict[int, None]] = {}  # block hash -> the ids of its copies (ordered set)
+        self.cached: dict[bytes, dict[int, None]] = {}  # block hash -> the ids of its copies (ordered set)
+        self.listener: CacheListener | None = None
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # tokens found there
 
@@ -71,8 +84,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache -----------------------------------------------------------------
-    def hash_block(self, parent: int | None, tokens: Iterable[int]) -> int:
-        return hash((parent, tuple(tokens)))
+    def hash_block(self, parent: bytes | None, tokens: Iterable[int]) -> bytes:
+        return hash_block(parent, tokens)
 
     def _extend_hashes(self, seq: _Seq, upto_tokens: int) -> None:
         """Hash the sequence's full blocks within its first `upto_tokens` tokens."""
@@ -166,6 +179,8 @@ class BlockManager:
             del copies[bid]
             if not copies:
                 del self.cached[block.hash]
+                if self.listener is not None:
+                    self.listener.removed([block.hash])
             block.hash = None
             block.token_ids = None
             block.parent_hash = None
@@ -212,6 +227,7 @@ class BlockManager:
             return
         self._extend_hashes(seq, seq.num_computed_tokens)
         bs = self.block_size
+        stored = []
         for i, h in enumerate(seq.block_hashes[: seq.num_computed_tokens // bs]):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
@@ -223,10 +239,14 @@ class BlockManager:
                 twin = self.blocks[next(iter(copies))]
                 if twin.token_ids != tokens or twin.parent_hash != parent:
                     break  # a hash collision: cache nothing after it (a cached block's parent is cached)
+            if not copies:
+                stored.append(h)
             block.hash = h
             block.token_ids = tokens
             block.parent_hash = parent
             copies[block.block_id] = None  # another copy of the same prefix, if there was one
+        if stored and self.listener is not None:
+            self.listener.stored(stored)
 
     # -- checks -----------------------------------------------------------------------
     def check_integrity(self, seqs: Iterable[_Seq] | None = None) -> None:

@@ -47,7 +47,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission, for usage reports
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (kv/hashing.py)
     state_slot: int = -1  # a hybrid model's recurrent-state slot while running (state_slots.py)
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0

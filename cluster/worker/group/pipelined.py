@@ -50,7 +50,7 @@ class _Probe:
     def __init__(self, token_ids: list[int]):
         self.token_ids = token_ids
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
 
 
 class _Shifted:

@@ -15,6 +15,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
 
+class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KvTier]
+    KV_TIER_MEMORY: _ClassVar[KvTier]
+    KV_TIER_DISK: _ClassVar[KvTier]
+
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
@@ -27,6 +33,9 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
+KV_TIER_UNSPECIFIED: KvTier
+KV_TIER_MEMORY: KvTier
+KV_TIER_DISK: KvTier
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_HEALTHY: WorkerState
 WORKER_STATE_UNHEALTHY: WorkerState
@@ -203,16 +212,18 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens", "cached_tokens_disk")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_DISK_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     reasoning_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens_disk: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "worker_id", "tool_calls", "reasoning", "index", "prompt_logprobs", "prompt_text", "prompt_token_ids")
@@ -341,11 +352,103 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
+    __slots__ = ("kv_ack",)
+    KV_ACK_FIELD_NUMBER: _ClassVar[int]
+    kv_ack: KvAck
+    def __init__(self, kv_ack: _Optional[_Union[KvAck, _Mapping]] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class TokenizerFiles(_message.Message):
+    __slots__ = ("digest", "files")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    files: _containers.RepeatedCompositeFieldContainer[TokenizerFile]
+    def __init__(self, digest: _Optional[str] = ..., files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ...) -> None: ...
+
+class TokenizerFile(_message.Message):
+    __slots__ = ("name", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class KvBlocks(_message.Message):
+    __slots__ = ("hashes",)
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    hashes: bytes
+    def __init__(self, hashes: _Optional[bytes] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("seq", "tier", "stored", "removed", "cleared")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    tier: KvTier
+    stored: KvBlocks
+    removed: KvBlocks
+    cleared: bool
+    def __init__(self, seq: _Optional[int] = ..., tier: _Optional[_Union[KvTier, str]] = ..., stored: _Optional[_Union[KvBlocks, _Mapping]] = ..., removed: _Optional[_Union[KvBlocks, _Mapping]] = ..., cleared: _Optional[bool] = ...) -> None: ...
+
+class KvSnapshot(_message.Message):
+    __slots__ = ("seq", "memory_hashes", "disk_hashes", "part", "parts")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DISK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    memory_hashes: bytes
+    disk_hashes: bytes
+    part: int
+    parts: int
+    def __init__(self, seq: _Optional[int] = ..., memory_hashes: _Optional[bytes] = ..., disk_hashes: _Optional[bytes] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("epoch", "block_size", "events", "snapshot")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    block_size: int
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    snapshot: KvSnapshot
+    def __init__(self, epoch: _Optional[str] = ..., block_size: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ...) -> None: ...
+
+class KvAck(_message.Message):
+    __slots__ = ("epoch", "seq", "resync")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    resync: bool
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., resync: _Optional[bool] = ...) -> None: ...
+
+class KvDiskInfo(_message.Message):
+    __slots__ = ("enabled", "reason", "used_bytes", "budget_bytes", "read_tokens_per_second")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    reason: str
+    used_bytes: int
+    budget_bytes: int
+    read_tokens_per_second: float
+    def __init__(self, enabled: _Optional[bool] = ..., reason: _Optional[str] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., read_tokens_per_second: _Optional[float] = ...) -> None: ...
+
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "model", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs", "block_size", "max_model_len", "draining", "stalled", "state_slots_used", "state_slots_total", "tasks", "group", "features", "unhealthy_reason", "lagging", "resident_bytes")
+    __slots__ = ("worker_id", "model", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "max_num_seqs", "block_size", "max_model_len", "draining", "stalled", "state_slots_used", "state_slots_total", "tasks", "group", "features", "unhealthy_reason", "lagging", "resident_bytes", "kv", "kv_disk", "prefill_tokens_per_second", "queued_prefill_tokens", "tokenizer_digest")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +468,11 @@ class LoadReport(_message.Message):
     UNHEALTHY_REASON_FIELD_NUMBER: _ClassVar[int]
     LAGGING_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     num_running: int
@@ -384,7 +492,12 @@ class LoadReport(_message.Message):
     unhealthy_reason: str
     lagging: bool
     resident_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., stalled: _Optional[bool] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., group: _Optional[_Union[GroupInfo, _Mapping]] = ..., features: _Optional[_Iterable[str]] = ..., unhealthy_reason: _Optional[str] = ..., lagging: _Optional[bool] = ..., resident_bytes: _Optional[int] = ...) -> None: ...
+    kv: KvEventBatch
+    kv_disk: KvDiskInfo
+    prefill_tokens_per_second: float
+    queued_prefill_tokens: int
+    tokenizer_digest: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., stalled: _Optional[bool] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ..., group: _Optional[_Union[GroupInfo, _Mapping]] = ..., features: _Optional[_Iterable[str]] = ..., unhealthy_reason: _Optional[str] = ..., lagging: _Optional[bool] = ..., resident_bytes: _Optional[int] = ..., kv: _Optional[_Union[KvEventBatch, _Mapping]] = ..., kv_disk: _Optional[_Union[KvDiskInfo, _Mapping]] = ..., prefill_tokens_per_second: _Optional[float] = ..., queued_prefill_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
     __slots__ = ("size", "parallel", "members")
@@ -463,10 +576,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., join_token: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "kv_ack")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    KV_ACK_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    kv_ack: KvAck
+    def __init__(self, known: _Optional[bool] = ..., kv_ack: _Optional[_Union[KvAck, _Mapping]] = ...) -> None: ...
 
 class AddWorkerRequest(_message.Message):
     __slots__ = ("address",)

@@ -262,6 +262,11 @@ class WorkerAdminStub:
                 request_serializer=orchard_dot_v1_dot_orchard__pb2.DrainRequest.SerializeToString,
                 response_deserializer=orchard_dot_v1_dot_orchard__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/orchard.v1.WorkerAdmin/GetTokenizer',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.TokenizerFiles.FromString,
+                _registered_method=True)
 
 
 class WorkerAdminServicer:
@@ -283,6 +288,14 @@ class WorkerAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The model's tokenizer files (tokenizer.save_pretrained's), so a router hashes a prompt's
+        token blocks exactly as the worker does (KV events name blocks by those hashes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -295,6 +308,11 @@ def add_WorkerAdminServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=orchard_dot_v1_dot_orchard__pb2.DrainRequest.FromString,
                     response_serializer=orchard_dot_v1_dot_orchard__pb2.DrainResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.TokenizerFiles.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +372,33 @@ class WorkerAdmin:
             '/orchard.v1.WorkerAdmin/Drain',
             orchard_dot_v1_dot_orchard__pb2.DrainRequest.SerializeToString,
             orchard_dot_v1_dot_orchard__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.WorkerAdmin/GetTokenizer',
+            orchard_dot_v1_dot_orchard__pb2.GetTokenizerRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.TokenizerFiles.FromString,
             options,
             channel_credentials,
             insecure,
