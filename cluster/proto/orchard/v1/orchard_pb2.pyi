@@ -424,14 +424,16 @@ class KvEventBatch(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., block_size: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ...) -> None: ...
 
 class KvAck(_message.Message):
-    __slots__ = ("epoch", "seq", "resync")
+    __slots__ = ("epoch", "seq", "resync", "next_part")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PART_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     seq: int
     resync: bool
-    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., resync: _Optional[bool] = ...) -> None: ...
+    next_part: int
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., resync: _Optional[bool] = ..., next_part: _Optional[int] = ...) -> None: ...
 
 class KvDiskInfo(_message.Message):
     __slots__ = ("enabled", "reason", "used_bytes", "budget_bytes", "read_tokens_per_second")
