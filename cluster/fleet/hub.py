@@ -372,12 +372,12 @@ def _verify(src: HubSource, snapshot: Path, expected: dict[str, _Expected],
     for name, want in sorted(expected.items()):
         counter.add(0)
         path = snapshot / name
-        if _digest(path, want.algorithm) == want.digest:
+        if digest(path, want.algorithm) == want.digest:
             continue
         log.warning("%s: %s does not match the hub's %s: fetching it again", src, name, want.algorithm)
         counter.add(-_forget(path))
         fetch_again(name, counter.bar_class())
-        got = _digest(path, want.algorithm)
+        got = digest(path, want.algorithm)
         if got != want.digest:
             _forget(path)
             raise FleetError(grpc.StatusCode.DATA_LOSS,
@@ -398,16 +398,20 @@ def _forget(path: Path) -> int:
     return size
 
 
+def _sha256(path: Path) -> str:
+    return digest(path, "sha256")
+
+
 def git_sha1(path: Path) -> str:
     """The file's git blob sha1: the hub's etag of a file not in LFS."""
-    return _digest(path, "git-sha1")
+    return digest(path, "git-sha1")
 
 
 _hashes: dict[tuple[str, str, int, int], str] = {}  # (algorithm, real path, size, mtime) -> hex
 _hashes_lock = threading.Lock()
 
 
-def _digest(path: Path, algorithm: str) -> str:
+def digest(path: Path, algorithm: str) -> str:
     """The file's sha256 or git blob sha1 ("" when it is missing), computed once per size and
     modification time."""
     try:
@@ -588,11 +592,13 @@ def _hub_failures() -> tuple[type[BaseException], ...]:
     return errors.HfHubHTTPError, httpx2.HTTPError
 
 
-def files(model_dir: str | Path, layers: tuple[int, int] | None = None) -> list[pb.ModelFile]:
+def files(model_dir: str | Path, layers: tuple[int, int] | None = None,
+          sha256_of: Callable[[Path], str] | None = None) -> list[pb.ModelFile]:
     """The files of a model directory (a hub snapshot or a plain one; hidden ones left out)
     with their size and sha256, those of `layers` (first, last) only for a pipeline rank. A
     snapshot's file also names its blob (the hub's etag); an LFS blob's name is its sha256
-    already (`pull` checked it), any other file is hashed once per size and modification time."""
+    already (`pull` checked it), any other file is hashed once per size and modification time
+    (by `sha256_of(path)` where given: the disk KV tier keeps its hashes across restarts)."""
     root = Path(model_dir)
     names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
@@ -601,7 +607,7 @@ def files(model_dir: str | Path, layers: tuple[int, int] | None = None) -> list[
         path = root / name
         real = path.resolve()
         blob = real.name if path.is_symlink() and real.parent.name == "blobs" else ""
-        sha256 = blob if _SHA256.fullmatch(blob) else _digest(path, "sha256")
+        sha256 = blob if _SHA256.fullmatch(blob) else (sha256_of or _sha256)(path)
         out.append(pb.ModelFile(path=name, size=real.stat().st_size, sha256=sha256, blob=blob))
     return out
 
