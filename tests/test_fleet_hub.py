@@ -150,7 +150,7 @@ def test_a_revision_pin_is_honoured(fake, models, tmp_path):
 def test_a_pulled_revision_is_not_fetched_nor_hashed_again(fake, tmp_path, monkeypatch):
     snapshot = hub.pull(f"hf:{REPO}", tmp_path / "cache")
     asked = len(fake.requests)
-    monkeypatch.setattr(hub, "_digest", lambda *a: pytest.fail("a checked snapshot was hashed again"))
+    monkeypatch.setattr(hub, "digest", lambda *a: pytest.fail("a checked snapshot was hashed again"))
     reported = []
     assert hub.pull(f"hf:{REPO}", tmp_path / "cache", progress=lambda *a: reported.append(a)) == snapshot
     assert [path for _, path in fake.requests[asked:]] == [f"/api/models/{REPO}/revision/main"]
