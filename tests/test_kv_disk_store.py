@@ -149,6 +149,7 @@ def test_a_block_round_trips_bit_for_bit(store):
         assert all(np.array_equal(g, a) for g, a in zip(got, chain.arrays[i]))
     store.read(*chain.block(0)[:2], None, [np.empty(SHAPE, np.float16) for _ in range(POOLS)])  # tokens unchecked
     assert store.stats.blocks_read == 6 and store.stats.blocks_written == 5
+    assert store.stats.bytes_read == 6 * store.file_bytes == 6 * store.stats.bytes_written / 5
     assert not list((store.dir / "tmp").iterdir())
 
 
@@ -416,6 +417,18 @@ def test_a_directory_that_turns_read_only_stops_writing(store, monkeypatch):
     assert not store.write(*chain.block(1), chain.arrays[1])
     assert store.mode == "read_only" and store.stats.dropped["read_only"] == 1
     chain.read(store, 0)
+
+
+def test_a_store_directory_removed_under_it_is_made_again(store):
+    chain = Chain(3)
+    chain.write(store, [0])
+    shutil.rmtree(store.dir)
+    assert not store.write(*chain.block(1), chain.arrays[1]) and store.stats.dropped["error"] == 1
+    with pytest.raises(KvReadError, match="io"):
+        chain.read(store, 0)
+    chain.write(store, [1, 2])
+    assert store.mode == "ok" and store.lookup(chain.hashes) == 0 and len(store) == 2
+    chain.read(store, 2)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod 0o555")

@@ -316,16 +316,17 @@ class DiskStore:
         except OSError as e:
             self._read_failed(h, KvReadError("io", str(e)))
         try:
-            self._read_file(fd, h, parent, tokens, out)
+            size = self._read_file(fd, h, parent, tokens, out)
         except KvReadError as e:
             self._read_failed(h, e)
         except OSError as e:
             self._read_failed(h, KvReadError("io", str(e)))
         finally:
             os.close(fd)
-        self._used_now(h)
+        self._used_now(h, size)
 
-    def _read_file(self, fd: int, h: bytes, parent: bytes | None, tokens, out: Sequence[np.ndarray]) -> None:
+    def _read_file(self, fd: int, h: bytes, parent: bytes | None, tokens, out: Sequence[np.ndarray]) -> int:
+        """Reads and verifies the open block file `fd`; its size."""
         size = os.fstat(fd).st_size
         header = os.pread(fd, HEADER_BYTES, 0)
         if len(header) < HEADER_BYTES:
@@ -358,6 +359,7 @@ class DiskStore:
                 raise KvReadError("tokens", "tokens do not hash to the block's hash")
         if _xxh3(out) != xxh:
             raise KvReadError("checksum", "payload xxh3 differs")
+        return size
 
     def _check_buffers(self, arrays: Sequence[np.ndarray]) -> None:
         layout = self.identity.pool_layout
@@ -379,10 +381,10 @@ class DiskStore:
             self._forget([h])
         raise error
 
-    def _used_now(self, h: bytes) -> None:
+    def _used_now(self, h: bytes, size: int) -> None:
         with self._lock:
             self.stats.blocks_read += 1
-            self.stats.bytes_read += self.identity.payload_bytes
+            self.stats.bytes_read += size
             if h in self._index:
                 self._index.move_to_end(h)
             stamp = self._tick() if self.mode == "ok" else 0
@@ -476,6 +478,14 @@ class DiskStore:
                                     f"{self.budget_bytes // 20} bytes evicted")
             self._evict(max(1, self.budget_bytes // 20))
             self._free_seen = (0.0, 0)  # read the filesystem again
+        elif e.errno == errno.ENOENT:  # the directory was removed under the store: made again
+            self.note_dropped("error")
+            self._made.clear()
+            try:
+                (self.dir / "tmp").mkdir(parents=True, exist_ok=True)
+                (self.dir / "blocks").mkdir(exist_ok=True)
+            except OSError as again:
+                self._turn_off(f"{self.dir} is gone and cannot be made again: {again.strerror or again}")
         elif e.errno in _READ_ONLY:
             self.note_dropped("read_only")
             self.mode, self.reason = "read_only", f"cannot write {self.dir}: {e.strerror or e}"
