@@ -36,7 +36,7 @@ class RouterControl(pb_grpc.RouterServicer):
                                             identity=peer_identity(context))
         except RegistryError as e:
             await context.abort(e.code, str(e))
-        return pb.HeartbeatResponse(known=known)
+        return pb.HeartbeatResponse(known=known, kv_ack=self.registry.kv_ack(request.worker_id) if known else None)
 
     async def ReportFailure(self, request, context):
         try:
@@ -94,7 +94,7 @@ class RouterControl(pb_grpc.RouterServicer):
         if w.admin is not None:
             try:
                 await w.admin.Drain(pb.DrainRequest(drain=drain), timeout=self.add_timeout)
-                report = await w.admin.GetLoad(pb.GetLoadRequest(), timeout=self.add_timeout)
+                report = await w.admin.GetLoad(self.registry.load_request(w), timeout=self.add_timeout)
                 self.registry.record_report(w, report)
             except (grpc.aio.AioRpcError, asyncio.TimeoutError) as e:
                 log.warning("could not forward drain=%s to %s: %s", drain, w.worker_id, e)

@@ -7,10 +7,11 @@ series disappear with it.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cluster.api.buckets import REQUEST_LATENCY_BUCKETS as E2E_BUCKETS  # the worker's (vLLM's) edges
 from cluster.api.buckets import TTFT_BUCKETS
+from cluster.kv.events import TIER_NAMES
 from cluster.router.breaker import CLOSED
 from cluster.router.registry import STATE_NAMES, Registry
 
@@ -45,6 +46,36 @@ class _WorkerGauges:
         for w in workers:
             circuit.add_metric([w.worker_id], float(w.breaker.state != CLOSED))
         yield circuit
+
+
+class _KvMapMetrics:
+    """The KV map's (router/kv_map.py) counts, read at scrape time."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+
+    def collect(self):
+        kv = self.registry.kv_map
+        applied = CounterMetricFamily("orchard_router_kv_events_applied_total",
+                                      "KV events from each worker applied to the router's prefix map",
+                                      labels=["worker"])
+        for worker, n in list(kv.events_applied.items()):
+            applied.add_metric([worker], n)
+        yield applied
+        resyncs = CounterMetricFamily("orchard_router_kv_resyncs_total",
+                                      "Snapshots of a worker's KV blocks the router took instead of its events: "
+                                      "reason=gap (an event missing), epoch (the worker restarted), no_state "
+                                      "(the router knew nothing of it)", labels=["reason"])
+        for reason, n in list(kv.resyncs.items()):
+            resyncs.add_metric([reason], n)
+        yield resyncs
+        blocks = GaugeMetricFamily("orchard_router_kv_map_blocks",
+                                   "KV blocks the router's prefix map holds for each worker, by tier",
+                                   labels=["worker", "tier"])
+        for worker in kv.workers():
+            for tier, n in kv.blocks(worker).items():
+                blocks.add_metric([worker, TIER_NAMES[tier]], n)
+        yield blocks
 
 
 class RouterMetrics:
@@ -83,3 +114,4 @@ class RouterMetrics:
         for kind in ("retry", "resume"):
             self.retries.labels(kind=kind)
         r.register(_WorkerGauges(registry))
+        r.register(_KvMapMetrics(registry))

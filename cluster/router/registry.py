@@ -37,6 +37,7 @@ from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
 from cluster.router.breaker import CLOSED, CircuitBreaker
 from cluster.router.config import RouterConfig
+from cluster.router.kv_map import KvMap
 from cluster.security import NO_SECURITY, ClientSecurity, channel
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class WorkerRecord:
     identity: str | None = None  # the certificate name it registered with (mutual TLS)
     instance: str = ""  # the start of its process it registered from (empty: a static worker, or not said)
     epoch: int = field(default_factory=lambda: next(_EPOCHS))
+    kv_ack: pb.KvAck | None = None  # the KV map's answer to its last report's events (None: none sent)
 
     @property
     def model(self) -> str:
@@ -197,6 +199,7 @@ class Registry:
         self._changed = asyncio.Event()  # set, and replaced, at each change (`wait_changed`)
         self._gone: dict[str, float] = {}  # model -> when its last worker was removed (`served_lately`)
         self.failures: dict[str, StartFailure] = {}  # worker id -> its last start's failure, until it registers
+        self.kv_map = KvMap()  # the blocks each worker holds, per tier, from the KV events in its reports
 
     # -- lookups ------------------------------------------------------------------------------
     def find(self, key: str) -> WorkerRecord | None:
@@ -396,7 +399,15 @@ class Registry:
         self.record_report(w, report)
         return True
 
+    def kv_ack(self, worker_id: str) -> pb.KvAck | None:
+        """The answer to worker `worker_id`'s last KV events (its heartbeat's reply carries it)."""
+        w = self.workers.get(worker_id)
+        return None if w is None else w.kv_ack
+
     def record_report(self, w: WorkerRecord, report: pb.LoadReport) -> None:
+        if report.HasField("kv"):  # applied here, then dropped: the stored report (ListWorkers) never carries it
+            w.kv_ack = self.kv_map.apply(w.worker_id, report.kv)
+            report.ClearField("kv")
         state, healthy = w.state, w.healthy
         w.on_report(report, time.monotonic())
         if report.stalled:
@@ -505,6 +516,7 @@ class Registry:
         if w.model:
             self._gone[w.model] = time.monotonic()
         self._on_remove(w.worker_id)
+        self.kv_map.forget(w.worker_id)
         self._notify()
         if w.channel is not None:
             self._close_channel(w)
@@ -558,11 +570,16 @@ class Registry:
         if statics:
             await asyncio.gather(*(self.poll(w, timeout or self.config.heartbeat_interval) for w in statics))
 
+    @staticmethod
+    def load_request(w: WorkerRecord) -> pb.GetLoadRequest:
+        """GetLoad's request: with the KV map's last ack, so the worker sends only the events after it."""
+        return pb.GetLoadRequest(kv_ack=w.kv_ack)
+
     async def poll(self, w: WorkerRecord, timeout: float) -> None:
         """GetLoad + gRPC health of one worker; a report if both answer and it is SERVING."""
         try:
             report, health = await asyncio.gather(
-                w.admin.GetLoad(pb.GetLoadRequest(), timeout=timeout),
+                w.admin.GetLoad(self.load_request(w), timeout=timeout),
                 w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout),
             )
         except grpc.aio.AioRpcError as e:

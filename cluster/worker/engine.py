@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from cluster import platform
+from cluster.kv.events import KvJournal
 from cluster.worker.admission import Admission, QueueFullError
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
@@ -98,6 +99,9 @@ class Engine(EngineProtocol):
             # would be needed too, and is not kept. Exact, at the cost of recomputing.
             log.info("prefix caching is off for %s: its recurrent layers' state is not cached", model_name)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not hybrid)
+        # the blocks it holds, published to the routers (worker/registration.py)
+        self.kv_journal = KvJournal(config.block_size)
+        self.block_manager.listener = self.kv_journal.memory_listener()
         self.state_slots = StateSlots(self.config.max_num_seqs) if hybrid else None
         self.scheduler = Scheduler(self.config, self.block_manager, self.state_slots)
         self.runner = (runner_factory or ModelRunner)(model, num_blocks, config.block_size, kv_dtype,

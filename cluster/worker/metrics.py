@@ -28,7 +28,7 @@ class WorkerMetrics:
         """`stats()` returns the engine's EngineStats (or None before the engine is up);
         `group()` a worker group's GroupStats (None: a single process)."""
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = (model, worker_id)
+        self.labels = labels = (model, worker_id)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*labels)
@@ -52,6 +52,10 @@ class WorkerMetrics:
         self.registry.register(_EngineStatsCollector(labels, stats))
         if group is not None:
             self.registry.register(_GroupStatsCollector(labels, group))
+
+    def watch_kv_events(self, journal) -> None:
+        """Count the KV events `journal` (cluster/kv/events.py's KvJournal) publishes."""
+        self.registry.register(_KvEventsCollector(self.labels, journal))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -127,6 +131,30 @@ class _EngineStatsCollector:
                                 labels=(*LABELS, "finished_reason"))
         for reason in sorted(set(FINISHED_REASONS) | set(finished)):
             c.add_metric([*lv, str(reason)], finished.get(reason, 0))
+        yield c
+
+
+class _KvEventsCollector:
+    """The KV events the worker published to its routers, read from its journal at scrape time."""
+
+    def __init__(self, labels: tuple[str, str], journal):
+        self.labels = list(labels)
+        self.journal = journal
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        lv, j = self.labels, self.journal
+        c = CounterMetricFamily("orchard_kv_events_total", "KV events published: blocks stored in or removed "
+                                "from a tier, or a tier cleared.", labels=(*LABELS, "tier", "kind"))
+        for (tier, kind), n in sorted(dict(j.counts).items()):
+            c.add_metric([*lv, tier, kind], n)
+        yield c
+        c = CounterMetricFamily("orchard_kv_event_snapshots_total",
+                                "Snapshots of every KV block held sent to a router instead of events (a router "
+                                "that restarted, fell behind or lost track).", labels=LABELS)
+        c.add_metric(lv, j.snapshots_sent)
         yield c
 
 

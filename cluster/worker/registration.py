@@ -12,6 +12,9 @@ load report every interval.
 - An unreachable router is retried every interval, for ever: workers may start first.
 - A wrong join token (PERMISSION_DENIED) stops the loop with an error logged; `denied`
   says so (`refusal` the router's answer). The worker keeps serving direct clients.
+- With a `KvJournal` (`kv`), each report carries the KV events this router has not
+  acked yet (`LoadReport.kv`, `cluster/kv/events.py`); the heartbeat's reply acks them. A
+  registration starts over from a snapshot (the router may know nothing of this worker).
 
 A node agent registers itself and sends its node report the same way: its subclass
 (`fleet/agent.py`) replaces `stub`, `join` and `beat`.
@@ -30,6 +33,7 @@ from collections.abc import Callable
 
 import grpc
 
+from cluster.kv.events import KvJournal, implied_ack
 from cluster.net import CHANNEL_OPTIONS
 from cluster.security import NO_SECURITY, ClientSecurity, channel
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -48,6 +52,7 @@ class Registration:
         worker_id: str = "",
         interval: float = 1.0,
         security: ClientSecurity = NO_SECURITY,
+        kv: KvJournal | None = None,
     ):
         self.security = security  # TLS (with this worker's certificate for mutual TLS) and a key
         self.router = router
@@ -62,6 +67,8 @@ class Registration:
         self.registrations = 0  # how many times it (re-)registered
         # this start of the process: the router gives a new one a fresh circuit breaker
         self.instance_id = uuid.uuid4().hex
+        self.kv = kv
+        self.kv_ack: pb.KvAck | None = None  # this router's answer to the KV events sent (None: send a snapshot)
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
@@ -127,22 +134,42 @@ class Registration:
 
     async def join(self, stub, timeout: float) -> tuple[str, int]:
         """Register: (the id the router gave, its heartbeat interval in ms)."""
+        self.kv_ack = None
+        load = self._load()
         reply = await stub.RegisterWorker(
             pb.RegisterWorkerRequest(
-                worker_id=self.worker_id, address=self.address, join_token=self.join_token, load=self.load(),
+                worker_id=self.worker_id, address=self.address, join_token=self.join_token, load=load,
                 instance_id=self.instance_id,
             ),
             timeout=timeout,
         )
+        self._kv_answered(load, None)
         return reply.worker_id, reply.heartbeat_interval_ms
 
     async def beat(self, stub, timeout: float) -> bool:
         """One heartbeat; False: the router does not know this process (register again)."""
+        load = self._load()
         reply = await stub.Heartbeat(
-            pb.HeartbeatRequest(worker_id=self.worker_id, join_token=self.join_token, load=self.load()),
+            pb.HeartbeatRequest(worker_id=self.worker_id, join_token=self.join_token, load=load),
             timeout=timeout,
         )
+        if reply.known:
+            self._kv_answered(load, reply.kv_ack if reply.HasField("kv_ack") else None)
         return reply.known
+
+    def _load(self) -> pb.LoadReport:
+        """The load report, with the KV events this router needs next."""
+        load = self.load()
+        if self.kv is not None:
+            load.kv.CopyFrom(self.kv.batch(self.kv_ack))
+        return load
+
+    def _kv_answered(self, load: pb.LoadReport, ack: pb.KvAck | None) -> None:
+        """The router took `load`; `ack`: its answer to the KV events in it (None: no answer
+        came with the reply, as to a registration's: taken as applied; a router that did
+        not apply them asks for a resync at the next beat)."""
+        if load.HasField("kv"):
+            self.kv_ack = ack if ack is not None else implied_ack(load.kv, self.kv_ack)
 
     async def _register(self, stub) -> float:
         self.worker_id, interval_ms = await self.join(stub, timeout=max(2 * self.interval, 2.0))

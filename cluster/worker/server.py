@@ -56,7 +56,11 @@ class WorkerAdminServicer(pb_grpc.WorkerAdminServicer):
         self.server = server
 
     async def GetLoad(self, request, context) -> pb.LoadReport:
-        return self.server.service.load_report()
+        report = self.server.service.load_report()
+        journal = self.server.kv_journal
+        if journal is not None:  # a polled worker: the KV events after the router's ack
+            report.kv.CopyFrom(journal.batch(request.kv_ack if request.HasField("kv_ack") else None))
+        return report
 
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
         return await self.server.set_draining(request.drain)
@@ -91,6 +95,12 @@ class WorkerServer:
     @property
     def engine_loop(self):
         return None if self.service is None else self.service.engine_loop
+
+    @property
+    def kv_journal(self):
+        """The engine's KV events (cluster/kv/events.py), for the routers; None: it has none."""
+        loop = self.engine_loop
+        return None if loop is None or loop.engine is None else getattr(loop.engine, "kv_journal", None)
 
     async def start(self) -> "WorkerServer":
         """Load the engine and bind everything; on any failure, stop what already started
@@ -146,6 +156,12 @@ class WorkerServer:
                                    request_timeout=opts.request_timeout,
                                    http_extras=None if opts.console == "off" else self._console)
         self._watchdog = asyncio.create_task(self._watch_progress())
+        journal = self.kv_journal
+        if journal is not None:
+            if service.metrics is not None:
+                service.metrics.watch_kv_events(journal)
+            loop = asyncio.get_running_loop()
+            journal.on_backlog = lambda: loop.call_soon_threadsafe(self._report_now)
         if opts.router:
             from cluster.worker.registration import Registration
 
@@ -155,7 +171,7 @@ class WorkerServer:
             for router in routers(opts.router):  # every router of the fleet places work here
                 registration = Registration(router, advertise, service.load_report, join_token=opts.join_token,
                                             worker_id=worker_id, interval=opts.heartbeat_interval,
-                                            security=opts.security.client())
+                                            security=opts.security.client(), kv=journal)
                 registration.start()
                 self._registrations.append(registration)
         self.awake = awake = self._stay_awake(f"orchard worker {worker_id} serves {service.model_name}").start()
