@@ -35,6 +35,7 @@ WORKER_METRICS = {
     "orchard_group_size", "orchard_group_steps_total", "orchard_group_collective_seconds_total",
     "orchard_group_wait_seconds_total", "orchard_group_plan_seconds_total", "orchard_group_bytes_total",
     "orchard_group_member_weight_bytes", "orchard_group_member_memory_bytes", "orchard_group_rank_step_seconds",
+    "orchard_kv_events_total", "orchard_kv_event_snapshots_total",  # KV events to the routers
 }
 ROUTER_METRICS = {
     "orchard_router_requests_total", "orchard_router_time_to_first_token_seconds", "orchard_router_workers",
@@ -42,6 +43,7 @@ ROUTER_METRICS = {
     "orchard_router_circuit_open", "orchard_router_poison_requests_total",
     "orchard_router_retry_budget_exhausted_total",
     "orchard_router_deadline_exceeded_total",
+    "orchard_router_kv_events_applied_total", "orchard_router_kv_resyncs_total", "orchard_router_kv_map_blocks",
 }
 # a router with a catalog (`--catalog`): the fleet's
 FLEET_METRICS = {

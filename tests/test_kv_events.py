@@ -318,6 +318,68 @@ def test_two_routers_each_get_what_they_have_not_acked():
     assert_mirrors(b, "w", j)
 
 
+def test_the_disk_tier_through_the_journal(tmp_path):
+    """The disk store's events (its index at open, writes, LRU evictions) reach the map's
+    DISK tier; a restarted process (a new journal) announces what it finds on disk."""
+    import numpy as np
+
+    from cluster.kv.disk_store import DiskStore
+    from cluster.kv.identity import KvIdentity
+
+    bs, shape = 4, (4, 2, 8)
+    identity = KvIdentity(weights="w", block_size=bs, pool_layout=[(shape, "float16")] * 2)
+    block = [np.zeros(shape, np.float16)] * 2
+    chain = block_hashes(list(range(4 * bs)), bs)
+    j, kv = KvJournal(bs), KvMap()
+    store = DiskStore.open(tmp_path, identity, budget_bytes=1 << 20, min_free_bytes=0, listener=j.disk_listener())
+    assert store.mode == "ok", store.reason
+    parent = None
+    for i, h in enumerate(chain):
+        assert store.write(h, parent, list(range(i * bs, (i + 1) * bs)), block)
+        parent = h
+    ack = replay(j, kv, "w", None)
+    assert kv.match("w", chain) == (0, 4)
+    store.drop(chain[2:])
+    replay(j, kv, "w", ack)
+    assert kv.match("w", chain) == (0, 2)
+    assert_mirrors(kv, "w", j)
+    store.close()
+    again = KvJournal(bs)  # the worker restarted
+    reopened = DiskStore.open(tmp_path, identity, 1 << 20, 0, listener=again.disk_listener())
+    kv.apply("w", again.batch(ack))  # the old epoch's ack: a snapshot
+    assert kv.match("w", chain) == (0, 2)
+    assert_mirrors(kv, "w", again)
+    reopened.close()
+
+
+def test_pipelined_virtual_engines_share_one_journal(tiny_model_dir):
+    """Two engines of one process caching one prefix: it stays in the memory tier until
+    the last of them evicts it."""
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.engine import Engine
+    from cluster.worker.group.pipelined import PipelinedEngine
+    from cluster.worker.model_runner import load_model
+    from cluster.worker.sampling_params import SamplingParams
+
+    model, tokenizer = load_model(str(tiny_model_dir))
+    engines = [Engine(model, tokenizer, EngineConfig(num_kv_blocks=8, block_size=16, max_num_seqs=2))
+               for _ in range(2)]
+    pipelined = PipelinedEngine(engines, group=None)
+    j = pipelined.kv_journal
+    assert all(e.kv_journal is j for e in engines)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    prompt = list(range(1, 50))
+    for e in engines:
+        e.generate([prompt], greedy)
+    shared = set(block_hashes(prompt, 16))
+    assert shared and shared <= set(engines[0].block_manager.cached) & set(engines[1].block_manager.cached)
+    assert j.held(MEMORY) == set(engines[0].block_manager.cached) | set(engines[1].block_manager.cached)
+    engines[0].generate([list(range(100, 220))], greedy)  # takes every block of engine 0
+    assert not shared & set(engines[0].block_manager.cached)
+    assert shared <= j.held(MEMORY)  # engine 1 still holds them
+    assert j.held(MEMORY) == set(engines[0].block_manager.cached) | set(engines[1].block_manager.cached)
+
+
 # -- end to end: a worker, registered with a router and polled by another ------------------------
 def sample(text: str, name: str, **labels: str) -> float:
     """The value of metric `name` with `labels` (among others) in a Prometheus exposition."""

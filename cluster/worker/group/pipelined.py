@@ -120,6 +120,11 @@ class PipelinedEngine(EngineProtocol):
         self.grammars = first.grammars
         self.pooler = getattr(first, "pooler", None)
         self.runner = first.runner
+        # one KV journal for the process: a hash leaves its memory tier when no engine caches it
+        self.kv_journal = first.kv_journal
+        for e in engines[1:]:
+            e.kv_journal = first.kv_journal
+            e.block_manager.listener = first.kv_journal.memory_listener()
         self.config = replace(first.config, max_num_seqs=sum(e.config.max_num_seqs for e in engines),
                               num_kv_blocks=sum(e.config.num_kv_blocks for e in engines))
         self.in_flight: deque = deque()  # (virtual engine index, PendingStep), oldest first
