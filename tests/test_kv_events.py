@@ -488,3 +488,21 @@ def test_the_routers_map_is_the_workers_prefix_cache(tiny_model_dir):
             await poller.stop(grace=0)
 
     run(main(), 180)
+
+
+def test_the_bench_counts_events_snapshots_and_resyncs():
+    from cluster.bench.server_metrics import ServerMetricsSampler, parse
+
+    def exposition(stored: int, snapshots: int, gaps: int) -> str:
+        return (f'orchard_kv_events_total{{model="m",worker="w0",tier="memory",kind="stored"}} {stored}\n'
+                f'orchard_kv_events_total{{model="m",worker="w0",tier="disk",kind="removed"}} 1\n'
+                f'orchard_kv_event_snapshots_total{{model="m",worker="w0"}} {snapshots}\n'
+                f'orchard_router_kv_resyncs_total{{reason="gap"}} {gaps}\n'
+                f'orchard_router_kv_resyncs_total{{reason="epoch"}} 0\n')
+
+    sampler = ServerMetricsSampler(["127.0.0.1:1"])
+    url = sampler.urls[0]
+    sampler._before[url] = parse(exposition(3, 1, 0))
+    summary = sampler.summarize({url: parse(exposition(10, 2, 1))})
+    assert summary.kv_events == 7 and summary.kv_event_snapshots == 1
+    assert summary.router_kv_resyncs_by_reason == {"gap": 1, "epoch": 0}

@@ -348,6 +348,11 @@ def format_report(r: dict, args) -> str:
         kinds = {"retry": "Router retries (before 1st token):", "resume": "Router resumes (mid-stream):"}
         for kind, n in sorted(s["router_retries_by_kind"].items()):
             row(kinds.get(kind, f"Router {kind}:"), n, "{:<10}")
+        if s.get("kv_events") is not None:
+            row("KV events published:", s["kv_events"], "{:<10}")
+            row("KV event snapshots sent:", s["kv_event_snapshots"], "{:<10}")
+        for reason, n in sorted(s.get("router_kv_resyncs_by_reason", {}).items()):
+            row(f"Router KV resyncs, {reason}:", n, "{:<10}")
         for e in s["errors"][:3]:
             lines.append(f"scrape error: {e}")
     if r["errors"]:

@@ -70,6 +70,10 @@ class ServerSummary:
     spec_acceptance_by_position: list[float] = field(default_factory=list)  # accepted at j / verify rounds
     router_requests_by_outcome: dict[str, int] = field(default_factory=dict)
     router_retries_by_kind: dict[str, int] = field(default_factory=dict)
+    # KV events (cluster/kv/events.py): published by the workers; snapshots sent instead; the router's resyncs
+    kv_events: int | None = None
+    kv_event_snapshots: int | None = None
+    router_kv_resyncs_by_reason: dict[str, int] = field(default_factory=dict)
     kv_series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # worker -> [(t, usage)]
     errors: list[str] = field(default_factory=list)
 
@@ -218,8 +222,11 @@ class ServerMetricsSampler:
             for j in positions:
                 d = delta("orchard_spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) or 0
                 s.spec_acceptance_by_position.append(d / rounds if rounds else 0.0)
+        s.kv_events = as_int(delta("orchard_kv_events_total"))
+        s.kv_event_snapshots = as_int(delta("orchard_kv_event_snapshots_total"))
         for label, name, target in (("outcome", "orchard_router_requests_total", s.router_requests_by_outcome),
-                                    ("kind", "orchard_router_retries_total", s.router_retries_by_kind)):
+                                    ("kind", "orchard_router_retries_total", s.router_retries_by_kind),
+                                    ("reason", "orchard_router_kv_resyncs_total", s.router_kv_resyncs_by_reason)):
             values = set()
             for u in after:
                 values |= {dict(lv).get(label) for n, lv in after[u] if n == name}
