@@ -329,6 +329,61 @@ def test_a_colliding_block_stops_caching_what_follows_it(monkeypatch):
 # -- misuse and corruption ----------------------------------------------------------------------
 
 
+def _entries(tokens, bs, first=0, n=None):
+    """(hash, parent, tokens) of blocks first.. of a prompt: what the disk tier installs."""
+    from cluster.kv.hashing import block_hashes
+
+    hashes = block_hashes(tokens, bs)
+    n = len(hashes) - first if n is None else n
+    return [(hashes[i], hashes[i - 1] if i else None, tuple(tokens[i * bs : (i + 1) * bs]))
+            for i in range(first, first + n)]
+
+
+class Heard:
+    """A cache listener that remembers what it heard."""
+
+    def __init__(self):
+        self.stored_hashes: list[bytes] = []
+
+    def stored(self, hashes):
+        self.stored_hashes += hashes
+
+    def removed(self, hashes):
+        pass
+
+
+def test_installed_blocks_are_free_cached_hits_in_prefix_order():
+    bm = BlockManager(16, 4)
+    heard = Heard()
+    bm.listener = heard
+    tokens = list(range(100, 121))  # 5 full blocks
+    ids = bm.install_cached(_entries(tokens, 4, n=3))
+    assert len(ids) == 3 and None not in ids and heard.stored_hashes == [e[0] for e in _entries(tokens, 4, n=3)]
+    assert bm.num_free_blocks == 16 and all(bm.blocks[b].ref_count == 0 for b in ids)
+    seq = make_seq(tokens)
+    assert bm.get_computed_blocks(seq) == ids  # taken over as memory hits
+    bm.check_integrity([])
+    # the next ones extend the chain; one cached already is passed over (None), not copied
+    again = bm.install_cached(_entries(tokens, 4, first=2, n=3), keep=ids[:2])
+    assert again[0] is None and None not in again[1:] and len(bm.get_computed_blocks(seq)) == 5
+    bm.check_integrity([])
+
+
+def test_install_refuses_an_orphan_and_keeps_the_prefix_it_extends():
+    bm = BlockManager(8, 4)
+    tokens = list(range(50, 50 + 4 * 6))
+    assert bm.install_cached(_entries(tokens, 4, first=1, n=2)) == []  # block 0 not cached: no orphans
+    first = run_prompt(bm, tokens[:8] + [1])  # blocks 0, 1 cached (then freed: at the LRU's back)
+    bm.free(first)
+    hits = bm.get_computed_blocks(make_seq(tokens))
+    assert len(hits) == 2
+    ids = bm.install_cached(_entries(tokens, 4, first=2, n=4), keep=hits)
+    # at most half the free blocks not kept: (8 - 2) // 2
+    assert len(ids) == 3
+    assert bm.get_computed_blocks(make_seq(tokens)) == hits + ids, "the kept prefix was not evicted"
+    bm.check_integrity([])
+
+
 def test_double_free_raises():
     bm = BlockManager(4, 8)
     a = make_seq(range(10), "a")

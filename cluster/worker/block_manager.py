@@ -248,6 +248,50 @@ class BlockManager:
         if stored and self.listener is not None:
             self.listener.stored(stored)
 
+    def install_cached(self, entries: list[tuple[bytes, bytes | None, tuple[int, ...]]],
+                       keep: list[int] = ()) -> list[int | None]:
+        """Put blocks read from another tier (the disk) into the prefix cache, as free cached
+        blocks a request takes over like any other hit. `entries`: (hash, parent hash or
+        None, tokens) of consecutive blocks of one prefix; `keep`: the cached blocks of that
+        prefix before them (a sequence's memory hits), moved to the back of the free queue
+        first so that the blocks taken here do not evict them.
+
+        Installs while the chain holds: the first entry's parent must be cached, and a hash
+        cached already (with the same parent and tokens) is passed over (None in the result,
+        its block is there). Takes at most half the free blocks not kept. Returns, per entry
+        accepted (a prefix of `entries`), the block id whose rows the caller must write
+        before the next forward (or None)."""
+        kept = [bid for bid in keep if self.blocks[bid].ref_count == 0]
+        for bid in kept:
+            self.free_queue.move_to_end(bid)
+        budget = (self.num_free_blocks - len(kept)) // 2
+        out: list[int | None] = []
+        stored = []
+        for h, parent, tokens in entries:
+            if parent is not None and parent not in self.cached:
+                break  # an orphan would break "a cached block's parent is cached"
+            copies = self.cached.get(h)
+            if copies:
+                twin = self.blocks[next(iter(copies))]
+                if twin.token_ids != tuple(tokens) or twin.parent_hash != parent:
+                    break  # a hash collision
+                out.append(None)
+                continue
+            if budget <= 0:
+                break
+            budget -= 1
+            bid = self._take_free_block()
+            block = self.blocks[bid]
+            block.ref_count = 0
+            block.hash, block.token_ids, block.parent_hash = h, tuple(tokens), parent
+            self.cached[h] = {bid: None}
+            self.free_queue[bid] = None  # cached and free, most recently used
+            stored.append(h)
+            out.append(bid)
+        if stored and self.listener is not None:
+            self.listener.stored(stored)
+        return out
+
     # -- checks -----------------------------------------------------------------------
     def check_integrity(self, seqs: Iterable[_Seq] | None = None) -> None:
         """free + used == total; ref counts match the given live sequences' tables."""

@@ -75,6 +75,20 @@ class EngineConfig:
         None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, '
               '"num_speculative_tokens": 4} (requests may opt out with speculative: false)', metavar="JSON")
+    # The disk tier of the prefix cache (cluster/worker/kv_tier.py, cluster/kv/disk_store.py).
+    kv_disk_dir: str | None = setting(
+        None, "keep KV blocks that leave the memory prefix cache in this directory, and read a prompt's prefix "
+              "back from it instead of recomputing it, across restarts too (default: off)", metavar="DIR")
+    kv_disk_size: ByteSize = setting(ByteSize(32 << 30), "the most the disk tier holds in --kv-disk-dir (least "
+                                                         "recently used blocks go first)", metavar="SIZE")
+    kv_disk_min_free: ByteSize = setting(ByteSize(2 << 30), "the disk tier stops growing where its filesystem "
+                                                            "would have less than this free", metavar="SIZE")
+    kv_disk_queue_bytes: ByteSize = setting(
+        ByteSize(256 << 20), "blocks waiting to be written to disk at most (more are dropped, never waited for)",
+        metavar="SIZE")
+    kv_disk_read_threads: int = setting(4, "threads reading blocks from the disk tier")
+    kv_disk_flush_timeout: float = setting(10.0, "at a graceful stop, wait up to this long for queued disk writes",
+                                           metavar="SECONDS")
     seed: int = 0
 
     def validate(self) -> None:
@@ -97,12 +111,29 @@ class EngineConfig:
             problems.append("num_kv_blocks must be >= 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             problems.append("kv_cache_memory_bytes must be >= 1")
+        problems += self._kv_disk_problems()
         try:
             SpeculativeConfig.parse(self.speculative_config)
         except ValueError as e:
             problems.append(str(e))
         if problems:
             raise ValueError("invalid EngineConfig: " + "; ".join(problems))
+
+    def _kv_disk_problems(self) -> list[str]:
+        if self.kv_disk_dir is None:
+            return []
+        problems = []
+        if not self.kv_disk_dir.strip():
+            problems.append("--kv-disk-dir must name a directory, not ''")
+        if self.kv_disk_size < (1 << 20):
+            problems.append(f"--kv-disk-size must be at least 1 MiB, not {self.kv_disk_size}")
+        if not 1 <= self.kv_disk_read_threads <= 64:
+            problems.append(f"--kv-disk-read-threads must be in [1, 64], not {self.kv_disk_read_threads}")
+        if self.kv_disk_queue_bytes < 1:
+            problems.append(f"--kv-disk-queue-bytes must be >= 1, not {self.kv_disk_queue_bytes}")
+        if not 0 <= self.kv_disk_flush_timeout <= 3600:
+            problems.append(f"--kv-disk-flush-timeout must be in [0, 3600] seconds, not {self.kv_disk_flush_timeout}")
+        return problems
 
     def resolved(self, model_max_len: int, num_kv_blocks: int, default_batched_tokens: int = 2048) -> "EngineConfig":
         """Fill the derived fields: max_model_len, num_kv_blocks, max_num_batched_tokens

@@ -25,7 +25,10 @@ from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
 from cluster.worker.detokenizer import IncrementalDetokenizer
 from cluster.worker.engine_protocol import EngineProtocol
+from cluster.worker.dequantize import quantized_layers
 from cluster.worker.engine_stats import EngineStats
+from cluster.worker.kv_tier import (RECURRENT_REASON, KvTier, chain_listener, files_digest, model_identity,
+                                    params_digest)
 from cluster.worker.model_runner import (ModelRunner, StepBatch, default_kv_budget, has_recurrent_layers,
                                          kv_bytes_per_block, load_model, text_args, weight_dtype)
 from cluster.worker.outputs import RequestOutput, pooled_output, token_output
@@ -64,13 +67,15 @@ class PendingStep:
 
 class Engine(EngineProtocol):
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), model_name: str = "model",
-                 pooler: Pooler | None = None, runner_factory=None, draft=None):
+                 pooler: Pooler | None = None, runner_factory=None, draft=None, model_path: str | Path | None = None):
         """`pooler`: the model's pooling and tasks (`Pooler.for_model`; None: a generation model,
         whose embeddings, when asked, pool its last token). `runner_factory(model, num_blocks,
         block_size, kv_dtype, num_state_slots=...)` builds the model runner (default:
         `ModelRunner`; a worker group's rank 0 gives its own, which sends each step to the
         other ranks: `cluster/worker/group/`). `draft`: a draft model already loaded
-        (`spec_decode.load_draft`) that this engine shares with others instead of loading one."""
+        (`spec_decode.load_draft`) that this engine shares with others instead of loading one.
+        `model_path`: where the weights came from (the disk tier's identity hashes its files;
+        without one, the parameters in memory)."""
         config.validate()
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -130,6 +135,38 @@ class Engine(EngineProtocol):
         if self.speculator is not None:
             self.speculator.attach(self.config, self.block_manager, pool_dtype)
             self.stats.spec_decode = self.speculator.stats
+        self.kv_tier = self._disk_tier(model, model_path, hybrid) if config.kv_disk_dir is not None else None
+        self.stats.kv_tier = self.kv_tier
+
+    def _disk_tier(self, model, model_path: str | Path | None, hybrid: bool) -> KvTier:
+        """The disk tier (--kv-disk-dir): off, saying why, where the cache cannot be reused."""
+        if hybrid:
+            return KvTier(self.config, self.block_manager, self.runner, None, reason=RECURRENT_REASON)
+        if not self.config.enable_prefix_caching:
+            return KvTier(self.config, self.block_manager, self.runner, None,
+                          reason="prefix caching is off (--no-prefix-caching)")
+        identity = model_identity(self.config, self.runner, bool(quantized_layers(model)))
+        if model_path is None:
+            digest = params_digest(model)  # on this thread: MLX arrays stay on the engine's
+            weights = lambda: digest  # noqa: E731
+        else:
+            weights = lambda: files_digest(model_path)  # noqa: E731  (on the tier's own thread)
+        return KvTier(self.config, self.block_manager, self.runner, identity, weights)
+
+    def add_cache_listener(self, memory=None, disk=None) -> None:
+        """Hear the prefix cache's tiers (the KV events journal): `memory` the block
+        manager's blocks entering and leaving it, `disk` the disk tier's (when it runs).
+        Beside the disk tier's own write-through, which hears the memory tier too."""
+        if memory is not None:
+            self.block_manager.listener = chain_listener(self.block_manager.listener, memory)
+        if disk is not None and self.kv_tier is not None:
+            self.kv_tier.disk_listeners.add(disk)
+
+    def set_wake(self, wake) -> None:
+        """`wake()` is called (on another thread) when work the engine waited for arrives:
+        a disk tier's read. The engine loop posts itself a message."""
+        if self.kv_tier is not None:
+            self.kv_tier.wake = wake
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig = EngineConfig(),
@@ -139,7 +176,8 @@ class Engine(EngineProtocol):
         model, tokenizer = load_model(path, config.cpu_dequantize)
         pooler = Pooler.for_model(path, int(text_args(model).hidden_size), tokenizer, config.task, config.embeddings)
         log.info("%s serves: %s", Path(path).name, pooler.describe())
-        return cls(model, tokenizer, config, model_name=model_name or Path(path).name, pooler=pooler)
+        return cls(model, tokenizer, config, model_name=model_name or Path(path).name, pooler=pooler,
+                   model_path=path)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -232,6 +270,10 @@ class Engine(EngineProtocol):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_runnable(self) -> bool:
+        """Whether a step would do something now (not only wait for disk reads)."""
+        return self.scheduler.has_runnable()
+
     def live_request_ids(self) -> list[str]:
         return list(dict.fromkeys(s.group_id for s in self.seqs.values()))
 
@@ -269,6 +311,9 @@ class Engine(EngineProtocol):
         if self.speculator is not None:  # drafts for the running decodes, before the plan
             rows = next_step_rows(self.scheduler, self.config.max_num_seqs, self.config.max_num_batched_tokens)
             wall_trial = self.speculator.propose(self.scheduler.running, rows)
+        if self.kv_tier is not None:  # reads done into the pool; new ones started (kv_tier.py)
+            self.kv_tier.complete_loads()
+            self.kv_tier.probe(self.scheduler.waiting)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return PendingStep(t0, plan)
@@ -292,8 +337,14 @@ class Engine(EngineProtocol):
                 self.speculator.step_done(sampling, kept.tokens, pending.batch.num_tokens, pending.wall_trial,
                                           time.perf_counter() - pending.t0)
             outputs = self._postprocess(pending, kept)
+            if self.kv_tier is not None:  # the blocks this step cached, to disk (before the next forward)
+                self.kv_tier.save_blocks()
         self.stats.num_steps += 1
-        self.stats.step_seconds += time.perf_counter() - pending.t0
+        took = time.perf_counter() - pending.t0
+        self.stats.step_seconds += took
+        prefill = sum(e.num_new_tokens for e in pending.plan.scheduled if e.num_new_tokens > 1 + len(e.spec_token_ids))
+        if 2 * prefill > pending.plan.num_batched_tokens:
+            self.stats.observe_prefill(prefill, took)
         self._refresh_stats()
         return outputs
 
@@ -404,6 +455,8 @@ class Engine(EngineProtocol):
         s.num_preemptions = self.scheduler.num_preemptions
         s.prefix_queries = bm.prefix_queries
         s.prefix_hits = bm.prefix_hits
+        s.queued_prefill_tokens = (sum(q.num_uncomputed_tokens for q in self.scheduler.waiting)
+                                   + sum(q.num_uncomputed_tokens for q in self.scheduler.running if q.is_prefilling))
 
     # -- convenience --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
@@ -416,6 +469,8 @@ class Engine(EngineProtocol):
             self.add_request(rid, prompt, sampling_params)
         results: dict[str, list[int]] = {rid: [] for rid in ids}
         while self.has_unfinished():
+            if not self.has_runnable():
+                self.kv_tier.wait(1.0)  # only disk reads in flight
             for out in self.step():
                 if out.request_id in results:
                     results[out.request_id] += out.new_token_ids

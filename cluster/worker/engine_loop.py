@@ -78,6 +78,11 @@ class Shutdown:
     pass
 
 
+@dataclass(frozen=True)
+class KvReadsDone:
+    """A disk tier's read finished (posted by a reader thread): the loop wakes to step."""
+
+
 # -- outbox -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Scheduled:
@@ -143,7 +148,7 @@ class EngineLoop:
             raise EngineLoadError(str(self._load_error) or type(self._load_error).__name__) from self._load_error
         return self.engine
 
-    def submit(self, msg: AddRequest | AbortRequest | Shutdown) -> None:
+    def submit(self, msg: AddRequest | AbortRequest | Shutdown | KvReadsDone) -> None:
         self._inbox.put(msg)
 
     def stop(self, timeout: float | None = 30.0) -> None:
@@ -203,6 +208,9 @@ class EngineLoop:
         _name_os_thread("orchard-engine")
         try:
             self.engine = self._factory()
+            set_wake = getattr(self.engine, "set_wake", None)
+            if set_wake is not None:  # a disk tier's reads wake the thread when nothing else runs
+                set_wake(lambda: self.submit(KvReadsDone()))
             # what loading freed (dtype conversions, dequantized layers, aligned copies) goes
             # back before serving, so the process's resident memory is its working size
             mx.clear_cache()
@@ -293,9 +301,11 @@ class LoopState:
         self.clients = ClosedLoopClients(engine.config.finish_wait_ms / 1000)
 
     def has_work(self) -> bool:
-        """Something to run without a new message: a live request, or one still to come
-        back after a failed step."""
-        return self.engine.has_unfinished() or bool(self.culprits.suspects)
+        """Something to run without a new message: a live request that is not only
+        waiting for its disk reads (their end posts a message), or one still to come back
+        after a failed step."""
+        runnable = getattr(self.engine, "has_runnable", self.engine.has_unfinished)
+        return runnable() or bool(self.culprits.suspects)
 
     def handle_all(self, msgs: list, events: list[Event]) -> bool:
         """Every inbox message of the round, in order. True means shut down."""
@@ -318,6 +328,8 @@ class LoopState:
             self.engine.abort(msg.request_id)
         elif isinstance(msg, Shutdown):
             return True
+        elif isinstance(msg, KvReadsDone):
+            pass  # it woke the thread: the next step installs the read
         else:
             log.error("engine loop: unknown message %r", msg)
         return False

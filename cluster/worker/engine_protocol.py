@@ -10,7 +10,9 @@ the read-only facts (`model_name`, `tokenizer`, `vocab_size`, `config`) may be r
 any thread once the engine is built. Optional, read with `getattr` where an engine may
 lack them: `grammars` (a `GrammarCompiler`, for structured outputs), `pooler` (a
 `Pooler`: what the model serves and how it pools), `speculator` (speculative decoding is
-on), `group` (rank 0 of a worker group), `warm_up()`.
+on), `group` (rank 0 of a worker group), `warm_up()`, `has_runnable()` (whether a step
+would do something now, rather than wait for disk reads: the loop then blocks on its
+inbox), `set_wake(fn)` (`fn()`, called on another thread, wakes the loop: a read done).
 """
 
 from __future__ import annotations

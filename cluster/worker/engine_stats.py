@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING
 from cluster.api.buckets import KV_USAGE_BUCKETS
 
 if TYPE_CHECKING:
+    from cluster.worker.kv_tier import KvTier
     from cluster.worker.spec_decode.speculator import SpecStats
+
+
+# A step counts towards the prefill rate when it computed at least this many prompt tokens
+# and they were most of its rows; the newest such step's weight in the moving average.
+PREFILL_MIN_TOKENS = 32
+PREFILL_RATE_WEIGHT = 0.2
 
 
 @dataclass
@@ -36,6 +43,20 @@ class EngineStats:
     kv_usage_step_counts: list = field(default_factory=lambda: [0] * len(KV_USAGE_BUCKETS))
     kv_usage_step_sum: float = 0.0
     spec_decode: SpecStats | None = None  # when speculating (vLLM's counters)
+    kv_tier: KvTier | None = None  # with a disk tier (--kv-disk-dir): its `stats` and `counters()`
+    # What placing a prompt here costs (the router's kv_aware policy): the prefill rate, a
+    # moving average over steps that were mostly prefill, and the prompt tokens still to
+    # compute (waiting, reading from disk or mid-prefill)
+    prefill_tokens_per_second: float = 0.0
+    queued_prefill_tokens: int = 0
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step that computed `tokens` prompt tokens (most of its rows) in `seconds`."""
+        if tokens < PREFILL_MIN_TOKENS or seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self.prefill_tokens_per_second
+        self.prefill_tokens_per_second = rate if not old else old + PREFILL_RATE_WEIGHT * (rate - old)
 
     def observe_kv_usage(self, usage: float) -> None:
         self.kv_usage_step_counts[bisect.bisect_left(KV_USAGE_BUCKETS, usage)] += 1

@@ -126,6 +126,7 @@ class _EngineStatsCollector:
             for j, n in enumerate(list(spec.accepted_per_pos)):
                 c.add_metric([*lv, str(j)], n)
             yield c
+        yield from _kv_tier_metrics(lv, s)
         finished = dict(s.finished)
         c = CounterMetricFamily("orchard_request_success_total", "Finished requests by reason.",
                                 labels=(*LABELS, "finished_reason"))
@@ -156,6 +157,70 @@ class _KvEventsCollector:
                                 "that restarted, fell behind or lost track).", labels=LABELS)
         c.add_metric(lv, j.snapshots_sent)
         yield c
+
+
+DROP_REASONS = ("queue_full", "disk_full", "read_only", "error")
+READ_ERROR_KINDS = ("truncated", "header", "identity", "tokens", "checksum", "io")
+
+
+def _kv_tier_metrics(lv: list[str], s):
+    """Prefix-cache hits by tier, and with a disk tier (--kv-disk-dir) its traffic, errors,
+    size and reads (names: issue 42's design, section 6)."""
+    from cluster.worker.kv_tier import READ_SECONDS_BUCKETS
+
+    tier = getattr(s, "kv_tier", None)
+    disk_hits = tier.stats.hit_tokens if tier is not None else 0
+    hits = CounterMetricFamily("orchard_kv_cache_hit_tokens_total",
+                               "Prompt tokens served from the prefix cache, by the tier they were found in.",
+                               labels=(*LABELS, "tier"))
+    hits.add_metric([*lv, "memory"], max(0, s.prefix_hits - disk_hits))
+    hits.add_metric([*lv, "disk"], disk_hits)
+    yield hits
+    if tier is None:
+        return
+    c = tier.counters()
+
+    def one(kind, name: str, doc: str, value: float):
+        m = kind(name, doc, labels=LABELS)
+        m.add_metric(lv, value)
+        return m
+
+    yield one(GaugeMetricFamily, "orchard_kv_disk_enabled", "Whether the disk KV tier serves (1) or is off (0).",
+              1 if c["enabled"] else 0)
+    yield one(GaugeMetricFamily, "orchard_kv_disk_usage_bytes", "Bytes the disk KV tier holds.", c["used_bytes"])
+    yield one(GaugeMetricFamily, "orchard_kv_disk_budget_bytes", "The disk KV tier's size budget (--kv-disk-size).",
+              c["budget_bytes"])
+    yield one(GaugeMetricFamily, "orchard_kv_disk_write_queue_bytes", "Bytes of blocks waiting to be written.",
+              c["queue_bytes"])
+    yield one(GaugeMetricFamily, "orchard_num_requests_loading",
+              "Requests waiting for their prefix to be read from the disk tier.", tier.stats.loading)
+    yield one(CounterMetricFamily, "orchard_kv_disk_bytes_written_total", "Bytes written to the disk tier.",
+              c["bytes_written"])
+    yield one(CounterMetricFamily, "orchard_kv_disk_blocks_written_total", "Blocks written to the disk tier.",
+              c["blocks_written"])
+    yield one(CounterMetricFamily, "orchard_kv_disk_bytes_read_total", "Bytes read back from the disk tier.",
+              c["bytes_read"])
+    yield one(CounterMetricFamily, "orchard_kv_disk_evictions_total",
+              "Blocks the disk tier deleted to stay within its budget.", c["evictions"])
+    dropped = CounterMetricFamily("orchard_kv_disk_blocks_dropped_total",
+                                  "Blocks not written to the disk tier, by reason.", labels=(*LABELS, "reason"))
+    for reason in sorted(set(DROP_REASONS) | set(c["dropped"])):
+        dropped.add_metric([*lv, reason], c["dropped"].get(reason, 0))
+    yield dropped
+    errors = CounterMetricFamily("orchard_kv_disk_errors_total",
+                                 "Disk tier blocks refused at read (recomputed), by what was wrong.",
+                                 labels=(*LABELS, "kind"))
+    for kind in sorted(set(READ_ERROR_KINDS) | set(c["errors"])):
+        errors.add_metric([*lv, kind], c["errors"].get(kind, 0))
+    yield errors
+    h = HistogramMetricFamily("orchard_kv_disk_read_seconds", "Time to read one request's blocks from the disk tier.",
+                              labels=LABELS)
+    counts, cumulative, buckets = list(tier.stats.read_seconds_counts), 0, []
+    for edge, n in zip((*READ_SECONDS_BUCKETS, float("inf")), counts):
+        cumulative += n
+        buckets.append((repr(edge) if edge != float("inf") else "+Inf", cumulative))
+    h.add_metric(lv, buckets, tier.stats.read_seconds_sum)
+    yield h
 
 
 class _GroupStatsCollector:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from cluster import platform
 from cluster.worker import attention, cpu_layers, kernels, recurrent
@@ -329,6 +330,55 @@ class ModelRunner:
             return model.lm_head(h)
         return model.model.embed_tokens.as_linear(h)
 
+    # -- whole blocks in and out of the pools (the disk tier: worker/kv_tier.py) ------------------
+    def kv_pools(self) -> list[tuple[int, str, mx.array]]:
+        """The K/V pools this runner holds, in the disk tier's order: (layer, "k" | "v" |
+        "kv", pool) per owned layer in layer order, K before V (an MLA layer's one pool: "kv")."""
+        out = []
+        for s in self.specs:
+            if s.owns_kv and s.layer in self.stage.layers:
+                if s.latent:
+                    out.append((s.layer, "kv", self.k_pool[s.layer]))
+                else:
+                    out += [(s.layer, "k", self.k_pool[s.layer]), (s.layer, "v", self.v_pool[s.layer])]
+        return out
+
+    def kv_pool_layout(self) -> list[tuple[int, str, tuple[int, ...], str]]:
+        """(layer, "k" | "v" | "kv", one block's shape [block_size, kv heads, head dim], the
+        pool's dtype) per pool, in `kv_pools` order: what a block's bytes mean."""
+        return [(layer, kind, (self.block_size, *pool.shape[1:]), str(pool.dtype).rpartition(".")[2])
+                for layer, kind, pool in self.kv_pools()]
+
+    def read_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
+        """Copies of blocks `block_ids`' rows: one array [len(block_ids), block_size, ...]
+        per pool (`kv_pools` order), raw (a 2-byte dtype as uint16). Between steps: the
+        pools hold every forward's rows by then."""
+        ids = np.asarray(block_ids, np.int64)
+        return [_raw_blocks(pool, self.block_size)[ids] for _, _, pool in self.kv_pools()]
+
+    def write_blocks(self, block_ids: list[int], arrays: list[np.ndarray]) -> None:
+        """Put whole blocks' rows (`read_blocks`' form: an array per pool) into blocks
+        `block_ids`, between steps. Where the C kernels write K/V in place (`write_kv_in_c`),
+        copied in place the same way; otherwise through MLX, then evaluated."""
+        pools = self.kv_pools()
+        if len(arrays) != len(pools):
+            raise ValueError(f"{len(arrays)} arrays for {len(pools)} K/V pools")
+        if not block_ids:
+            return
+        ids = np.asarray(block_ids, np.int64)
+        if self.write_kv_in_c:
+            for (_, _, pool), a in zip(pools, arrays):
+                _raw_blocks(pool, self.block_size)[ids] = a
+            return
+        bs = self.block_size
+        slots = mx.array((ids[:, None] * bs + np.arange(bs)[None, :]).reshape(-1).astype(np.int32))
+        for (layer, kind, pool), a in zip(pools, arrays):
+            rows = mx.array(a.reshape(-1, *pool.shape[1:]))
+            if rows.dtype != pool.dtype:
+                rows = rows.view(pool.dtype)  # raw 2-byte rows
+            pool[slots] = rows  # the array object is updated: the runner's lists hold it
+        mx.eval(self.pool_arrays())
+
     def pool_arrays(self) -> list[mx.array]:
         """Every pool array once (an MLA layer's K and V pool are one array), recurrent
         state pools included."""
@@ -338,3 +388,13 @@ class ModelRunner:
             if a is not None:
                 seen.setdefault(id(a), a)
         return list(seen.values())
+
+
+def _raw_blocks(pool: mx.array, block_size: int) -> np.ndarray:
+    """A writable numpy view [num_blocks, block_size, ...] of an evaluated pool's memory, a
+    2-byte dtype as uint16 (numpy has no bfloat16), as `kernels.cpu.write_kv` views it."""
+    if pool.dtype.size == 2:
+        pool = pool.view(mx.uint16)
+    mx.eval(pool)
+    rows = np.asarray(memoryview(pool))
+    return rows.reshape(rows.shape[0] // block_size, block_size, *rows.shape[1:])

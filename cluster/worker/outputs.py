@@ -31,6 +31,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_cached_tokens_disk: int = 0  # of those, read back from the disk tier
     index: int = 0  # which of the request's n samples
     # with the first token, when asked: for each prompt token after the first, (its id,
     # its logprob given the tokens before it, the top alternatives [(id, logprob)])
@@ -59,6 +60,7 @@ def token_output(seq: Sequence, detok: IncrementalDetokenizer, tokens: list[int]
         num_prompt_tokens=seq.num_prompt_tokens,
         num_output_tokens=seq.num_output_tokens,
         num_cached_tokens=seq.num_cached_tokens,
+        num_cached_tokens_disk=seq.num_disk_tokens,
         error=verdict.error,
     )
     if seq.sampling_params.logprobs is not None:

@@ -8,7 +8,8 @@ Pure Python (no MLX). The policy, in order, each step:
    is left after reserving room for the short waiting prompts that fit whole this step
    (at most half the budget), so one long prompt cannot starve the short ones.
 3. Waiting requests, first come first served, admitted while there is budget, a free
-   sequence slot and KV blocks. A prompt whose whole prefill fits in what is left of the
+   sequence slot and KV blocks (one whose prefix is being read from disk waits aside:
+   `Sequence.kv_loading`, worker/kv_tier.py). A prompt whose whole prefill fits in what is left of the
    budget just runs. One that does not becomes a *partial* prefill, left mid-prefill
    after the step: at most `max_num_partial_prefills` prompts are partial at once and at
    most `max_long_partial_prefills` of them long (more than
@@ -211,6 +212,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_runnable(self) -> bool:
+        """Whether a step may do something now: a request that is not waiting for its
+        prefix to come back from disk."""
+        return bool(self.running) or any(not s.kv_loading for s in self.waiting)
+
     def is_long(self, seq: Sequence) -> bool:
         return seq.num_uncomputed_tokens > self.config.long_prefill_token_threshold
 
@@ -360,6 +366,9 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and len(skipped) < _LOOKAHEAD
                and (slots is None or slots.can_allocate())):
             seq = self.waiting[0]
+            if seq.kv_loading:  # its prefix is on its way from disk (kv_tier.py): the ones behind it start
+                skipped.append(self.waiting.popleft())
+                continue
             # prompt logprobs need every prompt row forwarded: no prefix-cache hit (vLLM's rule)
             # (and pooling that reads every position: pooling.py)
             computed = [] if seq.wants_prompt_logprobs or seq.skip_prefix_cache else bm.get_computed_blocks(seq)

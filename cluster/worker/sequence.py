@@ -46,6 +46,7 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission, for usage reports
+    num_disk_tokens: int = 0  # of those, read back from the disk tier (worker/kv_tier.py)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks (kv/hashing.py)
     state_slot: int = -1  # a hybrid model's recurrent-state slot while running (state_slots.py)
@@ -73,6 +74,10 @@ class Sequence:
     # part of token_ids until kept), and the proposer's and policy's state for the request
     spec_token_ids: list[int] = field(default_factory=list)
     spec_state: SpecState | None = None
+    # the disk tier (worker/kv_tier.py): its prefix is being read from disk (admission skips
+    # it meanwhile), and the length it was last looked up at (not looked up again until it grows)
+    kv_loading: bool = False
+    kv_probed_len: int = 0
 
     def __post_init__(self):
         self.token_ids = list(self.token_ids)

@@ -83,6 +83,7 @@ class WorkerService:
         self.pooling: EmbedScoreRequests | None = None  # its embed and score requests (set by start, for a pooler)
         self.group_stats = None  # a worker group's (set by start)
         self.group = None  # a worker group's rank 0 view (`GroupState`, set by start)
+        self.kv_tier = None  # the engine's disk tier, when it has one (set by start)
         self.tasks: tuple[str, ...] = (GENERATE,)
         self.features: tuple[str, ...] = ()  # per-request features it has (LoadReport.features)
         self._loaded = False  # its model is loaded (start)
@@ -105,6 +106,7 @@ class WorkerService:
         self.tasks = self.pooler.tasks if self.pooler is not None else (GENERATE,)
         self.features = (SPECULATIVE,) if getattr(engine, "speculator", None) is not None else ()
         self.stats = engine.stats
+        self.kv_tier = getattr(engine, "kv_tier", None)  # the disk tier (--kv-disk-dir)
         self._loaded = True
         group = getattr(engine, "group", None)  # rank 0 of a worker group (cluster/worker/group/)
         self.group_stats = group.stats if group is not None else None
@@ -122,13 +124,21 @@ class WorkerService:
                                          group=lambda: self.group_stats)
 
     async def stop(self) -> None:
-        """Stop the engine thread (live requests end as aborted), the tokenizer pool and the
-        render processes."""
+        """Stop the engine thread (live requests end as aborted), flush the disk tier's
+        queued writes, stop the tokenizer pool and the render processes."""
         await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop)
+        if self.kv_tier is not None:  # what waits to be written lands first (--kv-disk-flush-timeout)
+            await asyncio.get_running_loop().run_in_executor(None, self._close_kv_tier)
         if self.renders is not None:
             await self.renders.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _close_kv_tier(self) -> None:
+        if not self.kv_tier.flush():
+            log.warning("disk KV tier: writes still queued after %.0f s are abandoned",
+                        self.config.kv_disk_flush_timeout)
+        self.kv_tier.close()
 
     def on_engine_events(self, now: float, events: list) -> None:
         """Called on the engine thread: hop onto the event loop once per step."""
@@ -302,6 +312,8 @@ class WorkerService:
             unhealthy_reason=self.unhealthy_reason or self.stall_reason, state_slots_used=s.state_slots_used,
             state_slots_total=s.state_slots_total, tasks=self.tasks, group=self._group_info(),
             features=self.features, resident_bytes=self.resident_bytes(),
+            kv_disk=self.kv_tier.info() if self.kv_tier is not None else None,
+            prefill_tokens_per_second=s.prefill_tokens_per_second, queued_prefill_tokens=s.queued_prefill_tokens,
         )
 
     def resident_bytes(self) -> int:

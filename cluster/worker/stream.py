@@ -45,10 +45,12 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    cached_tokens_disk: int = 0  # of cached_tokens, read back from the disk tier
 
     def proto(self) -> pb.Usage:
         return pb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                        cached_tokens=self.cached_tokens, reasoning_tokens=self.reasoning_tokens)
+                        cached_tokens=self.cached_tokens, reasoning_tokens=self.reasoning_tokens,
+                        cached_tokens_disk=self.cached_tokens_disk)
 
 
 def engine_verdict(ev: Rejected | Failed) -> Exception:
@@ -205,4 +207,5 @@ class StreamAssembler:
             usage.reasoning_tokens += thinking.reasoning_tokens
         if out.index == 0 or out.finish_reason == "abort":
             usage.cached_tokens = min(out.num_cached_tokens, usage.prompt_tokens)
+            usage.cached_tokens_disk = min(out.num_cached_tokens_disk, usage.cached_tokens)
         return True

@@ -1,0 +1,217 @@
+"""The disk KV tier in the engine (cluster/worker/kv_tier.py): a prefix served from disk
+gives the tokens and logprobs of the same prefix served from memory, bit for bit, and the
+tokens of computing it; on the host path and the MLX path, after a restart and after an
+eviction; beside other requests, aborted while reading, refused for a hybrid model."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from cluster.modelgen import create_model
+from cluster.worker import kernels, kv_tier
+from cluster.worker.config import EngineConfig
+from cluster.worker.engine import Engine
+from cluster.worker.sampling_params import SamplingParams
+
+from tests import fake_kv_store
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.8, seed=1234, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kv-tier-models")
+    # llama and qwen3 run on the host path (host_forward.FAMILIES); olmo2 through MLX
+    return {arch: create_model(root / arch, arch, "tiny", seed=5) for arch in ("llama", "qwen3", "olmo2")}
+
+
+@pytest.fixture(autouse=True)
+def fake_store(monkeypatch):
+    """The engine's tier over the in-memory store (tests/fake_kv_store.py), emptied per test."""
+    fake_kv_store.DiskStore.stores.clear()
+    monkeypatch.setattr(kv_tier, "disk_backend", fake_kv_store.backend)
+    yield fake_kv_store.DiskStore.stores
+    fake_kv_store.DiskStore.stores.clear()
+
+
+def engine_on(path, disk_dir, **overrides) -> Engine:
+    cfg = EngineConfig(**{"num_kv_blocks": 64, "kv_disk_dir": str(disk_dir), **overrides})
+    engine = Engine.from_pretrained(path, cfg)
+    if engine.kv_tier is not None:
+        assert engine.kv_tier.wait_ready(60), "the tier did not open"
+    return engine
+
+
+def run(engine: Engine, prompt: list[int], params: SamplingParams, rid: str = "r") -> dict:
+    """One request to its end (the engine stepped as a worker's loop steps it, waiting on the
+    tier's reads when nothing else runs): its tokens, logprobs, top logprobs and usage."""
+    engine.add_request(rid, prompt, params)
+    out = {"tokens": [], "logprobs": [], "top": [], "cached": 0, "disk": 0}
+    while engine.has_unfinished():
+        if not engine.has_runnable():
+            assert engine.kv_tier.wait(30), "a disk read did not finish"
+        for o in engine.step():
+            if o.request_id != rid:
+                continue
+            out["tokens"] += o.new_token_ids
+            out["logprobs"] += o.logprobs or []
+            out["top"] += o.top_logprobs or []
+            out["cached"], out["disk"] = o.num_cached_tokens, o.num_cached_tokens_disk
+        engine.check_integrity()
+    return out
+
+
+def prompts(seed: int, prefix_len: int = 80, suffix_len: int = 21) -> tuple[list[int], list[int], list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 500) for _ in range(prefix_len)]
+    return (prefix + [rng.randrange(3, 500) for _ in range(suffix_len)],
+            prefix + [rng.randrange(3, 500) for _ in range(suffix_len)], prefix)
+
+
+def same(a: dict, b: dict) -> None:
+    assert a["tokens"] == b["tokens"]
+    assert a["logprobs"] == b["logprobs"]  # bit for bit
+    assert a["top"] == b["top"]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("arch,attention", [("llama", None), ("qwen3", None), ("olmo2", None),
+                                            ("olmo2", "reference")])
+def test_a_prefix_from_disk_after_a_restart_equals_it_from_memory(model_dirs, tmp_path, monkeypatch, arch,
+                                                                 attention, params):
+    if attention is not None:
+        monkeypatch.setattr(kernels, "_forced", attention)  # MLX's scatter writes the pool, not the C kernels
+    path = model_dirs[arch]
+    first, second, prefix = prompts(11)
+    warm = engine_on(path, tmp_path)
+    assert (warm.runner.host is not None) == (arch != "olmo2"), "the path under test"
+    run(warm, first, GREEDY, "first")
+    assert run(warm, second, GREEDY, "second")["cached"] == 80  # the shared prefix, from memory
+    from_memory = run(warm, second, params, "again")  # all its 6 full blocks, from memory
+    assert from_memory["cached"] == 96 and from_memory["disk"] == 0
+
+    restarted = engine_on(path, tmp_path)  # a new engine on the same directory
+    from_disk = run(restarted, second, params)
+    assert from_disk["cached"] == 96 and from_disk["disk"] == 96, "the prefix came from disk"
+    same(from_disk, from_memory)
+    assert restarted.kv_tier.stats.hit_tokens == 96
+
+    computed = run(engine_on(path, tmp_path, enable_prefix_caching=False), second, params)
+    assert computed["tokens"] == from_disk["tokens"]
+    assert computed["cached"] == 0
+
+
+def test_a_prefix_evicted_from_memory_is_read_back(model_dirs, tmp_path):
+    """A pool too small to keep the prefix: other prompts evict it, and it comes back from disk."""
+    path = model_dirs["llama"]
+    first, second, _ = prompts(12)
+    engine = engine_on(path, tmp_path, num_kv_blocks=24)
+    run(engine, first, GREEDY, "first")
+    for i in range(3):  # 3 x 7 blocks through a 24-block pool: the prefix's blocks are reused
+        run(engine, prompts(100 + i, prefix_len=96, suffix_len=10)[0], GREEDY, f"filler-{i}")
+    in_memory = len(engine.block_manager.get_computed_blocks(engine.admission.sequence(
+        "probe", second, GREEDY, (), None)))
+    assert in_memory < 5, "the prefix was meant to be evicted (its last blocks first)"
+    from_disk = run(engine, second, GREEDY, "second")
+    assert from_disk["cached"] == 80 and from_disk["disk"] == 80 - 16 * in_memory
+    reference = engine_on(path, tmp_path / "other", num_kv_blocks=64)
+    run(reference, first, GREEDY, "first")
+    same(from_disk, run(reference, second, GREEDY, "second"))
+
+
+def test_reads_beside_decoding_requests_leave_theirs_unchanged(model_dirs, tmp_path, fake_store):
+    path = model_dirs["qwen3"]
+    first, second, _ = prompts(13)
+    others = [prompts(200 + i, prefix_len=30, suffix_len=7)[0] for i in range(3)]
+    run(engine_on(path, tmp_path), first, GREEDY, "first")  # the prefix on disk
+
+    def alone(prompt):
+        return run(engine_on(path, tmp_path / "alone", enable_prefix_caching=True), prompt, GREEDY)
+
+    want = [alone(p)["tokens"] for p in others]
+    engine = engine_on(path, tmp_path)
+    gate = threading.Event()
+    engine.kv_tier.reader.gate = gate  # the read waits until the others decode
+    for i, p in enumerate(others):
+        engine.add_request(f"o{i}", p, GREEDY)
+    got = {f"o{i}": [] for i in range(3)}
+    for o in engine.step():  # the others' prefill
+        got[o.request_id] += o.new_token_ids
+    engine.add_request("loaded", second, GREEDY)
+    loaded = []
+    for _ in range(3):
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    assert engine.seqs["loaded"].kv_loading, "the load is in flight while the others step"
+    gate.set()
+    while engine.has_unfinished():
+        if not engine.has_runnable():
+            engine.kv_tier.wait(30)
+        for o in engine.step():
+            (loaded if o.request_id == "loaded" else got[o.request_id]).extend(o.new_token_ids)
+    assert [got[f"o{i}"] for i in range(3)] == want
+    assert engine.seqs == {} and len(loaded) == 12
+    assert engine.kv_tier.stats.hit_tokens == 80
+
+
+def test_an_abort_while_reading_drops_the_read(model_dirs, tmp_path):
+    path = model_dirs["llama"]
+    first, second, _ = prompts(14)
+    run(engine_on(path, tmp_path), first, GREEDY, "first")
+    engine = engine_on(path, tmp_path)
+    gate = threading.Event()
+    engine.kv_tier.reader.gate = gate
+    engine.add_request("loaded", second, GREEDY)
+    engine.step()
+    assert engine.kv_tier.loads_in_flight == 1 and not engine.has_runnable()
+    assert engine.abort("loaded")
+    gate.set()
+    assert engine.kv_tier.wait(30)
+    engine.step()
+    assert engine.kv_tier.loads_in_flight == 0 and not engine.has_unfinished()
+    assert engine.kv_tier.stats.hit_tokens == 0 and not engine.block_manager.cached
+    engine.check_integrity()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_corrupt_block_is_recomputed_and_the_output_is_right(model_dirs, tmp_path, fake_store):
+    path = model_dirs["qwen3"]
+    first, second, _ = prompts(15)
+    warm = engine_on(path, tmp_path)
+    run(warm, first, GREEDY, "first")
+    want = run(warm, second, GREEDY, "second")
+    (store,) = [s for s in fake_store.values()]
+    restarted = engine_on(path, tmp_path)
+    restarted.kv_tier.store.corrupt.add(list(store)[2])  # the prefix's third block
+    got = run(restarted, second, GREEDY)
+    assert got["disk"] == 32, "the two blocks before the bad one came from disk"
+    assert got["tokens"] == want["tokens"]
+
+
+def test_a_hybrid_model_has_the_tier_off_and_says_why(tmp_path):
+    path = create_model(tmp_path / "hybrid", "qwen3_next", "tiny", seed=2)
+    engine = Engine.from_pretrained(path, EngineConfig(num_kv_blocks=64, kv_disk_dir=str(tmp_path / "kv")))
+    info = engine.kv_tier.info()
+    assert not info.enabled and info.reason == kv_tier.RECURRENT_REASON
+    assert engine.generate([[5, 6, 7] * 20], GREEDY)[0]  # it serves, without the tier
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--kv-disk-size", "1000"], "--kv-disk-size must be at least 1 MiB, not 1000"),
+    (["--kv-disk-read-threads", "0"], "--kv-disk-read-threads must be in [1, 64], not 0"),
+    (["--group-size", "2", "--group-rank", "0", "--group-hosts", "127.0.0.1:1,127.0.0.1:2", "--join-token", "t"],
+     "the disk KV tier does not run in worker groups yet"),
+])
+def test_disk_flags_are_checked_before_the_model_loads(tmp_path, flags, says):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "worker", "serve", "--model", str(tmp_path / "none"),
+                           "--kv-disk-dir", str(tmp_path / "kv"), *flags], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 78, proc.stderr  # permanent: a launcher does not start it again as it is
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
