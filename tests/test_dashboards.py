@@ -28,6 +28,12 @@ WORKER_METRICS = {
     "orchard_prefix_cache_queries_total", "orchard_prefix_cache_hits_total", "orchard_request_success_total",
     "orchard_engine_stalls_total", "orchard_step_kv_cache_usage_ratio",
     "orchard_state_slots_used", "orchard_state_slots_total",  # a hybrid model's recurrent-state slots
+    # the prefix cache's tiers, and the disk tier's (--kv-disk-dir)
+    "orchard_kv_cache_hit_tokens_total", "orchard_kv_disk_enabled", "orchard_kv_disk_usage_bytes",
+    "orchard_kv_disk_budget_bytes", "orchard_kv_disk_bytes_written_total", "orchard_kv_disk_blocks_written_total",
+    "orchard_kv_disk_bytes_read_total", "orchard_kv_disk_evictions_total", "orchard_kv_disk_blocks_dropped_total",
+    "orchard_kv_disk_errors_total", "orchard_kv_disk_read_seconds", "orchard_kv_disk_write_queue_bytes",
+    "orchard_num_requests_loading",
     # speculative decoding's (vLLM's names)
     "orchard_spec_decode_num_drafts_total", "orchard_spec_decode_num_draft_tokens_total",
     "orchard_spec_decode_num_accepted_tokens_total", "orchard_spec_decode_num_accepted_tokens_per_pos_total",
