@@ -10,13 +10,12 @@ import threading
 
 import pytest
 
+from cluster.kv.hashing import block_hashes
 from cluster.modelgen import create_model
 from cluster.worker import kernels, kv_tier
 from cluster.worker.config import EngineConfig
 from cluster.worker.engine import Engine
 from cluster.worker.sampling_params import SamplingParams
-
-from tests import fake_kv_store
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.8, seed=1234, ignore_eos=True, logprobs=5)
@@ -29,13 +28,17 @@ def model_dirs(tmp_path_factory):
     return {arch: create_model(root / arch, arch, "tiny", seed=5) for arch in ("llama", "qwen3", "olmo2")}
 
 
-@pytest.fixture(autouse=True)
-def fake_store(monkeypatch):
-    """The engine's tier over the in-memory store (tests/fake_kv_store.py), emptied per test."""
-    fake_kv_store.DiskStore.stores.clear()
-    monkeypatch.setattr(kv_tier, "disk_backend", fake_kv_store.backend)
-    yield fake_kv_store.DiskStore.stores
-    fake_kv_store.DiskStore.stores.clear()
+def hold_reads(engine: Engine) -> threading.Event:
+    """The engine's disk reads wait (on a thread of their own) until the returned event is set."""
+    gate = threading.Event()
+    reader = engine.kv_tier.reader
+    submit = reader.submit
+
+    def held(entries, out, done):
+        threading.Thread(target=lambda: gate.wait(60) and submit(entries, out, done), daemon=True).start()
+
+    reader.submit = held
+    return gate
 
 
 def engine_on(path, disk_dir, **overrides) -> Engine:
@@ -44,6 +47,18 @@ def engine_on(path, disk_dir, **overrides) -> Engine:
     if engine.kv_tier is not None:
         assert engine.kv_tier.wait_ready(60), "the tier did not open"
     return engine
+
+
+def settled(engine: Engine) -> Engine:
+    """`engine` with its disk writes done (they are asynchronous): what a later request, or a
+    later engine on the same directory, reads."""
+    assert engine.kv_tier.flush(60), "the disk writes did not finish"
+    return engine
+
+
+def stopped(engine: Engine) -> None:
+    """`engine`'s tier flushed and closed, as a worker stops (its store's lock given back)."""
+    settled(engine).kv_tier.close()
 
 
 def run(engine: Engine, prompt: list[int], params: SamplingParams, rid: str = "r") -> dict:
@@ -63,6 +78,11 @@ def run(engine: Engine, prompt: list[int], params: SamplingParams, rid: str = "r
             out["cached"], out["disk"] = o.num_cached_tokens, o.num_cached_tokens_disk
         engine.check_integrity()
     return out
+
+
+def run_on(engine: Engine, prompt: list[int]) -> Engine:
+    run(engine, prompt, GREEDY, "earlier")
+    return engine
 
 
 def prompts(seed: int, prefix_len: int = 80, suffix_len: int = 21) -> tuple[list[int], list[int], list[int]]:
@@ -94,6 +114,7 @@ def test_a_prefix_from_disk_after_a_restart_equals_it_from_memory(model_dirs, tm
     from_memory = run(warm, second, params, "again")  # all its 6 full blocks, from memory
     assert from_memory["cached"] == 96 and from_memory["disk"] == 0
 
+    stopped(warm)
     restarted = engine_on(path, tmp_path)  # a new engine on the same directory
     from_disk = run(restarted, second, params)
     assert from_disk["cached"] == 96 and from_disk["disk"] == 96, "the prefix came from disk"
@@ -113,6 +134,7 @@ def test_a_prefix_evicted_from_memory_is_read_back(model_dirs, tmp_path):
     run(engine, first, GREEDY, "first")
     for i in range(3):  # 3 x 7 blocks through a 24-block pool: the prefix's blocks are reused
         run(engine, prompts(100 + i, prefix_len=96, suffix_len=10)[0], GREEDY, f"filler-{i}")
+    settled(engine)
     in_memory = len(engine.block_manager.get_computed_blocks(engine.admission.sequence(
         "probe", second, GREEDY, (), None)))
     assert in_memory < 5, "the prefix was meant to be evicted (its last blocks first)"
@@ -123,19 +145,18 @@ def test_a_prefix_evicted_from_memory_is_read_back(model_dirs, tmp_path):
     same(from_disk, run(reference, second, GREEDY, "second"))
 
 
-def test_reads_beside_decoding_requests_leave_theirs_unchanged(model_dirs, tmp_path, fake_store):
+def test_reads_beside_decoding_requests_leave_theirs_unchanged(model_dirs, tmp_path):
     path = model_dirs["qwen3"]
     first, second, _ = prompts(13)
     others = [prompts(200 + i, prefix_len=30, suffix_len=7)[0] for i in range(3)]
-    run(engine_on(path, tmp_path), first, GREEDY, "first")  # the prefix on disk
+    stopped(run_on(engine_on(path, tmp_path), first))  # the prefix on disk
 
     def alone(prompt):
         return run(engine_on(path, tmp_path / "alone", enable_prefix_caching=True), prompt, GREEDY)
 
     want = [alone(p)["tokens"] for p in others]
     engine = engine_on(path, tmp_path)
-    gate = threading.Event()
-    engine.kv_tier.reader.gate = gate  # the read waits until the others decode
+    gate = hold_reads(engine)  # the read waits until the others decode
     for i, p in enumerate(others):
         engine.add_request(f"o{i}", p, GREEDY)
     got = {f"o{i}": [] for i in range(3)}
@@ -161,10 +182,9 @@ def test_reads_beside_decoding_requests_leave_theirs_unchanged(model_dirs, tmp_p
 def test_an_abort_while_reading_drops_the_read(model_dirs, tmp_path):
     path = model_dirs["llama"]
     first, second, _ = prompts(14)
-    run(engine_on(path, tmp_path), first, GREEDY, "first")
+    stopped(run_on(engine_on(path, tmp_path), first))
     engine = engine_on(path, tmp_path)
-    gate = threading.Event()
-    engine.kv_tier.reader.gate = gate
+    gate = hold_reads(engine)
     engine.add_request("loaded", second, GREEDY)
     engine.step()
     assert engine.kv_tier.loads_in_flight == 1 and not engine.has_runnable()
@@ -178,18 +198,23 @@ def test_an_abort_while_reading_drops_the_read(model_dirs, tmp_path):
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_a_corrupt_block_is_recomputed_and_the_output_is_right(model_dirs, tmp_path, fake_store):
+def test_a_corrupt_block_is_recomputed_and_the_output_is_right(model_dirs, tmp_path, caplog):
     path = model_dirs["qwen3"]
     first, second, _ = prompts(15)
     warm = engine_on(path, tmp_path)
     run(warm, first, GREEDY, "first")
     want = run(warm, second, GREEDY, "second")
-    (store,) = [s for s in fake_store.values()]
+    bad = warm.kv_tier.store.path(block_hashes(second, 16)[2])  # the prefix's third block
+    stopped(warm)
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 0x40  # a flipped bit in its payload
+    bad.write_bytes(bytes(data))
     restarted = engine_on(path, tmp_path)
-    restarted.kv_tier.store.corrupt.add(list(store)[2])  # the prefix's third block
     got = run(restarted, second, GREEDY)
     assert got["disk"] == 32, "the two blocks before the bad one came from disk"
     assert got["tokens"] == want["tokens"]
+    assert restarted.kv_tier.counters()["errors"]["checksum"] == 1
+    assert any("checksum" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
 
 
 def test_a_hybrid_model_has_the_tier_off_and_says_why(tmp_path):

@@ -27,8 +27,7 @@ from cluster.worker.detokenizer import IncrementalDetokenizer
 from cluster.worker.engine_protocol import EngineProtocol
 from cluster.worker.dequantize import quantized_layers
 from cluster.worker.engine_stats import EngineStats
-from cluster.worker.kv_tier import (RECURRENT_REASON, KvTier, chain_listener, files_digest, model_identity,
-                                    params_digest)
+from cluster.worker.kv_tier import RECURRENT_REASON, KvTier, chain_listener, model_identity, params_digest
 from cluster.worker.model_runner import (ModelRunner, StepBatch, default_kv_budget, has_recurrent_layers,
                                          kv_bytes_per_block, load_model, text_args, weight_dtype)
 from cluster.worker.outputs import RequestOutput, pooled_output, token_output
@@ -145,13 +144,18 @@ class Engine(EngineProtocol):
         if not self.config.enable_prefix_caching:
             return KvTier(self.config, self.block_manager, self.runner, None,
                           reason="prefix caching is off (--no-prefix-caching)")
-        identity = model_identity(self.config, self.runner, bool(quantized_layers(model)))
+        identity = model_identity(self.runner, bool(quantized_layers(model)))
         if model_path is None:
             digest = params_digest(model)  # on this thread: MLX arrays stay on the engine's
             weights = lambda: digest  # noqa: E731
         else:
-            weights = lambda: files_digest(model_path)  # noqa: E731  (on the tier's own thread)
-        return KvTier(self.config, self.block_manager, self.runner, identity, weights)
+            from cluster.kv.identity import weights_digest
+
+            # on the tier's own thread (it reads every byte once; the sums are kept in the dir)
+            weights = lambda: weights_digest(model_path, cache_dir=self.config.kv_disk_dir)  # noqa: E731
+        tier = KvTier(self.config, self.block_manager, self.runner, identity, weights)
+        tier.disk_listeners.add(self.kv_journal.disk_listener())  # the disk tier's KV events
+        return tier
 
     def add_cache_listener(self, memory=None, disk=None) -> None:
         """Hear the prefix cache's tiers (the KV events journal): `memory` the block

@@ -106,7 +106,7 @@ class KvTierStats:
     # each load's read time, counted into READ_SECONDS_BUCKETS (the last: +Inf)
     read_seconds_counts: list = field(default_factory=lambda: [0] * (len(READ_SECONDS_BUCKETS) + 1))
     read_seconds_sum: float = 0.0
-    dropped_queue_full: int = 0  # blocks not offered: the writer's queue had no room
+    dropped_queue_full: int = 0  # blocks not even offered: the writer's queue had no room for them
     loading: int = 0  # requests waiting for their reads
     read_tokens_per_second: float = 0.0  # moving average over loads
 
@@ -219,8 +219,7 @@ class KvTier:
         rows = self.runner.read_blocks([bid for _, bid in picked])
         for j, (h, bid) in enumerate(picked):
             block = self.bm.blocks[bid]
-            if not writer.offer(h, block.parent_hash, block.token_ids, [a[j] for a in rows]):
-                self.stats.dropped_queue_full += 1
+            writer.offer(h, block.parent_hash, block.token_ids, [a[j] for a in rows])  # a drop: the store counts it
 
     # -- reads (engine thread, before the schedule) -------------------------------------------------
     def probe(self, waiting) -> None:
@@ -356,10 +355,11 @@ class KvTier:
         return self.writer.flush(self.config.kv_disk_flush_timeout if timeout is None else timeout)
 
     def close(self) -> None:
-        for part in (self.writer, self.reader):
-            close = getattr(part, "close", None)
-            if close is not None:
-                close()
+        """Stop the reader and writer threads (what is still queued is abandoned) and close
+        the store (its lock released)."""
+        for part in (self.writer, self.reader, self.store):
+            if part is not None:
+                part.close()
 
 
 def params_digest(model) -> str:
@@ -377,29 +377,15 @@ def params_digest(model) -> str:
     return h.hexdigest()
 
 
-def files_digest(path: str | Path) -> str:
-    """The sha256 of a model directory's files (the sorted (name, sha256) list, as the hub
-    lists them), or of a single file."""
-    from cluster.fleet import hub
-
-    path = Path(path)
-    h = hashlib.sha256()
-    if path.is_file():
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        return h.hexdigest()
-    for f in hub.files(path):
-        h.update(f"{f.path}\0{f.sha256}\n".encode())
-    return h.hexdigest()
-
-
-def model_identity(config: EngineConfig, runner, quantized: bool) -> dict:
-    """The facts of a model's K/V that a block's bytes depend on, but its weights' digest."""
+def model_identity(runner, quantized: bool) -> dict:
+    """The facts of a model's K/V that a block's bytes depend on (`KvIdentity`'s fields), but
+    its weights' digest: the block's layout, the dtypes, the owned layers' geometry and the
+    path that computes it (host or MLX, and the attention backend: exactness is per path)."""
     specs = [(s.layer, s.num_kv_heads, s.head_dim, s.latent) for s in runner.specs
              if s.owns_kv and s.layer in runner.stage.layers]
     return dict(
-        block_size=runner.block_size, kv_dtype=str(runner.kv_dtype).rpartition(".")[2],
+        block_size=runner.block_size, pool_layout=[(shape, dtype) for _, _, shape, dtype in runner.kv_pool_layout()],
+        kv_dtype=str(runner.kv_dtype).rpartition(".")[2],
         compute_dtype=str(runner.dtype).rpartition(".")[2], quantized=quantized, layers=specs,
         backend=("host" if runner.host is not None else "mlx") + "/" + runner.attention_backend,
     )
