@@ -6,6 +6,7 @@ The gRPC servicer, the OpenAI HTTP front and the server start-up are cluster/api
     registry.py      workers, their load reports and states; candidates by model, task and features
     policy.py        round_robin, least_loaded, prefix_aware (+ imbalance guard)
     prefix_index.py  chained prefix keys of prompts -> workers, LRU bounded
+    kv_map.py        the KV blocks each worker holds, per tier, replayed from its KV events (exact)
     proxy.py         RouterBackend (place, relay, retry, resume): the router's api Backend
     control.py       the `Router` service (RegisterWorker, Heartbeat, AddWorker, ...)
     metrics.py       orchard_router_* on the router's own Prometheus registry
