@@ -506,3 +506,53 @@ def test_the_bench_counts_events_snapshots_and_resyncs():
     summary = sampler.summarize({url: parse(exposition(10, 2, 1))})
     assert summary.kv_events == 7 and summary.kv_event_snapshots == 1
     assert summary.router_kv_resyncs_by_reason == {"gap": 1, "epoch": 0}
+
+
+def test_the_routers_map_holds_the_disk_tier_across_a_worker_restart(tiny_model_dir, tmp_path):
+    """With --kv-disk-dir the router's map holds the worker's disk blocks too (written
+    through as they are cached); a restarted worker's new epoch brings a snapshot in
+    which its memory is empty and its disk still holds the prompt: match says (0, n)."""
+    from cluster.router.config import RouterConfig
+    from cluster.router.server import RouterServer
+    from cluster.worker.config import EngineConfig, WorkerOptions
+    from cluster.worker.server import WorkerServer
+
+    async def main():
+        router = RouterServer(RouterConfig(grpc_address="127.0.0.1:0", http_address=None, metrics_address=None,
+                                           heartbeat_interval=0.2))
+        await router.start()
+        options = WorkerOptions(
+            model_path=str(tiny_model_dir),
+            engine_config=EngineConfig(num_kv_blocks=32, block_size=16, max_model_len=128,
+                                       kv_disk_dir=str(tmp_path / "kv")),
+            grpc_address="127.0.0.1:0", metrics_address=None, router=router.grpc_address, worker_id="w0",
+            heartbeat_interval=0.2)
+
+        async def start_worker() -> WorkerServer:
+            worker = WorkerServer(options)
+            await worker.start()
+            tier = worker.engine_loop.engine.kv_tier
+            assert await asyncio.to_thread(tier.wait_ready, 60) and tier.enabled, tier.reason
+            return worker
+
+        kv = router.registry.kv_map
+        prompt = list(range(1, 66))
+        hashes4 = block_hashes(prompt, 16)
+        worker = await start_worker()
+        try:
+            await _generate(worker.addresses["grpc"], prompt)
+            store = worker.engine_loop.engine.kv_tier.store
+            await _until(lambda: store.lookup(hashes4) == 4, "the prompt's blocks on disk")
+            await _until(lambda: kv.complete("w0") and kv.blocks("w0").get(DISK) == len(store),
+                         "the router's disk tier of the worker")
+            assert kv.match("w0", hashes4) == (4, 0)  # memory first
+            await worker.stop()
+            worker = await start_worker()  # a new process: nothing in memory, the same disk
+            await _until(lambda: kv.complete("w0") and kv.match("w0", hashes4) == (0, 4),
+                         "the restarted worker's disk blocks at the router")
+            assert kv._workers["w0"].epoch == worker.kv_journal.epoch
+        finally:
+            await worker.stop()
+            await router.stop(grace=0)
+
+    run(main(), 180)
