@@ -146,7 +146,7 @@ class PromptBuilder:
         early = sampling_params_from_proto(request, len(resume))  # the engine's ranges, before tokenizing
         if early is not None and early.structured is not None:
             await self._compile(early.structured, forced)
-        prompt = await self._prompt_token_ids(request)
+        prompt = await self.prompt_token_ids(request)
         self._check_length(len(prompt), len(resume))
         params = sampling_params_from_proto(request, len(resume), check_fits(request, len(prompt),
                                                                              self.max_model_len))
@@ -186,19 +186,23 @@ class PromptBuilder:
             raise InvalidRequest(f"the prompt has {what}, more than max_model_len={limit}: shorten it")
 
     # -- the prompt's tokens ------------------------------------------------------------
-    async def _prompt_token_ids(self, request: pb.GenerateRequest) -> list[int]:
-        """The prompt's token ids (a validated request has one of the three kinds)."""
+    async def prompt_token_ids(self, request: pb.GenerateRequest, max_chars: int | None = None) -> list[int]:
+        """The prompt's token ids (a validated request has one of the three kinds). The
+        router calls it too, to name a prompt's KV blocks as this worker will
+        (router/prompt_blocks.py), with `max_chars`: only the first `max_chars` characters of
+        the prompt's text are tokenized (its tokens then differ from the whole text's at
+        most near the cut). A chat the tokenizer renders its own way takes no `max_chars`."""
         which = request.WhichOneof("prompt")
         if which == "token_ids":
             return list(request.token_ids.ids)
         if which == "text":
-            return await self.encode(request.text)
+            return await self.encode(request.text[:max_chars])
         tools = parse_tools(request.tools) if tool_choice_mode(request) != "none" else None
         if self.renders is None:  # no Jinja template: the tokenizer's own rendering (trusted code)
             return await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_pool, self._apply_chat_template, request.chat.messages, tools, template_kwargs(request))
         text = await self._render_chat(request.chat.messages, tools or None, template_kwargs(request))
-        return await self.encode(text, add_special_tokens=False)
+        return await self.encode(text[:max_chars], add_special_tokens=False)
 
     async def _render_chat(self, messages, tools: list[dict] | None, kwargs: dict) -> str:
         """The chat's prompt text, rendered by the model's Jinja template in a render

@@ -65,6 +65,13 @@ class WorkerAdminServicer(pb_grpc.WorkerAdminServicer):
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
         return await self.server.set_draining(request.drain)
 
+    async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
+        files = self.server.service.tokenizer_files
+        if files is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker's tokenizer cannot be sent (it "
+                                "has no files, or they are over the size limit)")
+        return files
+
 
 # How long a thread may hold the GIL while another waits for it (Python's default: 5 ms).
 # The engine thread gives the GIL up at every MLX evaluation and C kernel call (a hundred

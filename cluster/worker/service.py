@@ -27,6 +27,7 @@ from typing import AsyncIterator, Callable
 from cluster.api.errors import AlreadyExists, NotFound, Unavailable
 from cluster.api.limits import RequestLimits, quoted
 from cluster.api.pooling import EMBED, GENERATE, SCORE, refuse_task
+from cluster.api.tokenizer_files import tokenizer_files
 from cluster.api.wire import SPECULATIVE, features_asked, refuse_features, validate_request
 from cluster.platform import process_memory
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
@@ -88,6 +89,7 @@ class WorkerService:
         self.features: tuple[str, ...] = ()  # per-request features it has (LoadReport.features)
         self._loaded = False  # its model is loaded (start)
         self._resident = (0.0, 0)  # (when read, bytes): the process's memory, read at most once a second
+        self.tokenizer_files = None  # GetTokenizer's answer (set by start; None: none can be sent)
 
     async def start(self, timeout: float | None = None) -> None:
         """Load the engine (on its thread) and route its events into the running loop."""
@@ -116,6 +118,8 @@ class WorkerService:
             self.renders.start()
         self.prompts = PromptBuilder(self.model_name, self.tokenizer, self.vocab_size, self.config.max_model_len,
                                      grammars, self.renders, self._pool, self._grammar_pool)
+        if GENERATE in self.tasks:  # for routers that hash prompts as this worker does (api/tokenizer_files.py)
+            self.tokenizer_files = await self._loop.run_in_executor(None, self._saved_tokenizer)
         if self.pooler is not None:
             self.pooling = EmbedScoreRequests(self.model_name, self.worker_id, self.pooler, self.tokenizer,
                                            self.vocab_size, self.config, self.limits, self._pool, self._run_pooled)
@@ -314,7 +318,15 @@ class WorkerService:
             features=self.features, resident_bytes=self.resident_bytes(),
             kv_disk=self.kv_tier.info() if self.kv_tier is not None else None,
             prefill_tokens_per_second=s.prefill_tokens_per_second, queued_prefill_tokens=s.queued_prefill_tokens,
+            tokenizer_digest=self.tokenizer_files.digest if self.tokenizer_files is not None else "",
         )
+
+    def _saved_tokenizer(self):
+        try:
+            return tokenizer_files(self.tokenizer, renders_jinja=self.renders is not None)
+        except Exception as e:  # routers then place this model's requests by their approximate map
+            log.warning("worker %s: its tokenizer cannot be sent to routers: %s", self.worker_id, e)
+            return None
 
     def resident_bytes(self) -> int:
         """The process's resident memory once its model is loaded (0 before), what the
