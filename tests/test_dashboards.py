@@ -50,6 +50,9 @@ ROUTER_METRICS = {
     "orchard_router_retry_budget_exhausted_total",
     "orchard_router_deadline_exceeded_total",
     "orchard_router_kv_events_applied_total", "orchard_router_kv_resyncs_total", "orchard_router_kv_map_blocks",
+    # placement by KV cache (router/prompt_blocks.py, policy.py's kv_aware)
+    "orchard_router_tokenize_seconds", "orchard_router_tokenize_fallbacks_total",
+    "orchard_router_predicted_cached_tokens_total", "orchard_router_actual_cached_tokens_total",
 }
 # a router with a catalog (`--catalog`): the fleet's
 FLEET_METRICS = {

@@ -4,10 +4,11 @@ proxy's configs take their defaults from here."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cluster.api.wire import RequestLimits
-from cluster.config import setting
+from cluster.config import ByteSize, setting
 from cluster.fleet.config import FleetConfig
 from cluster.security import SecurityConfig
 
@@ -19,6 +20,42 @@ def policy_names() -> list[str]:
 
 
 @dataclass(frozen=True)
+class KvRoutingConfig:
+    """How the router hashes prompts into the workers' KV block names and what it assumes
+    of a worker's speeds before the worker reports them (router/prompt_blocks.py, policy.py)."""
+
+    router_tokenize_threads: int = setting(2, "threads that tokenize prompts for placement by KV cache",
+                                           metavar="N")
+    router_tokenize_timeout: float = setting(
+        0.05, "a prompt not tokenized within this many seconds is placed by the approximate prefix map (its "
+              "tokens still fill the cache for the next request with that prompt)", metavar="SECONDS")
+    router_tokenize_max_tokens: int = setting(
+        131_072, "only a prompt's first this many tokens are hashed for placement (its text is cut at 4 "
+                 "characters a token)", metavar="TOKENS")
+    router_tokenize_cache: ByteSize = setting(ByteSize(64 << 20), "memory for prompts' block hashes, least "
+                                              "recently used dropped first (64MiB, 1GiB, ...)", metavar="SIZE")
+    tokenizer_cache: str = setting("~/.cache/orchard/tokenizers", "where the router keeps the tokenizers it "
+                                   "fetched from workers (by digest)", metavar="DIR")
+    kv_prefill_tps: float = setting(
+        2000.0, "prompt tokens a second a worker is assumed to prefill until it reports its own rate",
+        metavar="TOKENS")
+    kv_read_tps: float = setting(
+        50000.0, "prompt tokens a second a worker is assumed to read back from its disk KV tier until it reports "
+                 "its own rate", metavar="TOKENS")
+
+    def check(self) -> None:
+        """ValueError naming the flag, the limit and the value."""
+        for flag, value, least in (("--router-tokenize-threads", self.router_tokenize_threads, 1),
+                                   ("--router-tokenize-max-tokens", self.router_tokenize_max_tokens, 1)):
+            if value < least:
+                raise ValueError(f"{flag} must be at least {least}, got {value}")
+        for flag, value in (("--router-tokenize-timeout", self.router_tokenize_timeout),
+                            ("--kv-prefill-tps", self.kv_prefill_tps), ("--kv-read-tps", self.kv_read_tps)):
+            if not 0 < value < math.inf:
+                raise ValueError(f"{flag} must be a number > 0, got {value:g}")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     grpc_address: str = setting("127.0.0.1:50051", "gRPC address (Generation + Router services)", flag="--grpc")
     http_address: str | None = setting("127.0.0.1:8080", "OpenAI-compatible HTTP address, or off", flag="--http",
@@ -26,7 +63,9 @@ class RouterConfig:
     metrics_address: str | None = setting("127.0.0.1:9100", "Prometheus /metrics address, or off", flag="--metrics",
                                           off="off")  # None: no metrics endpoint
     console: str = setting("on", "the web console on the HTTP port, at / (on or off)", choices=("on", "off"))
-    policy: str = setting("prefix_aware", "how requests are placed on workers", choices=policy_names)
+    policy: str = setting("kv_aware", "how requests are placed on workers (kv_aware: by where each worker's KV "
+                          "cache holds the prompt, from its KV events; prefix_aware: by an approximate map of "
+                          "the prompts sent to each)", choices=policy_names)
     join_token: str = setting("", "workers must present it to register (empty: open)",
                               env="ORCHARD_JOIN_TOKEN")
     heartbeat_interval: float = setting(1.0, "seconds between heartbeats/polls")
@@ -59,3 +98,4 @@ class RouterConfig:
     limits: RequestLimits = setting(default_factory=RequestLimits, group="request limits")
     security: SecurityConfig = setting(default_factory=SecurityConfig, group="security")
     fleet: FleetConfig = setting(default_factory=FleetConfig, group="fleet (models loaded on demand on node agents)")
+    kv: KvRoutingConfig = setting(default_factory=KvRoutingConfig, group="placement by KV cache (--policy kv_aware)")

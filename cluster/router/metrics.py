@@ -21,6 +21,9 @@ FAILED = "failed"  # the worker failed; the request was placed again or resumed 
 ERROR = "error"  # an error went back to the client (bad request, or out of attempts)
 CANCELLED = "cancelled"  # the client went away
 NO_WORKER = "no_worker"  # nothing to place it on (worker label "none")
+# why a request was placed by the approximate map (orchard_router_tokenize_fallbacks_total)
+TOKENIZE_FALLBACKS = ("timeout", "no_tokenizer", "no_renderer", "busy", "error")
+TOKENIZE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
 class _WorkerGauges:
@@ -113,5 +116,30 @@ class RouterMetrics:
         )
         for kind in ("retry", "resume"):
             self.retries.labels(kind=kind)
+        # placement by KV cache (router/prompt_blocks.py, policy.py's kv_aware)
+        self.tokenize_seconds = Histogram(
+            "orchard_router_tokenize_seconds",
+            "Time a request waited for its prompt's KV block hashes before placement (at most "
+            "--router-tokenize-timeout)", buckets=TOKENIZE_BUCKETS, registry=r,
+        )
+        self.tokenize_fallbacks = Counter(
+            "orchard_router_tokenize_fallbacks_total",
+            "Requests placed by the approximate prefix map instead of their KV block hashes, by why",
+            ["reason"], registry=r,
+        )
+        for reason in TOKENIZE_FALLBACKS:
+            self.tokenize_fallbacks.labels(reason=reason)
+        self.predicted_cached_tokens = Counter(
+            "orchard_router_predicted_cached_tokens_total",
+            "Prompt tokens the KV-aware policy expected the chosen worker to hold, by tier (requests it placed "
+            "by their block hashes)", ["tier"], registry=r,
+        )
+        for tier in ("memory", "disk"):
+            self.predicted_cached_tokens.labels(tier=tier)
+        self.actual_cached_tokens = Counter(
+            "orchard_router_actual_cached_tokens_total",
+            "Prompt tokens the workers served from their KV caches (usage.cached_tokens) for the requests placed "
+            "by their block hashes", registry=r,
+        )
         r.register(_WorkerGauges(registry))
         r.register(_KvMapMetrics(registry))

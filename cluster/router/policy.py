@@ -4,7 +4,27 @@ Load of a worker (see `WorkerRecord.load`): its last report (running + waiting) 
 requests this router placed there since that report, and never less than this router's
 own in-flight count there. Reports arrive every second; the in-flight count is fresh.
 
-`prefix_aware` (the default), after SGLang's cache-aware routing, with an imbalance guard:
+`kv_aware` (the default) places a request where its prompt's KV blocks are, by what the
+workers say they hold (their KV events, `router/kv_map.py`), at the cost of each tier:
+
+    N = the prompt's tokens; per candidate w (bs its block size, the blocks hashed with its
+    tokenizer, router/prompt_blocks.py):
+    m, d     = leading blocks w holds in memory, then the next ones on its disk (KvMap.match;
+               0, 0 while w's map is resyncing); blocks this router placed there and w has not
+               reported yet count as in memory, so a burst with one prefix follows its first
+    miss     = N - (m + d) * bs                       tokens to prefill
+    t(w)     = (queued_prefill(w) + placed(w) + miss) / prefill_tps(w) + d * bs / read_tps(w)
+               queued_prefill: the prompt tokens w reports waiting or mid-prefill; placed: the
+               uncached tokens this router placed there since that report; the rates are w's
+               measured ones (LoadReport), else --kv-prefill-tps / --kv-read-tps
+    choose argmin t(w) over the w with not imbalanced(w, least), ties to the lower load
+
+So a session goes back to the worker that holds its context unless that worker's queue
+costs more than prefilling the context elsewhere, and never to one the imbalance guard
+below rules out. A request whose hashes are not known in time (no tokenizer yet, past the
+tokenizing deadline) is placed as `prefix_aware` places it; kv_aware keeps that map too.
+
+`prefix_aware`, after SGLang's cache-aware routing, with an imbalance guard:
 
     least    = argmin_w (load(w), kv_usage(w))
     affine   = argmax_w (matched(w), -load(w))     matched(w) = leading prompt chunks the
@@ -35,10 +55,14 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from cluster.router.config import KvRoutingConfig
 from cluster.router.prefix_index import PrefixIndex
+from cluster.router.prompt_blocks import Blocks
 
 
 class Candidate(Protocol):
@@ -51,20 +75,40 @@ class Candidate(Protocol):
     def kv_usage(self) -> float: ...
 
 
+@dataclass
+class PromptKeys:
+    """What a policy knows of a request's prompt: `approx`, its chained prefix keys
+    (`prefix_index.prompt_keys`); `blocks`, its KV block hashes as the workers name them
+    (None: not known in time). A policy notes what it expected of its choice: `predicted`,
+    per worker, (tokens in memory, tokens on disk); `credited`, per worker, the hashes it
+    counts as placed there until the choice is settled."""
+
+    approx: list[bytes] = field(default_factory=list)
+    blocks: Blocks | None = None
+    predicted: dict[str, tuple[int, int]] = field(default_factory=dict)
+    credited: dict[str, list[bytes]] = field(default_factory=dict)
+
+
+def approx_keys(keys: PromptKeys | list[bytes]) -> list[bytes]:
+    """The approximate keys (a bare list: those alone)."""
+    return keys.approx if isinstance(keys, PromptKeys) else keys
+
+
 class Policy(ABC):
     """Chooses a worker for a request; `candidates` is non-empty, healthy and serves the model.
 
-    `keys` are the prompt's chained prefix keys (`prefix_index.prompt_keys`). Each choice
-    is then `settled`, once: the worker accepted the request, or never will (prefix-aware
-    policies learn from it). Single-threaded: the router calls it from its event loop.
+    `keys` are what is known of the prompt (`PromptKeys`, or a bare list of its approximate
+    keys). Each choice is then `settled`, once, with the same keys: the worker accepted the
+    request, or never will (prefix-aware policies learn from it). Single-threaded: the
+    router calls it from its event loop.
     """
 
     name: str = ""
 
     @abstractmethod
-    def choose(self, candidates: Sequence[Candidate], keys: list[bytes]) -> Candidate: ...
+    def choose(self, candidates: Sequence[Candidate], keys: PromptKeys | list[bytes]) -> Candidate: ...
 
-    def settled(self, worker_id: str, keys: list[bytes], accepted: bool) -> None:
+    def settled(self, worker_id: str, keys: PromptKeys | list[bytes], accepted: bool) -> None:
         """The worker chosen for a request with these keys accepted it (its first chunk
         came) or never will (it refused the request, failed, or the client left first)."""
 
@@ -122,6 +166,7 @@ class PrefixAware(Policy):
         return gap > self.balance_abs_threshold and affine.load > self.balance_rel_threshold * least.load
 
     def choose(self, candidates, keys):
+        keys = approx_keys(keys)
         least = _least_loaded(candidates, next(self._tick))
         if not keys:
             return least
@@ -140,6 +185,7 @@ class PrefixAware(Policy):
         return min(eligible, key=lambda w: (self.index.held[w.worker_id], w.load, w is not least))
 
     def settled(self, worker_id, keys, accepted):
+        keys = approx_keys(keys)
         if keys:
             self.placing.remove(keys, worker_id)
             if accepted:
@@ -150,12 +196,124 @@ class PrefixAware(Policy):
         self.placing.remove_worker(worker_id)
 
 
-POLICIES = {cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAware)}
+class KvAware(PrefixAware):
+    """The module's `kv_aware`. `kv_map`: the workers' blocks by tier (`KvMap`: `match`,
+    `complete`; None: none known, every prompt a miss, placed by cost and load)."""
+
+    name = "kv_aware"
+
+    def __init__(self, balance_abs_threshold: float = 8, balance_rel_threshold: float = 1.5,
+                 min_match_chunks: int = 1, index: PrefixIndex | None = None, kv_map=None,
+                 prefill_tps: float = KvRoutingConfig.kv_prefill_tps, read_tps: float = KvRoutingConfig.kv_read_tps):
+        super().__init__(balance_abs_threshold, balance_rel_threshold, min_match_chunks, index)
+        self.kv_map = kv_map
+        self.prefill_tps = prefill_tps
+        self.read_tps = read_tps
+        self._placing: dict[str, Counter[bytes]] = {}  # chosen, not settled: hashes credited to the worker
+        self._accepted: dict[str, tuple[object, set[bytes]]] = {}  # settled since the worker's last report
+        self._placed: dict[str, tuple[object, int]] = {}  # uncached tokens placed since the worker's last report
+        self._seen: dict[str, Candidate] = {}  # the workers chosen, by id (their reports, at settling)
+
+    def choose(self, candidates, keys):
+        blocks = keys.blocks if isinstance(keys, PromptKeys) else None
+        if blocks is None or not blocks.num_tokens:
+            return super().choose(candidates, keys)
+        least = _least_loaded(candidates, next(self._tick))
+        eligible = [w for w in candidates if w is least or not self.imbalanced(w, least)]
+        costs = {w.worker_id: self._cost(w, blocks) for w in eligible}
+        chosen = min(eligible, key=lambda w: (costs[w.worker_id][0], w.load, w is not least))
+        _, memory, disk, hashes = costs[chosen.worker_id]
+        keys.predicted[chosen.worker_id] = (memory, disk)
+        keys.credited[chosen.worker_id] = hashes
+        self._seen[chosen.worker_id] = chosen
+        self._placing.setdefault(chosen.worker_id, Counter()).update(hashes)
+        report, placed = self._since_report(self._placed, chosen, 0)
+        self._placed[chosen.worker_id] = (report, placed + max(0, blocks.num_tokens - memory - disk))
+        if keys.approx:
+            self.placing.insert(keys.approx, chosen.worker_id)
+        return chosen
+
+    def cost(self, w: Candidate, blocks: Blocks) -> float:
+        """t(w): seconds until `w` could start the prompt's decode (the module's rule)."""
+        return self._cost(w, blocks)[0]
+
+    def _cost(self, w, blocks: Blocks) -> tuple[float, int, int, list[bytes]]:
+        """(t(w), tokens held in memory, tokens on disk, the hashes of w's block size)."""
+        report = w.report
+        bs = report.block_size
+        same = not blocks.digest or report.tokenizer_digest == blocks.digest
+        hashes = blocks.hashes.get(bs, []) if same and bs else []
+        m, d = self._match(w, hashes)
+        memory, disk = m * bs, d * bs
+        miss = max(0, blocks.num_tokens - memory - disk)
+        prefill = report.prefill_tokens_per_second or self.prefill_tps
+        read = report.kv_disk.read_tokens_per_second or self.read_tps
+        queued = report.queued_prefill_tokens + self._since_report(self._placed, w, 0)[1]
+        return (queued + miss) / prefill + disk / read, memory, disk, hashes
+
+    def _match(self, w, hashes: list[bytes]) -> tuple[int, int]:
+        """Leading blocks in memory, then on disk: the map's (if complete), and the blocks
+        this router placed on w that its reports do not show yet counted in memory."""
+        if not hashes:
+            return 0, 0
+        m = d = 0
+        if self.kv_map is not None and self.kv_map.complete(w.worker_id):
+            m, d = self.kv_map.match(w.worker_id, hashes)
+        placing = self._placing.get(w.worker_id, ())
+        accepted = self._since_report(self._accepted, w, set())[1]
+        credit = 0
+        for h in hashes:
+            if h not in placing and h not in accepted:
+                break
+            credit += 1
+        held = max(m + d, credit)
+        m = max(m, credit)
+        return m, held - m
+
+    def _since_report(self, table: dict, w, empty):
+        """A per-worker value kept until the worker's next report: (its report, the value)."""
+        entry = table.get(w.worker_id)
+        if entry is None or entry[0] is not w.report:
+            return w.report, empty
+        return entry
+
+    def settled(self, worker_id, keys, accepted):
+        super().settled(worker_id, keys, accepted)
+        hashes = keys.credited.pop(worker_id, None) if isinstance(keys, PromptKeys) else None
+        if not hashes:
+            return
+        placing = self._placing.get(worker_id)
+        if placing is not None:
+            placing.subtract(hashes)
+            for h in hashes:
+                if placing[h] <= 0:
+                    del placing[h]
+        if accepted:  # its blocks are computed there: counted until the report that carries their events
+            report, held = self._accepted.get(worker_id, (None, set()))
+            record = self._seen.get(worker_id)
+            if record is not None and record.report is not report:
+                report, held = record.report, set()
+            held.update(hashes)
+            self._accepted[worker_id] = (report, held)
+
+    def forget(self, worker_id):
+        super().forget(worker_id)
+        for table in (self._placing, self._accepted, self._placed, self._seen):
+            table.pop(worker_id, None)
+
+
+POLICIES = {cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAware, KvAware)}
 
 
 def make_policy(name: str, **kwargs) -> Policy:
+    """The policy called `name`; `kwargs` go to the prefix-aware ones (KvAware: `kv_map`,
+    `prefill_tps`, `read_tps` too)."""
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}") from None
-    return cls(**kwargs) if cls is PrefixAware else cls()
+    if cls is KvAware:
+        return cls(**kwargs)
+    if cls is PrefixAware:
+        return cls(**{k: v for k, v in kwargs.items() if k not in ("kv_map", "prefill_tps", "read_tps")})
+    return cls()

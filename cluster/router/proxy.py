@@ -71,8 +71,9 @@ from cluster.router import metrics as m
 from cluster.router import recent
 from cluster.router.breaker import RetryBudget, backoff
 from cluster.router.config import RouterConfig
-from cluster.router.policy import Policy, PrefixAware
+from cluster.router.policy import KvAware, Policy, PrefixAware, PromptKeys
 from cluster.router.prefix_index import prompt_keys
+from cluster.router.prompt_blocks import PromptBlocks
 from cluster.router.registry import HEALTHY, Registry, RegistryError
 
 if TYPE_CHECKING:
@@ -287,9 +288,12 @@ class RouterBackend:
     servicer and the OpenAI HTTP front both sit on it."""
 
     def __init__(self, registry: Registry, policy: Policy, metrics: m.RouterMetrics,
-                 config: ProxyConfig = ProxyConfig(), fleet: FleetController | None = None):
+                 config: ProxyConfig = ProxyConfig(), fleet: FleetController | None = None,
+                 prompt_blocks: PromptBlocks | None = None):
         self.registry = registry
         self.policy = policy
+        # a prompt's KV block hashes for the kv_aware policy (None: placed by the approximate map)
+        self.prompt_blocks = prompt_blocks if isinstance(policy, KvAware) else None
         self.metrics = metrics
         self.config = config
         self.fleet = fleet  # loads catalog models on demand (None: no fleet)
@@ -382,7 +386,8 @@ class RouterBackend:
                         record: recent.RequestRecord) -> AsyncIterator[pb.GenerateResponse]:
         tries, upstream = self._begin(request, validate_request, timeout)  # refused there, before any placement
         record.request_id = tries.rid
-        keys = prompt_keys(request) if isinstance(self.policy, PrefixAware) else []
+        keys = PromptKeys(prompt_keys(request) if isinstance(self.policy, PrefixAware) else [])
+        hash_blocks = self.prompt_blocks is not None  # once, for the first attempt's workers
         progress = _Progress(num_choices(request), list(request.resume_token_ids), tries.t0, record=record)
         moves, just_moved = 0, False  # times moved off a lagging worker before its first chunk (no attempts)
         features = features_asked(request)  # placed only where a worker has them
@@ -395,6 +400,9 @@ class RouterBackend:
                 failure = tries.failure
                 raise errors.Unavailable(f"the worker failed ({failure.code.name}: {failure.details}) after tokens "
                                          "were sent, and a request with n > 1 cannot be resumed: retry it")
+            if hash_blocks:
+                hash_blocks = False
+                keys.blocks = await self.prompt_blocks.keys(request, pool)
             worker = self.policy.choose(pool, keys)  # settled by the attempt, whatever happens to it
             epoch, breaker = worker.epoch, worker.breaker  # this process's (a restart gets new ones)
             breaker.on_start()
@@ -450,6 +458,7 @@ class RouterBackend:
                     # counted before the last yield: the consumer may stop reading at it
                     outcome = m.SUCCESS
                     self.metrics.e2e.observe(time.perf_counter() - progress.t0)
+                    self._count_cached(keys, worker.worker_id, chunk)
                     yield chunk
                     return
                 yield chunk
@@ -473,6 +482,17 @@ class RouterBackend:
             # (No-op once it finished; reaches it if the client left.)
             self._judge(worker, breaker, outcome if stream.abandoned is None else None)
             self.metrics.requests.labels(worker=worker.worker_id, outcome=outcome).inc()
+
+    def _count_cached(self, keys: PromptKeys, worker_id: str, chunk: pb.GenerateResponse) -> None:
+        """A request placed by its block hashes finished: the cached tokens the policy
+        expected of the worker that served it, and those the worker served (its usage), both
+        counted here so that the two totals cover the same requests."""
+        predicted = keys.predicted.get(worker_id)
+        if predicted is None:
+            return
+        self.metrics.predicted_cached_tokens.labels(tier="memory").inc(predicted[0])
+        self.metrics.predicted_cached_tokens.labels(tier="disk").inc(predicted[1])
+        self.metrics.actual_cached_tokens.inc(chunk.usage.cached_tokens)
 
     async def embed(self, request: pb.EmbedRequest, timeout: float | None = None) -> pb.EmbedResponse:
         """An embedding request, placed by load on a worker whose model serves embeddings;

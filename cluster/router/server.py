@@ -29,6 +29,7 @@ from cluster.router.config import RouterConfig
 from cluster.router.control import RouterControl
 from cluster.router.metrics import RouterMetrics
 from cluster.router.policy import make_policy
+from cluster.router.prompt_blocks import PromptBlocks
 from cluster.router.proxy import ProxyConfig, RouterBackend
 from cluster.router.registry import Registry, RegistryConfig
 
@@ -42,7 +43,6 @@ class RouterServer:
         """`node_side`: where the fleet's controller starts workers (default: the node
         agents that register here; `orchard ray up --catalog`: Ray's nodes)."""
         self.config = config
-        self.policy = make_policy(config.policy)
         self.registry = Registry(
             RegistryConfig(
                 join_token=config.join_token,
@@ -53,21 +53,24 @@ class RouterServer:
                 circuit_cooldown=config.circuit_cooldown,
                 stream_idle_timeout=config.stream_idle_timeout,
             ),
-            on_remove=self.policy.forget,
+            on_remove=lambda worker_id: self.policy.forget(worker_id),
             security=config.security.client(),
             bind_identities=config.security.mutual,
         )
+        self.policy = make_policy(config.policy, kv_map=getattr(self.registry, "kv_map", None),
+                                  prefill_tps=config.kv.kv_prefill_tps, read_tps=config.kv.kv_read_tps)
         # the fleet's node agents (cluster/fleet): the controller places models through `agent_nodes`
         self.nodes = NodeRegistry(self.registry.config, bind_identities=config.security.mutual)
         self.agent_nodes = AgentNodes(self.nodes, config.security.client(), config.join_token)
         self.node_side = node_side or self.agent_nodes
         self.metrics = RouterMetrics(self.registry)
+        self.prompt_blocks = PromptBlocks(config.kv, self.metrics)  # for kv_aware (lazy: no thread until used)
         self.controller = self._controller(config)
         self.fleet = FleetServicer(self.nodes, None if self.controller is None else self.controller.rpcs(),
                                    self.node_side)
         self.backend = RouterBackend(self.registry, self.policy, self.metrics, ProxyConfig(
             config.max_attempts, config.worker_wait, config.stream_idle_timeout, config.resume_wait,
-            config.max_held, config.limits), fleet=self.controller)
+            config.max_held, config.limits), fleet=self.controller, prompt_blocks=self.prompt_blocks)
         self.endpoints = Endpoints(default_host=ALL_INTERFACES, health_services=("", GENERATION_SERVICE),
                                    security=config.security)
         self._stop = asyncio.Event()
@@ -189,6 +192,7 @@ class RouterServer:
         if self.controller is not None:
             self.controller.catalog.close()
         await self.registry.close()
+        await self.prompt_blocks.close()
 
     async def wait(self) -> None:
         await self._stop.wait()
@@ -217,6 +221,7 @@ def run(config: RouterConfig) -> int:
         check_addresses(config.grpc_address, config.http_address, config.metrics_address, *config.static_workers)
         config.security.check()
         config.fleet.check()
+        config.kv.check()
     except ValueError as e:
         print(f"orchard router serve: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,398 @@
+"""Placement by where the KV cache is: the router hashes a prompt's blocks as the worker
+does (router/prompt_blocks.py, over the worker's own tokenizer files and prompt code), and
+`kv_aware` (router/policy.py) weighs memory, disk and misses against each worker's queue.
+
+Oracles: the worker's own `PromptBuilder` over mlx-lm's tokenizer wrapper (what the engine
+gets) for the hashes; a scripted KV map (`FakeKvMap`: the `KvMap.match` / `complete`
+contract) for the policy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from cluster.api.tokenizer_files import (PROMPT_FILE, TokenizerFilesError, check_files, files_digest,
+                                         tokenizer_files, write_files)
+from cluster.kv.hashing import block_hashes
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.router.config import KvRoutingConfig
+from cluster.router.policy import KvAware, PrefixAware, PromptKeys, make_policy
+from cluster.router.prefix_index import prompt_keys
+from cluster.router.prompt_blocks import Blocks, PromptBlocks, _Model
+from cluster.router.registry import WorkerRecord
+from tests.conftest import run
+
+ROOT = Path(__file__).resolve().parent.parent
+BS = 16
+TOOLS = json.dumps([{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}])
+
+
+class FakeAdmin:
+    """A worker's WorkerAdmin as far as GetTokenizer goes."""
+
+    def __init__(self, files: pb.TokenizerFiles):
+        self.files = files
+        self.calls = 0
+
+    async def GetTokenizer(self, request, timeout=None):
+        self.calls += 1
+        return self.files
+
+
+def record(worker_id: str, digest: str = "", admin=None, **report) -> WorkerRecord:
+    report.setdefault("block_size", BS)
+    w = WorkerRecord(worker_id, f"{worker_id}:1", report=pb.LoadReport(worker_id=worker_id, model="m",
+                                                                       tokenizer_digest=digest, **report))
+    w.admin = admin
+    return w
+
+
+def chat_request(tools: str = "") -> pb.GenerateRequest:
+    req = pb.GenerateRequest(model="m", tools=tools)
+    req.chat.messages.add(role="system", content="You are a careful orchard assistant. " * 30)
+    req.chat.messages.add(role="user", content="Which apples keep best over winter, and why? " * 8)
+    req.chat.messages.add(role="assistant", content="Late keepers with thick skins.", reasoning="They store.")
+    req.chat.messages.add(role="user", content="And pears?")
+    return req
+
+
+# -- the hashes: the router's equal the worker's ----------------------------------------------
+@pytest.fixture(scope="module")
+def thinking_model_dir(tmp_path_factory) -> Path:
+    """A tiny qwen3 with Qwen3's real chat template (tools, thinking: enable_thinking)."""
+    from cluster.modelgen import create_model
+
+    return create_model(tmp_path_factory.mktemp("qwen3-chat") / "m", "qwen3", "tiny", seed=0, chat="qwen3")
+
+
+@pytest.mark.parametrize("model, kind", [("tiny", "text"), ("tiny", "chat"), ("thinking", "chat_tools"),
+                                         ("thinking", "chat")])
+def test_prompt_blocks_hash_a_prompt_as_the_worker_does(model, kind, tiny_model_dir, thinking_model_dir, tmp_path):
+    from mlx_lm.utils import load_tokenizer
+
+    from cluster.worker.chat_render import RenderPool, jinja_tokenizer
+    from cluster.worker.prompt import PromptBuilder
+
+    wrapper = load_tokenizer(tiny_model_dir if model == "tiny" else thinking_model_dir)
+    files = tokenizer_files(wrapper, renders_jinja=jinja_tokenizer(wrapper) is not None)
+    if kind == "text":
+        request = pb.GenerateRequest(model="m", text="An orchard in spring: blossom, bees and frost. " * 40)
+    else:
+        request = chat_request(TOOLS if kind == "chat_tools" else "")
+
+    async def main():
+        pool = ThreadPoolExecutor(2)
+        renders = RenderPool()
+        renders.start()
+        blocks = PromptBlocks(KvRoutingConfig(router_tokenize_timeout=60, tokenizer_cache=str(tmp_path)))
+        try:
+            worker = PromptBuilder("m", wrapper, len(wrapper), 1 << 20, None, renders, pool, pool)
+            ids = await worker.prompt_token_ids(request)
+            workers = [record("a", files.digest, FakeAdmin(files), block_size=BS),
+                       record("b", files.digest, FakeAdmin(files), block_size=32)]
+            assert await blocks.keys(request, workers) is None  # no tokenizer yet: fetched now
+            await _until_loaded(blocks)
+            got = await blocks.keys(request, workers)
+        finally:
+            await blocks.close()
+            await renders.close()
+            pool.shutdown()
+        return ids, got
+
+    ids, got = run(main())
+    assert len(ids) > 4 * BS
+    assert got.num_tokens == len(ids) and got.digest == files.digest
+    assert got.hashes == {BS: block_hashes(ids, BS), 32: block_hashes(ids, 32)}
+    assert (tmp_path / files.digest / "tokenizer.json").is_file()  # kept for the next start, by digest
+
+
+async def _until_loaded(blocks: PromptBlocks, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not blocks._models:
+        assert blocks._fetching or blocks._models, "the fetch failed"
+        assert time.monotonic() < deadline, "the tokenizer was not loaded in time"
+        await asyncio.sleep(0.05)
+
+
+def test_token_id_prompts_need_no_tokenizer_and_long_ones_are_cut():
+    blocks = PromptBlocks(KvRoutingConfig(router_tokenize_max_tokens=40 * BS, router_tokenize_timeout=60))
+    ids = list(range(10 * BS + 3))
+    request = pb.GenerateRequest(model="m", token_ids=pb.TokenIds(ids=ids))
+
+    async def main():
+        try:
+            short = await blocks.keys(request, [record("a")])
+            request.token_ids.ids.extend(range(100 * BS))
+            long = await blocks.keys(request, [record("a")])
+        finally:
+            await blocks.close()
+        return short, long
+
+    short, long = run(main())
+    assert short == Blocks(len(ids), {BS: block_hashes(ids, BS)})
+    assert long.num_tokens == 40 * BS and long.hashes[BS] == block_hashes(list(request.token_ids.ids), BS, 40)
+
+
+class SlowBuilder:
+    """The worker's prompt code, slow (a long render): its ids after `delay` seconds."""
+
+    def __init__(self, ids: list[int], delay: float):
+        self.ids, self.delay, self.calls = ids, delay, 0
+
+    async def prompt_token_ids(self, request, max_chars=None):
+        self.calls += 1
+        await asyncio.sleep(self.delay)
+        return self.ids
+
+
+def test_past_the_deadline_the_approximate_map_places_it_and_the_result_fills_the_cache():
+    from cluster.router.metrics import RouterMetrics
+    from cluster.router.registry import Registry
+
+    metrics = RouterMetrics(Registry(connect=False))
+    blocks = PromptBlocks(KvRoutingConfig(router_tokenize_timeout=0.01), metrics)
+    ids = list(range(8 * BS))
+    slow = SlowBuilder(ids, delay=0.5)
+    blocks._models[("m", "d1")] = _Model(slow, chats=True)
+    request = pb.GenerateRequest(model="m", text="the same long prompt")
+    workers = [record("a", "d1")]
+
+    async def main():
+        try:
+            late = await blocks.keys(request, workers)
+            await asyncio.sleep(0.01)
+            deadline = time.monotonic() + 60
+            while not blocks._cache and time.monotonic() < deadline:  # it finishes in the background
+                await asyncio.sleep(0.05)
+            again = await blocks.keys(request, workers)  # from the cache: no second tokenization
+        finally:
+            await blocks.close()
+        return late, again
+
+    late, again = run(main())
+    assert late is None and slow.calls == 1
+    assert again == Blocks(len(ids), {BS: block_hashes(ids, BS)}, "d1")
+    assert metrics.tokenize_fallbacks.labels(reason="timeout")._value.get() == 1
+
+    # and the policy, without hashes, places it by the approximate map as prefix_aware would
+    policy, baseline = KvAware(), PrefixAware()
+    a, b = record("a"), record("b")
+    keys = prompt_keys(pb.GenerateRequest(model="m", text="system: a long shared prefix. " * 20))
+    for p in (policy, baseline):
+        p.settled("b", keys, accepted=True)
+    assert policy.choose([a, b], PromptKeys(keys)).worker_id == baseline.choose([a, b], keys).worker_id == "b"
+
+
+def test_no_tokenizer_reported_or_a_chat_the_router_cannot_render_falls_back():
+    blocks = PromptBlocks(KvRoutingConfig())
+    blocks._models[("m", "d1")] = _Model(SlowBuilder([1] * 64, 0), chats=False)
+
+    async def main():
+        try:
+            return (await blocks.keys(chat_request(), [record("a")]),  # no digest reported
+                    await blocks.keys(chat_request(), [record("a", "d1")]))  # renders its own way
+        finally:
+            await blocks.close()
+
+    assert run(main()) == (None, None)
+
+
+def test_tokenizer_files_are_checked_before_use(tmp_path):
+    good = pb.TokenizerFiles(files=[pb.TokenizerFile(name=PROMPT_FILE, data=b"{}"),
+                                    pb.TokenizerFile(name="tokenizer.json", data=b"{}")])
+    good.digest = files_digest(good.files)
+    check_files(good, good.digest)
+    with pytest.raises(TokenizerFilesError, match="digest"):
+        check_files(good, "0" * 64)
+    evil = pb.TokenizerFiles(files=[*good.files, pb.TokenizerFile(name="../escape", data=b"x")])
+    evil.digest = files_digest(evil.files)
+    with pytest.raises(TokenizerFilesError, match="plain file name"):
+        check_files(evil, evil.digest)
+
+
+def test_a_worker_sends_its_tokenizer_and_reports_its_digest(tiny_worker, tmp_path):
+    import grpc
+
+    from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+    from cluster.router.prompt_blocks import load_tokenizer
+
+    with grpc.insecure_channel(tiny_worker.grpc) as channel:
+        admin = pb_grpc.WorkerAdminStub(channel)
+        files = admin.GetTokenizer(pb.GetTokenizerRequest(), timeout=60)
+        report = admin.GetLoad(pb.GetLoadRequest(), timeout=60)
+    assert files.digest and report.tokenizer_digest == files.digest
+    check_files(files, report.tokenizer_digest)
+    write_files(tmp_path, files)
+    model = load_tokenizer(tmp_path, "m", ThreadPoolExecutor(1), renders=None)
+    assert model.chats and len(model.builder.tokenizer) > 0
+
+
+def test_the_router_hashes_a_chat_without_importing_mlx(tiny_model_dir, tmp_path):
+    """The router's tokenizer path (files, the worker's prompt code, a render process)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    write_files(tmp_path, tokenizer_files(hf, renders_jinja=True))
+    code = f"""
+import asyncio, sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from cluster.proto.orchard.v1 import orchard_pb2 as pb
+import cluster.router.server
+from cluster.router.prompt_blocks import load_tokenizer
+from cluster.worker.chat_render import RenderPool
+
+async def main():
+    renders = RenderPool()
+    renders.start()
+    model = load_tokenizer(Path({str(tmp_path)!r}), "m", ThreadPoolExecutor(1), renders)
+    req = pb.GenerateRequest(model="m")
+    req.chat.messages.add(role="user", content="hello " * 50)
+    ids = await model.builder.prompt_token_ids(req)
+    await renders.close()
+    print(len(ids) > 50, "mlx" in sys.modules, any(m.startswith("mlx") for m in sys.modules))
+
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False", "False"], out.stdout + out.stderr
+
+
+# -- the policy ---------------------------------------------------------------------------------
+class FakeKvMap:
+    """`KvMap`'s contract: per worker, the hashes in memory and on disk, and whether its map
+    is complete (not resyncing)."""
+
+    def __init__(self):
+        self.memory: dict[str, set] = {}
+        self.disk: dict[str, set] = {}
+        self.incomplete: set[str] = set()
+
+    def hold(self, worker_id: str, memory=(), disk=()):
+        self.memory.setdefault(worker_id, set()).update(memory)
+        self.disk.setdefault(worker_id, set()).update(disk)
+
+    def complete(self, worker_id: str) -> bool:
+        return worker_id not in self.incomplete
+
+    def match(self, worker_id: str, hashes: list[bytes]) -> tuple[int, int]:
+        memory, disk = self.memory.get(worker_id, set()), self.disk.get(worker_id, set())
+        m = 0
+        while m < len(hashes) and hashes[m] in memory:
+            m += 1
+        d = 0
+        while m + d < len(hashes) and hashes[m + d] in disk:
+            d += 1
+        return m, d
+
+
+IDS = list(range(64 * BS))  # a 1,024-token prompt
+HASHES = block_hashes(IDS, BS)
+
+
+def keys_of(ids=IDS) -> PromptKeys:
+    return PromptKeys(approx=[], blocks=Blocks(len(ids), {BS: block_hashes(ids, BS)}, "d1"))
+
+
+def test_kv_aware_prefers_memory_to_disk_to_a_miss():
+    kv = FakeKvMap()
+    policy = KvAware(kv_map=kv, prefill_tps=1000, read_tps=50_000)
+    memory, disk, miss = record("memory", "d1"), record("disk", "d1"), record("miss", "d1")
+    kv.hold("memory", memory=HASHES)
+    kv.hold("disk", disk=HASHES)
+    assert policy.choose([miss, disk, memory], keys_of()).worker_id == "memory"
+    policy.forget("memory")  # (its in-flight credit gone with it)
+    assert policy.choose([miss, disk], keys_of()).worker_id == "disk"
+    keys = keys_of()
+    assert policy.choose([miss], keys).worker_id == "miss" and keys.predicted["miss"] == (0, 0)
+    # a prefix half in memory, half on disk beats one all on disk
+    kv.hold("half", memory=HASHES[:32], disk=HASHES[32:])
+    keys = keys_of()
+    policy = KvAware(kv_map=kv, prefill_tps=1000, read_tps=50_000)
+    assert policy.choose([record("disk", "d1"), record("half", "d1")], keys).worker_id == "half"
+    assert keys.predicted["half"] == (32 * BS, 32 * BS)
+
+
+def test_kv_aware_passes_a_holder_too_busy_to_pay():
+    kv = FakeKvMap()
+    policy = KvAware(kv_map=kv, prefill_tps=1000)
+    kv.hold("holder", memory=HASHES)
+    # its queue costs 5 s of prefill; prefilling the prompt elsewhere costs about 1 s
+    busy = record("holder", "d1", queued_prefill_tokens=5000, num_running=2)
+    assert policy.choose([busy, record("idle", "d1", num_running=2)], keys_of()).worker_id == "idle"
+    # a shorter queue than the prompt's prefill: the holder still wins
+    policy = KvAware(kv_map=kv, prefill_tps=1000)
+    assert policy.choose([record("holder", "d1", queued_prefill_tokens=500), record("idle", "d1")],
+                         keys_of()).worker_id == "holder"
+    # a worker's own measured rate counts over the flag's: a fast holder pays its queue
+    policy = KvAware(kv_map=kv, prefill_tps=1000)
+    fast = record("holder", "d1", queued_prefill_tokens=5000, prefill_tokens_per_second=100_000)
+    assert policy.choose([fast, record("idle", "d1")], keys_of()).worker_id == "holder"
+
+
+def test_kv_aware_keeps_the_imbalance_guard():
+    kv = FakeKvMap()
+    kv.hold("holder", memory=HASHES)
+    policy = KvAware(kv_map=kv)
+    piled = record("holder", "d1", num_running=30)
+    assert policy.choose([piled, record("idle", "d1", num_running=2)], keys_of()).worker_id == "idle"
+
+
+def test_kv_aware_ignores_a_resyncing_map_and_another_tokenizer():
+    kv = FakeKvMap()
+    kv.hold("holder", memory=HASHES)
+    kv.incomplete.add("holder")
+    assert KvAware(kv_map=kv).choose([record("holder", "d1", num_running=1), record("other", "d1")],
+                                     keys_of()).worker_id == "other"
+    kv.incomplete.clear()
+    assert KvAware(kv_map=kv).choose([record("holder", "d1", num_running=1), record("other", "d1")],
+                                     keys_of()).worker_id == "holder"
+    # hashes made with another tokenizer than the holder's name none of its blocks
+    assert KvAware(kv_map=kv).choose([record("holder", "d2", num_running=1), record("other", "d1")],
+                                     keys_of()).worker_id == "other"
+
+
+def test_a_burst_follows_its_first_request_until_the_events_arrive():
+    kv = FakeKvMap()
+    policy = KvAware(kv_map=kv)
+    a, b = record("a", "d1"), record("b", "d1", num_running=1)
+    first = keys_of()
+    assert policy.choose([a, b], first).worker_id == "a"
+    a.report = pb.LoadReport(worker_id="a", block_size=BS, tokenizer_digest="d1", num_running=1)
+    b.report = pb.LoadReport(worker_id="b", block_size=BS, tokenizer_digest="d1")
+    second = keys_of()
+    assert policy.choose([a, b], second).worker_id == "a"  # in flight there: credited
+    policy.settled("a", first, accepted=True)
+    policy.settled("a", second, accepted=True)
+    third = keys_of()
+    assert policy.choose([a, b], third).worker_id == "a"  # accepted, no report since
+    policy.settled("a", third, accepted=True)
+    a.report = pb.LoadReport(worker_id="a", block_size=BS, tokenizer_digest="d1", num_running=1)
+    assert policy.choose([a, b], keys_of()).worker_id == "b"  # a report without its events: not held
+
+
+def test_make_policy_makes_kv_aware_the_default():
+    from cluster.router.config import RouterConfig
+
+    assert RouterConfig().policy == "kv_aware"
+    policy = make_policy("kv_aware", kv_map=FakeKvMap(), prefill_tps=10, read_tps=20)
+    assert isinstance(policy, KvAware) and policy.prefill_tps == 10
+    assert type(make_policy("prefix_aware", kv_map=None, prefill_tps=10, read_tps=20)) is PrefixAware
+
+
+@pytest.mark.parametrize("flag, value", [("router_tokenize_threads", 0), ("router_tokenize_timeout", 0),
+                                         ("kv_prefill_tps", float("inf")), ("router_tokenize_max_tokens", 0)])
+def test_bad_flags_are_refused_by_name(flag, value):
+    with pytest.raises(ValueError, match="--" + flag.replace("_", "-")):
+        KvRoutingConfig(**{flag: value}).check()
