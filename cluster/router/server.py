@@ -57,7 +57,7 @@ class RouterServer:
             security=config.security.client(),
             bind_identities=config.security.mutual,
         )
-        self.policy = make_policy(config.policy, kv_map=getattr(self.registry, "kv_map", None),
+        self.policy = make_policy(config.policy, kv_map=self.registry.kv_map,
                                   prefill_tps=config.kv.kv_prefill_tps, read_tps=config.kv.kv_read_tps)
         # the fleet's node agents (cluster/fleet): the controller places models through `agent_nodes`
         self.nodes = NodeRegistry(self.registry.config, bind_identities=config.security.mutual)
