@@ -12,7 +12,9 @@ as failed until it registers again, and a permanent failure of a model's only wo
 the router's hold for that model (`failed_for_good`). `wait_changed` wakes whoever waits on a change of the workers
 (one joins or is removed, or its state changes). How late the router's own event loop
 runs (stalled on an overloaded machine) is not counted as the workers' silence: their
-latest heartbeats may be waiting unread in its sockets.
+latest heartbeats may be waiting unread in its sockets. The KV events a report carries
+(`LoadReport.kv`) are replayed into `kv_map` (router/kv_map.py) and dropped from the stored
+report; the map's ack goes back in the heartbeat's reply, or in the next poll's request.
 
 All of it runs on the router's event loop; `snapshot()` may be read from other threads.
 """
