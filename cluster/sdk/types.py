@@ -15,6 +15,7 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int = 0  # of completion_tokens, a thinking model's thinking
+    cached_tokens_disk: int = 0  # of cached_tokens, read back from the worker's disk tier
 
     @property
     def total_tokens(self) -> int:
@@ -22,7 +23,7 @@ class Usage:
 
     @classmethod
     def from_proto(cls, u: pb.Usage) -> "Usage":
-        return cls(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.reasoning_tokens)
+        return cls(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.reasoning_tokens, u.cached_tokens_disk)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,12 @@ its own files, named for its rank (`MemberFaults`):
     rankR.poison      a step of rank R whose token ids contain the run of ids the file
                       lists (whitespace-separated) raises on that rank
     rankR.wedge       every step of rank R blocks while the file exists (a wedged member)
+
+and for the disk KV tier (`slow_kv_writes`):
+
+    kv-write.slow     every block the disk tier writes waits SECONDS first while the file
+                      exists (its content, 0.05 if empty: a slow disk, so that a kill lands
+                      while blocks are being written)
 """
 
 from __future__ import annotations
@@ -81,3 +87,23 @@ class MemberFaults:
             windows = np.lib.stride_tricks.sliding_window_view(np.asarray(input_ids), len(run))
             if (windows == run).all(axis=1).any():
                 raise RuntimeError(f"a poisoned request is in this step on rank {self.rank} (fault injection)")
+
+
+def slow_kv_writes(store) -> None:
+    """Under ORCHARD_FAULT_DIR, make the disk tier's `store` write slowly while the
+    directory's kv-write.slow exists (see the module docstring); otherwise nothing."""
+    directory = os.environ.get("ORCHARD_FAULT_DIR")
+    if not directory:
+        return
+    flag = os.path.join(directory, "kv-write.slow")
+    write = store.write
+
+    def slow_write(*args, **kwargs):
+        try:
+            with open(flag) as f:
+                time.sleep(float(f.read().strip() or 0.05))
+        except (OSError, ValueError):
+            pass
+        return write(*args, **kwargs)
+
+    store.write = slow_write

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.worker.faults import slow_kv_writes
 
 if TYPE_CHECKING:
     from cluster.worker.block_manager import BlockManager
@@ -171,6 +172,7 @@ class KvTier:
             self.reason = f"could not open: {type(e).__name__}: {e}"
             self._ready.set()
             return
+        slow_kv_writes(store)  # fault tests only (ORCHARD_FAULT_DIR)
         if store.mode != "off":
             self.reader = b.DiskReader(store, cfg.kv_disk_read_threads)
             if store.mode == "ok":
