@@ -556,3 +556,36 @@ def test_the_routers_map_holds_the_disk_tier_across_a_worker_restart(tiny_model_
             await router.stop(grace=0)
 
     run(main(), 180)
+
+
+def test_many_events_are_reported_before_the_next_heartbeat(tiny_model_dir, monkeypatch):
+    """Heartbeats every 30 s: a backlog of events asks for a report at once."""
+    from cluster.kv import events
+    from cluster.router.config import RouterConfig
+    from cluster.router.server import RouterServer
+    from cluster.worker.config import EngineConfig, WorkerOptions
+    from cluster.worker.server import WorkerServer
+
+    monkeypatch.setattr(events, "BACKLOG_EVENTS", 3)
+
+    async def main():
+        router = RouterServer(RouterConfig(grpc_address="127.0.0.1:0", http_address=None, metrics_address=None,
+                                           heartbeat_interval=30.0))
+        await router.start()
+        worker = WorkerServer(WorkerOptions(
+            model_path=str(tiny_model_dir), engine_config=EngineConfig(num_kv_blocks=8, block_size=16),
+            grpc_address="127.0.0.1:0", metrics_address=None, router=router.grpc_address, worker_id="w0",
+            heartbeat_interval=30.0))
+        await worker.start()
+        kv = router.registry.kv_map
+        try:
+            await _until(lambda: kv.complete("w0"), "the registration's snapshot", 20)
+            for base in (1, 100):  # the second prompt evicts the first's blocks
+                await _generate(worker.addresses["grpc"], list(range(base, base + 100)))
+            assert worker.kv_journal.seq >= 3
+            await _until(lambda: kv._workers["w0"].seq >= 3, "the events, long before the next heartbeat", 20)
+        finally:
+            await worker.stop()
+            await router.stop(grace=0)
+
+    run(main(), 120)

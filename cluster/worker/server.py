@@ -168,7 +168,12 @@ class WorkerServer:
             if service.metrics is not None:
                 service.metrics.watch_kv_events(journal)
             loop = asyncio.get_running_loop()
-            journal.on_backlog = lambda: loop.call_soon_threadsafe(self._report_now)
+
+            def report_soon() -> None:  # on the engine thread: many KV events wait for the routers
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(self._report_now)
+
+            journal.on_backlog = report_soon
         if opts.router:
             from cluster.worker.registration import Registration
 
