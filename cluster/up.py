@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cluster.config import port_of, setting
+from cluster.config import ByteSize, default_of, port_of, setting
 from cluster.net import free_ports
 from cluster.exit_codes import Backoff, describe, is_permanent
 from cluster.router.config import RouterConfig, policy_names
-from cluster.worker.config import GGUF_FILE_HELP, MODEL_HELP, WorkerOptions
+from cluster.worker.config import GGUF_FILE_HELP, MODEL_HELP, EngineConfig, WorkerOptions
 from cluster.worker.group.config import GroupOptions
 
 
@@ -64,6 +64,11 @@ class UpConfig:
                                        metavar="W,W...")
     group_inflight: int = setting(GroupOptions.inflight, "pipeline: batches in flight at once (0: one per stage)",
                                   metavar="N")
+    kv_disk_dir: str | None = setting(None, "a disk KV tier for each worker, worker i's in DIR/worker-i (see "
+                                            "orchard worker serve --kv-disk-dir; not with --group-size)",
+                                      metavar="DIR")
+    kv_disk_size: ByteSize = setting(default_of(EngineConfig, "kv_disk_size"), "each worker's disk tier at most",
+                                     metavar="SIZE")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -125,6 +130,7 @@ class LocalCluster:
         group_size: int | list[int] = 1,  # processes per worker (a list: per worker); > 1: a worker group
         parallel: str = "pipeline",
         group_args: list[str] | None = None,  # more group flags, given to every rank (--group-timeout ...)
+        kv_disk: tuple[str, int] | None = None,  # (DIR, bytes): worker i's disk KV tier in DIR/worker-i
         backoff: Backoff | None = None,  # the restarts' delays: a copy per worker
         clock=time.monotonic,
     ):
@@ -155,6 +161,7 @@ class LocalCluster:
         self.members: dict[int, list[Child]] = {}  # worker i's other ranks, when it is a group
         self.group_hosts: dict[int, tuple[str, int]] = {}  # worker i's ring addresses and side-channel port
         self.group_args = group_args or []
+        self.kv_disk = kv_disk
         self.group_restarts = 0  # restarts of worker groups (`restarts` counts every worker's)
         self.restarts = 0
         self.clock = clock
@@ -216,6 +223,9 @@ class LocalCluster:
         args = ["worker", "serve", "--model", self.model, "--grpc", self.worker_addresses[i],
                 "--metrics", self.worker_metrics[i], "--router", ",".join(self.router_addresses),
                 "--worker-id", f"worker-{i}", *self.worker_args]
+        if self.kv_disk is not None:
+            disk_dir, size = self.kv_disk
+            args += ["--kv-disk-dir", str(Path(disk_dir) / f"worker-{i}"), "--kv-disk-size", str(size)]
         size = self.group_sizes[i % len(self.group_sizes)]
         members = []
         if size > 1:  # a worker group: rank 0 here, ranks 1.. beside it, over MLX's ring on loopback
@@ -420,12 +430,17 @@ def local_cluster(config: UpConfig, model: str | os.PathLike) -> LocalCluster:
         metrics_address=config.metrics_address, worker_port_base=config.worker_port_base,
         worker_metrics_port_base=config.worker_metrics_port_base, policy=config.policy, log_dir=config.log_dir,
         secure=config.secure, group_size=config.group_size, parallel=config.parallel, group_args=group_args,
+        kv_disk=(config.kv_disk_dir, config.kv_disk_size) if config.kv_disk_dir else None,
     )
 
 
 def run_up(config: UpConfig) -> int:
     from cluster.models_cache import resolve_model
 
+    if config.kv_disk_dir and config.group_size > 1:
+        print("orchard up: --kv-disk-dir: the disk KV tier does not run in worker groups yet "
+              f"(--group-size {config.group_size})", file=sys.stderr)
+        return 2
     model = resolve_model(config.model, config.gguf_file)
     cluster = local_cluster(config, model)
     stop = {"now": False}

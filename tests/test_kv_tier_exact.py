@@ -240,3 +240,96 @@ def test_disk_flags_are_checked_before_the_model_loads(tmp_path, flags, says):
     assert proc.returncode == 78, proc.stderr  # permanent: a launcher does not start it again as it is
     assert says in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_truncated_file_and_another_models_file_are_recomputed(model_dirs, tmp_path, caplog):
+    """Files the store refuses at read (cut short; written for another model, moved into this
+    one's directory): the request recomputes from there, its output right, a warning logged."""
+    first, second, _ = prompts(16)
+    reference = engine_on(model_dirs["llama"], tmp_path / "ref")
+    run(reference, first, GREEDY, "first")
+    want = run(reference, second, GREEDY, "second")
+
+    warm = engine_on(model_dirs["llama"], tmp_path / "kv")
+    run(warm, first, GREEDY, "first")
+    hashes = block_hashes(second, 16)
+    cut = warm.kv_tier.store.path(hashes[1])
+    stopped(warm)
+    other = engine_on(model_dirs["qwen3"], tmp_path / "kv")  # another model: its own store directory
+    run(other, first, GREEDY, "first")
+    foreign = other.kv_tier.store.path(hashes[3])
+    stopped(other)
+    theirs_in_ours = cut.parents[2] / foreign.relative_to(foreign.parents[2])
+    theirs_in_ours.write_bytes(foreign.read_bytes())  # qwen3's block 3 where llama's was
+
+    restarted = engine_on(model_dirs["llama"], tmp_path / "kv")
+    cut.write_bytes(cut.read_bytes()[:-100])  # cut short under the running store
+    got = run(restarted, second, GREEDY)
+    assert got["disk"] == 16, "only the block before the cut one came from disk"
+    assert got["tokens"] == want["tokens"]
+    stopped(restarted)
+    again = engine_on(model_dirs["llama"], tmp_path / "kv")  # the cut file was deleted and recomputed
+    later = run(again, second + [7], GREEDY)
+    assert later["disk"] == 48 and later["tokens"] != [], "blocks 0-2 from disk, the foreign block 3 refused"
+    assert again.kv_tier.counters()["errors"]["identity"] == 1
+    assert restarted.kv_tier.counters()["errors"]["truncated"] == 1
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "(truncated" in warned and "(identity" in warned
+
+
+def test_a_full_disk_drops_blocks_and_serving_goes_on(model_dirs, tmp_path, monkeypatch, caplog):
+    import errno
+    import os
+
+    def full(fd, buffers):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    first, second, _ = prompts(17)
+    engine = engine_on(model_dirs["qwen3"], tmp_path)
+    monkeypatch.setattr(os, "writev", full)
+    run(engine, first, GREEDY, "first")
+    settled(engine)
+    assert engine.kv_tier.counters()["dropped"]["disk_full"] >= 1
+    assert engine.kv_tier.info().enabled
+    got = run(engine, second, GREEDY, "second")  # from memory, as without a disk
+    assert got["cached"] == 80 and got["disk"] == 0 and len(got["tokens"]) == 12
+    assert any("No space" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+
+
+def test_a_read_only_directory_serves_reads_and_writes_nothing(model_dirs, tmp_path, monkeypatch):
+    from cluster.kv.disk_store import DiskStore
+
+    first, second, _ = prompts(18)
+    warm = engine_on(model_dirs["qwen3"], tmp_path)
+    run(warm, first, GREEDY, "first")
+    want = run(warm, second, GREEDY, "second")
+    stopped(warm)
+    monkeypatch.setattr(DiskStore, "_probe_writable", lambda self: (False, f"cannot write {self.dir}: Read-only "
+                                                                          "file system"))
+    engine = engine_on(model_dirs["qwen3"], tmp_path)
+    info = engine.kv_tier.info()
+    assert info.enabled and "Read-only" in info.reason
+    got = run(engine, second, GREEDY)
+    assert got["disk"] == 96 and got["tokens"] == want["tokens"]
+    run(engine, prompts(19)[0], GREEDY, "new")
+    assert engine.kv_tier.store.stats.blocks_written == 0
+
+
+def test_orchard_up_gives_each_worker_its_own_disk_tier(monkeypatch):
+    import argparse
+    from dataclasses import replace
+
+    from cluster.config import add_flags, from_args
+    from cluster.up import LocalCluster, UpConfig, local_cluster
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, UpConfig)
+    config = from_args(UpConfig, parser.parse_args(["--kv-disk-dir", "/kv", "--kv-disk-size", "8GiB"]))
+    spawned = []
+    monkeypatch.setattr(LocalCluster, "_spawn", lambda self, name, args, cpus, env: spawned.append(args))
+    cluster = local_cluster(replace(config, log_dir="/tmp/unused"), "/m")
+    cluster.start_worker(0)
+    cluster.start_worker(1)
+    for i, args in enumerate(spawned):
+        assert args[args.index("--kv-disk-dir") + 1] == f"/kv/worker-{i}"
+        assert args[args.index("--kv-disk-size") + 1] == str(8 << 30)
