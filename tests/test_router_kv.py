@@ -338,7 +338,17 @@ def test_kv_aware_passes_a_holder_too_busy_to_pay():
     # a worker's own measured rate counts over the flag's: a fast holder pays its queue
     policy = KvAware(kv_map=kv, prefill_tps=1000)
     fast = record("holder", "d1", queued_prefill_tokens=5000, prefill_tokens_per_second=100_000)
-    assert policy.choose([fast, record("idle", "d1")], keys_of()).worker_id == "holder"
+    slow = record("idle", "d1", prefill_tokens_per_second=1000)
+    assert policy.choose([fast, slow], keys_of()).worker_id == "holder"
+
+
+def test_a_worker_that_measured_no_rate_yet_is_costed_at_the_others_rate():
+    """Else one never chosen (slower by the flag's rate) would never measure its own."""
+    kv = FakeKvMap()
+    kv.hold("new", memory=HASHES[:16])  # a quarter of the prompt: 768 tokens to prefill, against 1,024
+    policy = KvAware(kv_map=kv, prefill_tps=1000)
+    measured = record("measured", "d1", prefill_tokens_per_second=10_000)
+    assert policy.choose([measured, record("new", "d1")], keys_of()).worker_id == "new"
 
 
 def test_kv_aware_keeps_the_imbalance_guard():

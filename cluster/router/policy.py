@@ -16,12 +16,15 @@ workers say they hold (their KV events, `router/kv_map.py`), at the cost of each
     t(w)     = (queued_prefill(w) + placed(w) + miss) / prefill_tps(w) + d * bs / read_tps(w)
                queued_prefill: the prompt tokens w reports waiting or mid-prefill; placed: the
                uncached tokens this router placed there since that report; the rates are w's
-               measured ones (LoadReport), else --kv-prefill-tps / --kv-read-tps
+               measured ones (LoadReport), else the mean of the candidates' measured ones,
+               else --kv-prefill-tps / --kv-read-tps
     choose argmin t(w) over the w with not imbalanced(w, least), ties to the lower load
 
 So a session goes back to the worker that holds its context unless that worker's queue
 costs more than prefilling the context elsewhere, and never to one the imbalance guard
-below rules out. A request whose hashes are not known in time (no tokenizer yet, past the
+below rules out. A prompt no worker holds any block of (by the events, or placed there
+and not yet reported) goes where the approximate map below sends it: it learns a placement
+as soon as the worker accepts it, before the worker's next report carries the events. A request whose hashes are not known in time (no tokenizer yet, past the
 tokenizing deadline) is placed as `prefix_aware` places it; kv_aware keeps that map too.
 
 `prefix_aware`, after SGLang's cache-aware routing, with an imbalance guard:
@@ -220,8 +223,16 @@ class KvAware(PrefixAware):
             return super().choose(candidates, keys)
         least = _least_loaded(candidates, next(self._tick))
         eligible = [w for w in candidates if w is least or not self.imbalanced(w, least)]
-        costs = {w.worker_id: self._cost(w, blocks) for w in eligible}
-        chosen = min(eligible, key=lambda w: (costs[w.worker_id][0], w.load, w is not least))
+        rates = self._rates(candidates)
+        costs = {w.worker_id: self._cost(w, blocks, rates) for w in eligible}
+        if any(memory or disk for _, memory, disk, _ in costs.values()):
+            chosen = min(eligible, key=lambda w: (costs[w.worker_id][0], w.load, w is not least))
+            if keys.approx:
+                self.placing.insert(keys.approx, chosen.worker_id)
+        else:  # held nowhere the workers said: the approximate map (it learns a placement as it is accepted)
+            chosen = super().choose(candidates, keys)
+        if chosen.worker_id not in costs:
+            costs[chosen.worker_id] = self._cost(chosen, blocks, rates)
         _, memory, disk, hashes = costs[chosen.worker_id]
         keys.predicted[chosen.worker_id] = (memory, disk)
         keys.credited[chosen.worker_id] = hashes
@@ -229,15 +240,20 @@ class KvAware(PrefixAware):
         self._placing.setdefault(chosen.worker_id, Counter()).update(hashes)
         report, placed = self._since_report(self._placed, chosen, 0)
         self._placed[chosen.worker_id] = (report, placed + max(0, blocks.num_tokens - memory - disk))
-        if keys.approx:
-            self.placing.insert(keys.approx, chosen.worker_id)
         return chosen
 
-    def cost(self, w: Candidate, blocks: Blocks) -> float:
-        """t(w): seconds until `w` could start the prompt's decode (the module's rule)."""
-        return self._cost(w, blocks)[0]
+    def _rates(self, candidates) -> tuple[float, float]:
+        """The prefill and disk-read rates of a worker that has measured none yet: the mean of
+        those the candidates measured, else the flags'. (The flags' alone would make a worker
+        that never prefilled look faster or slower than the others for good: never chosen,
+        it would never measure its own.)"""
+        prefill = [w.report.prefill_tokens_per_second for w in candidates if w.report.prefill_tokens_per_second > 0]
+        read = [w.report.kv_disk.read_tokens_per_second for w in candidates
+                if w.report.kv_disk.read_tokens_per_second > 0]
+        return (sum(prefill) / len(prefill) if prefill else self.prefill_tps,
+                sum(read) / len(read) if read else self.read_tps)
 
-    def _cost(self, w, blocks: Blocks) -> tuple[float, int, int, list[bytes]]:
+    def _cost(self, w, blocks: Blocks, rates: tuple[float, float]) -> tuple[float, int, int, list[bytes]]:
         """(t(w), tokens held in memory, tokens on disk, the hashes of w's block size)."""
         report = w.report
         bs = report.block_size
@@ -246,8 +262,8 @@ class KvAware(PrefixAware):
         m, d = self._match(w, hashes)
         memory, disk = m * bs, d * bs
         miss = max(0, blocks.num_tokens - memory - disk)
-        prefill = report.prefill_tokens_per_second or self.prefill_tps
-        read = report.kv_disk.read_tokens_per_second or self.read_tps
+        prefill = report.prefill_tokens_per_second or rates[0]
+        read = report.kv_disk.read_tokens_per_second or rates[1]
         queued = report.queued_prefill_tokens + self._since_report(self._placed, w, 0)[1]
         return (queued + miss) / prefill + disk / read, memory, disk, hashes
 
