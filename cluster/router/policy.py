@@ -24,8 +24,9 @@ So a session goes back to the worker that holds its context unless that worker's
 costs more than prefilling the context elsewhere, and never to one the imbalance guard
 below rules out. A prompt no worker holds any block of (by the events, or placed there
 and not yet reported) goes where the approximate map below sends it: it learns a placement
-as soon as the worker accepts it, before the worker's next report carries the events. A request whose hashes are not known in time (no tokenizer yet, past the
-tokenizing deadline) is placed as `prefix_aware` places it; kv_aware keeps that map too.
+as soon as the worker accepts it, before the worker's next report carries the events. So
+does a request whose hashes are not known in time (no tokenizer yet, past the tokenizing
+deadline).
 
 `prefix_aware`, after SGLang's cache-aware routing, with an imbalance guard:
 
