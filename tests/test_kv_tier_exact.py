@@ -333,3 +333,56 @@ def test_orchard_up_gives_each_worker_its_own_disk_tier(monkeypatch):
     for i, args in enumerate(spawned):
         assert args[args.index("--kv-disk-dir") + 1] == f"/kv/worker-{i}"
         assert args[args.index("--kv-disk-size") + 1] == str(8 << 30)
+
+
+def test_the_engine_loop_waits_on_its_inbox_while_only_reads_are_in_flight(model_dirs, tmp_path):
+    """Nothing runnable but a read: the loop does not spin (`has_work` is False), and the
+    read's end wakes it with a message; the prefill and decode rates reach the load report."""
+    import queue
+
+    from cluster.worker.engine_loop import KvReadsDone, LoopState
+
+    path = model_dirs["llama"]
+    first, second, _ = prompts(20)
+    earlier = run_on(engine_on(path, tmp_path), first)
+    assert earlier.stats.prefill_tokens_per_second > 0
+    stopped(earlier)
+    engine = engine_on(path, tmp_path)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    engine.set_wake(lambda: inbox.put(KvReadsDone()))
+    gate = hold_reads(engine)
+    state = LoopState(engine)
+    engine.add_request("loaded", second, GREEDY)
+    state.step([])  # the read starts
+    assert engine.kv_tier.loads_in_flight == 1 and not state.has_work()
+    assert engine.stats.queued_prefill_tokens == len(second)
+    gate.set()
+    assert isinstance(inbox.get(timeout=30), KvReadsDone)
+    assert not state.handle(KvReadsDone(), [])
+    events: list = []
+    state.work(events)  # installs the read, admits the request
+    assert engine.seqs["loaded"].num_disk_tokens == 80 and state.has_work()
+    assert engine.kv_tier.info().read_tokens_per_second > 0
+
+
+def test_the_worker_exports_the_disk_tiers_metrics(model_dirs, tmp_path):
+    from cluster.worker.metrics import WorkerMetrics
+
+    first, second, _ = prompts(21)
+    engine = settled(run_on(engine_on(model_dirs["qwen3"], tmp_path), first))
+    stopped(engine)
+    engine = engine_on(model_dirs["qwen3"], tmp_path)
+    run(engine, second, GREEDY)
+    text = WorkerMetrics("m", "w", lambda: engine.stats).render().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['orchard_kv_cache_hit_tokens_total{model="m",tier="disk",worker="w"}'] == 80
+    assert values['orchard_kv_disk_enabled{model="m",worker="w"}'] == 1
+    assert values['orchard_kv_disk_bytes_read_total{model="m",worker="w"}'] > 0
+    assert values['orchard_kv_disk_read_seconds_count{model="m",worker="w"}'] == 1
+    assert values['orchard_kv_disk_usage_bytes{model="m",worker="w"}'] > 0
+    for name in ("orchard_kv_disk_blocks_dropped_total", "orchard_kv_disk_errors_total",
+                 "orchard_kv_disk_write_queue_bytes", "orchard_num_requests_loading", "orchard_kv_disk_evictions_total",
+                 "orchard_kv_disk_bytes_written_total", "orchard_kv_disk_blocks_written_total",
+                 "orchard_kv_disk_budget_bytes"):
+        assert f"# TYPE {name.removesuffix('_total')}" in text, name

@@ -65,6 +65,9 @@ def test_a_restarted_worker_serves_a_long_prompt_from_disk(smollm2_dir, worker_p
     from_disk_ttft, from_disk = ask(again.grpc, prompt)
     assert from_disk.usage.cached_tokens >= 3968 and from_disk.usage.cached_tokens_disk >= 3968
     assert from_disk.token_ids == from_memory.token_ids
+    with Client(again.grpc, timeout=30) as client:
+        load = client.get_load()
+    assert load.kv_disk.read_tokens_per_second > 0 and load.kv_disk.used_bytes > 0
     print(f"\nTTFT of a {PROMPT_TOKENS}-token prompt: computed {cold:.3f} s, from memory {warm:.3f} s, "
           f"from disk after a restart {from_disk_ttft:.3f} s ({cold / from_disk_ttft:.1f}x lower than computed)")
 

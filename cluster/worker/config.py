@@ -89,6 +89,8 @@ class EngineConfig:
     kv_disk_read_threads: int = setting(4, "threads reading blocks from the disk tier")
     kv_disk_flush_timeout: float = setting(10.0, "at a graceful stop, wait up to this long for queued disk writes",
                                            metavar="SECONDS")
+    kv_disk_fsync: bool = setting(False, "fsync each block the disk tier writes (without it a power cut may cost "
+                                         "the last blocks written: their checksums refuse them, they are recomputed)")
     seed: int = 0
 
     def validate(self) -> None:

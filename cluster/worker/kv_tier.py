@@ -29,13 +29,17 @@ import hashlib
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from cluster.kv.disk_store import DiskStats, DiskStore
+from cluster.kv.identity import KvIdentity
+from cluster.kv.reader import DiskReader
+from cluster.kv.writer import DiskWriter
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.worker.faults import slow_kv_writes
 
@@ -54,14 +58,6 @@ STAGING_SHARE = 0.25
 RATE_WEIGHT = 0.2
 RECURRENT_REASON = "recurrent layers: prefix caching is off"
 READ_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-def disk_backend() -> SimpleNamespace:
-    """The store's classes (`cluster/kv/`); tests swap in a fake."""
-    from cluster.kv import disk_store, identity, reader, writer
-
-    return SimpleNamespace(KvIdentity=identity.KvIdentity, DiskStore=disk_store.DiskStore,
-                           DiskWriter=writer.DiskWriter, DiskReader=reader.DiskReader)
 
 
 class ListenerChain:
@@ -128,7 +124,7 @@ class KvTier:
     `save_blocks` after each step, `info()` for load reports, `flush` / `close` at stop."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, runner, identity: dict | None,
-                 weights: Callable[[], str] | None = None, reason: str = "", backend: SimpleNamespace | None = None):
+                 weights: Callable[[], str] | None = None, reason: str = ""):
         """`identity`: the model's facts but its weights' digest, which `weights()` computes
         on a thread of its own (None with `reason`: the tier stays off)."""
         self.config = config
@@ -157,16 +153,15 @@ class KvTier:
             self._ready.set()
             return
         block_manager.listener = chain_listener(block_manager.listener, self)
-        self._backend = backend or disk_backend()
         threading.Thread(target=self._open, args=(identity, weights), name="orchard-kv-open", daemon=True).start()
 
     # -- opening -----------------------------------------------------------------------------
     def _open(self, identity: dict, weights: Callable[[], str] | None) -> None:
-        cfg, b = self.config, self._backend
+        cfg = self.config
         try:
-            ident = b.KvIdentity(**identity, weights=weights() if weights is not None else "")
-            store = b.DiskStore.open(Path(cfg.kv_disk_dir), ident, cfg.kv_disk_size, cfg.kv_disk_min_free,
-                                     listener=self.disk_listeners)
+            ident = KvIdentity(**identity, weights=weights() if weights is not None else "")
+            store = DiskStore.open(Path(cfg.kv_disk_dir), ident, cfg.kv_disk_size, cfg.kv_disk_min_free,
+                                   listener=self.disk_listeners, fsync=cfg.kv_disk_fsync)
         except Exception as e:  # the store never raises; the digest may (a file gone)
             log.exception("the disk KV tier is off")
             self.reason = f"could not open: {type(e).__name__}: {e}"
@@ -174,9 +169,9 @@ class KvTier:
             return
         slow_kv_writes(store)  # fault tests only (ORCHARD_FAULT_DIR)
         if store.mode != "off":
-            self.reader = b.DiskReader(store, cfg.kv_disk_read_threads)
+            self.reader = DiskReader(store, cfg.kv_disk_read_threads)
             if store.mode == "ok":
-                self.writer = b.DiskWriter(store, cfg.kv_disk_queue_bytes)
+                self.writer = DiskWriter(store, cfg.kv_disk_queue_bytes)
         self.reason = store.reason if store.mode != "ok" else ""
         self.store = store  # last: the engine thread reads it unlocked
         log.info("disk KV tier at %s: %s%s", cfg.kv_disk_dir, store.mode, f" ({store.reason})" if store.reason else "")
@@ -337,16 +332,15 @@ class KvTier:
         written and read, blocks dropped by reason, read errors by kind, evictions, queue
         and disk bytes; zeros while the store is not open."""
         store, writer = self.store, self.writer
-        stats = getattr(store, "stats", None)
-        dropped = dict(getattr(stats, "dropped", {}) or {})
-        dropped["queue_full"] = dropped.get("queue_full", 0) + self.stats.dropped_queue_full
+        stats = store.stats if store is not None else DiskStats()
+        dropped = Counter(stats.dropped)
+        dropped["queue_full"] += self.stats.dropped_queue_full
         return dict(
             enabled=self.enabled, used_bytes=store.used_bytes if store is not None else 0,
             budget_bytes=store.budget_bytes if store is not None else self.config.kv_disk_size,
             queue_bytes=writer.queued_bytes if writer is not None else 0,
-            bytes_written=getattr(stats, "bytes_written", 0), blocks_written=getattr(stats, "blocks_written", 0),
-            bytes_read=getattr(stats, "bytes_read", 0), evictions=getattr(stats, "evictions", 0),
-            dropped=dropped, errors=dict(getattr(stats, "errors", {}) or {}),
+            bytes_written=stats.bytes_written, blocks_written=stats.blocks_written, bytes_read=stats.bytes_read,
+            evictions=stats.evictions, dropped=dict(dropped), errors=dict(stats.errors),
         )
 
     def flush(self, timeout: float | None = None) -> bool:
