@@ -12,7 +12,8 @@ sessions run at once, each sending its next turn when the last one is answered, 
 sent before.
 
 Routing (`compare_routing`): three workers through one router, each worker's KV pool
-holding about --kv-fraction (a quarter) of the trace's final contexts, so caches evict.
+holding about --kv-fraction (a quarter) of the trace's final contexts, so caches evict
+(with --disk, each worker also has a disk tier, so evicted blocks can be read back).
 For each policy (`kv_aware`: placement by the workers' KV events; its baseline
 `prefix_aware`: the router's approximate map) a fresh router and fresh workers serve the
 same trace (kv_aware's router first loads the model's tokenizer); the script prints, over
@@ -178,7 +179,8 @@ def run_routing(policy: str, model: Path, trace, shape: TraceShape, args) -> dic
                      log_dir=tempfile.mkdtemp(prefix=f"orchard-bench-kv-{policy}-"),
                      worker_args=["--num-kv-blocks", str(blocks), "--max-model-len",
                                   str(shape.final_context + 512)],
-                     router_args=["--router-tokenize-timeout", str(args.tokenize_timeout)])
+                     router_args=["--router-tokenize-timeout", str(args.tokenize_timeout)],
+                     kv_disk=(tempfile.mkdtemp(prefix="orchard-bench-kv-disk-"), args.disk_bytes) if args.disk else None)
     with c:
         # one turn each, straight to the workers: compiled and warm, nothing learnt by the router
         warm = [[[{"role": "user", "content": "warm up"}]]]
@@ -242,6 +244,8 @@ def main() -> int:
     p.add_argument("--kv-fraction", type=float, default=0.25, help="of the final contexts the KV pools hold")
     p.add_argument("--tokenize-timeout", type=float, default=0.05, help="the router's --router-tokenize-timeout")
     p.add_argument("--policies", nargs="+", default=list(ROUTING_POLICIES), choices=ROUTING_POLICIES)
+    p.add_argument("--disk", action="store_true", help="routing: each worker with a disk KV tier (a fresh directory)")
+    p.add_argument("--disk-bytes", type=int, default=4 << 30, help="routing: each worker's disk tier at most")
     args = p.parse_args()
     base = QUICK if args.quick else TraceShape()
     if args.concurrency is None:

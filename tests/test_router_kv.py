@@ -406,3 +406,68 @@ def test_make_policy_makes_kv_aware_the_default():
 def test_bad_flags_are_refused_by_name(flag, value):
     with pytest.raises(ValueError, match="--" + flag.replace("_", "-")):
         KvRoutingConfig(**{flag: value}).check()
+
+
+# -- end to end: a router and real workers ------------------------------------------------------
+def test_a_revisited_chat_goes_where_its_blocks_are_and_the_router_predicts_its_hits(tiny_model_dir, tmp_path):
+    """Two tiny workers behind a kv_aware router: each session's second turn goes to the
+    worker that served its first, and the cached tokens the router predicted from the
+    workers' KV events are those the workers served."""
+    import grpc
+
+    from cluster.bench.closed_loop import one_request, scrape
+    from cluster.bench.server_metrics import parse, total
+    from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+    from cluster.up import LocalCluster, free_port
+
+    metrics = f"127.0.0.1:{free_port()}"
+    c = LocalCluster(tiny_model_dir, workers=2, policy="kv_aware", grpc_address=f"127.0.0.1:{free_port()}",
+                     http_address=None, metrics_address=metrics, worker_port_base=0, worker_metrics_port_base=0,
+                     log_dir=tmp_path / "logs", worker_args=["--num-kv-blocks", "512"],
+                     router_args=["--heartbeat-interval", "0.2", "--router-tokenize-timeout", "30",
+                                  "--tokenizer-cache", str(tmp_path / "tokenizers")])
+
+    def chat(*contents: str) -> pb.GenerateRequest:
+        roles = ["system"] + ["user", "assistant"] * len(contents)
+        return pb.GenerateRequest(chat=pb.ChatMessages(messages=[
+            pb.ChatMessage(role=r, content=t) for r, t in zip(roles, contents)]),
+            sampling=pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+
+    def fallbacks() -> float:
+        return total(parse(scrape(metrics)), "orchard_router_tokenize_fallbacks_total")
+
+    async def main():
+        async with grpc.aio.insecure_channel(c.router_address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            deadline = time.monotonic() + 120
+            while True:  # until the router has the model's tokenizer: a chat placed by its hashes
+                before = fallbacks()
+                await one_request(stub, chat("warm up"))
+                if fallbacks() == before:
+                    break
+                assert time.monotonic() < deadline, "the router never loaded the tokenizer"
+                await asyncio.sleep(0.2)
+            sessions = [f"Session {s}: you look after the {tree} trees of the orchard. " * 6
+                        for s, tree in enumerate(("apple", "pear", "plum", "cherry"))]
+            held = total(parse(scrape(metrics)), "orchard_router_kv_map_blocks", tier="memory")
+            first = [await one_request(stub, chat(system, "How do I prune?")) for system in sessions]
+            want = held + sum(r.prompt_tokens // BS for r in first)
+            while total(parse(scrape(metrics)), "orchard_router_kv_map_blocks", tier="memory") < want:
+                assert time.monotonic() < deadline + 120, "the first turns' blocks never reached the router's map"
+                await asyncio.sleep(0.1)  # the workers report every 0.2 s
+            before = parse(scrape(metrics))
+            second = [await one_request(stub, chat(system, "How do I prune?", "Cut in winter.", "And thin?"))
+                      for system in sessions]
+            after = parse(scrape(metrics))
+        return first, second, before, after
+
+    with c:
+        first, second, before, after = run(main(), timeout=300)
+    assert [r.worker_id for r in second] == [r.worker_id for r in first]
+    assert len({r.worker_id for r in first}) == 2  # new sessions spread
+    name = "orchard_router_predicted_cached_tokens_total"
+    predicted = total(after, name, tier="memory") - total(before, name, tier="memory")
+    actual = total(after, "orchard_router_actual_cached_tokens_total") - total(
+        before, "orchard_router_actual_cached_tokens_total")
+    assert all(r.cached_tokens >= 4 * BS for r in second)
+    assert predicted == actual == sum(r.cached_tokens for r in second)
