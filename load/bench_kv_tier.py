@@ -180,7 +180,8 @@ def run_routing(policy: str, model: Path, trace, shape: TraceShape, args) -> dic
                      worker_args=["--num-kv-blocks", str(blocks), "--max-model-len",
                                   str(shape.final_context + 512)],
                      router_args=["--router-tokenize-timeout", str(args.tokenize_timeout)],
-                     kv_disk=(tempfile.mkdtemp(prefix="orchard-bench-kv-disk-"), args.disk_bytes) if args.disk else None)
+                     kv_disk=(tempfile.mkdtemp(prefix="orchard-bench-kv-disk-"), args.disk_bytes) if args.disk
+                     else None)
     with c:
         # one turn each, straight to the workers: compiled and warm, nothing learnt by the router
         warm = [[[{"role": "user", "content": "warm up"}]]]
