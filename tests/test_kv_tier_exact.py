@@ -99,15 +99,18 @@ def same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("arch,attention", [("llama", None), ("qwen3", None), ("olmo2", None),
-                                            ("olmo2", "reference")])
+@pytest.mark.parametrize("arch,attention,kv_dtype", [
+    ("llama", None, "auto"), ("qwen3", None, "auto"), ("qwen3", None, "float16"),  # the host path
+    ("olmo2", None, "auto"), ("olmo2", None, "float16"),  # MLX's, the C kernels writing the pool
+    ("olmo2", "reference", "auto"), ("olmo2", "reference", "bfloat16"),  # MLX's scatter writing it
+])
 def test_a_prefix_from_disk_after_a_restart_equals_it_from_memory(model_dirs, tmp_path, monkeypatch, arch,
-                                                                 attention, params):
+                                                                 attention, kv_dtype, params):
     if attention is not None:
         monkeypatch.setattr(kernels, "_forced", attention)  # MLX's scatter writes the pool, not the C kernels
     path = model_dirs[arch]
     first, second, prefix = prompts(11)
-    warm = engine_on(path, tmp_path)
+    warm = engine_on(path, tmp_path, kv_cache_dtype=kv_dtype)
     assert (warm.runner.host is not None) == (arch != "olmo2"), "the path under test"
     run(warm, first, GREEDY, "first")
     assert run(warm, second, GREEDY, "second")["cached"] == 80  # the shared prefix, from memory
@@ -115,13 +118,13 @@ def test_a_prefix_from_disk_after_a_restart_equals_it_from_memory(model_dirs, tm
     assert from_memory["cached"] == 96 and from_memory["disk"] == 0
 
     stopped(warm)
-    restarted = engine_on(path, tmp_path)  # a new engine on the same directory
+    restarted = engine_on(path, tmp_path, kv_cache_dtype=kv_dtype)  # a new engine on the same directory
     from_disk = run(restarted, second, params)
     assert from_disk["cached"] == 96 and from_disk["disk"] == 96, "the prefix came from disk"
     same(from_disk, from_memory)
     assert restarted.kv_tier.stats.hit_tokens == 96
 
-    computed = run(engine_on(path, tmp_path, enable_prefix_caching=False), second, params)
+    computed = run(engine_on(path, tmp_path, enable_prefix_caching=False, kv_cache_dtype=kv_dtype), second, params)
     assert computed["tokens"] == from_disk["tokens"]
     assert computed["cached"] == 0
 
