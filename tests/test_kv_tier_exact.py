@@ -389,3 +389,18 @@ def test_the_worker_exports_the_disk_tiers_metrics(model_dirs, tmp_path):
                  "orchard_kv_disk_bytes_written_total", "orchard_kv_disk_blocks_written_total",
                  "orchard_kv_disk_budget_bytes"):
         assert f"# TYPE {name.removesuffix('_total')}" in text, name
+
+
+def test_blocks_beyond_the_write_queue_wait_for_room_while_cached(model_dirs, tmp_path):
+    """A write queue of two blocks: a prompt's blocks go to disk a few at a time, the others
+    waiting (while they stay cached) rather than dropped; all of them land by the flush."""
+    path = model_dirs["llama"]
+    block_bytes = engine_on(path, tmp_path / "probe").kv_tier.block_bytes
+    first, second, _ = prompts(22)
+    engine = engine_on(path, tmp_path / "kv", kv_disk_queue_bytes=2 * block_bytes)
+    run(engine, first, GREEDY, "first")
+    stopped(engine)
+    assert engine.kv_tier.counters()["blocks_written"] == 7  # (101 + 12 tokens) // 16
+    assert engine.kv_tier.counters()["dropped"]["queue_full"] == 0
+    restarted = engine_on(path, tmp_path / "kv")
+    assert run(restarted, second, GREEDY)["disk"] == 80

@@ -480,6 +480,16 @@ class Engine(EngineProtocol):
                     results[out.request_id] += out.new_token_ids
         return [results[rid] for rid in ids]
 
+    def close(self) -> None:
+        """When it stops serving (on its thread): the disk tier's waiting writes land, for up
+        to --kv-disk-flush-timeout, and its threads and store close."""
+        if self.kv_tier is None:
+            return
+        if not self.kv_tier.flush():
+            log.warning("disk KV tier: writes still waiting after %.0f s are abandoned",
+                        self.config.kv_disk_flush_timeout)
+        self.kv_tier.close()
+
     def check_integrity(self) -> None:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         self.block_manager.check_integrity(live)

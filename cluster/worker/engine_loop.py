@@ -383,8 +383,15 @@ class LoopState:
         events += outputs
 
     def shut_down(self) -> list[Event]:
-        """Every live request, and every one held or still to come back, ends as aborted."""
+        """Every live request, and every one held or still to come back, ends as aborted;
+        then the engine closes (`close()`, where it has one: a disk tier's writes land)."""
         gone = self.engine.abort_all() + self.culprits.drop_all()
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                log.exception("engine: closing failed")
         return [RequestOutput(rid, [], "", True, "abort") for rid in gone]
 
     def isolate(self, error: Exception) -> list[Event]:

@@ -12,7 +12,8 @@ lack them: `grammars` (a `GrammarCompiler`, for structured outputs), `pooler` (a
 `Pooler`: what the model serves and how it pools), `speculator` (speculative decoding is
 on), `group` (rank 0 of a worker group), `warm_up()`, `has_runnable()` (whether a step
 would do something now, rather than wait for disk reads: the loop then blocks on its
-inbox), `set_wake(fn)` (`fn()`, called on another thread, wakes the loop: a read done).
+inbox), `set_wake(fn)` (`fn()`, called on another thread, wakes the loop: a read done),
+`close()` (on the engine thread when the loop stops: a disk tier's writes land).
 """
 
 from __future__ import annotations

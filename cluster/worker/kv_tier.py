@@ -103,7 +103,7 @@ class KvTierStats:
     # each load's read time, counted into READ_SECONDS_BUCKETS (the last: +Inf)
     read_seconds_counts: list = field(default_factory=lambda: [0] * (len(READ_SECONDS_BUCKETS) + 1))
     read_seconds_sum: float = 0.0
-    dropped_queue_full: int = 0  # blocks not even offered: the writer's queue had no room for them
+    dropped_queue_full: int = 0  # blocks evicted before the writer's queue had room for them
     loading: int = 0  # requests waiting for their reads
     read_tokens_per_second: float = 0.0  # moving average over loads
 
@@ -136,7 +136,8 @@ class KvTier:
         self.stats = KvTierStats()
         self.disk_listeners = ListenerChain()  # the DISK tier's events (the journal adds itself)
         self.wake: Callable[[], None] | None = None  # called on a reader thread when a read is done
-        self._saves: list[bytes] = []  # hashes cached since the last save_blocks
+        self._saves: list[bytes] = []  # hashes cached and not yet offered to the writer
+        self._deferred: set[bytes] = set()  # of those, the ones the writer's queue had no room for
         self._loads: dict[int, _Load] = {}  # id(seq) -> its read in flight
         self._done: list[_Load] = []
         self._lock = threading.Lock()
@@ -172,6 +173,9 @@ class KvTier:
             self.reader = DiskReader(store, cfg.kv_disk_read_threads)
             if store.mode == "ok":
                 self.writer = DiskWriter(store, cfg.kv_disk_queue_bytes)
+                if cfg.kv_disk_queue_bytes < self.block_bytes:
+                    log.warning("--kv-disk-queue-bytes %d is less than one KV block (%d bytes): nothing will be "
+                                "written to disk", cfg.kv_disk_queue_bytes, self.block_bytes)
         self.reason = store.reason if store.mode != "ok" else ""
         self.store = store  # last: the engine thread reads it unlocked
         log.info("disk KV tier at %s: %s%s", cfg.kv_disk_dir, store.mode, f" ({store.reason})" if store.reason else "")
@@ -187,30 +191,39 @@ class KvTier:
 
     # -- the memory tier's events (the block manager's listener) ----------------------------------
     def stored(self, hashes: list[bytes]) -> None:
-        if self.writer is not None:
-            self._saves += hashes
+        self._saves += hashes
 
     def removed(self, hashes: list[bytes]) -> None:
         pass
 
     # -- write-through (engine thread, after a step) ------------------------------------------------
     def save_blocks(self) -> None:
-        """Offer the blocks cached since the last call to the writer (those not on disk
-        yet, still cached, within the queue's room); the rest of the room's overflow is
-        dropped and counted."""
-        hashes, self._saves = self._saves, []
-        writer, store = self.writer, self.store
-        if not hashes or writer is None:
+        """Offer the blocks cached since the last call to the writer (those not on disk yet),
+        as many as its queue has room for; the others wait for a later step while they stay
+        cached (their rows are intact while a cached copy holds them), and count as dropped
+        if they are evicted first. Before the store is open, they wait the same way."""
+        if not self._saves:
             return
+        store = self.store  # set last when opening: the writer is there once it is
+        if store is None or self.writer is None:
+            if self._ready.is_set():
+                self._saves = []  # read-only or off: nothing is written
+            elif len(self._saves) > self.bm.num_blocks:
+                self._saves = [h for h in dict.fromkeys(self._saves) if h in self.bm.cached]
+            return
+        writer = self.writer
+        hashes, self._saves = self._saves, []
         picked: list[tuple[bytes, int]] = []
         for h in dict.fromkeys(hashes):
             copies = self.bm.cached.get(h)
-            if copies and not store.contains(h):
+            if not copies:
+                self.stats.dropped_queue_full += h in self._deferred  # evicted before the queue had room
+            elif not store.contains(h):
                 picked.append((h, next(iter(copies))))
         room = max(0, (self.config.kv_disk_queue_bytes - writer.queued_bytes) // max(1, self.block_bytes))
-        if len(picked) > room:
-            self.stats.dropped_queue_full += len(picked) - room
-            picked = picked[:room]
+        self._saves = [h for h, _ in picked[room:]]
+        self._deferred = set(self._saves)
+        picked = picked[:room]
         if not picked:
             return
         rows = self.runner.read_blocks([bid for _, bid in picked])
@@ -344,11 +357,18 @@ class KvTier:
         )
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait up to `timeout` (default --kv-disk-flush-timeout) for the queued writes;
-        whether they all landed."""
-        if self.writer is None:
-            return True
-        return self.writer.flush(self.config.kv_disk_flush_timeout if timeout is None else timeout)
+        """Write what waits, the blocks still waiting for the queue's room included, for up
+        to `timeout` seconds (default --kv-disk-flush-timeout); whether it all landed. On
+        the engine's thread, or once it has stopped."""
+        deadline = time.monotonic() + (self.config.kv_disk_flush_timeout if timeout is None else timeout)
+        while True:
+            self.save_blocks()
+            if self.writer is None:
+                return True
+            if not self.writer.flush(max(0.0, deadline - time.monotonic())):
+                return False
+            if not self._saves:
+                return True
 
     def close(self) -> None:
         """Stop the reader and writer threads (what is still queued is abandoned) and close

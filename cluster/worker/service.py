@@ -128,21 +128,13 @@ class WorkerService:
                                          group=lambda: self.group_stats)
 
     async def stop(self) -> None:
-        """Stop the engine thread (live requests end as aborted), flush the disk tier's
-        queued writes, stop the tokenizer pool and the render processes."""
+        """Stop the engine thread (live requests end as aborted; the engine closes, its disk
+        tier's queued writes landing first), the tokenizer pool and the render processes."""
         await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop)
-        if self.kv_tier is not None:  # what waits to be written lands first (--kv-disk-flush-timeout)
-            await asyncio.get_running_loop().run_in_executor(None, self._close_kv_tier)
         if self.renders is not None:
             await self.renders.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
-
-    def _close_kv_tier(self) -> None:
-        if not self.kv_tier.flush():
-            log.warning("disk KV tier: writes still queued after %.0f s are abandoned",
-                        self.config.kv_disk_flush_timeout)
-        self.kv_tier.close()
 
     def on_engine_events(self, now: float, events: list) -> None:
         """Called on the engine thread: hop onto the event loop once per step."""
