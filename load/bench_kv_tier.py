@@ -18,7 +18,8 @@ For each policy (`kv_aware`: placement by the workers' KV events; its baseline
 `prefix_aware`: the router's approximate map) a fresh router and fresh workers serve the
 same trace (kv_aware's router first loads the model's tokenizer); the script prints, over
 revisited turns, the hit rate (prompt tokens served from cache / prompt tokens, from each
-response's usage), TTFT p50 / p99, the prompt tokens prefilled, the turns per worker, and
+response's usage), TTFT p50 / p99, the prompt tokens prefilled, the turns placed on another
+worker than their session's previous turn (sessions moved), the turns per worker, and
 the router's predicted against actual cached tokens and the turns it placed by the
 approximate map. Targets: kv_aware's hit rate above prefix_aware's with its TTFT p99 no
 worse.
@@ -139,10 +140,12 @@ def summarize_revisited(results: list[TurnResult]) -> dict:
     per_worker: dict[str, int] = {}
     for r in results:
         per_worker[r.worker_id] = per_worker.get(r.worker_id, 0) + 1
+    where = {(r.session, r.turn): r.worker_id for r in results}
+    moved = sum(where[r.session, r.turn - 1] != r.worker_id for r in revisited)
     return dict(turns=len(revisited), hit_rate=cached / prompt if prompt else 0.0,
                 ttft_p50=percentile(ttft, 0.5), ttft_p99=percentile(ttft, 0.99),
                 ttft_mean=statistics.fmean(ttft) if ttft else math.nan,
-                prefilled=sum(r.prompt_tokens - r.cached_tokens for r in results),
+                prefilled=sum(r.prompt_tokens - r.cached_tokens for r in results), moved=moved,
                 per_worker=dict(sorted(per_worker.items())))
 
 
@@ -216,7 +219,7 @@ def compare_routing(model: Path, shape: TraceShape, args) -> dict[str, dict]:
         results[policy] = r = run_routing(policy, model, trace, shape, args)
         print(f"{policy:13s} revisited turns: hit rate {r['hit_rate'] * 100:5.1f}%  "
               f"TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms  p99 {r['ttft_p99'] * 1e3:7.1f} ms   "
-              f"prompt tokens prefilled {r['prefilled']}   turns per worker "
+              f"prompt tokens prefilled {r['prefilled']}   sessions moved {r['moved']}   turns per worker "
               f"{r['per_worker']}   router: predicted cached {r['predicted_memory']:.0f} memory + "
               f"{r['predicted_disk']:.0f} disk, actual {r['actual']:.0f}, placed by the approximate map "
               f"{r['fallbacks'] or 0}   {r['wall']:.1f} s", flush=True)

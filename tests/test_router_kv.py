@@ -342,6 +342,16 @@ def test_kv_aware_passes_a_holder_too_busy_to_pay():
     assert policy.choose([fast, slow], keys_of()).worker_id == "holder"
 
 
+def test_a_reported_queue_drains_as_the_report_ages():
+    """A queue reported a while ago has been prefilled since, at the worker's rate."""
+    kv = FakeKvMap()
+    kv.hold("holder", memory=HASHES)
+    busy = record("holder", "d1", queued_prefill_tokens=5000, num_running=2)
+    idle = record("idle", "d1", num_running=2)
+    busy.last_seen -= 4.5  # 4,500 of its 5,000 queued tokens prefilled since, at 1,000 a second
+    assert KvAware(kv_map=kv, prefill_tps=1000).choose([busy, idle], keys_of()).worker_id == "holder"
+
+
 def test_a_worker_that_measured_no_rate_yet_is_costed_at_the_others_rate():
     """Else one never chosen (slower by the flag's rate) would never measure its own."""
     kv = FakeKvMap()

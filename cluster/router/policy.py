@@ -13,9 +13,11 @@ workers say they hold (their KV events, `router/kv_map.py`), at the cost of each
                0, 0 while w's map is resyncing); blocks this router placed there and w has not
                reported yet count as in memory, so a burst with one prefix follows its first
     miss     = N - (m + d) * bs                       tokens to prefill
-    t(w)     = (queued_prefill(w) + placed(w) + miss) / prefill_tps(w) + d * bs / read_tps(w)
-               queued_prefill: the prompt tokens w reports waiting or mid-prefill; placed: the
-               uncached tokens this router placed there since that report; the rates are w's
+    t(w)     = (queue(w) + miss) / prefill_tps(w) + d * bs / read_tps(w)
+               queue(w) = queued_prefill(w) + placed(w) - age(w) * prefill_tps(w), at least 0:
+               the prompt tokens w reports waiting or mid-prefill, plus the uncached tokens this
+               router placed there since that report, less what w prefilled since (the report
+               is age(w) seconds old); the rates are w's
                measured ones (LoadReport), else the mean of the candidates' measured ones,
                else --kv-prefill-tps / --kv-read-tps
     choose argmin t(w) over the w with not imbalanced(w, least), ties to the lower load
@@ -58,6 +60,7 @@ loaded worker.
 from __future__ import annotations
 
 import itertools
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
@@ -266,6 +269,8 @@ class KvAware(PrefixAware):
         prefill = report.prefill_tokens_per_second or rates[0]
         read = report.kv_disk.read_tokens_per_second or rates[1]
         queued = report.queued_prefill_tokens + self._since_report(self._placed, w, 0)[1]
+        # the queue drains at the prefill rate while the report ages (a report is up to a beat old)
+        queued = max(0.0, queued - (time.monotonic() - getattr(w, "last_seen", time.monotonic())) * prefill)
         return (queued + miss) / prefill + disk / read, memory, disk, hashes
 
     def _match(self, w, hashes: list[bytes]) -> tuple[int, int]:
