@@ -404,3 +404,35 @@ def test_blocks_beyond_the_write_queue_wait_for_room_while_cached(model_dirs, tm
     assert engine.kv_tier.counters()["dropped"]["queue_full"] == 0
     restarted = engine_on(path, tmp_path / "kv")
     assert run(restarted, second, GREEDY)["disk"] == 80
+
+
+def test_the_bench_reports_hits_by_tier_and_the_disk_traffic():
+    from collections import defaultdict
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from cluster.bench.serve import format_report
+    from cluster.bench.server_metrics import ServerMetricsSampler, parse
+
+    def exposition(memory: int, disk: int, written: int, read: int, reads: int, seconds: float) -> str:
+        lv = 'model="m",worker="w0"'
+        return (f'orchard_kv_cache_hit_tokens_total{{{lv},tier="memory"}} {memory}\n'
+                f'orchard_kv_cache_hit_tokens_total{{{lv},tier="disk"}} {disk}\n'
+                f'orchard_kv_disk_bytes_written_total{{{lv}}} {written}\n'
+                f'orchard_kv_disk_bytes_read_total{{{lv}}} {read}\n'
+                f'orchard_kv_disk_usage_bytes{{{lv}}} {written}\n'
+                '# TYPE orchard_kv_disk_read_seconds histogram\n'
+                f'orchard_kv_disk_read_seconds_bucket{{{lv},le="+Inf"}} {reads}\n'
+                f'orchard_kv_disk_read_seconds_count{{{lv}}} {reads}\n'
+                f'orchard_kv_disk_read_seconds_sum{{{lv}}} {seconds}\n')
+
+    sampler = ServerMetricsSampler(["127.0.0.1:1"])
+    url = sampler.urls[0]
+    sampler._before[url] = parse(exposition(16, 0, 1 << 20, 0, 0, 0.0))
+    summary = sampler.summarize({url: parse(exposition(48, 96, 3 << 20, 2 << 20, 2, 0.5))})
+    assert summary.kv_hit_tokens_by_tier == {"memory": 32, "disk": 96}
+    assert (summary.kv_disk_bytes_written, summary.kv_disk_bytes_read, summary.kv_disk_reads) == (2 << 20, 2 << 20, 2)
+    assert summary.kv_disk_read_seconds == 0.5 and summary.kv_disk_usage_bytes == 3 << 20
+    report = defaultdict(float, errors=[], server=asdict(summary))  # the client side's figures: zeros
+    text = format_report(report, SimpleNamespace(max_concurrency=1, percentile_metrics=""))
+    assert "Prefix-cache hit tokens, disk:" in text and "KV disk mean read (ms):" in text

@@ -348,6 +348,16 @@ def format_report(r: dict, args) -> str:
         kinds = {"retry": "Router retries (before 1st token):", "resume": "Router resumes (mid-stream):"}
         for kind, n in sorted(s["router_retries_by_kind"].items()):
             row(kinds.get(kind, f"Router {kind}:"), n, "{:<10}")
+        for tier, n in sorted(s.get("kv_hit_tokens_by_tier", {}).items()):
+            row(f"Prefix-cache hit tokens, {tier}:", n, "{:<10}")
+        if s.get("kv_disk_bytes_written") is not None:
+            row("KV disk written (MiB):", s["kv_disk_bytes_written"] / 2**20)
+            row("KV disk read (MiB):", s["kv_disk_bytes_read"] / 2**20)
+            reads, seconds = s["kv_disk_reads"] or 0, s["kv_disk_read_seconds"] or 0.0
+            row("KV disk reads:", reads, "{:<10}")
+            row("KV disk mean read (ms):", 1000 * seconds / reads if reads else None)
+            usage = s.get("kv_disk_usage_bytes")
+            row("KV disk held at the end (MiB):", None if usage is None else usage / 2**20)
         if s.get("kv_events") is not None:
             row("KV events published:", s["kv_events"], "{:<10}")
             row("KV event snapshots sent:", s["kv_event_snapshots"], "{:<10}")

@@ -74,6 +74,14 @@ class ServerSummary:
     kv_events: int | None = None
     kv_event_snapshots: int | None = None
     router_kv_resyncs_by_reason: dict[str, int] = field(default_factory=dict)
+    # the prefix cache's tiers: prompt tokens found per tier; with a disk tier (--kv-disk-dir)
+    # its bytes written and read, its reads (count, seconds) and what it held at the end
+    kv_hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    kv_disk_bytes_written: int | None = None
+    kv_disk_bytes_read: int | None = None
+    kv_disk_reads: int | None = None
+    kv_disk_read_seconds: float | None = None
+    kv_disk_usage_bytes: int | None = None
     kv_series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # worker -> [(t, usage)]
     errors: list[str] = field(default_factory=list)
 
@@ -222,11 +230,18 @@ class ServerMetricsSampler:
             for j in positions:
                 d = delta("orchard_spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) or 0
                 s.spec_acceptance_by_position.append(d / rounds if rounds else 0.0)
+        s.kv_disk_bytes_written = as_int(delta("orchard_kv_disk_bytes_written_total"))
+        s.kv_disk_bytes_read = as_int(delta("orchard_kv_disk_bytes_read_total"))
+        s.kv_disk_reads = as_int(delta("orchard_kv_disk_read_seconds_count"))
+        s.kv_disk_read_seconds = delta("orchard_kv_disk_read_seconds_sum")
+        if any(n == "orchard_kv_disk_usage_bytes" for u in after for n, _ in after[u]):
+            s.kv_disk_usage_bytes = as_int(sum(total(after[u], "orchard_kv_disk_usage_bytes") for u in after))
         s.kv_events = as_int(delta("orchard_kv_events_total"))
         s.kv_event_snapshots = as_int(delta("orchard_kv_event_snapshots_total"))
         for label, name, target in (("outcome", "orchard_router_requests_total", s.router_requests_by_outcome),
                                     ("kind", "orchard_router_retries_total", s.router_retries_by_kind),
-                                    ("reason", "orchard_router_kv_resyncs_total", s.router_kv_resyncs_by_reason)):
+                                    ("reason", "orchard_router_kv_resyncs_total", s.router_kv_resyncs_by_reason),
+                                    ("tier", "orchard_kv_cache_hit_tokens_total", s.kv_hit_tokens_by_tier)):
             values = set()
             for u in after:
                 values |= {dict(lv).get(label) for n, lv in after[u] if n == name}
