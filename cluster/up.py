@@ -64,8 +64,9 @@ class UpConfig:
                                        metavar="W,W...")
     group_inflight: int = setting(GroupOptions.inflight, "pipeline: batches in flight at once (0: one per stage)",
                                   metavar="N")
-    kv_disk_dir: str | None = setting(None, "a disk KV tier for each worker, worker i's in DIR/worker-i (see "
-                                            "orchard worker serve --kv-disk-dir; not with --group-size)",
+    kv_disk_dir: str | None = setting(None, "a disk KV tier for each worker, worker i's in DIR/worker-i (a "
+                                            "group's rank r: DIR/worker-i-rank-r; see orchard worker serve "
+                                            "--kv-disk-dir; not with --parallel tensor)",
                                       metavar="DIR")
     kv_disk_size: ByteSize = setting(default_of(EngineConfig, "kv_disk_size"), "each worker's disk tier at most",
                                      metavar="SIZE")
@@ -223,9 +224,13 @@ class LocalCluster:
         args = ["worker", "serve", "--model", self.model, "--grpc", self.worker_addresses[i],
                 "--metrics", self.worker_metrics[i], "--router", ",".join(self.router_addresses),
                 "--worker-id", f"worker-{i}", *self.worker_args]
-        if self.kv_disk is not None:
+        def disk(name: str) -> list[str]:  # each process its own disk tier (a group's rank: its own layers)
+            if self.kv_disk is None:
+                return []
             disk_dir, size = self.kv_disk
-            args += ["--kv-disk-dir", str(Path(disk_dir) / f"worker-{i}"), "--kv-disk-size", str(size)]
+            return ["--kv-disk-dir", str(Path(disk_dir) / name), "--kv-disk-size", str(size)]
+
+        args += disk(f"worker-{i}")
         size = self.group_sizes[i % len(self.group_sizes)]
         members = []
         if size > 1:  # a worker group: rank 0 here, ranks 1.. beside it, over MLX's ring on loopback
@@ -239,7 +244,7 @@ class LocalCluster:
             for r in range(1, size):
                 members.append(self._spawn(
                     f"worker-{i}-rank-{r}", ["worker", "serve", "--model", self.model, *group, "--group-rank", str(r),
-                                             *self.worker_args],
+                                             *self.worker_args, *disk(f"worker-{i}-rank-{r}")],
                     self.cpus[(i + r) % len(self.cpus)] if self.cpus else None, self.worker_env))
         child = self._spawn(f"worker-{i}", args, self.cpus[i % len(self.cpus)] if self.cpus else None, self.worker_env)
         if members:
@@ -437,9 +442,9 @@ def local_cluster(config: UpConfig, model: str | os.PathLike) -> LocalCluster:
 def run_up(config: UpConfig) -> int:
     from cluster.models_cache import resolve_model
 
-    if config.kv_disk_dir and config.group_size > 1:
-        print("orchard up: --kv-disk-dir: the disk KV tier does not run in worker groups yet "
-              f"(--group-size {config.group_size})", file=sys.stderr)
+    if config.kv_disk_dir and config.group_size > 1 and config.parallel == "tensor":
+        print("orchard up: --kv-disk-dir: the disk KV tier does not run in tensor-parallel worker groups yet "
+              "(--parallel tensor)", file=sys.stderr)
         return 2
     model = resolve_model(config.model, config.gguf_file)
     cluster = local_cluster(config, model)

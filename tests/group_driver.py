@@ -114,6 +114,71 @@ def run_workload(engine, seed: int = 0, steps_limit: int = 5000) -> dict:
     return {"results": results, "preemptions": s.num_preemptions, "prefix_hits": s.prefix_hits, "steps": step}
 
 
+KV_CONFIG = dict(num_kv_blocks=64)
+KV_PARAMS = dict(max_tokens=12, ignore_eos=True, logprobs=5)
+
+
+def kv_prompts(seed: int = 11) -> dict[str, list[int]]:
+    """A prompt (`first`) and one sharing its 80-token prefix (`second`); `short` shares
+    only its first 64 tokens (the reference for a prefix 4 blocks long)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 500) for _ in range(80)]
+    tail = lambda n: [rng.randrange(3, 500) for _ in range(n)]  # noqa: E731
+    return {"first": prefix + tail(21), "second": prefix + tail(21), "short": prefix[:64] + tail(21)}
+
+
+def kv_request(engine, rid: str, prompt: list[int], params: SamplingParams) -> dict:
+    """One request to its end, the engine stepped as a worker's loop steps it (waiting for
+    the disk tier's reads when nothing else runs): tokens, logprobs, top, cached tokens."""
+    engine.add_request(rid, prompt, params)
+    out = {"tokens": [], "logprobs": [], "top": [], "cached": 0, "disk": 0}
+    deadline = time.monotonic() + 300
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline, "the request did not finish"
+        if not engine.has_runnable():
+            engine.kv_tier.wait(0.1)
+        for o in engine.step():
+            if o.request_id != rid:
+                continue
+            out["tokens"] += o.new_token_ids
+            out["logprobs"] += o.logprobs or []
+            out["top"] += [[list(t) for t in tl] for tl in (o.top_logprobs or [])]
+            out["cached"], out["disk"] = o.num_cached_tokens, o.num_cached_tokens_disk
+        engine.check_integrity()
+    return out
+
+
+def run_kv(engine, phase: str, virtual: int = 1) -> dict:
+    """The disk tier's workload: "warm" serves `first` (its blocks written through to disk,
+    flushed); "again" (after a restart) serves `second` greedy and seeded, its prefix from
+    disk; "short" serves `short` then `second` (a 64-token prefix from memory). With
+    virtual engines, a short request goes first, so the prompts land in the second engine
+    (its blocks offset into the pool)."""
+    tier = engine.kv_tier
+    if tier is not None:
+        assert tier.wait_ready(120), "the disk tier did not open"
+    p = kv_prompts()
+    if virtual > 1:
+        engine.add_request("filler", [5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True))
+    greedy = SamplingParams(temperature=0, **KV_PARAMS)
+    seeded = SamplingParams(temperature=0.8, seed=1234, **KV_PARAMS)
+    out = {}
+    if phase == "warm":
+        out["first"] = kv_request(engine, "first", p["first"], greedy)
+    elif phase == "again":
+        out["second"] = kv_request(engine, "second", p["second"], greedy)
+        out["seeded"] = kv_request(engine, "seeded", p["second"], seeded)
+    else:
+        kv_request(engine, "short", p[phase], greedy)
+        out["second"] = kv_request(engine, "second", p["second"], greedy)
+    while engine.has_unfinished():  # (the filler)
+        engine.step()
+    if tier is not None:
+        assert tier.flush(60), "the disk writes did not finish"
+        out["hit_tokens"] = tier.stats.hit_tokens
+    return out
+
+
 POISON_RUN = [497, 498, 499]  # token ids: a step that holds them raises on the rank whose fault file names them
 
 
@@ -177,6 +242,8 @@ def main() -> int:
     ap.add_argument("--draft", default=None, help="speculative decoding with this draft model")
     ap.add_argument("--inflight", type=int, default=1, help="batches in flight (1: the single process's batches)")
     ap.add_argument("--poison", action="store_true", help="run_beside_poison instead of the workload")
+    ap.add_argument("--kv-disk-dir", default=None, help="the disk KV tier here: run_kv instead of the workload")
+    ap.add_argument("--kv-phase", default="warm", help="run_kv's phase")
     args = ap.parse_args()
     from cluster.worker.group.config import GroupOptions
     from cluster.worker.group.leader import load_group_engine
@@ -190,6 +257,8 @@ def main() -> int:
         cfg["speculative_config"] = draft_config(args.draft)
     if args.speculative or args.draft:
         every_draft()
+    if args.kv_disk_dir:
+        cfg = dict(KV_CONFIG, kv_disk_dir=args.kv_disk_dir)
     cfg["num_kv_blocks"] *= args.inflight  # each batch in flight (virtual engine) gets the single process's pool
     def load():
         engine = load_group_engine(args.model, EngineConfig(**cfg), options, "test-token")
@@ -204,7 +273,9 @@ def main() -> int:
         print("RESULT " + json.dumps(out), flush=True)
         return 0
     engine = load()
-    if args.random_steps:
+    if args.kv_disk_dir:
+        out = run_kv(engine, args.kv_phase, args.inflight)
+    elif args.random_steps:
         from group_random import run_random
 
         out = run_random(engine, args.random_steps, args.seed)

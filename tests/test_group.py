@@ -473,12 +473,13 @@ def start_members(model: Path, size: int, hosts: str, port: int, parallel: str =
 
 
 def run_group(model: Path, size: int, parallel: str = "pipeline", timeout: float = 600, stale_ring: bool = False,
-              **driver) -> dict:
+              members_extra=(), **driver) -> dict:
     """Rank 0 (tests/group_driver.py) and size - 1 members as processes; rank 0's result.
-    `stale_ring`: rank 0's flags have the members' ring addresses where they are not."""
+    `stale_ring`: rank 0's flags have the members' ring addresses where they are not.
+    `members_extra`: more flags for the members."""
     *ring, port = free_ports(size + 1)
     hosts = ",".join(f"127.0.0.1:{p}" for p in ring)
-    members = start_members(model, size, hosts, port, parallel)
+    members = start_members(model, size, hosts, port, parallel, members_extra)
     rank0_hosts = ",".join([f"127.0.0.1:{ring[0]}"] + [f"127.0.0.1:{p}" for p in free_ports(size - 1)]) \
         if stale_ring else hosts
     args = [sys.executable, str(ROOT / "tests" / "group_driver.py"), "--model", str(model), "--hosts", rank0_hosts,

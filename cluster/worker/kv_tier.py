@@ -117,6 +117,7 @@ class _Load:
     cut: bool  # fewer blocks than the disk held (the staging budget)
     started: float
     good: int = -1  # set by the reader: the first `good` entries read and checked
+    ticket: object = None  # a worker group's name for it on every rank (`peers`)
 
 
 class KvTier:
@@ -124,9 +125,11 @@ class KvTier:
     `save_blocks` after each step, `info()` for load reports, `flush` / `close` at stop."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, runner, identity: dict | None,
-                 weights: Callable[[], str] | None = None, reason: str = ""):
+                 weights: Callable[[], str] | None = None, reason: str = "", shared: KvTier | None = None):
         """`identity`: the model's facts but its weights' digest, which `weights()` computes
-        on a thread of its own (None with `reason`: the tier stays off)."""
+        on a thread of its own (None with `reason`: the tier stays off). `shared`: another
+        engine's tier in this process whose store this one uses (a worker group's
+        pipelined virtual engines: one store a process)."""
         self.config = config
         self.bm = block_manager
         self.runner = runner
@@ -135,6 +138,9 @@ class KvTier:
         self.store = self.writer = self.reader = None
         self.stats = KvTierStats()
         self.disk_listeners = ListenerChain()  # the DISK tier's events (the journal adds itself)
+        # a worker group's other ranks (group/kv.py): `save(blocks)`, `read(entries, reader,
+        # out, done) -> ticket`, `apply(ticket, rows)`: they do what this tier does, in step
+        self.peers = None
         self.wake: Callable[[], None] | None = None  # called on a reader thread when a read is done
         self._saves: list[bytes] = []  # hashes cached and not yet offered to the writer
         self._deferred: set[bytes] = set()  # of those, the ones the writer's queue had no room for
@@ -149,11 +155,14 @@ class KvTier:
                              for _, _, shape, dtype in layout]
         self.block_bytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in self._pool_shapes)
         self._staging_limit = max(1, int(block_manager.num_blocks * STAGING_SHARE))
-        if identity is None:
+        if identity is None and shared is None:
             log.warning("the disk KV tier is off: %s", reason)
             self._ready.set()
             return
         block_manager.listener = chain_listener(block_manager.listener, self)
+        if shared is not None:
+            threading.Thread(target=self._share, args=(shared,), name="orchard-kv-open", daemon=True).start()
+            return
         threading.Thread(target=self._open, args=(identity, weights), name="orchard-kv-open", daemon=True).start()
 
     # -- opening -----------------------------------------------------------------------------
@@ -179,6 +188,12 @@ class KvTier:
         self.reason = store.reason if store.mode != "ok" else ""
         self.store = store  # last: the engine thread reads it unlocked
         log.info("disk KV tier at %s: %s%s", cfg.kv_disk_dir, store.mode, f" ({store.reason})" if store.reason else "")
+        self._ready.set()
+
+    def _share(self, other: KvTier) -> None:
+        other._ready.wait()
+        self.reader, self.writer, self.reason = other.reader, other.writer, other.reason
+        self.store = other.store  # last, as in _open
         self._ready.set()
 
     def wait_ready(self, timeout: float) -> bool:
@@ -230,6 +245,8 @@ class KvTier:
         for j, (h, bid) in enumerate(picked):
             block = self.bm.blocks[bid]
             writer.offer(h, block.parent_hash, block.token_ids, [a[j] for a in rows])  # a drop: the store counts it
+        if self.peers is not None:
+            self.peers.save([(bid, h, self.bm.blocks[bid].parent_hash) for h, bid in picked])
 
     # -- reads (engine thread, before the schedule) -------------------------------------------------
     def probe(self, waiting) -> None:
@@ -265,7 +282,10 @@ class KvTier:
         self._staged_blocks += n
         self.stats.loading = len(self._loads)
         out = [[b[j] for b in buffers] for j in range(n)]
-        self.reader.submit(entries, out, lambda good: self._read_done(load, good))
+        if self.peers is None:
+            self.reader.submit(entries, out, lambda good: self._read_done(load, good))
+        else:  # done with the fewest good blocks any rank read
+            load.ticket = self.peers.read(entries, self.reader, out, lambda good: self._read_done(load, good))
 
     def _read_done(self, load: _Load, good: int) -> None:
         """On a reader thread."""
@@ -283,9 +303,12 @@ class KvTier:
             done, self._done = self._done, []
             self._done_event.clear()
         for load in done:
-            self._complete(load)
+            rows = self._complete(load)
+            if self.peers is not None:  # the other ranks install the same blocks (or drop their reads)
+                self.peers.apply(load.ticket, rows or [])
 
-    def _complete(self, load: _Load) -> None:
+    def _complete(self, load: _Load) -> list[tuple[int, int]] | None:
+        """Installs a finished read: its (index in the read, block id) rows installed."""
         seq, bs = load.seq, self.block_size
         del self._loads[id(seq)]
         self._staged_blocks -= len(load.entries)
@@ -310,6 +333,7 @@ class KvTier:
             seq.num_disk_tokens += len(rows) * bs
         if load.cut and installed == len(entries):
             seq.kv_probed_len = 0  # the staging budget cut it: the next probe reads on
+        return rows
 
     def _count_read(self, good: int, took: float) -> None:
         s = self.stats
@@ -404,4 +428,6 @@ def model_identity(runner, quantized: bool) -> dict:
         kv_dtype=str(runner.kv_dtype).rpartition(".")[2],
         compute_dtype=str(runner.dtype).rpartition(".")[2], quantized=quantized, layers=specs,
         backend=("host" if runner.host is not None else "mlx") + "/" + runner.attention_backend,
+        # a worker group's rank: {"parallel", "rank", "size"} (group/kv.py)
+        **({"group": group} if (group := getattr(runner, "group_identity", None)) else {}),
     )

@@ -210,6 +210,8 @@ class Leader:
         self.lost_reason = ""
         self._lost = threading.Event()
         self._on_sleep: Callable[[int, bool], None] | None = None  # see on_sleep
+        # kv_read_done(rank, ticket, good): a member's answer to a disk read (group/kv.py)
+        self.kv_read_done: Callable[[int, int, int], None] | None = None
         self._closing = False
         self._serving = False
         self._beating = False
@@ -347,6 +349,8 @@ class Leader:
                         self._send(self.members[dst], kind, payload)
                 elif kind == wire.ACK:
                     self.acks[conn.rank].put(wire.ACK_MSG.unpack(payload))
+                elif kind == wire.KV_READ_DONE and self.kv_read_done is not None:
+                    self.kv_read_done(conn.rank, *wire.read_kv_read_done(payload))
                 elif kind == wire.PONG:
                     pass
                 elif kind == wire.SLEEP:
@@ -541,7 +545,7 @@ class Member:
         self.info = info or {}
         self.on_lost = on_lost
         self.handshake_timeout = handshake_timeout
-        self.plans: queue.Queue = queue.Queue()  # (kind, payload): STEP or SHUTDOWN
+        self.plans: queue.Queue = queue.Queue()  # (kind, payload): STEP, a KV message or SHUTDOWN
         self.startup: queue.Queue = queue.Queue()  # (kind, payload): ASSIGN, RING, START (or SHUTDOWN)
         self.ready: queue.Queue = queue.Queue()  # notices for this rank: (step, from, FAILED's cause or None)
         self.last_heard = time.monotonic()
@@ -665,6 +669,8 @@ class Member:
                     self.startup.put(wire.Refused(f"rank 0 failed: {payload.decode(errors='replace')}",
                                                   permanent=bool(flags & wire.PERMANENT)))
                     return
+                elif kind in wire.KV_KINDS:  # run in order with the steps
+                    self.plans.put((kind, payload))
                 elif kind in (wire.STEP, wire.SHUTDOWN):
                     self.plans.put((kind, payload))
                     if kind == wire.SHUTDOWN:

@@ -39,6 +39,7 @@ from cluster.worker.group.channel import (
 from cluster.worker.group.config import (GroupOptions, Topology, parse_layer_runs, parse_shares, require_join_token,
                                         topology)
 from cluster.worker.group.deadline import exit_after
+from cluster.worker.group.kv import LeaderKv
 from cluster.worker.group.memory import LeastKV, check_fit, draft_footprint, join_info, rank_parts
 from cluster.worker.group.pipelined import PipelinedEngine, VirtualRunner
 from cluster.worker.group.progress import StepProgress
@@ -198,6 +199,8 @@ class GroupState:
         # (step, rank 0's checksum, its batch) sent, not finished, oldest first
         self.in_flight: deque[tuple[int, int | None, object]] = deque()
         self.receiving: tuple[int, float] | None = None  # (step, since when) while rank 1's hidden state comes
+        # the disk KV tier's messages to the members (their answers past --group-timeout: none good)
+        self.kv = LeaderKv(leader, options.timeout)
 
     @property
     def pipeline(self) -> bool:
@@ -325,6 +328,11 @@ class GroupRunner(StageRunner):
                  stage, group: GroupState):
         self.group = group
         super().__init__(model, num_blocks, block_size, kv_dtype, num_state_slots, stage)
+
+    @property
+    def group_identity(self) -> dict:
+        """This rank's place in the group, for the disk tier's identity (`kv_tier.model_identity`)."""
+        return {"parallel": self.group.assignment.parallel, "rank": 0, "size": self.group.topo.size}
 
     def prepare(self, plan):
         g = self.group
@@ -556,6 +564,8 @@ def group_engine(model, tokenizer, config: EngineConfig, name: str, num_blocks: 
         engine = Engine(model, tokenizer, replace(config, num_kv_blocks=num_blocks), model_name=name,
                         runner_factory=runner_factory, draft=draft)
         engine.group = group
+        if engine.kv_tier is not None and group is not None:
+            engine.kv_tier.peers = group.kv.peers()
         return engine
     kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
     num_state_slots = virtual * config.max_num_seqs if has_recurrent_layers(model) else 0
@@ -566,9 +576,15 @@ def group_engine(model, tokenizer, config: EngineConfig, name: str, num_blocks: 
         def runner_factory(model, num_blocks, block_size, kv_dtype, num_state_slots=0, v=v):
             return VirtualRunner(shared, v * share, v * config.max_num_seqs)
 
-        engines.append(Engine(model, tokenizer, replace(config, num_kv_blocks=share), model_name=name,
-                              runner_factory=runner_factory, draft=draft))
-    return PipelinedEngine(engines, group)
+        # one disk store a process: the first engine's, which the others share (PipelinedEngine)
+        engines.append(Engine(model, tokenizer, replace(config, num_kv_blocks=share,
+                                                        kv_disk_dir=config.kv_disk_dir if v == 0 else None),
+                              model_name=name, runner_factory=runner_factory, draft=draft))
+    engine = PipelinedEngine(engines, group)
+    for v, e in enumerate(engines):
+        if e.kv_tier is not None and group is not None:
+            e.kv_tier.peers = group.kv.peers(v * share)
+    return engine
 
 
 def capacity(model, stage, config: EngineConfig, kv_dtype, memory: int, least_blocks: int = 1, draft=None) -> dict:

@@ -38,6 +38,7 @@ from cluster.worker.faults import MemberFaults
 from cluster.worker.group import wire
 from cluster.worker.group.channel import EXIT_GROUP_LOST, START_BACKSTOP_S, Member, StepFailed, Watchdog
 from cluster.worker.group.config import GroupOptions, require_join_token, topology
+from cluster.worker.group.kv import MemberKv
 from cluster.worker.group.leader import capacity, config_digest, init_ring, ring_timeout
 from cluster.worker.group.memory import join_info
 from cluster.worker.group.stage import Assignment, StageRunner, load_part, member_batch
@@ -83,6 +84,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
         log.error("group member cannot start: %s", e)
         return EXIT_PERMANENT
     kv_budget = config.kv_cache_memory_bytes if config is not None else None
+    own = config or EngineConfig()  # this rank's flags (its --kv-disk-dir: its own layers' disk tier)
     deadline = time.monotonic() + options.join_timeout
     member = Member(topo.control, topo.rank, topo.size, join_token, options.timeout,
                     info={"host": socket.gethostname(), "pid": os.getpid(), "ring": topo.ring_addresses()[topo.rank],
@@ -117,6 +119,8 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
         kv_dtype = getattr(mx, start["kv_dtype"])
         slots = int(start["num_state_slots"])
         runner = StageRunner(model, int(start["num_blocks"]), config.block_size, kv_dtype, slots, stage)
+        runner.group_identity = {"parallel": assignment.parallel, "rank": topo.rank, "size": topo.size}
+        kv = MemberKv.open(member.send, runner, model, own)  # never raises: off, saying why
     except Exception as e:  # told to rank 0, which stops the group's start (for good when it is permanent)
         code = exit_code(e)
         if isinstance(e, wire.Refused):  # rank 0 said why (a setting, a group that does not fit): no traceback
@@ -137,7 +141,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
                       f"{stage.layers.stop - 1}", lambda seconds: _drain_group(member, seconds), member.awake).start()
     try:
         return _serve(member, runner, ring, assignment, topo.rank, options, watchdog,
-                      int(text_args(model).hidden_size))
+                      int(text_args(model).hidden_size), kv)
     finally:
         awake.stop()
 
@@ -176,17 +180,21 @@ def _stop_when_told(member: Member, stop: threading.Event, serving: threading.Ev
 
 
 def _serve(member: Member, runner: StageRunner, ring, assignment: Assignment, rank: int, options: GroupOptions,
-           watchdog: Watchdog, hidden_size: int) -> int:
+           watchdog: Watchdog, hidden_size: int, kv: MemberKv) -> int:
     reader = wire.PlanReader(runner.block_size, runner.num_blocks)
     faults = MemberFaults.from_env(rank)  # None unless ORCHARD_FAULT_DIR is set (tests)
     while True:
         kind, payload = member.plans.get()
         if kind == wire.SHUTDOWN:
             log.info("group rank %d: rank 0 stopped the group", rank)
+            kv.close()
             member.close()
             watchdog.stop()
             return 0
         try:
+            if kind in wire.KV_KINDS:  # the disk tier's saves, reads and installs, between steps
+                kv.handle(kind, payload)
+                continue
             plan = reader.decode(payload)
             watchdog.arm(options.timeout, f"group step {plan.step}")
             if plan.check is not None:

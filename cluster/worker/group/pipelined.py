@@ -34,6 +34,7 @@ from dataclasses import fields, replace
 
 from cluster.worker.engine import Engine, EngineStats, RequestOutput
 from cluster.worker.engine_protocol import EngineProtocol
+from cluster.worker.kv_tier import KvTier
 from cluster.worker.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,13 @@ class VirtualRunner:
         shifted = SchedulerOutput([replace(e, seq=self._proxy(e.seq)) for e in plan.scheduled], plan.preempted)
         return self.shared.prepare(shifted)
 
+    # the disk tier's copies in and out of this engine's share of the pool
+    def read_blocks(self, block_ids: list[int]):
+        return self.shared.read_blocks([b + self.block_offset for b in block_ids])
+
+    def write_blocks(self, block_ids: list[int], arrays) -> None:
+        self.shared.write_blocks([b + self.block_offset for b in block_ids], arrays)
+
     def __getattr__(self, name):
         return getattr(self.shared, name)
 
@@ -120,11 +128,16 @@ class PipelinedEngine(EngineProtocol):
         self.grammars = first.grammars
         self.pooler = getattr(first, "pooler", None)
         self.runner = first.runner
-        # one KV journal for the process: a hash leaves its memory tier when no engine caches it
+        # one KV journal for the process: a hash leaves its memory tier when no engine caches it;
+        # one disk store (the first engine's), each engine's tier writing through its own blocks
         self.kv_journal = first.kv_journal
+        self.kv_tier = first.kv_tier
         for e in engines[1:]:
             e.kv_journal = first.kv_journal
             e.block_manager.listener = first.kv_journal.memory_listener()
+            if first.kv_tier is not None:  # (it chains itself to the listener)
+                e.kv_tier = KvTier(replace(e.config, kv_disk_dir=first.config.kv_disk_dir), e.block_manager,
+                                   e.runner, None, shared=first.kv_tier)
         self.config = replace(first.config, max_num_seqs=sum(e.config.max_num_seqs for e in engines),
                               num_kv_blocks=sum(e.config.num_kv_blocks for e in engines))
         self.in_flight: deque = deque()  # (virtual engine index, PendingStep), oldest first
@@ -188,6 +201,13 @@ class PipelinedEngine(EngineProtocol):
 
     def has_unfinished(self) -> bool:
         return bool(self.in_flight) or any(e.has_unfinished() for e in self.engines)
+
+    def has_runnable(self) -> bool:
+        return bool(self.in_flight) or any(e.has_runnable() for e in self.engines)
+
+    def set_wake(self, wake) -> None:
+        for e in self.engines:
+            e.set_wake(wake)
 
     def live_request_ids(self) -> list[str]:
         return [rid for e in self.engines for rid in e.live_request_ids()]

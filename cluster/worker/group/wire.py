@@ -50,7 +50,7 @@ from cluster.api.errors import BadField
 from cluster.api.limits import check_json_depth
 
 MAGIC = b"OGRP"
-VERSION = 1
+VERSION = 2  # 2: the disk KV tier's messages (KV_SAVE, KV_READ, KV_READ_DONE, KV_APPLY)
 FRAME = struct.Struct("<4sBBHI")  # magic, version, kind, flags (unused), payload length
 MAX_PAYLOAD = 1 << 30
 MAX_HANDSHAKE = 1 << 16
@@ -63,12 +63,16 @@ MAX_NONCE = 256
 # requests again).
 # STOP (member -> rank 0): the member was told to stop (SIGTERM); rank 0 drains, then sends
 # every rank SHUTDOWN. Its payload: why, as text.
+# KV_SAVE, KV_READ, KV_APPLY (rank 0 -> member) and KV_READ_DONE (member -> rank 0): the
+# disk KV tier (group/kv.py), in order with the steps.
 (HELLO, CHALLENGE, AUTH, WELCOME, ASSIGN, LOADED, START, STEP, READY, ACK, PING, PONG, SHUTDOWN, ERROR, RING,
- FAILED, SLEEP, STOP) = range(1, 19)
+ FAILED, SLEEP, STOP, KV_SAVE, KV_READ, KV_READ_DONE, KV_APPLY) = range(1, 23)
 KIND_NAMES = {v: k for k, v in dict(HELLO=HELLO, CHALLENGE=CHALLENGE, AUTH=AUTH, WELCOME=WELCOME, ASSIGN=ASSIGN,
                                     LOADED=LOADED, START=START, STEP=STEP, READY=READY, ACK=ACK, PING=PING, PONG=PONG,
                                     SHUTDOWN=SHUTDOWN, ERROR=ERROR, RING=RING, FAILED=FAILED, SLEEP=SLEEP,
-                                    STOP=STOP).items()}
+                                    STOP=STOP, KV_SAVE=KV_SAVE, KV_READ=KV_READ, KV_READ_DONE=KV_READ_DONE,
+                                    KV_APPLY=KV_APPLY).items()}
+KV_KINDS = (KV_SAVE, KV_READ, KV_APPLY)  # rank 0's disk tier messages, run by a member in step order
 SLEEPING, AWAKE = b"\x01", b"\x00"  # SLEEP's payloads
 
 STEP_HEAD = struct.Struct("<QIiiiiI")  # step id, flags, T, S, D (delta ints), R (drops), checksum
@@ -393,3 +397,81 @@ class PlanReader:
             i += 3 + n
         for h in drops:
             self.tables.pop(h, None)
+
+
+# -- the disk KV tier's messages (group/kv.py) ------------------------------------------------------
+#
+#   KV_SAVE       count, then per block: block id i32, hash [16], parent [16] (zeros: a first block)
+#   KV_READ       ticket u64, count, then per block: hash [16], parent [16]
+#   KV_READ_DONE  ticket u64, good i32 (the first `good` blocks read and checked)
+#   KV_APPLY      ticket u64, count, then per block: index into the read i32, block id i32 (none: drop)
+
+MAX_KV_BLOCKS = 1 << 16  # blocks in one KV message (a read is at most the pool's quarter)
+KV_COUNT = struct.Struct("<I")
+KV_TICKET = struct.Struct("<QI")  # ticket, count
+KV_READ_DONE_MSG = struct.Struct("<Qi")
+_SAVE_ROW = np.dtype([("id", "<i4"), ("hash", "S16"), ("parent", "S16")])
+_READ_ROW = np.dtype([("hash", "S16"), ("parent", "S16")])
+_APPLY_ROW = np.dtype([("index", "<i4"), ("id", "<i4")])
+NO_PARENT = bytes(16)
+
+
+def _rows(payload: bytes, head: struct.Struct, row: np.dtype, what: str) -> tuple[tuple, np.ndarray]:
+    if len(payload) < head.size:
+        raise ProtocolError(f"a {what} message shorter than its header")
+    fields = head.unpack_from(payload)
+    n = fields[-1]
+    if n > MAX_KV_BLOCKS or len(payload) != head.size + n * row.itemsize:
+        raise ProtocolError(f"a {what} message of {len(payload)} bytes for {n} blocks (at most {MAX_KV_BLOCKS})")
+    return fields, np.frombuffer(payload, row, n, head.size)
+
+
+def _hashes(rows: np.ndarray, name: str) -> list[bytes]:
+    # numpy's S16 strips trailing zero bytes: padded back to the 16 they were
+    return [bytes(x).ljust(16, b"\0") for x in rows[name].tolist()]
+
+
+def kv_save(blocks: list[tuple[int, bytes, bytes | None]]) -> bytes:
+    """KV_SAVE: the blocks (id, hash, parent or None) rank 0 offered its disk writer."""
+    rows = np.array([(b, h, p or NO_PARENT) for b, h, p in blocks], _SAVE_ROW)
+    return KV_COUNT.pack(len(blocks)) + rows.tobytes()
+
+
+def read_kv_save(payload: bytes, num_blocks: int) -> list[tuple[int, bytes, bytes | None]]:
+    _, rows = _rows(payload, KV_COUNT, _SAVE_ROW, "KV_SAVE")
+    ids = rows["id"].tolist()
+    if any(not 0 <= b < num_blocks for b in ids):
+        raise ProtocolError(f"a KV_SAVE of a block outside the pool of {num_blocks} blocks")
+    return [(b, h, None if p == NO_PARENT else p)
+            for b, h, p in zip(ids, _hashes(rows, "hash"), _hashes(rows, "parent"))]
+
+
+def kv_read(ticket: int, entries: list[tuple[bytes, bytes | None]]) -> bytes:
+    """KV_READ: read these blocks (hash, parent or None), in prefix order, into host buffers."""
+    rows = np.array([(h, p or NO_PARENT) for h, p in entries], _READ_ROW)
+    return KV_TICKET.pack(ticket, len(entries)) + rows.tobytes()
+
+
+def read_kv_read(payload: bytes) -> tuple[int, list[tuple[bytes, bytes | None]]]:
+    (ticket, _), rows = _rows(payload, KV_TICKET, _READ_ROW, "KV_READ")
+    return ticket, [(h, None if p == NO_PARENT else p) for h, p in zip(_hashes(rows, "hash"), _hashes(rows, "parent"))]
+
+
+def read_kv_read_done(payload: bytes) -> tuple[int, int]:
+    if len(payload) != KV_READ_DONE_MSG.size:
+        raise ProtocolError(f"a KV_READ_DONE message of {len(payload)} bytes")
+    return KV_READ_DONE_MSG.unpack(payload)
+
+
+def kv_apply(ticket: int, rows: list[tuple[int, int]]) -> bytes:
+    """KV_APPLY: read `ticket`'s buffers at these indices go into these pool blocks; the
+    rest (all of them when `rows` is empty) are dropped."""
+    return KV_TICKET.pack(ticket, len(rows)) + np.array(rows, _APPLY_ROW).tobytes()
+
+
+def read_kv_apply(payload: bytes, num_blocks: int) -> tuple[int, list[tuple[int, int]]]:
+    (ticket, _), rows = _rows(payload, KV_TICKET, _APPLY_ROW, "KV_APPLY")
+    pairs = list(zip(rows["index"].tolist(), rows["id"].tolist()))
+    if any(j < 0 or not 0 <= b < num_blocks for j, b in pairs):
+        raise ProtocolError(f"a KV_APPLY of a block outside the pool of {num_blocks} blocks (or a negative index)")
+    return ticket, pairs
