@@ -7,8 +7,11 @@ wrong; pipelined virtual engines share one store a process; and the wire's KV me
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_group import models, run_group  # noqa: F401  (models: the fixture)
 
@@ -166,3 +169,176 @@ def test_orchard_up_gives_each_rank_of_a_group_its_own_disk_tier(monkeypatch, ca
 
     assert run_up(replace(config, parallel="tensor")) == 2  # refused before anything starts
     assert "does not run in tensor-parallel worker groups yet" in capsys.readouterr().err
+
+
+# -- rank 0's and a member's ends, on fakes ---------------------------------------------------------------
+
+class _Leader:
+    def __init__(self):
+        self.members = {1: object(), 2: object()}
+        self.kv_read_done = None
+        self.sent: list[tuple[int, bytes]] = []
+
+    def broadcast(self, kind: int, payload: bytes = b"") -> None:
+        self.sent.append((kind, payload))
+
+
+class _Reader:
+    def __init__(self):
+        self.calls = []
+
+    def submit(self, entries, out, done):
+        self.calls.append((entries, out, done))
+
+
+def _entries(n: int):
+    hs = block_hashes(list(range(16 * n)), 16)
+    return [(h, hs[i - 1] if i else None, tuple(range(16 * i, 16 * i + 16))) for i, h in enumerate(hs)]
+
+
+def test_a_read_is_done_with_the_fewest_good_blocks_any_rank_read():
+    from cluster.worker.group.kv import LeaderKv
+
+    leader, reader, got = _Leader(), _Reader(), []
+    kv = LeaderKv(leader, timeout=60)
+    ticket = kv.peers(8).read(_entries(3), reader, [], got.append)
+    assert leader.sent[0][0] == wire.KV_READ
+    assert wire.read_kv_read(leader.sent[0][1]) == (ticket, [(h, p) for h, p, _ in _entries(3)])
+    reader.calls[0][2](3)  # rank 0's own read: all good
+    leader.kv_read_done(2, ticket, 1)  # a member failed its second block
+    assert got == []  # rank 1 has not answered
+    leader.kv_read_done(1, ticket, 3)
+    assert got == [1]
+    leader.kv_read_done(1, ticket, 3)  # a repeat, or a late one: nothing
+    assert got == [1]
+    kv.peers(8).apply(ticket, [(0, 2)])  # block ids offset into the virtual engine's share
+    assert wire.read_kv_apply(leader.sent[-1][1], 64) == (ticket, [(0, 10)])
+
+
+def test_a_member_that_never_answers_a_read_costs_a_recompute_not_a_wedge(caplog):
+    from cluster.worker.group.kv import LeaderKv
+
+    leader, reader, got = _Leader(), _Reader(), threading.Event()
+    kv = LeaderKv(leader, timeout=0.2)
+    good = []
+    ticket = kv.read(_entries(2), reader, [], lambda k: (good.append(k), got.set()))
+    leader.kv_read_done(1, ticket, 2)
+    reader.calls[0][2](2)
+    assert got.wait(30), "the read never finished"
+    assert good == [0] and "rank(s) 2 did not answer a read" in caplog.text
+    leader.kv_read_done(2, ticket, 2)  # too late: nothing more
+    assert good == [0]
+
+
+class _Runner:
+    num_blocks = 8
+
+    def __init__(self):
+        self.pool = np.zeros((8, 16, 2), np.uint16)
+        self.written = []
+
+    def kv_pool_layout(self):
+        return [(0, "k", (16, 2), "float16")]
+
+    def read_blocks(self, ids):
+        return [self.pool[ids]]
+
+    def write_blocks(self, ids, arrays):
+        self.written.append(ids)
+        self.pool[ids] = arrays[0]
+
+
+class _Store:
+    def __init__(self, blocks):
+        self.blocks = blocks  # hash -> rows
+
+    def contains(self, h):
+        return h in self.blocks
+
+
+class _Writer:
+    def __init__(self, store):
+        self.store = store
+
+    def offer(self, h, parent, tokens, arrays):
+        assert tokens is None  # a member's files carry no tokens
+        self.store.blocks[h] = arrays[0].copy()
+        return True
+
+    def flush(self, timeout):
+        return True
+
+
+class _StoreReader:
+    def __init__(self, store):
+        self.store = store
+
+    def submit(self, entries, out, done):
+        good = 0
+        for (h, _, _), bufs in zip(entries, out):
+            if h not in self.store.blocks:
+                break
+            bufs[0][...] = self.store.blocks[h]
+            good += 1
+        done(good)
+
+
+def _member(store=True):
+    from cluster.worker.group.kv import MemberKv
+
+    sent = []
+    runner = _Runner()
+    kv = MemberKv(lambda kind, payload: sent.append((kind, payload)), runner)
+    if store:
+        kv.store = _Store({})
+        kv.writer, kv.reader = _Writer(kv.store), _StoreReader(kv.store)
+    return kv, runner, sent
+
+
+def _answers(sent, n: int, seconds: float = 30) -> list[tuple[int, int]]:
+    deadline = time.monotonic() + seconds
+    while len(sent) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [wire.read_kv_read_done(p) for k, p in sent if k == wire.KV_READ_DONE]
+
+
+def test_a_member_saves_reads_and_installs_as_rank_0_says():
+    kv, runner, sent = _member()
+    entries = [(h, p) for h, p, _ in _entries(3)]
+    runner.pool[2], runner.pool[5] = 7, 9
+    kv.handle(wire.KV_SAVE, wire.kv_save([(2, entries[0][0], None), (5, entries[1][0], entries[0][0])]))
+    assert set(kv.store.blocks) == {entries[0][0], entries[1][0]}
+    kv.handle(wire.KV_READ, wire.kv_read(4, entries))  # its third block was never saved here
+    assert _answers(sent, 1) == [(4, 2)]
+    kv.handle(wire.KV_APPLY, wire.kv_apply(4, [(0, 6), (1, 1)]))
+    assert runner.written == [[6, 1]] and (runner.pool[6] == 7).all() and (runner.pool[1] == 9).all()
+    kv.handle(wire.KV_READ, wire.kv_read(5, entries))
+    with pytest.raises(wire.ProtocolError, match="past the 2 this rank read"):  # never a block it did not read
+        _answers(sent, 2)
+        kv.handle(wire.KV_APPLY, wire.kv_apply(5, [(2, 3)]))
+
+
+def test_a_member_without_a_store_answers_none_good_and_drops_what_rank_0_gave_up():
+    kv, runner, sent = _member(store=False)
+    kv.handle(wire.KV_SAVE, wire.kv_save([(2, bytes(range(16)), None)]))  # nothing to write to
+    kv.handle(wire.KV_READ, wire.kv_read(1, [(bytes(range(16)), None)]))
+    assert _answers(sent, 1) == [(1, 0)]
+    kv.handle(wire.KV_APPLY, wire.kv_apply(1, []))
+    with pytest.raises(wire.ProtocolError, match="does not hold"):
+        kv.handle(wire.KV_APPLY, wire.kv_apply(9, [(0, 1)]))
+    assert runner.written == []
+
+
+def test_a_read_rank_0_gave_up_on_is_dropped_once_it_is_read():
+    from types import SimpleNamespace
+
+    kv, runner, sent = _member()
+    held = []
+    kv.reader = SimpleNamespace(submit=lambda entries, out, done: held.append(done))
+    kv.handle(wire.KV_READ, wire.kv_read(3, [(h, p) for h, p, _ in _entries(2)]))
+    deadline = time.monotonic() + 30
+    while not held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    kv.handle(wire.KV_APPLY, wire.kv_apply(3, []))  # rank 0 stopped waiting for this rank
+    held[0](2)
+    assert sent == [] and not kv._reads and runner.written == []

@@ -168,7 +168,8 @@ class MemberKv:
 
             identity = model_identity(runner, bool(quantized_layers(model)))
             ident = KvIdentity(**identity, weights=params_digest(model))
-            store = DiskStore.open(Path(config.kv_disk_dir), ident, config.kv_disk_size, config.kv_disk_min_free)
+            store = DiskStore.open(Path(config.kv_disk_dir), ident, config.kv_disk_size, config.kv_disk_min_free,
+                                   fsync=config.kv_disk_fsync)
         except Exception:  # noqa: BLE001  (the tier off, serving goes on)
             log.exception("disk KV tier: off on this rank")
             return kv
