@@ -24,8 +24,9 @@ SEEDED = SamplingParams(max_tokens=12, temperature=0.8, seed=1234, ignore_eos=Tr
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("kv-tier-models")
-    # llama and qwen3 run on the host path (host_forward.FAMILIES); olmo2 through MLX
-    return {arch: create_model(root / arch, arch, "tiny", seed=5) for arch in ("llama", "qwen3", "olmo2")}
+    # llama and qwen3 run on the host path (host_forward.FAMILIES); the others through MLX
+    return {arch: create_model(root / arch, arch, "tiny", seed=5)
+            for arch in ("llama", "qwen3", "olmo2", "gemma3_text", "deepseek_v3")}
 
 
 def hold_reads(engine: Engine) -> threading.Event:
@@ -103,6 +104,8 @@ def same(a: dict, b: dict) -> None:
     ("llama", None, "auto"), ("qwen3", None, "auto"), ("qwen3", None, "float16"),  # the host path
     ("olmo2", None, "auto"), ("olmo2", None, "float16"),  # MLX's, the C kernels writing the pool
     ("olmo2", "reference", "auto"), ("olmo2", "reference", "bfloat16"),  # MLX's scatter writing it
+    ("gemma3_text", None, "auto"),  # sliding-window layers (a 32-token window, the prefix longer)
+    ("deepseek_v3", None, "auto"),  # multi-head latent attention: one pool for K and V
 ])
 def test_a_prefix_from_disk_after_a_restart_equals_it_from_memory(model_dirs, tmp_path, monkeypatch, arch,
                                                                  attention, kv_dtype, params):
@@ -111,7 +114,7 @@ def test_a_prefix_from_disk_after_a_restart_equals_it_from_memory(model_dirs, tm
     path = model_dirs[arch]
     first, second, prefix = prompts(11)
     warm = engine_on(path, tmp_path, kv_cache_dtype=kv_dtype)
-    assert (warm.runner.host is not None) == (arch != "olmo2"), "the path under test"
+    assert (warm.runner.host is not None) == (arch in ("llama", "qwen3")), "the path under test"
     run(warm, first, GREEDY, "first")
     assert run(warm, second, GREEDY, "second")["cached"] == 80  # the shared prefix, from memory
     from_memory = run(warm, second, params, "again")  # all its 6 full blocks, from memory
