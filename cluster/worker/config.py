@@ -77,16 +77,19 @@ class EngineConfig:
               '"num_speculative_tokens": 4} (requests may opt out with speculative: false)', metavar="JSON")
     # The disk tier of the prefix cache (cluster/worker/kv_tier.py, cluster/kv/disk_store.py).
     kv_disk_dir: str | None = setting(
-        None, "keep KV blocks that leave the memory prefix cache in this directory, and read a prompt's prefix "
-              "back from it instead of recomputing it, across restarts too (default: off)", metavar="DIR")
-    kv_disk_size: ByteSize = setting(ByteSize(32 << 30), "the most the disk tier holds in --kv-disk-dir (least "
+        None, "a disk tier for the prefix cache in this directory: each cached KV block is written there, and a "
+              "prompt's prefix no longer in memory is read back instead of recomputed, across restarts too "
+              "(default: off)", metavar="DIR")
+    kv_disk_size: ByteSize = setting(ByteSize(32 << 30), "the most the disk tier holds (default 32GiB; least "
                                                          "recently used blocks go first)", metavar="SIZE")
     kv_disk_min_free: ByteSize = setting(ByteSize(2 << 30), "the disk tier stops growing where its filesystem "
-                                                            "would have less than this free", metavar="SIZE")
+                                                            "would have less than this free (default 2GiB)",
+                                         metavar="SIZE")
     kv_disk_queue_bytes: ByteSize = setting(
-        ByteSize(256 << 20), "blocks waiting to be written to disk at most (more are dropped, never waited for)",
+        ByteSize(256 << 20), "blocks queued for the disk at most (default 256MiB); more wait in the memory cache "
+                             "for room, and one evicted first is not written: a step never waits for the disk",
         metavar="SIZE")
-    kv_disk_read_threads: int = setting(4, "threads reading blocks from the disk tier")
+    kv_disk_read_threads: int = setting(4, "threads reading blocks from the disk tier", metavar="N")
     kv_disk_flush_timeout: float = setting(10.0, "at a graceful stop, wait up to this long for queued disk writes",
                                            metavar="SECONDS")
     kv_disk_fsync: bool = setting(False, "fsync each block the disk tier writes (without it a power cut may cost "
