@@ -326,7 +326,12 @@ class KvTier:
         ids = self.bm.install_cached(entries, keep=computed)
         rows = [(skip + j, bid) for j, bid in enumerate(ids) if bid is not None]
         if rows:
-            self.runner.write_blocks([bid for _, bid in rows], [b[[j for j, _ in rows]] for b in load.buffers])
+            picked = [j for j, _ in rows]
+            if picked[-1] - picked[0] == len(picked) - 1:  # consecutive (the usual case): views, no copy
+                arrays = [b[picked[0] : picked[-1] + 1] for b in load.buffers]
+            else:
+                arrays = [b[picked] for b in load.buffers]
+            self.runner.write_blocks([bid for _, bid in rows], arrays)
         installed = len(ids)
         self.stats.hit_tokens += len(rows) * bs
         if seq.num_preemptions == 0:
