@@ -439,3 +439,13 @@ def test_the_bench_reports_hits_by_tier_and_the_disk_traffic():
     report = defaultdict(float, errors=[], server=asdict(summary))  # the client side's figures: zeros
     text = format_report(report, SimpleNamespace(max_concurrency=1, percentile_metrics=""))
     assert "Prefix-cache hit tokens, disk:" in text and "KV disk mean read (ms):" in text
+
+
+def test_a_write_queue_smaller_than_a_block_writes_nothing_and_says_so(model_dirs, tmp_path, caplog):
+    engine = engine_on(model_dirs["llama"], tmp_path, kv_disk_queue_bytes=1024)
+    first, second, _ = prompts(23)
+    run(engine, first, GREEDY, "first")
+    assert engine.kv_tier.flush(5)  # nothing waits: it returns at once
+    assert engine.kv_tier.counters()["blocks_written"] == 0
+    assert run(engine, second, GREEDY)["cached"] == 80  # the memory cache serves as ever
+    assert any("less than one KV block" in r.getMessage() for r in caplog.records)

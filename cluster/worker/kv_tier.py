@@ -227,6 +227,9 @@ class KvTier:
                 self._saves = [h for h in dict.fromkeys(self._saves) if h in self.bm.cached]
             return
         writer = self.writer
+        if self.config.kv_disk_queue_bytes < self.block_bytes:  # no block ever fits (warned at open)
+            self._saves = []
+            return
         hashes, self._saves = self._saves, []
         picked: list[tuple[bytes, int]] = []
         for h in dict.fromkeys(hashes):
@@ -398,6 +401,8 @@ class KvTier:
                 return False
             if not self._saves:
                 return True
+            if time.monotonic() >= deadline:
+                return False
 
     def close(self) -> None:
         """Stop the reader and writer threads (what is still queued is abandoned) and close
