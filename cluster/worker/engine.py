@@ -23,11 +23,11 @@ from cluster.kv.events import KvJournal
 from cluster.worker.admission import Admission, QueueFullError
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
+from cluster.worker.dequantize import quantized_layers
 from cluster.worker.detokenizer import IncrementalDetokenizer
 from cluster.worker.engine_protocol import EngineProtocol
-from cluster.worker.dequantize import quantized_layers
 from cluster.worker.engine_stats import EngineStats
-from cluster.worker.kv_tier import RECURRENT_REASON, KvTier, chain_listener, model_identity, params_digest
+from cluster.worker.kv_tier import RECURRENT_REASON, KvTier, model_identity, params_digest
 from cluster.worker.model_runner import (ModelRunner, StepBatch, default_kv_budget, has_recurrent_layers,
                                          kv_bytes_per_block, load_model, text_args, weight_dtype)
 from cluster.worker.outputs import RequestOutput, pooled_output, token_output
@@ -156,15 +156,6 @@ class Engine(EngineProtocol):
         tier = KvTier(self.config, self.block_manager, self.runner, identity, weights)
         tier.disk_listeners.add(self.kv_journal.disk_listener())  # the disk tier's KV events
         return tier
-
-    def add_cache_listener(self, memory=None, disk=None) -> None:
-        """Hear the prefix cache's tiers (the KV events journal): `memory` the block
-        manager's blocks entering and leaving it, `disk` the disk tier's (when it runs).
-        Beside the disk tier's own write-through, which hears the memory tier too."""
-        if memory is not None:
-            self.block_manager.listener = chain_listener(self.block_manager.listener, memory)
-        if disk is not None and self.kv_tier is not None:
-            self.kv_tier.disk_listeners.add(disk)
 
     def set_wake(self, wake) -> None:
         """`wake()` is called (on another thread) when work the engine waited for arrives:

@@ -372,7 +372,7 @@ class ModelRunner:
             return
         bs = self.block_size
         slots = mx.array((ids[:, None] * bs + np.arange(bs)[None, :]).reshape(-1).astype(np.int32))
-        for (layer, kind, pool), a in zip(pools, arrays):
+        for (_, _, pool), a in zip(pools, arrays):
             rows = mx.array(a.reshape(-1, *pool.shape[1:]))
             if rows.dtype != pool.dtype:
                 rows = rows.view(pool.dtype)  # raw 2-byte rows

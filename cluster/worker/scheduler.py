@@ -9,10 +9,10 @@ Pure Python (no MLX). The policy, in order, each step:
    (at most half the budget), so one long prompt cannot starve the short ones.
 3. Waiting requests, first come first served, admitted while there is budget, a free
    sequence slot and KV blocks (one whose prefix is being read from disk waits aside:
-   `Sequence.kv_loading`, worker/kv_tier.py). A prompt whose whole prefill fits in what is left of the
-   budget just runs. One that does not becomes a *partial* prefill, left mid-prefill
-   after the step: at most `max_num_partial_prefills` prompts are partial at once and at
-   most `max_long_partial_prefills` of them long (more than
+   `Sequence.kv_loading`, worker/kv_tier.py). A prompt whose whole prefill fits in what
+   is left of the budget just runs. One that does not becomes a *partial* prefill, left
+   mid-prefill after the step: at most `max_num_partial_prefills` prompts are partial at
+   once and at most `max_long_partial_prefills` of them long (more than
    `long_prefill_token_threshold` tokens to compute). A prompt over its partial limit is
    skipped, so a short one behind it still starts (vLLM's concurrent partial prefills).
 4. Budget still left (a reservation that went unused) goes to the partial prefills of
