@@ -206,6 +206,31 @@ def test_no_tokenizer_reported_or_a_chat_the_router_cannot_render_falls_back():
     assert run(main()) == (None, None)
 
 
+def test_the_router_holds_a_bounded_number_of_tokenizers(monkeypatch, tmp_path):
+    from cluster.router import prompt_blocks
+
+    monkeypatch.setattr(prompt_blocks, "MAX_TOKENIZERS", 2)
+    monkeypatch.setattr(prompt_blocks, "load_tokenizer", lambda *a: _Model(None, chats=True))
+    blocks = PromptBlocks(KvRoutingConfig(tokenizer_cache=str(tmp_path)))
+
+    async def files(digest, workers):
+        return tmp_path
+
+    blocks._files = files
+    blocks._start_renders = lambda: None
+
+    async def main():
+        try:
+            for i in range(3):
+                await blocks._fetch(f"m{i}", f"d{i}", [])
+                blocks._model("m1", "d1", [])  # used: kept over m0
+        finally:
+            await blocks.close()
+
+    run(main())
+    assert sorted(blocks._models) == [("m1", "d1"), ("m2", "d2")]
+
+
 def test_tokenizer_files_are_checked_before_use(tmp_path):
     good = pb.TokenizerFiles(files=[pb.TokenizerFile(name=PROMPT_FILE, data=b"{}"),
                                     pb.TokenizerFile(name="tokenizer.json", data=b"{}")])

@@ -25,7 +25,8 @@ Bounds, since this runs for every request on the router's event loop:
   tool choice, template variables) and the tokenizer, bounded in bytes by
   --router-tokenize-cache, so a resent prompt (a retry, a session's replay) costs a lookup.
 - No tokenizer yet (none reported, being fetched, or failed: tried again after
-  `FETCH_RETRY` seconds): the approximate map.
+  `FETCH_RETRY` seconds): the approximate map. At most `MAX_TOKENIZERS` are held (a
+  fleet's models), the least recently used dropped (loaded again from the cache directory).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ QUEUED_PER_THREAD = 8
 FETCH_TIMEOUT = 60.0  # seconds for GetTokenizer (tens of MB on a busy worker)
 FETCH_RETRY = 30.0  # seconds before a failed fetch or load is tried again
 ENTRY_OVERHEAD = 200  # bytes a cache entry costs beside its hashes
+MAX_TOKENIZERS = 16  # loaded at once (a fleet's models), least recently used dropped first
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class PromptBlocks:
         self.metrics = metrics
         self.directory = Path(config.tokenizer_cache).expanduser()
         self._pool = ThreadPoolExecutor(config.router_tokenize_threads, thread_name_prefix="orchard-router-tokenize")
-        self._models: dict[tuple[str, str], _Model] = {}
+        self._models: OrderedDict[tuple[str, str], _Model] = OrderedDict()
         self._fetching: dict[tuple[str, str], asyncio.Task] = {}
         self._failed: dict[tuple[str, str], float] = {}  # -> when it may be tried again
         self._cache: OrderedDict[bytes, Blocks] = OrderedDict()
@@ -257,8 +259,11 @@ class PromptBlocks:
         """The tokenizer with `digest`, or None while it is fetched (the fetch starts here)."""
         key = (model, digest)
         found = self._models.get(key)
-        if found is not None or key in self._fetching or self._failed.get(key, 0.0) > time.monotonic():
+        if found is not None:
+            self._models.move_to_end(key)
             return found
+        if key in self._fetching or self._failed.get(key, 0.0) > time.monotonic():
+            return None
         task = self._fetching[key] = self._background(self._fetch(model, digest, workers))
         task.add_done_callback(lambda _: self._fetching.pop(key, None))
         return None
@@ -271,6 +276,8 @@ class PromptBlocks:
                 self._renders = self._start_renders()
             self._models[key] = await asyncio.get_running_loop().run_in_executor(
                 self._pool, load_tokenizer, directory, model, self._pool, self._renders)
+            while len(self._models) > MAX_TOKENIZERS:
+                self._models.popitem(last=False)
             log.info("placement: model %s's tokenizer %s loaded (prompts hashed as its workers do)", model or "-",
                      digest[:12])
         except Exception as e:  # a worker that cannot send it, files transformers cannot load: the approximate map
