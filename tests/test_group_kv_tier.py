@@ -7,6 +7,7 @@ wrong; pipelined virtual engines share one store a process; and the wire's KV me
 from __future__ import annotations
 
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -342,3 +343,39 @@ def test_a_read_rank_0_gave_up_on_is_dropped_once_it_is_read():
     kv.handle(wire.KV_APPLY, wire.kv_apply(3, []))  # rank 0 stopped waiting for this rank
     held[0](2)
     assert sent == [] and not kv._reads and runner.written == []
+
+
+# -- a group worker, served ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_restarted_group_worker_serves_a_prompt_from_disk(model, tmp_path):
+    """`orchard worker serve` as a 2-rank group (two batches in flight, as by default), a
+    directory per rank: a prompt served, SIGTERM (every rank's writes land), started again:
+    the prompt's blocks come from disk (usage says so) and its tokens are the cold run's."""
+    import random
+
+    from test_group_lifecycle import _rank, _ready, _stop
+    from test_kv_tier_restart import ask, tier_ready
+
+    from cluster.up import free_port, free_ports
+
+    *ring, port = free_ports(3)
+    hosts, grpc = ",".join(f"127.0.0.1:{p}" for p in ring), f"127.0.0.1:{free_port()}"
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 400) for _ in range(200)]
+    outputs = []
+    for run in range(2):
+        rank0 = _rank(model, 0, hosts, port, "--grpc", grpc, "--kv-disk-dir", str(tmp_path / "rank0"))
+        member = _rank(model, 1, hosts, port, "--kv-disk-dir", str(tmp_path / "rank1"))
+        try:
+            _ready(rank0)
+            tier_ready(grpc)
+            outputs.append(ask(grpc, prompt)[1])
+            rank0.send_signal(signal.SIGTERM)
+            assert rank0.wait(timeout=120) == 0 and member.wait(timeout=120) == 0
+        finally:
+            _stop(rank0, member)
+    cold, warm = outputs
+    assert cold.usage.cached_tokens_disk == 0
+    assert warm.usage.cached_tokens == warm.usage.cached_tokens_disk == 192, "the prefix's 12 blocks, from disk"
+    assert warm.token_ids == cold.token_ids
