@@ -66,7 +66,7 @@ class UpConfig:
                                   metavar="N")
     kv_disk_dir: str | None = setting(None, "a disk KV tier for each worker, worker i's in DIR/worker-i (a "
                                             "group's rank r: DIR/worker-i-rank-r; see orchard worker serve "
-                                            "--kv-disk-dir; not with --parallel tensor)",
+                                            "--kv-disk-dir)",
                                       metavar="DIR")
     kv_disk_size: ByteSize = setting(default_of(EngineConfig, "kv_disk_size"), "each worker's disk tier at most",
                                      metavar="SIZE")
@@ -442,10 +442,6 @@ def local_cluster(config: UpConfig, model: str | os.PathLike) -> LocalCluster:
 def run_up(config: UpConfig) -> int:
     from cluster.models_cache import resolve_model
 
-    if config.kv_disk_dir and config.group_size > 1 and config.parallel == "tensor":
-        print("orchard up: --kv-disk-dir: the disk KV tier does not run in tensor-parallel worker groups yet "
-              "(--parallel tensor)", file=sys.stderr)
-        return 2
     model = resolve_model(config.model, config.gguf_file)
     cluster = local_cluster(config, model)
     stop = {"now": False}

@@ -151,9 +151,9 @@ def kv_request(engine, rid: str, prompt: list[int], params: SamplingParams) -> d
 def run_kv(engine, phase: str, virtual: int = 1) -> dict:
     """The disk tier's workload: "warm" serves `first` (its blocks written through to disk,
     flushed); "again" (after a restart) serves `second` greedy and seeded, its prefix from
-    disk; "short" serves `short` then `second` (a 64-token prefix from memory). With
-    virtual engines, a short request goes first, so the prompts land in the second engine
-    (its blocks offset into the pool)."""
+    disk ("memory": after `first`, from memory); "short" serves `short` then `second` (a
+    64-token prefix from memory). With virtual engines, a short request goes first, so the
+    prompts land in the second engine (its blocks offset into the pool)."""
     tier = engine.kv_tier
     if tier is not None:
         assert tier.wait_ready(120), "the disk tier did not open"
@@ -165,7 +165,9 @@ def run_kv(engine, phase: str, virtual: int = 1) -> dict:
     out = {}
     if phase == "warm":
         out["first"] = kv_request(engine, "first", p["first"], greedy)
-    elif phase == "again":
+    elif phase in ("again", "memory"):  # memory: `first` then `second`, its prefix from memory
+        if phase == "memory":
+            kv_request(engine, "first", p["first"], greedy)
         out["second"] = kv_request(engine, "second", p["second"], greedy)
         out["seeded"] = kv_request(engine, "seeded", p["second"], seeded)
     else:

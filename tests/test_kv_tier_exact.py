@@ -234,8 +234,6 @@ def test_a_hybrid_model_has_the_tier_off_and_says_why(tmp_path):
 @pytest.mark.parametrize("flags,says", [
     (["--kv-disk-size", "1000"], "--kv-disk-size must be at least 1 MiB, not 1000"),
     (["--kv-disk-read-threads", "0"], "--kv-disk-read-threads must be in [1, 64], not 0"),
-    (["--group-size", "2", "--group-rank", "0", "--group-hosts", "127.0.0.1:1,127.0.0.1:2", "--join-token", "t",
-      "--parallel", "tensor"], "the disk KV tier does not run in tensor-parallel worker groups yet"),
 ])
 def test_disk_flags_are_checked_before_the_model_loads(tmp_path, flags, says):
     import subprocess

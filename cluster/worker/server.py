@@ -385,9 +385,6 @@ def serve(options: WorkerOptions) -> int:
             require_join_token(options.join_token)
         options.chat_templates.check()
         options.engine_config.validate()
-        if options.group.enabled and options.group.parallel == "tensor" and options.engine_config.kv_disk_dir:
-            raise ValueError("--kv-disk-dir: the disk KV tier does not run in tensor-parallel worker groups yet "
-                             "(--parallel tensor): serve without it, or with --parallel pipeline")
         check_renderer()
     except ValueError as e:  # a setting: permanent, so that no launcher starts it again as it is
         print(f"orchard worker serve: {e}", file=sys.stderr)
