@@ -151,7 +151,8 @@ def kv_request(engine, rid: str, prompt: list[int], params: SamplingParams) -> d
 def run_kv(engine, phase: str, virtual: int = 1) -> dict:
     """The disk tier's workload: "warm" serves `first` (its blocks written through to disk,
     flushed); "again" (after a restart) serves `second` greedy and seeded, its prefix from
-    disk ("memory": after `first`, from memory); "short" serves `short` then `second` (a
+    disk ("memory": after `first`, from memory; "evict": after `first`, evicted from memory
+    by longer prompts, from disk); "short" serves `short` then `second` (a
     64-token prefix from memory). With virtual engines, a short request goes first, so the
     prompts land in the second engine (its blocks offset into the pool)."""
     tier = engine.kv_tier
@@ -165,9 +166,14 @@ def run_kv(engine, phase: str, virtual: int = 1) -> dict:
     out = {}
     if phase == "warm":
         out["first"] = kv_request(engine, "first", p["first"], greedy)
-    elif phase in ("again", "memory"):  # memory: `first` then `second`, its prefix from memory
-        if phase == "memory":
+    elif phase in ("again", "memory", "evict"):
+        if phase != "again":  # memory: `first` then `second`, its prefix from memory; evict: from disk
             kv_request(engine, "first", p["first"], greedy)
+        if phase == "evict":  # written through, then pushed out of memory by longer prompts
+            assert tier.flush(60), "the disk writes did not finish"
+            for i in range(4):
+                kv_request(engine, f"long{i}", [3 + (i * 37 + j) % 400 for j in range(400)],
+                           SamplingParams(max_tokens=1))
         out["second"] = kv_request(engine, "second", p["second"], greedy)
         out["seeded"] = kv_request(engine, "seeded", p["second"], seeded)
     else:

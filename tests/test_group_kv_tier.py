@@ -94,6 +94,16 @@ def test_a_restarted_group_serves_the_prefix_from_disk_as_the_single_process_fro
 
 
 @pytest.mark.slow
+def test_a_prefix_evicted_from_a_groups_memory_is_read_back_from_each_ranks_disk(model, tmp_path):
+    """In one run: `first`'s blocks written through on every rank, pushed out of the pool by
+    longer prompts, then `second`'s prefix read back (each member after its own writes)."""
+    got, want = group(model, [tmp_path / "rank0", tmp_path / "rank1"], "evict"), single(model, "again")
+    assert got["second"]["cached"] == 80 and got["second"]["disk"] == 80
+    same(got["second"], want["second"])
+    same(got["seeded"], want["seeded"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["missing", "corrupt"])
 def test_a_member_missing_or_failing_a_block_has_the_group_recompute_it(model, warmed, tmp_path, fault):
     """The member's file of the prefix's last block is gone, or a payload byte flipped: the
@@ -122,7 +132,7 @@ def test_pipelined_virtual_engines_share_one_store(model, tmp_path):
     group(model, dirs, "warm", inflight=2)
     assert len(list(dirs[0].glob("*/identity.json"))) == 1
     got, want = group(model, dirs, "again", inflight=2), single(model, "again")
-    assert got["second"]["disk"] == 80
+    assert got["second"]["disk"] == 80 and got["hit_tokens"] == 80  # the engines' counters are one
     same(got["second"], want["second"])
     same(got["seeded"], want["seeded"])
 

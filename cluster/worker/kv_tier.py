@@ -136,7 +136,7 @@ class KvTier:
         self.block_size = block_manager.block_size
         self.reason = reason or "hashing weights"
         self.store = self.writer = self.reader = None
-        self.stats = KvTierStats()
+        self.stats = shared.stats if shared is not None else KvTierStats()  # (one engine thread steps both)
         self.disk_listeners = ListenerChain()  # the DISK tier's events (the journal adds itself)
         # a worker group's other ranks (group/kv.py): `save(blocks)`, `read(entries, reader,
         # out, done) -> ticket`, `apply(ticket, rows)`: they do what this tier does, in step
