@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 import mlx.core as mx
@@ -199,8 +200,12 @@ class GroupState:
         # (step, rank 0's checksum, its batch) sent, not finished, oldest first
         self.in_flight: deque[tuple[int, int | None, object]] = deque()
         self.receiving: tuple[int, float] | None = None  # (step, since when) while rank 1's hidden state comes
-        # the disk KV tier's messages to the members (their answers past --group-timeout: none good)
-        self.kv = LeaderKv(leader, options.timeout)
+
+    @cached_property
+    def kv(self) -> LeaderKv:
+        """The disk KV tier's messages to the members (their answers past --group-timeout:
+        none good); made by the first engine with a tier."""
+        return LeaderKv(self.leader, self.options.timeout)
 
     @property
     def pipeline(self) -> bool:
