@@ -51,6 +51,11 @@ Contract:
   from a member's join on (a member gone while rank 0 admits is dropped and may join
   again; gone later, the group is lost). MLX's ring init holds the GIL, so its bound is a
   C library timer (`deadline.py`, `--group-timeout`) that ends the process with 75.
+- The disk KV tier (`kv.py`, `--kv-disk-dir` on each rank): a store a rank, of its own
+  layers; rank 0's tier decides what is saved and loaded, and the members copy out, read
+  and install the same blocks in step (KV_SAVE, KV_READ / KV_READ_DONE, KV_APPLY, in order
+  with the plans). A load takes the fewest good blocks any rank read; a member's missing,
+  failed or late read costs a recompute, never a wrong block.
 - Stop: rank 0's SIGTERM drains it, then SHUTDOWN tells every member to exit 0; a member's
   SIGTERM asks rank 0 for exactly that (STOP), and a member not yet serving just exits 0.
 """
