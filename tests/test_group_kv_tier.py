@@ -402,3 +402,17 @@ def test_a_restarted_group_worker_serves_a_prompt_from_disk(model, tmp_path):
     assert cold.usage.cached_tokens_disk == 0
     assert warm.usage.cached_tokens == warm.usage.cached_tokens_disk == 192, "the prefix's 12 blocks, from disk"
     assert warm.token_ids == cold.token_ids
+
+
+def test_a_group_whose_member_runs_no_disk_tier_runs_none(caplog):
+    """Rank 0 with --kv-disk-dir, its member without: every read would be recomputed, so
+    rank 0's tier is off, saying which rank runs none."""
+    from dataclasses import replace
+
+    from cluster.worker.config import EngineConfig
+    from cluster.worker.group.leader import _disk_tier_on_every_rank
+
+    config = EngineConfig(kv_disk_dir="/kv")
+    assert _disk_tier_on_every_rank(config, {1: {"kv_disk": True}, 2: {"kv_disk": True}}) is config
+    assert _disk_tier_on_every_rank(config, {1: {"kv_disk": True}, 2: {}}) == replace(config, kv_disk_dir=None)
+    assert "rank(s) 2 of the group run none" in caplog.text

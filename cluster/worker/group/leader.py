@@ -455,6 +455,7 @@ def _start_group(model_path: str, config: EngineConfig, options: GroupOptions, t
     def shared_runner(num_blocks, block_size, kv_dtype, num_state_slots=0):
         return GroupRunner(model, num_blocks, block_size, kv_dtype, num_state_slots, stage=stage, group=group)
 
+    config = _disk_tier_on_every_rank(config, loaded)
     engine = group_engine(model, tokenizer, config, name, num_blocks, virtual, shared_runner, draft, group)
     if virtual > 1:
         log.info("group: %d batches in flight, each over %d of the %d KV blocks", virtual, num_blocks // virtual,
@@ -512,6 +513,17 @@ def _load_own_part(model_path: str, config: EngineConfig, options: GroupOptions,
                                eos_token_ids=load_config(Path(model_path)).get("eos_token_id", None))
     name = model_name or Path(model_path).name
     return model, tokenizer, name, load_draft(config, tokenizer, int(text_args(model).vocab_size), name)
+
+
+def _disk_tier_on_every_rank(config: EngineConfig, loaded: dict) -> EngineConfig:
+    """Rank 0's config, its disk tier off where a member runs none (no --kv-disk-dir there):
+    every read would be recomputed anyway, as that rank holds none of its layers' blocks."""
+    without = [r for r in sorted(loaded) if not loaded[r].get("kv_disk", False)]
+    if config.kv_disk_dir is None or not without:
+        return config
+    log.warning("the disk KV tier is off: rank(s) %s of the group run none (give every rank a --kv-disk-dir of "
+                "its own)", ", ".join(map(str, without)))
+    return replace(config, kv_disk_dir=None)
 
 
 def _pool_blocks(config: EngineConfig, capacities: list[int], virtual: int) -> int:

@@ -114,7 +114,8 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
                               kv_cache_memory_bytes=kv_budget)
         kv_dtype = weight_dtype(model) if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype)
         mine = capacity(model, stage, config, kv_dtype, member.info["memory"], int(engine.get("least_kv_blocks", 1)))
-        member.send(wire.LOADED, wire.dumps({**mine, "rss": platform.resident_bytes()}))
+        member.send(wire.LOADED, wire.dumps({**mine, "rss": platform.resident_bytes(),
+                                             "kv_disk": own.kv_disk_dir is not None}))
         start = member.receive(wire.START, deadline)
         kv_dtype = getattr(mx, start["kv_dtype"])
         slots = int(start["num_state_slots"])
