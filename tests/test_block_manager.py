@@ -485,6 +485,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.parked: list[Sequence] = []  # preempted: no blocks, tokens kept
         self.kv = ShadowKV(self.bm)
         self.n = 0
+        # a disk tier written through: each block as it entered the cache (hash -> parent,
+        # tokens, each slot's prefix), read back by `install_from_disk`; with a strong hash
+        # only (under a weak one, equal hashes and tokens need not be equal prefixes)
+        self.disk: dict = {}
+        if not hash_buckets:
+            self.bm.listener = self
 
     def _admit(self, seq: Sequence, chunk: int) -> None:
         free_before = self.bm.num_free_blocks
@@ -506,7 +512,48 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.cache_full_blocks(seq)
         self.live.append(seq)
 
+    # the block manager's listener: the disk tier's write-through
+    def stored(self, hashes):
+        bs = self.bm.block_size
+        for h in hashes:
+            if h in self.disk:
+                continue  # there already (an install from it: its rows are written after this)
+            block = self.bm.blocks[next(iter(self.bm.cached[h]))]
+            contents = [self.kv.slots[(block.block_id, j)] for j in range(bs)]
+            self.disk[h] = (block.parent_hash, block.token_ids, contents)
+
+    def removed(self, hashes):
+        pass
+
     # rules
+    @precondition(lambda self: self.disk)
+    @rule(base=st.integers(0, 2), cut=st.integers(0, 100), suffix=st.lists(st.integers(0, VOCAB - 1), max_size=20))
+    def install_from_disk(self, base, cut, suffix):
+        """What the disk tier does for a waiting prompt: its blocks after its memory hits,
+        as far as the disk holds them, installed as free cached blocks."""
+        tokens = self.bases[base % len(self.bases)][:cut] + suffix
+        if len(tokens) < 2:
+            return
+        seq = make_seq(tokens, "probe")
+        hits = self.bm.get_computed_blocks(seq)
+        bs = self.bm.block_size
+        entries, contents = [], []
+        for i in range(len(hits), (len(tokens) - 1) // bs):
+            h, parent = seq.block_hashes[i], seq.block_hashes[i - 1] if i else None
+            held = self.disk.get(h)
+            if held is None or held[:2] != (parent, tuple(tokens[i * bs : (i + 1) * bs])):
+                break
+            entries.append((h, parent, held[1]))
+            contents.append(held[2])
+        free_before = self.bm.num_free_blocks
+        ids = self.bm.install_cached(entries, keep=hits)
+        assert self.bm.num_free_blocks == free_before  # installed blocks are free (cached) ones
+        for bid, rows in zip(ids, contents):
+            if bid is not None:
+                for j, prefix in enumerate(rows):
+                    self.kv.slots[(bid, j)] = prefix
+        assert self.bm.get_computed_blocks(make_seq(tokens, "again"))[: len(hits)] == hits, "the hits were kept"
+
     @rule(base=st.integers(0, 2), cut=st.integers(0, 100), suffix=st.lists(st.integers(0, VOCAB - 1), max_size=20),
           chunk=st.integers(1, 64))
     def admit_new(self, base, cut, suffix, chunk):
@@ -585,6 +632,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(
     max_examples=200, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+class DiskTierMachine(BlockManagerMachine):
+    """The same, with a disk tier always there (caching on, the real hash), so that blocks
+    evicted from memory come back through `install_from_disk` and are taken as hits."""
+
+    @initialize(block_size=st.sampled_from([8, 16]), num_blocks=st.integers(3, 12),
+                bases=st.lists(token_lists(), min_size=1, max_size=3))
+    def setup(self, block_size, num_blocks, bases):
+        BlockManagerMachine.setup.__wrapped__(self, block_size, num_blocks, True, None, bases)
+
+
+TestDiskTierMachine = DiskTierMachine.TestCase
+TestDiskTierMachine.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 

@@ -253,18 +253,21 @@ class BlockManager:
         """Put blocks read from another tier (the disk) into the prefix cache, as free cached
         blocks a request takes over like any other hit. `entries`: (hash, parent hash or
         None, tokens) of consecutive blocks of one prefix; `keep`: the cached blocks of that
-        prefix before them (a sequence's memory hits), moved to the back of the free queue
-        first so that the blocks taken here do not evict them.
+        prefix before them (a sequence's memory hits).
 
         Installs while the chain holds: the first entry's parent must be cached, and a hash
         cached already (with the same parent and tokens) is passed over (None in the result,
-        its block is there). Takes at most half the free blocks not kept. Returns, per entry
-        accepted (a prefix of `entries`), the block id whose rows the caller must write
-        before the next forward (or None)."""
-        kept = [bid for bid in keep if self.blocks[bid].ref_count == 0]
-        for bid in kept:
+        its block is there). Takes at most half the free blocks not holding the chain, so
+        the blocks taken never evict it; then the whole chain goes to the back of the free
+        queue, its first block last, so that (as `free` leaves a sequence's blocks) a parent
+        is evicted after its children. Returns, per entry accepted (a prefix of `entries`),
+        the block id whose rows the caller must write before the next forward (or None)."""
+        chain = [bid for bid in keep if self.blocks[bid].ref_count == 0]
+        for h, _, _ in entries:  # copies already cached: part of the chain, not to be taken
+            chain += [bid for bid in self.cached.get(h, ()) if self.blocks[bid].ref_count == 0]
+        for bid in chain:
             self.free_queue.move_to_end(bid)
-        budget = (self.num_free_blocks - len(kept)) // 2
+        budget = (self.num_free_blocks - len(chain)) // 2
         out: list[int | None] = []
         stored = []
         for h, parent, tokens in entries:
@@ -285,9 +288,14 @@ class BlockManager:
             block.ref_count = 0
             block.hash, block.token_ids, block.parent_hash = h, tuple(tokens), parent
             self.cached[h] = {bid: None}
-            self.free_queue[bid] = None  # cached and free, most recently used
+            self.free_queue[bid] = None
             stored.append(h)
             out.append(bid)
+        order = [bid for bid in keep if self.blocks[bid].ref_count == 0]
+        for (h, _, _), bid in zip(entries, out):
+            order += [bid] if bid is not None else [b for b in self.cached[h] if self.blocks[b].ref_count == 0]
+        for bid in reversed(order):  # the deepest block nearest the front: evicted first
+            self.free_queue.move_to_end(bid)
         if stored and self.listener is not None:
             self.listener.stored(stored)
         return out
