@@ -377,6 +377,26 @@ def test_a_reported_queue_drains_as_the_report_ages():
     assert KvAware(kv_map=kv, prefill_tps=1000).choose([busy, idle], keys_of()).worker_id == "holder"
 
 
+def test_a_session_s_queued_turns_cost_what_they_miss_not_what_the_worker_reports():
+    """A worker reports a waiting prompt whole, its cached blocks too: this router's own
+    placements there count by their uncached tokens, until they start."""
+    kv = FakeKvMap()
+    kv.hold("holder", memory=HASHES)
+    policy = KvAware(kv_map=kv, prefill_tps=1000)
+    holder, idle = record("holder", "d1"), record("idle", "d1")
+    queued = [keys_of() for _ in range(3)]
+    assert [policy.choose([holder, idle], k).worker_id for k in queued] == ["holder"] * 3
+    holder.report = pb.LoadReport(worker_id="holder", block_size=BS, tokenizer_digest="d1",
+                                  queued_prefill_tokens=3 * len(IDS), num_waiting=3)
+    assert policy.choose([holder, idle], keys_of()).worker_id == "holder"
+    # another client's 3,072 queued tokens there are a real queue: the prompt goes elsewhere
+    for k in queued:
+        policy.settled("holder", k, accepted=True)
+    holder.report = pb.LoadReport(worker_id="holder", block_size=BS, tokenizer_digest="d1",
+                                  queued_prefill_tokens=3 * len(IDS), num_waiting=3)
+    assert policy.choose([holder, idle], keys_of()).worker_id == "idle"
+
+
 def test_a_worker_that_measured_no_rate_yet_is_costed_at_the_others_rate():
     """Else one never chosen (slower by the flag's rate) would never measure its own."""
     kv = FakeKvMap()

@@ -14,13 +14,20 @@ workers say they hold (their KV events, `router/kv_map.py`), at the cost of each
                reported yet count as in memory, so a burst with one prefix follows its first
     miss     = N - (m + d) * bs                       tokens to prefill
     t(w)     = (queue(w) + miss) / prefill_tps(w) + d * bs / read_tps(w)
-               queue(w) = queued_prefill(w) + placed(w) - age(w) * prefill_tps(w), at least 0:
-               the prompt tokens w reports waiting or mid-prefill, plus the uncached tokens this
-               router placed there since that report, less what w prefilled since (the report
-               is age(w) seconds old); the rates are w's
+               queue(w) = pending_miss(w) + max(0, queued_prefill(w) - age(w) * prefill_tps(w)
+                                                   - pending(w))
+               pending: the prompts this router placed on w that have not started (no first
+               chunk yet), pending_miss their uncached tokens; queued_prefill: the prompt
+               tokens w reports waiting or mid-prefill, less what it prefilled since (the
+               report is age(w) seconds old). A worker counts a waiting prompt whole, its
+               cached blocks too, so this router's own are taken out of the report and
+               counted by what they miss (a session's queued turns cost little where their
+               history is); the rates are w's
                measured ones (LoadReport), else the mean of the candidates' measured ones,
                else --kv-prefill-tps / --kv-read-tps
-    choose argmin t(w) over the w with not imbalanced(w, least), ties to the lower load
+    choose argmin t(w) over the w with not imbalanced(w, least), ties to the one holding
+    more of the prompt (a burst's later requests wait for its first's prefill either way,
+    and only there find it all after), then to the lower load
 
 So a session goes back to the worker that holds its context unless that worker's queue
 costs more than prefilling the context elsewhere, and never to one the imbalance guard
@@ -88,12 +95,14 @@ class PromptKeys:
     (`prefix_index.prompt_keys`); `blocks`, its KV block hashes as the workers name them
     (None: not known in time). A policy notes what it expected of its choice: `predicted`,
     per worker, (tokens in memory, tokens on disk); `credited`, per worker, the hashes it
-    counts as placed there until the choice is settled."""
+    counts as placed there until the choice is settled, and `pending`, (prompt tokens,
+    uncached tokens) it counts in the worker's queue as long."""
 
     approx: list[bytes] = field(default_factory=list)
     blocks: Blocks | None = None
     predicted: dict[str, tuple[int, int]] = field(default_factory=dict)
     credited: dict[str, list[bytes]] = field(default_factory=dict)
+    pending: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def approx_keys(keys: PromptKeys | list[bytes]) -> list[bytes]:
@@ -218,7 +227,7 @@ class KvAware(PrefixAware):
         self.read_tps = read_tps
         self._placing: dict[str, Counter[bytes]] = {}  # chosen, not settled: hashes credited to the worker
         self._accepted: dict[str, tuple[object, set[bytes]]] = {}  # settled since the worker's last report
-        self._placed: dict[str, tuple[object, int]] = {}  # uncached tokens placed since the worker's last report
+        self._pending: dict[str, list[int]] = {}  # placed, not started: [prompt tokens, uncached tokens]
         self._seen: dict[str, Candidate] = {}  # the workers chosen, by id (their reports, at settling)
 
     def choose(self, candidates, keys):
@@ -230,7 +239,8 @@ class KvAware(PrefixAware):
         rates = self._rates(candidates)
         costs = {w.worker_id: self._cost(w, blocks, rates) for w in eligible}
         if any(memory or disk for _, memory, disk, _ in costs.values()):
-            chosen = min(eligible, key=lambda w: (costs[w.worker_id][0], w.load, w is not least))
+            chosen = min(eligible, key=lambda w: (costs[w.worker_id][0], -costs[w.worker_id][1] - costs[w.worker_id][2],
+                                                  w.load, w is not least))
             if keys.approx:
                 self.placing.insert(keys.approx, chosen.worker_id)
         else:  # held nowhere the workers said: the approximate map (it learns a placement as it is accepted)
@@ -242,8 +252,11 @@ class KvAware(PrefixAware):
         keys.credited[chosen.worker_id] = hashes
         self._seen[chosen.worker_id] = chosen
         self._placing.setdefault(chosen.worker_id, Counter()).update(hashes)
-        report, placed = self._since_report(self._placed, chosen, 0)
-        self._placed[chosen.worker_id] = (report, placed + max(0, blocks.num_tokens - memory - disk))
+        pending = (blocks.num_tokens, max(0, blocks.num_tokens - memory - disk))
+        keys.pending[chosen.worker_id] = pending
+        total = self._pending.setdefault(chosen.worker_id, [0, 0])
+        total[0] += pending[0]
+        total[1] += pending[1]
         return chosen
 
     def _rates(self, candidates) -> tuple[float, float]:
@@ -268,9 +281,9 @@ class KvAware(PrefixAware):
         miss = max(0, blocks.num_tokens - memory - disk)
         prefill = report.prefill_tokens_per_second or rates[0]
         read = report.kv_disk.read_tokens_per_second or rates[1]
-        queued = report.queued_prefill_tokens + self._since_report(self._placed, w, 0)[1]
-        # the queue drains at the prefill rate while the report ages (a report is up to a beat old)
-        queued = max(0.0, queued - (time.monotonic() - getattr(w, "last_seen", time.monotonic())) * prefill)
+        tokens, uncached = self._pending.get(w.worker_id, (0, 0))
+        age = time.monotonic() - getattr(w, "last_seen", time.monotonic())
+        queued = uncached + max(0.0, report.queued_prefill_tokens - age * prefill - tokens)
         return (queued + miss) / prefill + disk / read, memory, disk, hashes
 
     def _match(self, w, hashes: list[bytes]) -> tuple[int, int]:
@@ -301,6 +314,11 @@ class KvAware(PrefixAware):
 
     def settled(self, worker_id, keys, accepted):
         super().settled(worker_id, keys, accepted)
+        pending = keys.pending.pop(worker_id, None) if isinstance(keys, PromptKeys) else None
+        total = self._pending.get(worker_id)
+        if pending is not None and total is not None:  # started there (its prefill done), or never will
+            total[0] -= pending[0]
+            total[1] -= pending[1]
         hashes = keys.credited.pop(worker_id, None) if isinstance(keys, PromptKeys) else None
         if not hashes:
             return
@@ -320,7 +338,7 @@ class KvAware(PrefixAware):
 
     def forget(self, worker_id):
         super().forget(worker_id)
-        for table in (self._placing, self._accepted, self._placed, self._seen):
+        for table in (self._placing, self._accepted, self._pending, self._seen):
             table.pop(worker_id, None)
 
 
