@@ -1,6 +1,7 @@
 """The disk KV tier and placement by where the cache is, on a multi-turn agent trace.
 
     python load/bench_kv_tier.py [--model small] [--sessions 24] [--turns 8] [--quick]
+                                 [--parts tier restart routing]
 
 The trace (`agent_trace`): --sessions agent sessions of --turns chat turns each. A session
 opens with its own system prompt (--system-tokens) and every turn appends a user message
@@ -10,6 +11,17 @@ tokens (6k with the defaults), as coding agents do over the chat and Messages AP
 sessions run at once, each sending its next turn when the last one is answered, at most
 --concurrency turns in flight. A turn after the first is "revisited": its history was
 sent before.
+
+The disk tier (`compare_tier`): the trace straight to one worker whose KV pool holds about
+--kv-fraction of the final contexts, the disk tier off and on (a fresh directory): over
+revisited turns, the hit rate, TTFT p50 / p99, the prompt tokens prefilled, the cached
+tokens by tier and the tier's traffic (from the worker's /metrics). Target: revisited TTFT
+p50 at least 3x lower with the tier.
+
+A restart (`compare_restart`): one --restart-tokens prompt (token ids) on a freshly started
+worker, --restart-rounds times each: with a disk tier that served it before the worker's
+last graceful stop, and with none; the median TTFT of each. Target: at least 5x lower from
+disk.
 
 Routing (`compare_routing`): three workers through one router, each worker's KV pool
 holding about --kv-fraction (a quarter) of the trace's final contexts, so caches evict
@@ -52,6 +64,7 @@ from cluster.proto.orchard.v1 import orchard_pb2 as pb  # noqa: E402
 from cluster.up import LocalCluster, free_port  # noqa: E402
 
 ROUTING_POLICIES = ("kv_aware", "prefix_aware")
+PARTS = ("tier", "restart", "routing")
 BLOCK_SIZE = 16  # the workers' default
 
 
@@ -233,6 +246,136 @@ def compare_routing(model: Path, shape: TraceShape, args) -> dict[str, dict]:
     return results
 
 
+# -- one worker: the disk tier on against off ---------------------------------------------------
+TIER_METRICS = ("orchard_kv_disk_bytes_written_total", "orchard_kv_disk_bytes_read_total",
+                "orchard_kv_disk_blocks_written_total", "orchard_kv_disk_blocks_dropped_total",
+                "orchard_kv_disk_errors_total")
+
+
+def run_one_worker(model: Path, trace, shape: TraceShape, args, disk: bool) -> dict:
+    """The trace straight to one fresh worker whose KV pool holds about --kv-fraction of the
+    final contexts, with a fresh disk tier or none: the revisited turns' summary and the
+    worker's KV metrics over the trace."""
+    blocks = pool_blocks(shape, args.kv_fraction, args.concurrency)
+    c = LocalCluster(model, workers=1, grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
+                     metrics_address=f"127.0.0.1:{free_port()}", worker_port_base=0, worker_metrics_port_base=0,
+                     log_dir=tempfile.mkdtemp(prefix="orchard-bench-kv-tier-"),
+                     worker_args=["--num-kv-blocks", str(blocks), "--max-model-len", str(shape.final_context + 512)],
+                     kv_disk=(tempfile.mkdtemp(prefix="orchard-bench-kv-disk-"), args.disk_bytes) if disk else None)
+    with c:
+        worker, metrics = c.worker_addresses[0], c.worker_metrics[0]
+        asyncio.run(run_trace_async(worker, [[[{"role": "user", "content": "warm up"}]]], 1, 2))
+        if disk:
+            wait_disk_tier(worker)
+        before = parse(scrape(metrics))
+        results, wall = asyncio.run(run_trace_async(worker, trace, args.concurrency, args.max_tokens))
+        after = parse(scrape(metrics))
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    out = summarize_revisited(results)
+    out.update(wall=wall, blocks=blocks,
+               hit_memory=total(delta, "orchard_kv_cache_hit_tokens_total", tier="memory"),
+               hit_disk=total(delta, "orchard_kv_cache_hit_tokens_total", tier="disk"),
+               disk_used=total(after, "orchard_kv_disk_usage_bytes"),
+               read_seconds=total(delta, "orchard_kv_disk_read_seconds_sum"),
+               **{name.removeprefix("orchard_kv_disk_").removesuffix("_total"): total(delta, name)
+                  for name in TIER_METRICS})
+    return out
+
+
+def wait_disk_tier(address: str, timeout: float = 300) -> None:
+    """Until the worker reports its disk tier serving (it hashes its weights first)."""
+    from cluster.sdk import Client
+
+    deadline = time.monotonic() + timeout
+    with Client(address, timeout=30) as client:
+        while not client.get_load().kv_disk.enabled:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address}: the disk tier did not start within {timeout:g} s")
+            time.sleep(0.2)
+
+
+def compare_tier(model: Path, shape: TraceShape, args) -> dict[str, dict]:
+    """The trace on one worker, the disk tier off and on; prints a line each and the target."""
+    trace = agent_trace(model, shape)
+    blocks = pool_blocks(shape, args.kv_fraction, args.concurrency)
+    print(f"disk tier: 1 worker, {shape.sessions} sessions x {shape.turns} turns, contexts to "
+          f"~{shape.final_context} tokens, KV pool {blocks} blocks (~{args.kv_fraction:g} of the final contexts), "
+          f"concurrency {args.concurrency}", flush=True)
+    results = {}
+    for name, disk in (("tier off", False), ("tier on", True)):
+        results[name] = r = run_one_worker(model, trace, shape, args, disk)
+        print(f"{name:9s} revisited turns: hit rate {r['hit_rate'] * 100:5.1f}%  TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms"
+              f"  p99 {r['ttft_p99'] * 1e3:7.1f} ms   prompt tokens prefilled {r['prefilled']}   cached tokens "
+              f"{r['hit_memory']:.0f} memory + {r['hit_disk']:.0f} disk   disk: {r['bytes_written'] / 2**20:.0f} MiB "
+              f"written in {r['blocks_written']:.0f} blocks ({r['blocks_dropped']:.0f} dropped), "
+              f"{r['bytes_read'] / 2**20:.0f} MiB read in {r['read_seconds']:.2f} s, {r['disk_used'] / 2**20:.0f} MiB "
+              f"held, {r['errors']:.0f} errors   {r['wall']:.1f} s", flush=True)
+    off, on = results["tier off"], results["tier on"]
+    ratio = off["ttft_p50"] / on["ttft_p50"] if on["ttft_p50"] else math.inf
+    print(f"target revisited TTFT p50 at least 3x lower with the disk tier: {'ok' if ratio >= 3 else 'MISSED'} "
+          f"({ratio:.2f}x: {on['ttft_p50'] * 1e3:.0f} ms vs {off['ttft_p50'] * 1e3:.0f} ms); prompt tokens "
+          f"prefilled {on['prefilled']} vs {off['prefilled']}")
+    return results
+
+
+# -- a long prompt across a restart --------------------------------------------------------------
+def restart_ttft(model: Path, tokens: int, rounds: int, disk_bytes: int) -> dict[str, list[float]]:
+    """TTFT of one `tokens`-token prompt on a freshly started worker, `rounds` times each: with a
+    disk tier that served the prompt before the worker's last (graceful) stop, and with none
+    (computed). Each start is warmed up by a short prompt first, so both time the prompt alone."""
+    prompt = [100 + (i * 7919) % 30000 for i in range(tokens)]
+    disk_dir = tempfile.mkdtemp(prefix="orchard-bench-kv-restart-")
+    out: dict[str, list[float]] = {"computed": [], "from disk": []}
+
+    def one(kv_disk, key: str | None) -> None:
+        c = LocalCluster(model, workers=1, grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
+                         metrics_address=f"127.0.0.1:{free_port()}", worker_port_base=0, worker_metrics_port_base=0,
+                         log_dir=tempfile.mkdtemp(prefix="orchard-bench-kv-restart-log-"),
+                         worker_args=["--max-model-len", str(tokens + 512)], kv_disk=kv_disk)
+        with c:
+            worker = c.worker_addresses[0]
+            if kv_disk:
+                wait_disk_tier(worker)
+            asyncio.run(run_ids(worker, [1, 2, 3, 4], 2))
+            ttft, cached = asyncio.run(run_ids(worker, prompt, 4))
+        if key is not None:
+            out[key].append(ttft)
+            print(f"  {key}: TTFT {ttft:.3f} s, cached tokens {cached}", flush=True)
+
+    one((disk_dir, disk_bytes), None)  # computed once, written to disk, flushed at the stop
+    for _ in range(rounds):
+        one((disk_dir, disk_bytes), "from disk")
+        one(None, "computed")
+    return out
+
+
+async def run_ids(target: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    """(TTFT, cached tokens) of one greedy request of prompt token ids."""
+    import grpc
+
+    from cluster.bench.closed_loop import one_request
+    from cluster.proto.orchard.v1 import orchard_pb2_grpc as pb_grpc
+
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+    async with grpc.aio.insecure_channel(target) as channel:
+        await channel.channel_ready()
+        r = await one_request(pb_grpc.GenerationStub(channel), request)
+    return r.ttft, r.cached_tokens
+
+
+def compare_restart(model: Path, args) -> dict[str, list[float]]:
+    print(f"restart: a {args.restart_tokens}-token prompt on a freshly started worker, {args.restart_rounds} rounds",
+          flush=True)
+    times = restart_ttft(model, args.restart_tokens, args.restart_rounds, args.disk_bytes)
+    computed, from_disk = statistics.median(times["computed"]), statistics.median(times["from disk"])
+    ratio = computed / from_disk if from_disk else math.inf
+    print(f"restart TTFT median: computed {computed:.3f} s, from disk {from_disk:.3f} s: {ratio:.1f}x lower "
+          f"({'ok' if ratio >= 5 else 'MISSED'} against the 5x target)")
+    return times
+
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small", help="mlx-lm model directory or name (default: small, random weights)")
@@ -249,7 +392,12 @@ def main() -> int:
     p.add_argument("--tokenize-timeout", type=float, default=0.05, help="the router's --router-tokenize-timeout")
     p.add_argument("--policies", nargs="+", default=list(ROUTING_POLICIES), choices=ROUTING_POLICIES)
     p.add_argument("--disk", action="store_true", help="routing: each worker with a disk KV tier (a fresh directory)")
-    p.add_argument("--disk-bytes", type=int, default=4 << 30, help="routing: each worker's disk tier at most")
+    p.add_argument("--disk-bytes", type=int, default=4 << 30, help="each worker's disk tier at most")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
+                   help="tier: one worker, disk tier off vs on; restart: a long prompt across a restart; "
+                        "routing: three workers, kv_aware vs prefix_aware")
+    p.add_argument("--restart-tokens", type=int, default=4000, help="restart: the prompt's tokens")
+    p.add_argument("--restart-rounds", type=int, default=3, help="restart: starts of each kind (the median is printed)")
     args = p.parse_args()
     base = QUICK if args.quick else TraceShape()
     if args.concurrency is None:
@@ -257,7 +405,12 @@ def main() -> int:
     shape = TraceShape(*(getattr(args, f) if getattr(args, f) is not None else getattr(base, f)
                          for f in ("sessions", "turns", "system_tokens", "turn_tokens", "reply_tokens")))
     model = resolve_model(args.model)
-    compare_routing(model, shape, args)
+    if "tier" in args.parts:
+        compare_tier(model, shape, args)
+    if "restart" in args.parts:
+        compare_restart(model, args)
+    if "routing" in args.parts:
+        compare_routing(model, shape, args)
     return 0
 
 
