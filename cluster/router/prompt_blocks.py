@@ -117,11 +117,15 @@ def load_tokenizer(directory: Path, model: str, pool: ThreadPoolExecutor, render
 
 
 def hash_prompt(ids, block_sizes, max_tokens: int, cut: bool) -> Blocks:
-    """`ids`' blocks per block size (the first `max_tokens`; a `cut` text's last tokens dropped)."""
+    """`ids`' blocks per block size (the first `max_tokens`; a `cut` text's last tokens
+    dropped), those a worker can serve from its cache: it computes a whole prompt's last
+    token itself (its logits start the answer), so a block ending with it is left out."""
+    whole = not cut and len(ids) <= max_tokens
     ids = ids[:max_tokens]
     if cut:
         ids = ids[: max(0, len(ids) - CUT_MARGIN)]
-    return Blocks(len(ids), {bs: block_hashes(ids, bs) for bs in block_sizes})
+    servable = ids[:-1] if whole else ids
+    return Blocks(len(ids), {bs: block_hashes(servable, bs) for bs in block_sizes})
 
 
 def prompt_digest(request: pb.GenerateRequest, digest: str, max_chars: int) -> bytes:
