@@ -151,23 +151,26 @@ class MemberKv:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def open(cls, send, runner, model, config) -> MemberKv:
+    def open(cls, send, runner, model, config, model_path: str) -> MemberKv:
         """The member's tier as its `config` (--kv-disk-*) says, keyed by its own layers'
-        identity (`runner.group_identity` names the rank); off (answering none good)
+        identity (`runner.group_identity` names the rank; the weights' digest is of its
+        layers' files, kept in the directory across restarts); off (answering none good)
         without a directory or where the store does not open."""
         kv = cls(send, runner, flush_timeout=config.kv_disk_flush_timeout)
         if config.kv_disk_dir is None:
             return kv
         try:
             from cluster.kv.disk_store import DiskStore
-            from cluster.kv.identity import KvIdentity
+            from cluster.kv.identity import KvIdentity, weights_digest
             from cluster.kv.reader import DiskReader
             from cluster.kv.writer import DiskWriter
             from cluster.worker.dequantize import quantized_layers
-            from cluster.worker.kv_tier import model_identity, params_digest
+            from cluster.worker.kv_tier import model_identity
 
             identity = model_identity(runner, bool(quantized_layers(model)))
-            ident = KvIdentity(**identity, weights=params_digest(model))
+            layers = runner.stage.layers
+            own = (layers.start, layers.stop - 1) if runner.group_identity["parallel"] == "pipeline" else None
+            ident = KvIdentity(**identity, weights=weights_digest(model_path, config.kv_disk_dir, own))
             store = DiskStore.open(Path(config.kv_disk_dir), ident, config.kv_disk_size, config.kv_disk_min_free,
                                    fsync=config.kv_disk_fsync)
         except Exception:  # noqa: BLE001  (the tier off, serving goes on)

@@ -456,7 +456,8 @@ def _start_group(model_path: str, config: EngineConfig, options: GroupOptions, t
         return GroupRunner(model, num_blocks, block_size, kv_dtype, num_state_slots, stage=stage, group=group)
 
     config = _disk_tier_on_every_rank(config, loaded)
-    engine = group_engine(model, tokenizer, config, name, num_blocks, virtual, shared_runner, draft, group)
+    engine = group_engine(model, tokenizer, config, name, num_blocks, virtual, shared_runner, draft, group,
+                          model_path=model_path)
     if virtual > 1:
         log.info("group: %d batches in flight, each over %d of the %d KV blocks", virtual, num_blocks // virtual,
                  num_blocks)
@@ -567,11 +568,12 @@ def split(model, options: GroupOptions, memory: dict[int, int]) -> tuple[tuple[i
 
 
 def group_engine(model, tokenizer, config: EngineConfig, name: str, num_blocks: int, virtual: int, shared_runner,
-                 draft=None, group=None):
+                 draft=None, group=None, model_path: str | None = None):
     """Rank 0's engine over a pool of `num_blocks`: an `Engine` whose runner is
     `shared_runner(num_blocks, block_size, kv_dtype, num_state_slots=...)`, or with `virtual`
     batches in flight a `PipelinedEngine` of that many engines, each over its share of the
-    one runner. `draft` (`spec_decode.load_draft`): the one draft model they all share."""
+    one runner. `draft` (`spec_decode.load_draft`): the one draft model they all share.
+    `model_path`: the model's directory (the disk tier's identity hashes its files)."""
     from cluster.worker.engine import Engine
 
     if virtual == 1:
@@ -579,7 +581,7 @@ def group_engine(model, tokenizer, config: EngineConfig, name: str, num_blocks: 
             return shared_runner(num_blocks, block_size, kv_dtype, num_state_slots)
 
         engine = Engine(model, tokenizer, replace(config, num_kv_blocks=num_blocks), model_name=name,
-                        runner_factory=runner_factory, draft=draft)
+                        runner_factory=runner_factory, draft=draft, model_path=model_path)
         engine.group = group
         if engine.kv_tier is not None and group is not None:
             engine.kv_tier.peers = group.kv.peers()
@@ -596,7 +598,8 @@ def group_engine(model, tokenizer, config: EngineConfig, name: str, num_blocks: 
         # one disk store a process: the first engine's, which the others share (PipelinedEngine)
         engines.append(Engine(model, tokenizer, replace(config, num_kv_blocks=share,
                                                         kv_disk_dir=config.kv_disk_dir if v == 0 else None),
-                              model_name=name, runner_factory=runner_factory, draft=draft))
+                              model_name=name, runner_factory=runner_factory, draft=draft,
+                              model_path=model_path))
     engine = PipelinedEngine(engines, group)
     for v, e in enumerate(engines):
         if e.kv_tier is not None and group is not None:

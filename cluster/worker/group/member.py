@@ -121,7 +121,7 @@ def run_member(model_path: str, options: GroupOptions, join_token: str, config: 
         slots = int(start["num_state_slots"])
         runner = StageRunner(model, int(start["num_blocks"]), config.block_size, kv_dtype, slots, stage)
         runner.group_identity = {"parallel": assignment.parallel, "rank": topo.rank, "size": topo.size}
-        kv = MemberKv.open(member.send, runner, model, own)  # never raises: off, saying why
+        kv = MemberKv.open(member.send, runner, model, own, model_path)  # never raises: off, saying why
     except Exception as e:  # told to rank 0, which stops the group's start (for good when it is permanent)
         code = exit_code(e)
         if isinstance(e, wire.Refused):  # rank 0 said why (a setting, a group that does not fit): no traceback
