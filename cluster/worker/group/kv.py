@@ -65,7 +65,9 @@ class LeaderKv:
     def read(self, entries, reader, out, done) -> int:
         ticket = next(self._tickets)
         members = set(self.leader.members)
-        r = self._reads[ticket] = _Read(done, {0, *members}, len(entries))
+        r = _Read(done, {0, *members}, len(entries))
+        with self._lock:  # (answers to other reads come in on other threads meanwhile)
+            self._reads[ticket] = r
         if members:
             self.leader.broadcast(wire.KV_READ, wire.kv_read(ticket, [(h, p) for h, p, _ in entries]))
             r.timer = threading.Timer(self.timeout, self._expire, args=(ticket,))
