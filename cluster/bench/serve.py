@@ -323,53 +323,57 @@ def format_report(r: dict, args) -> str:
         for key in sorted((k for k in r if k.startswith("p") and k.endswith(f"_{m}_ms") and k != f"p50_{m}_ms"),
                           key=lambda k: float(k[1:].split("_")[0])):  # p50 is the median, printed above
             row(f"P{key[1:].split('_')[0]} {name} (ms):", r[key])
-    s = r.get("server")
-    if s is not None:
+    if r.get("server") is not None:
         lines.append("{s:{c}^{n}}".format(s="Server side (/metrics)", n=width, c="-"))
-        peak = s["kv_usage_peak"]
-        row("Peak KV-cache usage (%):", None if peak is None else 100 * peak)
-        for w, v in sorted(s["kv_usage_peak_by_worker"].items()):
-            row(f"  {w} (%):", 100 * v)
-        row("Peak running requests:", s["running_peak"], "{:<10}")
-        row("Peak waiting requests:", s["waiting_peak"], "{:<10}")
-        row("Preemptions:", s["preemptions"], "{:<10}")
-        rate = s["prefix_cache_hit_rate"]
-        row("Prefix-cache hit rate (%):", None if rate is None else 100 * rate)
-        row("Prompt tokens (server):", s["prompt_tokens"], "{:<10}")
-        row("Generated tokens (server):", s["generation_tokens"], "{:<10}")
-        if s.get("spec_draft_tokens"):
-            row("Spec-decode acceptance rate (%):", 100 * s["spec_acceptance_rate"])
-            row("Spec-decode draft tokens:", s["spec_draft_tokens"], "{:<10}")
-            row("Spec-decode accepted tokens:", s["spec_accepted_tokens"], "{:<10}")
-            by_pos = ", ".join(f"{100 * v:.0f}" for v in s["spec_acceptance_by_position"])
-            lines.append(f"{'Acceptance by draft position (%):':<40}{by_pos}")
-        for outcome, n in sorted(s["router_requests_by_outcome"].items()):
-            row(f"Router attempts, {outcome}:", n, "{:<10}")
-        kinds = {"retry": "Router retries (before 1st token):", "resume": "Router resumes (mid-stream):"}
-        for kind, n in sorted(s["router_retries_by_kind"].items()):
-            row(kinds.get(kind, f"Router {kind}:"), n, "{:<10}")
-        for tier, n in sorted(s.get("kv_hit_tokens_by_tier", {}).items()):
-            row(f"Prefix-cache hit tokens, {tier}:", n, "{:<10}")
-        if s.get("kv_disk_bytes_written") is not None:
-            row("KV disk written (MiB):", s["kv_disk_bytes_written"] / 2**20)
-            row("KV disk read (MiB):", s["kv_disk_bytes_read"] / 2**20)
-            reads, seconds = s["kv_disk_reads"] or 0, s["kv_disk_read_seconds"] or 0.0
-            row("KV disk reads:", reads, "{:<10}")
-            row("KV disk mean read (ms):", 1000 * seconds / reads if reads else None)
-            usage = s.get("kv_disk_usage_bytes")
-            row("KV disk held at the end (MiB):", None if usage is None else usage / 2**20)
-        if s.get("kv_events") is not None:
-            row("KV events published:", s["kv_events"], "{:<10}")
-            row("KV event snapshots sent:", s["kv_event_snapshots"], "{:<10}")
-        for reason, n in sorted(s.get("router_kv_resyncs_by_reason", {}).items()):
-            row(f"Router KV resyncs, {reason}:", n, "{:<10}")
-        for e in s["errors"][:3]:
-            lines.append(f"scrape error: {e}")
+        _server_rows(r["server"], row, lines)
     if r["errors"]:
         lines.append("{s:{c}^{n}}".format(s="Errors", n=width, c="-"))
         lines += [f"  {e[:200]}" for e in r["errors"][:5]]
     lines.append("=" * width)
     return "\n".join(lines)
+
+
+def _server_rows(s: dict, row, lines: list[str]) -> None:
+    """The report's server-side section (what /metrics said), by `row`."""
+    peak = s["kv_usage_peak"]
+    row("Peak KV-cache usage (%):", None if peak is None else 100 * peak)
+    for w, v in sorted(s["kv_usage_peak_by_worker"].items()):
+        row(f"  {w} (%):", 100 * v)
+    row("Peak running requests:", s["running_peak"], "{:<10}")
+    row("Peak waiting requests:", s["waiting_peak"], "{:<10}")
+    row("Preemptions:", s["preemptions"], "{:<10}")
+    rate = s["prefix_cache_hit_rate"]
+    row("Prefix-cache hit rate (%):", None if rate is None else 100 * rate)
+    row("Prompt tokens (server):", s["prompt_tokens"], "{:<10}")
+    row("Generated tokens (server):", s["generation_tokens"], "{:<10}")
+    if s.get("spec_draft_tokens"):
+        row("Spec-decode acceptance rate (%):", 100 * s["spec_acceptance_rate"])
+        row("Spec-decode draft tokens:", s["spec_draft_tokens"], "{:<10}")
+        row("Spec-decode accepted tokens:", s["spec_accepted_tokens"], "{:<10}")
+        by_pos = ", ".join(f"{100 * v:.0f}" for v in s["spec_acceptance_by_position"])
+        lines.append(f"{'Acceptance by draft position (%):':<40}{by_pos}")
+    for outcome, n in sorted(s["router_requests_by_outcome"].items()):
+        row(f"Router attempts, {outcome}:", n, "{:<10}")
+    kinds = {"retry": "Router retries (before 1st token):", "resume": "Router resumes (mid-stream):"}
+    for kind, n in sorted(s["router_retries_by_kind"].items()):
+        row(kinds.get(kind, f"Router {kind}:"), n, "{:<10}")
+    for tier, n in sorted(s.get("kv_hit_tokens_by_tier", {}).items()):
+        row(f"Prefix-cache hit tokens, {tier}:", n, "{:<10}")
+    if s.get("kv_disk_bytes_written") is not None:
+        row("KV disk written (MiB):", s["kv_disk_bytes_written"] / 2**20)
+        row("KV disk read (MiB):", s["kv_disk_bytes_read"] / 2**20)
+        reads, seconds = s["kv_disk_reads"] or 0, s["kv_disk_read_seconds"] or 0.0
+        row("KV disk reads:", reads, "{:<10}")
+        row("KV disk mean read (ms):", 1000 * seconds / reads if reads else None)
+        usage = s.get("kv_disk_usage_bytes")
+        row("KV disk held at the end (MiB):", None if usage is None else usage / 2**20)
+    if s.get("kv_events") is not None:
+        row("KV events published:", s["kv_events"], "{:<10}")
+        row("KV event snapshots sent:", s["kv_event_snapshots"], "{:<10}")
+    for reason, n in sorted(s.get("router_kv_resyncs_by_reason", {}).items()):
+        row(f"Router KV resyncs, {reason}:", n, "{:<10}")
+    for e in s["errors"][:3]:
+        lines.append(f"scrape error: {e}")
 
 
 def main(args) -> int:

@@ -23,11 +23,10 @@ from cluster.kv.events import KvJournal
 from cluster.worker.admission import Admission, QueueFullError
 from cluster.worker.block_manager import BlockManager
 from cluster.worker.config import EngineConfig
-from cluster.worker.dequantize import quantized_layers
 from cluster.worker.detokenizer import IncrementalDetokenizer
 from cluster.worker.engine_protocol import EngineProtocol
 from cluster.worker.engine_stats import EngineStats
-from cluster.worker.kv_tier import RECURRENT_REASON, KvTier, model_identity, params_digest
+from cluster.worker.kv_tier import disk_tier
 from cluster.worker.model_runner import (ModelRunner, StepBatch, default_kv_budget, has_recurrent_layers,
                                          kv_bytes_per_block, load_model, text_args, weight_dtype)
 from cluster.worker.outputs import RequestOutput, pooled_output, token_output
@@ -134,28 +133,9 @@ class Engine(EngineProtocol):
         if self.speculator is not None:
             self.speculator.attach(self.config, self.block_manager, pool_dtype)
             self.stats.spec_decode = self.speculator.stats
-        self.kv_tier = self._disk_tier(model, model_path, hybrid) if config.kv_disk_dir is not None else None
+        self.kv_tier = (disk_tier(config, self.block_manager, self.runner, self.kv_journal, model, model_path, hybrid)
+                        if config.kv_disk_dir is not None else None)
         self.stats.kv_tier = self.kv_tier
-
-    def _disk_tier(self, model, model_path: str | Path | None, hybrid: bool) -> KvTier:
-        """The disk tier (--kv-disk-dir): off, saying why, where the cache cannot be reused."""
-        if hybrid:
-            return KvTier(self.config, self.block_manager, self.runner, None, reason=RECURRENT_REASON)
-        if not self.config.enable_prefix_caching:
-            return KvTier(self.config, self.block_manager, self.runner, None,
-                          reason="prefix caching is off (--no-prefix-caching)")
-        identity = model_identity(self.runner, bool(quantized_layers(model)))
-        if model_path is None:
-            digest = params_digest(model)  # on this thread: MLX arrays stay on the engine's
-            weights = lambda: digest  # noqa: E731
-        else:
-            from cluster.kv.identity import weights_digest
-
-            # on the tier's own thread (it reads every byte once; the sums are kept in the dir)
-            weights = lambda: weights_digest(model_path, cache_dir=self.config.kv_disk_dir)  # noqa: E731
-        tier = KvTier(self.config, self.block_manager, self.runner, identity, weights)
-        tier.disk_listeners.add(self.kv_journal.disk_listener())  # the disk tier's KV events
-        return tier
 
     def set_wake(self, wake) -> None:
         """`wake()` is called (on another thread) when work the engine waited for arrives:
@@ -334,12 +314,7 @@ class Engine(EngineProtocol):
             outputs = self._postprocess(pending, kept)
             if self.kv_tier is not None:  # the blocks this step cached, to disk (before the next forward)
                 self.kv_tier.save_blocks()
-        self.stats.num_steps += 1
-        took = time.perf_counter() - pending.t0
-        self.stats.step_seconds += took
-        prefill = sum(e.num_new_tokens for e in pending.plan.scheduled if e.num_new_tokens > 1 + len(e.spec_token_ids))
-        if 2 * prefill > pending.plan.num_batched_tokens:
-            self.stats.observe_prefill(prefill, took)
+        self.stats.observe_step(pending.plan, time.perf_counter() - pending.t0)
         self._refresh_stats()
         return outputs
 
@@ -441,17 +416,7 @@ class Engine(EngineProtocol):
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def _refresh_stats(self) -> None:
-        s, bm = self.stats, self.block_manager
-        s.num_running = len(self.scheduler.running)
-        s.num_waiting = len(self.scheduler.waiting)
-        s.num_blocks_used = bm.num_used_blocks
-        if self.state_slots is not None:
-            s.state_slots_used = self.state_slots.num_used
-        s.num_preemptions = self.scheduler.num_preemptions
-        s.prefix_queries = bm.prefix_queries
-        s.prefix_hits = bm.prefix_hits
-        s.queued_prefill_tokens = (sum(q.num_uncomputed_tokens for q in self.scheduler.waiting)
-                                   + sum(q.num_uncomputed_tokens for q in self.scheduler.running if q.is_prefilling))
+        self.stats.refresh(self.scheduler, self.state_slots)
 
     # -- convenience --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | None = None) -> list[list[int]]:
@@ -474,12 +439,8 @@ class Engine(EngineProtocol):
     def close(self) -> None:
         """When it stops serving (on its thread): the disk tier's waiting writes land, for up
         to --kv-disk-flush-timeout, and its threads and store close."""
-        if self.kv_tier is None:
-            return
-        if not self.kv_tier.flush():
-            log.warning("disk KV tier: writes still waiting after %.0f s are abandoned",
-                        self.config.kv_disk_flush_timeout)
-        self.kv_tier.close()
+        if self.kv_tier is not None:
+            self.kv_tier.flush_and_close()
 
     def check_integrity(self) -> None:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)

@@ -50,6 +50,29 @@ class EngineStats:
     prefill_tokens_per_second: float = 0.0
     queued_prefill_tokens: int = 0
 
+    def refresh(self, scheduler, state_slots) -> None:
+        """The queue and KV counts, from the engine's scheduler after a step."""
+        bm = scheduler.block_manager
+        self.num_running = len(scheduler.running)
+        self.num_waiting = len(scheduler.waiting)
+        self.num_blocks_used = bm.num_used_blocks
+        if state_slots is not None:
+            self.state_slots_used = state_slots.num_used
+        self.num_preemptions = scheduler.num_preemptions
+        self.prefix_queries = bm.prefix_queries
+        self.prefix_hits = bm.prefix_hits
+        self.queued_prefill_tokens = (sum(q.num_uncomputed_tokens for q in scheduler.waiting)
+                                      + sum(q.num_uncomputed_tokens for q in scheduler.running if q.is_prefilling))
+
+    def observe_step(self, plan, seconds: float) -> None:
+        """A finished step (its `SchedulerOutput`) that took `seconds`; one that was mostly
+        prefill rows updates the prefill rate."""
+        self.num_steps += 1
+        self.step_seconds += seconds
+        prefill = sum(e.num_new_tokens for e in plan.scheduled if e.num_new_tokens > 1 + len(e.spec_token_ids))
+        if 2 * prefill > plan.num_batched_tokens:
+            self.observe_prefill(prefill, seconds)
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A step that computed `tokens` prompt tokens (most of its rows) in `seconds`."""
         if tokens < PREFILL_MIN_TOKENS or seconds <= 0:

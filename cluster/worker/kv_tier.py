@@ -404,6 +404,13 @@ class KvTier:
             if time.monotonic() >= deadline:
                 return False
 
+    def flush_and_close(self) -> None:
+        """At the engine's stop: `flush`, warning about what it abandons, then `close`."""
+        if not self.flush():
+            log.warning("disk KV tier: writes still waiting after %.0f s are abandoned",
+                        self.config.kv_disk_flush_timeout)
+        self.close()
+
     def close(self) -> None:
         """Stop the reader and writer threads (what is still queued is abandoned) and close
         the store (its lock released)."""
@@ -441,3 +448,28 @@ def model_identity(runner, quantized: bool) -> dict:
         # a worker group's rank: {"parallel", "rank", "size"} (group/kv.py)
         **({"group": group} if (group := getattr(runner, "group_identity", None)) else {}),
     )
+
+
+def disk_tier(config: EngineConfig, block_manager: BlockManager, runner, journal, model, model_path, hybrid: bool
+              ) -> KvTier:
+    """An engine's disk tier (--kv-disk-dir): off, saying why, where the cache cannot be
+    reused; its disk events go to the engine's KV `journal`. `model_path`: where the
+    weights came from (the identity hashes its files; None: the parameters in memory)."""
+    if hybrid:
+        return KvTier(config, block_manager, runner, None, reason=RECURRENT_REASON)
+    if not config.enable_prefix_caching:
+        return KvTier(config, block_manager, runner, None, reason="prefix caching is off (--no-prefix-caching)")
+    from cluster.worker.dequantize import quantized_layers
+
+    identity = model_identity(runner, bool(quantized_layers(model)))
+    if model_path is None:
+        digest = params_digest(model)  # on this thread: MLX arrays stay on the engine's
+        weights = lambda: digest  # noqa: E731
+    else:
+        from cluster.kv.identity import weights_digest
+
+        # on the tier's own thread (it reads every byte once; the sums are kept in the dir)
+        weights = lambda: weights_digest(model_path, cache_dir=config.kv_disk_dir)  # noqa: E731
+    tier = KvTier(config, block_manager, runner, identity, weights)
+    tier.disk_listeners.add(journal.disk_listener())  # the disk tier's KV events
+    return tier
