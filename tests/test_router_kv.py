@@ -74,20 +74,25 @@ def thinking_model_dir(tmp_path_factory) -> Path:
     return create_model(tmp_path_factory.mktemp("qwen3-chat") / "m", "qwen3", "tiny", seed=0, chat="qwen3")
 
 
+MODEL_DIRS = {"tiny": "tiny_model_dir", "thinking": "thinking_model_dir", "gguf": "smollm2_dir"}
+
+
 @pytest.mark.parametrize("model, kind", [("tiny", "text"), ("tiny", "chat"), ("thinking", "chat_tools"),
-                                         ("thinking", "chat")])
-def test_prompt_blocks_hash_a_prompt_as_the_worker_does(model, kind, tiny_model_dir, thinking_model_dir, tmp_path):
+                                         ("thinking", "chat"),
+                                         pytest.param("gguf", "chat", marks=pytest.mark.slow)])
+def test_prompt_blocks_hash_a_prompt_as_the_worker_does(model, kind, request, tmp_path):
+    """`gguf`: SmolLM2's GGUF file imported (its tokenizer built from the GGUF's metadata)."""
     from mlx_lm.utils import load_tokenizer
 
     from cluster.worker.chat_render import RenderPool, jinja_tokenizer
     from cluster.worker.prompt import PromptBuilder
 
-    wrapper = load_tokenizer(tiny_model_dir if model == "tiny" else thinking_model_dir)
+    wrapper = load_tokenizer(request.getfixturevalue(MODEL_DIRS[model]))
     files = tokenizer_files(wrapper, renders_jinja=jinja_tokenizer(wrapper) is not None)
     if kind == "text":
-        request = pb.GenerateRequest(model="m", text="An orchard in spring: blossom, bees and frost. " * 40)
+        prompt = pb.GenerateRequest(model="m", text="An orchard in spring: blossom, bees and frost. " * 40)
     else:
-        request = chat_request(TOOLS if kind == "chat_tools" else "")
+        prompt = chat_request(TOOLS if kind == "chat_tools" else "")
 
     async def main():
         pool = ThreadPoolExecutor(2)
@@ -96,12 +101,12 @@ def test_prompt_blocks_hash_a_prompt_as_the_worker_does(model, kind, tiny_model_
         blocks = PromptBlocks(KvRoutingConfig(router_tokenize_timeout=60, tokenizer_cache=str(tmp_path)))
         try:
             worker = PromptBuilder("m", wrapper, len(wrapper), 1 << 20, None, renders, pool, pool)
-            ids = await worker.prompt_token_ids(request)
+            ids = await worker.prompt_token_ids(prompt)
             workers = [record("a", files.digest, FakeAdmin(files), block_size=BS),
                        record("b", files.digest, FakeAdmin(files), block_size=32)]
-            assert await blocks.keys(request, workers) is None  # no tokenizer yet: fetched now
+            assert await blocks.keys(prompt, workers) is None  # no tokenizer yet: fetched now
             await _until_loaded(blocks)
-            got = await blocks.keys(request, workers)
+            got = await blocks.keys(prompt, workers)
         finally:
             await blocks.close()
             await renders.close()
