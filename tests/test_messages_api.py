@@ -153,3 +153,29 @@ def test_cache_control_breakpoints_are_accepted(server, client):
     assert m.content[0].text == "Hello there."
     prompt = server.engine.prompts[-1]
     assert "Be brief." in prompt and "Say hi" in prompt and "get_weather" in prompt
+    m = client.messages.create(model="tiny-qwen3", max_tokens=20, cache_control={"type": "ephemeral", "ttl": "1h"},
+                               messages=[{"role": "user", "content": "Say hi"}])
+    assert m.content[0].text == "Hello there."
+
+
+@pytest.mark.parametrize("where, mark, field", [
+    ("top", {"type": "persistent"}, "cache_control"),
+    ("system", {"type": "ephemeral", "ttl": "2h"}, "system.0.cache_control"),
+    ("content", "ephemeral", "messages.0.content.0.cache_control"),
+    ("tool", {"type": "ephemeral", "scope": "org"}, "tools.0.cache_control"),
+])
+def test_a_malformed_cache_control_is_a_400_naming_it(server, client, where, mark, field):
+    import anthropic
+
+    body = {"model": "tiny-qwen3", "max_tokens": 20, "messages": [{"role": "user", "content": "Say hi"}]}
+    if where == "top":
+        body["extra_body"] = {"cache_control": mark}
+    elif where == "system":
+        body["system"] = [{"type": "text", "text": "Be brief.", "cache_control": mark}]
+    elif where == "content":
+        body["messages"] = [{"role": "user", "content": [{"type": "text", "text": "Say hi", "cache_control": mark}]}]
+    else:
+        body["tools"] = [{**TOOL, "cache_control": mark}]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(**body)
+    assert field in str(err.value) and "ephemeral" in str(err.value)

@@ -13,6 +13,13 @@ ends the thinking after N tokens, `{"type": "disabled"}` turns it off (`enable_t
 content_block_start / delta / stop, message_delta, message_stop). Errors are in
 Anthropic's shape; `x-api-key` is accepted as the API key (the app's guard). Any other
 field is a 400 that names it.
+
+Prompt caching is automatic: every full KV block of every prompt is cached (in memory, and
+with `--kv-disk-dir` on disk), least recently used out first, and free. `cache_control`
+breakpoints (`{"type": "ephemeral", "ttl"?: "5m" | "1h"}`, top level or on system blocks,
+content blocks and tools) are checked and change nothing; usage reports the prompt tokens
+served from cache as `cache_read_input_tokens`, the rest as `input_tokens`, and
+`cache_creation_input_tokens` is 0 (writing the cache costs nothing extra).
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from cluster.api.wire import FINISH_REASON_NAMES, build_request, validate_reques
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 PARAMS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k",
-                    "stream", "tools", "tool_choice", "metadata", "service_tier", "thinking"})
+                    "stream", "tools", "tool_choice", "metadata", "service_tier", "thinking", "cache_control"})
+CACHE_TTLS = ("5m", "1h")
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
 
@@ -59,11 +67,26 @@ def _get(body: dict, name: str, kind: type | tuple, required: bool = False):
     return value
 
 
+def check_cache_control(item: dict, where: str, field: str) -> None:
+    """A `cache_control` breakpoint on `item` (the body, a block or a tool), if any: checked,
+    then nothing to do (the module's docstring says why)."""
+    mark = item.get("cache_control")
+    if mark is None:
+        return
+    if (not isinstance(mark, dict) or mark.get("type") != "ephemeral" or set(mark) - {"type", "ttl"}
+            or mark.get("ttl", CACHE_TTLS[0]) not in CACHE_TTLS):
+        prefix = f"{where}." if where else ""
+        raise BadField(field, f"{prefix}cache_control: Input should be {{\"type\": \"ephemeral\"}} with an optional "
+                              f"ttl of '5m' or '1h', got {shown(mark)}")
+
+
 def _blocks_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
         if all(isinstance(b.get("text", ""), str) for b in content):
+            for j, b in enumerate(content):
+                check_cache_control(b, f"{where}.{j}", where.split(".")[0])
             return "".join(b.get("text", "") for b in content)
     raise BadField(where.split(".")[0], f"{where}: only text content is supported here")
 
@@ -90,6 +113,8 @@ def chat_messages(body: dict) -> list[dict]:
         for j, b in enumerate(content):
             kind = b.get("type") if isinstance(b, dict) else None
             where = f"messages.{i}.content.{j}"
+            if kind is not None:
+                check_cache_control(b, where, "messages")
             if kind == "text":
                 if not isinstance(b.get("text", ""), str):
                     raise BadField("messages", f"{where}.text: Input should be a string")
@@ -139,6 +164,7 @@ def _tools(body: dict) -> tuple[list[dict] | None, Any, bool | None]:
             if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t.get("type") not in (None, "custom"):
                 raise BadField("tools", f"tools.{i}: only custom tools ({{name, description, input_schema}}) are "
                                         f"supported, got type {shown(t.get('type') if isinstance(t, dict) else None)}")
+            check_cache_control(t, f"tools.{i}", "tools")
             schema = t.get("input_schema") or {"type": "object", "properties": {}}
             if not isinstance(schema, dict):
                 raise BadField("tools", f"tools.{i}.input_schema: Input should be a JSON Schema object, got "
@@ -174,6 +200,7 @@ def _request(body: dict, limits: RequestLimits) -> pb.GenerateRequest:
     if unknown:
         raise BadField(unknown[0][:80], f"{quoted(unknown[0])}: Extra inputs are not permitted (not supported by this "
                                         "server)")
+    check_cache_control(body, "", "cache_control")
     template, budget = _thinking(body.get("thinking"))
     max_tokens = _get(body, "max_tokens", int, required=True)
     if not MAX_TOKENS_LOW <= max_tokens <= MAX_TOKENS_HIGH:
