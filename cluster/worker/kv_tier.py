@@ -187,7 +187,8 @@ class KvTier:
                                 "written to disk", cfg.kv_disk_queue_bytes, self.block_bytes)
         self.reason = store.reason if store.mode != "ok" else ""
         self.store = store  # last: the engine thread reads it unlocked
-        log.info("disk KV tier at %s: %s%s", cfg.kv_disk_dir, store.mode, f" ({store.reason})" if store.reason else "")
+        log.info("disk KV tier at %s: %s%s; %.1f KiB of KV a token, %d tokens a block", cfg.kv_disk_dir, store.mode,
+                 f" ({store.reason})" if store.reason else "", self.block_bytes / cfg.block_size / 1024, cfg.block_size)
         self._ready.set()
 
     def _share(self, other: KvTier) -> None:
