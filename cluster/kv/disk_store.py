@@ -582,14 +582,7 @@ def _writev_all(fd: int, data: list) -> None:
     """All of `data`'s buffers written in order (os.writev may write less than asked)."""
     views = [memoryview(b).cast("B") for b in data]
     while views:
-        n = os.writev(fd, views[:_IOV_MAX])
-        while n and views:
-            if n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _advance(views, os.writev(fd, views[:_IOV_MAX]))
 
 
 def _preadv_all(fd: int, buffers: list[np.ndarray], offset: int) -> int:
@@ -601,14 +594,19 @@ def _preadv_all(fd: int, buffers: list[np.ndarray], offset: int) -> int:
         if n <= 0:
             break
         total += n
-        while n and views:
-            if n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _advance(views, n)
     return total
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first `n` bytes from `views` (a vectored read or write moved them)."""
+    while n and views:
+        if n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
 
 
 def _preadv(fd: int, views: list[memoryview], offset: int) -> int:
