@@ -533,3 +533,23 @@ def test_a_revisited_chat_goes_where_its_blocks_are_and_the_router_predicts_its_
         before, "orchard_router_actual_cached_tokens_total")
     assert all(r.cached_tokens >= 4 * BS for r in second)
     assert predicted == actual == sum(r.cached_tokens for r in second)
+
+
+@pytest.mark.parametrize("digest", ["..", "../outside", "/etc", "a/b"])
+def test_a_reported_digest_that_is_no_digest_is_never_a_path(digest, tmp_path):
+    """The digest comes from a worker's report and names the cache's directory: one that
+    is no sha256 digest is refused before the filesystem or the worker is asked."""
+    cache = tmp_path / "cache"
+    (tmp_path / "outside").mkdir()
+    blocks = PromptBlocks(KvRoutingConfig(tokenizer_cache=str(cache)))
+    admin = FakeAdmin(pb.TokenizerFiles())
+
+    async def main():
+        try:
+            with pytest.raises(TokenizerFilesError, match="no sha256 hex digest"):
+                await blocks._files(digest, [record("a", digest, admin)])
+        finally:
+            await blocks.close()
+
+    run(main())
+    assert admin.calls == 0 and not cache.exists()

@@ -35,6 +35,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +62,7 @@ FETCH_TIMEOUT = 60.0  # seconds for GetTokenizer (tens of MB on a busy worker)
 FETCH_RETRY = 30.0  # seconds before a failed fetch or load is tried again
 ENTRY_OVERHEAD = 200  # bytes a cache entry costs beside its hashes
 MAX_TOKENIZERS = 16  # loaded at once (a fleet's models), least recently used dropped first
+DIGEST = re.compile(r"[0-9a-f]{64}")  # a sha256 hex digest (`files_digest`): the only name a cache directory has
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,8 @@ class PromptBlocks:
         """The directory of the tokenizer files with `digest`: the cache's, or fetched."""
         from cluster.owned_dir import write_dir
 
+        if not DIGEST.fullmatch(digest):  # a worker's report names the directory: never a path of its choosing
+            raise TokenizerFilesError(f"the reported tokenizer digest {digest[:80]!r} is no sha256 hex digest")
         loop = asyncio.get_running_loop()
         cached = self.directory / digest
         if cached.is_dir():
