@@ -589,3 +589,18 @@ def test_many_events_are_reported_before_the_next_heartbeat(tiny_model_dir, monk
             await router.stop(grace=0)
 
     run(main(), 120)
+
+
+def test_a_report_that_comes_after_its_worker_was_removed_leaves_no_map():
+    """A drain's GetLoad (router/control.py) answered after the worker was removed: its
+    events are not replayed, so the removed worker's map does not come back for good."""
+    from cluster.router.registry import Registry
+
+    journal = KvJournal(16)
+    journal.stored(MEMORY, hashes(1, 2))
+    reg = Registry(connect=False)
+    w = reg.register("w1", "a:1", "", pb.LoadReport(worker_id="w1", kv=journal.batch(None)))
+    assert reg.kv_map.complete("w1")
+    reg.remove("w1")
+    reg.record_report(w, pb.LoadReport(worker_id="w1", kv=journal.batch(None)))
+    assert reg.kv_map.workers() == []

@@ -408,7 +408,8 @@ class Registry:
 
     def record_report(self, w: WorkerRecord, report: pb.LoadReport) -> None:
         if report.HasField("kv"):  # applied here, then dropped: the stored report (ListWorkers) never carries it
-            w.kv_ack = self.kv_map.apply(w.worker_id, report.kv)
+            if self.workers.get(w.worker_id) is w:  # a report that came after its worker was removed: none kept
+                w.kv_ack = self.kv_map.apply(w.worker_id, report.kv)
             report.ClearField("kv")
         state, healthy = w.state, w.healthy
         w.on_report(report, time.monotonic())
