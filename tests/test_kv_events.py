@@ -604,3 +604,37 @@ def test_a_report_that_comes_after_its_worker_was_removed_leaves_no_map():
     reg.remove("w1")
     reg.record_report(w, pb.LoadReport(worker_id="w1", kv=journal.batch(None)))
     assert reg.kv_map.workers() == []
+
+
+def test_a_batch_over_the_limits_is_refused_with_a_resync(monkeypatch):
+    """Too many events, too many hashes in one report, or a map grown past its bound (a
+    worker that never sends removals): the map is dropped and a resync asked for."""
+    from cluster.router import kv_map
+
+    monkeypatch.setattr(kv_map, "MAX_BATCH_EVENTS", 4)
+    monkeypatch.setattr(kv_map, "MAX_BATCH_HASH_BYTES", 8 * 16)
+    monkeypatch.setattr(kv_map, "MAX_WORKER_HASHES", 10)
+    kv = KvMap()
+
+    def fresh() -> tuple[KvJournal, pb.KvAck]:
+        journal = KvJournal(16)
+        journal.stored(MEMORY, hashes(0))
+        ack = kv.apply("w", journal.batch(None))
+        assert kv.complete("w") and not ack.resync
+        return journal, ack
+
+    journal, ack = fresh()
+    for i in range(1, 6):  # five events
+        journal.stored(MEMORY, hashes(i))
+    assert kv.apply("w", journal.batch(ack)).resync and not kv.complete("w")
+
+    journal, ack = fresh()
+    journal.stored(MEMORY, hashes(*range(1, 10)))  # nine hashes in one event
+    assert kv.apply("w", journal.batch(ack)).resync and not kv.complete("w")
+
+    journal, ack = fresh()
+    for start in range(1, 13, 4):  # within a report's limits, past the map's
+        journal.stored(DISK, hashes(*range(start, start + 4)))
+        ack = kv.apply("w", journal.batch(ack))
+    assert ack.resync and kv.workers() == []
+    assert kv.resyncs["invalid"] == 3

@@ -11,6 +11,12 @@ ack for the worker's next report:
   a resync; events already applied (a lost answer made the worker send them again) are
   skipped.
 
+A batch over `MAX_BATCH_EVENTS` events or `MAX_BATCH_HASH_BYTES` of hashes (a worker's
+own stay within half of each), or one that would make a worker's map hold more than
+`MAX_WORKER_HASHES`, is refused before it is applied: the map is dropped and a resync
+asked for (its snapshot comes in bounded parts), so a faulty worker costs the event loop
+and the router's memory a bounded amount.
+
 `match(worker, hashes)` is what a placement reads: how many of a prompt's leading block
 hashes the worker holds in memory, then how many of the following ones on disk (the
 engine reads back only those that follow its memory hits). A map not `complete` matches
@@ -23,13 +29,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from cluster.kv.hashing import unpack
+from cluster.kv.events import MAX_BATCH_EVENTS as SENT_EVENTS
+from cluster.kv.events import PART_HASHES
+from cluster.kv.hashing import HASH_BYTES, unpack
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 MEMORY, DISK = pb.KV_TIER_MEMORY, pb.KV_TIER_DISK
 GAP, EPOCH, NO_STATE, INVALID = "gap", "epoch", "no_state", "invalid"  # why a resync was asked for
+MAX_BATCH_EVENTS = 2 * SENT_EVENTS  # events in one report
+MAX_BATCH_HASH_BYTES = 2 * PART_HASHES * HASH_BYTES  # hashes in one report (a snapshot part's, twice)
+MAX_WORKER_HASHES = 1 << 22  # hashes held for one worker, both tiers
 
 
 @dataclass
@@ -52,6 +63,7 @@ class KvMap:
     def apply(self, worker_id: str, batch: pb.KvEventBatch) -> pb.KvAck:
         """Replay `worker_id`'s batch; the ack for its next report."""
         try:
+            _check_size(batch)
             if batch.HasField("snapshot"):
                 return self._apply_snapshot(worker_id, batch)
             return self._apply_events(worker_id, batch)
@@ -109,6 +121,7 @@ class KvMap:
             return self._resync(worker_id, batch.epoch, NO_STATE)  # a part of a snapshot not begun here
         elif s.part < w.parts_in:  # a part applied already: its answer was lost
             return self._ack(w, s.parts)
+        _check_held(w, (len(s.memory_hashes) + len(s.disk_hashes)) // HASH_BYTES)
         w.tiers[MEMORY].update(unpack(s.memory_hashes))
         w.tiers[DISK].update(unpack(s.disk_hashes))
         w.parts_in = s.part + 1
@@ -142,6 +155,7 @@ class KvMap:
             w.seq = event.seq
             applied += 1
         self.events_applied[worker_id] = self.events_applied.get(worker_id, 0) + applied
+        _check_held(w, 0)
         return self._ack(w, 0)
 
     def _ack(self, w: _WorkerBlocks, parts: int) -> pb.KvAck:
@@ -153,3 +167,22 @@ class KvMap:
         self._workers.pop(worker_id, None)
         self.resyncs[reason] = self.resyncs.get(reason, 0) + 1
         return pb.KvAck(epoch=epoch, resync=True)
+
+
+def _check_size(batch: pb.KvEventBatch) -> None:
+    """ValueError for a batch over the limits of one report (before any of it is read)."""
+    if batch.HasField("snapshot"):
+        size = len(batch.snapshot.memory_hashes) + len(batch.snapshot.disk_hashes)
+    else:
+        if len(batch.events) > MAX_BATCH_EVENTS:
+            raise ValueError(f"{len(batch.events)} events in one report, over the limit of {MAX_BATCH_EVENTS}")
+        size = sum(len(e.stored.hashes) + len(e.removed.hashes) for e in batch.events)
+    if size > MAX_BATCH_HASH_BYTES:
+        raise ValueError(f"{size} bytes of hashes in one report, over the limit of {MAX_BATCH_HASH_BYTES}")
+
+
+def _check_held(w: _WorkerBlocks, more: int) -> None:
+    """ValueError when the worker's map would hold more than MAX_WORKER_HASHES hashes."""
+    held = sum(len(t) for t in w.tiers.values()) + more
+    if held > MAX_WORKER_HASHES:
+        raise ValueError(f"{held} hashes held, over the limit of {MAX_WORKER_HASHES} a worker")
