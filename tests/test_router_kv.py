@@ -553,3 +553,31 @@ def test_a_reported_digest_that_is_no_digest_is_never_a_path(digest, tmp_path):
 
     run(main())
     assert admin.calls == 0 and not cache.exists()
+
+
+def test_long_token_id_prompts_are_bounded_like_texts():
+    """A burst of long token-id prompts (hashed on the pool) takes at most the queue's
+    bound of the pool at once; the rest are placed by the approximate map at once."""
+    from cluster.router import prompt_blocks
+
+    blocks = PromptBlocks(KvRoutingConfig(router_tokenize_threads=1, router_tokenize_timeout=0.01))
+    release, started = asyncio.Event(), []
+
+    async def hash_ids(ids, block_sizes):
+        started.append(len(ids))
+        await release.wait()
+
+    blocks._hash_ids = hash_ids
+    ids = list(range((prompt_blocks.INLINE_BLOCKS + 1) * BS))
+
+    async def main():
+        try:
+            got = await asyncio.gather(*(blocks.keys(pb.GenerateRequest(model="m", token_ids=pb.TokenIds(ids=ids)),
+                                                     [record("a")]) for _ in range(3 * prompt_blocks.QUEUED_PER_THREAD)))
+            release.set()
+            return got
+        finally:
+            await blocks.close()
+
+    assert run(main()) == [None] * (3 * prompt_blocks.QUEUED_PER_THREAD)
+    assert len(started) == prompt_blocks.QUEUED_PER_THREAD

@@ -12,7 +12,7 @@ Python templates) is not hashed here.
 
 Bounds, since this runs for every request on the router's event loop:
 - Token-id prompts need no tokenizer: up to `INLINE_BLOCKS` blocks are hashed inline,
-  longer ones on the thread pool under the deadline.
+  longer ones on the thread pool under the deadline and the bound below.
 - Only the first --router-tokenize-max-tokens tokens are hashed; a text (or a rendered
   chat) is cut at `CHARS_PER_TOKEN` characters a token before tokenizing, and the tokens
   near a cut (`CUT_MARGIN` of them) are dropped, since the whole text's may differ there.
@@ -162,7 +162,7 @@ class PromptBlocks:
         self._failed: dict[tuple[str, str], float] = {}  # -> when it may be tried again
         self._cache: OrderedDict[bytes, Blocks] = OrderedDict()
         self._cache_bytes = 0
-        self._running = 0  # tokenizations started and not finished
+        self._running = 0  # tokenizations and hashings started and not finished
         self._renders = None  # a RenderPool, started with the first tokenizer that renders chats
         self._tasks: set[asyncio.Task] = set()
 
@@ -189,8 +189,9 @@ class PromptBlocks:
             ids = request.token_ids.ids
             if min(len(ids), max_tokens) // block_sizes[0] <= INLINE_BLOCKS:
                 return hash_prompt(ids, block_sizes, max_tokens, cut=False)
-            return await self._within_deadline(self._background(self._hash_ids(list(ids[:max_tokens]),
-                                                                                block_sizes)))
+            if self._busy():
+                return self._fallback("busy")
+            return await self._within_deadline(self._start(self._hash_ids(list(ids[:max_tokens]), block_sizes)))
         digests = Counter(w.report.tokenizer_digest for w in workers if w.report.tokenizer_digest)
         if not digests:
             return self._fallback("no_tokenizer")
@@ -206,10 +207,23 @@ class PromptBlocks:
         if cached is not None and all(bs in cached.hashes for bs in block_sizes):
             self._cache.move_to_end(key)
             return cached
-        if self._running >= QUEUED_PER_THREAD * self.config.router_tokenize_threads:
+        if self._busy():
             return self._fallback("busy")
-        return await self._within_deadline(self._background(self._tokenize(model, request, block_sizes, key,
-                                                                            digest)))
+        return await self._within_deadline(self._start(self._tokenize(model, request, block_sizes, key, digest)))
+
+    def _busy(self) -> bool:
+        return self._running >= QUEUED_PER_THREAD * self.config.router_tokenize_threads
+
+    def _start(self, coro) -> asyncio.Task:
+        """Tokenizing or hashing in the background, counted in `_running` from now (not from
+        when the task first runs: requests of one burst would all pass `_busy`) until it ends."""
+        self._running += 1
+        task = self._background(coro)
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, _task) -> None:
+        self._running -= 1
 
     async def _within_deadline(self, task: asyncio.Task) -> Blocks | None:
         try:
@@ -238,14 +252,10 @@ class PromptBlocks:
 
     async def _tokenize(self, model: _Model, request: pb.GenerateRequest, block_sizes: list[int], key: bytes,
                         digest: str) -> Blocks:
-        self._running += 1
-        try:
-            ids = await model.builder.prompt_token_ids(request, self.max_chars)
-            blocks = await asyncio.get_running_loop().run_in_executor(
-                self._pool, hash_prompt, ids, block_sizes, self.config.router_tokenize_max_tokens,
-                _may_be_cut(request, self.max_chars))
-        finally:
-            self._running -= 1
+        ids = await model.builder.prompt_token_ids(request, self.max_chars)
+        blocks = await asyncio.get_running_loop().run_in_executor(
+            self._pool, hash_prompt, ids, block_sizes, self.config.router_tokenize_max_tokens,
+            _may_be_cut(request, self.max_chars))
         blocks = Blocks(blocks.num_tokens, blocks.hashes, digest)
         self._remember(key, blocks)
         return blocks
