@@ -568,12 +568,12 @@ def test_long_token_id_prompts_are_bounded_like_texts():
         await release.wait()
 
     blocks._hash_ids = hash_ids
-    ids = list(range((prompt_blocks.INLINE_BLOCKS + 1) * BS))
+    request = pb.GenerateRequest(model="m", token_ids=pb.TokenIds(ids=range((prompt_blocks.INLINE_BLOCKS + 1) * BS)))
 
     async def main():
         try:
-            got = await asyncio.gather(*(blocks.keys(pb.GenerateRequest(model="m", token_ids=pb.TokenIds(ids=ids)),
-                                                     [record("a")]) for _ in range(3 * prompt_blocks.QUEUED_PER_THREAD)))
+            got = await asyncio.gather(*(blocks.keys(request, [record("a")])
+                                         for _ in range(3 * prompt_blocks.QUEUED_PER_THREAD)))
             release.set()
             return got
         finally:
