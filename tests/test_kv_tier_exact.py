@@ -234,11 +234,15 @@ def test_a_hybrid_model_has_the_tier_off_and_says_why(tmp_path):
 @pytest.mark.parametrize("flags,says", [
     (["--kv-disk-size", "1000"], "--kv-disk-size must be at least 1 MiB, not 1000"),
     (["--kv-disk-read-threads", "0"], "--kv-disk-read-threads must be in [1, 64], not 0"),
+    (["--kv-disk-dir", "{tmp}/a-file"], "--kv-disk-dir must be a directory, but {tmp}/a-file is a file"),
+    (["--kv-disk-dir", "{tmp}/a-file/kv"], "--kv-disk-dir must be a directory, but {tmp}/a-file is a file"),
 ])
 def test_disk_flags_are_checked_before_the_model_loads(tmp_path, flags, says):
     import subprocess
     import sys
 
+    (tmp_path / "a-file").write_text("")
+    flags, says = [f.format(tmp=tmp_path) for f in flags], says.format(tmp=tmp_path)
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "worker", "serve", "--model", str(tmp_path / "none"),
                            "--kv-disk-dir", str(tmp_path / "kv"), *flags], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 78, proc.stderr  # permanent: a launcher does not start it again as it is

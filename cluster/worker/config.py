@@ -4,6 +4,7 @@ resolved before use. Each field's help text is its `orchard` flag's (cluster/con
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from cluster.api.wire import RequestLimits
 from cluster.config import ByteSize, setting
@@ -130,6 +131,8 @@ class EngineConfig:
         problems = []
         if not self.kv_disk_dir.strip():
             problems.append("--kv-disk-dir must name a directory, not ''")
+        elif (file := _file_on_the_way(Path(self.kv_disk_dir).expanduser())) is not None:
+            problems.append(f"--kv-disk-dir must be a directory, but {file} is a file: {self.kv_disk_dir}")
         if self.kv_disk_size < (1 << 20):
             problems.append(f"--kv-disk-size must be at least 1 MiB, not {self.kv_disk_size}")
         if not 1 <= self.kv_disk_read_threads <= 64:
@@ -204,3 +207,13 @@ class WorkerOptions:
     chat_templates: ChatTemplateLimits = setting(default_factory=ChatTemplateLimits, group="chat templates")
     security: SecurityConfig = setting(default_factory=SecurityConfig, group="security")
     group: GroupOptions = setting(default_factory=GroupOptions, group="worker group (one model over several Macs)")
+
+
+def _file_on_the_way(path: Path) -> Path | None:
+    """The nearest existing one of `path` and its parents, where it is no directory (a
+    typo'd --kv-disk-dir: the tier could never open; an unwritable directory is a fault the
+    tier survives, warned, not a mistake in the flags)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None
