@@ -581,3 +581,38 @@ def test_long_token_id_prompts_are_bounded_like_texts():
 
     assert run(main()) == [None] * (3 * prompt_blocks.QUEUED_PER_THREAD)
     assert len(started) == prompt_blocks.QUEUED_PER_THREAD
+
+
+def test_a_worker_removed_while_the_prompt_is_hashed_is_not_chosen():
+    """The pool is taken again after the wait for the prompt's hashes: a worker removed
+    during it (here the least loaded one) was still chosen, its attempt sure to fail."""
+    from cluster.router.metrics import RouterMetrics
+    from cluster.router.proxy import RouterBackend
+    from cluster.router.registry import Registry
+
+    class Stop(Exception):
+        pass
+
+    class Spy(KvAware):
+        def choose(self, candidates, keys):
+            self.chosen = super().choose(candidates, keys).worker_id
+            raise Stop
+
+    class RemovingBlocks:
+        async def keys(self, request, workers):
+            registry.remove("a")
+            return None
+
+    registry = Registry(connect=False)
+    registry.register("a", "a:1", "", pb.LoadReport(worker_id="a", model="m", block_size=BS))
+    registry.register("b", "b:1", "", pb.LoadReport(worker_id="b", model="m", block_size=BS, num_running=5))
+    policy = Spy()
+    backend = RouterBackend(registry, policy, RouterMetrics(registry), prompt_blocks=RemovingBlocks())
+
+    async def main():
+        with pytest.raises(Stop):
+            async for _ in backend.generate(pb.GenerateRequest(model="m", text="hello")):
+                pass
+
+    run(main())
+    assert policy.chosen == "b"

@@ -403,6 +403,8 @@ class RouterBackend:
             if hash_blocks:
                 hash_blocks = False
                 keys.blocks = await self.prompt_blocks.keys(request, pool)
+                # the pool again: a worker may have been removed, or turned unhealthy, while it hashed
+                pool = await self._next_pool(tries, request.model, attempt, features=features, retry=False)
             worker = self.policy.choose(pool, keys)  # settled by the attempt, whatever happens to it
             epoch, breaker = worker.epoch, worker.breaker  # this process's (a restart gets new ones)
             breaker.on_start()
