@@ -238,6 +238,37 @@ def test_the_router_holds_a_bounded_number_of_tokenizers(monkeypatch, tmp_path):
     assert sorted(blocks._models) == [("m1", "d1"), ("m2", "d2")]
 
 
+def test_a_reported_tokenizer_loads_before_the_first_request(monkeypatch, tmp_path):
+    """A worker that joins names its tokenizer: the router loads it then, once, so the first
+    requests after a (re)start are placed by their blocks, not by the empty approximate map."""
+    from cluster.router import prompt_blocks
+
+    monkeypatch.setattr(prompt_blocks, "load_tokenizer", lambda *a: _Model(None, chats=True))
+    blocks = PromptBlocks(KvRoutingConfig(tokenizer_cache=str(tmp_path)))
+    fetched = []
+
+    async def files(digest, workers):
+        fetched.append((digest, [w.worker_id for w in workers]))
+        return tmp_path
+
+    blocks._files = files
+    blocks._start_renders = lambda: None
+    workers = [record("w0", "d0"), record("w1", "d0"), record("w2")]
+
+    async def main():
+        try:
+            blocks.prepare(workers)
+            await _until_loaded(blocks)
+            blocks.prepare(workers)  # loaded already: not again
+            await asyncio.sleep(0)
+        finally:
+            await blocks.close()
+
+    run(main())
+    assert list(blocks._models) == [("m", "d0")]
+    assert fetched == [("d0", ["w0", "w1"])]
+
+
 def test_tokenizer_files_are_checked_before_use(tmp_path):
     good = pb.TokenizerFiles(files=[pb.TokenizerFile(name=PROMPT_FILE, data=b"{}"),
                                     pb.TokenizerFile(name="tokenizer.json", data=b"{}")])

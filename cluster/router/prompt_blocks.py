@@ -165,6 +165,7 @@ class PromptBlocks:
         self._running = 0  # tokenizations and hashings started and not finished
         self._renders = None  # a RenderPool, started with the first tokenizer that renders chats
         self._tasks: set[asyncio.Task] = set()
+        self._prepared: set[tuple[str, str]] = set()  # (model, digest) fetched as a worker reported it
 
     @property
     def max_chars(self) -> int:
@@ -271,6 +272,20 @@ class PromptBlocks:
             self._cache_bytes -= _entry_bytes(dropped)
 
     # -- tokenizers -----------------------------------------------------------------------
+    def prepare(self, workers) -> None:
+        """Start loading each reported tokenizer (model, digest) once, as its first worker
+        reports it, not at its first request: after a restart the approximate map is empty,
+        so requests placed while the tokenizer loads land anywhere, away from their disk
+        blocks. Once only: a tokenizer the LRU dropped loads again at its next request."""
+        found: dict[tuple[str, str], list] = {}
+        for w in workers:
+            if w.report.tokenizer_digest:
+                found.setdefault((w.model, w.report.tokenizer_digest), []).append(w)
+        for (model, digest), reporting in found.items():
+            if (model, digest) not in self._prepared:
+                self._prepared.add((model, digest))
+                self._model(model, digest, reporting)
+
     def _model(self, model: str, digest: str, workers) -> _Model | None:
         """The tokenizer with `digest`, or None while it is fetched (the fetch starts here)."""
         key = (model, digest)

@@ -147,9 +147,12 @@ class RouterServer:
 
     async def _follow_serving(self) -> None:
         """gRPC health says SERVING while some worker can take a request, NOT_SERVING
-        while none can (none registered, all unhealthy or draining)."""
+        while none can (none registered, all unhealthy or draining). With kv_aware, a
+        model's tokenizer starts loading as its first worker joins."""
         serving = None
         while not self._stop.is_set():
+            if self.backend.prompt_blocks is not None:
+                self.backend.prompt_blocks.prepare(self.registry.snapshot())
             now = self.registry.can_serve
             if now != serving:
                 await self.endpoints.set_serving(now)
