@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import threading
+import types
 
 import pytest
 
@@ -451,3 +452,32 @@ def test_a_write_queue_smaller_than_a_block_writes_nothing_and_says_so(model_dir
     assert engine.kv_tier.counters()["blocks_written"] == 0
     assert run(engine, second, GREEDY)["cached"] == 80  # the memory cache serves as ever
     assert any("less than one KV block" in r.getMessage() for r in caplog.records)
+
+
+class _InlineThread:
+    """A thread whose target runs within `start()`: the tier's store opens before its
+    constructor returns (the fastest a restart's open can be)."""
+
+    def __init__(self, target, args=(), name=None, daemon=None):
+        self.target, self.args = target, args
+
+    def start(self):
+        self.target(*self.args)
+
+
+def test_the_journal_hears_the_disk_blocks_of_a_store_that_opens_at_once(model_dirs, tmp_path, monkeypatch):
+    """A restarted worker's disk blocks go to the KV journal (the routers' map) however soon
+    its store opens: the journal listens before the opening thread starts."""
+    from cluster.kv.events import DISK
+
+    path = model_dirs["llama"]
+    first, _, _ = prompts(17)
+    warm = run_on(engine_on(path, tmp_path), first)
+    stopped(warm)
+    on_disk = set(warm.kv_tier.store._index)
+    assert on_disk
+    monkeypatch.setattr(kv_tier, "threading", types.SimpleNamespace(
+        Thread=_InlineThread, Lock=threading.Lock, Event=threading.Event))
+    restarted = engine_on(path, tmp_path)
+    assert restarted.kv_tier.store.mode == "ok"
+    assert restarted.kv_journal.held(DISK) == on_disk

@@ -125,11 +125,13 @@ class KvTier:
     `save_blocks` after each step, `info()` for load reports, `flush` / `close` at stop."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, runner, identity: dict | None,
-                 weights: Callable[[], str] | None = None, reason: str = "", shared: KvTier | None = None):
+                 weights: Callable[[], str] | None = None, reason: str = "", shared: KvTier | None = None,
+                 disk_listener=None):
         """`identity`: the model's facts but its weights' digest, which `weights()` computes
         on a thread of its own (None with `reason`: the tier stays off). `shared`: another
         engine's tier in this process whose store this one uses (a worker group's
-        pipelined virtual engines: one store a process)."""
+        pipelined virtual engines: one store a process). `disk_listener`: hears the DISK
+        tier's events (the KV journal), from before the store opens: its index's first."""
         self.config = config
         self.bm = block_manager
         self.runner = runner
@@ -137,7 +139,7 @@ class KvTier:
         self.reason = reason or "hashing weights"
         self.store = self.writer = self.reader = None
         self.stats = shared.stats if shared is not None else KvTierStats()  # (one engine thread steps both)
-        self.disk_listeners = ListenerChain()  # the DISK tier's events (the journal adds itself)
+        self.disk_listeners = ListenerChain(disk_listener)  # the DISK tier's events
         # a worker group's other ranks (group/kv.py): `save(blocks)`, `read(entries, reader,
         # out, done) -> ticket`, `apply(ticket, rows)`: they do what this tier does, in step
         self.peers = None
@@ -471,6 +473,5 @@ def disk_tier(config: EngineConfig, block_manager: BlockManager, runner, journal
 
         # on the tier's own thread (it reads every byte once; the sums are kept in the dir)
         weights = lambda: weights_digest(model_path, cache_dir=config.kv_disk_dir)  # noqa: E731
-    tier = KvTier(config, block_manager, runner, identity, weights)
-    tier.disk_listeners.add(journal.disk_listener())  # the disk tier's KV events
-    return tier
+    # the disk tier's KV events: the journal listens before the store opens (on another thread)
+    return KvTier(config, block_manager, runner, identity, weights, disk_listener=journal.disk_listener())
