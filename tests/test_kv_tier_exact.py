@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import types
 
 import pytest
@@ -481,3 +482,44 @@ def test_the_journal_hears_the_disk_blocks_of_a_store_that_opens_at_once(model_d
     restarted = engine_on(path, tmp_path)
     assert restarted.kv_tier.store.mode == "ok"
     assert restarted.kv_journal.held(DISK) == on_disk
+
+
+def test_a_failed_install_leaves_no_unwritten_block_cached_and_no_read_held(model_dirs, tmp_path):
+    """A step that fails writing a read's rows into the pool: the blocks it had installed
+    are taken out of the cache (their rows were never written: a later prompt recomputes
+    them instead of taking them as hits), and the other reads done are installed later,
+    not held for ever."""
+    path = model_dirs["llama"]
+    a, b = prompts(21)[0], prompts(22)[0]
+    warm = engine_on(path, tmp_path)
+    want = run(warm, a, GREEDY, "a")
+    run(warm, b, GREEDY, "b")
+    stopped(warm)
+    engine = engine_on(path, tmp_path)
+    tier = engine.kv_tier
+    gate = hold_reads(engine)
+    engine.add_request("a", a, GREEDY)
+    engine.add_request("b", b, GREEDY)
+    engine.step()
+    assert tier.loads_in_flight == 2 and not engine.has_runnable()
+    gate.set()
+    deadline = time.monotonic() + 60
+    while len(tier._done) < 2 and time.monotonic() < deadline:
+        tier.wait(1.0)
+    assert len(tier._done) == 2, "the reads did not finish"
+    write = engine.runner.write_blocks
+
+    def fails(ids, arrays):
+        raise RuntimeError("out of memory")
+
+    engine.runner.write_blocks = fails
+    with pytest.raises(RuntimeError):
+        engine.step()
+    engine.runner.write_blocks = write
+    assert not engine.block_manager.cached, "blocks whose rows were never written are cached"
+    engine.abort_all()  # as the engine loop does after a failed step
+    engine.step()
+    assert tier.loads_in_flight == 0 and tier._staged_blocks == 0
+    engine.check_integrity()
+    got = run(engine, a, GREEDY, "again")
+    assert got["tokens"] == want["tokens"]

@@ -175,17 +175,30 @@ class BlockManager:
         bid, _ = self.free_queue.popitem(last=False)
         block = self.blocks[bid]
         if block.hash is not None:  # evict: its contents are about to be overwritten
-            copies = self.cached[block.hash]
-            del copies[bid]
-            if not copies:
-                del self.cached[block.hash]
-                if self.listener is not None:
-                    self.listener.removed([block.hash])
-            block.hash = None
-            block.token_ids = None
-            block.parent_hash = None
+            self._forget(block)
         block.ref_count = 1
         return bid
+
+    def _forget(self, block: Block) -> None:
+        """Take `block` out of the prefix cache (the listener hears of its hash's last copy)."""
+        copies = self.cached[block.hash]
+        del copies[block.block_id]
+        if not copies:
+            del self.cached[block.hash]
+            if self.listener is not None:
+                self.listener.removed([block.hash])
+        block.hash = None
+        block.token_ids = None
+        block.parent_hash = None
+
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Take free blocks `install_cached` put in the cache out again (their rows could not
+        be written: never a hit), each to the front of the free queue, reused first."""
+        for bid in block_ids:
+            block = self.blocks[bid]
+            if block.ref_count == 0 and block.hash is not None:
+                self._forget(block)
+                self.free_queue.move_to_end(bid, last=False)
 
     def free(self, seq: _Seq) -> None:
         """Release `seq`'s blocks. A block with no cached prefix goes to the front of the

@@ -308,10 +308,17 @@ class KvTier:
         with self._lock:
             done, self._done = self._done, []
             self._done_event.clear()
-        for load in done:
-            rows = self._complete(load)
-            if self.peers is not None:  # the other ranks install the same blocks (or drop their reads)
-                self.peers.apply(load.ticket, rows or [])
+        for i, load in enumerate(done):
+            rows = None
+            try:
+                rows = self._complete(load)
+            except BaseException:
+                with self._lock:  # (the step fails) the reads after it are installed at the next one
+                    self._done[:0] = done[i + 1 :]
+                raise
+            finally:  # the other ranks install the same blocks (or drop their reads)
+                if self.peers is not None:
+                    self.peers.apply(load.ticket, rows or [])
 
     def _complete(self, load: _Load) -> list[tuple[int, int]] | None:
         """Installs a finished read: its (index in the read, block id) rows installed."""
@@ -337,7 +344,11 @@ class KvTier:
                 arrays = [b[picked[0] : picked[-1] + 1] for b in load.buffers]
             else:
                 arrays = [b[picked] for b in load.buffers]
-            self.runner.write_blocks([bid for _, bid in rows], arrays)
+            try:
+                self.runner.write_blocks([bid for _, bid in rows], arrays)
+            except BaseException:
+                self.bm.uncache([bid for _, bid in rows])  # cached without their rows: never a hit
+                raise
         installed = len(ids)
         self.stats.hit_tokens += len(rows) * bs
         if seq.num_preemptions == 0:
