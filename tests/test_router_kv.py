@@ -647,3 +647,29 @@ def test_a_worker_removed_while_the_prompt_is_hashed_is_not_chosen():
 
     run(main())
     assert policy.chosen == "b"
+
+
+def test_tokenizers_are_fetched_a_bounded_number_at_once():
+    """Workers reporting many digests (each fetch holds up to a gRPC message): at most
+    MAX_FETCHES fetches run at once, and failures past their retry time are not kept."""
+    from cluster.router import prompt_blocks
+
+    blocks = PromptBlocks(KvRoutingConfig())
+    never = asyncio.Event()
+
+    async def fetch(model, digest, workers):
+        await never.wait()
+
+    blocks._fetch = fetch
+    blocks._failed = {("m", "old"): time.monotonic() - 1}
+
+    async def main():
+        try:
+            for i in range(3 * prompt_blocks.MAX_FETCHES):
+                assert blocks._model("m", f"{i:064x}", []) is None
+            return len(blocks._fetching)
+        finally:
+            await blocks.close()
+
+    assert run(main()) == prompt_blocks.MAX_FETCHES
+    assert blocks._failed == {}

@@ -25,8 +25,9 @@ Bounds, since this runs for every request on the router's event loop:
   tool choice, template variables) and the tokenizer, bounded in bytes by
   --router-tokenize-cache, so a resent prompt (a retry, a session's replay) costs a lookup.
 - No tokenizer yet (none reported, being fetched, or failed: tried again after
-  `FETCH_RETRY` seconds): the approximate map. At most `MAX_TOKENIZERS` are held (a
-  fleet's models), the least recently used dropped (loaded again from the cache directory).
+  `FETCH_RETRY` seconds; at most `MAX_FETCHES` fetched at once): the approximate map. At
+  most `MAX_TOKENIZERS` are held (a fleet's models), the least recently used dropped
+  (loaded again from the cache directory).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ FETCH_TIMEOUT = 60.0  # seconds for GetTokenizer (tens of MB on a busy worker)
 FETCH_RETRY = 30.0  # seconds before a failed fetch or load is tried again
 ENTRY_OVERHEAD = 200  # bytes a cache entry costs beside its hashes
 MAX_TOKENIZERS = 16  # loaded at once (a fleet's models), least recently used dropped first
+MAX_FETCHES = 4  # tokenizers fetched at once (each answer up to a gRPC message held in memory)
 DIGEST = re.compile(r"[0-9a-f]{64}")  # a sha256 hex digest (`files_digest`): the only name a cache directory has
 
 
@@ -293,8 +295,10 @@ class PromptBlocks:
         if found is not None:
             self._models.move_to_end(key)
             return found
-        if key in self._fetching or self._failed.get(key, 0.0) > time.monotonic():
+        now = time.monotonic()
+        if key in self._fetching or self._failed.get(key, 0.0) > now or len(self._fetching) >= MAX_FETCHES:
             return None
+        self._failed = {k: t for k, t in self._failed.items() if t > now}  # (a worker may report many digests)
         task = self._fetching[key] = self._background(self._fetch(model, digest, workers))
         task.add_done_callback(lambda _: self._fetching.pop(key, None))
         return None
