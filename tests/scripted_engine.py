@@ -58,7 +58,8 @@ class FakeEngine(EngineProtocol):
     def __init__(self, max_waiting: int | None = 3, step_seconds: float = 0.0):
         self.model_name = "fake"
         self.vocab_size = 500
-        self.config = SimpleNamespace(max_model_len=2048, max_num_seqs=4, block_size=16, finish_wait_ms=0.0)
+        self.config = SimpleNamespace(max_model_len=2048, max_num_seqs=4, block_size=16, finish_wait_ms=0.0,
+                                      kv_disk_dir=None, kv_disk_flush_timeout=10.0)
         self.tokenizer = SimpleNamespace(encode=lambda text: [ord(c) % 50 + 1 for c in text],
                                          decode=lambda ids: "".join(f"<{i}>" for i in ids))
         self.stats = EngineStats(num_blocks_total=8)
@@ -151,7 +152,8 @@ class ScriptedEngine(FakeEngine):
         self.tokenizer = load(Path(model_dir))
         self.model_name = Path(model_dir).name
         self.vocab_size = len(self.tokenizer.get_vocab())
-        self.config = SimpleNamespace(max_model_len=4096, max_num_seqs=8, block_size=16, finish_wait_ms=0.0)
+        self.config = SimpleNamespace(max_model_len=4096, max_num_seqs=8, block_size=16, finish_wait_ms=0.0,
+                                      kv_disk_dir=None, kv_disk_flush_timeout=10.0)
         self.stats = EngineStats(num_blocks_total=64)
         self.reply = reply
         self.prompts: list[str] = []  # every request's rendered prompt, in order
@@ -244,7 +246,7 @@ class ScriptedServer:
             self.port = sock.getsockname()[1]
             grpc_server = grpc.aio.server()
             pb_grpc.add_GenerationServicer_to_server(GenerationServicer(svc), grpc_server)
-            pb_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(SimpleNamespace(service=svc)), grpc_server)
+            pb_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(SimpleNamespace(service=svc, kv_journal=None)), grpc_server)
             health_servicer = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
             self.grpc_address = f"127.0.0.1:{grpc_server.add_insecure_port('127.0.0.1:0')}"

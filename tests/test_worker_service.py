@@ -472,3 +472,21 @@ def test_every_engine_implements_the_engine_protocol():
         inherited = [name for name in methods if getattr(cls, name) is getattr(EngineProtocol, name)]
         assert not inherited, f"{cls.__name__} does not define {inherited}"
     assert isinstance(FakeEngine(), EngineProtocol)
+
+
+def test_a_stop_waits_for_the_disk_tiers_flush_beside_the_engine_thread(monkeypatch):
+    """A graceful stop gives the engine thread its usual time plus --kv-disk-flush-timeout:
+    a shorter wait would cut the disk tier's queued writes off."""
+    waits = []
+    real = EngineLoop.stop
+    monkeypatch.setattr(EngineLoop, "stop", lambda self, timeout=30.0: (waits.append(timeout), real(self, timeout)))
+    engine = FakeEngine()
+    engine.config.kv_disk_dir, engine.config.kv_disk_flush_timeout = "/nonexistent", 120.0
+
+    async def fn(svc, engine):
+        return None
+
+    run_with_service(fn, engine)
+    from cluster.worker.service import ENGINE_STOP_SECONDS
+
+    assert waits == [ENGINE_STOP_SECONDS + 120.0]

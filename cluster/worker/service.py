@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 RESIDENT_READ_SECONDS = 1.0  # the least time between two reads of the process's memory (load_report)
 
 
+# How long a stopping worker waits for its engine thread's last step and close.
+ENGINE_STOP_SECONDS = 30.0
+
 class WorkerService:
     """`start()` loads the engine on its own thread (`engine_factory` runs there) and
     takes the engine's read-only facts; `stop()` stops the engine thread. With
@@ -129,8 +132,10 @@ class WorkerService:
 
     async def stop(self) -> None:
         """Stop the engine thread (live requests end as aborted; the engine closes, its disk
-        tier's queued writes landing first), the tokenizer pool and the render processes."""
-        await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop)
+        tier's queued writes landing first, for up to --kv-disk-flush-timeout more), the
+        tokenizer pool and the render processes."""
+        timeout = ENGINE_STOP_SECONDS + (self.config.kv_disk_flush_timeout if self.config.kv_disk_dir else 0.0)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, timeout)
         if self.renders is not None:
             await self.renders.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
