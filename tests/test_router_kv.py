@@ -199,6 +199,32 @@ def test_past_the_deadline_the_approximate_map_places_it_and_the_result_fills_th
     assert policy.choose([a, b], PromptKeys(keys)).worker_id == baseline.choose([a, b], keys).worker_id == "b"
 
 
+def test_a_long_prompt_waits_for_its_hashes_a_share_of_its_prefill():
+    """A prompt whose prefill costs minutes is worth a longer wait for its hashes than the
+    configured timeout: placed by the approximate map, it may go to a worker without its
+    blocks. Its wait scales with its size over the workers' reported prefill rate."""
+    from cluster.router.prompt_blocks import DEADLINE_SHARE
+
+    blocks = PromptBlocks(KvRoutingConfig(router_tokenize_timeout=0.01, kv_prefill_tps=1000))
+    ids = list(range(8 * BS))
+    slow = SlowBuilder(ids, delay=0.3)
+    blocks._models[("m", "d1")] = _Model(slow, chats=True)
+    slow_worker = [record("a", "d1", prefill_tokens_per_second=200.0)]
+    long_text = pb.GenerateRequest(model="m", text="x" * 4 * 20_000)  # ~20k tokens: 100 s to prefill there
+    assert blocks._deadline(20_000, slow_worker) == pytest.approx(DEADLINE_SHARE * 20_000 / 200.0)
+    assert blocks._deadline(100, slow_worker) == 0.01  # a short prompt: the configured timeout
+    assert blocks._deadline(20_000, [record("b", "d1")]) == pytest.approx(DEADLINE_SHARE * 20_000 / 1000)
+
+    async def main():
+        try:
+            return await blocks.keys(long_text, slow_worker)
+        finally:
+            await blocks.close()
+
+    got = run(main())
+    assert got is not None and got.hashes[BS] == block_hashes(ids[:-1], BS)
+
+
 def test_no_tokenizer_reported_or_a_chat_the_router_cannot_render_falls_back():
     blocks = PromptBlocks(KvRoutingConfig())
     blocks._models[("m", "d1")] = _Model(SlowBuilder([1] * 64, 0), chats=False)

@@ -19,8 +19,11 @@ Bounds, since this runs for every request on the router's event loop:
 - Tokenizing runs on --router-tokenize-threads threads (renders in as many processes),
   at most `QUEUED_PER_THREAD` requests a thread at once (more: placed by the approximate
   map at once, reason "busy"), and a request waits for its hashes at most
-  --router-tokenize-timeout; past it the request is placed by the approximate map
-  (`prefix_index.prompt_keys`) while the work goes on and fills the cache.
+  --router-tokenize-timeout, or for a long prompt `DEADLINE_SHARE` of what prefilling it
+  would cost (its size over the workers' reported prefill rate): a long prompt sent to
+  the wrong worker costs far more than waiting for its hashes. Past that the request is
+  placed by the approximate map (`prefix_index.prompt_keys`) while the work goes on and
+  fills the cache.
 - The cache: an LRU over a digest of the request's prompt part (kind, prompt, tools,
   tool choice, template variables) and the tokenizer, bounded in bytes by
   --router-tokenize-cache, so a resent prompt (a retry, a session's replay) costs a lookup.
@@ -64,6 +67,7 @@ FETCH_RETRY = 30.0  # seconds before a failed fetch or load is tried again
 ENTRY_OVERHEAD = 200  # bytes a cache entry costs beside its hashes
 MAX_TOKENIZERS = 16  # loaded at once (a fleet's models), least recently used dropped first
 MAX_FETCHES = 4  # tokenizers fetched at once (each answer up to a gRPC message held in memory)
+DEADLINE_SHARE = 0.02  # of a long prompt's prefill time, the most its placement waits for its hashes
 DIGEST = re.compile(r"[0-9a-f]{64}")  # a sha256 hex digest (`files_digest`): the only name a cache directory has
 
 
@@ -132,6 +136,13 @@ def hash_prompt(ids, block_sizes, max_tokens: int, cut: bool) -> Blocks:
     return Blocks(len(ids), {bs: block_hashes(servable, bs) for bs in block_sizes})
 
 
+def prompt_chars(request: pb.GenerateRequest) -> int:
+    """A text or chat request's prompt characters (its messages' contents), roughly."""
+    if request.WhichOneof("prompt") == "chat":
+        return sum(len(m.content) + len(m.reasoning) for m in request.chat.messages)
+    return len(request.text)
+
+
 def prompt_digest(request: pb.GenerateRequest, digest: str, max_chars: int) -> bytes:
     """The cache's key: what of a request makes its prompt's tokens, and the tokenizer."""
     h = hashlib.blake2b(digest_size=16)
@@ -194,7 +205,8 @@ class PromptBlocks:
                 return hash_prompt(ids, block_sizes, max_tokens, cut=False)
             if self._busy():
                 return self._fallback("busy")
-            return await self._within_deadline(self._start(self._hash_ids(list(ids[:max_tokens]), block_sizes)))
+            return await self._within_deadline(self._start(self._hash_ids(list(ids[:max_tokens]), block_sizes)),
+                                               self._deadline(min(len(ids), max_tokens), workers))
         digests = Counter(w.report.tokenizer_digest for w in workers if w.report.tokenizer_digest)
         if not digests:
             return self._fallback("no_tokenizer")
@@ -212,7 +224,9 @@ class PromptBlocks:
             return cached
         if self._busy():
             return self._fallback("busy")
-        return await self._within_deadline(self._start(self._tokenize(model, request, block_sizes, key, digest)))
+        return await self._within_deadline(self._start(self._tokenize(model, request, block_sizes, key, digest)),
+                                           self._deadline(min(prompt_chars(request) // CHARS_PER_TOKEN, max_tokens),
+                                                          workers))
 
     def _busy(self) -> bool:
         return self._running >= QUEUED_PER_THREAD * self.config.router_tokenize_threads
@@ -228,9 +242,17 @@ class PromptBlocks:
     def _ended(self, _task) -> None:
         self._running -= 1
 
-    async def _within_deadline(self, task: asyncio.Task) -> Blocks | None:
+    def _deadline(self, tokens: int, workers) -> float:
+        """How long a prompt of about `tokens` tokens may wait for its hashes: the
+        configured timeout, or `DEADLINE_SHARE` of its prefill at the workers' mean reported
+        rate (--kv-prefill-tps until they report one), whichever is longer."""
+        rates = [w.report.prefill_tokens_per_second for w in workers if w.report.prefill_tokens_per_second > 0]
+        rate = sum(rates) / len(rates) if rates else self.config.kv_prefill_tps
+        return max(self.config.router_tokenize_timeout, DEADLINE_SHARE * tokens / rate)
+
+    async def _within_deadline(self, task: asyncio.Task, timeout: float) -> Blocks | None:
         try:
-            return await asyncio.wait_for(asyncio.shield(task), self.config.router_tokenize_timeout)
+            return await asyncio.wait_for(asyncio.shield(task), timeout)
         except asyncio.TimeoutError:
             return self._fallback("timeout")
         except Exception as e:  # the worker says what is wrong with the request, if anything
