@@ -246,7 +246,8 @@ class ScriptedServer:
             self.port = sock.getsockname()[1]
             grpc_server = grpc.aio.server()
             pb_grpc.add_GenerationServicer_to_server(GenerationServicer(svc), grpc_server)
-            pb_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(SimpleNamespace(service=svc, kv_journal=None)), grpc_server)
+            admin = WorkerAdminServicer(SimpleNamespace(service=svc, kv_journal=None))
+            pb_grpc.add_WorkerAdminServicer_to_server(admin, grpc_server)
             health_servicer = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
             self.grpc_address = f"127.0.0.1:{grpc_server.add_insecure_port('127.0.0.1:0')}"

@@ -68,7 +68,8 @@ class _KvMapMetrics:
         resyncs = CounterMetricFamily("orchard_router_kv_resyncs_total",
                                       "Snapshots of a worker's KV blocks the router took instead of its events: "
                                       "reason=gap (an event missing), epoch (the worker restarted), no_state "
-                                      "(the router knew nothing of it)", labels=["reason"])
+                                      "(the router knew nothing of it), invalid (a batch refused: malformed or over "
+                                      "the limits)", labels=["reason"])
         for reason, n in list(kv.resyncs.items()):
             resyncs.add_metric([reason], n)
         yield resyncs
