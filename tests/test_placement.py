@@ -322,3 +322,10 @@ def test_reregistration_at_a_new_address_or_id():
     assert reg.workers["w1"].address == "a:2"
     reg.register("w9", "a:2", "", report("w9"))  # restarted with a new id at the same address
     assert list(reg.workers) == ["w9"]
+
+
+def test_the_configs_policy_names_are_the_policies():
+    from cluster.router.config import POLICY_NAMES
+    from cluster.router.policy import POLICIES
+
+    assert sorted(POLICY_NAMES) == sorted(POLICIES)

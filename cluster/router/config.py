@@ -13,10 +13,13 @@ from cluster.fleet.config import FleetConfig
 from cluster.security import SecurityConfig
 
 
-def policy_names() -> list[str]:
-    from cluster.router.policy import POLICIES
+# The placement policies (router/policy.py's POLICIES; tests/test_placement.py checks they
+# agree): named here so that a config names them without importing the policies.
+POLICY_NAMES = ("kv_aware", "least_loaded", "prefix_aware", "round_robin")
 
-    return sorted(POLICIES)
+
+def policy_names() -> list[str]:
+    return list(POLICY_NAMES)
 
 
 @dataclass(frozen=True)
