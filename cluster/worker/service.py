@@ -84,6 +84,7 @@ class WorkerService:
         self.renders: RenderPool | None = None  # set by start for a model with a Jinja chat template
         self.prompts: PromptBuilder | None = None  # the model's prompts (set by start)
         self.pooler = None  # the model's pooling (set by start)
+        self.config = None  # the engine's (set by start)
         self.pooling: EmbedScoreRequests | None = None  # its embed and score requests (set by start, for a pooler)
         self.group_stats = None  # a worker group's (set by start)
         self.group = None  # a worker group's rank 0 view (`GroupState`, set by start)
@@ -134,7 +135,8 @@ class WorkerService:
         """Stop the engine thread (live requests end as aborted; the engine closes, its disk
         tier's queued writes landing first, for up to --kv-disk-flush-timeout more), the
         tokenizer pool and the render processes."""
-        timeout = ENGINE_STOP_SECONDS + (self.config.kv_disk_flush_timeout if self.config.kv_disk_dir else 0.0)
+        disk = self.config is not None and self.config.kv_disk_dir
+        timeout = ENGINE_STOP_SECONDS + (self.config.kv_disk_flush_timeout if disk else 0.0)
         await asyncio.get_running_loop().run_in_executor(None, self.engine_loop.stop, timeout)
         if self.renders is not None:
             await self.renders.close()
