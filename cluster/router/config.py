@@ -22,6 +22,17 @@ def policy_names() -> list[str]:
     return list(POLICY_NAMES)
 
 
+
+def assumed_rates(workers, prefill_tps: float, read_tps: float) -> tuple[float, float]:
+    """The prefill and disk-read rates (tokens a second) to assume for a worker that has
+    measured none yet: the mean of those `workers` (records with a `report`) measured, else
+    `prefill_tps` / `read_tps` (the flags'). The flags' alone would make a worker that never
+    prefilled look faster or slower than the others for good: never chosen, it would never
+    measure its own."""
+    prefill = [w.report.prefill_tokens_per_second for w in workers if w.report.prefill_tokens_per_second > 0]
+    read = [w.report.kv_disk.read_tokens_per_second for w in workers if w.report.kv_disk.read_tokens_per_second > 0]
+    return (sum(prefill) / len(prefill) if prefill else prefill_tps, sum(read) / len(read) if read else read_tps)
+
 @dataclass(frozen=True)
 class KvRoutingConfig:
     """How the router hashes prompts into the workers' KV block names and what it assumes

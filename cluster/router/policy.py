@@ -74,7 +74,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cluster.router.config import KvRoutingConfig
+from cluster.router.config import KvRoutingConfig, assumed_rates
 from cluster.router.prefix_index import PrefixIndex
 from cluster.router.prompt_blocks import Blocks
 
@@ -236,7 +236,7 @@ class KvAware(PrefixAware):
             return super().choose(candidates, keys)
         least = _least_loaded(candidates, next(self._tick))
         eligible = [w for w in candidates if w is least or not self.imbalanced(w, least)]
-        rates = self._rates(candidates)
+        rates = assumed_rates(candidates, self.prefill_tps, self.read_tps)
         costs = {w.worker_id: self._cost(w, blocks, rates) for w in eligible}
         if any(memory or disk for _, memory, disk, _ in costs.values()):
             chosen = min(eligible, key=lambda w: (costs[w.worker_id][0], -costs[w.worker_id][1] - costs[w.worker_id][2],
@@ -258,17 +258,6 @@ class KvAware(PrefixAware):
         total[0] += pending[0]
         total[1] += pending[1]
         return chosen
-
-    def _rates(self, candidates) -> tuple[float, float]:
-        """The prefill and disk-read rates of a worker that has measured none yet: the mean of
-        those the candidates measured, else the flags'. (The flags' alone would make a worker
-        that never prefilled look faster or slower than the others for good: never chosen,
-        it would never measure its own.)"""
-        prefill = [w.report.prefill_tokens_per_second for w in candidates if w.report.prefill_tokens_per_second > 0]
-        read = [w.report.kv_disk.read_tokens_per_second for w in candidates
-                if w.report.kv_disk.read_tokens_per_second > 0]
-        return (sum(prefill) / len(prefill) if prefill else self.prefill_tps,
-                sum(read) / len(read) if read else self.read_tps)
 
     def _cost(self, w, blocks: Blocks, rates: tuple[float, float]) -> tuple[float, int, int, list[bytes]]:
         """(t(w), tokens held in memory, tokens on disk, the hashes of w's block size)."""

@@ -51,7 +51,7 @@ from cluster.api.tokenizer_files import (PROMPT_FILE, TokenizerFilesError, check
                                          write_files)
 from cluster.kv.hashing import HASH_BYTES, block_hashes
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
-from cluster.router.config import KvRoutingConfig
+from cluster.router.config import KvRoutingConfig, assumed_rates
 
 if TYPE_CHECKING:
     from cluster.router.metrics import RouterMetrics
@@ -244,10 +244,9 @@ class PromptBlocks:
 
     def _deadline(self, tokens: int, workers) -> float:
         """How long a prompt of about `tokens` tokens may wait for its hashes: the
-        configured timeout, or `DEADLINE_SHARE` of its prefill at the workers' mean reported
-        rate (--kv-prefill-tps until they report one), whichever is longer."""
-        rates = [w.report.prefill_tokens_per_second for w in workers if w.report.prefill_tokens_per_second > 0]
-        rate = sum(rates) / len(rates) if rates else self.config.kv_prefill_tps
+        configured timeout, or `DEADLINE_SHARE` of its prefill at the rate the placement
+        assumes (`assumed_rates`), whichever is longer."""
+        rate, _ = assumed_rates(workers, self.config.kv_prefill_tps, self.config.kv_read_tps)
         return max(self.config.router_tokenize_timeout, DEADLINE_SHARE * tokens / rate)
 
     async def _within_deadline(self, task: asyncio.Task, timeout: float) -> Blocks | None:
