@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import statistics
 import sys
@@ -170,6 +171,26 @@ def pool_blocks(shape: TraceShape, fraction: float, concurrency: int) -> int:
     return max(math.ceil(held / BLOCK_SIZE), floor)
 
 
+
+def bench_cluster(model: Path, name: str, worker_args: list[str], kv_disk: tuple[str, int] | None,
+                  **options) -> LocalCluster:
+    """A router and workers (one by default) on free loopback ports, no HTTP, their logs in a
+    fresh directory; `kv_disk`: (DIR, bytes) of each worker's disk tier, or None."""
+    options.setdefault("metrics_address", f"127.0.0.1:{free_port()}")
+    return LocalCluster(model, grpc_address=f"127.0.0.1:{free_port()}", http_address=None, worker_port_base=0,
+                        worker_metrics_port_base=0, log_dir=tempfile.mkdtemp(prefix=f"orchard-bench-kv-{name}-"),
+                        worker_args=worker_args, kv_disk=kv_disk, **options)
+
+
+def pool_args(shape: TraceShape, blocks: int) -> list[str]:
+    """A worker's flags for the trace: a KV pool of `blocks`, room for its longest context."""
+    return ["--num-kv-blocks", str(blocks), "--max-model-len", str(shape.final_context + 512)]
+
+
+def fresh_disk(args) -> tuple[str, int]:
+    """A disk tier in a new directory, of --disk-bytes."""
+    return tempfile.mkdtemp(prefix="orchard-bench-kv-disk-"), args.disk_bytes
+
 def wait_tokenizer(router: str, metrics: str, timeout: float = 180) -> None:
     """Chats through the router until one is placed by its block hashes: the router has
     fetched and loaded the model's tokenizer (the first requests of a model are placed by
@@ -190,14 +211,9 @@ def run_routing(policy: str, model: Path, trace, shape: TraceShape, args) -> dic
     router's KV placement metrics."""
     blocks = pool_blocks(shape, args.kv_fraction, args.concurrency)
     metrics = f"127.0.0.1:{free_port()}"
-    c = LocalCluster(model, workers=args.workers, policy=policy, grpc_address=f"127.0.0.1:{free_port()}",
-                     http_address=None, metrics_address=metrics, worker_port_base=0, worker_metrics_port_base=0,
-                     log_dir=tempfile.mkdtemp(prefix=f"orchard-bench-kv-{policy}-"),
-                     worker_args=["--num-kv-blocks", str(blocks), "--max-model-len",
-                                  str(shape.final_context + 512)],
-                     router_args=["--router-tokenize-timeout", str(args.tokenize_timeout)],
-                     kv_disk=(tempfile.mkdtemp(prefix="orchard-bench-kv-disk-"), args.disk_bytes) if args.disk
-                     else None)
+    c = bench_cluster(model, policy, pool_args(shape, blocks), fresh_disk(args) if args.disk else None,
+                      workers=args.workers, policy=policy, metrics_address=metrics,
+                      router_args=["--router-tokenize-timeout", str(args.tokenize_timeout)])
     with c:
         # one turn each, straight to the workers: compiled and warm, nothing learnt by the router
         warm = [[[{"role": "user", "content": "warm up"}]]]
@@ -257,11 +273,7 @@ def run_one_worker(model: Path, trace, shape: TraceShape, args, disk: bool) -> d
     final contexts, with a fresh disk tier or none: the revisited turns' summary and the
     worker's KV metrics over the trace."""
     blocks = pool_blocks(shape, args.kv_fraction, args.concurrency)
-    c = LocalCluster(model, workers=1, grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
-                     metrics_address=f"127.0.0.1:{free_port()}", worker_port_base=0, worker_metrics_port_base=0,
-                     log_dir=tempfile.mkdtemp(prefix="orchard-bench-kv-tier-"),
-                     worker_args=["--num-kv-blocks", str(blocks), "--max-model-len", str(shape.final_context + 512)],
-                     kv_disk=(tempfile.mkdtemp(prefix="orchard-bench-kv-disk-"), args.disk_bytes) if disk else None)
+    c = bench_cluster(model, "tier", pool_args(shape, blocks), fresh_disk(args) if disk else None)
     with c:
         worker, metrics = c.worker_addresses[0], c.worker_metrics[0]
         asyncio.run(run_trace_async(worker, [[[{"role": "user", "content": "warm up"}]]], 1, 2))
@@ -323,15 +335,13 @@ def restart_ttft(model: Path, tokens: int, rounds: int, disk_bytes: int) -> dict
     """TTFT of one `tokens`-token prompt on a freshly started worker, `rounds` times each: with a
     disk tier that served the prompt before the worker's last (graceful) stop, and with none
     (computed). Each start is warmed up by a short prompt first, so both time the prompt alone."""
-    prompt = [100 + (i * 7919) % 30000 for i in range(tokens)]
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    prompt = [100 + (i * 7919) % (vocab - 100) for i in range(tokens)]
     disk_dir = tempfile.mkdtemp(prefix="orchard-bench-kv-restart-")
     out: dict[str, list[float]] = {"computed": [], "from disk": []}
 
     def one(kv_disk, key: str | None) -> None:
-        c = LocalCluster(model, workers=1, grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
-                         metrics_address=f"127.0.0.1:{free_port()}", worker_port_base=0, worker_metrics_port_base=0,
-                         log_dir=tempfile.mkdtemp(prefix="orchard-bench-kv-restart-log-"),
-                         worker_args=["--max-model-len", str(tokens + 512)], kv_disk=kv_disk)
+        c = bench_cluster(model, "restart", ["--max-model-len", str(tokens + 512)], kv_disk)
         with c:
             worker = c.worker_addresses[0]
             if kv_disk:
