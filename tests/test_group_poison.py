@@ -283,6 +283,7 @@ def test_a_poison_request_takes_down_a_tensor_group_twice_and_no_more(models, tm
     from group_driver import POISON_RUN
 
     from cluster.api.errors import InternalError
+    from cluster.sdk import Client
     from cluster.up import LocalCluster, free_port
 
     model = models("llama", layers=2)
@@ -308,7 +309,13 @@ def test_a_poison_request_takes_down_a_tensor_group_twice_and_no_more(models, tm
             assert all(len(t) == max_tokens for t in got)
             assert len(poison) == 1 and isinstance(poison[0], InternalError), poison
             assert "took down 2 workers" in str(poison[0])
+            deadline = time.monotonic() + 120  # the streams may end before the second take-down's restart
+            while cluster.group_restarts < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
             assert cluster.group_restarts == 2
+            cluster.wait_ready(120)
+            with Client(cluster.router_address, timeout=120) as client:  # the group is back and serves on
+                assert len(client.generate([5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True).token_ids) == 4
         finally:
             stop.set()
             watcher.join(10)
