@@ -36,14 +36,15 @@ INFERENCE, ADMIN, FLEET, OPEN = "inference", "admin", "fleet", "open"
 # What each RPC needs. Anything else of the Router and WorkerAdmin services is admin, so
 # an RPC added later is closed until it is listed here.
 METHOD_ROLES = {
-    "/orchard.v1.Generation/Generate": INFERENCE,
-    "/orchard.v1.Generation/ListModels": INFERENCE,
     "/orchard.v1.Router/RegisterWorker": FLEET,  # the join token, in the request
     "/orchard.v1.Router/Heartbeat": FLEET,
     "/orchard.v1.Router/ReportFailure": FLEET,
     "/orchard.v1.Fleet/RegisterNode": FLEET,  # node agents: the join token, in the request
     "/orchard.v1.Fleet/NodeHeartbeat": FLEET,
 }
+# `Generation` is what clients call, on a worker and on the router alike: every RPC of it
+# (generate, embed, score, tokenize, list models) is inference.
+INFERENCE_SERVICES = ("/orchard.v1.Generation/",)
 # A node agent's own service: the router presents the join token as its bearer key, which
 # the agent checks itself (cluster/fleet/agent.py).
 FLEET_SERVICES = ("/orchard.v1.Node/",)
@@ -54,6 +55,8 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 def role_of(method: str) -> str:
     if method in METHOD_ROLES:
         return METHOD_ROLES[method]
+    if method.startswith(INFERENCE_SERVICES):
+        return INFERENCE
     if method.startswith(FLEET_SERVICES):
         return FLEET
     if method.startswith(ADMIN_SERVICES):

@@ -29,7 +29,11 @@ from cluster.up import LocalCluster, free_port
 # -- the rules ----------------------------------------------------------------------------------
 
 def test_which_rpc_needs_what():
-    assert role_of("/orchard.v1.Generation/Generate") == INFERENCE
+    from cluster.proto.orchard.v1 import orchard_pb2 as pb
+
+    for method in pb.DESCRIPTOR.services_by_name["Generation"].methods:  # embeddings with an API key, too
+        assert role_of(f"/orchard.v1.Generation/{method.name}") == INFERENCE, method.name
+    assert Keys(("k1",), "adm").refusal("Bearer k1", role_of("/orchard.v1.Generation/Embed")) is None
     assert role_of("/orchard.v1.Router/DrainWorker") == ADMIN
     assert role_of("/orchard.v1.WorkerAdmin/Drain") == ADMIN
     assert role_of("/orchard.v1.Router/SomethingNew") == ADMIN  # closed until listed
