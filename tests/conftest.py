@@ -19,6 +19,13 @@ from cluster import platform
 
 platform.preload_blas()  # before any test imports MLX (cluster/platform.py)
 
+# Hypothesis's per-example deadline is a timed test: on a loaded CI machine an example that
+# waits for a core fails it. What a property asserts is its result, never its speed.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("orchard", deadline=None)
+settings.load_profile("orchard")
+
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
     """`predicate()`'s first truthy value, polled until `timeout`; TimeoutError naming `what`."""
