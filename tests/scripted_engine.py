@@ -260,6 +260,7 @@ class ScriptedServer:
                                                    static_workers=(self.grpc_address,)))
                 await router.start()
                 self.router_url = f"http://{router.http_address}"
+                self.router_grpc = router.grpc_address
                 for _ in range(500):
                     if router.registry.can_serve:
                         break

@@ -179,3 +179,73 @@ def test_a_malformed_cache_control_is_a_400_naming_it(server, client, where, mar
     with pytest.raises(anthropic.BadRequestError) as err:
         client.messages.create(**body)
     assert field in str(err.value) and "ephemeral" in str(err.value)
+
+
+# -- count_tokens: the prompt /v1/messages would prefill, counted without running it ---------
+
+COUNTED = [
+    {"messages": [{"role": "user", "content": "Say hi"}]},
+    {"system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+     "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi"}]}]},
+    {"tools": [TOOL], "tool_choice": {"type": "auto"}, "messages": [{"role": "user", "content": "Weather in Oslo?"}]},
+    {"thinking": {"type": "disabled"}, "messages": [{"role": "user", "content": "Think less"}]},
+    {"tools": [TOOL], "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "12 degrees"}]}]},
+]
+
+
+@pytest.mark.parametrize("body", COUNTED, ids=["text", "system", "tools", "thinking", "tool-history"])
+def test_count_tokens_is_the_prompt_a_message_prefills(server, client, body):
+    """The oracle: the same body on /v1/messages, whose usage counts the prompt the engine
+    was given (input + cache read)."""
+    server.engine.reply = "ok"
+    counted = client.messages.count_tokens(model="tiny-qwen3", **body)
+    m = client.messages.create(model="tiny-qwen3", max_tokens=1, **body)
+    assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
+    assert counted.input_tokens == len(server.engine.tokenizer.encode(server.engine.prompts[-1],
+                                                                      add_special_tokens=False))
+
+
+def test_count_tokens_refuses_what_it_cannot_count(server, client):
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError) as err:  # a generation's field: not a count's
+        client.messages.count_tokens(model="tiny-qwen3", messages=[{"role": "user", "content": "hi"}],
+                                     extra_body={"max_tokens": 5})
+    assert "max_tokens" in str(err.value) and "Extra inputs" in str(err.value)
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.count_tokens(model="tiny-qwen3", messages=[])
+    assert "messages" in str(err.value)
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    stranger = client.with_options(api_key="sk-wrong")
+    with pytest.raises(anthropic.AuthenticationError):
+        stranger.messages.count_tokens(model="tiny-qwen3", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_count_tokens_and_tokenize_through_the_router(tiny_model_dir):
+    """The router places a count on a worker of the model (HTTP), and `Client.tokenize` over
+    gRPC gives the same ids from the router as from the worker, as the worker would prefill."""
+    import anthropic
+
+    from cluster.sdk import Client
+
+    srv = ScriptedServer(ScriptedEngine(tiny_model_dir, reply="ok"), router=True)
+    try:
+        body = COUNTED[2]
+        via_router = anthropic.Anthropic(base_url=srv.router_url, api_key="x", max_retries=0)
+        counted = via_router.messages.count_tokens(model="tiny-qwen3", **body)
+        m = via_router.messages.create(model="tiny-qwen3", max_tokens=1, **body)
+        assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
+        chat = [{"role": "user", "content": "Weather in Oslo?"}]
+        with Client(srv.router_grpc, timeout=30) as router, Client(srv.grpc_address, timeout=30) as worker:
+            ids = router.tokenize(messages=chat, model="tiny-qwen3")
+            assert ids == worker.tokenize(messages=chat) and len(ids) > 0
+            assert router.tokenize("hello world") == srv.engine.tokenizer.encode("hello world")
+            assert router.generate(messages=chat, max_tokens=1).usage.prompt_tokens == len(ids)
+    finally:
+        srv.stop()

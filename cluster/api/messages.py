@@ -12,7 +12,8 @@ ends the thinking after N tokens, `{"type": "disabled"}` turns it off (`enable_t
 `thinking` for the template). Streaming sends Anthropic's events (message_start,
 content_block_start / delta / stop, message_delta, message_stop). Errors are in
 Anthropic's shape; `x-api-key` is accepted as the API key (the app's guard). Any other
-field is a 400 that names it.
+field is a 400 that names it. `POST /v1/messages/count_tokens` counts the prompt a body
+makes (`{"input_tokens": N}`) without running it.
 
 Prompt caching is automatic: every full KV block of every prompt is cached (in memory, and
 with `--kv-disk-dir` on disk), least recently used out first, and free. `cache_control`
@@ -41,12 +42,15 @@ from cluster.proto.orchard.v1 import orchard_pb2 as pb
 
 PARAMS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k",
                     "stream", "tools", "tool_choice", "metadata", "service_tier", "thinking", "cache_control"})
+# What /v1/messages/count_tokens takes: the prompt's parts, no sampling.
+COUNT_PARAMS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control"})
 CACHE_TTLS = ("5m", "1h")
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
 
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/messages", _create)
+    app.router.add_post("/v1/messages/count_tokens", _count_tokens)
 
 
 _KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",
@@ -195,14 +199,16 @@ def _tools(body: dict) -> tuple[list[dict] | None, Any, bool | None]:
 NAMES = {"stop": "stop_sequences", "prompt": "messages"}
 
 
-def _request(body: dict, limits: RequestLimits) -> pb.GenerateRequest:
-    unknown = sorted(k for k in body if k not in PARAMS)
+def _request(body: dict, limits: RequestLimits, count: bool = False) -> pb.GenerateRequest:
+    """The wire request of a Messages body; `count`: a count_tokens body (the prompt's
+    parts only)."""
+    unknown = sorted(k for k in body if k not in (COUNT_PARAMS if count else PARAMS))
     if unknown:
         raise BadField(unknown[0][:80], f"{quoted(unknown[0])}: Extra inputs are not permitted (not supported by this "
                                         "server)")
     check_cache_control(body, "", "cache_control")
     template, budget = _thinking(body.get("thinking"))
-    max_tokens = _get(body, "max_tokens", int, required=True)
+    max_tokens = 1 if count else _get(body, "max_tokens", int, required=True)
     if not MAX_TOKENS_LOW <= max_tokens <= MAX_TOKENS_HIGH:
         raise BadField("max_tokens", f"max_tokens: Input should be greater than or equal to 1, got {shown(max_tokens)}")
     stop = _get(body, "stop_sequences", list) or []
@@ -308,6 +314,18 @@ async def _create(request: web.Request) -> web.StreamResponse:
             message["content"] = blocks or [{"type": "text", "text": ""}]
             return web.json_response(message)
         return await _stream(request, message, first, chunks, stop)
+
+
+async def _count_tokens(request: web.Request) -> web.Response:
+    """`POST /v1/messages/count_tokens`: the tokens of the prompt the same body makes on
+    /v1/messages (its system, tools and thinking settings through the model's chat
+    template), counted by a worker of the model without running it."""
+    try:
+        proto = _request(await read_body(request), request.app[LIMITS], count=True)
+        counted = await request.app[BACKEND].tokenize(proto, timeout=request_timeout(request))
+    except OrchardError as e:
+        return anthropic_error(e.http_status, renamed(e.message, NAMES))
+    return web.json_response({"input_tokens": len(counted.token_ids)})
 
 
 async def _stream(request: web.Request, message: dict, first, chunks, stop: list[str]) -> web.StreamResponse:

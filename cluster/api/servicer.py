@@ -29,7 +29,8 @@ class Backend(Protocol):
     client left) cancels the request wherever it runs. `timeout` is the seconds left of
     the caller's deadline, or None. `list_models()` names what it serves. `embed(request,
     timeout)` and `score(request, timeout)` answer an `EmbedRequest` / `ScoreRequest` whole
-    (cluster/api/pooling.py), raising the same errors; cancelling them cancels the request."""
+    (cluster/api/pooling.py), raising the same errors; cancelling them cancels the request.
+    `tokenize(request, timeout)` is the prompt a `GenerateRequest` makes, not run."""
 
     def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         ...
@@ -41,6 +42,9 @@ class Backend(Protocol):
         ...
 
     async def score(self, request: pb.ScoreRequest, timeout: float | None = None) -> pb.ScoreResponse:
+        ...
+
+    async def tokenize(self, request: pb.GenerateRequest, timeout: float | None = None) -> pb.TokenizeResponse:
         ...
 
 
@@ -84,6 +88,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
         try:
             return await self.backend.score(request, timeout=context.time_remaining())
+        except OrchardError as e:
+            await context.abort(e.code, e.message)
+
+    async def Tokenize(self, request: pb.GenerateRequest, context) -> pb.TokenizeResponse:
+        try:
+            return await self.backend.tokenize(request, timeout=context.time_remaining())
         except OrchardError as e:
             await context.abort(e.code, e.message)
 

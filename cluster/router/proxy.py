@@ -507,6 +507,12 @@ class RouterBackend:
         with self._in_use(request):
             return await self._unary(SCORE, request, validate_score_request, lambda w: w.generation.Score, timeout)
 
+    async def tokenize(self, request: pb.GenerateRequest, timeout: float | None = None) -> pb.TokenizeResponse:
+        """The prompt a generation request makes, from a worker of its model (placed as
+        `embed` is: by load, another worker if that one fails)."""
+        with self._in_use(request):
+            return await self._unary(GENERATE, request, validate_request, lambda w: w.generation.Tokenize, timeout)
+
     async def _unary(self, task: str, request, validate, method, timeout: float | None):
         """Place a one-answer request (`method(worker)` is the worker's RPC) with the same
         failover as a stream before its first token: a worker that fails (unreachable,

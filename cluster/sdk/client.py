@@ -135,6 +135,12 @@ class GrpcBackend:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
+    async def tokenize(self, request: pb.GenerateRequest, timeout=_UNSET) -> pb.TokenizeResponse:
+        try:
+            return await self._stub.Tokenize(request, timeout=self.timeout if timeout is _UNSET else timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
     async def score(self, request: pb.ScoreRequest, timeout=_UNSET) -> pb.ScoreResponse:
         try:
             return await self._stub.Score(request, timeout=self.timeout if timeout is _UNSET else timeout)
@@ -232,6 +238,13 @@ class AsyncClient(_Targets):
 
     async def list_models(self, *, timeout=_UNSET) -> list[pb.ModelInfo]:
         return list((await self._unary(lambda: self.backend._stub.ListModels, pb.ListModelsRequest(), timeout)).models)
+
+    async def tokenize(self, prompt: str | Sequence[int] | pb.GenerateRequest | None = None, *,
+                       messages: Iterable[Message] | None = None, timeout=_UNSET, **params) -> list[int]:
+        """The token ids of the prompt `generate` with the same arguments would prefill (a
+        chat through the model's template, with its tools), not run."""
+        request = _request(prompt, messages, params)
+        return list((await self._unary(lambda: self.backend._stub.Tokenize, request, timeout)).token_ids)
 
     async def embed(self, inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *, model: str = "",
                     dimensions: int | None = None, normalize: bool | None = None, timeout=_UNSET) -> Embeddings:
@@ -358,6 +371,11 @@ class Client(_Targets):
 
     def list_models(self, *, timeout=_UNSET) -> list[pb.ModelInfo]:
         return list(self._unary(lambda: self._stub.ListModels, pb.ListModelsRequest(), timeout).models)
+
+    def tokenize(self, prompt: str | Sequence[int] | pb.GenerateRequest | None = None, *,
+                 messages: Iterable[Message] | None = None, timeout=_UNSET, **params) -> list[int]:
+        """See `AsyncClient.tokenize`."""
+        return list(self._unary(lambda: self._stub.Tokenize, _request(prompt, messages, params), timeout).token_ids)
 
     def embed(self, inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], *, model: str = "",
               dimensions: int | None = None, normalize: bool | None = None, timeout=_UNSET) -> Embeddings:

@@ -155,6 +155,13 @@ class PromptBuilder:
             params = await self._chat_params(request, params, reading, forced)
         return Prompt(prompt, resume, params, reading)
 
+    async def count(self, request: pb.GenerateRequest) -> list[int]:
+        """The prompt `build` would make of `request`, without its sampling: what a token
+        count asks. Refused past the same cost bound; a prompt longer than max_model_len is
+        counted, not refused (the caller compares)."""
+        self._check_cost(request)
+        return await self.prompt_token_ids(request)
+
     async def encode(self, text: str, **kwargs) -> list[int]:
         """`text`'s token ids: inline when short, else on the tokenizer's thread pool."""
         if len(text) <= INLINE_TOKENIZE_CHARS:

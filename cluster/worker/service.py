@@ -237,6 +237,16 @@ class WorkerService:
             if not assembler.finished or assembler.left > 0:  # the client left, or one sample aborted and ended it
                 self.engine_loop.submit(AbortRequest(engine_id))
 
+    async def tokenize(self, request: pb.GenerateRequest, timeout: float | None = None) -> pb.TokenizeResponse:
+        """See `Backend`: the prompt generation would prefill for `request`, not run."""
+        self._check_serving(request.model)
+        validate_request(request, self.limits)
+        if GENERATE not in self.tasks:
+            raise refuse_task(self.model_name, GENERATE, self.tasks)
+        ids = await self.prompts.count(request)
+        return pb.TokenizeResponse(model=self.model_name, token_ids=ids, max_model_len=self.config.max_model_len,
+                                   worker_id=self.worker_id)
+
     # -- embeddings and scores (embed_score.py; the engine's: pooling.py) -----------------
     async def embed(self, request: pb.EmbedRequest, timeout: float | None = None) -> pb.EmbedResponse:
         """See `Backend`: each input is a prefill-only request in the engine; the embeddings

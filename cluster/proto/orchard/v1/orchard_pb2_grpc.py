@@ -57,6 +57,11 @@ class GenerationStub:
                 request_serializer=orchard_dot_v1_dot_orchard__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=orchard_dot_v1_dot_orchard__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/orchard.v1.Generation/Tokenize',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -94,6 +99,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The prompt a GenerateRequest makes (its chat template, tools and thinking settings
+        applied), as the worker would prefill it, without running it: Anthropic's
+        /v1/messages/count_tokens and vLLM's /tokenize.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +130,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=orchard_dot_v1_dot_orchard__pb2.ScoreRequest.FromString,
                     response_serializer=orchard_dot_v1_dot_orchard__pb2.ScoreResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.GenerateRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -229,6 +248,33 @@ class Generation:
             '/orchard.v1.Generation/Score',
             orchard_dot_v1_dot_orchard__pb2.ScoreRequest.SerializeToString,
             orchard_dot_v1_dot_orchard__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Generation/Tokenize',
+            orchard_dot_v1_dot_orchard__pb2.GenerateRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
