@@ -329,7 +329,7 @@ class ChatBody:
         return request
 
 
-def _completion_prompt(body: dict) -> str | list[int]:
+def completion_prompt(body: dict) -> str | list[int]:
     if "prompt" not in body:
         raise BadField("prompt", "'prompt' is required")
     prompt = body["prompt"]
@@ -356,7 +356,7 @@ class CompletionBody:
         check_params(body, COMPLETION_PARAMS)
         model = body_field(body, "model", str, "")
         sampling = Sampling.parse(body, False, limits)
-        return cls(model=model, sampling=sampling, prompt=_completion_prompt(body))
+        return cls(model=model, sampling=sampling, prompt=completion_prompt(body))
 
     def request(self, request_id: str, limits: RequestLimits) -> pb.GenerateRequest:
         """The wire request, checked as every backend will check it."""

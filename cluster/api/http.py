@@ -196,6 +196,10 @@ def sse(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
+# What needs an API key (when the server has keys): the APIs, and vLLM's /tokenize beside them.
+INFERENCE_PATHS = ("/v1/", "/tokenize")
+
+
 def _guard(keys: Keys, allowed: tuple[str, ...] | None):
     @web.middleware
     async def guard(request: web.Request, handler):
@@ -203,7 +207,7 @@ def _guard(keys: Keys, allowed: tuple[str, ...] | None):
             return error_response(403, f"Host {request.headers.get('Host')!r} is not served here: add it to the "
                                        "server's --allowed-hosts", code="host_not_allowed")
         anthropic = request.path.startswith("/v1/messages")
-        if request.path.startswith("/v1/"):
+        if request.path.startswith(INFERENCE_PATHS):
             authorization = request.headers.get("Authorization")
             if authorization is None and request.headers.get("x-api-key"):  # Anthropic's clients send this
                 authorization = f"Bearer {request.headers['x-api-key']}"
