@@ -86,8 +86,10 @@ def alive(pid: int) -> bool:
 def router(tmp_path_factory):
     d = tmp_path_factory.mktemp("fleet-router")
     cluster = LocalCluster("", workers=0, grpc_address=f"127.0.0.1:{free_port()}", http_address=None,
-                           metrics_address=None, log_dir=d, router_args=["--heartbeat-interval", str(HEARTBEAT)],
-                           routers=2)  # a fleet may run two: an agent joins each
+                           metrics_address=None, log_dir=d, routers=2,  # a fleet may run two: an agent joins each
+                           # quick beats, and room for a loaded machine's late ones (a worker draining under a
+                           # full test run missed three in a row, 0.6 s)
+                           router_args=["--heartbeat-interval", str(HEARTBEAT), "--missed-heartbeats", "10"])
     cluster.start_router(0)
     cluster.start_router(1)
     try:
