@@ -61,6 +61,32 @@ def test_keys(keys, authorization, role, want):
     assert (refused and refused[0]) == want
 
 
+def test_every_http_route_but_health_takes_the_api_key():
+    """Walks every route the HTTP app registers: each refuses a request without the key
+    before its handler (/rerank and /v2/rerank, Cohere's and Jina's paths, were open)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from cluster.api.app import create_app
+    from cluster.api.http import OPEN_PATHS, needs_key
+    from conftest import run
+
+    app = create_app(None, keys=Keys(("k1",)))  # no backend: a refused request never reaches one
+    routes = [(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"]
+    assert {("POST", "/rerank"), ("POST", "/v2/rerank"), ("POST", "/tokenize")} <= set(routes)
+
+    async def main():
+        async with TestClient(TestServer(app)) as client:
+            for method, path in routes:
+                if path in OPEN_PATHS:
+                    continue
+                r = await client.request(method, path.replace("{", "").replace("}", ""), json={})
+                assert r.status == 401, (method, path, r.status)
+            assert (await client.post("/not-a-route", json={})).status == 401  # closed before it is routed
+
+    run(main())
+    assert not needs_key("/health") and not needs_key("/console/state")  # (the console checks keys itself)
+
+
 def test_host_checking():
     loopback = ("localhost", "127.0.0.1", "::1", "[::1]")
     assert host_allowed("127.0.0.1:8080", loopback) and host_allowed("localhost", loopback)

@@ -95,3 +95,29 @@ def test_grpc_tokenize_is_refused_past_the_prompt_bound(server):
             client.tokenize("pear " * (40 * server.engine.config.max_model_len))
         long = client.tokenize("pear " * (server.engine.config.max_model_len + 10))  # counted, not refused
         assert len(long) > server.engine.config.max_model_len
+
+
+IMPOSSIBLE = [{"type": "function", "function": {"name": "impossible", "parameters": {
+    "type": "object", "properties": {"s": {"type": "string", "minLength": 5, "maxLength": 2}}, "required": ["s"]}}}]
+
+
+def test_a_count_refuses_what_generation_refuses(server):
+    """A count is of a request generation would take: what generation refuses before it
+    tokenizes (a forced call no output can make, ids outside the vocabulary) is refused the
+    same way; a prompt longer than the context is counted, for the caller to compare."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    forced = {"type": "function", "function": {"name": "impossible"}}
+    status, body = tokenize(server, {"messages": CHAT, "tools": IMPOSSIBLE, "tool_choice": forced})
+    with pytest.raises(openai.BadRequestError) as refused:  # the oracle: generation's own refusal
+        client.chat.completions.create(model="tiny-qwen3", messages=CHAT, tools=IMPOSSIBLE, tool_choice=forced)
+    assert status == 400 and body["error"]["message"] == refused.value.body["message"], body
+    vocab = len(server.engine.tokenizer)
+    for bad in ([1, -1], [1, vocab + 5]):
+        status, body = tokenize(server, {"prompt": bad})
+        assert status == 400 and body["error"]["param"] == "prompt", body
+        assert "prompt token ids must be in [0, " in body["error"]["message"]
+    n = server.engine.config.max_model_len + 3
+    status, body = tokenize(server, {"prompt": [5] * n})
+    assert status == 200 and body["count"] == n > body["max_model_len"]

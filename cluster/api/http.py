@@ -47,8 +47,9 @@ LIMITS = web.AppKey("limits", RequestLimits)  # the backend's (`limits_of`): the
 
 def new_app(backend: Backend, request_timeout: float | None = None, *, keys: Keys | None = None,
             allowed_hosts: tuple[str, ...] | None = None, cors_origins: tuple[str, ...] = ()) -> web.Application:
-    """An app over `backend` with no routes yet, guarded: with `keys`, `/v1/*` takes
-    `Authorization: Bearer KEY` (401 otherwise); with `allowed_hosts`, a request whose Host
+    """An app over `backend` with no routes yet, guarded: with `keys`, every path but
+    `OPEN_PATHS` (and the console's, which checks keys itself) takes `Authorization: Bearer
+    KEY` (401 otherwise); with `allowed_hosts`, a request whose Host
     is not one of them is 403 (DNS rebinding); with `cors_origins` ("*" for any), browser
     pages of those origins may call it (CORS)."""
     app = web.Application(client_max_size=HTTP_MAX_BODY_BYTES, middlewares=[_guard(keys or Keys(), allowed_hosts)])
@@ -196,8 +197,15 @@ def sse(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-# What needs an API key (when the server has keys): the APIs, and vLLM's /tokenize beside them.
-INFERENCE_PATHS = ("/v1/", "/tokenize")
+# On a server with API keys every path takes one but these: health, and the console's page
+# and files, which check keys themselves (the page loads, then asks for one). A route added
+# later is closed until it is listed here.
+OPEN_PATHS = frozenset({"/health", "/"})
+OWN_KEYS_PREFIXES = ("/console/",)
+
+
+def needs_key(path: str) -> bool:
+    return path not in OPEN_PATHS and not path.startswith(OWN_KEYS_PREFIXES)
 
 
 def _guard(keys: Keys, allowed: tuple[str, ...] | None):
@@ -207,7 +215,7 @@ def _guard(keys: Keys, allowed: tuple[str, ...] | None):
             return error_response(403, f"Host {request.headers.get('Host')!r} is not served here: add it to the "
                                        "server's --allowed-hosts", code="host_not_allowed")
         anthropic = request.path.startswith("/v1/messages")
-        if request.path.startswith(INFERENCE_PATHS):
+        if needs_key(request.path):
             authorization = request.headers.get("Authorization")
             if authorization is None and request.headers.get("x-api-key"):  # Anthropic's clients send this
                 authorization = f"Bearer {request.headers['x-api-key']}"

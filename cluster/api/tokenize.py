@@ -1,5 +1,5 @@
 """vLLM's `POST /tokenize`: the token ids of the prompt a completion (`prompt`) or a chat
-(`messages`, with its `tools` and `chat_template_kwargs`) would prefill, from a worker of
+(`messages`, with its `tools`, `tool_choice` and `chat_template_kwargs`) would prefill, from a worker of
 the model (`Backend.tokenize`), not run. The answer is vLLM's: `count`, `max_model_len`,
 `tokens`. What the worker's prompt cannot be made to differ in (no generation prompt, a
 continued final message, other special tokens, the tokens' strings) is a 400 naming it.
@@ -14,11 +14,12 @@ from aiohttp import web
 from cluster.api.bodies import ChatBody, completion_prompt, body_field, check_params
 from cluster.api.errors import BadField, OrchardError
 from cluster.api.http import BACKEND, LIMITS, error_of, read_body, request_timeout
+from cluster.api.limits import quoted
 from cluster.api.wire import build_request, validate_request
 
-PARAMS = frozenset({"model", "prompt", "messages", "tools", "chat_template_kwargs", "reasoning_effort",
+PARAMS = frozenset({"model", "prompt", "messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort",
                     "add_generation_prompt", "continue_final_message", "add_special_tokens", "return_token_strs"})
-CHAT_FIELDS = ("model", "messages", "tools", "chat_template_kwargs", "reasoning_effort")
+CHAT_FIELDS = ("model", "messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort")
 
 
 def add_routes(app: web.Application) -> None:
@@ -46,8 +47,9 @@ def tokenize_request(body: dict, limits):
     rid = f"tok-{uuid.uuid4().hex}"
     if chat:
         return ChatBody.parse({k: body[k] for k in CHAT_FIELDS if k in body}, limits).request(rid, limits)
-    if "tools" in body or "chat_template_kwargs" in body or "reasoning_effort" in body:
-        raise BadField("tools", "'tools', 'chat_template_kwargs' and 'reasoning_effort' go with 'messages'")
+    chat_only = [k for k in CHAT_FIELDS[2:] if k in body]
+    if chat_only:
+        raise BadField(chat_only[0], f"{quoted(chat_only[0])} goes with 'messages' (a chat), not 'prompt'")
     request = build_request(completion_prompt(body), model=body_field(body, "model", str, ""), request_id=rid)
     validate_request(request, limits)
     return request

@@ -140,12 +140,8 @@ class PromptBuilder:
         """The request's prompt and params (see the module's docstring for the order)."""
         self._check_cost(request)  # before any work
         chat = request.WhichOneof("prompt") == "chat"
-        calls = self._call_format(request)
-        forced = self._force_tool_call(request, calls)
+        calls, forced = await self._check_asks(request)
         resume = list(request.resume_token_ids)
-        early = sampling_params_from_proto(request, len(resume))  # the engine's ranges, before tokenizing
-        if early is not None and early.structured is not None:
-            await self._compile(early.structured, forced)
         prompt = await self.prompt_token_ids(request)
         self._check_length(len(prompt), len(resume))
         params = sampling_params_from_proto(request, len(resume), check_fits(request, len(prompt),
@@ -156,11 +152,27 @@ class PromptBuilder:
         return Prompt(prompt, resume, params, reading)
 
     async def count(self, request: pb.GenerateRequest) -> list[int]:
-        """The prompt `build` would make of `request`, without its sampling: what a token
-        count asks. Refused past the same cost bound; a prompt longer than max_model_len is
-        counted, not refused (the caller compares)."""
-        self._check_cost(request)
-        return await self.prompt_token_ids(request)
+        """The prompt `build` would make of `request`: what a token count asks. What `build`
+        refuses is refused here too, but for a prompt longer than max_model_len, which is
+        counted (the caller compares), up to the same cost bound on its text."""
+        self._check_cost(request, counting=True)
+        await self._check_asks(request)
+        ids = await self.prompt_token_ids(request)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadField("prompt", f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        return ids
+
+    async def _check_asks(self, request: pb.GenerateRequest) -> tuple[CallFormat | None, str | None]:
+        """What the request asks beside its prompt, checked before tokenizing: its tools (the
+        model's call format, a forced call's grammar) and the engine's ranges for its sampling.
+        Returns the call format and the forced tool_choice."""
+        calls = self._call_format(request)
+        forced = self._force_tool_call(request, calls)
+        early = sampling_params_from_proto(request, len(request.resume_token_ids))
+        if early is not None and early.structured is not None:
+            await self._compile(early.structured, forced)
+        return calls, forced
 
     async def encode(self, text: str, **kwargs) -> list[int]:
         """`text`'s token ids: inline when short, else on the tokenizer's thread pool."""
@@ -170,8 +182,10 @@ class PromptBuilder:
             self._tokenize_pool, functools.partial(self.tokenizer.encode, text, **kwargs)))
 
     # -- cost checks --------------------------------------------------------------------
-    def _check_cost(self, request: pb.GenerateRequest) -> None:
-        """What only the worker knows: the vocabulary, and how long a text can possibly fit."""
+    def _check_cost(self, request: pb.GenerateRequest, counting: bool = False) -> None:
+        """What only the worker knows: the vocabulary, and how long a text can possibly fit
+        (`counting`: a token count, which tokenizes a text up to that bound and takes any
+        number of token ids)."""
         bad = [t for t in request.sampling.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary (0 .. {self.vocab_size - 1})")
@@ -180,9 +194,10 @@ class PromptBuilder:
             raise InvalidRequest(f"logit_bias token id {bad[0]} is outside the vocabulary (0 .. {self.vocab_size - 1})")
         chars, bound = prompt_chars(request), CHARS_PER_TOKEN_BOUND * self.max_model_len
         if chars > bound:
-            raise InvalidRequest(f"the prompt has {chars} characters, more than max_model_len={self.max_model_len} "
-                                 f"tokens can hold (at most {bound} characters are read): shorten it")
-        if len(request.token_ids.ids) > self.max_model_len:
+            raise BadField("messages" if request.WhichOneof("prompt") == "chat" else "prompt",
+                           f"the prompt has {chars} characters, more than max_model_len={self.max_model_len} "
+                           f"tokens can hold (at most {bound} characters are read): shorten it")
+        if len(request.token_ids.ids) > self.max_model_len and not counting:
             raise InvalidRequest(f"the prompt has {len(request.token_ids.ids)} tokens, more than "
                                  f"max_model_len={self.max_model_len}: shorten it")
 
