@@ -48,9 +48,9 @@ class Admission:
         """Refuse a request this engine cannot take now; `live`: the live samples by id."""
         if request_id in live:
             raise ValueError(f"request id {request_id!r} is already in use")
-        bad = [t for t in (*prompt_token_ids, *resume_token_ids) if not 0 <= int(t) < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        wrong = out_of_vocabulary((*prompt_token_ids, *resume_token_ids), self.vocab_size)
+        if wrong:
+            raise ValueError(wrong)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: send at least one token")
         bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
@@ -111,3 +111,9 @@ class Admission:
             self.block_manager.share_blocks(parent, child, shared)
             children.append(child)
         return children
+
+
+def out_of_vocabulary(ids, vocab_size: int) -> str | None:
+    """What is wrong with prompt token `ids` outside the vocabulary, or None."""
+    bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+    return f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}" if bad else None

@@ -31,6 +31,7 @@ from cluster.formats.registry import call_format, reasoning_format
 from cluster.formats.split import OutputSplitter, make_splitter
 from cluster.formats.thinking import ReasoningFormat, ThinkingSpec, ThinkingTracker, prompt_state
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
+from cluster.worker.admission import out_of_vocabulary
 from cluster.worker.chat_render import PROBE_MESSAGES, RenderPool, TemplateTypeError, render_call
 from cluster.worker.sampling_params import SamplingParams, StructuredOutput
 from cluster.worker.structured import InvalidGrammar, call_constraint, with_thinking
@@ -158,9 +159,9 @@ class PromptBuilder:
         self._check_cost(request, counting=True)
         await self._check_asks(request)
         ids = await self.prompt_token_ids(request)
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise BadField("prompt", f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        wrong = out_of_vocabulary(ids, self.vocab_size)  # (the engine's own check, which a count never reaches)
+        if wrong:
+            raise BadField("prompt", wrong)
         return ids
 
     async def _check_asks(self, request: pb.GenerateRequest) -> tuple[CallFormat | None, str | None]:
