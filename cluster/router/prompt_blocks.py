@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 
 from cluster.api.tokenizer_files import (PROMPT_FILE, TokenizerFilesError, check_files, read_files,
                                          write_files)
+from cluster.api.wire import prompt_chars
 from cluster.kv.hashing import HASH_BYTES, block_hashes
 from cluster.proto.orchard.v1 import orchard_pb2 as pb
 from cluster.router.config import KvRoutingConfig, assumed_rates
@@ -134,13 +135,6 @@ def hash_prompt(ids, block_sizes, max_tokens: int, cut: bool) -> Blocks:
         ids = ids[: max(0, len(ids) - CUT_MARGIN)]
     servable = ids[:-1] if whole else ids
     return Blocks(len(ids), {bs: block_hashes(servable, bs) for bs in block_sizes})
-
-
-def prompt_chars(request: pb.GenerateRequest) -> int:
-    """A text or chat request's prompt characters (its messages' contents), roughly."""
-    if request.WhichOneof("prompt") == "chat":
-        return sum(len(m.content) + len(m.reasoning) for m in request.chat.messages)
-    return len(request.text)
 
 
 def prompt_digest(request: pb.GenerateRequest, digest: str, max_chars: int) -> bytes:
