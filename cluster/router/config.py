@@ -22,7 +22,6 @@ def policy_names() -> list[str]:
     return list(POLICY_NAMES)
 
 
-
 def assumed_rates(workers, prefill_tps: float, read_tps: float) -> tuple[float, float]:
     """The prefill and disk-read rates (tokens a second) to assume for a worker that has
     measured none yet: the mean of those `workers` (records with a `report`) measured, else
@@ -32,6 +31,7 @@ def assumed_rates(workers, prefill_tps: float, read_tps: float) -> tuple[float, 
     prefill = [w.report.prefill_tokens_per_second for w in workers if w.report.prefill_tokens_per_second > 0]
     read = [w.report.kv_disk.read_tokens_per_second for w in workers if w.report.kv_disk.read_tokens_per_second > 0]
     return (sum(prefill) / len(prefill) if prefill else prefill_tps, sum(read) / len(read) if read else read_tps)
+
 
 @dataclass(frozen=True)
 class KvRoutingConfig:

@@ -45,10 +45,8 @@ from cluster.worker.stream import Stream, StreamAssembler, TokenTexts, engine_ve
 
 log = logging.getLogger(__name__)
 RESIDENT_READ_SECONDS = 1.0  # the least time between two reads of the process's memory (load_report)
+ENGINE_STOP_SECONDS = 30.0  # how long a stopping worker waits for its engine thread's last step and close
 
-
-# How long a stopping worker waits for its engine thread's last step and close.
-ENGINE_STOP_SECONDS = 30.0
 
 class WorkerService:
     """`start()` loads the engine on its own thread (`engine_factory` runs there) and
