@@ -171,7 +171,6 @@ def pool_blocks(shape: TraceShape, fraction: float, concurrency: int) -> int:
     return max(math.ceil(held / BLOCK_SIZE), floor)
 
 
-
 def bench_cluster(model: Path, name: str, worker_args: list[str], kv_disk: tuple[str, int] | None,
                   **options) -> LocalCluster:
     """A router and workers (one by default) on free loopback ports, no HTTP, their logs in a
@@ -190,6 +189,7 @@ def pool_args(shape: TraceShape, blocks: int) -> list[str]:
 def fresh_disk(args) -> tuple[str, int]:
     """A disk tier in a new directory, of --disk-bytes."""
     return tempfile.mkdtemp(prefix="orchard-bench-kv-disk-"), args.disk_bytes
+
 
 def wait_tokenizer(router: str, metrics: str, timeout: float = 180) -> None:
     """Chats through the router until one is placed by its block hashes: the router has
